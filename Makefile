@@ -1,0 +1,45 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
+PYX    := $(wildcard embstore/_cython/*.pyx)
+
+.PHONY: demo test bench lint clean ext
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel "Cython>=3.0"
+	touch $@
+
+# Runtime extras for the demo (embedded LMDB store, PyTorch adapter, gensim peer + corpus).
+$(VENV)/.demo: $(VENV)/.created pyproject.toml setup.py
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[all,torch]' gensim scipy
+	touch $@
+
+# Everything the suite exercises: every backend's client, both adapters, test tools.
+$(VENV)/.test: $(VENV)/.demo
+	$(PIP) install -e '.[all,torch,tf,test]'
+	touch $@
+
+# Rebuild the compiled extension whenever a .pyx changed since the last build.
+ext: $(VENV)/.created
+	@for f in $(PYX); do so=$$(ls $${f%.pyx}.cpython-*.so 2>/dev/null | head -1); \
+	  if [ -z "$$so" ] || [ "$$f" -nt "$$so" ]; then \
+	    $(PY) setup.py -q build_ext --inplace >/dev/null && break; fi; done
+
+demo: $(VENV)/.demo ext
+	$(PY) examples/word2vec.py
+
+test: $(VENV)/.test ext
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.test ext
+	$(PY) bench/run_all.py
+
+lint:
+	$(VENV)/bin/ruff check embstore adapters tests bench examples
+
+clean:
+	rm -rf build dist *.egg-info embstore/_cython/*.so embstore/_cython/*.c

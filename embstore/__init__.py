@@ -1,0 +1,31 @@
+"""embstore: a storage-agnostic embedding store.
+
+>>> import embstore
+>>> with embstore.open("memory://", dim=8) as store:
+...     vecs = store.lookup([1, 2, 3])
+...     store.update([1, 2, 3], vecs * 0.1)
+"""
+
+from __future__ import annotations
+
+from . import errors, init, optim
+from .api import open
+from .backends.base import Backend
+from .layout import Layout
+from .registry import known_schemes, register_backend
+from .store import EmbeddingStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open",
+    "EmbeddingStore",
+    "Backend",
+    "Layout",
+    "register_backend",
+    "known_schemes",
+    "errors",
+    "init",
+    "optim",
+    "__version__",
+]

@@ -1,0 +1,417 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Bucketized cuckoo hash table (int64 key -> uint32 slot) and a chunked record arena.
+
+Two hash functions pick two buckets of four slots each; a bucket (four keys, four values,
+padding) fills exactly one 64-byte cache line, so a lookup touches at most two lines and the
+worst case is O(1). An insert that finds both buckets full evicts an occupant to its other
+bucket (breadth-limited random walk, MAX_KICKS); when the walk fails or the load factor
+passes MAX_LOAD the table doubles and every key is reinserted. No key is ever dropped: the
+key being displaced when a walk fails is carried into the grown table.
+
+The arena stores fixed-width records in chunks of CHUNK_ROWS rows, so growth never copies
+records and never leaves more than one partly used chunk; freed slots are reused.
+
+This module imports nothing from embstore; callers pass clean, contiguous arrays.
+"""
+
+from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
+from libc.stdlib cimport malloc, calloc, free, realloc
+from libc.string cimport memcpy, memset
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__)
+    #define ES_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 1)
+    #else
+    #define ES_PREFETCH(p) ((void)0)
+    #endif
+    """
+    void ES_PREFETCH(const void* p) nogil
+
+cdef enum:
+    BUCKET = 4
+    MAX_KICKS = 500
+    PREFETCH_AHEAD = 8
+cdef uint32_t EMPTY = 0xFFFFFFFFu
+cdef double MAX_LOAD = 0.92
+
+ctypedef struct Bucket:
+    int64_t keys[4]
+    uint32_t vals[4]
+    uint8_t pad[16]
+
+
+cdef inline uint64_t mix64(uint64_t z) noexcept nogil:
+    z += 0x9E3779B97F4A7C15ULL
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef class CuckooTable:
+    """int64 -> uint32 map with cuckoo hashing. Values are arena slot numbers."""
+
+    cdef Bucket* buckets
+    cdef uint64_t nbuckets      # power of two
+    cdef uint64_t mask
+    cdef public uint64_t size
+    cdef public uint64_t rehashes
+    cdef uint64_t rng
+
+    def __cinit__(self, uint64_t capacity=1024):
+        cdef uint64_t nb = 16
+        while nb * BUCKET * MAX_LOAD < capacity:
+            nb *= 2
+        self._alloc(nb)
+        self.size = 0
+        self.rehashes = 0
+        self.rng = 0x2545F4914F6CDD1DULL
+
+    cdef int _alloc(self, uint64_t nb) except -1:
+        cdef Bucket* b = <Bucket*> malloc(nb * sizeof(Bucket))
+        if b == NULL:
+            raise MemoryError("cuckoo table: cannot allocate %d buckets" % nb)
+        memset(b, 0xFF, nb * sizeof(Bucket))
+        self.buckets = b
+        self.nbuckets = nb
+        self.mask = nb - 1
+        return 0
+
+    def __dealloc__(self):
+        if self.buckets != NULL:
+            free(self.buckets)
+            self.buckets = NULL
+
+    def __len__(self):
+        return self.size
+
+    @property
+    def capacity(self):
+        return self.nbuckets * BUCKET
+
+    @property
+    def nbytes(self):
+        return self.nbuckets * sizeof(Bucket)
+
+    cdef inline uint64_t _b1(self, uint64_t h) noexcept nogil:
+        return h & self.mask
+
+    cdef inline uint64_t _b2(self, uint64_t h) noexcept nogil:
+        cdef uint64_t b = (h >> 32) & self.mask
+        if b == (h & self.mask):
+            b = b ^ 1
+        return b
+
+    cdef inline uint32_t _find(self, int64_t key, uint64_t h) noexcept nogil:
+        cdef Bucket* b = &self.buckets[self._b1(h)]
+        cdef int i
+        for i in range(BUCKET):
+            if b.vals[i] != EMPTY and b.keys[i] == key:
+                return b.vals[i]
+        b = &self.buckets[self._b2(h)]
+        for i in range(BUCKET):
+            if b.vals[i] != EMPTY and b.keys[i] == key:
+                return b.vals[i]
+        return EMPTY
+
+    cdef inline int _try_place(self, uint64_t bi, int64_t key, uint32_t val) noexcept nogil:
+        cdef Bucket* b = &self.buckets[bi]
+        cdef int i
+        for i in range(BUCKET):
+            if b.vals[i] == EMPTY:
+                b.keys[i] = key
+                b.vals[i] = val
+                return 1
+        return 0
+
+    cdef int _insert_new(self, int64_t key, uint32_t val, int64_t* lost_key,
+                         uint32_t* lost_val) noexcept nogil:
+        """Place a key known to be absent. Returns 1 on success; 0 means the walk failed and
+        (lost_key, lost_val) holds the entry left homeless, to be placed after a grow."""
+        cdef uint64_t h = mix64(<uint64_t> key)
+        cdef uint64_t bi = self._b1(h)
+        cdef int kick, i
+        cdef int64_t k2
+        cdef uint32_t v2
+        if self._try_place(bi, key, val) or self._try_place(self._b2(h), key, val):
+            return 1
+        for kick in range(MAX_KICKS):
+            # xorshift to pick the victim slot; avoids cycles a fixed choice would fall into
+            self.rng ^= self.rng << 13
+            self.rng ^= self.rng >> 7
+            self.rng ^= self.rng << 17
+            i = <int> (self.rng & (BUCKET - 1))
+            k2 = self.buckets[bi].keys[i]
+            v2 = self.buckets[bi].vals[i]
+            self.buckets[bi].keys[i] = key
+            self.buckets[bi].vals[i] = val
+            key = k2
+            val = v2
+            h = mix64(<uint64_t> key)
+            bi = self._b2(h) if self._b1(h) == bi else self._b1(h)
+            if self._try_place(bi, key, val):
+                return 1
+        lost_key[0] = key
+        lost_val[0] = val
+        return 0
+
+    cdef int _grow(self, uint64_t new_nb) except -1:
+        # Rehash from the old table into a bigger one; if a walk fails there, discard the
+        # attempt and retry bigger, so the old table (which holds every key) stays intact.
+        cdef Bucket* old = self.buckets
+        cdef uint64_t old_nb = self.nbuckets
+        cdef uint64_t j
+        cdef int i, ok
+        cdef int64_t lk
+        cdef uint32_t lv
+        while True:
+            self._alloc(new_nb)
+            ok = 1
+            for j in range(old_nb):
+                for i in range(BUCKET):
+                    if old[j].vals[i] != EMPTY:
+                        if not self._insert_new(old[j].keys[i], old[j].vals[i], &lk, &lv):
+                            ok = 0
+                            break
+                if not ok:
+                    break
+            if ok:
+                free(old)
+                self.rehashes += 1
+                return 0
+            free(self.buckets)
+            new_nb *= 2
+
+    cdef int _grow_with_pending(self, uint64_t new_nb, int64_t pk, uint32_t pv) except -1:
+        self._grow(new_nb)
+        cdef int64_t lk
+        cdef uint32_t lv
+        while not self._insert_new(pk, pv, &lk, &lv):
+            self._grow(self.nbuckets * 2)
+            pk = lk
+            pv = lv
+        return 0
+
+    cdef int _insert(self, int64_t key, uint32_t val) except -1:
+        cdef int64_t lk
+        cdef uint32_t lv
+        if (self.size + 1) > self.nbuckets * BUCKET * MAX_LOAD:
+            self._grow(self.nbuckets * 2)
+        if not self._insert_new(key, val, &lk, &lv):
+            self._grow_with_pending(self.nbuckets * 2, lk, lv)
+        self.size += 1
+        return 0
+
+    def find(self, const int64_t[::1] keys, uint32_t[::1] out):
+        """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits."""
+        cdef Py_ssize_t n = keys.shape[0], j
+        cdef uint64_t hits = 0
+        cdef uint64_t h
+        cdef uint32_t v
+        with nogil:
+            for j in range(n):
+                if j + PREFETCH_AHEAD < n:
+                    h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
+                    ES_PREFETCH(&self.buckets[self._b1(h)])
+                    ES_PREFETCH(&self.buckets[self._b2(h)])
+                v = self._find(keys[j], mix64(<uint64_t> keys[j]))
+                out[j] = v
+                if v != EMPTY:
+                    hits += 1
+        return hits
+
+    def insert_new(self, const int64_t[::1] keys, const uint32_t[::1] vals):
+        """Insert keys the caller knows are absent and unique, with their slots."""
+        cdef Py_ssize_t n = keys.shape[0], j
+        if (self.size + n) > self.nbuckets * BUCKET * MAX_LOAD:
+            nb = self.nbuckets
+            while (self.size + n) > nb * BUCKET * MAX_LOAD:
+                nb *= 2
+            self._grow(nb)
+        for j in range(n):
+            self._insert(keys[j], vals[j])
+
+    def erase(self, const int64_t[::1] keys, uint32_t[::1] out):
+        """Remove keys; ``out`` receives each removed key's slot or 0xFFFFFFFF."""
+        cdef Py_ssize_t n = keys.shape[0], j
+        cdef uint64_t h
+        cdef Bucket* b
+        cdef int i, done
+        cdef uint64_t removed = 0
+        with nogil:
+            for j in range(n):
+                out[j] = EMPTY
+                h = mix64(<uint64_t> keys[j])
+                done = 0
+                b = &self.buckets[self._b1(h)]
+                for i in range(BUCKET):
+                    if b.vals[i] != EMPTY and b.keys[i] == keys[j]:
+                        out[j] = b.vals[i]
+                        b.vals[i] = EMPTY
+                        done = 1
+                        break
+                if not done:
+                    b = &self.buckets[self._b2(h)]
+                    for i in range(BUCKET):
+                        if b.vals[i] != EMPTY and b.keys[i] == keys[j]:
+                            out[j] = b.vals[i]
+                            b.vals[i] = EMPTY
+                            done = 1
+                            break
+                removed += done
+            self.size -= removed
+        return removed
+
+    def items(self, int64_t[::1] keys_out, uint32_t[::1] vals_out):
+        """Fill the arrays (length >= len(self)) with every (key, slot); return the count."""
+        cdef uint64_t j, k = 0
+        cdef int i
+        if <uint64_t> keys_out.shape[0] < self.size or <uint64_t> vals_out.shape[0] < self.size:
+            raise ValueError("output arrays are shorter than the table")
+        with nogil:
+            for j in range(self.nbuckets):
+                for i in range(BUCKET):
+                    if self.buckets[j].vals[i] != EMPTY:
+                        keys_out[k] = self.buckets[j].keys[i]
+                        vals_out[k] = self.buckets[j].vals[i]
+                        k += 1
+        return k
+
+    def clear(self):
+        memset(self.buckets, 0xFF, self.nbuckets * sizeof(Bucket))
+        self.size = 0
+
+
+cdef class RecordArena:
+    """Fixed-width records in chunks; slots are uint32 indices, freed slots are reused."""
+
+    cdef uint8_t** chunks
+    cdef Py_ssize_t nchunks
+    cdef Py_ssize_t chunk_cap
+    cdef public Py_ssize_t itemsize
+    cdef public Py_ssize_t chunk_rows
+    cdef uint64_t next_slot      # slots below this were handed out at least once
+    cdef uint32_t* free_list
+    cdef Py_ssize_t nfree
+    cdef Py_ssize_t free_cap
+    cdef int shift
+    cdef uint64_t low_mask
+
+    def __cinit__(self, Py_ssize_t itemsize, int chunk_shift=14):
+        if itemsize <= 0:
+            raise ValueError("itemsize must be positive")
+        self.itemsize = itemsize
+        self.shift = chunk_shift
+        self.chunk_rows = 1 << chunk_shift
+        self.low_mask = self.chunk_rows - 1
+        self.chunks = NULL
+        self.nchunks = 0
+        self.chunk_cap = 0
+        self.next_slot = 0
+        self.free_list = NULL
+        self.nfree = 0
+        self.free_cap = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.chunks != NULL:
+            for i in range(self.nchunks):
+                free(self.chunks[i])
+            free(self.chunks)
+            self.chunks = NULL
+        if self.free_list != NULL:
+            free(self.free_list)
+            self.free_list = NULL
+
+    @property
+    def nbytes(self):
+        return self.nchunks * self.chunk_rows * self.itemsize + self.free_cap * 4
+
+    @property
+    def live(self):
+        return self.next_slot - self.nfree
+
+    cdef int _add_chunk(self) except -1:
+        cdef uint8_t** nc
+        if self.nchunks == self.chunk_cap:
+            self.chunk_cap = self.chunk_cap * 2 + 8
+            nc = <uint8_t**> realloc(self.chunks, self.chunk_cap * sizeof(uint8_t*))
+            if nc == NULL:
+                raise MemoryError("record arena: cannot grow chunk index")
+            self.chunks = nc
+        cdef uint8_t* c = <uint8_t*> malloc(self.chunk_rows * self.itemsize)
+        if c == NULL:
+            raise MemoryError("record arena: cannot allocate a chunk")
+        self.chunks[self.nchunks] = c
+        self.nchunks += 1
+        return 0
+
+    def alloc(self, uint32_t[::1] out):
+        """Hand out len(out) slots (reusing freed ones first)."""
+        cdef Py_ssize_t n = out.shape[0], j
+        for j in range(n):
+            if self.nfree > 0:
+                self.nfree -= 1
+                out[j] = self.free_list[self.nfree]
+            else:
+                if self.next_slot >= 0xFFFFFFFEu:
+                    raise MemoryError("record arena: more than 2**32-2 records")
+                if (self.next_slot >> self.shift) >= <uint64_t> self.nchunks:
+                    self._add_chunk()
+                out[j] = <uint32_t> self.next_slot
+                self.next_slot += 1
+
+    def release(self, const uint32_t[::1] slots):
+        """Return slots to the free list (0xFFFFFFFF entries are ignored)."""
+        cdef Py_ssize_t n = slots.shape[0], j
+        cdef uint32_t* nf
+        if self.nfree + n > self.free_cap:
+            self.free_cap = max(self.free_cap * 2, self.nfree + n, 1024)
+            nf = <uint32_t*> realloc(self.free_list, self.free_cap * sizeof(uint32_t))
+            if nf == NULL:
+                raise MemoryError("record arena: cannot grow free list")
+            self.free_list = nf
+        for j in range(n):
+            if slots[j] != EMPTY:
+                self.free_list[self.nfree] = slots[j]
+                self.nfree += 1
+
+    cdef inline uint8_t* _row(self, uint32_t slot) noexcept nogil:
+        return self.chunks[slot >> self.shift] + (slot & self.low_mask) * self.itemsize
+
+    def gather(self, const uint32_t[::1] slots, uint8_t[:, ::1] out,
+               Py_ssize_t offset=0, Py_ssize_t nbytes=-1):
+        """Copy bytes [offset, offset+nbytes) of each slot's record into the rows of ``out``;
+        rows for 0xFFFFFFFF slots are zeroed."""
+        cdef Py_ssize_t n = slots.shape[0], j
+        if nbytes < 0:
+            nbytes = self.itemsize - offset
+        if offset < 0 or offset + nbytes > self.itemsize or out.shape[1] != nbytes:
+            raise ValueError("gather: field range does not fit the record")
+        if out.shape[0] < n:
+            raise ValueError("gather: output has too few rows")
+        with nogil:
+            for j in range(n):
+                if j + PREFETCH_AHEAD < n and slots[j + PREFETCH_AHEAD] != EMPTY:
+                    ES_PREFETCH(self._row(slots[j + PREFETCH_AHEAD]) + offset)
+                if slots[j] == EMPTY:
+                    memset(&out[j, 0], 0, nbytes)
+                else:
+                    memcpy(&out[j, 0], self._row(slots[j]) + offset, nbytes)
+
+    def scatter(self, const uint32_t[::1] slots, const uint8_t[:, ::1] src):
+        """Write whole records from the rows of ``src`` into the slots."""
+        cdef Py_ssize_t n = slots.shape[0], j
+        if src.shape[1] != self.itemsize or src.shape[0] < n:
+            raise ValueError("scatter: source rows do not match the record size")
+        with nogil:
+            for j in range(n):
+                memcpy(self._row(slots[j]), &src[j, 0], self.itemsize)
+
+    def clear(self):
+        cdef Py_ssize_t i
+        for i in range(self.nchunks):
+            free(self.chunks[i])
+        self.nchunks = 0
+        self.next_slot = 0
+        self.nfree = 0

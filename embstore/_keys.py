@@ -1,0 +1,126 @@
+"""Key normalization at the public edge, and the fixed 64-bit key mix.
+
+Keys enter as numpy arrays, lists, torch/tf tensors (int64) or sequences of ``bytes``/``str``
+(``str`` is UTF-8 encoded here). Everything after this module sees either a contiguous 1-D
+``int64`` array or a 1-D numpy object array of ``bytes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError, KeyTypeError
+
+KEY_TYPES = ("int64", "bytes")
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def check_key_type(key_type: str) -> str:
+    if key_type not in KEY_TYPES:
+        raise InvalidInputError(f"key_type must be one of {KEY_TYPES}, got {key_type!r}")
+    return key_type
+
+
+def _to_numpy(keys: Any) -> Any:
+    # Framework tensors expose .numpy(); they are converted without importing the framework.
+    if hasattr(keys, "detach") and hasattr(keys, "cpu"):
+        return keys.detach().cpu().numpy()
+    if hasattr(keys, "numpy") and not isinstance(keys, np.ndarray):
+        return keys.numpy()
+    return keys
+
+
+def normalize_keys(keys: Any, key_type: str) -> np.ndarray:
+    """Return keys as a contiguous 1-D int64 array or 1-D object array of bytes.
+
+    Raises ``KeyTypeError`` when the keys do not fit ``key_type`` and ``InvalidInputError``
+    for shapes other than 1-D (a scalar is promoted to one key).
+    """
+    keys = _to_numpy(keys)
+    if key_type == "int64":
+        return _normalize_int_keys(keys)
+    return _normalize_bytes_keys(keys)
+
+
+def _normalize_int_keys(keys: Any) -> np.ndarray:
+    if isinstance(keys, (bytes, str)):
+        raise KeyTypeError("this store has int64 keys; got a bytes/str key")
+    arr = np.asarray(keys)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise InvalidInputError(f"keys must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype == np.int64:
+        return np.ascontiguousarray(arr)
+    if arr.dtype.kind in "iu":
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise InvalidInputError("uint64 keys above 2**63-1 do not fit an int64 store")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+    if arr.dtype.kind in "OUSb":
+        raise KeyTypeError(f"this store has int64 keys; got keys of dtype {arr.dtype}")
+    raise KeyTypeError(f"int64 keys required; got dtype {arr.dtype} (floats are not keys)")
+
+
+def _encode(k: Any) -> bytes:
+    if isinstance(k, bytes):
+        return k
+    if isinstance(k, str):
+        return k.encode("utf-8")
+    if isinstance(k, (bytearray, memoryview, np.bytes_)):
+        return bytes(k)
+    if isinstance(k, np.str_):
+        return str(k).encode("utf-8")
+    raise KeyTypeError(f"this store has bytes keys; got a key of type {type(k).__name__}")
+
+
+def _normalize_bytes_keys(keys: Any) -> np.ndarray:
+    if isinstance(keys, (bytes, str)):
+        keys = [keys]
+    if isinstance(keys, np.ndarray):
+        if keys.ndim == 0:
+            keys = keys.reshape(1)
+        if keys.ndim != 1:
+            raise InvalidInputError(f"keys must be 1-D, got shape {keys.shape}")
+        if keys.dtype.kind in "iuf":
+            raise KeyTypeError(f"this store has bytes keys; got keys of dtype {keys.dtype}")
+    elif not isinstance(keys, Iterable):
+        raise KeyTypeError(f"this store has bytes keys; got {type(keys).__name__}")
+    out = np.empty(len(keys), dtype=object)
+    try:
+        out[:] = [_encode(k) for k in keys]
+    except ValueError as e:  # nested sequences
+        raise InvalidInputError(f"keys must be a flat sequence: {e}") from e
+    return out
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer over a uint64 array (wrapping arithmetic)."""
+    z = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += _GOLDEN
+        z ^= z >> np.uint64(30)
+        z *= _M1
+        z ^= z >> np.uint64(27)
+        z *= _M2
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def key_hash64(keys: np.ndarray) -> np.ndarray:
+    """A fixed, process-independent 64-bit hash of each key (never Python's salted ``hash``).
+
+    int64 keys use splitmix64; bytes keys use an 8-byte blake2b digest.
+    """
+    if keys.dtype == np.int64:
+        return splitmix64(keys.view(np.uint64))
+    digests = b"".join(hashlib.blake2b(k, digest_size=8).digest() for k in keys)
+    return np.frombuffer(digests, dtype="<u8").copy()

@@ -1,0 +1,39 @@
+"""``embstore.open``: URL -> backend -> engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .registry import backend_class
+from .store import EmbeddingStore
+
+_ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed")
+
+
+def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  # noqa: A001
+    """Create or reopen the embedding store at ``url``.
+
+    Parameters
+    ----------
+    url : str
+        ``memory://``, ``lmdb:///abs/dir``, ``rocksdb:///abs/dir``, ``sqlite:///abs/file.db``,
+        ``postgresql+psycopg://user@host:port/db``, ``bigtable://project/instance/table`` or a
+        scheme registered with :func:`embstore.register_backend`.
+    dim : int, optional
+        Embedding dimension; required to create, checked on reopen.
+    **options
+        Engine options: ``key_type``, ``initializer``, ``optimizer``, ``seed``,
+        ``read_only``; everything else goes to the backend (e.g. ``map_size`` for LMDB,
+        ``table`` for SQL).
+
+    Returns
+    -------
+    EmbeddingStore
+        Also a context manager that closes the store.
+    """
+    engine = {k: options.pop(k) for k in _ENGINE_OPTIONS if k in options}
+    read_only = bool(options.pop("read_only", False))
+    cls = backend_class(url)
+    backend = cls(url, read_only=read_only, **options)
+    reopen = dict(backend.reopen_options())
+    return EmbeddingStore(backend, dim=dim, read_only=read_only, reopen_options=reopen, **engine)

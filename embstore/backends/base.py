@@ -1,0 +1,153 @@
+"""The ``Backend`` role: a row store of fixed-width records, knowing nothing of learning.
+
+A backend maps keys (a 1-D ``int64`` array or a 1-D object array of ``bytes``, already
+normalized by the engine) to records (a numpy structured array of the store's layout) and keeps
+one JSON-able metadata dict. The engine (``embstore.store.EmbeddingStore``) does everything else.
+
+Contract for implementers
+-------------------------
+- Keys given to ``get/put/delete/contains`` may contain duplicates only for ``get`` and
+  ``contains``; ``put`` and ``delete`` receive unique keys.
+- ``put`` of one batch is atomic where the engine can offer it (one transaction/write batch):
+  after a crash either the whole batch is visible or none of it.
+- ``get`` returns records in request order; rows for missing keys are zero and ``found`` is False.
+- Native driver errors are wrapped in ``embstore.errors.BackendError`` (``raise ... from e``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..layout import Layout
+
+
+class Backend(abc.ABC):
+    """Abstract row store. Capability flags are class attributes.
+
+    Attributes
+    ----------
+    persistent : bool
+        Data survives ``close()`` and can be reopened by ``url``.
+    supports_scan : bool
+        ``scan`` can iterate every record.
+    supports_changes : bool
+        ``changes_since`` uses an index instead of a full scan.
+    """
+
+    persistent: bool = False
+    supports_scan: bool = True
+    supports_changes: bool = False
+    scheme: str = ""
+
+    #: set by the engine once the store's layout is known (after metadata is read/written)
+    layout: Layout | None = None
+    key_type: str = "int64"
+
+    def __init__(self, url: str, *, read_only: bool = False, **options: Any) -> None:
+        self.url = url
+        self.read_only = read_only
+        self.options = options
+        self.counters: dict[str, int] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def bind(self, layout: Layout, key_type: str) -> None:
+        """Called by the engine once the layout and key type are fixed, before any row I/O."""
+        self.layout = layout
+        self.key_type = key_type
+
+    @abc.abstractmethod
+    def read_meta(self) -> dict | None:
+        """Return the stored metadata dict, or None for a new, empty store."""
+
+    @abc.abstractmethod
+    def write_meta(self, meta: dict) -> None:
+        """Persist the metadata dict (replaces the previous one)."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Make every acknowledged write durable (where the backend buffers)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources. Must be idempotent."""
+
+    def reopen_options(self) -> dict:
+        """Options (beyond the URL) needed to reopen the same data in another process."""
+        return {}
+
+    # -- rows -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(records, found)`` for ``keys`` in request order."""
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(values, found)`` of one record field; a contiguous array.
+
+        Backends that can gather one field without materializing whole records override this.
+        """
+        records, found = self.get(keys)
+        return np.ascontiguousarray(records[field]), found
+
+    @abc.abstractmethod
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        """Insert or overwrite whole records (unique keys)."""
+
+    @abc.abstractmethod
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        """Delete keys (unique); return a bool array: which were present."""
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self.get(keys)[1]
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of stored records."""
+
+    @abc.abstractmethod
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, records)`` batches covering every record once."""
+
+    def changes_since(
+        self, version: int, batch_size: int = 4096
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, records)`` with ``records['version'] > version``.
+
+        The default filters a full scan; backends with a version index override it.
+        """
+        for keys, recs in self.scan(batch_size):
+            sel = recs["version"] > version
+            if sel.any():
+                yield keys[sel], recs[sel]
+
+    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Write many batches of unique keys as fast as the engine allows; return row count.
+
+        The default calls ``put`` per batch; backends with a bulk path (SST ingest, COPY)
+        override it.
+        """
+        n = 0
+        for keys, recs in batches:
+            self.put(keys, recs)
+            n += len(keys)
+        return n
+
+    def clear(self) -> None:
+        """Delete every record (metadata is kept)."""
+        for keys, _ in list(self.scan()):
+            self.delete(keys)
+
+    def size_bytes(self) -> int | None:
+        """Bytes used by the stored data, if the backend can tell."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Backend-level counters (remote calls, evictions, ...)."""
+        return dict(self.counters)
+
+    # -- helpers for subclasses ---------------------------------------------------------------
+    def _empty_records(self, n: int) -> np.ndarray:
+        assert self.layout is not None, "backend used before bind()"
+        return self.layout.empty(n)

@@ -1,0 +1,177 @@
+"""``memory://`` — records in process memory, indexed by a compiled cuckoo hash table.
+
+int64 keys go through :class:`embstore._cython.cuckoo.CuckooTable` (key -> arena slot).
+bytes keys are kept collisionless by a Python ``dict`` mapping each distinct key (compared
+byte for byte) to its arena slot: hashing variable-length bytes into the int64 cuckoo table
+would need a fingerprint plus a full-key check anyway, and the dict already is exactly that.
+Records of both key types live in one chunked arena (:class:`RecordArena`).
+
+The data lives and dies with the process: a ``memory://`` store refuses to pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidURLError
+from ..layout import Layout
+from .base import Backend
+
+try:
+    from .._cython.cuckoo import CuckooTable, RecordArena
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "embstore's compiled extension is missing; build it with `pip install -e .` "
+        "(needs a C compiler and Cython>=3)"
+    ) from e
+
+_EMPTY = np.uint32(0xFFFFFFFF)
+
+
+class MemoryBackend(Backend):
+    """In-process row store on a cuckoo hash table; not persistent.
+
+    Options
+    -------
+    initial_capacity : int
+        Keys to size the table for up front (it grows on its own either way).
+    """
+
+    persistent = False
+    supports_scan = True
+    scheme = "memory"
+
+    def __init__(self, url: str = "memory://", *, read_only: bool = False,
+                 initial_capacity: int = 1024, **options: Any) -> None:
+        if not url.startswith("memory://"):
+            raise InvalidURLError(f"not a memory:// URL: {url!r}")
+        super().__init__(url, read_only=read_only, **options)
+        self._meta: dict | None = None
+        self._capacity = max(int(initial_capacity), 16)
+        self._table: CuckooTable | None = None
+        self._arena: RecordArena | None = None
+        self._bytes_slots: dict[bytes, int] = {}
+
+    def bind(self, layout: Layout, key_type: str) -> None:
+        super().bind(layout, key_type)
+        if self._arena is None:
+            self._arena = RecordArena(layout.itemsize)
+            self._table = CuckooTable(self._capacity) if key_type == "int64" else None
+
+    def read_meta(self) -> dict | None:
+        return None if self._meta is None else dict(self._meta)
+
+    def write_meta(self, meta: dict) -> None:
+        self._meta = dict(meta)
+
+    def close(self) -> None:
+        # Dropping the references frees the C memory now, not at interpreter exit.
+        self._table = None
+        self._arena = None
+        self._bytes_slots = {}
+
+    # -- slot resolution ------------------------------------------------------------------------
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        out = np.empty(len(keys), dtype=np.uint32)
+        if self.key_type == "int64":
+            self._table.find(keys, out)
+        else:
+            get = self._bytes_slots.get
+            out[:] = [get(k, 0xFFFFFFFF) for k in keys]
+        return out
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots = self._slots(keys)
+        recs = np.empty(len(keys), dtype=self.layout.dtype)
+        self._arena.gather(slots, recs.view(np.uint8).reshape(len(keys), -1))
+        return recs, slots != _EMPTY
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        slots = self._slots(keys)
+        dt = self.layout.dtype
+        fdt, offset = dt.fields[field][:2]
+        out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
+        self._arena.gather(slots, out.view(np.uint8).reshape(len(keys), -1),
+                           offset, fdt.itemsize)
+        return out, slots != _EMPTY
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self._slots(keys) != _EMPTY
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        slots = self._slots(keys)
+        new = slots == _EMPTY
+        if new.any():
+            new_slots = np.empty(int(new.sum()), dtype=np.uint32)
+            self._arena.alloc(new_slots)
+            if self.key_type == "int64":
+                self._table.insert_new(np.ascontiguousarray(keys[new]), new_slots)
+            else:
+                self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
+            slots[new] = new_slots
+        src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
+        self._arena.scatter(slots, src)
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        if self.key_type == "int64":
+            removed = np.empty(len(keys), dtype=np.uint32)
+            self._table.erase(keys, removed)
+        else:
+            pop = self._bytes_slots.pop
+            removed = np.array([pop(k, 0xFFFFFFFF) for k in keys], dtype=np.uint32)
+        self._arena.release(removed)
+        return removed != _EMPTY
+
+    def __len__(self) -> int:
+        if self._arena is None:
+            return 0
+        return len(self._table) if self.key_type == "int64" else len(self._bytes_slots)
+
+    def _all_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self)
+        if self.key_type == "int64":
+            keys = np.empty(n, dtype=np.int64)
+            slots = np.empty(n, dtype=np.uint32)
+            self._table.items(keys, slots)
+        else:
+            keys = np.empty(n, dtype=object)
+            keys[:] = list(self._bytes_slots.keys())
+            slots = np.fromiter(self._bytes_slots.values(), dtype=np.uint32, count=n)
+        return keys, slots
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if self._arena is None:
+            return
+        # Snapshot of (key, slot) pairs; 12 bytes per key, far below the records themselves.
+        keys, slots = self._all_slots()
+        for i in range(0, len(keys), batch_size):
+            s = slots[i:i + batch_size]
+            recs = np.empty(len(s), dtype=self.layout.dtype)
+            self._arena.gather(s, recs.view(np.uint8).reshape(len(s), -1))
+            yield keys[i:i + batch_size], recs
+
+    def clear(self) -> None:
+        if self._arena is None:
+            return
+        self._arena.clear()
+        if self._table is not None:
+            self._table.clear()
+        self._bytes_slots.clear()
+
+    def size_bytes(self) -> int:
+        if self._arena is None:
+            return 0
+        n = self._arena.nbytes
+        if self._table is not None:
+            n += self._table.nbytes
+        return int(n)
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.counters)
+        if self._table is not None:
+            out["table_capacity"] = int(self._table.capacity)
+            out["table_rehashes"] = int(self._table.rehashes)
+        return out

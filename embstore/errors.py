@@ -1,0 +1,77 @@
+"""Exceptions raised by embstore.
+
+Every error is a subclass of :class:`EmbstoreError` *and* of the builtin exception a caller
+would naturally catch (``ValueError`` for bad input, ``PermissionError`` for writes to a
+read-only store, ...), so code that does not know embstore still handles them sensibly.
+Misses are data, never errors.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EmbstoreError",
+    "InvalidInputError",
+    "KeyTypeError",
+    "SchemaMismatchError",
+    "ReadOnlyError",
+    "StoreClosedError",
+    "CapacityError",
+    "UnknownSchemeError",
+    "BackendUnavailableError",
+    "BackendError",
+    "CorruptFileError",
+    "InvalidURLError",
+    "StoreNotFoundError",
+]
+
+
+class EmbstoreError(Exception):
+    """Base class of every error embstore raises on purpose."""
+
+
+class InvalidInputError(EmbstoreError, ValueError):
+    """An argument has the wrong shape, dtype, dimension or value (e.g. NaN gradients)."""
+
+
+class KeyTypeError(EmbstoreError, TypeError):
+    """Keys of a type the store was not created for (e.g. strings for an int64 store)."""
+
+
+class SchemaMismatchError(EmbstoreError, ValueError):
+    """A store was reopened with a dim, key type, layout or optimizer other than its own."""
+
+
+class ReadOnlyError(EmbstoreError, PermissionError):
+    """A write was attempted on a store opened with ``read_only=True``."""
+
+
+class StoreClosedError(EmbstoreError, ValueError):
+    """An operation was attempted on a closed store (like I/O on a closed file)."""
+
+
+class CapacityError(EmbstoreError, MemoryError):
+    """A capacity-bounded store is full and its policy is to refuse, not to evict."""
+
+
+class UnknownSchemeError(EmbstoreError, ValueError):
+    """No backend is registered for the URL's scheme."""
+
+
+class InvalidURLError(EmbstoreError, ValueError):
+    """A store URL is malformed (missing path, relative path, bad identifier...)."""
+
+
+class BackendUnavailableError(EmbstoreError, ImportError):
+    """A backend's optional dependency is not installed; the message names the extra."""
+
+
+class BackendError(EmbstoreError, OSError):
+    """The storage engine or remote service failed (I/O error, retries exhausted...)."""
+
+
+class CorruptFileError(EmbstoreError, ValueError):
+    """An import file is truncated, fails its checksum, or is not in the declared format."""
+
+
+class StoreNotFoundError(EmbstoreError, FileNotFoundError):
+    """A store was opened read-only (or without ``dim``) but holds no data yet."""

@@ -1,0 +1,279 @@
+"""The native interchange format: whole records (vectors, slots, metadata), streamed in chunks.
+
+File layout (all integers little-endian)::
+
+    magic        8 bytes   b"EMBSTNAT"
+    version      u32       FORMAT_VERSION
+    header_len   u32       length of the JSON header (<= MAX_HEADER)
+    header       bytes     UTF-8 JSON: store metadata (dim, key_type, layout, optimizer, ...)
+    header_crc   u32       CRC-32 of the header bytes
+    chunk*       b"CHNK" | rows u32 | payload_len u64 | payload_crc u32 | payload
+                 payload = keys | records
+                   int64 keys: rows * 8 bytes
+                   bytes keys: rows * u32 lengths, then the concatenated key bytes
+    trailer      b"END." | total_rows u64 | crc u32 of every chunk crc
+
+Readers and writers hold one chunk at a time, so memory stays constant in the table size.
+Every size read from the file is checked against the bytes that remain before anything is
+allocated, so a hostile header cannot make a reader allocate absurd amounts. Writing to a
+path goes through a temporary file renamed on success: a failed export leaves no torn file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import numpy as np
+
+from ..errors import CorruptFileError
+from ..layout import Layout
+
+MAGIC = b"EMBSTNAT"
+FORMAT_VERSION = 1
+MAX_HEADER = 16 << 20
+MAX_CHUNK_ROWS = 1 << 22
+_CHUNK = struct.Struct("<4sIQI")
+_TRAILER = struct.Struct("<4sQI")
+
+
+def _open_out(dest: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str | None, str | None]:
+    if isinstance(dest, (str, os.PathLike)):
+        final = os.fspath(dest)
+        d = os.path.dirname(os.path.abspath(final))
+        fd, tmp = tempfile.mkstemp(prefix=".embstore-", suffix=".tmp", dir=d)
+        return os.fdopen(fd, "wb"), tmp, final
+    return dest, None, None
+
+
+class NativeWriter:
+    """Write a native file chunk by chunk.
+
+    Parameters
+    ----------
+    dest : path or binary file object
+        A path is written atomically (temporary file, renamed by ``close``).
+    header : dict
+        Store metadata; must contain ``layout`` and ``key_type``.
+    """
+
+    def __init__(self, dest: str | os.PathLike | BinaryIO, header: dict[str, Any]) -> None:
+        self.layout = Layout.from_json(header["layout"])
+        self.key_type = header["key_type"]
+        self._f, self._tmp, self._final = _open_out(dest)
+        self._crcs = 0
+        self.rows = 0
+        self._closed = False
+        hb = json.dumps(header, sort_keys=True).encode("utf-8")
+        self._f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(hb)) + hb
+                      + struct.pack("<I", zlib.crc32(hb)))
+
+    def write(self, keys: np.ndarray, records: np.ndarray) -> None:
+        """Append one chunk of (keys, records)."""
+        n = len(keys)
+        if n == 0:
+            return
+        for start in range(0, n, MAX_CHUNK_ROWS):
+            self._write_chunk(keys[start:start + MAX_CHUNK_ROWS],
+                              records[start:start + MAX_CHUNK_ROWS])
+
+    def _write_chunk(self, keys: np.ndarray, records: np.ndarray) -> None:
+        n = len(keys)
+        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
+        if self.key_type == "int64":
+            parts = [np.ascontiguousarray(keys, dtype="<i8").tobytes(), recs.tobytes()]
+        else:
+            lens = np.fromiter((len(k) for k in keys), dtype="<u4", count=n)
+            parts = [lens.tobytes(), b"".join(keys), recs.tobytes()]
+        payload = b"".join(parts)
+        crc = zlib.crc32(payload)
+        self._f.write(_CHUNK.pack(b"CHNK", n, len(payload), crc))
+        self._f.write(payload)
+        self._crcs = zlib.crc32(struct.pack("<I", crc), self._crcs)
+        self.rows += n
+
+    def close(self) -> None:
+        """Write the trailer and, for a path, move the file into place."""
+        if self._closed:
+            return
+        self._closed = True
+        self._f.write(_TRAILER.pack(b"END.", self.rows, self._crcs))
+        if self._tmp is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self._tmp, self._final)
+
+    def abort(self) -> None:
+        """Drop a partly written file (path destinations only)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tmp is not None:
+            self._f.close()
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> NativeWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class NativeReader:
+    """Read a native file: ``header`` at once, chunks on iteration.
+
+    ``verify()`` checks every checksum and the trailer without keeping records in memory.
+    """
+
+    def __init__(self, src: str | os.PathLike | BinaryIO | bytes) -> None:
+        if isinstance(src, (bytes, bytearray)):
+            self._f: IO[bytes] = io.BytesIO(src)
+            self._owns = True
+        elif isinstance(src, (str, os.PathLike)):
+            try:
+                self._f = open(src, "rb")  # noqa: SIM115 - closed by close()
+            except OSError as e:
+                raise CorruptFileError(f"cannot open {src!s}: {e.strerror}") from e
+            self._owns = True
+        else:
+            self._f = src
+            self._owns = False
+        self.name = str(src) if isinstance(src, (str, os.PathLike)) else "<stream>"
+        self._size = self._remaining_size()
+        self.header = self._read_header()
+        self.layout = Layout.from_json(self.header.get("layout", {}))
+        self.key_type = self.header.get("key_type")
+        if self.key_type not in ("int64", "bytes"):
+            raise CorruptFileError(f"{self.name}: header has an unknown key_type")
+        self._body = self._f.tell()
+
+    def _remaining_size(self) -> int | None:
+        try:
+            pos = self._f.tell()
+            end = self._f.seek(0, io.SEEK_END)
+            self._f.seek(pos)
+            return end - pos
+        except (OSError, AttributeError):
+            return None
+
+    def _read_exact(self, n: int, what: str) -> bytes:
+        b = self._f.read(n)
+        if len(b) != n:
+            raise CorruptFileError(f"{self.name}: truncated file (while reading {what})")
+        return b
+
+    def _read_header(self) -> dict:
+        magic = self._f.read(len(MAGIC))
+        if magic != MAGIC:
+            raise CorruptFileError(f"{self.name}: not an embstore native file (bad magic)")
+        version, hlen = struct.unpack("<II", self._read_exact(8, "header size"))
+        if version > FORMAT_VERSION:
+            raise CorruptFileError(
+                f"{self.name}: format version {version} is newer than this embstore "
+                f"({FORMAT_VERSION}); upgrade embstore"
+            )
+        if hlen > MAX_HEADER or (self._size is not None and hlen > self._size):
+            raise CorruptFileError(f"{self.name}: header declares an absurd size ({hlen} bytes)")
+        hb = self._read_exact(hlen, "header")
+        (crc,) = struct.unpack("<I", self._read_exact(4, "header checksum"))
+        if zlib.crc32(hb) != crc:
+            raise CorruptFileError(f"{self.name}: header checksum mismatch")
+        try:
+            header = json.loads(hb.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptFileError(f"{self.name}: header is not valid JSON: {e}") from e
+        if not isinstance(header, dict) or "layout" not in header:
+            raise CorruptFileError(f"{self.name}: header lacks a layout")
+        return header
+
+    def _chunks(self, decode: bool) -> Iterator[tuple[np.ndarray, np.ndarray] | int]:
+        self._f.seek(self._body)
+        total, crcs = 0, 0
+        itemsize = self.layout.itemsize
+        while True:
+            tag = self._read_exact(4, "chunk tag")
+            if tag == b"END.":
+                rows, crc = struct.unpack("<QI", self._read_exact(12, "trailer"))
+                if rows != total or crc != crcs:
+                    raise CorruptFileError(
+                        f"{self.name}: trailer does not match the chunks "
+                        f"({rows} rows declared, {total} read)"
+                    )
+                if self._f.read(1):
+                    raise CorruptFileError(f"{self.name}: trailing bytes after the trailer")
+                return
+            if tag != b"CHNK":
+                raise CorruptFileError(f"{self.name}: bad chunk tag {tag!r} after {total} rows")
+            n, plen, pcrc = struct.unpack("<IQI", self._read_exact(16, "chunk header"))
+            min_len = n * (itemsize + (8 if self.key_type == "int64" else 4))
+            if n > MAX_CHUNK_ROWS or plen < min_len or plen > (1 << 40) or (
+                self._size is not None and plen > self._size
+            ):
+                raise CorruptFileError(f"{self.name}: chunk declares an absurd size ({n} rows)")
+            if self.key_type == "int64" and plen != min_len:
+                raise CorruptFileError(f"{self.name}: chunk size does not match its row count")
+            payload = self._read_exact(plen, "chunk payload")
+            if zlib.crc32(payload) != pcrc:
+                raise CorruptFileError(f"{self.name}: checksum mismatch in chunk at row {total}")
+            crcs = zlib.crc32(struct.pack("<I", pcrc), crcs)
+            total += n
+            yield self._decode(payload, n) if decode else n
+
+    def _decode(self, payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
+        itemsize = self.layout.itemsize
+        if self.key_type == "int64":
+            keys = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64)
+            recs = np.frombuffer(payload, dtype=self.layout.dtype, count=n, offset=8 * n).copy()
+            return keys, recs
+        lens = np.frombuffer(payload, dtype="<u4", count=n).astype(np.int64)
+        kbytes = int(lens.sum())
+        if 4 * n + kbytes + n * itemsize != len(payload):
+            raise CorruptFileError(f"{self.name}: chunk key lengths do not add up")
+        ends = 4 * n + np.cumsum(lens)
+        starts = ends - lens
+        keys = np.empty(n, dtype=object)
+        keys[:] = [payload[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
+        recs = np.frombuffer(payload, dtype=self.layout.dtype, count=n,
+                             offset=4 * n + kbytes).copy()
+        return keys, recs
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, records)`` chunks; raises ``CorruptFileError`` where damage starts."""
+        return self._chunks(decode=True)  # type: ignore[return-value]
+
+    def verify(self) -> int:
+        """Check every checksum and the trailer; return the row count."""
+        return sum(self._chunks(decode=False))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self._owns:
+            self._f.close()
+
+    def __enter__(self) -> NativeReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def is_native(path: str | os.PathLike) -> bool:
+    """True when the file starts with the native magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+__all__ = ["NativeReader", "NativeWriter", "is_native", "FORMAT_VERSION", "MAGIC", "Path"]

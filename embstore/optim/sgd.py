@@ -1,0 +1,36 @@
+"""Plain SGD, matching ``torch.optim.SGD`` on a sparse ``nn.Embedding`` gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Optimizer, check_hyper
+
+
+class SGD(Optimizer):
+    """``w -= lr * (g + weight_decay * w)`` on the rows touched by the batch.
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate (> 0).
+    weight_decay : float
+        L2 penalty applied lazily to touched rows only (torch's sparse SGD rejects weight decay;
+        with 0, the default, the two match exactly).
+    """
+
+    name = "sgd"
+
+    def __init__(self, lr: float = 0.01, weight_decay: float = 0.0) -> None:
+        self.lr = check_hyper("lr", lr, inclusive=False)
+        self.weight_decay = check_hyper("weight_decay", weight_decay)
+
+    def apply(self, records: np.ndarray, grads: np.ndarray, step: int) -> None:
+        vec = records["vector"]
+        if self.weight_decay:
+            grads = grads + self.weight_decay * vec
+        vec -= self.lr * grads
+        records["vector"] = vec
+
+    def _params(self):
+        return {"lr": self.lr, "weight_decay": self.weight_decay}

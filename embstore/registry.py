@@ -1,0 +1,96 @@
+"""URL scheme -> backend class, resolved lazily.
+
+Built-in backends are registered as ``"module:Class"`` strings and imported on first use, so
+``import embstore`` never pulls in lmdb, rocksdict, SQLAlchemy or the Bigtable client. Third-party
+backends register through the ``embstore.backends`` entry-point group (name = scheme, value =
+``"package.module:Class"``) or by calling :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from urllib.parse import urlsplit
+
+from .errors import BackendUnavailableError, InvalidURLError, UnknownSchemeError
+
+# scheme -> (target, extra that provides its dependency)
+_BUILTIN: dict[str, tuple[str, str | None]] = {
+    "memory": ("embstore.backends.memory:MemoryBackend", None),
+    "lmdb": ("embstore.backends.lmdb:LmdbBackend", "lmdb"),
+    "rocksdb": ("embstore.backends.rocksdb:RocksDBBackend", "rocksdb"),
+    "sqlite": ("embstore.backends.sql:SQLBackend", "sql"),
+    "postgresql": ("embstore.backends.sql:SQLBackend", "postgres"),
+    "postgres": ("embstore.backends.sql:SQLBackend", "postgres"),
+    "mysql": ("embstore.backends.sql:SQLBackend", "sql"),
+    "bigtable": ("embstore.backends.bigtable:BigtableBackend", "bigtable"),
+}
+_registry: dict[str, tuple[str | type, str | None]] = dict(_BUILTIN)
+_entry_points_loaded = False
+
+
+def register_backend(scheme: str, target: str | type, extra: str | None = None) -> None:
+    """Register a backend class (or a ``"module:Class"`` string) for a URL scheme.
+
+    Parameters
+    ----------
+    scheme : str
+        The URL scheme, e.g. ``"redis"``; for ``"postgresql+psycopg://"`` the part before ``+``.
+    target : type or str
+        A :class:`embstore.backends.base.Backend` subclass or its import path.
+    extra : str, optional
+        The ``embstore[extra]`` to name when the import fails.
+    """
+    if not scheme or not scheme.replace("-", "").replace("_", "").isalnum():
+        raise InvalidURLError(f"invalid scheme name {scheme!r}")
+    _registry[scheme.lower()] = (target, extra)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group="embstore.backends"):
+        _registry.setdefault(ep.name.lower(), (ep.value, None))
+
+
+def known_schemes() -> list[str]:
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def scheme_of(url: str) -> str:
+    """The registry scheme of a URL: lower-cased, driver suffix (``+psycopg``) dropped."""
+    if not isinstance(url, str) or "://" not in url:
+        raise InvalidURLError(f"store URL must look like 'scheme://...', got {url!r}")
+    scheme = urlsplit(url).scheme.lower()
+    if not scheme:
+        raise InvalidURLError(f"store URL has no scheme: {url!r}")
+    return scheme.split("+", 1)[0]
+
+
+def backend_class(url: str) -> type:
+    """Resolve the backend class for ``url``, importing it on first use."""
+    scheme = scheme_of(url)
+    _load_entry_points()
+    if scheme not in _registry:
+        raise UnknownSchemeError(
+            f"no backend for scheme {scheme!r} (in {url!r}); known schemes: "
+            + ", ".join(known_schemes())
+        )
+    target, extra = _registry[scheme]
+    if isinstance(target, type):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        hint = f"pip install 'embstore[{extra}]'" if extra else "check the backend's package"
+        raise BackendUnavailableError(
+            f"the {scheme!r} backend needs a package that is not installed ({e.name or e}); "
+            f"install it with: {hint}"
+        ) from e
+    cls = getattr(module, attr)
+    _registry[scheme] = (cls, extra)
+    return cls

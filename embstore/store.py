@@ -1,0 +1,578 @@
+"""The engine: ``EmbeddingStore`` implements the DynamicEmbedding interface over any Backend.
+
+Everything that is about learning lives here (initializer, optimizer, bookkeeping, stats);
+everything that is about storage lives in the backend. Public methods validate their input once
+and then work on clean arrays; no Python loop runs over keys on a hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from . import init as _init
+from . import optim as _optim
+from ._keys import check_key_type, normalize_keys
+from .backends.base import Backend
+from .errors import (
+    InvalidInputError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    StoreClosedError,
+    StoreNotFoundError,
+)
+from .layout import Layout
+
+FORMAT = "embstore"
+FORMAT_VERSION = 1
+_STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class EmbeddingStore:
+    """A dynamic embedding table: one float32 vector (plus optimizer state) per key.
+
+    Use :func:`embstore.open` rather than constructing this directly.
+
+    Parameters
+    ----------
+    backend : Backend
+        The row store holding the records.
+    dim : int, optional
+        Embedding dimension; required when creating a store, checked when reopening.
+    key_type : {"int64", "bytes"}, optional
+        Fixed at creation (default ``"int64"``); ``str`` keys are UTF-8 encoded.
+    initializer : Initializer or str, optional
+        Vector of a key on first sight (default ``Uniform(-0.05, 0.05)``).
+    optimizer : Optimizer or str, optional
+        Applied by ``update`` (default ``SGD(lr=0.01)``); its slots are part of the layout.
+    seed : int, optional
+        Seed of the initializer (default 0).
+    read_only : bool
+        Serving ("sandbox") mode: every write raises ``ReadOnlyError``; lookups of unknown keys
+        return their initial vector without inserting.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        dim: int | None = None,
+        key_type: str | None = None,
+        initializer: Any = None,
+        optimizer: Any = None,
+        seed: int | None = None,
+        read_only: bool = False,
+        reopen_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._backend = backend
+        self.read_only = bool(read_only)
+        self._closed = False
+        self._reopen_options = dict(reopen_options or {})
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        #: admission policy (``embstore.policies``): decides which unknown keys get a row
+        self.admission: Any = None
+        #: objects told about every write and delete (sampling index, touched-key tracking,
+        #: eviction bookkeeping): ``on_write(keys, records)`` / ``on_delete(keys)``
+        self._observers: list[Any] = []
+        try:
+            self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
+                        seed)
+        except BaseException:
+            backend.close()
+            self._closed = True
+            raise
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def _setup(self, dim, key_type, initializer, optimizer, seed) -> None:
+        meta = self._backend.read_meta()
+        if meta is None:
+            if self.read_only:
+                raise StoreNotFoundError(f"{self._backend.url}: no store here to open read-only")
+            if dim is None:
+                raise InvalidInputError(f"{self._backend.url}: dim is required to create a store")
+            self.key_type = check_key_type(key_type or "int64")
+            self.optimizer = optimizer or _optim.SGD(lr=0.01)
+            self.initializer = initializer or _init.Uniform(-0.05, 0.05)
+            self.seed = int(seed or 0)
+            self.layout = Layout(dim, tuple(self.optimizer.slots(int(dim))))
+            self.step = 0
+            self._version = 0
+            self._extra_meta: dict[str, Any] = {}
+            self._backend.bind(self.layout, self.key_type)
+            self._backend.write_meta(self._meta())
+            return
+        self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
+        self._backend.bind(self.layout, self.key_type)
+
+    def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
+        url = self._backend.url
+        if meta.get("format") != FORMAT:
+            raise SchemaMismatchError(f"{url}: holds data that is not an embstore store")
+        if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+            raise SchemaMismatchError(
+                f"{url}: store format {meta['format_version']} is newer than this embstore "
+                f"supports ({FORMAT_VERSION}); upgrade embstore"
+            )
+        stored_layout = Layout.from_json(meta["layout"])
+
+        def mismatch(what: str, stored: Any, given: Any) -> SchemaMismatchError:
+            return SchemaMismatchError(
+                f"{url}: the store was created with {what}={stored!r}, opened with {given!r}"
+            )
+
+        if dim is not None and int(dim) != stored_layout.dim:
+            raise mismatch("dim", stored_layout.dim, dim)
+        if key_type is not None and key_type != meta["key_type"]:
+            raise mismatch("key_type", meta["key_type"], key_type)
+        stored_opt = _optim.from_config(meta["optimizer"])
+        if optimizer is not None and optimizer != stored_opt:
+            raise mismatch("optimizer", stored_opt, optimizer)
+        stored_init = _init.from_config(meta["initializer"])
+        if initializer is not None and initializer != stored_init:
+            raise mismatch("initializer", stored_init, initializer)
+        if seed is not None and int(seed) != int(meta["seed"]):
+            raise mismatch("seed", meta["seed"], seed)
+        expected = Layout(stored_layout.dim, tuple(stored_opt.slots(stored_layout.dim)))
+        if expected != stored_layout:
+            raise SchemaMismatchError(
+                f"{url}: stored layout {stored_layout} does not fit optimizer {stored_opt}"
+            )
+        self.key_type = meta["key_type"]
+        self.layout = stored_layout
+        self.optimizer = stored_opt
+        self.initializer = stored_init
+        self.seed = int(meta["seed"])
+        self.step = int(meta.get("step", 0))
+        self._version = int(meta.get("version", 0))
+        self._extra_meta = dict(meta.get("extra", {}))
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dim": self.layout.dim,
+            "key_type": self.key_type,
+            "layout": self.layout.to_json(),
+            "record_size": self.layout.itemsize,
+            "optimizer": self.optimizer.config(),
+            "initializer": self.initializer.config(),
+            "seed": self.seed,
+            "step": self.step,
+            "version": self._version,
+            "extra": self._extra_meta,
+        }
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The store-level metadata (what is recorded in the backend and in exports)."""
+        return self._meta()
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        return self.layout.dim
+
+    @property
+    def url(self) -> str:
+        """A URL that reopens the same data (``embstore.open(store.url)``)."""
+        return self._backend.url
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def version(self) -> int:
+        """The stamp of the last write; pass it to ``changes_since`` / ``export(since=...)``."""
+        return self._version
+
+    def __len__(self) -> int:
+        self._check_open()
+        return len(self._backend)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._backend)} rows"
+        return (f"<EmbeddingStore {self.url!r} dim={self.layout.dim} key_type={self.key_type} "
+                f"optimizer={self.optimizer!r} {state}>")
+
+    # -- validation --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("operation on a closed store")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyError(f"{self.url} is open read-only")
+
+    def _keys(self, keys: Any) -> np.ndarray:
+        return normalize_keys(keys, self.key_type)
+
+    def _rows(self, values: Any, n: int, what: str) -> np.ndarray:
+        if hasattr(values, "detach") and hasattr(values, "cpu"):
+            values = values.detach().cpu().numpy()
+        elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):
+            values = values.numpy()
+        arr = np.asarray(values)
+        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+            raise InvalidInputError(f"{what} must be numeric, got dtype {arr.dtype}")
+        if arr.shape != (n, self.layout.dim):
+            raise InvalidInputError(
+                f"{what} must have shape ({n}, {self.layout.dim}) for {n} keys, got {arr.shape}"
+            )
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not np.isfinite(arr).all():
+            raise InvalidInputError(f"{what} contain NaN or inf")
+        return arr
+
+    def _next_version(self) -> int:
+        # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep
+        # increasing across a crash even when the stored counter lags behind.
+        self._version = max(self._version + 1, _now_us())
+        return self._version
+
+    # -- record construction -----------------------------------------------------------------------
+    def _new_records(self, keys: np.ndarray, vectors: np.ndarray | None = None) -> np.ndarray:
+        recs = self.layout.empty(len(keys))
+        recs["vector"] = (vectors if vectors is not None
+                          else self.initializer(keys, self.layout.dim, self.seed))
+        self.optimizer.init_slots(recs)
+        return recs
+
+    def initial_vectors(self, keys: Any) -> np.ndarray:
+        """The vector each key gets on first sight (pure function of seed and key)."""
+        self._check_open()
+        return self.initializer(self._keys(keys), self.layout.dim, self.seed)
+
+    # -- the interface -----------------------------------------------------------------------------
+    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
+        """Vectors of ``keys`` as a ``(n, dim)`` float32 array, rows in request order.
+
+        Parameters
+        ----------
+        keys : array-like of int64, or sequence of bytes/str
+        insert : bool
+            Write unknown keys with their initial vector (training). With ``False`` (serving)
+            unknown keys read as their initial vector and nothing is written. A read-only store
+            always behaves as ``insert=False``.
+        """
+        self._check_open()
+        k = self._keys(keys)
+        n = len(k)
+        self._stats["lookups"] += n
+        if n == 0:
+            return np.empty((0, self.layout.dim), dtype=np.float32)
+        vectors, found = self._backend.get_field(k, "vector")
+        nfound = int(np.count_nonzero(found))
+        self._stats["hits"] += nfound
+        if nfound == n:
+            return vectors
+        self._stats["misses"] += n - nfound
+        miss = ~found
+        miss_keys = k[miss]
+        vectors[miss] = self.initializer(miss_keys, self.layout.dim, self.seed)
+        if insert and not self.read_only:
+            uniq, first = _unique_first(miss_keys)
+            new_vecs = vectors[miss][first]
+            if self.admission is not None:
+                ok = self.admission.admit(uniq, _occurrences(miss_keys, uniq))
+                uniq, new_vecs = uniq[ok], new_vecs[ok]
+            if len(uniq):
+                recs = self._new_records(uniq, new_vecs)
+                self._stamp(recs)
+                self._put(uniq, recs)
+                self._stats["inserts"] += len(uniq)
+        return vectors
+
+    def contains(self, keys: Any) -> np.ndarray:
+        """A ``(n,)`` bool array: which keys have a stored record."""
+        self._check_open()
+        k = self._keys(keys)
+        if len(k) == 0:
+            return np.zeros(0, dtype=bool)
+        return np.asarray(self._backend.contains(k), dtype=bool)
+
+    def update(self, keys: Any, grads: Any) -> None:
+        """Apply gradients with the store's optimizer.
+
+        Gradients of duplicate keys are summed first (as a sparse gradient is coalesced), then
+        one optimizer step is applied per distinct key. Unknown keys are created with their
+        initial vector before the step. ``count`` grows by each key's number of occurrences.
+        """
+        self._check_writable()
+        k = self._keys(keys)
+        g = self._rows(grads, len(k), "gradients")
+        if len(k) == 0:
+            return
+        uniq, summed, mult = coalesce(k, g)
+        recs, found = self._backend.get(uniq)
+        nnew = int(len(uniq) - np.count_nonzero(found))
+        if nnew and self.admission is not None:
+            # Gradients of keys the policy does not (yet) admit are dropped: they have no row.
+            ok = found.copy()
+            ok[~found] = self.admission.admit(uniq[~found], mult[~found])
+            if not ok.all():
+                uniq, summed, mult, recs, found = (uniq[ok], summed[ok], mult[ok], recs[ok],
+                                                   found[ok])
+                nnew = int(len(uniq) - np.count_nonzero(found))
+        if nnew:
+            recs[~found] = self._new_records(uniq[~found])
+            self._stats["inserts"] += nnew
+        self.step += 1
+        drop = self.optimizer.apply(recs, summed, self.step)
+        recs["count"] += mult
+        self._stamp(recs)
+        if drop is not None and drop.any():
+            keep = ~drop
+            gone = uniq[drop & found]
+            if len(gone):
+                self._delete(gone)
+            uniq, recs = uniq[keep], recs[keep]
+        self._put(uniq, recs)
+        self._stats["updates"] += len(k)
+
+    def assign(self, keys: Any, values: Any) -> None:
+        """Set vectors directly (warm start). Optimizer slots and counts of existing keys are
+        kept; new keys get fresh slots. With duplicate keys the last value wins."""
+        self._check_writable()
+        k = self._keys(keys)
+        v = self._rows(values, len(k), "values")
+        if len(k) == 0:
+            return
+        uniq, last = _unique_last(k)
+        recs, found = self._backend.get(uniq)
+        if not found.all():
+            recs[~found] = self._new_records(uniq[~found])
+            self._stats["inserts"] += int(len(uniq) - np.count_nonzero(found))
+        recs["vector"] = v[last]
+        self._stamp(recs)
+        self._put(uniq, recs)
+        self._stats["assigns"] += len(uniq)
+
+    def delete(self, keys: Any) -> int:
+        """Delete keys; return how many were present."""
+        self._check_writable()
+        k = self._keys(keys)
+        if len(k) == 0:
+            return 0
+        uniq, _ = _unique_first(k)
+        return self._delete(uniq)
+
+    # Every row write and delete of the engine goes through these two, so observers see all.
+    def _put(self, keys: np.ndarray, recs: np.ndarray) -> None:
+        self._backend.put(keys, recs)
+        for obs in self._observers:
+            obs.on_write(keys, recs)
+
+    def _delete(self, keys: np.ndarray) -> int:
+        present = self._backend.delete(keys)
+        n = int(np.count_nonzero(present))
+        self._stats["deletes"] += n
+        if n:
+            gone = keys[np.asarray(present, dtype=bool)]
+            for obs in self._observers:
+                obs.on_delete(gone)
+        return n
+
+    def _stamp(self, recs: np.ndarray) -> None:
+        recs["last_seen"] = time.time()
+        recs["last_step"] = self.step
+        recs["version"] = self._next_version()
+
+    # -- whole-table access ------------------------------------------------------------------------
+    def get_records(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Full records (vector, slots, metadata) and a found mask, for inspection."""
+        self._check_open()
+        k = self._keys(keys)
+        return self._backend.get(k)
+
+    def items(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Iterate ``(keys, vectors)`` batches over the whole table (order is the backend's)."""
+        for keys, recs in self.records(batch_size):
+            yield keys, np.ascontiguousarray(recs["vector"])
+
+    def records(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Iterate ``(keys, records)`` batches with every field of the layout."""
+        self._check_open()
+        if batch_size <= 0:
+            raise InvalidInputError(f"batch_size must be positive, got {batch_size}")
+        yield from self._backend.scan(batch_size)
+
+    def changes_since(self, version: int,
+                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Iterate ``(keys, records)`` written after ``version`` (see :attr:`version`)."""
+        self._check_open()
+        yield from self._backend.changes_since(int(version), batch_size)
+
+    def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
+               batch_size: int = 65536, progress: bool = False) -> int:
+        """Write every record (or those changed after ``since``) to a native file.
+
+        Returns the number of rows written. A path is written atomically.
+        """
+        from .io.native import NativeWriter
+        from .progress import progress_bar
+
+        self._check_open()
+        src = (self.records(batch_size) if since is None
+               else self.changes_since(since, batch_size))
+        header = self._meta()
+        header["since"] = since
+        with NativeWriter(dest, header) as w, progress_bar(
+            total=len(self) if since is None else None, enabled=progress, desc="export"
+        ) as bar:
+            for keys, recs in src:
+                w.write(keys, recs)
+                bar.update(len(keys))
+        return w.rows
+
+    def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
+                progress: bool = False) -> int:
+        """Load records from a native file; return the number of rows imported.
+
+        The file's layout and key type must equal the store's. The whole file is verified
+        (checksums, trailer) before the first row is written, so a corrupt or truncated file
+        imports nothing; with ``partial=True`` rows before the damage are kept.
+        """
+        from .io.native import NativeReader
+        from .progress import progress_bar
+
+        self._check_writable()
+        with NativeReader(src) as reader:
+            if reader.key_type != self.key_type:
+                raise SchemaMismatchError(
+                    f"file has {reader.key_type} keys, the store has {self.key_type} keys"
+                )
+            if reader.layout != self.layout:
+                raise SchemaMismatchError(
+                    f"file layout {reader.layout} differs from the store's {self.layout}"
+                )
+            total = None if partial else reader.verify()
+            top = [self._version]
+
+            def batches():
+                for keys, recs in reader:
+                    if not np.isfinite(recs["vector"]).all():
+                        from .errors import CorruptFileError
+
+                        raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
+                    top[0] = max(top[0], int(recs["version"].max()))
+                    uniq, last = _unique_last(keys)
+                    if len(uniq) != len(keys):
+                        keys, recs = uniq, recs[last]
+                    bar.update(len(keys))
+                    yield keys, recs
+
+            with progress_bar(total=total, enabled=progress, desc="import") as bar:
+                n = self._backend.bulk_load(batches())
+            self._version = max(self._version, top[0])
+            self.step = max(self.step, int(reader.header.get("step", 0)))
+        return n
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters since open: rows looked up, hits, misses, inserts, updates, ...; plus
+        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known."""
+        self._check_open()
+        out: dict[str, Any] = dict(self._stats)
+        out["rows"] = len(self._backend)
+        looked = out["lookups"]
+        out["hit_rate"] = out["hits"] / looked if looked else math.nan
+        out["step"] = self.step
+        out["version"] = self._version
+        out.update(self._backend.stats())
+        size = self._backend.size_bytes()
+        if size is not None:
+            out["size_bytes"] = int(size)
+        return out
+
+    def flush(self) -> None:
+        """Persist metadata (step, version) and make acknowledged writes durable."""
+        self._check_open()
+        if not self.read_only:
+            self._backend.write_meta(self._meta())
+            self._backend.flush()
+
+    def close(self) -> None:
+        """Flush and release the backend. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            if not self.read_only:
+                self._backend.write_meta(self._meta())
+                self._backend.flush()
+        finally:
+            self._closed = True
+            self._backend.close()
+
+    def __enter__(self) -> EmbeddingStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __reduce__(self):
+        if not self._backend.persistent:
+            raise pickle.PicklingError(
+                f"a {self.url} store lives in this process's memory and is not pickled: a copy "
+                "would silently diverge. Use a persistent backend (lmdb://, rocksdb://, sql, "
+                "bigtable://) to share a store with DataLoader workers, or export/import it."
+            )
+        opts = dict(self._reopen_options)
+        opts["read_only"] = self.read_only
+        return (_reopen, (self.url, opts))
+
+
+def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
+    from .api import open as _open
+
+    return _open(url, **options)
+
+
+# -- vectorized helpers ----------------------------------------------------------------------------
+def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sum rows of duplicate keys: return ``(unique_keys, summed_rows, multiplicity)``."""
+    order = np.argsort(keys, kind="stable")
+    ks = keys[order]
+    if len(ks) > 1:
+        flags = ks[1:] != ks[:-1]
+    else:
+        flags = np.zeros(0, dtype=bool)
+    if flags.all():
+        return ks, grads[order], np.ones(len(ks), dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], flags)))
+    summed = np.add.reduceat(grads[order], starts, axis=0)
+    mult = np.diff(np.append(starts, len(ks)))
+    return ks[starts], summed, mult
+
+
+def _occurrences(keys: np.ndarray, uniq: np.ndarray) -> np.ndarray:
+    """How often each of the sorted unique ``uniq`` occurs in ``keys``."""
+    return np.bincount(np.searchsorted(uniq, keys), minlength=len(uniq)).astype(np.int64)
+
+
+def _unique_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys and the index of each one's first occurrence."""
+    uniq, first = np.unique(keys, return_index=True)
+    return uniq, first
+
+
+def _unique_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys and the index of each one's last occurrence."""
+    rev = keys[::-1]
+    uniq, idx = np.unique(rev, return_index=True)
+    return uniq, len(keys) - 1 - idx

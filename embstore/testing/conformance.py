@@ -1,0 +1,472 @@
+"""The conformance suite every backend and layer runs.
+
+Subclass :class:`StoreConformance` in a test module and provide a ``url_factory`` fixture that
+returns a callable producing a *fresh, empty* store URL on each call::
+
+    class TestLmdb(StoreConformance):
+        @pytest.fixture
+        def url_factory(self, tmp_path):
+            names = iter(range(10**6))
+            return lambda: f"lmdb://{tmp_path}/s{next(names)}"
+
+``open_options`` (a class attribute) is passed to every ``embstore.open`` call, so layers reuse
+the suite: ``open_options = {"cache": "memory://"}``. Tests that need a capability the store
+lacks (persistence, scans) are skipped, never silently passed. ``StoreStateMachine`` checks a
+store against a plain dict model with Hypothesis.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import (
+    CorruptFileError,
+    InvalidInputError,
+    KeyTypeError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    StoreClosedError,
+)
+
+DIM = 8
+
+
+def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Structured-array equality that treats NaN bit patterns as data."""
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def table_of(store: embstore.EmbeddingStore) -> dict[Any, np.ndarray]:
+    """The whole table as {key: record} (keys as Python ints or bytes)."""
+    out: dict[Any, np.ndarray] = {}
+    for keys, recs in store.records(batch_size=97):
+        for k, r in zip(keys.tolist(), recs):
+            assert k not in out, f"scan returned key {k!r} twice"
+            out[k] = r.copy()
+    return out
+
+
+class StoreConformance:
+    """Shared behaviour tests; see the module docstring."""
+
+    open_options: dict[str, Any] = {}
+
+    @pytest.fixture
+    def url_factory(self):  # pragma: no cover - subclasses provide it
+        raise NotImplementedError("subclasses define a url_factory fixture")
+
+    @pytest.fixture(autouse=True)
+    def _bind_factory(self, url_factory):
+        self.url_factory = url_factory
+        self._opened: list[embstore.EmbeddingStore] = []
+        yield
+        for s in self._opened:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 - cleanup must not mask the test's own failure
+                pass
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def open(self, url: str | None = None, **kw: Any) -> embstore.EmbeddingStore:
+        opts = {**self.open_options, **kw}
+        if url is None:
+            url = self.url_factory()
+            opts.setdefault("dim", DIM)
+        store = embstore.open(url, **opts)
+        self._opened.append(store)
+        return store
+
+    def reopen(self, store: embstore.EmbeddingStore, **kw: Any) -> embstore.EmbeddingStore:
+        url = store.url
+        store.close()
+        return self.open(url, **kw)
+
+    def require_persistent(self, store: embstore.EmbeddingStore) -> None:
+        if not store.backend.persistent:
+            pytest.skip("backend is not persistent")
+
+    # -- round trips ----------------------------------------------------------------------------------
+    def test_lookup_inserts_and_returns_same_vectors(self):
+        s = self.open()
+        keys = np.array([5, -3, 2**62, 0, -(2**63)], dtype=np.int64)
+        v1 = s.lookup(keys)
+        assert v1.shape == (5, DIM) and v1.dtype == np.float32
+        assert len(s) == 5
+        np.testing.assert_array_equal(s.lookup(keys[::-1]), v1[::-1])
+        np.testing.assert_array_equal(v1, s.initial_vectors(keys))
+        assert s.contains(keys).all()
+        assert not s.contains([7, 8]).any()
+
+    def test_lookup_without_insert_writes_nothing(self):
+        s = self.open()
+        v = s.lookup([1, 2, 3], insert=False)
+        np.testing.assert_array_equal(v, s.initial_vectors([1, 2, 3]))
+        assert len(s) == 0
+        assert not s.contains([1, 2, 3]).any()
+
+    def test_duplicate_keys_in_lookup(self):
+        s = self.open()
+        v = s.lookup([4, 4, 9, 4])
+        assert len(s) == 2
+        np.testing.assert_array_equal(v[0], v[1])
+        np.testing.assert_array_equal(v[0], v[3])
+
+    def test_bytes_and_str_keys(self):
+        s = self.open(key_type="bytes")
+        keys = [b"a", b"a\x00", b"", "caf\u00e9", b"\xff\xfe", b"x" * 300]
+        v = s.lookup(keys)
+        assert len(s) == 6, "distinct bytes keys must not share a record"
+        np.testing.assert_array_equal(s.lookup(["caf\u00e9".encode()]), v[3:4])
+        assert s.contains([b"a", b"b"]).tolist() == [True, False]
+        got = dict(zip(*[np.concatenate(x) for x in zip(*s.items(batch_size=2))]))
+        assert set(got) == {b"a", b"a\x00", b"", "caf\u00e9".encode(), b"\xff\xfe", b"x" * 300}
+
+    def test_empty_batches(self):
+        s = self.open()
+        assert s.lookup([]).shape == (0, DIM)
+        s.update([], np.zeros((0, DIM), np.float32))
+        s.assign(np.array([], dtype=np.int64), np.zeros((0, DIM)))
+        assert s.delete([]) == 0
+        assert s.contains([]).shape == (0,)
+
+    def test_growth_keeps_every_key(self):
+        s = self.open()
+        keys = np.random.default_rng(1).choice(2**40, 20000, replace=False).astype(np.int64)
+        vals = np.random.default_rng(2).standard_normal((len(keys), DIM)).astype(np.float32)
+        for i in range(0, len(keys), 4096):
+            s.assign(keys[i:i + 4096], vals[i:i + 4096])
+        assert len(s) == len(keys)
+        np.testing.assert_array_equal(s.lookup(keys, insert=False), vals)
+
+    # -- update ---------------------------------------------------------------------------------------
+    def test_update_sums_duplicates_then_steps(self):
+        s = self.open(optimizer=embstore.optim.SGD(lr=0.5))
+        keys = [1, 2, 1, 3]
+        before = s.lookup([1, 2, 3])
+        g = np.arange(4 * DIM, dtype=np.float32).reshape(4, DIM) / 100
+        s.update(keys, g)
+        after = s.lookup([1, 2, 3])
+        np.testing.assert_allclose(after[0], before[0] - 0.5 * (g[0] + g[2]), rtol=1e-6)
+        np.testing.assert_allclose(after[1], before[1] - 0.5 * g[1], rtol=1e-6)
+        np.testing.assert_allclose(after[2], before[2] - 0.5 * g[3], rtol=1e-6)
+        recs, found = s.get_records([1, 2, 3])
+        assert found.all()
+        assert recs["count"].tolist() == [2, 1, 1]
+        assert (recs["last_step"] == s.step).all() and s.step == 1
+
+    def test_update_creates_unknown_keys(self):
+        s = self.open(optimizer="sgd")
+        g = np.ones((2, DIM), np.float32)
+        s.update([10, 11], g)
+        lr = s.optimizer.lr
+        np.testing.assert_allclose(s.lookup([10, 11]), s.initial_vectors([10, 11]) - lr * g,
+                                   rtol=1e-6)
+
+    def test_versions_increase_with_writes(self):
+        s = self.open()
+        s.lookup([1])
+        v1 = s.version
+        s.update([2], np.ones((1, DIM)))
+        assert s.version > v1
+        changed = {k for keys, _ in s.changes_since(v1) for k in keys.tolist()}
+        assert changed == {2}
+
+    # -- assign / delete ------------------------------------------------------------------------------
+    def test_assign_sets_vectors_last_wins(self):
+        s = self.open()
+        vals = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+        s.assign([7, 8, 7], vals)
+        np.testing.assert_array_equal(s.lookup([7, 8]), vals[[2, 1]])
+
+    def test_delete(self):
+        s = self.open()
+        s.lookup([1, 2, 3])
+        assert s.delete([2, 2, 99]) == 1
+        assert len(s) == 2
+        assert s.contains([1, 2, 3]).tolist() == [True, False, True]
+        s.assign([2], np.ones((1, DIM)))
+        np.testing.assert_array_equal(s.lookup([2]), np.ones((1, DIM), np.float32))
+
+    def test_items_cover_table_once(self):
+        s = self.open()
+        keys = np.arange(-500, 500, 3, dtype=np.int64)
+        vals = np.random.default_rng(0).standard_normal((len(keys), DIM)).astype(np.float32)
+        s.assign(keys, vals)
+        seen: dict[int, np.ndarray] = {}
+        for k, v in s.items(batch_size=64):
+            assert v.shape == (len(k), DIM)
+            for kk, vv in zip(k.tolist(), v):
+                assert kk not in seen
+                seen[kk] = vv
+        assert set(seen) == set(keys.tolist())
+        for kk, vv in zip(keys.tolist(), vals):
+            np.testing.assert_array_equal(seen[kk], vv)
+
+    # -- bad input ------------------------------------------------------------------------------------
+    def test_bad_input_raises_and_leaves_data_unchanged(self):
+        s = self.open()
+        s.assign([1, 2], np.ones((2, DIM)))
+        snapshot = table_of(s)
+        bad_calls = [
+            (InvalidInputError, lambda: s.update([1, 2], np.ones((2, DIM + 1)))),
+            (InvalidInputError, lambda: s.update([1, 2], np.ones((3, DIM)))),
+            (InvalidInputError, lambda: s.update([1, 2], np.full((2, DIM), np.nan))),
+            (InvalidInputError, lambda: s.update([1, 2], np.array([[np.inf] * DIM, [0] * DIM]))),
+            (InvalidInputError, lambda: s.assign([1], np.full((1, DIM), -np.inf))),
+            (InvalidInputError, lambda: s.assign([1], np.array([["a"] * DIM]))),
+            (KeyTypeError, lambda: s.lookup([b"x"])),
+            (KeyTypeError, lambda: s.lookup(["x", "y"])),
+            (KeyTypeError, lambda: s.update([1.5], np.ones((1, DIM)))),
+            (InvalidInputError, lambda: s.lookup(np.ones((2, 2), dtype=np.int64))),
+        ]
+        for err, call in bad_calls:
+            with pytest.raises(err):
+                call()
+        after = table_of(s)
+        assert after.keys() == snapshot.keys()
+        for k in snapshot:
+            assert rows_equal(after[k], snapshot[k])
+
+    def test_bytes_store_rejects_int_keys(self):
+        s = self.open(key_type="bytes")
+        with pytest.raises(KeyTypeError):
+            s.lookup(np.array([1, 2]))
+
+    def test_unknown_key_type_and_bad_dim(self):
+        with pytest.raises(InvalidInputError):
+            self.open(key_type="float")
+        with pytest.raises(InvalidInputError):
+            self.open(dim=0)
+
+    def test_closed_store_raises(self):
+        s = self.open()
+        s.close()
+        s.close()  # idempotent
+        for call in (lambda: s.lookup([1]), lambda: s.update([1], np.ones((1, DIM))),
+                     lambda: len(s), lambda: s.stats(), lambda: list(s.items())):
+            with pytest.raises(StoreClosedError):
+                call()
+
+    # -- persistence ----------------------------------------------------------------------------------
+    def test_reopen_returns_exact_records(self):
+        s = self.open(optimizer=embstore.optim.SGD(lr=0.1))
+        self.require_persistent(s)
+        s.lookup(np.arange(100))
+        s.update(np.arange(0, 100, 2), np.ones((50, DIM)))
+        before = table_of(s)
+        step = s.step
+        s2 = self.reopen(s)
+        assert s2.step == step
+        after = table_of(s2)
+        assert after.keys() == before.keys()
+        for k in before:
+            assert rows_equal(after[k], before[k])
+
+    def test_reopen_with_other_dim_or_key_type_is_refused(self):
+        s = self.open()
+        self.require_persistent(s)
+        s.lookup([1, 2])
+        url = s.url
+        s.close()
+        with pytest.raises(SchemaMismatchError):
+            self.open(url, dim=DIM + 1)
+        with pytest.raises(SchemaMismatchError):
+            self.open(url, key_type="bytes")
+        with pytest.raises(SchemaMismatchError):
+            self.open(url, optimizer=embstore.optim.SGD(lr=0.123))
+        s2 = self.open(url)
+        assert len(s2) == 2 and s2.dim == DIM
+
+    def test_read_only_refuses_writes(self):
+        s = self.open()
+        self.require_persistent(s)
+        s.lookup([1, 2])
+        url = s.url
+        s.close()
+        ro = self.open(url, read_only=True)
+        v = ro.lookup([1, 2, 3])
+        assert len(ro) == 2, "a read-only lookup must not insert"
+        np.testing.assert_array_equal(v[2], ro.initial_vectors([3])[0])
+        for call in (lambda: ro.update([1], np.ones((1, DIM))),
+                     lambda: ro.assign([1], np.ones((1, DIM))),
+                     lambda: ro.delete([1]),
+                     lambda: ro.import_(b"")):
+            with pytest.raises(ReadOnlyError):
+                call()
+
+    def test_pickle_by_url(self):
+        s = self.open()
+        if not s.backend.persistent:
+            with pytest.raises(pickle.PicklingError):
+                pickle.dumps(s)
+            return
+        s.assign([1, 2], np.full((2, DIM), 3.0))
+        s.flush()
+        clone = pickle.loads(pickle.dumps(s))
+        self._opened.append(clone)
+        assert clone.url == s.url
+        np.testing.assert_array_equal(clone.lookup([1, 2], insert=False),
+                                      np.full((2, DIM), 3.0, np.float32))
+
+    # -- init determinism -----------------------------------------------------------------------------
+    def test_initial_vectors_depend_only_on_seed_and_key(self):
+        a = self.open(seed=7)
+        b = self.open(seed=7)
+        c = self.open(seed=8)
+        keys = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int64)
+        va = a.lookup(keys)
+        vb = b.lookup(keys[::-1])[::-1]
+        np.testing.assert_array_equal(va, vb)
+        assert not np.array_equal(va, c.lookup(keys))
+
+    # -- export / import ------------------------------------------------------------------------------
+    def test_export_import_reproduces_records(self, tmp_path):
+        s = self.open(optimizer=embstore.optim.SGD(lr=0.2))
+        s.lookup(np.arange(300))
+        s.update(np.arange(0, 300, 3), np.ones((100, DIM)))
+        path = tmp_path / "t.emb"
+        assert s.export(path) == 300
+        t = self.open(optimizer=embstore.optim.SGD(lr=0.2))
+        assert t.import_(path) == 300
+        a, b = table_of(s), table_of(t)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert rows_equal(a[k], b[k])
+
+    def test_export_import_bytes_keys(self):
+        s = self.open(key_type="bytes")
+        s.lookup(["alpha", "beta", "", "\u00fc"])
+        buf = io.BytesIO()
+        s.export(buf)
+        t = self.open(key_type="bytes")
+        t.import_(buf.getvalue())
+        a, b = table_of(s), table_of(t)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert rows_equal(a[k], b[k])
+
+    def test_corrupt_or_truncated_import_imports_nothing(self, tmp_path):
+        s = self.open()
+        s.lookup(np.arange(5000))
+        buf = io.BytesIO()
+        s.export(buf, batch_size=1000)
+        data = buf.getvalue()
+        t = self.open()
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0xFF
+        for bad in (data[: len(data) - 10], data[: len(data) // 2], bytes(flipped),
+                    b"garbage", data[:20]):
+            with pytest.raises(CorruptFileError):
+                t.import_(bad)
+            assert len(t) == 0
+
+    def test_import_with_other_layout_is_refused(self):
+        s = self.open()
+        s.lookup([1])
+        buf = io.BytesIO()
+        s.export(buf)
+        t = self.open(dim=DIM * 2)
+        with pytest.raises(SchemaMismatchError):
+            t.import_(buf.getvalue())
+        assert len(t) == 0
+
+    # -- stats ----------------------------------------------------------------------------------------
+    def test_stats_count_operations(self):
+        s = self.open()
+        s.lookup([1, 2, 3])
+        s.lookup([1, 4])
+        s.update([1, 1], np.ones((2, DIM)))
+        s.delete([2])
+        st = s.stats()
+        assert st["lookups"] == 5 and st["hits"] == 1 and st["misses"] == 4
+        assert st["inserts"] == 4 and st["updates"] == 2 and st["deletes"] == 1
+        assert st["rows"] == 3
+        assert math.isclose(st["hit_rate"], 0.2)
+
+    # -- model-based ----------------------------------------------------------------------------------
+    def test_state_machine_against_dict_model(self):
+        from hypothesis import HealthCheck, settings
+        from hypothesis.stateful import run_state_machine_as_test
+
+        run_state_machine_as_test(
+            make_state_machine(self.open),
+            settings=settings(max_examples=12, stateful_step_count=15, deadline=None,
+                              suppress_health_check=list(HealthCheck)),
+        )
+
+
+def make_state_machine(open_store):
+    """A Hypothesis state machine comparing a store with a dict model (SGD, lr=0.5)."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    key_st = st.integers(min_value=-20, max_value=20)
+    batch_st = st.lists(key_st, min_size=0, max_size=12)
+    lr = 0.5
+
+    class StoreStateMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.store = open_store(optimizer=embstore.optim.SGD(lr=lr))
+            self.model: dict[int, np.ndarray] = {}
+
+        def teardown(self) -> None:
+            self.store.close()
+
+        def _vec(self, k: int) -> np.ndarray:
+            return self.model.get(k, self.store.initial_vectors([k])[0].astype(np.float64))
+
+        @rule(keys=batch_st, insert=st.booleans())
+        def lookup(self, keys, insert):
+            got = self.store.lookup(np.array(keys, dtype=np.int64), insert=insert)
+            for k, v in zip(keys, got):
+                np.testing.assert_allclose(v, self._vec(k), rtol=1e-5, atol=1e-6)
+            if insert:
+                for k in keys:
+                    self.model.setdefault(k, self._vec(k))
+
+        @rule(keys=batch_st, scale=st.floats(-2, 2, allow_nan=False))
+        def update(self, keys, scale):
+            g = np.full((len(keys), DIM), scale, np.float32) * (np.arange(DIM) + 1)
+            self.store.update(np.array(keys, dtype=np.int64), g)
+            acc: dict[int, np.ndarray] = {}
+            for k, row in zip(keys, g.astype(np.float64)):
+                acc[k] = acc.get(k, 0) + row
+            for k, total in acc.items():
+                self.model[k] = self._vec(k) - lr * total
+
+        @rule(keys=batch_st, value=st.floats(-3, 3, allow_nan=False))
+        def assign(self, keys, value):
+            vals = np.full((len(keys), DIM), value, np.float32)
+            self.store.assign(np.array(keys, dtype=np.int64), vals)
+            for k in keys:
+                self.model[k] = np.full(DIM, np.float32(value), np.float64)
+
+        @rule(keys=batch_st)
+        def delete(self, keys):
+            n = self.store.delete(np.array(keys, dtype=np.int64))
+            assert n == len(set(keys) & set(self.model))
+            for k in keys:
+                self.model.pop(k, None)
+
+        @precondition(lambda self: True)
+        @rule()
+        def scan(self):
+            got = {k: v for ks, vs in self.store.items(batch_size=5)
+                   for k, v in zip(ks.tolist(), vs)}
+            assert set(got) == set(self.model)
+            for k, v in got.items():
+                np.testing.assert_allclose(v, self.model[k], rtol=1e-5, atol=1e-6)
+
+        @invariant()
+        def sizes_agree(self):
+            assert len(self.store) == len(self.model)
+
+    return StoreStateMachine

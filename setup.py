@@ -1,0 +1,13 @@
+"""Only the Extension list lives here; everything else is in pyproject.toml."""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension("embstore._cython.cuckoo", ["embstore/_cython/cuckoo.pyx"], extra_compile_args=["-O3"]),
+    Extension(
+        "embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], extra_compile_args=["-O3"]
+    ),
+]
+
+setup(ext_modules=cythonize(extensions, language_level=3))

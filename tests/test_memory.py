@@ -1,0 +1,103 @@
+"""memory:// runs the conformance suite, plus cuckoo-table specifics."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore._cython.cuckoo import CuckooTable, RecordArena
+from embstore.testing.conformance import StoreConformance
+
+
+class TestMemoryConformance(StoreConformance):
+    @pytest.fixture
+    def url_factory(self):
+        return lambda: "memory://"
+
+
+def test_memory_store_refuses_to_pickle():
+    s = embstore.open("memory://", dim=4)
+    with pytest.raises(pickle.PicklingError, match="not pickled"):
+        pickle.dumps(s)
+
+
+def test_cuckoo_never_drops_a_key_through_many_rehashes():
+    t = CuckooTable(16)
+    rng = np.random.default_rng(3)
+    keys = rng.choice(2**63 - 1, 200_000, replace=False).astype(np.int64)
+    keys[:5] = [0, -1, -(2**63), 2**63 - 1, 42]
+    vals = np.arange(len(keys), dtype=np.uint32)
+    for i in range(0, len(keys), 7777):
+        t.insert_new(keys[i:i + 7777], vals[i:i + 7777])
+    assert len(t) == len(keys) and t.rehashes >= 3
+    out = np.empty(len(keys), np.uint32)
+    assert t.find(keys, out) == len(keys)
+    np.testing.assert_array_equal(out, vals)
+
+
+def test_cuckoo_adversarial_keys_sharing_hash_buckets():
+    # Keys whose mixed hashes collide in low bits stress the kick walk and growth.
+    t = CuckooTable(16)
+    keys = (np.arange(50_000, dtype=np.int64) << 20)
+    t.insert_new(keys, np.arange(len(keys), dtype=np.uint32))
+    out = np.empty(len(keys), np.uint32)
+    assert t.find(keys, out) == len(keys)
+    np.testing.assert_array_equal(out, np.arange(len(keys)))
+
+
+def test_cuckoo_erase_and_items():
+    t = CuckooTable(16)
+    keys = np.arange(1000, dtype=np.int64) * 3
+    t.insert_new(keys, np.arange(1000, dtype=np.uint32))
+    removed = np.empty(500, np.uint32)
+    assert t.erase(keys[:500], removed) == 500
+    np.testing.assert_array_equal(removed, np.arange(500))
+    ks, vs = np.empty(500, np.int64), np.empty(500, np.uint32)
+    assert t.items(ks, vs) == 500
+    assert sorted(ks.tolist()) == keys[500:].tolist()
+
+
+def test_arena_reuses_freed_slots_and_gathers_fields():
+    a = RecordArena(16, chunk_shift=4)
+    slots = np.empty(40, np.uint32)
+    a.alloc(slots)
+    assert slots.tolist() == list(range(40))
+    src = np.arange(40 * 16, dtype=np.uint8).reshape(40, 16)
+    a.scatter(slots, src)
+    out = np.empty((40, 4), np.uint8)
+    a.gather(slots, out, 8, 4)
+    np.testing.assert_array_equal(out, src[:, 8:12])
+    a.release(slots[:3])
+    again = np.empty(3, np.uint32)
+    a.alloc(again)
+    assert set(again.tolist()) == {0, 1, 2}
+    assert a.live == 40
+
+
+def test_memory_bytes_keys_are_collisionless_across_many_keys():
+    s = embstore.open("memory://", dim=2, key_type="bytes")
+    words = [f"w{i}".encode() for i in range(5000)] + [b"w1\x00", b"W1"]
+    vals = np.arange(len(words) * 2, dtype=np.float32).reshape(-1, 2)
+    s.assign(words, vals)
+    assert len(s) == len(words)
+    np.testing.assert_array_equal(s.lookup(words, insert=False), vals)
+
+
+def test_memory_size_reported():
+    s = embstore.open("memory://", dim=64)
+    s.lookup(np.arange(10_000))
+    st = s.stats()
+    assert st["size_bytes"] >= 10_000 * s.layout.itemsize
+    assert st["table_capacity"] >= 10_000
+
+
+def test_fresh_memory_urls_are_independent():
+    counter = itertools.count()
+    a = embstore.open("memory://", dim=2)
+    b = embstore.open("memory://", dim=2)
+    a.lookup([next(counter)])
+    assert len(b) == 0

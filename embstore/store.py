@@ -545,18 +545,30 @@ def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
 
 # -- vectorized helpers ----------------------------------------------------------------------------
 def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sum rows of duplicate keys: return ``(unique_keys, summed_rows, multiplicity)``."""
+    """Sum rows of duplicate keys: return ``(unique_keys, summed_rows, multiplicity)``.
+
+    Unique keys come out sorted. Typical batches have few duplicates, so the first occurrence
+    of each key is gathered with ``np.take`` and only the duplicate rows are added on top;
+    heavily duplicated batches (Zipf streams) use one ``reduceat`` instead.
+    """
+    n = len(keys)
     order = np.argsort(keys, kind="stable")
     ks = keys[order]
-    if len(ks) > 1:
-        flags = ks[1:] != ks[:-1]
+    newseg = np.ones(n, dtype=bool)
+    if n > 1:
+        np.not_equal(ks[1:], ks[:-1], out=newseg[1:])
+    if newseg.all():
+        return ks, np.take(grads, order, axis=0), np.ones(n, dtype=np.int64)
+    starts = np.flatnonzero(newseg)
+    mult = np.diff(np.append(starts, n))
+    ndup = n - len(starts)
+    if ndup * 4 > n:
+        summed = np.add.reduceat(np.take(grads, order, axis=0), starts, axis=0)
     else:
-        flags = np.zeros(0, dtype=bool)
-    if flags.all():
-        return ks, grads[order], np.ones(len(ks), dtype=np.int64)
-    starts = np.flatnonzero(np.concatenate(([True], flags)))
-    summed = np.add.reduceat(grads[order], starts, axis=0)
-    mult = np.diff(np.append(starts, len(ks)))
+        summed = np.take(grads, order[starts], axis=0)
+        dup = ~newseg
+        seg = np.cumsum(newseg) - 1
+        np.add.at(summed, seg[dup], np.take(grads, order[dup], axis=0))
     return ks[starts], summed, mult
 
 

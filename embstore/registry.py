@@ -24,6 +24,7 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "postgres": ("embstore.backends.sql:SQLBackend", "postgres"),
     "mysql": ("embstore.backends.sql:SQLBackend", "sql"),
     "bigtable": ("embstore.backends.bigtable:BigtableBackend", "bigtable"),
+    "sharded": ("embstore.layers.sharded:ShardedBackend", None),
 }
 _registry: dict[str, tuple[str | type, str | None]] = dict(_BUILTIN)
 _entry_points_loaded = False

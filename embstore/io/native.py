@@ -49,6 +49,9 @@ def _open_out(dest: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str | None,
         final = os.fspath(dest)
         d = os.path.dirname(os.path.abspath(final))
         fd, tmp = tempfile.mkstemp(prefix=".embstore-", suffix=".tmp", dir=d)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 is for the temporary file only
         return os.fdopen(fd, "wb"), tmp, final
     return dest, None, None
 
@@ -86,16 +89,19 @@ class NativeWriter:
 
     def _write_chunk(self, keys: np.ndarray, records: np.ndarray) -> None:
         n = len(keys)
-        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
+        recs = np.ascontiguousarray(records, dtype=self.layout.dtype).view(np.uint8)
         if self.key_type == "int64":
-            parts = [np.ascontiguousarray(keys, dtype="<i8").tobytes(), recs.tobytes()]
+            parts = [np.ascontiguousarray(keys, dtype="<i8").view(np.uint8), recs]
         else:
             lens = np.fromiter((len(k) for k in keys), dtype="<u4", count=n)
-            parts = [lens.tobytes(), b"".join(keys), recs.tobytes()]
-        payload = b"".join(parts)
-        crc = zlib.crc32(payload)
-        self._f.write(_CHUNK.pack(b"CHNK", n, len(payload), crc))
-        self._f.write(payload)
+            parts = [lens.view(np.uint8), b"".join(keys), recs]
+        # The parts are written and checksummed in place: no payload copy is made.
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        self._f.write(_CHUNK.pack(b"CHNK", n, sum(len(p) for p in parts), crc))
+        for p in parts:
+            self._f.write(p)
         self._crcs = zlib.crc32(struct.pack("<I", crc), self._crcs)
         self.rows += n
 
@@ -197,9 +203,11 @@ class NativeReader:
             raise CorruptFileError(f"{self.name}: header lacks a layout")
         return header
 
-    def _chunks(self, decode: bool) -> Iterator[tuple[np.ndarray, np.ndarray] | int]:
+    def _chunks(self, decode: bool, reuse: bool = False
+                ) -> Iterator[tuple[np.ndarray, np.ndarray] | int]:
         self._f.seek(self._body)
         total, crcs = 0, 0
+        spare = np.empty(0, dtype=np.uint8)
         itemsize = self.layout.itemsize
         while True:
             tag = self._read_exact(4, "chunk tag")
@@ -223,29 +231,44 @@ class NativeReader:
                 raise CorruptFileError(f"{self.name}: chunk declares an absurd size ({n} rows)")
             if self.key_type == "int64" and plen != min_len:
                 raise CorruptFileError(f"{self.name}: chunk size does not match its row count")
-            payload = self._read_exact(plen, "chunk payload")
+            # readinto a bytearray: decoded arrays are writable views, not second copies
+            if self._size is not None and hasattr(self._f, "readinto"):
+                # np.empty: uninitialized (no zero fill), writable, readinto fills it
+                if reuse:  # the caller is done with a chunk before asking for the next
+                    if len(spare) < plen:
+                        spare = np.empty(plen, dtype=np.uint8)
+                    payload = spare[:plen]
+                else:
+                    payload = np.empty(plen, dtype=np.uint8)
+                if self._f.readinto(payload) != plen:
+                    raise CorruptFileError(f"{self.name}: truncated file (while reading "
+                                           "chunk payload)")
+            else:  # a stream of unknown size: never preallocate what the file claims
+                payload = np.frombuffer(bytearray(self._read_exact(plen, "chunk payload")),
+                                        dtype=np.uint8)
             if zlib.crc32(payload) != pcrc:
                 raise CorruptFileError(f"{self.name}: checksum mismatch in chunk at row {total}")
             crcs = zlib.crc32(struct.pack("<I", pcrc), crcs)
             total += n
             yield self._decode(payload, n) if decode else n
 
-    def _decode(self, payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, payload: bytes | bytearray | memoryview, n: int
+                ) -> tuple[np.ndarray, np.ndarray]:
         itemsize = self.layout.itemsize
         if self.key_type == "int64":
-            keys = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64)
-            recs = np.frombuffer(payload, dtype=self.layout.dtype, count=n, offset=8 * n).copy()
+            keys = np.frombuffer(payload, dtype="<i8", count=n).astype(np.int64, copy=False)
+            recs = np.frombuffer(payload, dtype=self.layout.dtype, count=n, offset=8 * n)
             return keys, recs
         lens = np.frombuffer(payload, dtype="<u4", count=n).astype(np.int64)
         kbytes = int(lens.sum())
         if 4 * n + kbytes + n * itemsize != len(payload):
             raise CorruptFileError(f"{self.name}: chunk key lengths do not add up")
-        ends = 4 * n + np.cumsum(lens)
+        kb = bytes(payload[4 * n:4 * n + kbytes])
+        ends = np.cumsum(lens)
         starts = ends - lens
         keys = np.empty(n, dtype=object)
-        keys[:] = [payload[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
-        recs = np.frombuffer(payload, dtype=self.layout.dtype, count=n,
-                             offset=4 * n + kbytes).copy()
+        keys[:] = [kb[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
+        recs = np.frombuffer(payload, dtype=self.layout.dtype, count=n, offset=4 * n + kbytes)
         return keys, recs
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -254,7 +277,12 @@ class NativeReader:
 
     def verify(self) -> int:
         """Check every checksum and the trailer; return the row count."""
-        return sum(self._chunks(decode=False))  # type: ignore[arg-type]
+        return sum(self._chunks(decode=False, reuse=True))  # type: ignore[arg-type]
+
+    def iter_transient(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Like iteration, but each chunk's arrays are only valid until the next one is read
+        (one buffer is reused): for checking passes that keep nothing."""
+        return self._chunks(decode=True, reuse=True)  # type: ignore[return-value]
 
     def close(self) -> None:
         if self._owns:

@@ -5,12 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidInputError
+from .adagrad import Adagrad
+from .adam import Adam
 from .base import Optimizer
+from .ftrl import FTRL
+from .momentum import Momentum
 from .sgd import SGD
 
-__all__ = ["Optimizer", "SGD", "from_config", "resolve", "register_optimizer"]
+__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "FTRL", "from_config", "resolve",
+           "register_optimizer"]
 
-_BY_NAME: dict[str, type[Optimizer]] = {"sgd": SGD}
+_BY_NAME: dict[str, type[Optimizer]] = {
+    c.name: c for c in (SGD, Momentum, Adagrad, Adam, FTRL)
+}
 
 
 def register_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
@@ -24,7 +31,10 @@ def from_config(cfg: dict[str, Any]) -> Optimizer:
     name = cfg.pop("name", None)
     if name not in _BY_NAME:
         raise InvalidInputError(f"unknown optimizer {name!r}; known: {sorted(_BY_NAME)}")
-    return _BY_NAME[name](**cfg)
+    try:
+        return _BY_NAME[name](**cfg)
+    except TypeError as e:
+        raise InvalidInputError(f"bad parameters for optimizer {name!r}: {e}") from e
 
 
 def resolve(opt: Optimizer | str | dict | None) -> Optimizer | None:

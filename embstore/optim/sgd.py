@@ -29,8 +29,7 @@ class SGD(Optimizer):
         vec = records["vector"]
         if self.weight_decay:
             grads = grads + self.weight_decay * vec
-        vec -= self.lr * grads
-        records["vector"] = vec
+        vec -= np.float32(self.lr) * grads  # in place: ``vec`` is a view into the records
 
     def _params(self):
         return {"lr": self.lr, "weight_decay": self.weight_decay}

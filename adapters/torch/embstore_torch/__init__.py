@@ -1,0 +1,22 @@
+"""PyTorch adapter for embstore: embedding layers whose vectors live in an EmbeddingStore.
+
+>>> import embstore, torch
+>>> from embstore_torch import DynamicEmbedding
+>>> store = embstore.open("memory://", dim=8, key_type="bytes")
+>>> emb = DynamicEmbedding(store)
+>>> out = emb([["the", "cat"], ["a", "dog"]])       # (2, 2, 8), requires grad
+>>> out.sum().backward()                            # store.update applies the gradient
+"""
+
+from __future__ import annotations
+
+from .modules import DynamicEmbedding, DynamicEmbeddingBag, store_rows
+from .sampled import SampledSoftmaxLoss, sampled_logits
+
+__all__ = [
+    "DynamicEmbedding",
+    "DynamicEmbeddingBag",
+    "SampledSoftmaxLoss",
+    "sampled_logits",
+    "store_rows",
+]

@@ -1,0 +1,275 @@
+"""``DynamicEmbedding`` / ``DynamicEmbeddingBag``: store-backed embedding layers for PyTorch.
+
+The store holds the vectors and applies their updates itself (its own optimizer), so these
+modules own no ``nn.Parameter``. The bridge is :class:`_StoreRows`, an autograd function that
+produces the rows of a batch's distinct keys. Its first input is a fresh zero-size tensor that
+requires grad (the *trigger*): that makes the output part of the autograd graph even though no
+torch parameter is involved, so ``loss.backward()`` reaches ``_StoreRows.backward``, which sends
+the gradient rows (already summed per key by the gather's backward) to ``store.update``.
+The user's torch optimizer keeps driving the dense parameters as usual.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embstore.errors import InvalidInputError, ReadOnlyError
+
+from ._keys import prepare, prepare_bags
+
+__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "store_rows"]
+
+
+class _Sink:
+    """Where the gradient of one batch of rows goes: ``store.update`` of its distinct keys."""
+
+    __slots__ = ("store", "keys", "counts", "applied")
+
+    def __init__(self, store: Any, keys: Any, counts: np.ndarray | None) -> None:
+        self.store, self.keys, self.counts, self.applied = store, keys, counts, 0
+
+    def apply(self, grad: torch.Tensor) -> None:
+        g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
+        if self.counts is not None:
+            self.store.update(self.keys, g, counts=self.counts)
+        else:
+            self.store.update(self.keys, g)
+        self.applied += 1
+
+
+class _StoreRows(torch.autograd.Function):
+    """Rows of distinct keys; backward hands their gradient to the store."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, vectors: np.ndarray, sink: _Sink):
+        ctx.sink = sink
+        return torch.from_numpy(vectors)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        ctx.sink.apply(grad)
+        return None, None, None
+
+
+class _StoreGather(torch.autograd.Function):
+    """``rows[inv]`` fused with the store update: the backward sums the gradient per key with
+    one ``index_add_`` (several times faster than the generic embedding backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, vectors: np.ndarray, inv: torch.Tensor,
+                sink: _Sink):
+        ctx.sink, ctx.inv, ctx.n = sink, inv, len(vectors)
+        return F.embedding(inv, torch.from_numpy(vectors))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        g = grad.to("cpu", torch.float32).reshape(-1, grad.shape[-1])
+        rows = torch.zeros(ctx.n, g.shape[1]).index_add_(0, ctx.inv.reshape(-1), g)
+        ctx.sink.apply(rows)
+        return None, None, None, None
+
+
+class _StoreBag(torch.autograd.Function):
+    """Sum/mean bag pooling fused with the store update (see :class:`_StoreGather`)."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: torch.Tensor, psw: torch.Tensor | None, vectors: np.ndarray,
+                inv: torch.Tensor, offs: torch.Tensor, mode: str, sink: _Sink):
+        rows = torch.from_numpy(vectors)
+        ctx.sink, ctx.inv, ctx.offs, ctx.mode, ctx.rows = sink, inv, offs, mode, rows
+        ctx.psw = psw
+        return F.embedding_bag(inv, rows, offs, mode=mode, per_sample_weights=psw)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        grad = grad.to("cpu", torch.float32)
+        inv, offs = ctx.inv, ctx.offs
+        lengths = torch.diff(offs, append=torch.tensor([len(inv)]))
+        bag_of = torch.repeat_interleave(torch.arange(len(offs)), lengths)
+        gi = grad.index_select(0, bag_of)
+        psw_grad = None
+        if ctx.psw is not None:
+            w = ctx.psw.detach().to("cpu", torch.float32)
+            if ctx.needs_input_grad[1]:
+                psw_grad = (ctx.rows.index_select(0, inv) * gi).sum(1)
+            gi = gi * w[:, None]
+        elif ctx.mode == "mean":
+            gi = gi / lengths.clamp(min=1).to(gi.dtype).index_select(0, bag_of)[:, None]
+        rows = torch.zeros(ctx.rows.shape).index_add_(0, inv, gi)
+        ctx.sink.apply(rows)
+        return None, psw_grad, None, None, None, None, None
+
+
+def _supports_counts(store: Any) -> bool:
+    try:
+        return "counts" in inspect.signature(store.update).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic store objects
+        return False
+
+
+def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = True,
+               counts: np.ndarray | None = None) -> torch.Tensor:
+    """Vectors of distinct ``keys`` as a ``(n, dim)`` float32 tensor wired to ``store.update``.
+
+    This is the primitive both modules (and :class:`~embstore_torch.SampledSoftmaxLoss`) build
+    on: gather from the returned rows with ordinary torch ops, and on ``backward`` the rows'
+    gradient is applied by the store's optimizer, once per backward pass.
+
+    Parameters
+    ----------
+    store : embstore.EmbeddingStore
+    keys : int64 array or list of str/bytes
+        Distinct keys (duplicates work but are summed by the store).
+    insert : bool
+        Write unknown keys on lookup (training) or not (serving).
+    trainable : bool
+        With False (or under ``torch.no_grad``) the rows are a plain tensor and nothing is
+        ever written back.
+    counts : array of int64, optional
+        Occurrences of each key in the batch, forwarded to ``store.update`` where the store
+        accepts them, so per-key frequency counts stay exact after deduplication.
+    """
+    vectors = store.lookup(keys, insert=insert)
+    if not (trainable and torch.is_grad_enabled()):
+        return torch.from_numpy(vectors)
+    trigger = torch.empty(0, requires_grad=True)
+    return _StoreRows.apply(trigger, vectors, _Sink(store, keys, counts))
+
+
+class _StoreModule(nn.Module):
+    def __init__(self, store: Any, trainable: bool | None, count: bool = True) -> None:
+        super().__init__()
+        if trainable and store.read_only:
+            raise ReadOnlyError(
+                f"{store.url} is open read-only: a trainable embedding would have to write it; "
+                "pass trainable=False (or leave it unset) to serve from it"
+            )
+        self.store = store
+        self.trainable = (not store.read_only) if trainable is None else bool(trainable)
+        self.embedding_dim = int(store.dim)
+        self.count = bool(count)
+        self._counts = _supports_counts(store)
+        # Moves with module.to(device): outputs are placed where the rest of the model lives.
+        self.register_buffer("_anchor", torch.empty(0), persistent=False)
+
+    def _lookup(self, uniq: Any, inv: torch.Tensor) -> tuple[np.ndarray, _Sink | None]:
+        """Vectors of the distinct keys, and the sink of their gradient (None: frozen)."""
+        vectors = self.store.lookup(uniq, insert=self.training)
+        if not (self.trainable and torch.is_grad_enabled()):
+            return vectors, None
+        counts = None
+        if self._counts:
+            counts = (torch.bincount(inv.reshape(-1), minlength=len(uniq)).numpy()
+                      if self.count else np.zeros(len(uniq), dtype=np.int64))
+        return vectors, _Sink(self.store, uniq, counts)
+
+    def extra_repr(self) -> str:
+        return (f"{self.store.url!r}, embedding_dim={self.embedding_dim}, "
+                f"trainable={self.trainable}")
+
+
+class DynamicEmbedding(_StoreModule):
+    """An embedding layer over an :class:`embstore.EmbeddingStore`: no vocabulary, no size.
+
+    Parameters
+    ----------
+    store : embstore.EmbeddingStore
+        Holds the vectors and their optimizer (``store.update`` applies the gradients).
+    trainable : bool, optional
+        Default: True unless the store is read-only. A non-trainable module returns tensors
+        that do not require grad, so ``backward`` never writes; asking for a trainable module
+        over a read-only store raises ``ReadOnlyError``.
+    count : bool
+        Whether updates add each key's occurrences in the batch to its ``count`` (the
+        frequency that admission policies, unigram sampling and subsampling read). Use False
+        when the frequencies are recorded separately (see ``examples/word2vec.py``).
+
+    Notes
+    -----
+    - Input: an integer tensor / numpy array of any shape (int64 store) or a str/bytes,
+      a list of them, or a rectangular nested list (bytes store). Output: float32
+      ``(*input.shape, dim)``, requiring grad when trainable and grad mode is on.
+    - In ``train()`` mode unknown keys are inserted on lookup; in ``eval()`` mode they read as
+      their initial vector and nothing is written.
+    - The update happens *inside* ``loss.backward()``: gradient rows are summed per key and
+      applied once per backward pass (no gradient accumulation across backward calls; a
+      ``retain_graph`` second backward applies a second step). ``optimizer.zero_grad`` /
+      ``step`` of the dense parameters are unaffected.
+    - Pickles by the store's URL (DataLoader workers, ``torch.save``); a ``memory://`` store
+      refuses to pickle. ``torch.compile`` is not supported: keep this module out of it.
+    """
+
+    def __init__(self, store: Any, *, trainable: bool | None = None, count: bool = True) -> None:
+        super().__init__(store, trainable, count)
+
+    def forward(self, input: Any) -> torch.Tensor:
+        uniq, inv, shape = prepare(input)
+        if len(uniq) == 0:
+            return torch.zeros(*shape, self.embedding_dim, device=self._anchor.device,
+                               requires_grad=False)
+        vectors, sink = self._lookup(uniq, inv)
+        if sink is None:
+            out = F.embedding(inv, torch.from_numpy(vectors))
+        else:
+            out = _StoreGather.apply(torch.empty(0, requires_grad=True), vectors, inv, sink)
+        return out.to(self._anchor.device)
+
+
+class DynamicEmbeddingBag(_StoreModule):
+    """Pooled embeddings of multi-valued features, like ``nn.EmbeddingBag`` over a store.
+
+    Parameters
+    ----------
+    store : embstore.EmbeddingStore
+    mode : {"sum", "mean", "max"}
+        How the vectors of one bag are pooled (an empty bag gives zeros).
+    trainable, count : bool, optional
+        As in :class:`DynamicEmbedding`.
+
+    Notes
+    -----
+    ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input (one bag per
+    row), a 1-D input with ``offsets`` (start of each bag, as ``nn.EmbeddingBag``), or a list
+    of lists of keys (ragged bags); it returns ``(n_bags, dim)``.
+    """
+
+    def __init__(self, store: Any, mode: str = "sum", *, trainable: bool | None = None,
+                 count: bool = True) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise InvalidInputError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(store, trainable, count)
+        self.mode = mode
+
+    def forward(self, input: Any, offsets: Any = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        uniq, inv, offs = prepare_bags(input, offsets)
+        if per_sample_weights is not None and self.mode != "sum":
+            raise InvalidInputError("per_sample_weights only work with mode='sum'")
+        if len(uniq) == 0:
+            return torch.zeros(len(offs), self.embedding_dim, device=self._anchor.device)
+        dev = self._anchor.device
+        psw = per_sample_weights
+        if psw is not None:
+            psw = psw.reshape(-1).to("cpu", torch.float32)
+            if len(psw) != len(inv):
+                raise InvalidInputError("per_sample_weights must have one weight per key")
+        vectors, sink = self._lookup(uniq, inv)
+        if sink is None:
+            out = F.embedding_bag(inv, torch.from_numpy(vectors), offs, mode=self.mode,
+                                  per_sample_weights=psw)
+        elif self.mode == "max":
+            rows = _StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
+            out = F.embedding_bag(inv, rows, offs, mode="max")
+        else:
+            out = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors, inv, offs,
+                                  self.mode, sink)
+        return out.to(dev)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mode={self.mode!r}"

@@ -1,0 +1,9 @@
+"""``python -m embstore``: the command line (see :mod:`embstore.cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""Shared URL and directory checks of the local, directory-based backends (LMDB, RocksDB).
+
+Everything here runs before a single byte is written, so a bad URL or a directory that belongs
+to something else is refused with nothing created or touched.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote, urlsplit
+
+from ..errors import BackendError, InvalidURLError
+
+
+def parse_dir_url(url: str, scheme: str) -> str:
+    """Return the absolute directory path of a ``scheme:///abs/dir`` URL.
+
+    Raises
+    ------
+    InvalidURLError
+        For another scheme, a host part, a relative or empty path, a query or fragment.
+    """
+    if not isinstance(url, str):
+        raise InvalidURLError(f"store URL must be a string, got {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.scheme.lower() != scheme or not url.lower().startswith(f"{scheme}://"):
+        raise InvalidURLError(f"not a {scheme}:// URL: {url!r}")
+    if parts.netloc:
+        raise InvalidURLError(
+            f"{url!r}: {scheme} URLs need an absolute path and no host, e.g. "
+            f"'{scheme}:///data/store' (three slashes); got host/relative part {parts.netloc!r}"
+        )
+    if parts.query or parts.fragment:
+        raise InvalidURLError(f"{url!r}: {scheme} URLs take no query or fragment; "
+                              "pass options as keyword arguments")
+    path = unquote(parts.path)
+    if not path.startswith("/") or path.rstrip("/") == "":
+        raise InvalidURLError(f"{url!r}: need an absolute directory path, e.g. "
+                              f"'{scheme}:///data/store'")
+    if "\x00" in path:
+        raise InvalidURLError(f"{url!r}: NUL byte in path")
+    return os.path.normpath(path)
+
+
+def check_store_dir(path: str, marker: str, engine: str) -> bool:
+    """Validate a store directory before anything is written; return whether it holds data.
+
+    ``marker`` is the file that shows the directory is an ``engine`` store. A non-empty
+    directory without it belongs to something else and is refused, untouched.
+    """
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise BackendError(f"{path} exists and is not a directory")
+    if not os.path.isdir(path):
+        return False
+    if os.path.exists(os.path.join(path, marker)):
+        return True
+    try:
+        entries = os.listdir(path)
+    except OSError as e:
+        raise BackendError(f"cannot read directory {path}: {e}") from e
+    if entries:
+        raise BackendError(
+            f"{path} is not empty and holds no {engine} store ({marker} missing); refusing to "
+            "write into it"
+        )
+    return False
+
+
+def make_store_dir(path: str) -> str | None:
+    """Create ``path`` (and parents); return the topmost directory created, for cleanup."""
+    top = None
+    p = path
+    while not os.path.isdir(p):
+        top = p
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise BackendError(f"cannot create store directory {path}: {e}") from e
+    return top

@@ -1,0 +1,471 @@
+"""``lmdb:///abs/dir`` — records in an LMDB environment (py-lmdb).
+
+Layout on disk: one environment directory (``data.mdb`` + ``lock.mdb``) with two *named*
+databases, ``records`` (key -> the record's raw little-endian bytes) and ``meta`` (``b"meta"`` ->
+the store's JSON metadata). Records live in a named database rather than the main one because
+LMDB keeps the names of named databases as keys of the main database: user keys there could
+collide with ``b"meta"``. Nothing a user writes can reach the ``meta`` database.
+
+Keys are order-preserving: an int64 key is stored as 8 big-endian bytes with the sign bit
+flipped, so a cursor walks keys in numeric order; a bytes key is stored behind a one-byte prefix
+(LMDB refuses empty keys, and ``b""`` is a valid embstore key), which keeps byte order.
+
+Every ``put``/``delete`` batch is one write transaction, so a batch is atomic. When the map is
+full the transaction is aborted, the map grows (doubling) and the batch is retried, so a store
+never fails for map space while the disk has room.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendError, InvalidInputError, SchemaMismatchError
+from ..layout import Layout
+from ._localdir import check_store_dir, make_store_dir, parse_dir_url
+from .base import Backend
+
+try:
+    import lmdb
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("the lmdb backend needs py-lmdb: pip install 'embstore[lmdb]'") from e
+
+_SIGN = np.uint64(1 << 63)
+_REC_DB = b"records"
+_META_DB = b"meta"
+_META_KEY = b"meta"
+_BYTES_PREFIX = b"\x00"
+_GROW_LIMIT = 1 << 46  # 64 TiB: beyond that a MapFullError is a real error, not a small map
+_BULK_CHUNK = 1 << 17  # rows per bulk-load transaction
+
+
+class _Shared:
+    """One open environment of this process, shared by every backend on the same path."""
+
+    def __init__(self, env: lmdb.Environment, read_only: bool, flags: tuple) -> None:
+        self.env = env
+        self.read_only = read_only
+        self.flags = flags
+        self.pid = os.getpid()  # an environment must not be used across fork()
+        self.refs = 0
+        self._dbs: dict[bytes, Any] = {}
+
+    def db(self, name: bytes, create: bool = False):
+        """The named database, or None if it does not exist and ``create`` is False."""
+        if name not in self._dbs:
+            try:
+                if create:
+                    self._dbs[name] = self.env.open_db(name)
+                else:
+                    # Nothing is created before the metadata has been read and checked (a
+                    # write transaction that changes nothing writes nothing on commit).
+                    self._dbs[name] = self.env.open_db(name, create=False)
+            except lmdb.NotFoundError:
+                return None
+            except lmdb.Error as e:
+                raise BackendError(f"cannot open LMDB database {name!r}: {e}") from e
+        return self._dbs[name]
+
+
+_POOL: dict[str, _Shared] = {}
+
+
+class LmdbBackend(Backend):
+    """Row store in an LMDB environment directory.
+
+    Parameters
+    ----------
+    url : str
+        ``lmdb:///absolute/directory``.
+    read_only : bool
+        Open the environment read-only: LMDB itself refuses writes.
+    map_size : int
+        Initial map size in bytes (default 1 GiB). It is virtual address space, not disk, and
+        grows on its own when full.
+    durable : bool
+        ``True`` (default): fsync on every commit, so an acknowledged batch survives power
+        loss. ``False``: no fsync (``sync=False``); a killed *process* loses nothing, an OS
+        crash may lose the last commits (never half a batch).
+    writemap : bool
+        Only with ``durable=False``: write through a writable memory map (much faster
+        writes; an OS crash may then corrupt the file). Default ``False``.
+    lock : bool
+        Use LMDB's lock file (default ``True``). Readers need it to be safe alongside a writer
+        in another process; set ``False`` only for read-only opening of read-only media.
+    max_readers : int
+        Concurrent read transactions across processes (default 126).
+    """
+
+    persistent = True
+    supports_scan = True
+    scheme = "lmdb"
+
+    def __init__(self, url: str, *, read_only: bool = False, map_size: int = 1 << 30,
+                 durable: bool = True, writemap: bool = False, lock: bool = True,
+                 max_readers: int = 126, **options: Any) -> None:
+        path = parse_dir_url(url, "lmdb")
+        if options:
+            raise InvalidInputError(f"unknown lmdb option(s): {sorted(options)}")
+        if int(map_size) <= 0:
+            raise InvalidInputError(f"map_size must be positive, got {map_size}")
+        if writemap and durable:
+            raise InvalidInputError("writemap=True needs durable=False (it gives up crash "
+                                    "safety of the file for speed)")
+        super().__init__(f"lmdb://{path}", read_only=read_only)
+        self.path = path
+        self.durable = bool(durable)
+        self.writemap = bool(writemap)
+        self._map_size = int(map_size)
+        self._lock = bool(lock)
+        self._max_readers = int(max_readers)
+        self._env: lmdb.Environment | None = None
+        self._rec_db = None
+        self._meta_db = None
+        self._shared: _Shared | None = None
+        self._itemsize = 0
+        self.counters = {"commits": 0, "map_grows": 0}
+        if check_store_dir(path, "data.mdb", "LMDB"):
+            self._open_env()
+
+    # -- environment -----------------------------------------------------------------------------
+    def _open_env(self) -> None:
+        flags = (self.durable, self.writemap, self._lock)
+        shared = _POOL.get(self.path)
+        if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
+            # LMDB forbids opening one environment twice in a process: share it.
+            if shared.read_only and not self.read_only:
+                raise BackendError(f"{self.path} is already open read-only in this process; "
+                                   "close that store before opening it for writing")
+            if not self.read_only and shared.flags != flags:
+                raise InvalidInputError(
+                    f"{self.path} is already open in this process with durable/writemap/lock="
+                    f"{shared.flags}; open it with the same options"
+                )
+        else:
+            shared = _Shared(self._new_env(), self.read_only, flags)
+            _POOL[self.path] = shared
+        shared.refs += 1
+        self._shared = shared
+        self._env = shared.env
+        self._rec_db = shared.db(_REC_DB)
+        self._meta_db = shared.db(_META_DB)
+
+    def _new_env(self) -> lmdb.Environment:
+        try:
+            return lmdb.open(
+                self.path, map_size=self._map_size, subdir=True, max_dbs=4,
+                readonly=self.read_only, lock=self._lock, sync=self.durable,
+                metasync=self.durable, writemap=self.writemap and not self.read_only,
+                max_readers=self._max_readers, create=not self.read_only, readahead=False,
+            )
+        except lmdb.Error as e:
+            raise BackendError(f"cannot open LMDB environment {self.path}: {e}") from e
+
+    def _require_env(self) -> lmdb.Environment:
+        if self._env is None:
+            raise BackendError(f"{self.path}: LMDB environment is not open")
+        return self._env
+
+    def _begin(self, write: bool = False):
+        env = self._require_env()
+        try:
+            return env.begin(db=self._rec_db, write=write, buffers=not write)
+        except lmdb.MapResizedError:
+            # Another process grew the map: adopt its size, then start again.
+            env.set_mapsize(0)
+            return env.begin(db=self._rec_db, write=write, buffers=not write)
+
+    def _write(self, fn) -> Any:
+        """Run ``fn(txn)`` in one write transaction; grow the map and retry when full."""
+        env = self._require_env()
+        while True:
+            try:
+                with self._begin(write=True) as txn:
+                    out = fn(txn)
+                self.counters["commits"] += 1
+                return out
+            except lmdb.MapFullError as e:
+                size = env.info()["map_size"]
+                if size >= _GROW_LIMIT:
+                    raise BackendError(f"{self.path}: LMDB map full at {size} bytes") from e
+                env.set_mapsize(size * 2)
+                self.counters["map_grows"] += 1
+            except lmdb.Error as e:
+                raise BackendError(f"{self.path}: LMDB write failed: {e}") from e
+
+    # -- metadata --------------------------------------------------------------------------------
+    def read_meta(self) -> dict | None:
+        if self._env is None:
+            return None
+        if self._meta_db is None or self._rec_db is None:
+            try:
+                with self._env.begin() as txn:
+                    empty = txn.stat()["entries"] == 0
+            except lmdb.Error as e:
+                raise BackendError(f"{self.path}: cannot read LMDB environment: {e}") from e
+            if empty:
+                return None
+            raise SchemaMismatchError(f"{self.url}: the LMDB environment holds data that is "
+                                      "not an embstore store; refusing to touch it")
+        try:
+            with self._env.begin(db=self._meta_db) as txn:
+                raw = txn.get(_META_KEY)
+                empty = txn.stat(self._rec_db)["entries"] == 0
+        except lmdb.Error as e:
+            raise BackendError(f"{self.path}: cannot read metadata: {e}") from e
+        if raw is None:
+            if empty:
+                return None
+            raise SchemaMismatchError(f"{self.url}: records without metadata; not a store")
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise SchemaMismatchError(f"{self.url}: unreadable metadata: {e}") from e
+
+    def write_meta(self, meta: dict) -> None:
+        if self.read_only:
+            return
+        if self._env is None:
+            top = make_store_dir(self.path)
+            try:
+                self._open_env()
+            except Exception:
+                if top is not None:
+                    import shutil
+
+                    shutil.rmtree(top, ignore_errors=True)
+                raise
+        if self._meta_db is None or self._rec_db is None:
+            self._rec_db = self._shared.db(_REC_DB, create=True)
+            self._meta_db = self._shared.db(_META_DB, create=True)
+        raw = json.dumps(meta, sort_keys=True).encode()
+        self._write(lambda txn: txn.put(_META_KEY, raw, db=self._meta_db))
+
+    def bind(self, layout: Layout, key_type: str) -> None:
+        super().bind(layout, key_type)
+        self._itemsize = layout.itemsize
+
+    def flush(self) -> None:
+        if self._env is not None and not self.read_only:
+            try:
+                self._env.sync(True)
+            except lmdb.Error as e:
+                raise BackendError(f"{self.path}: sync failed: {e}") from e
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env = self._rec_db = self._meta_db = None
+            shared, self._shared = self._shared, None
+            shared.refs -= 1
+            if shared.refs == 0:
+                if _POOL.get(self.path) is shared:
+                    del _POOL[self.path]
+                shared.env.close()
+
+    def reopen_options(self) -> dict:
+        return {"durable": self.durable, "writemap": self.writemap, "lock": self._lock}
+
+    # -- key encoding ----------------------------------------------------------------------------
+    def _encode(self, keys: np.ndarray) -> list[bytes]:
+        if self.key_type == "int64":
+            return (keys.view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
+        return [_BYTES_PREFIX + k for k in keys]
+
+    def _decode(self, raw: list) -> np.ndarray:
+        if self.key_type == "int64":
+            buf = b"".join(raw)
+            return (np.frombuffer(buf, dtype=">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
+        out = np.empty(len(raw), dtype=object)
+        out[:] = [bytes(k[1:]) for k in raw]
+        return out
+
+    def _too_long(self, enc: list[bytes]) -> np.ndarray | None:
+        if self.key_type == "int64":
+            return None
+        lens = np.fromiter(map(len, enc), dtype=np.intp, count=len(enc))
+        bad = lens > self._require_env().max_key_size()
+        return bad if bad.any() else None
+
+    # -- rows ------------------------------------------------------------------------------------
+    def _fetch(self, keys: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Raw bytes of the found records (concatenated, request order) and the found mask."""
+        enc = self._encode(keys)
+        long_keys = self._too_long(enc)
+        if long_keys is not None:  # cannot be stored, so cannot be found
+            enc = [b"\x00" if b else k for k, b in zip(enc, long_keys.tolist())]
+        if self._rec_db is None:
+            return b"", np.zeros(len(keys), dtype=bool)
+        try:
+            with self._begin() as txn:
+                get = txn.get
+                vals = [get(k, b"") for k in enc]
+                lens = np.fromiter(map(len, vals), dtype=np.intp, count=len(vals))
+                buf = bytearray().join(vals)
+        except lmdb.Error as e:
+            raise BackendError(f"{self.path}: LMDB read failed: {e}") from e
+        found = lens != 0
+        if len(buf) != int(found.sum()) * self._itemsize:
+            raise SchemaMismatchError(f"{self.url}: stored records are not {self._itemsize} "
+                                      "bytes long; the data was written with another layout")
+        if long_keys is not None:
+            found &= ~long_keys
+        return buf, found
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        dt = self.layout.dtype
+        got = np.frombuffer(buf, dtype=dt)
+        if len(got) == len(keys):
+            return got, found
+        recs = np.zeros(len(keys), dtype=dt)
+        recs[found] = got
+        return recs, found
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        dt = self.layout.dtype
+        fdt = dt.fields[field][0]
+        got = np.frombuffer(buf, dtype=dt)[field]
+        if len(got) == len(keys):
+            return np.ascontiguousarray(got), found
+        out = np.zeros((len(keys),) + fdt.shape, dtype=fdt.base)
+        out[found] = got
+        return out, found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self._fetch(keys)[1]
+
+    def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
+        enc = self._encode(keys)
+        if self._too_long(enc) is not None:
+            raise InvalidInputError(
+                f"bytes keys longer than {self._require_env().max_key_size() - 1} bytes do not "
+                "fit an LMDB store"
+            )
+        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
+        vals = recs.view(np.dtype((np.void, self._itemsize))).tolist()
+        return enc, vals
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        if len(keys) == 0:
+            return
+        enc, vals = self._pairs(keys, records)
+
+        def write(txn):
+            put = txn.put
+            for k, v in zip(enc, vals):
+                put(k, v)
+
+        self._write(write)
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        if len(keys) == 0 or self._rec_db is None:
+            return np.zeros(len(keys), dtype=bool)
+        enc = self._encode(keys)
+        long_keys = self._too_long(enc)
+        if long_keys is not None:
+            enc = [b"\x00" if b else k for k, b in zip(enc, long_keys.tolist())]
+
+        def write(txn):
+            rm = txn.delete
+            return np.fromiter((rm(k) for k in enc), dtype=bool, count=len(enc))
+
+        return self._write(write)
+
+    def __len__(self) -> int:
+        if self._rec_db is None:
+            return 0
+        try:
+            with self._begin() as txn:
+                return int(txn.stat(self._rec_db)["entries"])
+        except lmdb.Error as e:
+            raise BackendError(f"{self.path}: LMDB stat failed: {e}") from e
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if self._rec_db is None:
+            return
+        dt = self.layout.dtype
+        last: bytes | None = None
+        # One short read transaction per batch, resumed after the last key seen, so a long
+        # iteration neither pins old pages (the file would grow) nor blocks a map resize.
+        while True:
+            with self._begin() as txn:
+                cur = txn.cursor()
+                ok = cur.set_range(last) if last is not None else cur.first()
+                if ok and last is not None and bytes(cur.key()) == last:
+                    ok = cur.next()
+                if not ok:
+                    return
+                ks: list[bytes] = []
+                vs: list = []
+                for k, v in cur:
+                    ks.append(bytes(k))
+                    vs.append(v)
+                    if len(ks) >= batch_size:
+                        break
+                buf = bytearray().join(vs)
+            last = ks[-1]
+            yield self._decode(ks), self.layout.from_bytes(buf, len(ks))
+            if len(ks) < batch_size:
+                return
+
+    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Write batches in large transactions, appending where keys arrive in order."""
+        total = 0
+        chunk: list[tuple[list, list]] = []
+        rows = 0
+        for keys, recs in batches:
+            if len(keys) == 0:
+                continue
+            order = self._sort_order(keys)
+            if order is not None:
+                keys, recs = keys[order], recs[order]
+            chunk.append(self._pairs(keys, recs))
+            rows += len(keys)
+            if rows >= _BULK_CHUNK:
+                self._write_chunk(chunk)
+                total += rows
+                chunk, rows = [], 0
+        if chunk:
+            self._write_chunk(chunk)
+            total += rows
+        return total
+
+    def _sort_order(self, keys: np.ndarray) -> np.ndarray | None:
+        if self.key_type == "int64":
+            if len(keys) < 2 or (keys[1:] > keys[:-1]).all():
+                return None
+            return np.argsort(keys, kind="stable")
+        return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.intp)
+
+    def _write_chunk(self, chunk: list[tuple[list, list]]) -> None:
+        def write(txn):
+            cur = txn.cursor()
+            for enc, vals in chunk:
+                # MDB_APPEND skips the tree search, but only for keys past the current end.
+                append = not cur.last() or bytes(cur.key()) < enc[0]
+                cur.putmulti(zip(enc, vals), append=append)
+
+        self._write(write)
+
+    def clear(self) -> None:
+        if self._rec_db is None:
+            return
+        self._write(lambda txn: txn.drop(self._rec_db, delete=False))
+
+    def size_bytes(self) -> int | None:
+        if self._env is None:
+            return 0
+        st = self._env.stat()
+        info = self._env.info()
+        return int(st["psize"]) * int(info["last_pgno"] + 1)
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.counters)
+        if self._env is not None:
+            out["map_size"] = int(self._env.info()["map_size"])
+        return out

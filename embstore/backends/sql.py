@@ -1,0 +1,514 @@
+"""SQL row store through SQLAlchemy: ``sqlite:////abs/file.db``, ``postgresql+psycopg://...``.
+
+One table per store holds ``(k, rec, version)``: the key (``INTEGER PRIMARY KEY`` -- the rowid
+alias -- on SQLite, ``BIGINT`` elsewhere; a binary column for bytes stores), the record as the
+raw bytes of the layout dtype, and the record's write stamp in an indexed ``version`` column so
+incremental export reads only what changed. ``<table>_meta`` holds the store metadata as JSON.
+
+SQLAlchemy provides URLs, dialects and the DDL; the hot paths use the connection's raw DBAPI
+cursor (:mod:`embstore.backends._sql_ops`), because SQLAlchemy Core costs about 2x on lookups.
+Other dialects (MySQL, ...) run through portable SQLAlchemy Core statements.
+
+The table name travels in the URL (``?table=name``) so ``store.url`` reopens the same store.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    BackendError,
+    BackendUnavailableError,
+    InvalidInputError,
+    InvalidURLError,
+    SchemaMismatchError,
+)
+from ..layout import Layout
+from .base import Backend
+
+try:
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise BackendUnavailableError(
+        "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
+    ) from e
+
+from . import _sql_ops
+
+DEFAULT_TABLE = "embeddings"
+# Identifiers are validated, then always quoted: never interpolated unchecked. 50 characters
+# leave room for the "_meta" / "_version_idx" suffixes within PostgreSQL's 63.
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,49}")
+_RESERVED_PREFIXES = ("sqlite_", "pg_")
+
+
+def validate_table_name(name: Any) -> str:
+    """Return ``name`` if it is a plain SQL identifier, else raise ``InvalidInputError``."""
+    if not isinstance(name, str) or not _IDENT.fullmatch(name):
+        raise InvalidInputError(
+            f"table name {name!r} is not a plain identifier: use letters, digits and "
+            "underscores, starting with a letter or underscore, at most 50 characters"
+        )
+    if name.lower().startswith(_RESERVED_PREFIXES):
+        raise InvalidInputError(f"table name {name!r} uses a prefix reserved by the database")
+    return name
+
+
+def _parse(url: str, table: str | None):
+    """Split a store URL into (SQLAlchemy URL without ``table``, table name, public URL)."""
+    try:
+        u = make_url(url)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy raises ArgumentError/ValueError
+        raise InvalidURLError(f"malformed SQL URL {url!r}: {e}") from e
+    q = dict(u.query)
+    in_url = q.get("table")
+    if isinstance(in_url, tuple):
+        raise InvalidURLError(f"{url!r}: 'table' given more than once")
+    if in_url is not None and table is not None and in_url != table:
+        raise InvalidInputError(f"table={table!r} conflicts with table={in_url!r} in the URL")
+    name = validate_table_name(table if table is not None else (in_url or DEFAULT_TABLE))
+    u = u.difference_update_query(["table"])
+    backend = u.get_backend_name()
+    if backend == "postgres":  # the libpq alias SQLAlchemy no longer accepts
+        u = u.set(drivername="postgresql" + u.drivername[len("postgres"):])
+        backend = "postgresql"
+    if backend == "postgresql" and "+" not in u.drivername:
+        u = u.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        db = u.database or ""
+        if not db or db == ":memory:" or db.startswith("file:"):
+            raise InvalidURLError(
+                f"{url!r}: a SQLite store needs a file path (sqlite:////abs/file.db); "
+                "use memory:// for a store in process memory"
+            )
+        if not os.path.isabs(db):
+            u = u.set(database=os.path.abspath(db))
+    elif not u.host and backend != "sqlite" and not u.query.get("host"):
+        raise InvalidURLError(f"{url!r}: no host in the URL")
+    public = u.update_query_dict({"table": name}).render_as_string(hide_password=False)
+    return u, name, public
+
+
+def _wrap_errors(fn):
+    @functools.wraps(fn)
+    def inner(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except self._driver_errors as e:
+            raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
+
+    return inner
+
+
+class SQLBackend(Backend):
+    """Row store in one SQL table (SQLite, PostgreSQL, or any SQLAlchemy dialect).
+
+    Options
+    -------
+    table : str
+        Table name (default ``"embeddings"``; also accepted as ``?table=`` in the URL). Many
+        stores can share one database under different names.
+    durable : bool
+        ``True`` (default): a batch is on disk when ``update``/``assign`` returns (SQLite
+        ``synchronous=FULL``, PostgreSQL ``synchronous_commit=on``). ``False``: SQLite
+        ``synchronous=NORMAL`` (WAL; a process crash loses nothing, a power cut may lose the
+        last batches), PostgreSQL ``synchronous_commit=off``. ``flush()`` makes every
+        acknowledged batch durable in both modes.
+    pg_upsert : {"unnest", "copy"}
+        PostgreSQL write path for ``put`` (one ``INSERT ... SELECT unnest(...)`` statement, or
+        binary COPY into a temp table then ``INSERT ... ON CONFLICT``).
+    fast_path : bool
+        Use the tuned raw-DBAPI statements on SQLite / PostgreSQL (default). ``False`` uses the
+        portable SQLAlchemy Core path every other dialect takes.
+    """
+
+    persistent = True
+    supports_scan = True
+    supports_changes = True
+    scheme = "sql"
+
+    def __init__(self, url: str, *, read_only: bool = False, table: str | None = None,
+                 durable: bool = True, pg_upsert: str = "unnest", fast_path: bool = True,
+                 **options: Any) -> None:
+        if options:
+            raise InvalidInputError(f"unknown SQL backend options: {sorted(options)}")
+        if pg_upsert not in ("unnest", "copy"):
+            raise InvalidInputError(f"pg_upsert must be 'unnest' or 'copy', got {pg_upsert!r}")
+        sa_url, name, public = _parse(url, table)
+        super().__init__(public, read_only=read_only)
+        self.table_name, self.durable = name, bool(durable)
+        self._sa_url = sa_url
+        self._safe_url = sa_url.update_query_dict({"table": name}).render_as_string()
+        self._dialect_name = sa_url.get_backend_name()
+        self._pg_upsert = pg_upsert
+        self._ops: Any = None
+        self._raw = self._conn = self._engine = None
+        self._closed = False
+        self._missing = False
+        self._driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
+        try:
+            self._connect(fast_path)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- connection -------------------------------------------------------------------------------
+    def _connect(self, fast_path: bool) -> None:
+        kind = self._dialect_name
+        connect_args: dict[str, Any] = {}
+        if kind == "sqlite":
+            path = self._sa_url.database
+            if not os.path.exists(path):
+                parent = os.path.dirname(path)
+                if self.read_only:
+                    self._missing = True  # read_meta says "no store"; nothing is created
+                    return
+                if not os.path.isdir(parent):
+                    raise BackendError(f"{self._safe_url}: directory {parent!r} does not exist")
+                if not os.access(parent, os.W_OK):
+                    raise BackendError(f"{self._safe_url}: directory {parent!r} is not writable")
+            connect_args = {"check_same_thread": False, "timeout": 60.0,
+                            "cached_statements": 256}
+        try:
+            self._engine = sa.create_engine(self._sa_url, poolclass=NullPool,
+                                            connect_args=connect_args)
+        except ImportError as e:
+            raise BackendUnavailableError(
+                f"the driver for {self._sa_url.drivername!r} is not installed ({e}); for "
+                "PostgreSQL: pip install 'embstore[postgres]'"
+            ) from e
+        except Exception as e:  # noqa: BLE001 - unknown dialect, bad URL arguments
+            raise InvalidURLError(f"{self._safe_url}: {e}") from e
+        dbapi = self._engine.dialect.dbapi
+        if dbapi is not None and hasattr(dbapi, "Error"):
+            self._driver_errors = (sa.exc.SQLAlchemyError, dbapi.Error)
+        driver = self._sa_url.get_driver_name()
+        try:
+            if fast_path and kind == "sqlite" and driver == "pysqlite":
+                self._open_sqlite()
+            elif fast_path and kind == "postgresql" and driver == "psycopg":
+                self._open_postgres()
+            else:
+                self._open_core()
+        except self._driver_errors as e:
+            raise BackendError(f"{self._safe_url}: cannot connect: {e}") from e
+
+    def _quote(self, name: str) -> str:
+        return self._engine.dialect.identifier_preparer.quote_identifier(name)
+
+    def _open_sqlite(self) -> None:
+        self._raw = self._engine.raw_connection()
+        conn = self._raw.driver_connection
+        # autocommit at the driver level; batches use explicit BEGIN IMMEDIATE / COMMIT
+        conn.isolation_level = None
+        if self.read_only:
+            conn.execute("PRAGMA query_only = ON")
+        else:
+            conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {'FULL' if self.durable else 'NORMAL'}")
+        conn.execute("PRAGMA busy_timeout = 60000")
+        self._ops = _sql_ops.SQLiteOps(conn, self.table_name, self.table_name + "_meta",
+                                       self._quote, "int64", 0)
+
+    def _open_postgres(self) -> None:
+        self._raw = self._engine.raw_connection()
+        conn = self._raw.driver_connection
+        if conn.info.transaction_status != 0:  # SQLAlchemy's first-connect probe left one
+            conn.rollback()
+        conn.autocommit = True
+        conn.execute(f"SET synchronous_commit = {'on' if self.durable else 'off'}")
+        if self.read_only:
+            conn.execute("SET default_transaction_read_only = on")
+        self._ops = _sql_ops.PostgresOps(conn, self.table_name, self.table_name + "_meta",
+                                         self._quote, "int64", 0, self._pg_upsert)
+
+    def _open_core(self) -> None:
+        self._conn = self._engine.connect()
+        tables = self._tables("int64")
+        self._ops = _sql_ops.CoreOps(self._conn, tables[0], tables[1], "int64", 0)
+
+    def _tables(self, key_type: str):
+        md = sa.MetaData()
+        if key_type == "int64":
+            # INTEGER PRIMARY KEY is SQLite's rowid alias: no second B-tree for the key.
+            ktype = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+        else:
+            from sqlalchemy.dialects.mysql import VARBINARY  # a BLOB cannot be a MySQL key
+
+            ktype = sa.LargeBinary().with_variant(VARBINARY(767), "mysql")
+        data = sa.Table(self.table_name, md,
+                        sa.Column("k", ktype, primary_key=True, autoincrement=False),
+                        sa.Column("rec", sa.LargeBinary(), nullable=False),
+                        sa.Column("version", sa.BigInteger(), nullable=False))
+        meta = sa.Table(self.table_name + "_meta", md,
+                        sa.Column("name", sa.String(64), primary_key=True),
+                        sa.Column("value", sa.Text(), nullable=False))
+        index = sa.Index(self.table_name + "_version_idx", data.c.version, data.c.k)
+        return data, meta, index
+
+    # -- metadata and schema ----------------------------------------------------------------------
+    @_wrap_errors
+    def read_meta(self) -> dict | None:
+        if self._missing:
+            return None
+        meta_cols = self._ops.columns(self.table_name + "_meta")
+        if meta_cols is None:
+            if self._ops.columns(self.table_name) is not None:
+                raise SchemaMismatchError(
+                    f"{self._safe_url}: table {self.table_name!r} exists but is not an embstore "
+                    f"store (no {self.table_name}_meta table); choose another table name"
+                )
+            return None
+        if set(meta_cols) != {"name", "value"}:
+            raise SchemaMismatchError(
+                f"{self._safe_url}: table {self.table_name}_meta is not embstore metadata")
+        text = self._ops.meta_get()
+        if text is None:
+            return None
+        try:
+            meta = json.loads(text)
+        except ValueError as e:
+            raise SchemaMismatchError(f"{self._safe_url}: unreadable metadata: {e}") from e
+        if not isinstance(meta, dict):
+            raise SchemaMismatchError(f"{self._safe_url}: metadata is not a JSON object")
+        return meta
+
+    @_wrap_errors
+    def write_meta(self, meta: dict) -> None:
+        text = json.dumps(meta, sort_keys=True)
+        with self._ops.txn():
+            self._ops.meta_put(text)
+
+    @_wrap_errors
+    def bind(self, layout: Layout, key_type: str) -> None:
+        super().bind(layout, key_type)
+        data, meta, index = self._tables(key_type)
+        cols = self._ops.columns(self.table_name)
+        if cols is None:
+            if self.read_only:
+                raise SchemaMismatchError(f"{self._safe_url}: table {self.table_name!r} missing")
+            if isinstance(self._ops, _sql_ops.CoreOps):
+                ddl: list = [sa.schema.CreateTable(data, if_not_exists=True),
+                             sa.schema.CreateTable(meta, if_not_exists=True),
+                             sa.schema.CreateIndex(index, if_not_exists=True)]
+            else:
+                d = self._engine.dialect
+                ddl = [str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=d))
+                       for t in (data, meta)]
+                ddl.append(str(sa.schema.CreateIndex(index, if_not_exists=True)
+                               .compile(dialect=d)))
+            self._ops.execute_ddl(ddl)
+        else:
+            self._check_columns(cols, key_type)
+        self._ops.key_type, self._ops.itemsize = key_type, layout.itemsize
+        if isinstance(self._ops, _sql_ops.CoreOps):
+            self._ops.__init__(self._conn, data, meta, key_type, layout.itemsize)
+        elif isinstance(self._ops, _sql_ops.PostgresOps):
+            self._ops._karr = "int8[]" if key_type == "int64" else "bytea[]"
+
+    def _check_columns(self, cols: dict[str, str], key_type: str) -> None:
+        if set(cols) != {"k", "rec", "version"}:
+            raise SchemaMismatchError(
+                f"{self._safe_url}: table {self.table_name!r} has columns {sorted(cols)}, not "
+                "an embstore table (k, rec, version)"
+            )
+        kt = cols["k"]
+        is_int = "INT" in kt
+        if is_int != (key_type == "int64"):
+            raise SchemaMismatchError(
+                f"{self._safe_url}: key column is {kt}, the store has {key_type} keys")
+
+    # -- rows -------------------------------------------------------------------------------------
+    def _align(self, keys: np.ndarray, fkeys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row index into the fetched rows for each requested key, and a found mask."""
+        m = len(fkeys)
+        if m == 0:
+            return np.zeros(len(keys), np.intp), np.zeros(len(keys), bool)
+        if self.key_type == "int64":
+            order = np.argsort(fkeys, kind="stable")
+            sk = fkeys[order]
+            idx = np.minimum(np.searchsorted(sk, keys), m - 1)
+            found = sk[idx] == keys
+            return order[idx], found
+        pos = {k: i for i, k in enumerate(fkeys.tolist())}
+        rows = np.fromiter((pos.get(k, -1) for k in keys.tolist()), dtype=np.intp,
+                           count=len(keys))
+        found = rows >= 0
+        return np.maximum(rows, 0), found
+
+    def _gather(self, keys: np.ndarray, offset: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        fkeys, recbytes = self._ops.fetch(keys)
+        rows, found = self._align(keys, fkeys)
+        n = len(keys)
+        if len(fkeys) == 0:
+            return np.zeros((n, width), np.uint8), found
+        src = recbytes if (offset == 0 and width == recbytes.shape[1]) else \
+            recbytes[:, offset:offset + width]
+        out = np.take(src, rows, axis=0)
+        if not found.all():
+            out[~found] = 0
+        return out, found
+
+    @_wrap_errors
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out, found = self._gather(keys, 0, self.layout.itemsize)
+        return out.view(self.layout.dtype).reshape(len(keys)), found
+
+    @_wrap_errors
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        fdt, offset = self.layout.dtype.fields[field][:2]
+        out, found = self._gather(keys, offset, fdt.itemsize)
+        return out.view(fdt.base).reshape((len(keys),) + fdt.shape), found
+
+    @_wrap_errors
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        present = self._ops.present(keys)
+        if self.key_type == "int64":
+            return np.isin(keys, present)
+        s = set(present.tolist())
+        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+
+    def _raw_records(self, records: np.ndarray) -> np.ndarray:
+        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
+        return recs.view(np.uint8).reshape(len(recs), self.layout.itemsize)
+
+    @_wrap_errors
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        if len(keys) == 0:
+            return
+        raw = self._raw_records(records)
+        with self._ops.txn():  # one transaction per batch: all of it or nothing
+            self._ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
+
+    @_wrap_errors
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        if len(keys) == 0:
+            return np.zeros(0, bool)
+        with self._ops.txn():
+            gone = self._ops.delete(keys)
+        if self.key_type == "int64":
+            return np.isin(keys, gone)
+        s = set(gone.tolist())
+        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+
+    @_wrap_errors
+    def __len__(self) -> int:
+        if self._missing or self.layout is None:
+            return 0
+        return self._ops.count()
+
+    def _pages(self, fetch_page, by_version: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        after = None
+        while True:
+            try:
+                keys, raw = fetch_page(after)
+            except self._driver_errors as e:
+                raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}") from e
+            if len(keys) == 0:
+                return
+            recs = raw.reshape(-1).view(self.layout.dtype).copy()
+            yield keys, recs
+            # keyset pagination: the next page starts after the last row of this one
+            last = keys[-1:].tolist()[0]  # a Python int/bytes: drivers do not bind numpy scalars
+            after = (int(recs["version"][-1]), last) if by_version else last
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if self._missing or self.layout is None:
+            return
+
+        def scan_page(after):
+            return self._ops.page(after, batch_size)
+
+        yield from self._pages(scan_page, False)
+
+    def changes_since(self, version: int,
+                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Records with ``version`` above ``version``, read through the version index."""
+        if self._missing or self.layout is None:
+            return
+
+        def changes_page(after):
+            return self._ops.changes(int(version), after, batch_size)
+
+        yield from self._pages(changes_page, True)
+
+    @_wrap_errors
+    def changes_plan(self, version: int = 0) -> str:
+        """The database's query plan for :meth:`changes_since` (shows the index it uses)."""
+        return self._ops.changes_plan(version)
+
+    @_wrap_errors
+    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Load many batches in one transaction through the dialect's bulk path.
+
+        PostgreSQL streams binary COPY straight into an empty table (switching to upserts if a
+        key repeats across batches); other cases upsert batch by batch. If the *source* fails
+        part-way, the rows before the failure are committed and the error is re-raised (as
+        ``put`` per batch would have left them).
+        """
+        from ._sql_bulk import bulk_load
+
+        return bulk_load(self, batches)
+
+    @_wrap_errors
+    def clear(self) -> None:
+        with self._ops.txn():
+            self._ops.clear()
+
+    @_wrap_errors
+    def flush(self) -> None:
+        if self.read_only or self._ops is None or self.durable:
+            return
+        if isinstance(self._ops, _sql_ops.SQLiteOps):
+            self._ops.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        elif isinstance(self._ops, _sql_ops.PostgresOps):
+            # A synchronous commit that writes WAL flushes every earlier commit with it.
+            with self._ops.conn.transaction():
+                self._ops.conn.execute("SET LOCAL synchronous_commit = on")
+                self._ops.conn.execute("SELECT txid_current()")
+
+    @_wrap_errors
+    def size_bytes(self) -> int | None:
+        if self._missing or self.layout is None:
+            return 0
+        return self._ops.size_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.counters)
+        out["sql_dialect"] = self._dialect_name
+        out["sql_table"] = self.table_name
+        return out
+
+    def reopen_options(self) -> dict:
+        opts: dict[str, Any] = {}
+        if not self.durable:
+            opts["durable"] = False
+        if self._pg_upsert != "unnest":
+            opts["pg_upsert"] = self._pg_upsert
+        if self._conn is not None and self._dialect_name in ("sqlite", "postgresql"):
+            opts["fast_path"] = False
+        return opts
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for res in (self._raw, self._conn):
+            if res is not None:
+                try:
+                    res.close()
+                except Exception:  # noqa: BLE001 - closing a broken connection must not raise
+                    pass
+        self._raw = self._conn = self._ops = None
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None

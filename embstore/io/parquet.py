@@ -1,0 +1,249 @@
+"""Parquet via pyarrow: one row per key, streamed one row group at a time.
+
+Columns written by embstore::
+
+    key          int64 | binary
+    vector       fixed_size_list<float32>[dim]
+    slot.<name>  fixed_size_list<float32>[width]     one per optimizer slot
+    count int64, last_seen float64, last_step int64, version int64
+
+and the store metadata as JSON under the schema metadata key ``embstore``, so a Parquet export
+carries whole records and re-imports like the native format. Files from other tools are read
+too: the key column may be named ``key``/``keys``/``id``/``word`` (integers, binary or strings),
+the vector column ``vector``/``vectors``/``embedding`` (fixed-size or variable lists of floats,
+every row of the same length); other columns are ignored. Null keys or vectors are bad rows.
+
+Memory: reading holds one row group at a time (embstore writes one row group per export batch
+of 65536 rows; files from other tools may use larger groups, up to pyarrow's default of 1M
+rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, CorruptFileError
+from ..layout import META_FIELDS, Layout
+from .base import (
+    CHUNK_ROWS,
+    Chunk,
+    FormatReader,
+    FormatWriter,
+    check_dim,
+    commit,
+    discard,
+    temp_beside,
+)
+
+try:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise BackendUnavailableError(
+        "the Parquet format needs pyarrow; install it with: pip install 'embstore[parquet]'"
+    ) from e
+
+META_KEY = b"embstore"
+_KEY_NAMES = ("key", "keys", "id", "word")
+_VEC_NAMES = ("vector", "vectors", "embedding")
+_ARROW_META = {"<i8": pa.int64(), "<f8": pa.float64()}
+
+
+def _schema(layout: Layout, key_type: str, meta: dict[str, Any]) -> pa.Schema:
+    fields = [pa.field("key", pa.int64() if key_type == "int64" else pa.binary(), False),
+              pa.field("vector", pa.list_(pa.float32(), layout.dim), False)]
+    fields += [pa.field(f"slot.{n}", pa.list_(pa.float32(), w), False) for n, w in layout.slots]
+    fields += [pa.field(n, _ARROW_META[t], False) for n, t in META_FIELDS]
+    return pa.schema(fields, metadata={META_KEY: json.dumps(meta, sort_keys=True).encode()})
+
+
+def _fixed(values: np.ndarray, width: int) -> pa.Array:
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat), width)
+
+
+class ParquetWriter(FormatWriter):
+    """Write records as Parquet, one row group per written batch."""
+
+    format = "parquet"
+
+    def __init__(self, dest: str | os.PathLike, meta: dict[str, Any],
+                 compression: str = "snappy") -> None:
+        super().__init__(dest, meta)
+        self.schema = _schema(self.layout, self.key_type, meta)
+        f, self._tmp = temp_beside(self.dest)
+        f.close()
+        try:
+            self._w = pq.ParquetWriter(self._tmp, self.schema, compression=compression)
+        except BaseException:
+            discard(None, self._tmp)
+            raise
+
+    def write(self, keys: np.ndarray, records: np.ndarray) -> None:
+        if len(keys) == 0:
+            return
+        cols = [pa.array(keys, type=self.schema.field("key").type),
+                _fixed(records["vector"], self.layout.dim)]
+        cols += [_fixed(records[n], w) for n, w in self.layout.slots]
+        cols += [pa.array(np.ascontiguousarray(records[n])) for n, _ in META_FIELDS]
+        self._w.write_table(pa.Table.from_arrays(cols, schema=self.schema))
+        self.rows += len(keys)
+
+    def _finish(self) -> None:
+        self._w.close()
+        commit(open(self._tmp, "rb+"), self._tmp, self.dest)  # noqa: SIM115 - commit closes
+
+    def _discard(self) -> None:
+        try:
+            self._w.close()
+        finally:
+            discard(None, self._tmp)
+
+
+def _pick(names: list[str], wanted: tuple[str, ...], what: str, file: str) -> str:
+    for w in wanted:
+        if w in names:
+            return w
+    raise CorruptFileError(f"{file}: no {what} column (looked for {', '.join(wanted)})")
+
+
+class ParquetReader(FormatReader):
+    """Read (key, vector) rows — whole records when the file was written by embstore."""
+
+    format = "parquet"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        try:
+            self._pf = pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptFileError(f"{self.name}: not a readable Parquet file: {e}") from e
+        schema = self._pf.schema_arrow
+        names = schema.names
+        self._kcol = _pick(names, _KEY_NAMES, "key", self.name)
+        self._vcol = _pick(names, _VEC_NAMES, "vector", self.name)
+        ktype, vtype = schema.field(self._kcol).type, schema.field(self._vcol).type
+        if pa.types.is_integer(ktype):
+            self.key_kind = "int64"
+        elif pa.types.is_binary(ktype) or pa.types.is_large_binary(ktype):
+            self.key_kind = "bytes"
+        elif pa.types.is_string(ktype) or pa.types.is_large_string(ktype):
+            self.key_kind = "text"
+        else:
+            raise CorruptFileError(f"{self.name}: key column has unsupported type {ktype}")
+        if not (pa.types.is_list(vtype) or pa.types.is_large_list(vtype)
+                or pa.types.is_fixed_size_list(vtype)) or not pa.types.is_floating(
+                    vtype.value_type):
+            raise CorruptFileError(f"{self.name}: vector column must hold lists of floats, "
+                                   f"not {vtype}")
+        self.declared_rows = self._pf.metadata.num_rows
+        raw = (schema.metadata or {}).get(META_KEY)
+        if raw is not None:
+            try:
+                self.header = json.loads(raw)
+                self.layout = Layout.from_json(self.header["layout"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CorruptFileError(f"{self.name}: unreadable embstore metadata: {e}") from e
+        if pa.types.is_fixed_size_list(vtype):
+            self.dim = vtype.list_size
+        elif self.layout is not None:
+            self.dim = self.layout.dim
+        else:
+            self.dim = self._first_length()
+        check_dim(self.dim, self.name)
+        record_cols = ["vector"] + [f"slot.{n}" for n in (self.layout.slot_names
+                                                         if self.layout else ())]
+        record_cols += [n for n, _ in META_FIELDS]
+        self._records = (self.layout is not None and self.layout.dim == self.dim
+                         and self._vcol == "vector" and all(c in names for c in record_cols))
+        if not self._records:
+            self.layout = None
+        self._cols = [self._kcol] + (record_cols if self._records else [self._vcol])
+
+    def _first_length(self) -> int:
+        for batch in self._iter(1024, [self._vcol]):
+            lens = pc.list_value_length(batch.column(0)).drop_null()
+            if len(lens):
+                return int(lens[0].as_py())
+        return 1
+
+    def _iter(self, batch_size: int, columns: list[str]):
+        # One row group at a time (memory: one row group; embstore writes one per export
+        # batch). Measured 2-3x faster than ParquetFile.iter_batches, which decodes serially.
+        try:
+            for i in range(self._pf.metadata.num_row_groups):
+                table = self._pf.read_row_group(i, columns=columns)
+                yield from table.to_batches(max_chunksize=batch_size)
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptFileError(f"{self.name}: damaged Parquet data: {e}") from e
+
+    def chunks(self, batch_size: int = CHUNK_ROWS, *, validate: bool = False
+               ) -> Iterator[Chunk]:
+        try:
+            yield from self._chunks(batch_size, validate)
+        except pa.ArrowException as e:
+            raise CorruptFileError(f"{self.name}: unreadable Parquet data: {e}") from e
+
+    def _chunks(self, batch_size: int, validate: bool) -> Iterator[Chunk]:
+        start = 0
+        # a checking pass reads only keys and vectors: slots and metadata need no check
+        with_records = self._records and not validate
+        for batch in self._iter(batch_size, self._cols if with_records else self._cols[:2]):
+            n = batch.num_rows
+            rows = np.arange(start, start + n, dtype=np.int64)
+            start += n
+            kcol, vcol = batch.column(0), batch.column(1)
+            good = np.ones(n, dtype=bool)
+            bad: list[tuple[int, str]] = []
+            if kcol.null_count:
+                nulls = kcol.is_null().to_numpy(zero_copy_only=False)
+                good &= ~nulls
+                bad += [(int(r), "null key") for r in rows[nulls]]
+            lens = pc.list_value_length(vcol).fill_null(-1).to_numpy(zero_copy_only=False)
+            wrong = good & (lens != self.dim)
+            if wrong.any():
+                good &= ~wrong
+                bad += [(int(r), "null vector" if lens[i] < 0 else
+                         f"{lens[i]} values where {self.dim} are expected")
+                        for i, r in zip(np.flatnonzero(wrong), rows[wrong])]
+            if not good.all():
+                mask = pa.array(good)
+                batch = batch.filter(mask)
+                kcol, vcol, rows = batch.column(0), batch.column(1), rows[good]
+                bad.sort()
+            m = batch.num_rows
+            vectors = _floats(vcol, m, self.dim)
+            keys = _keys(kcol, self.key_kind)
+            records = None
+            if with_records:
+                records = self.layout.empty(m)
+                records["vector"] = vectors
+                for j, (name, w) in enumerate(self.layout.slots):
+                    records[name] = _floats(batch.column(2 + j), m, w)
+                for j, (name, _) in enumerate(META_FIELDS):
+                    col = batch.column(2 + len(self.layout.slots) + j)
+                    records[name] = col.to_numpy(zero_copy_only=False)
+            yield Chunk(keys, vectors, rows, records, bad)
+
+
+def _floats(col: pa.Array, n: int, width: int) -> np.ndarray:
+    # Null inner values come out as NaN and are rejected like NaN values.
+    flat = col.flatten().to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(flat, dtype=np.float32).reshape(n, width)
+
+
+def _keys(col: pa.Array, kind: str) -> np.ndarray:
+    if kind == "int64":
+        return col.cast(pa.int64()).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    out = np.empty(len(col), dtype=object)
+    if kind == "text":
+        out[:] = [s.encode("utf-8") for s in col.to_pylist()]
+    else:
+        out[:] = col.to_pylist()
+    return out

@@ -1,0 +1,399 @@
+"""Moving rows between stores and files: import, export, copy, verify.
+
+Import is all or nothing by default: a first streaming pass reads and checks the whole file
+(structure, checksums, every key and value), and only a clean file is written in a second
+pass. With ``skip_bad=True`` rows that fail the row-level checks (bad key, wrong number of
+values, NaN/inf) are skipped and counted instead; structural damage (truncation, checksum
+mismatch, a lying header) always refuses the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._keys import key_hash64, splitmix64
+from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
+from ..progress import progress_bar
+from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys
+from .formats import detect_format, open_reader, open_writer
+
+PROJECTIONS = ("random", "truncate")
+#: decoded rows kept between the checking and the writing pass (see ``import_file``)
+DEFAULT_CACHE_BYTES = 512 << 20
+
+
+@dataclass
+class ImportReport:
+    """What an import did: rows written, bad rows skipped, whether whole records or only
+    vectors were loaded."""
+
+    rows: int = 0
+    skipped: int = 0
+    mode: str = "vectors"
+    format: str = ""
+    bad: list[str] = field(default_factory=list)
+    url: str = ""
+    store: Any = None
+
+
+def _projection(kind: str, src_dim: int, dst_dim: int, seed: int) -> np.ndarray | None:
+    if kind == "truncate":
+        return None
+    rng = np.random.default_rng(seed)
+    # Gaussian random projection (Johnson-Lindenstrauss): dot products are kept in expectation.
+    return (rng.standard_normal((src_dim, dst_dim)) / np.sqrt(dst_dim)).astype(np.float32)
+
+
+def _project(vectors: np.ndarray, kind: str, dst_dim: int, mat: np.ndarray | None) -> np.ndarray:
+    if mat is not None:
+        return np.ascontiguousarray(vectors @ mat, dtype=np.float32)
+    out = np.zeros((len(vectors), dst_dim), dtype=np.float32)
+    w = min(dst_dim, vectors.shape[1])
+    out[:, :w] = vectors[:, :w]
+    return out
+
+
+def _finite_rows(vectors: np.ndarray) -> np.ndarray:
+    """Rows without NaN/inf. A row sum is non-finite whenever a value is (and, rarely, on
+    overflow), so only rows with a non-finite sum are checked value by value."""
+    with np.errstate(all="ignore"):
+        good = np.isfinite(vectors.sum(axis=1, dtype=np.float32))
+    if not good.all():
+        idx = np.flatnonzero(~good)
+        good[idx] = np.isfinite(vectors[idx]).all(axis=1)
+    return good
+
+
+def _clean(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chunk, list[str]]:
+    """Apply the row-level checks that depend on the target store; drop and describe bad rows."""
+    bad = [describe_row(reader, r, why) for r, why in chunk.bad]
+    n = len(chunk.keys)
+    good = _finite_rows(chunk.vectors) if n else np.ones(0, dtype=bool)
+    reasons = {}
+    for i in np.flatnonzero(~good).tolist():
+        reasons[i] = "NaN or infinite value"
+    keys = chunk.keys
+    if reader.key_kind == "text" and key_type == "int64":
+        keys, ok = parse_int_keys(chunk.keys)
+        for i in np.flatnonzero(~ok & good).tolist():
+            reasons[i] = (f"key {chunk.keys[i][:40]!r} is not an integer "
+                          "(the store has int64 keys)")
+        good &= ok
+    if not good.all():
+        bad += [describe_row(reader, int(chunk.rows[i]), reasons[i]) for i in sorted(reasons)]
+        chunk = Chunk(keys[good], chunk.vectors[good], chunk.rows[good],
+                      None if chunk.records is None else chunk.records[good])
+    else:
+        chunk = Chunk(keys, chunk.vectors, chunk.rows, chunk.records)
+    return chunk, bad
+
+
+def check_compatible(reader: FormatReader, store: Any, project: str | None) -> None:
+    """Refuse files whose keys or dimension do not fit the store."""
+    if {reader.key_kind, store.key_type} == {"int64", "bytes"}:
+        raise SchemaMismatchError(
+            f"{reader.name} holds {reader.key_kind} keys, the store has {store.key_type} keys; "
+            "nothing imported")
+    if reader.dim != store.dim and project is None:
+        raise SchemaMismatchError(
+            f"{reader.name} holds vectors of dim {reader.dim}, the store has dim {store.dim}; "
+            "nothing imported (an explicit --project random|truncate maps them)")
+    if project is not None and project not in PROJECTIONS:
+        raise InvalidInputError(f"project must be one of {PROJECTIONS}, got {project!r}")
+
+
+@dataclass
+class NewStore:
+    """A store to create only once the file has passed validation (so a refused import
+    leaves no empty store behind). ``options`` go to :func:`embstore.open`."""
+
+    url: str
+    options: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        from .. import optim
+        from ..layout import Layout
+
+        opt = optim.resolve(self.options.get("optimizer")) or optim.SGD(lr=0.01)
+        self.dim = int(self.options["dim"])
+        self.key_type = self.options.get("key_type", "int64")
+        self.layout = Layout(self.dim, tuple(opt.slots(self.dim)))
+
+    def _check_writable(self) -> None:
+        pass
+
+    def open(self) -> Any:
+        from ..api import open as _open
+
+        return _open(self.url, **self.options)
+
+
+def creation_options(reader: FormatReader, *, dim: int | None = None,
+                     key_type: str | None = None) -> dict[str, Any]:
+    """Options to create a store fitting ``reader``'s file: its own configuration when the
+    file carries store metadata, else its dim and key kind (text keys -> bytes)."""
+    opts: dict[str, Any] = {}
+    h = reader.header or {}
+    for k in ("optimizer", "initializer", "seed"):
+        if k in h:
+            opts[k] = h[k]
+    opts["dim"] = int(dim) if dim is not None else reader.dim
+    opts["key_type"] = key_type or ("int64" if reader.key_kind == "int64" else "bytes")
+    return opts
+
+
+def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
+                skip_bad: bool = False, project: str | None = None, seed: int = 0,
+                batch_size: int = CHUNK_ROWS, progress: bool = False,
+                cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImportReport:
+    """Import a file of any supported format into ``store``.
+
+    Parameters
+    ----------
+    store : EmbeddingStore or NewStore
+        The target; must be writable. A :class:`NewStore` is created after validation.
+    src : path
+    fmt : str, optional
+        Format name (see :data:`embstore.io.formats.FORMATS`); detected when None.
+    skip_bad : bool
+        Skip rows that fail row checks (and count them) instead of refusing the file.
+    project : {"random", "truncate"}, optional
+        Map vectors of another dimension: a seeded Gaussian random projection, or
+        truncation/zero padding. Without it a dimension mismatch is refused.
+    seed : int
+        Seed of the random projection.
+    cache_bytes : int
+        Memory for keeping the first pass's decoded rows: a file whose rows fit is read
+        once; a bigger one is read (and checked) again in the second pass. 0 disables.
+
+    Returns
+    -------
+    ImportReport
+    """
+    store._check_writable()
+    with open_reader(src, fmt) as reader:
+        check_compatible(reader, store, project)
+        report = ImportReport(format=reader.format)
+        records_mode = (reader.layout is not None and reader.layout == store.layout
+                        and reader.key_kind == store.key_type and reader.dim == store.dim)
+        report.mode = "records" if records_mode else "vectors"
+        mat = (_projection(project, reader.dim, store.dim, seed)
+               if reader.dim != store.dim else None)
+
+        # Pass 1: read everything, write nothing. Clean chunks are kept (up to cache_bytes)
+        # so that a file that fits is not read and parsed a second time.
+        total = 0
+        cache: list[Chunk] | None = [] if cache_bytes > 0 else None
+        cached = 0
+        with progress_bar(total=reader.declared_rows, enabled=progress,
+                          desc="validate") as bar:
+            for chunk in reader.chunks(batch_size, validate=cache is None):
+                clean, bad = _clean(chunk, reader, store.key_type)
+                if bad and not skip_bad:
+                    more = "" if len(bad) == 1 else f" (and {len(bad) - 1} more in this chunk)"
+                    raise CorruptFileError(
+                        f"{bad[0]}{more}; nothing was imported (--skip-bad skips bad rows)")
+                report.skipped += len(bad)
+                report.bad += bad[:max(0, 20 - len(report.bad))]
+                total += len(clean.keys)
+                bar.update(len(chunk.keys) + len(chunk.bad))
+                if cache is not None:
+                    cached += _nbytes(clean)
+                    if cached > cache_bytes:
+                        cache = None  # too big: pass 2 reads the file again
+                    else:
+                        cache.append(clean)
+
+        # Pass 2: write. Re-read chunks need no second check unless keys must be converted.
+        recheck = report.skipped > 0 or (reader.key_kind == "text"
+                                         and store.key_type == "int64")
+        if isinstance(store, NewStore):
+            store = store.open()
+            report.url = store.url
+            report.store = store
+
+        def cleaned() -> Iterator[Chunk]:
+            if cache is not None:
+                while cache:
+                    clean = cache.pop(0)  # drop each chunk once it is written
+                    bar.update(len(clean.keys))
+                    yield clean
+                return
+            for chunk in reader.chunks(batch_size):
+                clean = _clean(chunk, reader, store.key_type)[0] if recheck else chunk
+                bar.update(len(clean.keys))
+                yield clean
+
+        with progress_bar(total=total, enabled=progress, desc="import") as bar:
+            if records_mode:
+                deleted = (reader.header or {}).get("deleted")
+                if deleted:
+                    _apply_deletions(store, deleted)
+                report.rows = store.load_records(
+                    ((c.keys, c.records) for c in cleaned()), header=reader.header)
+            else:
+                for c in cleaned():
+                    vecs = c.vectors
+                    if reader.dim != store.dim:
+                        vecs = _project(vecs, project, store.dim, mat)
+                    if len(c.keys):
+                        store.assign(c.keys, vecs)
+                        report.rows += len(c.keys)
+    return report
+
+
+def _nbytes(chunk: Chunk) -> int:
+    n = chunk.records.nbytes if chunk.records is not None else chunk.vectors.nbytes
+    if chunk.keys.dtype == object:
+        return n + 64 * len(chunk.keys) + sum(len(k) for k in chunk.keys)
+    return n + chunk.keys.nbytes
+
+
+def _apply_deletions(store: Any, deleted: Any) -> None:
+    # A native delta export lists the keys deleted since its base version.
+    from ..policies.tombstones import decode_keys
+
+    gone = decode_keys(deleted, store.key_type)
+    for i in range(0, len(gone), CHUNK_ROWS):
+        store.delete(gone[i:i + CHUNK_ROWS])
+
+
+def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
+                since: int | None = None, batch_size: int = CHUNK_ROWS,
+                progress: bool = False) -> int:
+    """Write the store's rows (or those changed after ``since``) to ``dest`` in ``fmt``.
+
+    The native format keeps everything (also deletions for ``since``); other formats keep
+    what they can carry (see ``docs/cli.md``). Returns the number of rows written; the file
+    appears only when complete.
+    """
+    name = detect_format(dest, fmt, for_write=True)
+    if name == "native":
+        return store.export(dest, since=since, batch_size=batch_size, progress=progress)
+    meta = store.meta
+    meta["since"] = since
+    src = store.records(batch_size) if since is None else store.changes_since(since, batch_size)
+    with open_writer(dest, meta, name) as w, progress_bar(
+            total=len(store) if since is None else None, enabled=progress, desc="export") as bar:
+        for keys, recs in src:
+            w.write(keys, recs)
+            bar.update(len(keys))
+    return w.rows
+
+
+def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
+               progress: bool = False) -> int:
+    """Stream every row of ``src`` into ``dst`` (any two stores; a sharded ``dst``
+    re-partitions on the way). Whole records when the layouts agree, else vectors only."""
+    if src.key_type != dst.key_type:
+        raise SchemaMismatchError(
+            f"{src.url} has {src.key_type} keys, {dst.url} has {dst.key_type} keys")
+    if src.dim != dst.dim:
+        raise SchemaMismatchError(f"{src.url} has dim {src.dim}, {dst.url} has dim {dst.dim}")
+    with progress_bar(total=len(src), enabled=progress, desc="copy") as bar:
+        def batches():
+            for keys, recs in src.records(batch_size):
+                bar.update(len(keys))
+                yield keys, recs
+
+        if src.layout == dst.layout:
+            return dst.load_records(batches(), header=src.meta)
+        n = 0
+        for keys, recs in batches():
+            dst.assign(keys, np.ascontiguousarray(recs["vector"]))
+            n += len(keys)
+        return n
+
+
+# -- verification ----------------------------------------------------------------------------------
+_COL_SALT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def row_digests(keys: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """A 64-bit digest per (key, vector) row; sums of them are order-independent digests.
+
+    Keys are hashed as bytes, int64 keys as their decimal text, so a store and its export
+    in any format (text formats write int64 keys as decimals) have the same digest.
+    """
+    if keys.dtype == np.int64:
+        text = np.empty(len(keys), dtype=object)
+        text[:] = [str(k).encode() for k in keys.tolist()]
+        keys = text
+    bits = np.ascontiguousarray(vectors, dtype="<f4").view("<u4").astype(np.uint64)
+    cols = np.arange(vectors.shape[1], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = splitmix64((bits << np.uint64(32)) | cols)
+        acc = np.bitwise_xor.reduce(h, axis=1) if vectors.shape[1] else np.zeros(len(keys),
+                                                                                 np.uint64)
+        return splitmix64(acc ^ key_hash64(keys))
+
+
+@dataclass
+class VerifyReport:
+    rows: int = 0
+    bad: int = 0
+    problems: list[str] = field(default_factory=list)
+    digest: int = 0
+    dim: int = 0
+    kind: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _add_digest(rep: VerifyReport, keys: np.ndarray, vectors: np.ndarray) -> None:
+    if len(keys):
+        with np.errstate(over="ignore"):
+            rep.digest = int((np.uint64(rep.digest) + row_digests(keys, vectors).sum(
+                dtype=np.uint64)) & np.uint64(0xFFFFFFFFFFFFFFFF))
+
+
+def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
+                 progress: bool = False) -> VerifyReport:
+    """Read every record of ``store``: it must decode, have finite vectors, and the rows read
+    must match the store's count."""
+    rep = VerifyReport(dim=store.dim, kind=store.key_type)
+    declared = len(store)
+    with progress_bar(total=declared, enabled=progress, desc="verify") as bar:
+        for keys, recs in store.records(batch_size):
+            if len(keys) != len(recs) or recs.dtype != store.layout.dtype:
+                rep.problems.append("a batch of records does not match the layout")
+                continue
+            vec = recs["vector"]
+            fin = np.isfinite(vec).all(axis=1)
+            if not fin.all():
+                rep.bad += int(np.count_nonzero(~fin))
+                if len(rep.problems) < 20:
+                    rep.problems.append(f"key {keys[~fin][0]!r}: NaN or infinite value")
+            rep.rows += len(keys)
+            _add_digest(rep, keys, vec)
+            bar.update(len(keys))
+    if rep.rows != declared:
+        rep.problems.append(f"the store reports {declared} rows, a full scan read {rep.rows}")
+    return rep
+
+
+def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
+                batch_size: int = CHUNK_ROWS, progress: bool = False) -> VerifyReport:
+    """Read every row of a file: structure and checksums (native), keys, values, counts."""
+    with open_reader(path, fmt) as reader:
+        rep = VerifyReport(dim=reader.dim, kind=f"{reader.format} ({reader.key_kind} keys)")
+        kt = "int64" if reader.key_kind == "int64" else "bytes"
+        with progress_bar(total=reader.declared_rows, enabled=progress, desc="verify") as bar:
+            for chunk in reader.chunks(batch_size, validate=True):
+                clean, bad = _clean(chunk, reader, kt)
+                rep.bad += len(bad)
+                rep.problems += bad[:max(0, 20 - len(rep.problems))]
+                rep.rows += len(clean.keys)
+                _add_digest(rep, clean.keys, clean.vectors)
+                bar.update(len(chunk.keys) + len(chunk.bad))
+        if reader.declared_rows is not None and rep.rows + rep.bad != reader.declared_rows:
+            rep.problems.append(f"the file declares {reader.declared_rows} rows, "
+                                f"{rep.rows + rep.bad} were read")
+    return rep

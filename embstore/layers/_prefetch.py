@@ -1,0 +1,87 @@
+"""Prefetch for the cache layer: load the next batch's rows in a background thread.
+
+Thread-safety: all cache state is guarded by the cache's lock. The background thread holds it
+only to pick the keys to fetch and to insert what it got; the remote read itself runs without
+it (remotes that are not thread-safe are still called one at a time). Writes, deletes and
+evictions that happen while a prefetch is in flight are logged, and the prefetched rows of
+those keys are dropped, so a prefetch never overrides a newer row.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .._keys import normalize_keys
+
+
+class PrefetchMixin:
+    """``prefetch`` / ``wait_prefetch`` of :class:`~embstore.layers.cached.CachedBackend`."""
+
+    _pf_thread: threading.Thread | None = None
+    _pf_active: bool = False
+
+    def prefetch(self, keys: Any) -> None:
+        """Start loading the rows of ``keys`` that are not cached, in a background thread.
+
+        Call it with the *next* batch's keys before computing the current step; the next
+        lookup then finds them cached. At most one prefetch runs at a time (a new call waits
+        for the previous one). Writes, deletes and evictions that happen while it runs win
+        over what it read; a failed prefetch is dropped (counted in ``prefetch_errors``) and
+        the lookup fetches the rows itself.
+        """
+        k = normalize_keys(keys, self.key_type)
+        self.wait_prefetch()
+        with self._lock:
+            self._check()
+            _, found = self._find(k)
+            miss = np.unique(k[~found])
+            pending = self._wb.keys() if self._wb is not None else None
+            if pending is not None:  # the remote's copy of those is older: leave them
+                miss = miss[~np.isin(miss, pending)]
+            if not len(miss):
+                return
+            self._pf_active = True
+            self._invalid = []
+        t = threading.Thread(target=self._prefetch_run, args=(miss,), daemon=True,
+                             name="embstore-prefetch")
+        self._pf_thread = t
+        t.start()
+
+    def wait_prefetch(self) -> None:
+        """Block until a running prefetch has finished (no-op otherwise)."""
+        t = self._pf_thread
+        if t is not None:
+            t.join()
+            self._pf_thread = None
+
+    def _prefetch_run(self, keys: np.ndarray) -> None:
+        try:
+            recs, rfound = self._remote_get(keys)
+        except Exception:  # noqa: BLE001 - a hint only: the lookup will fetch and raise
+            with self._lock:
+                self.counters["prefetch_errors"] += 1
+                self._pf_active = False
+            return
+        with self._lock:
+            try:
+                if self._closed:
+                    return
+                keep = rfound.copy()
+                if self._invalid:
+                    keep &= ~np.isin(keys, np.concatenate(self._invalid))
+                keys, recs = keys[keep], recs[keep]
+                _, cached = self._find(keys)
+                keys, recs = keys[~cached], recs[~cached]
+                if len(keys):
+                    self._st.next_tick()
+                    room = self._make_room(len(keys))
+                    self._insert(keys[:room], recs[:room], dirty=False)
+                    self._count(prefetched_rows=room)
+            except Exception:  # noqa: BLE001 - e.g. an eviction write failed: nothing changed
+                self._count(prefetch_errors=1)
+            finally:
+                self._pf_active = False
+                self._invalid = []

@@ -1,0 +1,514 @@
+"""``CachedBackend``: a local row store (default ``memory://``) in front of a remote one.
+
+The engine is unaware of the cache: it calls ``get/get_field/put/delete/scan`` on this layer as
+on any backend. Reads are read-through (all misses of one batch in ONE remote ``get``); writes
+are write-back (dirty rows, flushed in batches on ``flush()``, ``close()`` and before a dirty row
+is evicted) or write-through (the remote ``put`` happens before the call returns).
+
+Bookkeeping is per cache *slot* in numpy arrays (last-use stamp, use count, dirty flag, key), so
+the hit path is one compiled hash lookup, one row gather and one fancy assignment of stamps.
+With a ``memory://`` local store the slots are the memory backend's own arena slots, so a hit
+costs one hash probe, as a plain ``memory://`` lookup does. Any other local backend (e.g.
+``lmdb://`` for a disk cache) gets a private key -> slot index next to it.
+
+Consistency contract
+--------------------
+- One writer per key range: two processes may share a remote table through their own caches as
+  long as they write disjoint keys. A reader sees another writer's rows up to that writer's
+  last flush (and only rows it does not hold in its own cache).
+- The remote holds the truth for metadata (read and written through) and, after ``flush()``,
+  for every row. ``scan`` and ``changes_since`` flush dirty rows first, then ask the remote;
+  ``len`` adds the dirty rows the remote does not have yet.
+- Deletes are always written through (the remote row goes first), so a deleted key can never
+  come back from the remote.
+- Nothing acknowledged is lost: a dirty row stays dirty until the remote ``put`` that carries it
+  returned. When the remote fails (``BackendError`` after its retries) the failing call raises
+  and the rows stay in the cache; a later ``flush()`` retries them. A ``put`` either applies
+  completely or raises before changing any row. If the remote itself loses data (an emulator
+  restarted empty), :meth:`CachedBackend.resync` rewrites the metadata and every row the cache
+  holds; rows that were flushed *and* evicted before the loss are only as safe as the remote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import Backend
+from ..backends.memory import MemoryBackend
+from ..errors import BackendError, InvalidInputError, StoreClosedError
+from ..layout import Layout
+from . import thread_safe
+from ._prefetch import PrefetchMixin
+from ._slots import SlotTable
+from ._writebehind import WriteBehind
+
+_EMPTY = np.uint32(0xFFFFFFFF)
+WRITE_POLICIES = ("back", "through")
+EVICTIONS = ("lru", "lfu")
+_COUNTERS = ("cache_hits", "cache_misses", "remote_reads", "remote_read_calls",
+             "remote_writes", "remote_write_calls", "evictions", "dirty_evictions",
+             "prefetched_rows", "prefetch_errors", "flushes", "write_behind_waits")
+
+
+def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Backend:
+    if isinstance(target, Backend):
+        return target
+    from ..registry import backend_class
+
+    return backend_class(target)(target, read_only=read_only, **options)
+
+
+class CachedBackend(PrefetchMixin, Backend):
+    """A capacity-bounded local cache over any remote backend.
+
+    Parameters
+    ----------
+    remote : Backend or str
+        The backend (or URL) holding the truth, e.g. ``bigtable://p/i/t``.
+    local : Backend or str
+        Where cached rows live (default ``"memory://"``). Emptied on open.
+    capacity : int
+        Maximum number of cached rows (default 100_000).
+    write_policy : {"back", "through"}
+        ``"back"`` keeps written rows dirty in the cache until flushed; ``"through"`` writes
+        the remote before returning.
+    eviction : {"lru", "lfu"}
+        Which rows leave a full cache: least recently used, or least frequently used
+        (ties broken by recency).
+    write_behind : bool, optional
+        Write evicted dirty rows from a background thread while the caller goes on (default:
+        when the remote is thread-safe, e.g. Bigtable). Off: evictions write synchronously.
+    flush_batch : int
+        Rows per remote ``put`` when flushing.
+    read_only : bool
+        Passed to the remote when it is given as a URL.
+    **remote_options
+        Options for the remote backend when it is given as a URL.
+    """
+
+    def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
+                 capacity: int = 100_000, write_policy: str = "back", eviction: str = "lru",
+                 write_behind: bool | None = None, flush_batch: int = 16384,
+                 read_only: bool = False, **remote_options: Any) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidInputError(f"write_policy must be one of {WRITE_POLICIES}, "
+                                    f"got {write_policy!r}")
+        if eviction not in EVICTIONS:
+            raise InvalidInputError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        if isinstance(capacity, bool) or int(capacity) <= 0:
+            raise InvalidInputError(f"cache_capacity must be a positive int, got {capacity!r}")
+        if int(flush_batch) <= 0:
+            raise InvalidInputError(f"flush_batch must be positive, got {flush_batch!r}")
+        self.remote = _open_backend(remote, read_only, remote_options)
+        try:
+            self.local = _open_backend(local, False, {})
+        except BaseException:
+            self.remote.close()
+            raise
+        super().__init__(self.remote.url, read_only=read_only or self.remote.read_only)
+        self.persistent = self.remote.persistent
+        self.supports_scan = self.remote.supports_scan
+        self.supports_changes = self.remote.supports_changes
+        self.scheme = self.remote.scheme
+        self.capacity = int(capacity)
+        self.write_policy = write_policy
+        self.eviction = eviction
+        self.flush_batch = int(flush_batch)
+        # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
+        self._index: MemoryBackend = (self.local if isinstance(self.local, MemoryBackend)
+                                      else MemoryBackend("memory://"))
+        self._rows_in_index = self._index is self.local
+        self._lock = threading.RLock()          # guards every piece of cache state
+        concurrent = thread_safe(self.remote)
+        # Remotes that are not thread-safe (memory://) see one call at a time.
+        self._remote_lock = contextlib.nullcontext() if concurrent else threading.Lock()
+        self._count_lock = threading.Lock()
+        if write_behind is None:
+            write_behind = concurrent
+        self._wb = (WriteBehind(self._remote_put) if write_behind and write_policy == "back"
+                    else None)
+        self._meta: dict | None = None
+        self._closed = False
+        self._pf_thread: threading.Thread | None = None
+        self._pf_active = False
+        self._invalid: list[np.ndarray] = []    # keys written/evicted while a prefetch ran
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._st = SlotTable(self.key_type, eviction)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots = self._index._slots(keys)
+        return slots, slots != _EMPTY
+
+    def _read_local(self, keys: np.ndarray, slots: np.ndarray,
+                    field: str | None = None) -> np.ndarray:
+        """Rows of cached keys (zero rows where ``slots`` is empty)."""
+        if not self._rows_in_index:
+            if field is None:
+                return self.local.get(keys)[0]
+            return self.local.get_field(keys, field)[0]
+        n = len(slots)
+        arena = self._index._arena
+        if field is None:
+            recs = np.empty(n, dtype=self._dtype)
+            arena.gather(slots, recs.view(np.uint8).reshape(n, -1))
+            return recs
+        fdt, offset = self._dtype.fields[field][:2]
+        out = np.empty((n,) + fdt.shape, dtype=fdt.base)
+        arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
+        return out
+
+    def _log_invalid(self, keys: np.ndarray) -> None:
+        # A running prefetch read the remote before these writes: its rows for them are stale.
+        if self._pf_active and len(keys):
+            self._invalid.append(np.asarray(keys))
+
+    def _count(self, **inc: int) -> None:
+        with self._count_lock:  # the write-behind and prefetch threads count too
+            for k, v in inc.items():
+                self.counters[k] += v
+
+    def _remote_get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with self._remote_lock:
+            out = self.remote.get(keys)
+        self._count(remote_reads=len(keys), remote_read_calls=1)
+        return out
+
+    def _remote_put(self, keys: np.ndarray, recs: np.ndarray) -> None:
+        with self._remote_lock:
+            self.remote.put(keys, recs)
+        self._count(remote_writes=len(keys), remote_write_calls=1)
+
+    def _settle(self, keys: np.ndarray | None = None) -> None:
+        """Wait for the write-behind of evicted rows (of ``keys`` only, if given) to land."""
+        if self._wb is None:
+            return
+        pending = self._wb.keys()
+        if pending is None:
+            return
+        if keys is None or np.isin(keys, pending).any():
+            self._count(write_behind_waits=1)
+            self._wb.drain()
+
+    # -- insertion and eviction -------------------------------------------------------------------
+    def _make_room(self, m: int) -> int:
+        """Evict least valuable rows not touched in this operation so that up to ``m`` new rows
+        fit; dirty victims are written first (one batch; may raise, leaving the cache
+        unchanged) or handed to the write-behind. Return how many new rows fit."""
+        need = self._st.live + m - self.capacity
+        if need <= 0:
+            return m
+        victims = self._st.victims(need)
+        if len(victims):
+            keys = self._st.keys[victims]
+            dirty = self._st.dirty[victims]
+            nd = int(np.count_nonzero(dirty))
+            if nd:
+                dk = keys[dirty]
+                recs = self._read_local(dk, victims[dirty])
+                if self._wb is None:
+                    self._remote_put(dk, recs)
+            self._drop(keys, victims)
+            self._count(evictions=len(victims), dirty_evictions=nd)
+            if nd and self._wb is not None:
+                self._wb.submit(dk, recs)  # queued even if it raises: never lost
+        return min(m, self.capacity - self._st.live)
+
+    def _drop(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Forget cached rows (no remote I/O)."""
+        self._log_invalid(keys)
+        self._st.remove(slots)
+        self.local.delete(keys)
+        if not self._rows_in_index:
+            self._index.delete(keys)
+
+    def _insert(self, keys: np.ndarray, recs: np.ndarray, dirty: bool) -> None:
+        """Cache rows of keys not cached yet (room was made by the caller)."""
+        if not len(keys):
+            return
+        self.local.put(keys, recs)
+        if not self._rows_in_index:
+            self._index.put(keys, self._index.layout.empty(len(keys)))
+        self._st.add(self._index._slots(keys), keys, dirty)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def bind(self, layout: Layout, key_type: str) -> None:
+        super().bind(layout, key_type)
+        self._dtype = layout.dtype
+        self.remote.bind(layout, key_type)
+        self.local.bind(layout, key_type)
+        if not self._rows_in_index:
+            self._index.bind(Layout(1), key_type)
+        with self._lock:
+            self._st = SlotTable(key_type, self.eviction)
+
+    def read_meta(self) -> dict | None:
+        meta = self.remote.read_meta()
+        self._meta = None if meta is None else dict(meta)
+        if self.local.read_meta() is not None:
+            self.local.clear()  # a persistent local cache from an earlier run may be stale
+        return meta
+
+    def write_meta(self, meta: dict) -> None:
+        with self._remote_lock:
+            self.remote.write_meta(meta)
+        self._meta = dict(meta)
+        if not self._rows_in_index:
+            self.local.write_meta(meta)
+
+    def reopen_options(self) -> dict:
+        opts = dict(self.remote.reopen_options())
+        opts.update(cache=self.local.url, cache_capacity=self.capacity,
+                    write_policy=self.write_policy, eviction=self.eviction)
+        return opts
+
+    def flush(self) -> None:
+        """Write every dirty row to the remote (batched), then flush the remote."""
+        with self._lock:
+            self._flush_rows()
+            with self._remote_lock:
+                self.remote.flush()
+
+    def _flush_rows(self) -> int:
+        self._settle()
+        dslots = self._st.dirty_slots()
+        for i in range(0, len(dslots), self.flush_batch):
+            s = dslots[i:i + self.flush_batch]
+            keys = self._st.keys[s]
+            self._remote_put(keys, self._read_local(keys, s))
+            self._st.dirty[s] = False  # only once the remote confirmed this chunk
+        if len(dslots):
+            self._count(flushes=1)
+        return len(dslots)
+
+    def resync(self) -> int:
+        """Rewrite the metadata and every cached row to the remote; return rows written.
+
+        For a remote that lost its data (e.g. an emulator restarted empty): afterwards it holds
+        everything this cache holds, dirty or clean, and every evicted row still waiting for
+        the write-behind.
+        """
+        self.wait_prefetch()
+        with self._lock:
+            if self._meta is not None:
+                self.write_meta(self._meta)
+            pending = len(self._wb) if self._wb is not None else 0
+            self._settle()
+            self._st.dirty[self._st.occupied()] = True
+            n = self._flush_rows() + pending
+            with self._remote_lock:
+                self.remote.flush()
+            return n
+
+    def close(self) -> None:
+        """Flush dirty rows and close both stores. If the flush fails the cache stays open
+        (``BackendError``): call ``flush()``/``close()`` again once the remote is back."""
+        if self._closed:
+            return
+        self.wait_prefetch()
+        with self._lock:
+            if not self.read_only:
+                try:
+                    self._flush_rows()
+                except Exception as e:
+                    n = int(np.count_nonzero(self._st.dirty))
+                    n += len(self._wb) if self._wb is not None else 0
+                    raise BackendError(
+                        f"{self.url}: close could not flush {n} dirty cached rows ({e}); they "
+                        "are kept in the cache: call flush() or close() again when the remote "
+                        "is reachable"
+                    ) from e
+            self._closed = True
+            if self._wb is not None:
+                self._wb.close()
+            try:
+                self.remote.close()
+            finally:
+                self.local.close()
+                if not self._rows_in_index:
+                    self._index.close()
+
+    # -- rows -------------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreClosedError("operation on a closed cache")
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._lookup(keys, None)
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        return self._lookup(keys, field)
+
+    def _lookup(self, keys: np.ndarray, field: str | None) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            self._check()
+            slots, found = self._find(keys)
+            if found.all():  # the hit path: one probe, one gather, one stamp scatter
+                out = self._read_local(keys, slots, field)
+                self._st.next_tick()
+                self._st.touch(slots)
+                self.counters["cache_hits"] += len(keys)
+                return out, found
+            if not self._pf_active:
+                return self._lookup_misses(keys, field)
+        # Rows this batch misses may be on their way: wait for the prefetch, not the remote.
+        self.wait_prefetch()
+        with self._lock:
+            self._check()
+            return self._lookup_misses(keys, field)
+
+    def _lookup_misses(self, keys: np.ndarray, field: str | None):
+        slots, found = self._find(keys)
+        out = self._read_local(keys, slots, field)
+        self._st.next_tick()
+        self._st.touch(slots[found])
+        nhit = int(np.count_nonzero(found))
+        self._count(cache_hits=nhit, cache_misses=len(keys) - nhit)
+        miss = ~found
+        uniq, inv = np.unique(keys[miss], return_inverse=True)
+        self._settle(uniq)
+        recs, rfound = self._remote_get(uniq)
+        out[miss] = recs[inv] if field is None else recs[field][inv]
+        found = found.copy()
+        found[miss] = rfound[inv]
+        new_keys, new_recs = uniq[rfound], recs[rfound]
+        if len(new_keys):
+            room = self._make_room(len(new_keys))
+            self._insert(new_keys[:room], new_recs[:room], dirty=False)
+        return out, found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        with self._lock:
+            self._check()
+            _, found = self._find(keys)
+            if found.all():
+                return found
+            found = found.copy()
+            miss = ~found
+            uniq, inv = np.unique(keys[miss], return_inverse=True)
+            self._settle(uniq)
+            with self._remote_lock:
+                rfound = np.asarray(self.remote.contains(uniq), dtype=bool)
+            found[miss] = rfound[inv]
+            return found
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        with self._lock:
+            self._check()
+            self._log_invalid(keys)
+            through = self.write_policy == "through"
+            if through:
+                self._remote_put(keys, records)
+            slots, found = self._find(keys)
+            self._st.next_tick()
+            self._st.touch(slots[found])
+            new = ~found
+            m = int(np.count_nonzero(new))
+            room = self._make_room(m) if m else 0
+            new_keys, new_recs = keys[new], records[new]
+            if room < m and not through:
+                # More new rows than the cache can hold: the overflow goes straight to the
+                # remote, before any cached row changes, so a failure leaves the put unapplied.
+                self._settle(new_keys[room:])
+                self._remote_put(new_keys[room:], new_recs[room:])
+            if not new.all():
+                self.local.put(keys[found], records[found])
+                self._st.dirty[slots[found]] = not through
+            self._insert(new_keys[:room], new_recs[:room], dirty=not through)
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        with self._lock:
+            self._check()
+            self._log_invalid(keys)
+            self._settle(keys)  # a pending write-behind must not resurrect a deleted row
+            with self._remote_lock:
+                present = np.asarray(self.remote.delete(keys), dtype=bool)
+            slots, found = self._find(keys)
+            if found.any():
+                self._drop(keys[found], slots[found])
+            return present | found
+
+    def __len__(self) -> int:
+        with self._lock:
+            if self._closed:
+                return 0
+            self._settle()
+            # Counted without flushing (stats() calls len): dirty keys the remote lacks are new.
+            dkeys = self._st.keys[self._st.dirty_slots()]
+            extra = 0
+            with self._remote_lock:
+                for i in range(0, len(dkeys), self.flush_batch):
+                    chunk = dkeys[i:i + self.flush_batch]
+                    extra += int(np.count_nonzero(~np.asarray(self.remote.contains(chunk))))
+                return len(self.remote) + extra
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        with self._lock:
+            self._check()
+            self._flush_rows()
+        yield from self.remote.scan(batch_size)
+
+    def changes_since(self, version: int,
+                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        with self._lock:
+            self._check()
+            self._flush_rows()
+        yield from self.remote.changes_since(version, batch_size)
+
+    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Stream rows to the remote's bulk path; cached copies of loaded keys are dropped
+        (they are clean: dirty rows are flushed first, so a failed load loses nothing)."""
+        self.wait_prefetch()
+        with self._lock:
+            self._check()
+            self._flush_rows()
+
+            def stream():
+                for keys, recs in batches:
+                    slots, found = self._find(keys)
+                    if found.any():
+                        self._drop(keys[found], slots[found])
+                    yield keys, recs
+
+            n = self.remote.bulk_load(stream())
+            self._count(remote_writes=n)
+            return n
+
+    def clear(self) -> None:
+        self.wait_prefetch()
+        with self._lock:
+            self._check()
+            self._settle()
+            self.remote.clear()
+            self.local.clear()
+            if not self._rows_in_index:
+                self._index.clear()
+            self._st = SlotTable(self.key_type, self.eviction)
+
+    def size_bytes(self) -> int | None:
+        return self.remote.size_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        """Cache counters (rows): ``cache_hits``, ``cache_misses``, ``cache_hit_rate``,
+        ``remote_reads``/``remote_writes`` (and ``*_calls``), ``evictions``,
+        ``dirty_evictions``, ``dirty_rows``, ``pending_rows`` (evicted, being written),
+        ``cache_rows``, ``cache_capacity``, ``prefetched_rows``; plus the remote's own
+        counters prefixed ``remote.``."""
+        with self._lock:
+            out: dict[str, Any] = dict(self.counters)
+            looked = out["cache_hits"] + out["cache_misses"]
+            out["cache_hit_rate"] = out["cache_hits"] / looked if looked else float("nan")
+            out["dirty_rows"] = int(np.count_nonzero(self._st.dirty))
+            out["pending_rows"] = len(self._wb) if self._wb is not None else 0
+            out["cache_rows"] = int(self._st.live)
+            out["cache_capacity"] = self.capacity
+            out["write_policy"] = self.write_policy
+            out["eviction"] = self.eviction
+            if not self._closed:
+                out.update({f"remote.{k}": v for k, v in self.remote.stats().items()})
+            return out

@@ -1,0 +1,284 @@
+"""``ShardedBackend``: ``hash(key) mod n`` routing of rows over n backends.
+
+The hash is embstore's fixed 64-bit key mix (:func:`embstore._keys.key_hash64`: splitmix64 for
+int64 keys, blake2b-8 for bytes), never Python's per-process salted ``hash()``, so every process
+routes a key to the same shard. A batch is partitioned with one stable argsort, each shard gets
+one call, and results are stitched back in request order.
+
+The shard list is part of the data: every shard's metadata carries ``{"count": n, "index": i}``
+and reopening with another number or order of shards raises ``SchemaMismatchError`` (rows would
+be looked for on the wrong shard). Schema metadata must agree on every shard. Shard metadata
+records the format ``"embstore-shard"``, so a shard opened alone as a plain store is refused.
+
+The URL ``sharded://?shard=<url>&shard=<url>...`` (each shard URL percent-encoded) names the
+whole set, so ``store.url`` reopens it and a store pickles by URL.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import numpy as np
+
+from .._keys import key_hash64
+from ..backends.base import Backend
+from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
+from ..layout import Layout
+
+SCHEME = "sharded"
+#: the ``format`` recorded in each shard's metadata (the engine's is ``"embstore"``)
+SHARD_FORMAT = "embstore-shard"
+_VOLATILE = ("step", "version", "extra", "sharding")
+
+
+def sharded_url(urls: Sequence[str]) -> str:
+    """The ``sharded://`` URL naming an ordered list of shard URLs."""
+    return f"{SCHEME}://?" + urlencode([("shard", u) for u in urls])
+
+
+def parse_sharded_url(url: str) -> list[str]:
+    """Shard URLs of a ``sharded://?shard=...`` URL, in order."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != SCHEME or parts.netloc or parts.path not in ("", "/"):
+        raise InvalidURLError(f"not a sharded URL (sharded://?shard=<url>&...): {url!r}")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    bad = [k for k, _ in pairs if k != "shard"]
+    if bad or not pairs:
+        raise InvalidURLError(f"{url!r}: expected one or more 'shard=<url>' parameters")
+    return [v for _, v in pairs]
+
+
+class ShardedBackend(Backend):
+    """Rows spread over ``n`` backends by ``key_hash64(key) % n``.
+
+    Parameters
+    ----------
+    shards : sequence of Backend or str, or a ``sharded://`` URL
+        The shards, in routing order (the order is checked on reopen).
+    read_only : bool
+        Passed to shards given as URLs.
+    parallel : bool, optional
+        Call the shards from a thread pool (default: when any shard is persistent, i.e. does
+        I/O; in-memory shards are faster called in turn).
+    **options
+        Backend options for shards given as URLs (the same for every shard).
+
+    Attributes
+    ----------
+    shards : list of Backend
+    """
+
+    def __init__(self, shards: Sequence[Backend | str] | str, *, read_only: bool = False,
+                 parallel: bool | None = None, **options: Any) -> None:
+        if isinstance(shards, str):
+            shards = parse_sharded_url(shards)
+        shards = list(shards)
+        if not shards:
+            raise InvalidInputError("ShardedBackend needs at least one shard")
+        opened: list[Backend] = []
+        try:
+            for s in shards:
+                if isinstance(s, Backend):
+                    opened.append(s)
+                elif isinstance(s, str):
+                    if s.lower().startswith(f"{SCHEME}://"):
+                        raise InvalidURLError("a shard cannot itself be a sharded:// URL")
+                    from ..registry import backend_class
+
+                    opened.append(backend_class(s)(s, read_only=read_only, **options))
+                else:
+                    raise InvalidInputError(f"a shard must be a Backend or a URL, got {s!r}")
+        except BaseException:
+            for b in opened:
+                b.close()
+            raise
+        urls = [b.url for b in opened]
+        super().__init__(sharded_url(urls), read_only=read_only)
+        self.shards: list[Backend] = opened
+        self.n = len(opened)
+        self.persistent = all(b.persistent for b in opened)
+        self.supports_scan = all(b.supports_scan for b in opened)
+        self.supports_changes = all(b.supports_changes for b in opened)
+        self.scheme = SCHEME
+        from . import thread_safe
+
+        self.thread_safe = all(thread_safe(b) for b in opened)
+        if parallel is None:
+            parallel = any(b.persistent for b in opened)
+        self._pool = ThreadPoolExecutor(self.n, "embstore-shard") if parallel and self.n > 1 \
+            else None
+
+    # -- routing ----------------------------------------------------------------------------------
+    def shard_of(self, keys: np.ndarray) -> np.ndarray:
+        """Shard index (int64) of each key: ``key_hash64(key) % n``."""
+        keys = np.asarray(keys)
+        if keys.dtype != np.int64 and keys.dtype != object:
+            keys = keys.astype(np.int64)
+        return (key_hash64(keys) % np.uint64(self.n)).astype(np.int64)
+
+    def _partition(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``(shard, positions)`` for every shard that receives keys, positions ascending."""
+        sid = self.shard_of(keys)
+        order = np.argsort(sid, kind="stable")
+        bounds = np.searchsorted(sid[order], np.arange(self.n + 1))
+        return [(i, order[bounds[i]:bounds[i + 1]]) for i in range(self.n)
+                if bounds[i + 1] > bounds[i]]
+
+    def _map(self, fn: Callable[[int], Any], which: Sequence[int]) -> list[Any]:
+        if self._pool is None or len(which) < 2:
+            return [fn(i) for i in which]
+        return list(self._pool.map(fn, which))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def bind(self, layout: Layout, key_type: str) -> None:
+        super().bind(layout, key_type)
+        for b in self.shards:
+            b.bind(layout, key_type)
+
+    def read_meta(self) -> dict | None:
+        metas = self._map(lambda i: self.shards[i].read_meta(), range(self.n))
+        if all(m is None for m in metas):
+            return None
+        first = next(m for m in metas if m is not None)
+        schema = {k: v for k, v in first.items() if k not in _VOLATILE}
+        for i, m in enumerate(metas):
+            if m is None:
+                raise SchemaMismatchError(f"{self.url}: shard {i} ({self.shards[i].url}) holds "
+                                          "no store while other shards do")
+            if m.get("format") != SHARD_FORMAT:
+                raise SchemaMismatchError(
+                    f"{self.url}: shard {i} ({self.shards[i].url}) holds a store that is not "
+                    "a shard of a sharded store"
+                )
+            if m.get("sharding") != {"count": self.n, "index": i}:
+                raise SchemaMismatchError(
+                    f"{self.url}: shard {i} ({self.shards[i].url}) was written as shard "
+                    f"{m.get('sharding')} but is opened as shard {i} of {self.n}; open the "
+                    "shards in their original number and order"
+                )
+            if {k: v for k, v in m.items() if k not in _VOLATILE} != schema:
+                raise SchemaMismatchError(
+                    f"{self.url}: shard {i} ({self.shards[i].url}) has other store metadata "
+                    "(dim, key type, optimizer...) than shard 0"
+                )
+        # step/version may lag on a shard if a crash hit between shard writes: take the newest.
+        out = {k: v for k, v in first.items() if k != "sharding"}
+        out["format"] = "embstore"
+        out["step"] = max(int(m.get("step", 0)) for m in metas)
+        out["version"] = max(int(m.get("version", 0)) for m in metas)
+        return out
+
+    def write_meta(self, meta: dict) -> None:
+        def one(i: int) -> None:
+            # A distinct format name: opening one shard alone as a plain store is refused.
+            self.shards[i].write_meta({**meta, "format": SHARD_FORMAT,
+                                       "sharding": {"count": self.n, "index": i}})
+
+        self._map(one, range(self.n))
+
+    def flush(self) -> None:
+        self._map(lambda i: self.shards[i].flush(), range(self.n))
+
+    def close(self) -> None:
+        errors = []
+        for b in self.shards:
+            try:
+                b.close()
+            except Exception as e:  # noqa: BLE001 - close every shard, then report
+                errors.append(e)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if errors:
+            raise errors[0]
+
+    def reopen_options(self) -> dict:
+        out: dict = {}
+        for b in self.shards:
+            for k, v in b.reopen_options().items():
+                out.setdefault(k, v)
+        return out
+
+    # -- rows -------------------------------------------------------------------------------------
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        parts = self._partition(keys)
+        got = self._map(lambda p: self.shards[p[0]].get(keys[p[1]]), parts)
+        recs = np.empty(len(keys), dtype=self.layout.dtype)
+        found = np.empty(len(keys), dtype=bool)
+        for (_, pos), (r, f) in zip(parts, got):
+            recs[pos] = r
+            found[pos] = f
+        return recs, found
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        parts = self._partition(keys)
+        got = self._map(lambda p: self.shards[p[0]].get_field(keys[p[1]], field), parts)
+        fdt = self.layout.dtype.fields[field][0]
+        out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
+        found = np.empty(len(keys), dtype=bool)
+        for (_, pos), (v, f) in zip(parts, got):
+            out[pos] = v
+            found[pos] = f
+        return out, found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        parts = self._partition(keys)
+        got = self._map(lambda p: self.shards[p[0]].contains(keys[p[1]]), parts)
+        found = np.empty(len(keys), dtype=bool)
+        for (_, pos), f in zip(parts, got):
+            found[pos] = f
+        return found
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        parts = self._partition(keys)
+        self._map(lambda p: self.shards[p[0]].put(keys[p[1]], records[p[1]]), parts)
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        parts = self._partition(keys)
+        got = self._map(lambda p: self.shards[p[0]].delete(keys[p[1]]), parts)
+        present = np.zeros(len(keys), dtype=bool)
+        for (_, pos), f in zip(parts, got):
+            present[pos] = f
+        return present
+
+    def __len__(self) -> int:
+        return int(sum(self._map(lambda i: len(self.shards[i]), range(self.n))))
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return itertools.chain.from_iterable(b.scan(batch_size) for b in self.shards)
+
+    def changes_since(self, version: int,
+                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return itertools.chain.from_iterable(b.changes_since(version, batch_size)
+                                             for b in self.shards)
+
+    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+        n = 0
+        for keys, recs in batches:
+            parts = self._partition(keys)
+            self._map(lambda p: self.shards[p[0]].bulk_load(iter([(keys[p[1]],
+                                                                   recs[p[1]])])), parts)
+            n += len(keys)
+        return n
+
+    def clear(self) -> None:
+        self._map(lambda i: self.shards[i].clear(), range(self.n))
+
+    def size_bytes(self) -> int | None:
+        sizes = [b.size_bytes() for b in self.shards]
+        return None if any(s is None for s in sizes) else int(sum(sizes))
+
+    def stats(self) -> dict[str, Any]:
+        """Numeric counters summed over shards, plus ``shard_rows`` (rows per shard)."""
+        out: dict[str, Any] = dict(self.counters)
+        for b in self.shards:
+            for k, v in b.stats().items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        out["shards"] = self.n
+        out["shard_rows"] = [len(b) for b in self.shards]
+        return out

@@ -1,0 +1,63 @@
+"""Adagrad, matching ``torch.optim.Adagrad`` on a sparse ``nn.Embedding`` gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Optimizer, check_hyper
+
+
+class Adagrad(Optimizer):
+    """Per-coordinate Adagrad on the rows of a batch.
+
+    Matches ``torch.optim.Adagrad(lr, lr_decay=0, weight_decay=0, initial_accumulator_value,
+    eps)`` step for step on a sparse gradient (the gradient of each key is summed first, as
+    torch coalesces the sparse tensor)::
+
+        accum += g * g
+        w -= lr * g / (sqrt(accum) + eps)
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate (> 0).
+    initial_accumulator_value : float
+        Starting value of the accumulator of a new key (>= 0).
+    eps : float
+        Added to the denominator (>= 0; torch's default 1e-10).
+    """
+
+    name = "adagrad"
+
+    def __init__(self, lr: float = 0.01, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10) -> None:
+        self.lr = check_hyper("lr", lr, inclusive=False)
+        self.initial_accumulator_value = check_hyper("initial_accumulator_value",
+                                                     initial_accumulator_value)
+        self.eps = check_hyper("eps", eps)
+
+    def slots(self, dim: int) -> list[tuple[str, int]]:
+        return [("accum", dim)]
+
+    def init_slots(self, records: np.ndarray) -> None:
+        if self.initial_accumulator_value:
+            records["accum"] = self.initial_accumulator_value
+
+    def apply(self, records: np.ndarray, grads: np.ndarray, step: int) -> None:
+        # In place on the record fields (strided views) with one scratch buffer: copying
+        # fields out of a structured array costs more than the arithmetic itself.
+        acc = records["accum"]
+        tmp = np.multiply(grads, grads)
+        acc += tmp
+        np.sqrt(acc, out=tmp)
+        tmp += np.float32(self.eps)
+        np.divide(grads, tmp, out=tmp)
+        tmp *= np.float32(self.lr)
+        vec = records["vector"]
+        vec -= tmp
+
+    def _params(self) -> dict[str, Any]:
+        return {"lr": self.lr, "initial_accumulator_value": self.initial_accumulator_value,
+                "eps": self.eps}

@@ -1,0 +1,79 @@
+"""Lazy Adam, matching ``torch.optim.SparseAdam`` on a sparse ``nn.Embedding`` gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from .base import Optimizer, check_hyper
+
+
+class Adam(Optimizer):
+    """Adam applied lazily: moments of the rows in a batch are updated, others left alone.
+
+    Matches ``torch.optim.SparseAdam(lr, betas, eps)`` step for step (and TensorFlow Addons'
+    ``LazyAdam``)::
+
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w -= lr * sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)
+
+    ``t`` is the *global* step, the store's count of ``update`` calls — SparseAdam keeps one
+    step counter per parameter tensor (the whole table), not per row, so bias correction of a
+    rarely seen row uses the table's step. This choice is what makes the parity exact; a store
+    whose step counter is restored from a checkpoint resumes identically.
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate (> 0).
+    betas : (float, float)
+        Decay rates of the first and second moments, each in ``[0, 1)``.
+    eps : float
+        Added to the denominator (>= 0).
+    """
+
+    name = "adam"
+
+    def __init__(self, lr: float = 0.001, betas: tuple[float, float] | list[float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        self.lr = check_hyper("lr", lr, inclusive=False)
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(f"betas must be a pair of floats, got {betas!r}") from e
+        self.betas = (check_hyper("betas[0]", b1, high=1.0), check_hyper("betas[1]", b2, high=1.0))
+        self.eps = check_hyper("eps", eps)
+
+    def slots(self, dim: int) -> list[tuple[str, int]]:
+        return [("m", dim), ("v", dim)]
+
+    def apply(self, records: np.ndarray, grads: np.ndarray, step: int) -> None:
+        b1, b2 = self.betas
+        # Same operation order as SparseAdam (old += (1 - b) * (new - old)) to stay bit-close.
+        # In place on the record fields (strided views): copying fields out of a structured
+        # array costs more than the arithmetic.
+        m, v, vec = records["m"], records["v"], records["vector"]
+        tmp = np.subtract(grads, m)
+        tmp *= np.float32(1.0 - b1)
+        m += tmp
+        np.multiply(grads, grads, out=tmp)
+        tmp -= v
+        tmp *= np.float32(1.0 - b2)
+        v += tmp
+        step_size = self.lr * (1.0 - b2 ** step) ** 0.5 / (1.0 - b1 ** step)
+        np.sqrt(v, out=tmp)
+        tmp += np.float32(self.eps)
+        np.divide(m, tmp, out=tmp)
+        tmp *= np.float32(step_size)
+        vec -= tmp
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        cfg["betas"] = list(self.betas)
+        return cfg
+
+    def _params(self) -> dict[str, Any]:
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps}

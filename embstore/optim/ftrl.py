@@ -1,0 +1,100 @@
+"""FTRL-Proximal with L1, L2 and an optional group-lasso (L2,1) penalty per row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Optimizer, check_hyper
+
+
+class FTRL(Optimizer):
+    """FTRL-Proximal (McMahan et al., 2013), per coordinate, on the rows of a batch.
+
+    Matches ``tf.keras.optimizers.Ftrl(learning_rate=alpha, beta=beta,
+    l1_regularization_strength=l1, l2_regularization_strength=l2,
+    initial_accumulator_value=initial_accumulator_value, learning_rate_power=-0.5)``::
+
+        n' = n + g * g
+        z += g - (sqrt(n') - sqrt(n)) / alpha * w
+        n  = n'
+        w  = -(z - sign(z) * l1) / ((beta + sqrt(n)) / alpha + 2 * l2)   where |z| > l1
+        w  = 0                                                           elsewhere
+
+    so L1 produces *exact* zeros. With ``l21 > 0`` a group-lasso term ``l21 * sqrt(dim) *
+    ||w_row||_2`` acts on whole rows: after the L1 soft-threshold, the row's ``z`` is shrunk as
+    a group, ``z *= max(0, 1 - l21 * sqrt(dim) / ||z||)``, so weak rows become all zero (this is
+    the exact proximal step when the row's per-coordinate rates are equal, the usual
+    approximation otherwise).
+
+    Rows that are all zero after a step are returned for deletion when ``prune`` is on
+    (feature selection: the key's row, including its ``z``/``n`` state, leaves the table; if
+    the key comes back it starts afresh). ``prune`` defaults to on exactly when ``l21 > 0``.
+    Weights follow from ``z`` and ``n`` after the first step, so ``initializer="zeros"`` is the
+    natural choice.
+
+    Parameters
+    ----------
+    alpha : float
+        Learning rate (> 0).
+    beta : float
+        Smoothing of the per-coordinate rate (>= 0).
+    l1, l2, l21 : float
+        Penalties (>= 0).
+    initial_accumulator_value : float
+        Starting ``n`` of a new key (>= 0; Keras uses 0.1).
+    prune : bool, optional
+        Delete rows that became all zero.
+    """
+
+    name = "ftrl"
+
+    def __init__(self, alpha: float = 0.05, beta: float = 1.0, l1: float = 0.0, l2: float = 0.0,
+                 l21: float = 0.0, initial_accumulator_value: float = 0.0,
+                 prune: bool | None = None) -> None:
+        self.alpha = check_hyper("alpha", alpha, inclusive=False)
+        self.beta = check_hyper("beta", beta)
+        self.l1 = check_hyper("l1", l1)
+        self.l2 = check_hyper("l2", l2)
+        self.l21 = check_hyper("l21", l21)
+        self.initial_accumulator_value = check_hyper("initial_accumulator_value",
+                                                     initial_accumulator_value)
+        self.prune = bool(self.l21 > 0) if prune is None else bool(prune)
+
+    def slots(self, dim: int) -> list[tuple[str, int]]:
+        return [("z", dim), ("n", dim)]
+
+    def init_slots(self, records: np.ndarray) -> None:
+        if self.initial_accumulator_value:
+            records["n"] = self.initial_accumulator_value
+
+    def apply(self, records: np.ndarray, grads: np.ndarray, step: int) -> np.ndarray | None:
+        f32 = np.float32
+        # Views into the records: copying fields out of a structured array is slow.
+        w, z, n = records["vector"], records["z"], records["n"]
+        n_new = n + grads * grads
+        sqrt_new = np.sqrt(n_new)
+        sigma = (sqrt_new - np.sqrt(n)) / f32(self.alpha)
+        z += grads - sigma * w
+        quad = (f32(self.beta) + sqrt_new) / f32(self.alpha) + f32(2.0 * self.l2)
+        # L1 soft threshold: coordinates with |z| <= l1 become exactly zero.
+        shrunk = np.sign(z) * np.maximum(np.abs(z) - f32(self.l1), f32(0.0))
+        if self.l21:
+            norm = np.sqrt(np.einsum("ij,ij->i", shrunk, shrunk, dtype=np.float64))
+            thresh = self.l21 * np.sqrt(z.shape[1])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(norm > thresh, 1.0 - thresh / norm, 0.0).astype(np.float32)
+            shrunk *= scale[:, None]
+        w_new = -shrunk / quad
+        w_new[shrunk == 0] = 0.0  # no negative zeros: an exact zero is stored as +0.0
+        w[...] = w_new
+        n[...] = n_new
+        if not self.prune:
+            return None
+        return ~w_new.any(axis=1)
+
+    def _params(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "beta": self.beta, "l1": self.l1, "l2": self.l2,
+                "l21": self.l21, "initial_accumulator_value": self.initial_accumulator_value,
+                "prune": self.prune}

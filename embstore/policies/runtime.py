@@ -1,0 +1,186 @@
+"""The engine's policy state: admission, expiry, eviction and the tombstone log, in one place.
+
+``EmbeddingStore`` owns one :class:`PolicyRuntime` and calls it at a few points (misses in
+``lookup``, unknown keys in ``update``, after writes, on delete); this module decides, counts
+and persists. It never imports the engine: the store is passed in where rows must be read.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
+from .expiry import Eviction, Expiry, eviction_victims, expired_keys
+from .tombstones import TombstoneLog
+
+COUNTER_NAMES = ("admission_rejected", "gradients_dropped", "expired", "evictions", "pruned")
+
+
+def _coerce_eviction(capacity: Any, eviction: Any) -> Eviction | None:
+    if isinstance(capacity, Eviction):
+        return capacity
+    if isinstance(eviction, Eviction):
+        return eviction
+    if capacity is None:
+        if eviction is not None:
+            raise InvalidInputError("eviction= needs capacity=")
+        return None
+    return Eviction(capacity, eviction or "lru")
+
+
+class PolicyRuntime:
+    """Holds the policies of one open store and their counters."""
+
+    def __init__(self, admission: Any = None, expiry: Any = None, capacity: Any = None,
+                 eviction: Any = None) -> None:
+        if admission is not None and admission is not False \
+                and not isinstance(admission, AdmissionPolicy):
+            raise InvalidInputError(f"admission must be an AdmissionPolicy, got {admission!r}")
+        if expiry is not None and expiry is not False and not isinstance(expiry, Expiry):
+            raise InvalidInputError(f"expiry must be an embstore.policies.Expiry, got {expiry!r}")
+        if isinstance(admission, AdmissionPolicy):
+            # A policy carries state (sketch, filter): two stores given the same object must
+            # not share it.
+            admission = copy.deepcopy(admission)
+        self._given = (admission, expiry, _coerce_eviction(capacity, eviction))
+        self.admission: AdmissionPolicy | None = None
+        self.expiry: Expiry | None = None
+        self.eviction: Eviction | None = None
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self.updates_since_expire = 0
+        self.tombstones: TombstoneLog | None = None
+        self._pending = np.zeros(0, dtype=np.int64)  # rejected in lookups since last update
+        self._rows_base: int | None = None
+
+    # -- open / persist -------------------------------------------------------------------------
+    def restore(self, extra: dict[str, Any], key_type: str, version: int, created: bool) -> None:
+        """Combine the stored policies with the ones given to ``open`` (given ones win)."""
+        stored = extra.get("policies") or {}
+        adm, exp, ev = self._given
+        self.admission = None if adm is False else adm
+        st_adm = stored.get("admission")
+        if st_adm and adm is None:
+            self.admission = admission_from_config(st_adm["config"])
+        if st_adm and self.admission is not None \
+                and self.admission.config() == st_adm["config"] and st_adm.get("state"):
+            self.admission.load_state(decode_state(st_adm["state"]))
+        if exp is False:
+            self.expiry = None
+        else:
+            self.expiry = exp if exp is not None else (
+                Expiry(**stored["expiry"]) if stored.get("expiry") else None)
+        self.eviction = ev if ev is not None else (
+            Eviction(**stored["eviction"]) if stored.get("eviction") else None)
+        self.updates_since_expire = int(stored.get("updates_since_expire", 0))
+        self._pending = np.zeros(0, dtype=np.int64 if key_type == "int64" else object)
+        if created:
+            self.tombstones = TombstoneLog(key_type, floor=0)
+        else:
+            # A store written before the log existed knows nothing before its current version.
+            self.tombstones = TombstoneLog.from_json(key_type, stored.get("tombstones"), version)
+
+    def to_json(self) -> dict[str, Any]:
+        adm = None
+        if self.admission is not None:
+            raw = self.admission.state()
+            adm = {"config": self.admission.config(),
+                   "state": encode_state(raw) if raw is not None else None}
+        return {
+            "admission": adm,
+            "expiry": self.expiry.config() if self.expiry else None,
+            "eviction": self.eviction.config() if self.eviction else None,
+            "updates_since_expire": self.updates_since_expire,
+            "tombstones": self.tombstones.to_json() if self.tombstones else {},
+        }
+
+    def load_from_header(self, extra: dict[str, Any]) -> None:
+        """On import of a checkpoint: take over the admission state when the policy matches."""
+        st = (extra or {}).get("policies") or {}
+        adm = st.get("admission")
+        if adm and self.admission is not None and self.admission.config() == adm["config"] \
+                and adm.get("state"):
+            self.admission.load_state(decode_state(adm["state"]))
+        if "updates_since_expire" in st:
+            self.updates_since_expire = int(st["updates_since_expire"])
+
+    # -- admission ------------------------------------------------------------------------------
+    def admit_lookup(self, keys: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
+        ok = np.asarray(self.admission.admit(keys, occurrences), dtype=bool)
+        rejected = keys[~ok]
+        if len(rejected):
+            self.counters["admission_rejected"] += len(rejected)
+            self._pending = np.concatenate([self._pending, rejected]) if len(self._pending) \
+                else rejected
+        return ok
+
+    def admit_update(self, keys: np.ndarray, mult: np.ndarray) -> np.ndarray:
+        """Admission of unknown keys in ``update``; keys rejected by a lookup since the last
+        update were counted there and are not counted twice."""
+        ok = np.zeros(len(keys), dtype=bool)
+        fresh = np.ones(len(keys), dtype=bool)
+        if len(self._pending):
+            fresh = ~np.isin(keys, self._pending)
+        if fresh.any():
+            ok[fresh] = np.asarray(self.admission.admit(keys[fresh], mult[fresh]), dtype=bool)
+            self.counters["admission_rejected"] += int(np.count_nonzero(~ok[fresh]))
+        self.counters["gradients_dropped"] += int(np.count_nonzero(~ok))
+        return ok
+
+    def end_update(self) -> None:
+        if len(self._pending):
+            self._pending = self._pending[:0]
+
+    # -- expiry and eviction --------------------------------------------------------------------
+    def expire(self, store: Any, ttl_seconds: float | None, ttl_steps: int | None,
+               batch_size: int, now: float | None = None) -> int:
+        now = time.time() if now is None else float(now)
+        batches = expired_keys(store._backend.scan(batch_size), now=now,
+                               step=store.step, ttl_seconds=ttl_seconds, ttl_steps=ttl_steps)
+        n = sum(store._delete(k) for k in batches)
+        self.counters["expired"] += n
+        self.updates_since_expire = 0
+        return n
+
+    def rows_estimate(self, store: Any) -> int:
+        if self._rows_base is None:
+            self._rows_base = len(store._backend) - store._stats["inserts"] \
+                + store._stats["deletes"]
+        return self._rows_base + store._stats["inserts"] - store._stats["deletes"]
+
+    def resync_rows(self, store: Any, exact: int | None = None) -> None:
+        rows = len(store._backend) if exact is None else exact
+        self._rows_base = rows - store._stats["inserts"] + store._stats["deletes"]
+
+    def maybe_evict(self, store: Any, batch_size: int = 65536, force: bool = False) -> int:
+        ev = self.eviction
+        if ev is None or (not force and self.rows_estimate(store) <= ev.capacity):
+            return 0
+        # Cheap for local backends, a scan elsewhere; only reached when over capacity.
+        rows = len(store._backend)
+        self.resync_rows(store, rows)
+        if rows <= ev.capacity:
+            return 0
+        victims, _ = eviction_victims(store._backend.scan(batch_size),
+                                      n_evict=rows - ev.low_water, policy=ev.policy,
+                                      step=store.step)
+        if victims is None or not len(victims):
+            return 0
+        n = 0
+        for i in range(0, len(victims), batch_size):
+            n += store._delete(victims[i:i + batch_size])
+        self.counters["evictions"] += n
+        return n
+
+    def after_update(self, store: Any) -> None:
+        """Housekeeping after each ``update``: periodic expiry, capacity check."""
+        self.end_update()
+        if self.expiry is not None and self.expiry.every:
+            self.updates_since_expire += 1
+            if self.updates_since_expire >= self.expiry.every:
+                self.expire(store, self.expiry.ttl_seconds, self.expiry.ttl_steps, 65536)
+        self.maybe_evict(store)

@@ -1,0 +1,338 @@
+"""Dictionary-free skip-gram Word2Vec on an embedding store, side by side with gensim.
+
+Raw words go straight from the text into the model: there is no vocabulary, no word -> index
+table, no min_count pass. Each word is a key of two embedding stores (input and output vectors,
+embedded LMDB by default, any backend with ``--store``); a word gets its vector the first time it
+is seen, and the stores' optimizer (plain SGD with gensim's linearly decaying rate) applies the
+gradients that flow back through the PyTorch adapter (``embstore_torch.DynamicEmbedding``).
+Word frequencies are the output store's per-key ``count``, recorded as the text streams by;
+frequency subsampling (``store.subsample_mask``) and the unigram^0.75 negative sampler
+(``store.sample``) read them. At the end: nearest neighbours via ``store.top_k``, the Spearman
+correlation on WordSim-353, and gensim's ``Word2Vec`` on the same corpus and settings.
+
+Run ``python examples/word2vec.py`` (``make demo``); ``--quick`` for a smoke run; ``--store``
+for another backend, e.g.::
+
+    python examples/word2vec.py --store 'lmdb:///tmp/w2v/{name}'
+    BIGTABLE_EMULATOR_HOST=127.0.0.1:8086 python examples/word2vec.py \\
+        --store 'bigtable://demo/inst/w2v_{name}' --cache memory://
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import embstore
+from embstore.init import Uniform
+from embstore.optim import SGD
+from embstore.sampling import UnigramSampler
+from embstore_torch import DynamicEmbedding
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - tqdm is a dependency of embstore
+    tqdm = None
+
+NEIGHBOUR_WORDS = ("war", "music", "church", "french", "water", "comput", "king", "film")
+
+
+def data_dir() -> Path:
+    try:
+        import gensim
+    except ImportError:
+        sys.exit("this demo reads the corpus shipped in the gensim wheel: pip install gensim scipy")
+    return Path(gensim.__file__).parent / "test" / "test_data"
+
+
+def read_corpus(path: Path, max_docs: int | None) -> list[list[str]]:
+    """One article per line, already tokenized (lower-case, Porter-stemmed)."""
+    with open(path, encoding="utf-8") as f:
+        docs = [line.split() for line in f if line.strip()]
+    return docs[:max_docs] if max_docs else docs
+
+
+def store_url(template: str, name: str) -> str:
+    """The URL of one of the two stores: ``{name}`` in the template, or a suffix."""
+    if "{name}" in template:
+        return template.format(name=name)
+    if template.rstrip("/") == "memory:":
+        return "memory://"
+    return f"{template.rstrip('/')}-{name}"
+
+
+def open_stores(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, ...]:
+    options: dict = {}
+    if args.cache:
+        options["cache"] = args.cache
+    template = args.store
+    if template is None:
+        demo = Path(args.demo_dir).resolve() / "word2vec"
+        shutil.rmtree(demo, ignore_errors=True)  # a fresh run every time
+        demo.mkdir(parents=True)
+        template = f"lmdb://{demo}/{{name}}"
+    if template.startswith("lmdb://"):
+        # Training data is reproducible: trade crash durability for write speed.
+        options.update(durable=False, writemap=True, map_size=1 << 30)
+    common = dict(dim=args.dim, key_type="bytes", optimizer=SGD(lr=args.alpha), seed=args.seed)
+    # gensim's initialization: input vectors uniform in +-0.5/dim, output vectors zero.
+    inp = embstore.open(store_url(template, "in"), initializer=Uniform(-0.5 / args.dim,
+                                                                      0.5 / args.dim),
+                        **common, **options)
+    out = embstore.open(store_url(template, "out"), initializer="zeros", **common, **options)
+    return inp, out
+
+
+def chunks(docs: list[list[str]], words_per_chunk: int):
+    """Groups of whole articles of about ``words_per_chunk`` words."""
+    cur, n = [], 0
+    for d in docs:
+        cur.append(d)
+        n += len(d)
+        if n >= words_per_chunk:
+            yield cur
+            cur, n = [], 0
+    if cur:
+        yield cur
+
+
+def skipgram_pairs(ids: np.ndarray, doc: np.ndarray, window: int,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(center, context) index pairs, as word2vec makes them: each center draws its window
+    ``b`` uniformly in ``1..window`` and pairs with the words at distance ``<= b`` in its
+    article. Vectorized over distances instead of looping over words."""
+    b = rng.integers(1, window + 1, len(ids))
+    cs, xs = [], []
+    for d in range(1, window + 1):
+        same = doc[:-d] == doc[d:]
+        fwd = same & (b[:-d] >= d)   # center i, context i + d
+        bwd = same & (b[d:] >= d)    # center i + d, context i
+        cs += [ids[:-d][fwd], ids[d:][bwd]]
+        xs += [ids[d:][fwd], ids[:-d][bwd]]
+    return np.concatenate(cs), np.concatenate(xs)
+
+
+def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    in_emb = DynamicEmbedding(inp)
+    # The output store's counts are the corpus frequencies (recorded below, once per word
+    # occurrence); training updates must not add to them.
+    out_emb = DynamicEmbedding(out, count=False)
+    sampler = UnigramSampler(power=0.75)
+    corpus_words = sum(len(d) for d in docs)
+    total = corpus_words * args.epochs
+    done, pairs_done, loss_sum, loss_n = 0, 0, 0.0, 0
+    bar = (tqdm(total=total, unit="w", unit_scale=True, desc="embstore skip-gram",
+                dynamic_ncols=True, disable=args.no_progress) if tqdm else None)
+    t0 = time.perf_counter()
+    for epoch in range(args.epochs):
+        for group in chunks(docs, args.chunk_words):
+            alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
+            flat = [w.encode() for d in group for w in d]
+            tokens = np.empty(len(flat), dtype=object)
+            tokens[:] = flat
+            doc = np.repeat(np.arange(len(group)), [len(d) for d in group])
+            # 1. Record the sightings: the only "vocabulary" is the store's per-key count.
+            words, inverse = np.unique(tokens, return_inverse=True)
+            occ = np.bincount(inverse, minlength=len(words))
+            out.update(words, np.zeros((len(words), args.dim), np.float32), counts=occ)
+            # 2. Frequency subsampling, then (center, context) pairs over what is kept.
+            keep = out.subsample_mask(tokens, t=args.sample, seed=rng)
+            centers, contexts = skipgram_pairs(inverse[keep], doc[keep], args.window, rng)
+            perm = rng.permutation(len(centers))
+            centers, contexts = centers[perm], contexts[perm]
+            scale = alpha / args.alpha  # the stores' SGD runs at args.alpha
+            for s in range(0, len(centers), args.batch):
+                c = words[centers[s:s + args.batch]]
+                x = words[contexts[s:s + args.batch]]
+                loss = sgns_step(in_emb, out_emb, out, sampler, c, x, args.negatives, scale,
+                                 rng)
+                loss_sum += loss
+                loss_n += len(c)
+            pairs_done += len(centers)
+            done += len(tokens)
+            if bar is not None:
+                el = time.perf_counter() - t0
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / max(loss_n, 1):.3f}",
+                                words_s=f"{done / el:,.0f}", lr=f"{alpha:.4f}")
+                bar.update(len(tokens))
+                loss_sum, loss_n = 0.0, 0
+    if bar is not None:
+        bar.close()
+    inp.flush()
+    out.flush()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "words": total, "pairs": pairs_done,
+            "words_per_s": total / seconds}
+
+
+def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.ndarray,
+              k: int, scale: float, rng: np.random.Generator) -> float:
+    """One batch of skip-gram with negative sampling; return the summed loss."""
+    b = len(centers)
+    # k negatives per pair from the unigram^0.75 distribution over the output store's counts.
+    negs = out.sample([], b * k, sampler, unique=False, remove_accidental_hits=False,
+                      seed=rng).keys
+    v = in_emb(centers)                                        # (b, dim)
+    u = out_emb(np.concatenate((contexts, negs)))              # (b + b*k, dim)
+    u_pos, u_neg = u[:b], u[b:].view(b, k, -1)
+    pos = (v * u_pos).sum(1)
+    neg = torch.bmm(u_neg, v.unsqueeze(2)).squeeze(2)
+    # word2vec skips a negative that happens to be the context word itself
+    valid = torch.from_numpy((negs.reshape(b, k) != contexts[:, None]).astype(np.float32))
+    loss = -(F.logsigmoid(pos).sum() + (F.logsigmoid(-neg) * valid).sum())
+    (loss * scale).backward()  # both stores apply their SGD step here
+    return float(loss.detach())
+
+
+# -- evaluation ------------------------------------------------------------------------------
+def wordsim_pairs(path: Path) -> list[tuple[str, str, float]]:
+    """WordSim-353, with words Porter-stemmed as the corpus is."""
+    from gensim.parsing.porter import PorterStemmer
+
+    ps = PorterStemmer()
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            a, b, score = line.rstrip("\n").split("\t")
+            pairs.append((ps.stem(a.lower()), ps.stem(b.lower()), float(score)))
+    return pairs
+
+
+def spearman(vectors: dict[str, np.ndarray], pairs) -> float:
+    from scipy.stats import spearmanr
+
+    human, model = [], []
+    for a, b, s in pairs:
+        va, vb = vectors[a], vectors[b]
+        human.append(s)
+        model.append(float(va @ vb / (np.linalg.norm(va) * np.linalg.norm(vb) + 1e-12)))
+    return float(spearmanr(human, model).correlation)
+
+
+def normalized_copy(store) -> embstore.EmbeddingStore:
+    """A memory:// store of unit vectors, so that ``top_k`` (dot product) ranks by cosine."""
+    unit = embstore.open("memory://", dim=store.dim, key_type="bytes")
+    for keys, vecs in store.items(batch_size=65536):
+        norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+        unit.assign(keys, vecs / np.maximum(norms, 1e-12))
+    return unit
+
+
+def neighbours(unit, words: list[str], k: int = 6) -> list[tuple[str, list[str]]]:
+    keys = [w.encode() for w in words]
+    q = unit.lookup(keys, insert=False)
+    found, _ = unit.top_k(q, k, exclude=[[kk] for kk in keys])
+    return [(w, [x.decode() for x in row]) for w, row in zip(words, found)]
+
+
+def run_gensim(args: argparse.Namespace, docs: list[list[str]]):
+    from gensim.models import Word2Vec
+
+    t = time.perf_counter()
+    model = Word2Vec(docs, vector_size=args.dim, window=args.window, negative=args.negatives,
+                     sg=1, hs=0, sample=args.sample, alpha=args.alpha,
+                     min_alpha=args.min_alpha, min_count=1, epochs=args.epochs,
+                     workers=args.gensim_workers, seed=args.seed, ns_exponent=0.75)
+    seconds = time.perf_counter() - t
+    words = sum(len(d) for d in docs) * args.epochs
+    return model, {"seconds": seconds, "words_per_s": words / seconds}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--dim", type=int, default=100)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--sample", type=float, default=1e-3, help="subsampling threshold t")
+    p.add_argument("--alpha", type=float, default=0.025, help="initial learning rate")
+    p.add_argument("--min-alpha", type=float, default=0.0001)
+    p.add_argument("--batch", type=int, default=8192, help="(center, context) pairs per step")
+    p.add_argument("--chunk-words", type=int, default=20000)
+    p.add_argument("--store", default=None,
+                   help="store URL template with {name} (in/out); default: LMDB under --demo-dir")
+    p.add_argument("--cache", default=None, help="local cache URL in front of --store")
+    p.add_argument("--demo-dir", default=".demo")
+    p.add_argument("--corpus", default="head500.noblanks.cor",
+                   help="file in gensim/test/test_data (or a path)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (the store work is single-threaded anyway)")
+    p.add_argument("--gensim-workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="60 articles, 1 epoch: a smoke run")
+    p.add_argument("--no-gensim", action="store_true", help="skip the gensim comparison")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.epochs, args.max_docs = 1, 60
+    else:
+        args.max_docs = None
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = data_dir()
+    corpus = Path(args.corpus) if os.sep in args.corpus else data / args.corpus
+    docs = read_corpus(corpus, args.max_docs)
+    n_words = sum(len(d) for d in docs)
+    print(f"corpus {corpus.name}: {len(docs)} articles, {n_words:,} words; "
+          f"skip-gram dim={args.dim} window={args.window} negatives={args.negatives} "
+          f"sample={args.sample} epochs={args.epochs} batch={args.batch} pairs")
+    inp, out = open_stores(args)
+    print(f"stores: {inp.url} (input vectors), {out.url} (output vectors)")
+    ours = train(args, docs, inp, out)
+    print(f"embstore: {len(inp):,} words learned (no vocabulary given), "
+          f"{ours['pairs']:,} pairs in {ours['seconds']:.1f}s, "
+          f"{ours['words_per_s']:,.0f} words/s")
+
+    # Evaluate on the WordSim-353 pairs whose words occur >= 5 times (gensim's default
+    # min_count), the same pairs for both models.
+    freq = Counter(w for d in docs for w in d)
+    pairs = [(a, b, s) for a, b, s in wordsim_pairs(data / "wordsim353.tsv")
+             if freq[a] >= 5 and freq[b] >= 5]
+    eval_words = sorted({w for a, b, _ in pairs for w in (a, b)})
+    vecs = inp.lookup([w.encode() for w in eval_words], insert=False)
+    ours_vec = dict(zip(eval_words, vecs))
+    ours["spearman"] = spearman(ours_vec, pairs) if len(pairs) > 2 else float("nan")
+    unit = normalized_copy(inp)
+    shown = [w for w in NEIGHBOUR_WORDS if freq[w] >= 20][:6]
+    print("nearest neighbours (store.top_k over unit vectors):")
+    for w, ns in neighbours(unit, shown):
+        print(f"  {w:>8s}: {', '.join(ns)}")
+    result = {"embstore": ours, "pairs": len(pairs)}
+    if not args.no_gensim:
+        model, gs = run_gensim(args, docs)
+        gs["spearman"] = spearman({w: model.wv[w] for w in eval_words}, pairs)
+        result["gensim"] = gs
+    print(f"\nWordSim-353 Spearman on {len(pairs)} pairs (both words seen >= 5 times):")
+    print(f"  {'':10s} {'spearman':>9s} {'words/s':>10s} {'seconds':>8s}")
+    print(f"  {'embstore':10s} {ours['spearman']:9.3f} {ours['words_per_s']:10,.0f} "
+          f"{ours['seconds']:8.1f}")
+    if "gensim" in result:
+        gs = result["gensim"]
+        print(f"  {'gensim':10s} {gs['spearman']:9.3f} {gs['words_per_s']:10,.0f} "
+              f"{gs['seconds']:8.1f}")
+        print(f"  difference (embstore - gensim): {ours['spearman'] - gs['spearman']:+.3f}; "
+              f"speed ratio {ours['words_per_s'] / gs['words_per_s']:.2f}x")
+    inp.close()
+    out.close()
+    return result
+
+
+if __name__ == "__main__":
+    main()

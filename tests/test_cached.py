@@ -1,0 +1,443 @@
+"""The cache layer: conformance over real remotes (Bigtable emulator, LMDB), eviction, prefetch,
+stats, faults with a killed emulator, and two processes sharing one Bigtable table."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import pickle
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import BackendError, InvalidInputError
+from embstore.layers.cached import CachedBackend
+from embstore.testing.conformance import DIM, StoreConformance, table_of
+
+
+@pytest.fixture
+def lmdb_url(tmp_path):
+    counter = itertools.count()
+    return lambda: f"lmdb://{tmp_path}/c{next(counter)}"
+
+
+# -- conformance -----------------------------------------------------------------------------------
+class TestCachedBigtableWriteBack(StoreConformance):
+    # capacity below the suite's 20k-key growth test: evictions of dirty rows are exercised
+    open_options = {"cache": "memory://", "cache_capacity": 5000, "write_policy": "back"}
+
+    @pytest.fixture
+    def url_factory(self, bigtable_url_factory):
+        return bigtable_url_factory
+
+
+class TestCachedBigtableWriteThrough(StoreConformance):
+    open_options = {"cache": "memory://", "cache_capacity": 64, "write_policy": "through"}
+
+    @pytest.fixture
+    def url_factory(self, bigtable_url_factory):
+        return bigtable_url_factory
+
+
+class TestCachedLmdb(StoreConformance):
+    open_options = {"cache": "memory://", "cache_capacity": 100}
+
+    @pytest.fixture
+    def url_factory(self, lmdb_url):
+        return lmdb_url
+
+
+class TestCachedLmdbLfu(StoreConformance):
+    open_options = {"cache": "memory://", "cache_capacity": 50, "eviction": "lfu"}
+
+    @pytest.fixture
+    def url_factory(self, lmdb_url):
+        return lmdb_url
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def cached(url: str = "memory://", **kw) -> embstore.EmbeddingStore:
+    kw.setdefault("cache", "memory://")
+    kw.setdefault("dim", 4)
+    return embstore.open(url, **kw)
+
+
+def layer(store: embstore.EmbeddingStore) -> CachedBackend:
+    assert isinstance(store.backend, CachedBackend)
+    return store.backend
+
+
+def cached_keys(store: embstore.EmbeddingStore, keys) -> list[bool]:
+    c = layer(store)
+    return c.local.contains(np.asarray(keys, dtype=np.int64)).tolist()
+
+
+def remote_vectors(store, keys):
+    recs, found = layer(store).remote.get(np.asarray(keys, dtype=np.int64))
+    return recs["vector"], found
+
+
+# -- eviction / capacity ---------------------------------------------------------------------------
+def test_eviction_flushes_dirty_rows_in_one_batch():
+    s = cached(cache_capacity=100)
+    c = layer(s)
+    vals = np.arange(400, dtype=np.float32).reshape(100, 4)
+    s.assign(np.arange(100), vals)
+    st = s.stats()
+    assert st["dirty_rows"] == 100 and st["cache_rows"] == 100
+    writes, calls = st["remote_writes"], st["remote_write_calls"]
+    assert writes == 0, "write-back must not touch the remote before eviction/flush"
+    s.assign(np.arange(100, 150), np.ones((50, 4)))
+    st = s.stats()
+    assert st["evictions"] == 50 and st["dirty_evictions"] == 50
+    assert st["remote_writes"] == 50 and st["remote_write_calls"] == calls + 1
+    assert st["cache_rows"] == 100
+    # the evicted rows are on the remote with their values
+    evicted = np.flatnonzero(~np.array(cached_keys(s, np.arange(100))))
+    assert len(evicted) == 50
+    got, found = remote_vectors(s, evicted)
+    assert found.all()
+    np.testing.assert_array_equal(got, vals[evicted])
+    assert len(c.remote) == 50
+    s.flush()
+    assert s.stats()["dirty_rows"] == 0 and len(c.remote) == 150
+
+
+def test_clean_evictions_write_nothing():
+    remote = embstore.open("memory://", dim=4)
+    remote.lookup(np.arange(30))
+    s = embstore.EmbeddingStore(CachedBackend(remote.backend, capacity=10), dim=4)
+    s.lookup(np.arange(10))
+    s.lookup(np.arange(10, 20))  # all on the remote: 10 clean rows are evicted
+    st = s.stats()
+    assert st["evictions"] == 10 and st["dirty_evictions"] == 0 and st["remote_writes"] == 0
+    assert st["cache_rows"] == 10
+
+
+def test_capacity_respected_and_result_equals_uncached_store():
+    rng = np.random.default_rng(0)
+    ref = embstore.open("memory://", dim=4, optimizer=embstore.optim.SGD(lr=0.3))
+    s = cached(cache_capacity=37, optimizer=embstore.optim.SGD(lr=0.3))
+    for _ in range(60):
+        keys = rng.integers(0, 200, size=rng.integers(1, 30))
+        op = rng.integers(0, 4)
+        if op == 0:
+            np.testing.assert_array_equal(s.lookup(keys), ref.lookup(keys))
+        elif op == 1:
+            g = rng.standard_normal((len(keys), 4)).astype(np.float32)
+            s.update(keys, g)
+            ref.update(keys, g)
+        elif op == 2:
+            v = rng.standard_normal((len(keys), 4)).astype(np.float32)
+            s.assign(keys, v)
+            ref.assign(keys, v)
+        else:
+            assert s.delete(keys[:3]) == ref.delete(keys[:3])
+        assert layer(s).stats()["cache_rows"] <= 37
+    a, b = table_of(s), table_of(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+        assert a[k]["count"] == b[k]["count"]
+
+
+def test_batch_larger_than_capacity_goes_to_remote():
+    s = cached(cache_capacity=8)
+    vals = np.arange(100 * 4, dtype=np.float32).reshape(100, 4)
+    s.assign(np.arange(100), vals)
+    assert layer(s).stats()["cache_rows"] <= 8
+    np.testing.assert_array_equal(s.lookup(np.arange(100), insert=False), vals)
+    assert len(s) == 100
+
+
+def test_lru_evicts_least_recently_used():
+    s = cached(cache_capacity=3)
+    for k in (1, 2, 3):
+        s.lookup([k])
+    s.lookup([1])      # 2 is now the least recently used
+    s.lookup([4])
+    assert cached_keys(s, [1, 2, 3, 4]) == [True, False, True, True]
+    s.update([3], np.ones((1, 4)))  # touches 3 -> 1 is oldest
+    s.lookup([5])
+    assert cached_keys(s, [1, 3, 4, 5]) == [False, True, True, True]
+
+
+def test_lfu_evicts_least_frequently_used():
+    s = cached(cache_capacity=3, eviction="lfu")
+    s.lookup([1, 2, 3])
+    for _ in range(3):
+        s.lookup([1, 3])
+    s.lookup([2])
+    s.lookup([2])
+    s.lookup([3])      # counts: 1 -> 4, 2 -> 3, 3 -> 5 (2 touched most recently, still evicted)
+    s.lookup([9])
+    assert cached_keys(s, [1, 2, 3, 9]) == [True, False, True, True]
+
+
+def test_one_remote_get_per_lookup_batch(lmdb_url):
+    url = lmdb_url()
+    with embstore.open(url, dim=4) as plain:
+        plain.lookup(np.arange(500))
+    s = cached(url, cache_capacity=10_000)
+    c = layer(s)
+    keys = np.random.default_rng(1).integers(0, 1000, 4096)  # half known, many duplicates
+    s.lookup(keys, insert=False)
+    assert c.counters["remote_read_calls"] == 1
+    assert c.counters["remote_reads"] == len(np.unique(keys))  # unique misses only
+    s.lookup(keys, insert=False)  # known keys are cached now; unknown ones are asked again
+    assert c.counters["remote_read_calls"] == 2
+
+
+def test_stats_hit_rate_and_counters():
+    s = cached(cache_capacity=1000)
+    s.lookup(np.arange(100))            # 100 misses
+    s.lookup(np.arange(100))            # 100 hits
+    s.lookup(np.arange(50, 150))        # 50 hits, 50 misses
+    st = s.stats()
+    assert st["cache_hits"] == 150 and st["cache_misses"] == 150
+    assert st["cache_hit_rate"] == pytest.approx(0.5)
+    assert st["remote_read_calls"] == 2 and st["remote_reads"] == 150
+    assert st["dirty_rows"] == 150 and st["cache_rows"] == 150 and st["cache_capacity"] == 1000
+    assert st["evictions"] == 0 and st["remote_writes"] == 0
+    s.flush()
+    st = s.stats()
+    assert st["dirty_rows"] == 0 and st["remote_writes"] == 150
+
+
+def test_write_through_writes_remote_before_returning(lmdb_url):
+    s = cached(lmdb_url(), write_policy="through", cache_capacity=100)
+    s.assign([1, 2], np.full((2, 4), 7.0))
+    got, found = remote_vectors(s, [1, 2])
+    assert found.all() and (got == 7.0).all()
+    assert s.stats()["dirty_rows"] == 0
+
+
+def test_metadata_goes_through_to_remote(lmdb_url):
+    url = lmdb_url()
+    s = cached(url, cache_capacity=10)
+    s.update([1], np.ones((1, 4)))
+    s.flush()
+    assert layer(s).remote.read_meta()["step"] == 1
+    s.close()
+    plain = embstore.open(url)
+    assert plain.step == 1 and len(plain) == 1
+
+
+def test_pickle_keeps_cache_options(lmdb_url):
+    s = cached(lmdb_url(), cache_capacity=33, write_policy="through")
+    s.assign([5], np.ones((1, 4)))
+    clone = pickle.loads(pickle.dumps(s))
+    try:
+        c = layer(clone)
+        assert c.capacity == 33 and c.write_policy == "through"
+        np.testing.assert_array_equal(clone.lookup([5], insert=False), np.ones((1, 4)))
+    finally:
+        clone.close()
+
+
+def test_disk_cache_over_remote(lmdb_url, tmp_path):
+    """A non-memory local store uses the private slot index (generic path)."""
+    local = f"lmdb://{tmp_path}/localcache"
+    s = embstore.open(lmdb_url(), dim=4, cache=local, cache_capacity=20)
+    vals = np.arange(50 * 4, dtype=np.float32).reshape(50, 4)
+    s.assign(np.arange(50), vals)
+    np.testing.assert_array_equal(s.lookup(np.arange(50)), vals)
+    assert layer(s).stats()["cache_rows"] <= 20
+    assert len(s) == 50
+
+
+def test_bad_options_raise():
+    with pytest.raises(InvalidInputError):
+        cached(write_policy="sideways")
+    with pytest.raises(InvalidInputError):
+        cached(cache_capacity=0)
+    with pytest.raises(InvalidInputError):
+        cached(eviction="random")
+    with pytest.raises(InvalidInputError):
+        embstore.open("memory://", dim=4, cache_capacity=10)  # without cache=
+
+
+# -- prefetch --------------------------------------------------------------------------------------
+def test_prefetch_loads_next_batch_without_remote_calls_in_lookup(lmdb_url):
+    url = lmdb_url()
+    with embstore.open(url, dim=4) as plain:
+        vals = np.random.default_rng(0).standard_normal((1000, 4)).astype(np.float32)
+        plain.assign(np.arange(1000), vals)
+    s = cached(url, cache_capacity=2000)
+    c = layer(s)
+    c.prefetch(np.arange(500, 900))
+    c.wait_prefetch()
+    calls = c.counters["remote_read_calls"]
+    np.testing.assert_array_equal(s.lookup(np.arange(500, 900)), vals[500:900])
+    assert c.counters["remote_read_calls"] == calls
+    assert c.counters["prefetched_rows"] == 400
+
+
+def test_prefetch_never_overrides_newer_writes(lmdb_url):
+    url = lmdb_url()
+    with embstore.open(url, dim=4) as plain:
+        plain.assign(np.arange(200), np.zeros((200, 4)))
+    s = cached(url, cache_capacity=50)
+    c = layer(s)
+    for i in range(30):
+        keys = np.arange(200)[(np.arange(200) + i) % 7 == 0]
+        c.prefetch(keys)
+        s.assign(keys[:5], np.full((5, 4), float(i + 1)))  # races with the prefetch
+        s.delete(keys[5:7])
+        np.testing.assert_array_equal(s.lookup(keys[:5], insert=False),
+                                      np.full((5, 4), float(i + 1), np.float32))
+        assert not s.contains(keys[5:7]).any()
+    c.wait_prefetch()
+    assert c.stats()["cache_rows"] <= 50
+
+
+def test_training_with_prefetch_equals_plain_training(lmdb_url):
+    rng = np.random.default_rng(5)
+    batches = [rng.zipf(1.3, 256) % 3000 for _ in range(25)]
+    grads = [rng.standard_normal((256, 4)).astype(np.float32) for _ in range(25)]
+    ref = embstore.open("memory://", dim=4)
+    s = cached(lmdb_url(), cache_capacity=300)
+    c = layer(s)
+    for t, (keys, g) in enumerate(zip(batches, grads)):
+        for store in (ref, s):
+            store.lookup(keys)
+        if t + 1 < len(batches):
+            c.prefetch(batches[t + 1])   # loads while "the step computes"
+        for store in (ref, s):
+            store.update(keys, g)
+    a, b = table_of(s), table_of(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+
+
+# -- faults with the real emulator -----------------------------------------------------------------
+def _train(store, keys, t):
+    g = np.full((len(keys), DIM), 0.01 * (t + 1), np.float32)
+    store.lookup(keys)
+    store.update(keys, g)
+
+
+def test_killed_emulator_loses_no_acknowledged_write(bigtable_private_emulator):
+    """Guarantee: rows written since the last successful flush stay dirty in the cache until
+    the remote confirms them; after the remote lost everything, resync() rewrites every cached
+    row, so with a cache that holds the working set nothing acknowledged is lost."""
+    emu = bigtable_private_emulator
+    url = "bigtable://p/i/fault"
+    opts = dict(cache="memory://", cache_capacity=10_000, emulator_host=emu.host,
+                retry_deadline=1.0)
+    ref = embstore.open("memory://", dim=DIM)
+    s = embstore.open(url, dim=DIM, **opts)
+    keys = np.arange(300)
+    for t in range(3):
+        for store in (ref, s):
+            _train(store, keys, t)
+    s.flush()
+    for store in (ref, s):
+        _train(store, keys[:100], 3)          # acknowledged, dirty, not flushed
+    emu.stop()
+    with pytest.raises(BackendError, match="gave up|cannot reach|failed"):
+        s.flush()
+    assert layer(s).stats()["dirty_rows"] == 100   # still held for a later flush
+    with pytest.raises(BackendError):
+        s.lookup(np.arange(1000, 1010))       # a miss needs the remote: clear error
+    for store in (ref, s):                    # cached keys keep training during the outage
+        _train(store, keys[:50], 4)
+    emu.restart()                             # fresh and empty
+    for store in (ref, s):                    # training continues, new keys included
+        _train(store, np.arange(250, 350), 5)
+    assert s.backend.resync() == len(ref)
+    s.close()
+    plain = embstore.open(url, emulator_host=emu.host)
+    try:
+        a, b = table_of(plain), table_of(ref)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+            assert a[k]["count"] == b[k]["count"]
+    finally:
+        plain.close()
+
+
+def test_write_through_failure_leaves_cache_unchanged(bigtable_private_emulator):
+    emu = bigtable_private_emulator
+    s = embstore.open("bigtable://p/i/wt", dim=DIM, cache="memory://", write_policy="through",
+                      emulator_host=emu.host, retry_deadline=0.5)
+    s.assign([1, 2], np.ones((2, DIM)))
+    emu.stop()
+    with pytest.raises(BackendError):
+        s.assign([1, 2], np.full((2, DIM), 5.0))
+    np.testing.assert_array_equal(s.lookup([1, 2], insert=False), np.ones((2, DIM)))
+    emu.restart()
+    s.backend.resync()
+    s.assign([1], np.full((1, DIM), 5.0))
+    s.close()
+    with embstore.open("bigtable://p/i/wt", emulator_host=emu.host) as plain:
+        np.testing.assert_array_equal(plain.lookup([1, 2], insert=False),
+                                      np.array([[5.0] * DIM, [1.0] * DIM], np.float32))
+
+
+# -- two processes on one table --------------------------------------------------------------------
+def _worker(url: str, host: str, lo: int, steps: int) -> None:
+    keys = np.arange(lo, lo + 300)
+    with embstore.open(url, cache="memory://", cache_capacity=120, emulator_host=host) as s:
+        for t in range(steps):
+            batch = keys[(np.arange(300) * 7 + t * 31) % 300][:100]
+            s.lookup(batch)
+            s.update(batch, np.full((100, DIM), 0.01 * (t + 1) + lo, np.float32))
+
+
+def test_two_processes_disjoint_ranges_share_one_table(bigtable_emulator, bigtable_url_factory):
+    url = bigtable_url_factory()
+    host = bigtable_emulator.host
+    embstore.open(url, dim=DIM, emulator_host=host).close()
+    ctx = multiprocessing.get_context("spawn")
+    steps = 6
+    procs = [ctx.Process(target=_worker, args=(url, host, lo, steps)) for lo in (0, 10_000)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    ref = embstore.open("memory://", dim=DIM)
+    for lo in (0, 10_000):
+        keys = np.arange(lo, lo + 300)
+        for t in range(steps):
+            batch = keys[(np.arange(300) * 7 + t * 31) % 300][:100]
+            ref.lookup(batch)
+            ref.update(batch, np.full((100, DIM), 0.01 * (t + 1) + lo, np.float32))
+    with embstore.open(url, emulator_host=host) as plain:
+        a, b = table_of(plain), table_of(ref)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+            assert a[k]["count"] == b[k]["count"]
+
+
+def test_write_behind_failure_keeps_evicted_rows(bigtable_url_factory):
+    """Evicted dirty rows written in the background are kept until the remote confirms them;
+    MutateRows failures (injected in front of the real emulator) surface on flush()."""
+    from embstore.testing.bigtable_emulator import FaultInjector
+
+    url = bigtable_url_factory()
+    inj = FaultInjector(failures=0, methods=["MutateRows"])
+    s = embstore.open(url, dim=DIM, cache="memory://", cache_capacity=50, interceptors=[inj],
+                      retry_deadline=0.3)
+    ref = embstore.open("memory://", dim=DIM)
+    for store in (ref, s):
+        _train(store, np.arange(50), 0)
+    inj.failures = 10**9                      # every write fails from now on
+    for store in (ref, s):
+        _train(store, np.arange(50, 100), 1)  # evicts the 50 dirty rows of keys 0..49
+    with pytest.raises(BackendError):
+        s.flush()
+    st = layer(s).stats()
+    assert st["pending_rows"] + st["dirty_rows"] == 100 and st["cache_rows"] == 50
+    inj.failures = 0                          # the remote recovers
+    s.close()
+    with embstore.open(url) as plain:
+        a, b = table_of(plain), table_of(ref)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])

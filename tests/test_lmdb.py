@@ -1,0 +1,255 @@
+"""lmdb:// runs the conformance suite, plus LMDB specifics (real LMDB files, real processes)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import lmdb
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import (
+    BackendError,
+    InvalidInputError,
+    InvalidURLError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    StoreNotFoundError,
+)
+from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+
+DIM = 8
+
+
+@pytest.fixture
+def lmdb_url(tmp_path):
+    counter = itertools.count()
+    return lambda: f"lmdb://{tmp_path}/s{next(counter)}"
+
+
+class TestLmdbConformance(StoreConformance):
+    @pytest.fixture
+    def url_factory(self, lmdb_url):
+        return lmdb_url
+
+
+class TestLmdbNonDurableConformance(StoreConformance):
+    """The fast setting (no fsync, writable map) must behave identically."""
+
+    open_options = {"durable": False, "writemap": True}
+
+    @pytest.fixture
+    def url_factory(self, lmdb_url):
+        return lmdb_url
+
+    # The suite is long; the durable class runs all of it. Keep the core here.
+    test_state_machine_against_dict_model = None  # type: ignore[assignment]
+
+
+def snapshot(path) -> dict[str, str]:
+    """Content hashes of every file except LMDB's lock file (readers register there)."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            if f == "lock.mdb":
+                continue
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def test_int_keys_scan_in_numeric_order(lmdb_url):
+    with embstore.open(lmdb_url(), dim=DIM) as s:
+        keys = np.array([5, -1, 2**63 - 1, -(2**63), 0, 77, -78], dtype=np.int64)
+        s.lookup(keys)
+        scanned = np.concatenate([k for k, _ in s.items(batch_size=3)])
+        assert scanned.tolist() == sorted(keys.tolist())
+
+
+def test_reopen_exact_bytes_keys_and_meta(lmdb_url):
+    url = lmdb_url()
+    s = embstore.open(url, dim=DIM, key_type="bytes", optimizer="adagrad", seed=3)
+    keys = [b"", b"\x00", b"a", "\u00e9t\u00e9", b"z" * 400]
+    s.lookup(keys)
+    s.update(keys[:3], np.ones((3, DIM)))
+    before, step, version = table_of(s), s.step, s.version
+    s.close()
+    s2 = embstore.open(url)
+    assert (s2.key_type, s2.step, s2.version, s2.seed) == ("bytes", step, version, 3)
+    assert s2.layout == s.layout
+    after = table_of(s2)
+    assert after.keys() == before.keys()
+    assert all(rows_equal(after[k], before[k]) for k in before)
+    s2.close()
+
+
+def test_map_grows_from_tiny_map_size(lmdb_url):
+    url = lmdb_url()
+    keys = np.arange(30_000, dtype=np.int64) * 7
+    vals = np.random.default_rng(0).standard_normal((len(keys), DIM)).astype(np.float32)
+    with embstore.open(url, dim=DIM, map_size=64 * 1024) as s:
+        for i in range(0, len(keys), 4096):
+            s.assign(keys[i:i + 4096], vals[i:i + 4096])
+        st = s.stats()
+        assert st["map_grows"] >= 3
+        assert st["map_size"] > 64 * 1024
+    with embstore.open(url, map_size=64 * 1024) as s:
+        assert len(s) == len(keys)
+        np.testing.assert_array_equal(s.lookup(keys, insert=False), vals)
+
+
+READER = textwrap.dedent("""
+    import sys, numpy as np, embstore
+    s = embstore.open(sys.argv[1], read_only=True)
+    for line in sys.stdin:
+        lo, hi, val = map(int, line.split())
+        v = s.lookup(np.arange(lo, hi), insert=False)
+        print("ok" if (v == val).all() and s.contains(np.arange(lo, hi)).all() else
+              f"bad {v[:2]} {len(s)}", flush=True)
+""")
+
+
+def test_reader_processes_see_commits_while_writer_runs(lmdb_url):
+    url = lmdb_url()
+    s = embstore.open(url, dim=DIM, map_size=128 * 1024)
+    s.assign(np.arange(100), np.full((100, DIM), 1.0))
+    readers = [subprocess.Popen([sys.executable, "-c", READER, url], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for r in readers:
+            r.stdin.write("0 100 1\n")
+            r.stdin.flush()
+            assert r.stdout.readline().strip() == "ok"
+        # The writer keeps going (and grows the map under the readers' feet).
+        for step in range(2, 5):
+            lo, hi = step * 5000, step * 5000 + 5000
+            s.assign(np.arange(lo, hi), np.full((hi - lo, DIM), float(step)))
+            for r in readers:
+                r.stdin.write(f"{lo} {hi} {step}\n")
+                r.stdin.flush()
+                assert r.stdout.readline().strip() == "ok"
+        assert s.stats()["map_grows"] >= 1
+    finally:
+        for r in readers:
+            r.stdin.close()
+            r.wait(timeout=30)
+        s.close()
+    assert all(r.returncode == 0 for r in readers)
+
+
+def test_other_layout_directory_is_refused_and_untouched(lmdb_url):
+    url = lmdb_url()
+    with embstore.open(url, dim=DIM) as s:
+        s.lookup(np.arange(50))
+    path = url[len("lmdb://"):]
+    before = snapshot(path)
+    for kw in ({"dim": DIM * 2}, {"key_type": "bytes"}, {"optimizer": "adagrad"}):
+        with pytest.raises(SchemaMismatchError):
+            embstore.open(url, **kw)
+    assert snapshot(path) == before
+
+
+def test_foreign_lmdb_and_foreign_directory_are_refused(tmp_path):
+    foreign = tmp_path / "foreign"
+    env = lmdb.open(str(foreign))
+    with env.begin(write=True) as txn:
+        txn.put(b"somebody", b"else's data")
+    env.close()
+    before = snapshot(foreign)
+    with pytest.raises(SchemaMismatchError, match="not an embstore store"):
+        embstore.open(f"lmdb://{foreign}", dim=DIM)
+    assert snapshot(foreign) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("hello")
+    with pytest.raises(BackendError, match="not empty"):
+        embstore.open(f"lmdb://{other}", dim=DIM)
+    assert os.listdir(other) == ["notes.txt"]
+
+
+def test_unwritable_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for url in (f"lmdb://{blocker}", f"lmdb://{blocker}/store"):
+        with pytest.raises(BackendError):
+            embstore.open(url, dim=DIM)
+    assert blocker.read_text() == "x" and os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.parametrize("url", [
+    "lmdb://relative/dir", "lmdb:relative", "lmdb://", "lmdb:///", "lmdb:///tmp/x?map_size=1",
+    "lmdb:///tmp/x#frag", "lmdb://host/tmp/x",
+])
+def test_malformed_urls(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidURLError):
+        embstore.open(url, dim=DIM)
+    assert os.listdir(tmp_path) == []
+    assert not os.path.exists("/tmp/x")
+
+
+def test_read_only_environment_refuses_writes(lmdb_url, tmp_path):
+    url = lmdb_url()
+    with embstore.open(url, dim=DIM) as s:
+        s.assign([1, 2], np.ones((2, DIM)))
+    ro = embstore.open(url, read_only=True)
+    with pytest.raises(ReadOnlyError):
+        ro.assign([1], np.zeros((1, DIM)))
+    # Below the engine, LMDB itself refuses: the environment is opened read-only.
+    with pytest.raises(BackendError):
+        ro.backend.put(np.array([3], np.int64), ro.layout.empty(1))
+    np.testing.assert_array_equal(ro.lookup([1, 2], insert=False), np.ones((2, DIM)))
+    ro.close()
+    missing = tmp_path / "missing"
+    with pytest.raises(StoreNotFoundError):
+        embstore.open(f"lmdb://{missing}", read_only=True)
+    assert not missing.exists()
+
+
+def test_too_long_bytes_key_is_refused_cleanly(lmdb_url):
+    with embstore.open(lmdb_url(), dim=DIM, key_type="bytes") as s:
+        s.lookup([b"ok"])
+        long_key = b"k" * 600
+        assert not s.contains([long_key, b"ok"])[0]
+        with pytest.raises(InvalidInputError, match="longer than"):
+            s.assign([b"ok", long_key], np.ones((2, DIM)))
+        assert len(s) == 1
+        np.testing.assert_array_equal(s.lookup([b"ok"]), s.initial_vectors([b"ok"]))
+
+
+def test_options_survive_pickle_and_unknown_options_fail(lmdb_url):
+    url = lmdb_url()
+    s = embstore.open(url, dim=DIM, durable=False)
+    clone = pickle.loads(pickle.dumps(s))
+    assert clone.backend.durable is False
+    clone.close()
+    s.close()
+    with pytest.raises(InvalidInputError):
+        embstore.open(lmdb_url(), dim=DIM, mapsize=10)
+    with pytest.raises(InvalidInputError):
+        embstore.open(lmdb_url(), dim=DIM, writemap=True)  # needs durable=False
+
+
+def test_bulk_import_appends_and_overwrites(lmdb_url, tmp_path):
+    src = embstore.open(lmdb_url(), dim=DIM)
+    src.assign(np.arange(0, 3000, 3), np.full((1000, DIM), 2.0))
+    path = tmp_path / "x.emb"
+    src.export(path)
+    dst = embstore.open(lmdb_url(), dim=DIM)
+    dst.assign([-5, 3, 999_999], np.full((3, DIM), 9.0))
+    assert dst.import_(path) == 1000
+    assert len(dst) == 1002
+    got = dst.lookup([-5, 3, 6, 999_999], insert=False)
+    np.testing.assert_array_equal(got[:, 0], [9.0, 2.0, 2.0, 9.0])
+    a, b = table_of(src), table_of(dst)
+    assert all(rows_equal(a[k], b[k]) for k in a)
+    src.close()
+    dst.close()

@@ -1,0 +1,327 @@
+"""Admission, expiry and eviction: exact counts against a Python model on a seeded Zipf
+stream, on memory, LMDB and Bigtable stores; policy state across reopen; bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import InvalidInputError
+from embstore.policies import (
+    BloomAdmission,
+    Eviction,
+    Expiry,
+    FrequencyCutoff,
+    ProbabilisticAdmission,
+)
+
+DIM = 4
+
+
+def _backend_available(scheme: str) -> bool:
+    try:
+        from embstore.registry import backend_class
+
+        backend_class(f"{scheme}://x")
+        return True
+    except Exception:  # noqa: BLE001 - missing module or extra: the test skips
+        return False
+
+
+@pytest.fixture(params=["memory", "lmdb", "bigtable"])
+def url_factory(request, tmp_path):
+    counter = itertools.count()
+    if request.param == "memory":
+        return lambda: "memory://"
+    if request.param == "lmdb":
+        if not _backend_available("lmdb"):
+            pytest.skip("lmdb backend not available")
+        return lambda: f"lmdb://{tmp_path}/s{next(counter)}"
+    try:
+        return request.getfixturevalue("bigtable_url_factory")
+    except pytest.FixtureLookupError:
+        pytest.skip("bigtable fixtures not available")
+
+
+@pytest.fixture(params=["lmdb", "sqlite"])
+def persistent_url_factory(request, tmp_path):
+    """Persistent local stores, for reopen tests (Bigtable has its own test below)."""
+    counter = itertools.count()
+    if not _backend_available(request.param):
+        pytest.skip(f"{request.param} backend not available")
+    if request.param == "lmdb":
+        return lambda: f"lmdb://{tmp_path}/p{next(counter)}"
+    return lambda: f"sqlite:///{tmp_path}/p{next(counter)}.db"
+
+
+def zipf_stream(seed: int, batches: int, batch: int, a: float = 1.3, vocab: int = 5000):
+    rng = np.random.default_rng(seed)
+    for _ in range(batches):
+        yield (rng.zipf(a, batch) % vocab).astype(np.int64)
+
+
+# -- admission ---------------------------------------------------------------------------------
+def test_frequency_cutoff_counts_match_exact_model(url_factory):
+    min_count = 3
+    s = embstore.open(url_factory(), dim=DIM, admission=FrequencyCutoff(min_count))
+    seen: dict[int, int] = {}
+    rows: set[int] = set()
+    rejected = 0
+    try:
+        for keys in zipf_stream(1, 30, 100):
+            vecs = s.lookup(keys)
+            np.testing.assert_array_equal(vecs, s.initial_vectors(keys))
+            uniq, occ = np.unique(keys, return_counts=True)
+            for k, c in zip(uniq.tolist(), occ.tolist()):
+                if k in rows:
+                    continue
+                seen[k] = seen.get(k, 0) + c
+                if seen[k] >= min_count:
+                    rows.add(k)
+                else:
+                    rejected += 1
+        st = s.stats()
+        assert st["admission_rejected"] == rejected
+        assert st["rows"] == len(rows) == len(s)
+        np.testing.assert_array_equal(s.contains(np.array(sorted(rows))), True)
+        pending = np.array(sorted(set(seen) - rows), dtype=np.int64)
+        assert len(pending) > 0
+        assert not s.contains(pending).any()
+        # Gradients of a not-yet-admitted key are dropped (after a lookup: not counted twice).
+        k = np.array([next(x for x in pending.tolist() if seen[x] == 1)])
+        assert s.admission.estimate(k)[0] == 1
+        s.lookup(k)
+        s.update(k, np.ones((1, DIM), np.float32))
+        st = s.stats()
+        assert st["gradients_dropped"] == 1
+        assert s.admission.estimate(k)[0] == 2
+        assert not s.contains(k)[0]
+        np.testing.assert_array_equal(s.lookup(k, insert=False), s.initial_vectors(k))
+    finally:
+        s.close()
+
+
+def test_update_only_training_counts_sightings_in_update():
+    s = embstore.open("memory://", dim=DIM, admission=FrequencyCutoff(2))
+    g = np.ones((1, DIM), np.float32)
+    s.update([5], g)
+    assert not s.contains([5])[0] and s.stats()["gradients_dropped"] == 1
+    s.update([5], g)  # second sighting: admitted, its gradient applied
+    assert s.contains([5])[0]
+    rec = s.get_records([5])[0]
+    assert rec["count"][0] == 1
+    np.testing.assert_allclose(rec["vector"][0], s.initial_vectors([5])[0] - 0.01 * g[0],
+                               rtol=1e-6)
+
+
+def test_bloom_admits_on_second_sighting():
+    s = embstore.open("memory://", dim=DIM, admission=BloomAdmission(1000, 0.001))
+    s.lookup(np.arange(100))
+    assert len(s) <= 1  # at most a false positive
+    s.lookup(np.arange(50))
+    assert s.contains(np.arange(50)).all()
+    s.lookup([1000, 1000])  # twice in one call counts as two sightings
+    assert s.contains([1000])[0]
+    assert s.stats()["admission_rejected"] >= 99
+
+
+def test_probabilistic_admission_rate_and_determinism():
+    def run():
+        s = embstore.open("memory://", dim=DIM, admission=ProbabilisticAdmission(0.25, seed=3))
+        s.lookup(np.arange(4000))
+        s.lookup(np.repeat(np.arange(10_000, 14_000), 3))
+        once = s.contains(np.arange(4000)).mean()
+        thrice = s.contains(np.arange(10_000, 14_000)).mean()
+        return once, thrice, s.contains(np.arange(4000))
+
+    a, b = run(), run()
+    assert abs(a[0] - 0.25) < 0.04
+    assert abs(a[1] - (1 - 0.75 ** 3)) < 0.04
+    np.testing.assert_array_equal(a[2], b[2])
+    s = embstore.open("memory://", dim=DIM, admission=ProbabilisticAdmission(1.0))
+    s.lookup(np.arange(100))
+    assert len(s) == 100
+
+
+@pytest.mark.parametrize("policy", [lambda: FrequencyCutoff(3),
+                                    lambda: BloomAdmission(1000, 0.001),
+                                    lambda: ProbabilisticAdmission(0.5, seed=1)])
+def test_admission_state_survives_reopen(persistent_url_factory, policy):
+    url = persistent_url_factory()
+    s = embstore.open(url, dim=DIM, admission=policy())
+    s.lookup(np.arange(200))
+    s.lookup(np.arange(200))
+    rows = len(s)
+    s.close()
+    # Reopened without naming the policy: the stored one (with its state) comes back.
+    s = embstore.open(url)
+    assert s.admission == policy()
+    s.lookup(np.arange(200))
+    if isinstance(s.admission, FrequencyCutoff):
+        assert rows == 0 and len(s) == 200  # third sighting of each key
+    elif isinstance(s.admission, BloomAdmission):
+        assert len(s) == 200
+    else:
+        assert len(s) > rows
+    s.close()
+
+
+def test_policy_state_survives_reopen_on_bigtable(request):
+    try:
+        factory = request.getfixturevalue("bigtable_url_factory")
+    except pytest.FixtureLookupError:
+        pytest.skip("bigtable fixtures not available")
+    url = factory()
+    s = embstore.open(url, dim=DIM, admission=FrequencyCutoff(2),
+                      expiry=Expiry(ttl_steps=5), capacity=1000, eviction="lfu")
+    s.lookup(np.arange(50))
+    assert len(s) == 0
+    s.close()
+    s = embstore.open(url)
+    assert s.expiry == Expiry(ttl_steps=5) and s.eviction == Eviction(1000, "lfu")
+    s.lookup(np.arange(50))
+    assert len(s) == 50
+    s.close()
+
+
+# -- expiry ------------------------------------------------------------------------------------
+def test_step_expiry_matches_model(url_factory):
+    s = embstore.open(url_factory(), dim=DIM)
+    last: dict[int, int] = {}
+    try:
+        for i, keys in enumerate(zipf_stream(2, 25, 60), start=1):
+            s.update(keys, np.ones((len(keys), DIM), np.float32))
+            for k in keys.tolist():
+                last[k] = i
+        ttl = 10
+        expected = {k for k, st in last.items() if st < s.step - ttl}
+        assert 0 < len(expected) < len(last)
+        assert s.expire(ttl_steps=ttl) == len(expected)
+        assert s.stats()["expired"] == len(expected)
+        assert len(s) == len(last) - len(expected)
+        assert not s.contains(np.array(sorted(expected))).any()
+        assert s.expire(ttl_steps=ttl) == 0
+    finally:
+        s.close()
+
+
+def test_wall_time_expiry_with_explicit_now():
+    s = embstore.open("memory://", dim=DIM)
+    s.lookup(np.arange(10))
+    t = s.get_records(np.arange(10))[0]["last_seen"].max()
+    assert s.expire(ttl_seconds=3600, now=t + 10) == 0
+    assert s.expire(ttl_seconds=3600, now=t + 3601) == 10
+    assert len(s) == 0 and s.stats()["expired"] == 10
+
+
+def test_expiry_runs_every_n_updates():
+    s = embstore.open("memory://", dim=DIM, expiry=Expiry(ttl_steps=2, every=3))
+    g = np.ones((1, DIM), np.float32)
+    s.update([1], g)            # step 1
+    for _ in range(4):
+        s.update([2], g)        # steps 2..5; the pass after step 3 keeps key 1 (1 < 3-2 fails)
+    assert s.contains([1])[0]
+    s.update([2], g)            # step 6: the second pass expires key 1 (1 < 6-2)
+    assert not s.contains([1])[0] and s.contains([2])[0]
+    assert s.stats()["expired"] == 1
+    assert s.expire() == 0      # the configured TTL applies without arguments
+
+
+# -- eviction ----------------------------------------------------------------------------------
+def _eviction_model(stream, capacity: int, policy: str):
+    rows: dict[int, list[int]] = {}  # key -> [last_step, count]
+    evicted = 0
+    for step, keys in enumerate(stream, start=1):
+        uniq, mult = np.unique(keys, return_counts=True)
+        for k, m in zip(uniq.tolist(), mult.tolist()):
+            r = rows.setdefault(k, [0, 0])
+            r[0] = step
+            r[1] += m
+        if len(rows) > capacity:
+            def order(k, step=step):
+                ls, c = rows[k]
+                return (ls >= step, c, ls, k) if policy == "lfu" else (ls >= step, ls, k)
+
+            for k in sorted(rows, key=order)[:len(rows) - capacity]:
+                del rows[k]
+                evicted += 1
+    return set(rows), evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_capacity_eviction_matches_model(url_factory, policy):
+    cap = 150
+    s = embstore.open(url_factory(), dim=DIM, capacity=Eviction(cap, policy, slack=0.0))
+    try:
+        stream = list(zipf_stream(3, 20, 40, a=1.2, vocab=2000))
+        for keys in stream:
+            s.update(keys, np.full((len(keys), DIM), 0.5, np.float32))
+            assert len(s) <= cap
+        expected, evicted = _eviction_model(stream, cap, policy)
+        assert evicted > 0
+        assert s.stats()["evictions"] == evicted
+        got = set()
+        for keys, _ in s.items():
+            got.update(keys.tolist())
+        assert got == expected
+    finally:
+        s.close()
+
+
+def test_eviction_with_slack_amortizes_and_lookup_inserts_respect_capacity():
+    s = embstore.open("memory://", dim=DIM, capacity=1000, eviction="lru")
+    assert s.eviction == Eviction(1000, "lru")
+    for i in range(20):
+        s.lookup(np.arange(i * 300, (i + 1) * 300))
+        assert len(s) <= 1000
+    st = s.stats()
+    assert st["evictions"] == 20 * 300 - len(s)
+    # LRU keeps the newest keys.
+    assert s.contains(np.arange(5700, 6000)).all()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda: FrequencyCutoff(0), lambda: FrequencyCutoff(-3), lambda: FrequencyCutoff(2.5),
+    lambda: FrequencyCutoff(True), lambda: FrequencyCutoff(3, width=1000),
+    lambda: Expiry(ttl_seconds=0), lambda: Expiry(ttl_steps=-1), lambda: Expiry(),
+    lambda: Expiry(ttl_seconds=float("inf")), lambda: Expiry(ttl_steps=1.5),
+    lambda: Expiry(ttl_steps=3, every=-1),
+    lambda: Eviction(0), lambda: Eviction(10, "fifo"), lambda: Eviction(10, slack=1.0),
+    lambda: ProbabilisticAdmission(0), lambda: ProbabilisticAdmission(1.5),
+    lambda: BloomAdmission(error_rate=0),
+])
+def test_bad_policy_parameters_raise(make):
+    with pytest.raises(InvalidInputError):
+        make()
+
+
+def test_bad_policy_options_on_open():
+    with pytest.raises(InvalidInputError):
+        embstore.open("memory://", dim=DIM, admission="often")
+    with pytest.raises(InvalidInputError):
+        embstore.open("memory://", dim=DIM, capacity=-5)
+    with pytest.raises(InvalidInputError):
+        embstore.open("memory://", dim=DIM, eviction="lru")  # no capacity
+    s = embstore.open("memory://", dim=DIM)
+    s.lookup([1, 2])
+    with pytest.raises(InvalidInputError):
+        s.expire()  # no TTL configured
+    with pytest.raises(InvalidInputError):
+        s.expire(ttl_seconds=-1)
+    assert len(s) == 2
+
+
+@pytest.mark.parametrize("policy", [lambda: FrequencyCutoff(2), lambda: BloomAdmission(100)])
+def test_admission_with_bytes_keys(policy):
+    s = embstore.open("memory://", dim=DIM, key_type="bytes", admission=policy())
+    s.lookup(["a", "b"])
+    assert len(s) == 0
+    s.lookup(["a"])
+    assert s.contains(["a", "b"]).tolist() == [True, False]
+    s.update(["c"], np.ones((1, DIM)))
+    s.update(["c"], np.ones((1, DIM)))
+    assert s.contains(["c"])[0] and s.stats()["gradients_dropped"] == 1

@@ -1,0 +1,198 @@
+"""rocksdb:// runs the conformance suite, plus RocksDB specifics (real RocksDB directories)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import rocksdict
+
+import embstore
+from embstore.errors import (
+    BackendError,
+    InvalidInputError,
+    InvalidURLError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    StoreNotFoundError,
+)
+from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+
+DIM = 8
+
+
+@pytest.fixture
+def rocks_url(tmp_path):
+    counter = itertools.count()
+    return lambda: f"rocksdb://{tmp_path}/s{next(counter)}"
+
+
+class TestRocksDBConformance(StoreConformance):
+    open_options = {"block_cache_mb": 8}
+
+    @pytest.fixture
+    def url_factory(self, rocks_url):
+        return rocks_url
+
+
+def snapshot(path) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def test_int_keys_scan_in_numeric_order(rocks_url):
+    with embstore.open(rocks_url(), dim=DIM) as s:
+        keys = np.array([5, -1, 2**63 - 1, -(2**63), 0, 77, -78], dtype=np.int64)
+        s.lookup(keys)
+        scanned = np.concatenate([k for k, _ in s.items(batch_size=3)])
+        assert scanned.tolist() == sorted(keys.tolist())
+
+
+def test_reopen_exact_bytes_keys_and_meta(rocks_url):
+    url = rocks_url()
+    s = embstore.open(url, dim=DIM, key_type="bytes", optimizer="adagrad", seed=3)
+    keys = [b"", b"\x00", b"a", "\u00e9t\u00e9", b"z" * 4000]
+    s.lookup(keys)
+    s.update(keys[:3], np.ones((3, DIM)))
+    before, step, version = table_of(s), s.step, s.version
+    s.close()
+    s2 = embstore.open(url)
+    assert (s2.key_type, s2.step, s2.version, s2.seed) == ("bytes", step, version, 3)
+    after = table_of(s2)
+    assert after.keys() == before.keys()
+    assert all(rows_equal(after[k], before[k]) for k in before)
+    s2.close()
+
+
+def test_sst_bulk_import_overwrites_and_keeps_last(rocks_url, tmp_path):
+    src = embstore.open(rocks_url(), dim=DIM)
+    src.assign(np.arange(0, 30_000, 3), np.full((10_000, DIM), 2.0))
+    path = tmp_path / "x.emb"
+    src.export(path, batch_size=3000)
+    dst = embstore.open(rocks_url(), dim=DIM)
+    dst.assign([-5, 3, 999_999], np.full((3, DIM), 9.0))
+    assert dst.import_(path) == 10_000
+    assert dst.stats()["sst_ingests"] >= 1
+    assert len(dst) == 10_002
+    got = dst.lookup([-5, 3, 6, 999_999], insert=False)
+    np.testing.assert_array_equal(got[:, 0], [9.0, 2.0, 2.0, 9.0])
+    a, b = table_of(src), table_of(dst)
+    assert all(rows_equal(a[k], b[k]) for k in a)
+    # Duplicate keys across bulk batches: the later batch wins, as with put().
+    recs = dst.layout.empty(2)
+    recs["vector"] = [[1.0] * DIM, [4.0] * DIM]
+    dst.backend.bulk_load(iter([(np.array([7], np.int64), recs[:1]),
+                                (np.array([7], np.int64), recs[1:])]))
+    assert dst.lookup([7], insert=False)[0, 0] == 4.0
+    dst.close()
+    with embstore.open(dst.url) as again:
+        assert len(again) == 10_003
+    src.close()
+
+
+def test_other_layout_directory_is_refused_and_untouched(rocks_url):
+    url = rocks_url()
+    with embstore.open(url, dim=DIM) as s:
+        s.lookup(np.arange(50))
+    path = url[len("rocksdb://"):]
+    before = snapshot(path)
+    for kw in ({"dim": DIM * 2}, {"key_type": "bytes"}, {"optimizer": "adagrad"}):
+        with pytest.raises(SchemaMismatchError):
+            embstore.open(url, **kw)
+    assert snapshot(path) == before
+
+
+def test_foreign_rocksdb_and_foreign_directory_are_refused(tmp_path):
+    foreign = tmp_path / "foreign"
+    db = rocksdict.Rdict(str(foreign), rocksdict.Options(raw_mode=True))
+    db[b"somebody"] = b"else's data"
+    db.close()
+    del db
+    before = snapshot(foreign)
+    with pytest.raises(SchemaMismatchError, match="not an embstore store"):
+        embstore.open(f"rocksdb://{foreign}", dim=DIM)
+    assert snapshot(foreign) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("hello")
+    with pytest.raises(BackendError, match="not empty"):
+        embstore.open(f"rocksdb://{other}", dim=DIM)
+    assert os.listdir(other) == ["notes.txt"]
+
+
+def test_unwritable_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for url in (f"rocksdb://{blocker}", f"rocksdb://{blocker}/store"):
+        with pytest.raises(BackendError):
+            embstore.open(url, dim=DIM)
+    assert blocker.read_text() == "x" and os.listdir(tmp_path) == ["file"]
+
+
+@pytest.mark.parametrize("url", [
+    "rocksdb://relative/dir", "rocksdb:relative", "rocksdb://", "rocksdb:///",
+    "rocksdb:///tmp/x?sync=1", "rocksdb://host/tmp/x",
+])
+def test_malformed_urls(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidURLError):
+        embstore.open(url, dim=DIM)
+    assert os.listdir(tmp_path) == []
+
+
+def test_read_only_refuses_writes_below_the_engine(rocks_url, tmp_path):
+    url = rocks_url()
+    with embstore.open(url, dim=DIM) as s:
+        s.assign([1, 2], np.ones((2, DIM)))
+    ro = embstore.open(url, read_only=True)
+    with pytest.raises(ReadOnlyError):
+        ro.assign([1], np.zeros((1, DIM)))
+    with pytest.raises(BackendError):
+        ro.backend.put(np.array([3], np.int64), ro.layout.empty(1))
+    np.testing.assert_array_equal(ro.lookup([1, 2], insert=False), np.ones((2, DIM)))
+    ro.close()
+    missing = tmp_path / "missing"
+    with pytest.raises(StoreNotFoundError):
+        embstore.open(f"rocksdb://{missing}", read_only=True)
+    assert not missing.exists()
+
+
+READER = textwrap.dedent("""
+    import sys, numpy as np, embstore
+    s = embstore.open(sys.argv[1], read_only=True)
+    v = s.lookup(np.arange(100), insert=False)
+    print("ok" if (v == 1.0).all() and len(s) == 100 else "bad", flush=True)
+""")
+
+
+def test_read_only_process_alongside_writer(rocks_url):
+    url = rocks_url()
+    s = embstore.open(url, dim=DIM)
+    s.assign(np.arange(100), np.full((100, DIM), 1.0))
+    out = subprocess.run([sys.executable, "-c", READER, url], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+    s.close()
+
+
+def test_options_survive_pickle_and_unknown_options_fail(rocks_url):
+    s = embstore.open(rocks_url(), dim=DIM, durable=False, block_cache_mb=4)
+    clone = pickle.loads(pickle.dumps(s))
+    assert clone.backend.durable is False
+    assert clone.backend.reopen_options()["block_cache_mb"] == 4
+    clone.close()
+    s.close()
+    with pytest.raises(InvalidInputError):
+        embstore.open(rocks_url(), dim=DIM, cache_mb=10)

@@ -4,12 +4,14 @@ Measured side by side in one run (1M records x dim 64, SGD layout = 288-byte rec
 ``--quick``: 100k):
 
 - ``native export``: ``embstore export`` of a ``memory://`` store (scan + chunked, checksummed,
-  fsynced file) vs ``np.save`` of the same keys and records arrays + fsync.
+  fsynced file) vs ``np.save`` of the same keys and records arrays + fsync (arrays already in
+  memory), and vs scanning the store + ``np.save`` + fsync.
 - ``native import``: ``embstore import`` of that file into an empty ``memory://`` store (pass 1
   validates every checksum, key and value; pass 2 loads) vs ``np.load`` of the same arrays,
   and vs ``np.load`` + loading those arrays into the same kind of store (``load_records``).
 - ``parquet export/import``: the same through Parquet vs ``pyarrow.parquet.write_table`` /
-  ``read_table`` (+ conversion to numpy) of a table with the same columns and compression.
+  ``read_table`` (+ conversion to numpy, and + loading into the same kind of store) of a table
+  with the same columns, row-group size and compression.
 - ``lmdb copy``: ``embstore copy`` between two LMDB stores vs the raw LMDB bulk copy (cursor
   walk of the source ``records`` database, ``putmulti(append=True)`` into a fresh environment,
   same durability, one commit per 128k rows).
@@ -93,9 +95,19 @@ def bench_native(store, keys, recs, d: str, repeat: int) -> None:
         fsync(kp)
         fsync(rp)
 
+    def raw_scan_save():
+        # the same rows taken out of the store first (what export has to do), then np.save
+        ks, rs = zip(*store.records(65536))
+        np.save(kp, np.concatenate(ks))
+        np.save(rp, np.concatenate(rs))
+        fsync(kp)
+        fsync(rp)
+
     t_exp = best(lambda: export_file(store, path), repeat, lambda: rm(path))
     t_save = best(raw_save, repeat, lambda: (rm(kp), rm(rp)))  # fresh files, like export
     row("native export", n, t_exp, t_save, "np.save keys+records (+fsync)")
+    row("native export", n, t_exp, best(raw_scan_save, repeat, lambda: (rm(kp), rm(rp))),
+        "store scan + np.save (+fsync)")
 
     def ours():
         dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
@@ -158,8 +170,21 @@ def bench_parquet(store, keys, recs, d: str, repeat: int) -> None:
         for name in ("count", "last_seen", "last_step", "version"):
             t.column(name).to_numpy()
 
-    row("parquet import", n, best(ours, repeat), best(raw_read, repeat),
-        "pq.read_table + to_numpy")
+    def raw_read_store():
+        t = pq.read_table(rawp)
+        r = store.layout.empty(n)
+        r["vector"] = t.column("vector").combine_chunks().flatten().to_numpy().reshape(-1, DIM)
+        for name in ("count", "last_seen", "last_step", "version"):
+            r[name] = t.column(name).to_numpy()
+        k = t.column("key").to_numpy()
+        dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
+        dst.load_records((k[i:i + 65536], r[i:i + 65536]) for i in range(0, n, 65536))
+        dst.close()
+
+    t_imp = best(ours, repeat)
+    row("parquet import", n, t_imp, best(raw_read, repeat), "pq.read_table + to_numpy")
+    row("parquet import", n, t_imp, best(raw_read_store, repeat),
+        "pq.read_table + load_records into memory://")
     rm(path)
     rm(rawp)
 

@@ -116,9 +116,8 @@ def lmdb_raw_write(env, db, keys, vals, dtype):
     enc = enc_keys(keys)
     rb = recs.view(np.dtype((np.void, dtype.itemsize))).tolist()
     with env.begin(db=db, write=True) as txn:
-        put = txn.put
-        for k, v in zip(enc, rb):
-            put(k, v)
+        # the faster of the two one-transaction write forms (putmulti loops in C)
+        txn.cursor().putmulti(list(zip(enc, rb)))
 
 
 def lmdb_raw_bulk(path, keys, recs, chunk=1 << 17):
@@ -283,14 +282,17 @@ def tune_rocksdb(root: str, keys, vals) -> None:
     recs = np.zeros(len(keys), dtype=[("v", "<f4", (DIM,)), ("pad", "<i8", (4,))])
     recs["v"] = vals
     order = np.argsort(keys.view(np.uint64) ^ SIGN)
-    enc = [enc_keys(keys)[i] for i in order]
+    all_enc = enc_keys(keys)
+    enc = [all_enc[i] for i in order]
     rb = recs[order].view(np.dtype((np.void, recs.dtype.itemsize))).tolist()
     rng = np.random.default_rng(2)
     batches = [enc_keys(keys[rng.integers(0, len(keys), BATCH)]) for _ in range(30)]
 
-    def opts(cache=0, bloom=0, mmap=False, cache_idx=False):
+    def opts(cache=0, bloom=0, mmap=False, cache_idx=False, plain=False):
         o = rd.Options(raw_mode=True)
         o.create_if_missing(True)
+        if plain:
+            o.set_compression_type(rd.DBCompressionType.none())
         t = rd.BlockBasedOptions()
         if cache:
             t.set_block_cache(rd.Cache(cache << 20))
@@ -310,6 +312,9 @@ def tune_rocksdb(root: str, keys, vals) -> None:
         "cache + bloom + mmap + cache_index": dict(cache=256, bloom=10, mmap=True,
                                                    cache_idx=True),
         "bloom 10 + mmap, no cache": dict(bloom=10, mmap=True),
+        "bloom 10 + mmap, no cache, no compression": dict(bloom=10, mmap=True, plain=True),
+        "cache + bloom + mmap, no compression": dict(cache=256, bloom=10, mmap=True,
+                                                     plain=True),
     }
     for label, kw in variants.items():
         d = tempfile.mkdtemp(dir=root)
@@ -321,6 +326,7 @@ def tune_rocksdb(root: str, keys, vals) -> None:
             db.write(wb)
         db.flush()
         db.compact_range(None, None)
+        [db.get(b) for b in batches]  # warm up (page cache, block cache)
         t = timed(lambda db=db: [db.get(b) for b in batches], 3)
         print(f"  {label:<40} {fmt(rate(30 * BATCH, t))}", flush=True)
         db.close()
@@ -333,6 +339,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=None)
     ap.add_argument("--backend", choices=["lmdb", "rocksdb", "all"], default="all")
     ap.add_argument("--tune", action="store_true", help="also time rocksdict option sets")
+    ap.add_argument("--tune-only", action="store_true", help="only the rocksdict tuning")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     n = args.n or (100_000 if args.quick else 1_000_000)
@@ -341,8 +348,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-local-kv-", dir=os.environ.get("BENCH_DIR"))
     try:
         for name in (["lmdb", "rocksdb"] if args.backend == "all" else [args.backend]):
-            bench_backend(name, root, keys, vals, args.reps, results)
-        if args.tune:
+            if not args.tune_only:
+                bench_backend(name, root, keys, vals, args.reps, results)
+        if args.tune or args.tune_only:
             tune_rocksdb(root, keys, vals)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -187,9 +187,11 @@ def cmd_import(args: argparse.Namespace) -> int:
                 raise InvalidInputError(
                     f"{store.url} already exists with dim {store.dim}, not --dim {args.dim}")
             target = store
+        if args.cache_mb < 0:
+            raise InvalidInputError(f"--cache-mb must be non-negative, got {args.cache_mb}")
         rep = import_file(target, args.src, fmt=args.format, skip_bad=args.skip_bad,
                           project=args.project, seed=args.seed, batch_size=args.batch_size,
-                          progress=not args.quiet)
+                          progress=not args.quiet, cache_bytes=int(args.cache_mb * (1 << 20)))
         if rep.store is not None:
             store = rep.store
     finally:
@@ -345,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map vectors of another dim: seeded random projection or "
                         "truncate/zero-pad")
     s.add_argument("--seed", type=int, default=0, help="seed of --project random")
+    s.add_argument("--cache-mb", type=float, default=512,
+                   help="memory (MiB) for keeping checked rows between the checking and the "
+                        "writing pass; a file that fits is read once (default 512, 0: off)")
     s.set_defaults(func=cmd_import)
 
     s = sub.add_parser("copy", parents=[common], help="stream one store into another",

@@ -24,6 +24,7 @@ from .sampling.keyindex import KeyIndex
 
 _ATTR = "_dense_vectors"
 _SCORE_BUDGET = 1 << 23  # scores per block (32 MB of float32)
+_MAX_QUERIES = 8192
 
 
 class TopK:
@@ -44,6 +45,11 @@ class TopK:
         if key_dtype == object:
             self.keys[:] = b""
         self.filled = 0  # valid columns, the same for every row
+        # Candidates that passed the threshold wait here and are merged in bulk: once the
+        # top k is full, few pass per block and one sort per many blocks is enough.
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._npending = 0
+        self._items_pending = 0
 
     def add(self, scores: np.ndarray, keys: np.ndarray) -> None:
         """Merge a ``(nq, b)`` block of scores of items ``keys``."""
@@ -51,11 +57,12 @@ class TopK:
         if b == 0:
             return
         k = self.k
-        if self.filled < k:
-            thr = np.full(self.nq, -np.inf, dtype=np.float32)
-        else:
-            thr = self.scores[:, k - 1]
+        thr = self._threshold()
         flat = np.flatnonzero(scores >= thr[:, None])
+        if b > k and len(flat) > 2 * self.nq * k and self._pending:
+            self.flush()  # a fresher threshold may be all it takes
+            thr = self._threshold()
+            flat = np.flatnonzero(scores >= thr[:, None])
         if b > k and len(flat) > 2 * self.nq * k:
             kth = np.partition(scores, b - k, axis=1)[:, b - k]
             flat = np.flatnonzero(scores >= np.maximum(thr, kth)[:, None])  # >= keeps ties
@@ -69,31 +76,65 @@ class TopK:
                 ok = ~tie
                 ok[tie] = cand_k[tie] < self.keys[rows[tie], k - 1]
                 rows, cand_s, cand_k = rows[ok], cand_s[ok], cand_k[ok]
-        self._merge(rows, cand_s, cand_k, min(k, self.filled + b))
+        self._pending.append((rows, cand_s, cand_k))
+        self._npending += len(rows)
+        self._items_pending += b
+        if self.filled < k or self._npending > 4 * self.nq * k:
+            self.flush()
+
+    def _threshold(self) -> np.ndarray:
+        if self.filled < self.k:
+            return np.full(self.nq, -np.inf, dtype=np.float32)
+        return self.scores[:, self.k - 1]
+
+    def flush(self) -> None:
+        """Merge the pending candidates into the top k."""
+        if not self._pending:
+            return
+        rows, s, keys = (np.concatenate(parts) for parts in zip(*self._pending, strict=True))
+        newfill = min(self.k, self.filled + self._items_pending)
+        self._pending, self._npending, self._items_pending = [], 0, 0
+        self._merge(rows, s, keys, newfill)
 
     def merge(self, other: TopK) -> None:
         """Merge another partial result over disjoint items (e.g. another shard's)."""
+        other.flush()
+        self.flush()
         f = other.filled
         rows = np.repeat(np.arange(self.nq), f)
         self._merge(rows, other.scores[:, :f].ravel(), other.keys[:, :f].ravel(),
                     min(self.k, self.filled + f))
 
     def _merge(self, rows: np.ndarray, s: np.ndarray, keys: np.ndarray, newfill: int) -> None:
-        f = self.filled
-        rows = np.concatenate((np.repeat(np.arange(self.nq), f), rows))
-        s = np.concatenate((self.scores[:, :f].ravel(), s))
-        keys = np.concatenate((self.keys[:, :f].ravel(), keys))
-        if keys.dtype == object:  # lexsort needs numbers: rank bytes keys among candidates
-            _, tie = np.unique(keys, return_inverse=True)
+        """Merge candidates ``(rows, s, keys)`` into the top k, keeping ``newfill`` per row.
+
+        Candidates are laid out as a padded ``(nq, filled + most per row)`` matrix next to
+        the current top k, and each row is sorted on its own (score desc, key asc): far less
+        work than one global sort keyed by row.
+        """
+        f, nq = self.filled, self.nq
+        if len(rows) > 1 and (np.diff(rows) < 0).any():  # several blocks: group by row
+            order = np.argsort(rows.astype(np.int16 if nq < 2**15 else np.int64),
+                               kind="stable")
+            rows, s, keys = rows[order], s[order], keys[order]
+        counts = np.bincount(rows, minlength=nq)
+        width = f + (int(counts.max()) if len(rows) else 0)
+        mat_s = np.full((nq, width), -np.inf, dtype=np.float32)
+        mat_k = np.zeros((nq, width), dtype=self.keys.dtype)
+        mat_s[:, :f] = self.scores[:, :f]
+        mat_k[:, :f] = self.keys[:, :f]
+        starts = np.cumsum(counts) - counts
+        cols = f + np.arange(len(rows)) - starts[rows]
+        mat_s[rows, cols] = s
+        mat_k[rows, cols] = keys
+        if mat_k.dtype == object:  # lexsort needs numbers: rank bytes keys among candidates
+            mat_k[mat_s == -np.inf] = b""
+            tie = np.unique(mat_k, return_inverse=True)[1].reshape(mat_k.shape)
         else:
-            tie = keys
-        order = np.lexsort((tie, -s, rows))
-        rs = rows[order]
-        starts = np.searchsorted(rs, np.arange(self.nq))
-        rank = np.arange(len(rs)) - starts[rs]
-        keep = rank < newfill
-        self.scores[rs[keep], rank[keep]] = s[order][keep]
-        self.keys[rs[keep], rank[keep]] = keys[order][keep]
+            tie = mat_k
+        order = np.lexsort((tie, -mat_s), axis=-1)[:, :newfill]
+        self.scores[:, :newfill] = np.take_along_axis(mat_s, order, axis=1)
+        self.keys[:, :newfill] = np.take_along_axis(mat_k, order, axis=1)
         self.filled = newfill
 
 
@@ -177,12 +218,16 @@ def _scan_vectors(backend: Any, batch: int) -> Iterator[tuple[np.ndarray, np.nda
 def _run(q: np.ndarray, k: int, key_dtype: Any, source: Iterable, rows: int,
          exclude: np.ndarray | None) -> TopK:
     acc = TopK(len(q), k, key_dtype)
+    buf = np.empty(len(q) * rows, dtype=np.float32)  # one score buffer: no page faults per block
     for keys, vecs in _blocks(source, rows, k):
         if exclude is not None and len(exclude):
             keep = ~np.isin(keys, exclude)
             if not keep.all():
                 keys, vecs = keys[keep], vecs[keep]
-        acc.add(q @ vecs.T, keys)
+        scores = buf[:len(q) * len(keys)].reshape(len(q), len(keys))
+        np.matmul(q, np.asarray(vecs, dtype=np.float32).T, out=scores)
+        acc.add(scores, keys)
+    acc.flush()
     return acc
 
 
@@ -198,7 +243,7 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
     glob, per = _exclusions(store, exclude, nq)
     k_eff = int(k) + (max((len(e) for e in per), default=0) if per else 0)
     key_dtype = np.int64 if store.key_type == "int64" else object
-    rows = max(1024, _SCORE_BUDGET // max(nq, 1))
+    rows = max(1024, _SCORE_BUDGET // max(min(nq, _MAX_QUERIES), 1))
     if batch_size is not None:
         if batch_size <= 0:
             raise InvalidInputError(f"batch_size must be positive, got {batch_size}")
@@ -206,20 +251,28 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
     backend = store.backend
     if dense is None:
         dense = not backend.persistent and not hasattr(backend, "shards")
-    if nq == 0:
-        acc = TopK(0, k_eff, key_dtype)
-    elif dense:
-        idx = _dense(store)
-        acc = _run(q, k_eff, key_dtype, [(idx.live_keys, idx.col("vector"))], rows, glob)
-    elif hasattr(backend, "shards") and hasattr(backend, "shard_of"):
-        # Per-shard top-k (what each shard server would compute), merged by the caller.
-        acc = TopK(nq, k_eff, key_dtype)
-        for shard in backend.shards:
-            acc.merge(_run(q, k_eff, key_dtype, _scan_vectors(shard, min(rows, 65536)), rows,
-                           glob))
-    else:
-        acc = _run(q, k_eff, key_dtype, _scan_vectors(backend, min(rows, 65536)), rows, glob)
-    keys, scores = acc.keys[:, :acc.filled], acc.scores[:, :acc.filled]
+    parts = []
+    # Very large query batches go in chunks so a block of scores stays bounded (streaming
+    # backends are then scanned once per chunk).
+    for qc in [q] if nq <= _MAX_QUERIES else np.array_split(q, -(-nq // _MAX_QUERIES)):
+        if len(qc) == 0:
+            acc = TopK(0, k_eff, key_dtype)
+        elif dense:
+            idx = _dense(store)
+            acc = _run(qc, k_eff, key_dtype, [(idx.live_keys, idx.col("vector"))], rows, glob)
+        elif hasattr(backend, "shards") and hasattr(backend, "shard_of"):
+            # Per-shard top-k (what each shard server would compute), merged by the caller.
+            acc = TopK(len(qc), k_eff, key_dtype)
+            for shard in backend.shards:
+                acc.merge(_run(qc, k_eff, key_dtype, _scan_vectors(shard, min(rows, 65536)),
+                               rows, glob))
+        else:
+            acc = _run(qc, k_eff, key_dtype, _scan_vectors(backend, min(rows, 65536)), rows,
+                       glob)
+        parts.append(acc)
+    fill = min(a.filled for a in parts)  # every chunk saw the same items
+    keys = np.concatenate([a.keys[:, :fill] for a in parts])
+    scores = np.concatenate([a.scores[:, :fill] for a in parts])
     if per is None:
         return keys.copy(), scores.copy()
     return _drop_per_query(keys, scores, per, int(k))

@@ -570,7 +570,8 @@ class EmbeddingStore:
                 gone, complete = gone[:0], False
             header["deleted"] = encode_keys(gone, self.key_type)
             header["deletions_complete"] = complete
-        with NativeWriter(dest, header) as w, progress_bar(
+        # background: scans yield fresh arrays, so checksum+write can overlap the next scan
+        with NativeWriter(dest, header, background=True) as w, progress_bar(
             total=len(self) if since is None else None, enabled=progress, desc="export"
         ) as bar:
             for keys, recs in src:
@@ -749,6 +750,9 @@ def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarra
     heavily duplicated batches (Zipf streams) use one ``reduceat`` instead.
     """
     n = len(keys)
+    if keys.dtype == np.int64 and (n < 2 or bool((keys[1:] > keys[:-1]).all())):
+        # already sorted and distinct (e.g. from an adapter that deduplicated the batch)
+        return keys, grads, np.ones(n, dtype=np.int64)
     order = np.argsort(keys, kind="stable")
     ks = keys[order]
     newseg = np.ones(n, dtype=bool)

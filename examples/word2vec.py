@@ -10,8 +10,10 @@ frequency subsampling (``store.subsample_mask``) and the unigram^0.75 negative s
 (``store.sample``) read them. At the end: nearest neighbours via ``store.top_k``, the Spearman
 correlation on WordSim-353, and gensim's ``Word2Vec`` on the same corpus and settings.
 
-Run ``python examples/word2vec.py`` (``make demo``); ``--quick`` for a smoke run; ``--store``
-for another backend, e.g.::
+Run ``python examples/word2vec.py`` (``make demo``); ``--quick`` for a smoke run. By default
+the stores are LMDB environments under ``.demo/word2vec`` with a ``memory://`` cache in front
+(write-back, flushed to LMDB at the end; ``--cache none`` trains on LMDB directly). ``--store``
+runs on another backend, e.g.::
 
     python examples/word2vec.py --store 'lmdb:///tmp/w2v/{name}'
     BIGTABLE_EMULATOR_HOST=127.0.0.1:8086 python examples/word2vec.py \\
@@ -72,8 +74,11 @@ def store_url(template: str, name: str) -> str:
 
 def open_stores(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, ...]:
     options: dict = {}
-    if args.cache:
-        options["cache"] = args.cache
+    cache = args.cache
+    if cache is None and args.store is None:
+        cache = "memory://"  # the default: embedded LMDB with the hot rows cached in memory
+    if cache and cache != "none":
+        options.update(cache=cache, cache_capacity=args.cache_capacity)
     template = args.store
     if template is None:
         demo = Path(args.demo_dir).resolve() / "word2vec"
@@ -182,15 +187,18 @@ def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.n
     b = len(centers)
     # k negatives per pair from the unigram^0.75 distribution over the output store's counts.
     negs = out.sample([], b * k, sampler, unique=False, remove_accidental_hits=False,
-                      seed=rng).keys
-    v = in_emb(centers)                                        # (b, dim)
-    u = out_emb(np.concatenate((contexts, negs)))              # (b + b*k, dim)
-    u_pos, u_neg = u[:b], u[b:].view(b, k, -1)
-    pos = (v * u_pos).sum(1)
-    neg = torch.bmm(u_neg, v.unsqueeze(2)).squeeze(2)
+                      seed=rng).keys.reshape(b, k)
+    # Row i of the output keys: the context word of pair i, then its k negatives.
+    targets = np.concatenate((contexts[:, None], negs), axis=1)
+    v = in_emb(centers)                                     # (b, dim)
+    u = out_emb(targets)                                    # (b, 1 + k, dim)
+    scores = (u * v.unsqueeze(1)).sum(2)                    # elementwise: no tiny matmuls
+    sign = torch.ones(k + 1)
+    sign[1:] = -1.0
     # word2vec skips a negative that happens to be the context word itself
-    valid = torch.from_numpy((negs.reshape(b, k) != contexts[:, None]).astype(np.float32))
-    loss = -(F.logsigmoid(pos).sum() + (F.logsigmoid(-neg) * valid).sum())
+    weight = np.ones((b, k + 1), dtype=np.float32)
+    weight[:, 1:] = negs != contexts[:, None]
+    loss = -(F.logsigmoid(scores * sign) * torch.from_numpy(weight)).sum()
     (loss * scale).backward()  # both stores apply their SGD step here
     return float(loss.detach())
 
@@ -264,7 +272,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-words", type=int, default=20000)
     p.add_argument("--store", default=None,
                    help="store URL template with {name} (in/out); default: LMDB under --demo-dir")
-    p.add_argument("--cache", default=None, help="local cache URL in front of --store")
+    p.add_argument("--cache", default=None,
+                   help="local cache URL in front of the stores (default: memory:// for the "
+                        "default LMDB store, none for --store); 'none' disables it")
+    p.add_argument("--cache-capacity", type=int, default=200_000, help="rows per cache")
     p.add_argument("--demo-dir", default=".demo")
     p.add_argument("--corpus", default="head500.noblanks.cor",
                    help="file in gensim/test/test_data (or a path)")

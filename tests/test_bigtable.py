@@ -181,8 +181,7 @@ def test_delete_reports_presence_and_clear_keeps_meta(bigtable_url_factory):
 
 # -- retries (fault injection in front of the real emulator) --------------------------------------
 def _open_with(url, injector, **kw):
-    return embstore.open(url, dim=DIM, interceptors=[injector], retry_deadline=kw.pop(
-        "retry_deadline", 10.0), **kw)
+    return embstore.open(url, dim=DIM, interceptors=[injector], retry_deadline=10.0, **kw)
 
 
 @pytest.mark.parametrize("method", ["MutateRows", "ReadRows"])
@@ -224,10 +223,12 @@ def test_retries_exhausted_raise_backend_error_and_change_nothing(bigtable_url_f
     with embstore.open(url, dim=DIM) as s:
         s.assign([1, 2], _vals(2))
     inj = FaultInjector(failures=0, methods=["MutateRows"])
-    s = _open_with(url, inj, retry_deadline=0.3)
+    s = _open_with(url, inj)
     inj.failures = 10**9
+    s.backend.retry_deadline = 0.3  # short only for the call that must fail
     with pytest.raises(BackendError) as info:
         s.assign([1, 2], _vals(2, base=9))
+    s.backend.retry_deadline = 10.0
     msg = str(info.value)
     assert "write" in msg and "0.3 s" in msg and ("UNAVAILABLE" in msg
                                                    or "DEADLINE_EXCEEDED" in msg)
@@ -268,9 +269,10 @@ def test_killed_emulator_fails_within_deadline_then_recovers_after_restart(
 
     armed = threading.Event()
     inj = FaultInjector(failures=0, on_call=kill_on_third_write)
-    s = embstore.open(url, dim=DIM, emulator_host=emu.host, retry_deadline=1.0,
-                      write_batch=64, inflight=2, interceptors=[inj])
+    s = embstore.open(url, dim=DIM, emulator_host=emu.host, write_batch=64, inflight=2,
+                      interceptors=[inj])
     s.assign(np.arange(64), _vals(64))
+    s.backend.retry_deadline = 1.0  # short only while the emulator is down: no timing flakes
     armed.set()
     t0 = time.monotonic()
     with pytest.raises(BackendError) as info:
@@ -285,6 +287,7 @@ def test_killed_emulator_fails_within_deadline_then_recovers_after_restart(
         s.lookup([1], insert=False)
 
     emu.restart()  # same port, empty (the emulator keeps data in memory only)
+    s.backend.retry_deadline = 30.0
     s.assign(np.arange(10), _vals(10, base=2))  # recreates the table and its metadata
     np.testing.assert_array_equal(s.lookup(np.arange(10), insert=False), _vals(10, base=2))
     assert len(s) == 10 and s.stats()["tables_recreated"] == 1
@@ -325,3 +328,24 @@ def test_without_emulator_or_credentials_the_error_says_what_to_do(monkeypatch, 
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
     with pytest.raises(BackendError, match="credentials.*BIGTABLE_EMULATOR_HOST"):
         embstore.open("bigtable://p/i/t", dim=DIM)
+
+
+def test_scan_spanning_many_requests_and_bulk_load_last_wins(bigtable_url_factory):
+    s = embstore.open(bigtable_url_factory(), dim=DIM)
+    be = s.backend
+    keys = np.arange(-150, 150, dtype=np.int64)
+    recs = s.layout.empty(300)
+    recs["vector"] = _vals(300)
+    # batches overlap on keys 0..9: the later batch must win, as in one big put
+    later = s.layout.empty(10)
+    later["vector"] = -1.0
+    assert be.bulk_load(iter([(keys, recs), (keys[150:160], later)])) == 300
+    # batch_size 3 reads 48 rows per request: the scan resumes after each request's last key
+    seen = np.concatenate([k for k, _ in s.items(batch_size=3)])
+    assert seen.tolist() == keys.tolist()
+    got = s.lookup(keys, insert=False)
+    np.testing.assert_array_equal(got[150:160], np.full((10, DIM), -1.0, np.float32))
+    np.testing.assert_array_equal(np.delete(got, np.s_[150:160], 0),
+                                  np.delete(_vals(300), np.s_[150:160], 0))
+    assert len(s) == 300
+    s.close()

@@ -441,3 +441,23 @@ def test_write_behind_failure_keeps_evicted_rows(bigtable_url_factory):
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+
+
+def test_lfu_history_survives_eviction():
+    from embstore.layers._slots import SlotTable
+
+    st = SlotTable("int64", "lfu", capacity=4)
+    slots, keys = np.array([0, 1], np.uint32), np.array([10, 11], np.int64)
+    st.next_tick()
+    st.add(slots, keys, dirty=False)
+    for _ in range(5):
+        st.next_tick()
+        st.touch(slots[:1])                 # key 10 is warm
+    st.remember(keys, slots)
+    st.remove(slots)
+    assert st.live == 0
+    st.next_tick()
+    st.add(np.array([2, 3], np.uint32), keys, dirty=False)
+    assert st.freq[2] == 7 and st.freq[3] == 2  # resumed from the history, plus this use
+    st.next_tick()
+    assert st.victims(1).tolist() == [3]

@@ -142,12 +142,15 @@ def test_text_keys_into_int64_store(tmp_path):
 def test_gensim_reads_our_exports_exactly(binary, tmp_path):
     from gensim.models import KeyedVectors
 
+    from embstore.cli import main
+
     src = _filled(f"lmdb://{tmp_path}/db", "bytes")
+    vecs = _vectors_by_key(src)
+    src.close()
     fmt = "word2vec-binary" if binary else "word2vec"
     path = tmp_path / "v"
-    export_file(src, path, fmt=fmt)
+    assert main(["export", src.url, str(path), "--format", fmt, "-q"]) == 0
     kv = KeyedVectors.load_word2vec_format(str(path), binary=binary)
-    vecs = _vectors_by_key(src)
     assert len(kv) == len(vecs)
     for k, v in vecs.items():
         assert kv[k.decode()].tobytes() == v
@@ -367,3 +370,90 @@ def test_detection_and_chunk_bounds(tmp_path):
             assert max(sizes) <= 64
     with pytest.raises(InvalidInputError, match="--format"):
         detect_format(tmp_path / "x.unknown", for_write=True)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_large_files_are_read_twice_in_constant_memory(fmt, tmp_path):
+    # cache_bytes=0: the writing pass re-reads (and re-checks) the file instead of keeping rows
+    src = _filled("memory://", "bytes" if fmt != "tsv" else "int64", n=300)
+    path = tmp_path / FORMATS[fmt]
+    export_file(src, path, fmt=fmt)
+    dst = embstore.open("memory://", dim=DIM, key_type=src.key_type, optimizer="adagrad")
+    rep = import_file(dst, path, cache_bytes=0, batch_size=64)
+    assert rep.rows == 300 and _vectors_by_key(dst) == _vectors_by_key(src)
+    if fmt in RECORD_FORMATS:
+        assert _records_by_key(dst) == _records_by_key(src)
+
+
+def test_skip_bad_without_cache(store, tmp_path):
+    p = tmp_path / "v.txt"
+    p.write_bytes(_w2v_text([("a", [1, 2, 3]), ("b", ["nan", 2, 3]), ("c", [3, 2, 1])]))
+    rep = import_file(store, p, skip_bad=True, cache_bytes=0)
+    assert (rep.rows, rep.skipped) == (2, 1)
+    assert store.contains([b"a", b"b", b"c"]).tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_empty_tables_round_trip(fmt, tmp_path):
+    src = embstore.open("memory://", dim=DIM, key_type="bytes")
+    path = tmp_path / FORMATS[fmt]
+    assert export_file(src, path, fmt=fmt) == 0
+    dst = embstore.open("memory://", dim=DIM, key_type="bytes")
+    assert import_file(dst, path, fmt=fmt).rows == 0 and len(dst) == 0
+    assert verify_file(path, fmt=fmt).ok
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres", "bigtable"])
+def test_cli_copy_into_lmdb_for_serving(backend, new_url, tmp_path):
+    from embstore.cli import main
+
+    src = _filled(new_url(backend), "int64")
+    want = _records_by_key(src)
+    url = src.url
+    src.close()
+    dst = f"lmdb://{tmp_path}/serve"
+    assert main(["copy", url, dst, "-q"]) == 0
+    with embstore.open(dst, read_only=True) as s:
+        assert s.optimizer.name == "adagrad" and _records_by_key(s) == want
+
+
+def test_native_nan_rows_are_refused_or_skipped(tmp_path):
+    from embstore.io.native import NativeWriter
+
+    s = embstore.open("memory://", dim=3)
+    recs = s.layout.empty(4)
+    recs["vector"] = [[1, 2, 3], [np.nan, 0, 0], [4, 5, 6], [0, np.inf, 0]]
+    with NativeWriter(tmp_path / "n.emb", s.meta) as w:
+        w.write(np.arange(4, dtype=np.int64), recs)
+    with pytest.raises(CorruptFileError, match="row 2: NaN"):
+        import_file(s, tmp_path / "n.emb")
+    assert len(s) == 0
+    rep = import_file(s, tmp_path / "n.emb", skip_bad=True)
+    assert (rep.rows, rep.skipped, rep.mode) == (2, 2, "records")
+    assert s.contains(np.arange(4)).tolist() == [True, False, True, False]
+
+
+def test_background_native_writer_surfaces_write_errors(tmp_path):
+    import io
+
+    from embstore.io.native import NativeReader, NativeWriter
+
+    class Full(io.BytesIO):
+        def write(self, b):
+            if self.tell() > 1000:
+                raise OSError(28, "No space left on device")
+            return super().write(b)
+
+    s = embstore.open("memory://", dim=4)
+    recs = s.layout.empty(100)
+    with pytest.raises(OSError, match="No space"):
+        with NativeWriter(Full(), s.meta, background=True) as w:
+            for i in range(5):
+                w.write(np.arange(i * 100, i * 100 + 100, dtype=np.int64), recs)
+    # a background export to a path is complete and readable after close
+    with NativeWriter(tmp_path / "ok.emb", s.meta, background=True) as w:
+        for i in range(5):
+            w.write(np.arange(i * 100, i * 100 + 100, dtype=np.int64), recs)
+    with NativeReader(tmp_path / "ok.emb") as r:
+        assert r.verify() == 500
+    assert os.listdir(tmp_path) == ["ok.emb"]

@@ -251,5 +251,36 @@ def test_bulk_import_appends_and_overwrites(lmdb_url, tmp_path):
     np.testing.assert_array_equal(got[:, 0], [9.0, 2.0, 2.0, 9.0])
     a, b = table_of(src), table_of(dst)
     assert all(rows_equal(a[k], b[k]) for k in a)
+    # Duplicate keys across bulk batches: the later batch wins, as with put().
+    recs = dst.layout.empty(2)
+    recs["vector"] = [[1.0] * DIM, [4.0] * DIM]
+    dst.backend.bulk_load(iter([(np.array([7], np.int64), recs[:1]),
+                                (np.array([7], np.int64), recs[1:])]))
+    assert dst.lookup([7], insert=False)[0, 0] == 4.0
     src.close()
     dst.close()
+
+
+def _forked_writer(blob: bytes, key: int) -> None:
+    store = pickle.loads(blob)
+    assert store.lookup([1], insert=False)[0, 0] == 1.0
+    store.assign([key], np.full((1, DIM), float(key)))
+    store.close()
+
+
+def test_forked_workers_reopen_by_url(lmdb_url):
+    import multiprocessing as mp
+
+    s = embstore.open(lmdb_url(), dim=DIM)
+    s.assign([1], np.ones((1, DIM)))
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_forked_writer, args=(pickle.dumps(s), k)) for k in (10, 11)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    np.testing.assert_array_equal(s.lookup([10, 11], insert=False)[:, 0], [10.0, 11.0])
+    s.assign([2], np.ones((1, DIM)))  # the parent's environment still works
+    assert len(s) == 4
+    s.close()

@@ -14,8 +14,11 @@ from embstore.sampling import (
     LogUniformSampler,
     UniformSampler,
     UnigramSampler,
+    expected_count,
+    keep_probability,
     sampling_index,
 )
+from embstore.store import EmbeddingStore
 
 P_MIN = 1e-3  # chi-square p-values below this fail (fixed seeds: the outcome is deterministic)
 
@@ -106,8 +109,7 @@ def test_unique_prob_matches_the_empirical_inclusion_rate(mem_store):
 
 
 def test_sharded_sampling_matches_unsharded():
-    from embstore.layers.sharded import ShardedBackend
-    from embstore.store import EmbeddingStore
+    ShardedBackend = pytest.importorskip("embstore.layers.sharded").ShardedBackend
 
     keys, counts = corpus(120, seed=5)
     one = embstore.open("memory://", dim=2)
@@ -141,7 +143,7 @@ def test_batch_of_examples_as_lists_or_offsets():
     a = s.sample(pos, 10, "unigram", seed=4)
     b = s.sample(np.array([1, 2, 3, 4, 5, 6]), 10, "unigram", offsets=[0, 3, 4, 4, 6], seed=4)
     assert len(a) == len(b) == 4
-    for ra, rb, p in zip(a, b, pos):
+    for ra, rb, p in zip(a, b, pos, strict=True):
         np.testing.assert_array_equal(ra.keys, rb.keys)
         np.testing.assert_array_equal(ra.prob, rb.prob)
         np.testing.assert_array_equal(ra.keys[:len(p)], p)  # positives first, in order
@@ -200,8 +202,8 @@ def test_index_follows_writes_and_deletes():
     s.lookup(np.arange(150, 160))                        # inserted with count 0
     fresh = type(idx)(s.backend, s.key_type)
     fresh.build()
-    got = dict(zip(idx.parts[0].live_keys.tolist(), idx.parts[0].col("count").tolist()))
-    want = dict(zip(fresh.parts[0].live_keys.tolist(), fresh.parts[0].col("count").tolist()))
+    got = dict(zip(*(a.tolist() for a in idx.parts[0].items("count")), strict=True))
+    want = dict(zip(*(a.tolist() for a in fresh.parts[0].items("count")), strict=True))
     assert got == want and idx.total_count == fresh.total_count == sum(want.values())
     assert idx.scans == 1
     hist = s.sample([], 20_000, "unigram", unique=False, seed=0).keys
@@ -248,8 +250,6 @@ def test_subsample_follows_the_word2vec_rule():
     t = 1e-3
     f = counts / counts.sum()
     want = np.minimum(1, (np.sqrt(f / t) + 1) * t / f)
-    from embstore.sampling import keep_probability
-
     np.testing.assert_allclose(keep_probability(s, np.arange(5), t), want)
     assert keep_probability(s, [99], t)[0] == 1.0  # unknown keys are kept
     occ = np.repeat(np.arange(5), 20_000)
@@ -275,28 +275,38 @@ def test_import_resyncs_the_index(tmp_path):
 
 # -- no table scan per call, on every backend ------------------------------------------------------
 class Counting:
-    """Counts calls of a real backend's row reads (wrapping its bound methods)."""
+    """Counts calls of a real backend's row reads (wrapping its bound methods), and of its
+    shards' when it is sharded."""
 
     def __init__(self, backend):
         self.calls = {"scan": 0, "get": 0, "get_field": 0, "contains": 0}
-        for name in self.calls:
-            orig = getattr(backend, name)
+        for b in [backend, *getattr(backend, "shards", [])]:
+            for name in self.calls:
+                orig = getattr(b, name)
 
-            def wrapped(*a, _orig=orig, _name=name, **kw):
-                self.calls[_name] += 1
-                return _orig(*a, **kw)
+                def wrapped(*a, _orig=orig, _name=name, **kw):
+                    self.calls[_name] += 1
+                    return _orig(*a, **kw)
 
-            setattr(backend, name, wrapped)
+                setattr(b, name, wrapped)
+
+    @property
+    def scans(self):
+        return self.calls["scan"]
 
     def reset(self):
         for k in self.calls:
             self.calls[k] = 0
 
 
-@pytest.fixture(params=["memory", "lmdb", "bigtable"])
+@pytest.fixture(params=["memory", "lmdb", "bigtable", "sharded-lmdb"])
 def any_url(request, tmp_path):
     if request.param == "memory":
         return lambda: "memory://"
+    if request.param == "sharded-lmdb":
+        pytest.importorskip("embstore.backends.lmdb")
+        mod = pytest.importorskip("embstore.layers.sharded")
+        return lambda: mod.sharded_url([f"lmdb://{tmp_path}/s{i}" for i in range(3)])
     if request.param == "lmdb":
         pytest.importorskip("lmdb")
         pytest.importorskip("embstore.backends.lmdb")
@@ -315,7 +325,7 @@ def test_sample_reads_the_table_once_on_every_backend(any_url):
         fill(s, keys, counts)
         c = Counting(s.backend)
         s.sample(keys[:3], 8, "unigram", seed=0)
-        assert c.calls["scan"] == 1
+        assert c.scans == (3 if url.startswith("sharded") else 1)  # one per shard
         c.reset()
         for i in range(20):
             s.sample([keys[i]], 8, "unigram", seed=i)
@@ -337,7 +347,8 @@ def test_sample_reads_the_table_once_on_every_backend(any_url):
             c = Counting(s.backend)
             r1 = s.sample(keys[:2], 8, "unigram", seed=0)
             r2 = s.sample(keys[:2], 8, "unigram", seed=1)
-            assert c.calls["scan"] == 1 and (r1.prob[:2] > 0).all()
+            assert c.scans == (3 if url.startswith("sharded") else 1)
+            assert (r1.prob[:2] > 0).all()
             assert r2.prob[0] == pytest.approx(
                 -np.expm1(r2.num_tries * np.log1p(-counts[0] ** 0.75 / (
                     (counts.astype(float) ** 0.75).sum() + 100 ** 0.75))))
@@ -372,3 +383,78 @@ def test_seeded_calls_are_reproducible():
     c = s.sample(keys[:3], 40, "unigram")
     d = s.sample(keys[:3], 40, "unigram")
     assert not np.array_equal(c.keys, d.keys)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: repr(s))
+@pytest.mark.parametrize("shards", [1, 3])
+def test_deletes_are_rejected_without_a_rebuild(sampler, shards):
+    ShardedBackend = pytest.importorskip("embstore.layers.sharded").ShardedBackend
+
+    keys, counts = corpus(200, seed=8)
+    s = EmbeddingStore(ShardedBackend(["memory://"] * shards), dim=2) if shards > 1 \
+        else embstore.open("memory://", dim=2)
+    fill(s, keys, counts)
+    idx = sampling_index(s, staleness=0.5)
+    s.sample([], 10, sampler, seed=0)
+    rebuilds = idx.rebuilds
+    gone = keys[:30]  # 15% of the keys: below the compaction threshold
+    s.delete(gone)
+    hist, res = draws(s, keys, sampler, 100_000, seed=4)
+    assert idx.rebuilds == rebuilds  # the snapshot was kept...
+    assert not np.isin(res.keys, gone).any()  # ...and deleted keys are never drawn
+    # the distribution is the snapshot's, conditioned on the keys still alive
+    p = expected_p(sampler, keys, counts)
+    p[:30] = 0.0
+    p /= p.sum()
+    order = np.argsort(keys)
+    assert stats.chisquare(hist[hist + p[order] > 0],
+                           (p[order] * hist.sum())[hist + p[order] > 0]).pvalue > P_MIN
+    snap = idx.snapshot(sampler)
+    np.testing.assert_allclose(idx.prob_of(snap, keys), p, rtol=1e-9, atol=1e-15)
+
+
+def test_many_deletes_compact_the_index():
+    s = embstore.open("memory://", dim=2)
+    fill(s, np.arange(4000), np.full(4000, 2))
+    idx = sampling_index(s, staleness=1.0)
+    s.sample([], 10, "unigram", seed=0)
+    epoch, rebuilds = idx.parts[0].epoch, idx.rebuilds
+    for i in range(0, 2000, 100):  # half the keys, in small batches
+        s.delete(np.arange(i, i + 100))
+        assert s.sample([], 50, "unigram", unique=False, seed=i).keys.min() >= i + 100
+    assert idx.parts[0].epoch > epoch and idx.rebuilds > rebuilds
+    assert idx.parts[0].n < 4000 and len(idx) == 2000
+    np.testing.assert_array_equal(idx.parts[0].positions(np.arange(2000)), -1)
+    k, c = idx.parts[0].items("count")
+    assert sorted(k.tolist()) == list(range(2000, 4000)) and (c == 2).all()
+    fill(s, [1], [5])  # a deleted key comes back: not in the snapshot until it is rebuilt
+    assert s.sample([1], 2000, "unigram", seed=1).prob[0] == 0
+    sampling_index(s, staleness=0.0)
+    r = s.sample([1], 2000, "unigram", seed=1)
+    assert r.prob[0] > 0
+
+
+def test_log_uniform_prob_matches_tensorflow():
+    tf = pytest.importorskip("tensorflow")
+    n = 50
+    s = embstore.open("memory://", dim=2)
+    fill(s, np.arange(n), np.arange(n, 0, -1))  # key r has frequency rank r, as TF assumes
+    true = np.array([[0], [3], [49]], dtype=np.int64)
+    for unique in (False, True):
+        tf_s, tf_true, tf_samp = tf.random.log_uniform_candidate_sampler(
+            true, num_true=1, num_sampled=20, unique=unique, range_max=n, seed=1)
+        tf_s, tf_true, tf_samp = tf_s.numpy(), tf_true.numpy()[:, 0], tf_samp.numpy()
+        p = np.log((np.arange(n) + 2) / (np.arange(n) + 1)) / np.log(n + 1)
+        if unique:  # recover TF's number of tries from one sampled class, then check all
+            tries = np.log1p(-tf_samp[0]) / np.log1p(-p[tf_s[0]])
+            assert abs(tries - round(tries)) < 1e-3
+            tries = round(tries)
+        else:
+            tries = 20
+        np.testing.assert_allclose(expected_count(p[tf_s], tries, unique), tf_samp, rtol=1e-5)
+        np.testing.assert_allclose(expected_count(p[true[:, 0]], tries, unique), tf_true,
+                                   rtol=1e-5)
+        ours = s.sample(true[:, 0], 20, "log_uniform", unique=unique, seed=0,
+                        remove_accidental_hits=False)
+        want = expected_count(p, ours.num_tries, unique)
+        np.testing.assert_allclose(ours.prob, want[ours.keys], rtol=1e-9)

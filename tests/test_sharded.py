@@ -131,6 +131,12 @@ def test_bad_shard_arguments():
         ShardedBackend([sharded_url(["memory://"])])
 
 
+def test_duplicate_shard_urls_are_refused(lmdb_dirs):
+    url = lmdb_dirs(1)[0]
+    with pytest.raises(InvalidInputError, match="distinct"):
+        embstore.open("sharded://", shards=[url, url], dim=4)
+
+
 # -- composition -----------------------------------------------------------------------------------
 def test_compose_by_objects():
     b = ShardedBackend([MemoryBackend(), MemoryBackend()])

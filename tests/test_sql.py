@@ -67,10 +67,6 @@ def url_factory(request, tmp_path):
     return request.getfixturevalue("postgres_url_factory")
 
 
-def _records_snapshot(store):
-    return table_of(store)
-
-
 # -- URL and table names ----------------------------------------------------------------------
 def test_url_carries_table_and_reopens_same_store(url_factory):
     url = url_factory()
@@ -108,14 +104,14 @@ def test_injection_table_names_refused_nothing_created(tmp_path, bad):
 
 
 def test_injection_table_names_refused_on_postgres(postgres_server, postgres_url_factory):
+    from urllib.parse import quote
+
     import psycopg
 
     before = _pg_tables(postgres_server)
     for bad in ['x"; DROP TABLE t; --', "a b", "t'", "t;x", "Robert'); --"]:
         with pytest.raises((InvalidInputError, InvalidURLError)):
             embstore.open(postgres_server.url, dim=4, table=bad)
-        from urllib.parse import quote
-
         with pytest.raises((InvalidInputError, InvalidURLError)):
             embstore.open(f"{postgres_server.url}?table={quote(bad)}", dim=4)
     assert _pg_tables(postgres_server) == before
@@ -134,6 +130,7 @@ def _pg_tables(server) -> set[str]:
 @pytest.mark.parametrize("url", [
     "sqlite://", "sqlite:///:memory:", "sqlite:///file:x.db?mode=ro", "postgresql://",
     "postgresql+psycopg://user@:5432/db", "notadialect+zz://h/db",
+    "sqlite:////nonexistent-dir-embstore/x.db?table=a&table=b",
 ])
 def test_malformed_url_refused(url):
     with pytest.raises((InvalidURLError, embstore.errors.UnknownSchemeError)):
@@ -272,8 +269,7 @@ def test_export_since_round_trip(url_factory, tmp_path):
 
 # -- many stores in one database ------------------------------------------------------------------
 def test_many_tables_in_one_database_are_independent(url_factory):
-    base = url_factory()
-    base = base.split("?")[0] if base.startswith("sqlite") else base.split("?")[0]
+    base = url_factory().split("?")[0]
     stores = [embstore.open(base, dim=DIM, table=f"many_{i}_{os.getpid()}") for i in range(4)]
     try:
         for i, s in enumerate(stores):
@@ -319,6 +315,24 @@ def test_bulk_import_with_keys_repeated_across_batches(url_factory, tmp_path):
         assert len(t) == 3000
         got = t.lookup(keys, insert=False)
         assert (got[:1000] == 1.0).all() and (got[1000:] == 7.0).all()
+        assert "_version_idx" in t.backend.changes_plan(0), "the index is rebuilt after a load"
+
+
+def test_bulk_load_source_failure_keeps_prefix_and_index(url_factory):
+    with embstore.open(url_factory(), dim=DIM) as t:
+        recs = t.backend._empty_records(100)
+        recs["vector"] = 5.0
+        recs["version"] = 1
+
+        def batches():
+            yield np.arange(100, dtype=np.int64), recs
+            raise embstore.errors.CorruptFileError("damaged source")
+
+        with pytest.raises(embstore.errors.CorruptFileError):
+            t.backend.bulk_load(batches())
+        assert len(t) == 100
+        assert (t.lookup(np.arange(100), insert=False) == 5.0).all()
+        assert "_version_idx" in t.backend.changes_plan(0)
 
 
 def test_bulk_import_into_non_empty_table(url_factory):
@@ -371,3 +385,52 @@ def test_postgres_server_fixture_contract(postgres_server, postgres_url_factory)
         s.lookup([1])
     with embstore.open(b, dim=4) as s:
         assert len(s) == 0
+
+
+def test_batches_above_the_sqlite_variable_limit(tmp_path):
+    keys = np.arange(70_000, dtype=np.int64) * 3
+    with embstore.open(f"sqlite:///{tmp_path}/big.db", dim=2) as s:
+        vals = np.stack([keys, -keys], axis=1).astype(np.float32)
+        s.assign(keys, vals)
+        q = np.concatenate([keys[::-1], [1, 2]])
+        got = s.lookup(q, insert=False)
+        np.testing.assert_array_equal(got[:-2], vals[::-1])
+        assert s.contains(q).sum() == len(keys)
+        assert s.delete(np.concatenate([keys[:40_000], [1]])) == 40_000
+        assert len(s) == 30_000
+
+
+def test_threads_share_one_store(url_factory):
+    import threading
+
+    with embstore.open(url_factory(), dim=DIM) as s:
+        errors: list[BaseException] = []
+
+        def work(i: int) -> None:
+            try:
+                for j in range(10):
+                    ks = np.arange(100) + 1000 * i
+                    s.assign(ks, np.full((100, DIM), float(j)))
+                    assert (s.lookup(ks, insert=False) >= 0).all()
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert len(s) == 400
+        assert (s.lookup(np.arange(100) + 3000, insert=False) == 9.0).all()
+
+
+def test_postgres_lookup_above_one_fetch_chunk(postgres_url_factory, monkeypatch):
+    from embstore.backends import _sql_ops
+
+    monkeypatch.setattr(_sql_ops, "_PG_FETCH_CHUNK", 1000)
+    keys = np.arange(3500, dtype=np.int64) * 7
+    with embstore.open(postgres_url_factory(), dim=2) as s:
+        vals = np.stack([keys, keys + 1], axis=1).astype(np.float32)
+        s.assign(keys, vals)
+        np.testing.assert_array_equal(s.lookup(keys[::-1], insert=False), vals[::-1])

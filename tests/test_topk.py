@@ -176,3 +176,18 @@ def test_massive_ties_zero_query():
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
     assert got[0][0].tolist() == sorted(keys.tolist())[:25]
+
+
+def test_query_batches_are_chunked(monkeypatch):
+    import embstore.retrieval as r
+
+    monkeypatch.setattr(r, "_MAX_QUERIES", 3)  # a tunable, not a mock: forces 3 chunks
+    keys, vecs, queries = int_data(500, seed=6)
+    sharded = pytest.importorskip("embstore.layers.sharded")
+    for url in ("memory://", sharded.sharded_url(["memory://"] * 2)):
+        s = embstore.open(url, dim=8)
+        s.assign(keys, vecs)
+        got = s.top_k(queries, 7)
+        want = brute(s, queries, 7)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])

@@ -127,6 +127,12 @@ def test_string_keys_train_like_a_fixed_vocabulary():
         opt.step()
         np.testing.assert_allclose(loss.item(), ref_loss.item(), rtol=1e-5)
     np.testing.assert_allclose(store.lookup(words), ref.weight.detach().numpy(), atol=1e-5)
+    # numpy arrays of str / bytes keep their shape too
+    grid = np.array([[b"w1", b"w2", b"w1"], [b"w3", b"w1", b"w0"]], dtype=object)
+    out = emb(grid)
+    assert out.shape == (2, 3, DIM)
+    np.testing.assert_array_equal(out[1, 1].detach().numpy(), store.lookup(["w1"])[0])
+    assert emb(np.array(["w2", "w9"])).shape == (2, DIM)
 
 
 def test_counts_are_occurrences_after_dedup():

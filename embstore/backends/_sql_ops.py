@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import SchemaMismatchError
 
 _SQLITE_MAX_VARS = 32000  # SQLite >= 3.32 allows 32766 bound variables per statement
+_PG_FETCH_CHUNK = 1 << 18
 _PG_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8
 _PG_COPY_TRAILER = b"\xff\xff"
 
@@ -114,8 +115,8 @@ class SQLiteOps:
         return _keys_array(out, self.key_type)
 
     def upsert(self, keys: np.ndarray, raw: np.ndarray, versions: np.ndarray) -> None:
-        # INSERT OR REPLACE measured as fast as ON CONFLICT DO UPDATE here and replaces the
-        # whole row, which is exactly a record put.
+        # ON CONFLICT DO UPDATE rewrites an existing row in place; INSERT OR REPLACE would
+        # delete and re-insert it, touching the version index twice.
         self.conn.executemany(
             f"INSERT INTO {self.t} (k, rec, version) VALUES (?, ?, ?) "
             "ON CONFLICT (k) DO UPDATE SET rec = excluded.rec, version = excluded.version",
@@ -248,13 +249,18 @@ class PostgresOps:
     def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cur = self.conn.cursor(binary=True)
         if self.key_type == "int64":
-            # One aggregated value instead of a Python tuple per row: numpy parses it.
-            cur.execute(f"SELECT string_agg(int8send(k) || rec, ''::bytea) FROM {self.t} "
-                        "WHERE k = ANY(%s::int8[])", (keys,))
-            blob = cur.fetchone()[0]
-            if blob is None:
+            # One aggregated value instead of a Python tuple per row: numpy parses it. Chunks
+            # keep that value far below PostgreSQL's 1 GB limit.
+            parts = []
+            for i in range(0, len(keys), _PG_FETCH_CHUNK):
+                cur.execute(f"SELECT string_agg(int8send(k) || rec, ''::bytea) FROM {self.t} "
+                            "WHERE k = ANY(%s::int8[])", (keys[i:i + _PG_FETCH_CHUNK],))
+                blob = cur.fetchone()[0]
+                if blob is not None:
+                    parts.append(_parse_pairs(blob, self.itemsize))
+            if not parts:
                 return np.empty(0, np.int64), np.empty((0, self.itemsize), np.uint8)
-            pairs = _parse_pairs(blob, self.itemsize)
+            pairs = parts[0] if len(parts) == 1 else np.concatenate(parts)
             return pairs["k"].astype(np.int64), pairs["rec"]
         cur.execute(f"SELECT k, rec FROM {self.t} WHERE k = ANY(%s::bytea[])", (keys.tolist(),))
         rows = cur.fetchall()

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,7 +103,10 @@ def _wrap_errors(fn):
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
         try:
-            return fn(self, *args, **kwargs)
+            # One DBAPI connection per backend: threads take turns, so a batch's transaction
+            # never interleaves with another thread's statements.
+            with self._lock:
+                return fn(self, *args, **kwargs)
         except self._driver_errors as e:
             raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
 
@@ -154,6 +158,7 @@ class SQLBackend(Backend):
         self._raw = self._conn = self._engine = None
         self._closed = False
         self._missing = False
+        self._lock = threading.RLock()
         self._driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
         try:
             self._connect(fast_path)
@@ -292,6 +297,9 @@ class SQLBackend(Backend):
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         data, meta, index = self._tables(key_type)
+        self._index_name = index.name
+        self._create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
+                                     .compile(dialect=self._engine.dialect))
         cols = self._ops.columns(self.table_name)
         if cols is None:
             if self.read_only:
@@ -304,8 +312,7 @@ class SQLBackend(Backend):
                 d = self._engine.dialect
                 ddl = [str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=d))
                        for t in (data, meta)]
-                ddl.append(str(sa.schema.CreateIndex(index, if_not_exists=True)
-                               .compile(dialect=d)))
+                ddl.append(self._create_index_sql)
             self._ops.execute_ddl(ddl)
         else:
             self._check_columns(cols, key_type)
@@ -410,7 +417,8 @@ class SQLBackend(Backend):
         after = None
         while True:
             try:
-                keys, raw = fetch_page(after)
+                with self._lock:
+                    keys, raw = fetch_page(after)
             except self._driver_errors as e:
                 raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}") from e
             if len(keys) == 0:
@@ -499,16 +507,17 @@ class SQLBackend(Backend):
         return opts
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for res in (self._raw, self._conn):
-            if res is not None:
-                try:
-                    res.close()
-                except Exception:  # noqa: BLE001 - closing a broken connection must not raise
-                    pass
-        self._raw = self._conn = self._ops = None
-        if self._engine is not None:
-            self._engine.dispose()
-            self._engine = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for res in (self._raw, self._conn):
+                if res is not None:
+                    try:
+                        res.close()
+                    except Exception:  # noqa: BLE001 - a broken connection must not raise
+                        pass
+            self._raw = self._conn = self._ops = None
+            if self._engine is not None:
+                self._engine.dispose()
+                self._engine = None

@@ -99,6 +99,8 @@ def check_compatible(reader: FormatReader, store: Any, project: str | None) -> N
         raise SchemaMismatchError(
             f"{reader.name} holds {reader.key_kind} keys, the store has {store.key_type} keys; "
             "nothing imported")
+    if reader.dim == 0:  # no rows, so no dimension to disagree with
+        reader.dim = store.dim
     if reader.dim != store.dim and project is None:
         raise SchemaMismatchError(
             f"{reader.name} holds vectors of dim {reader.dim}, the store has dim {store.dim}; "
@@ -219,8 +221,9 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
 
         def cleaned() -> Iterator[Chunk]:
             if cache is not None:
+                cache.reverse()
                 while cache:
-                    clean = cache.pop(0)  # drop each chunk once it is written
+                    clean = cache.pop()  # dropped once written: memory shrinks as we go
                     bar.update(len(clean.keys))
                     yield clean
                 return

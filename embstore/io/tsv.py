@@ -46,8 +46,9 @@ class TsvReader(FormatReader):
         self._limit = MAX_KEY_BYTES + 64 * MAX_DIM
         if dim is None:
             dim = self._first_dim()
-        self.dim = check_dim(int(dim), self.name)
-        self._limit = MAX_KEY_BYTES + 64 * self.dim + 2
+        # 0: a file without rows, whose dimension is unknown (it fits any store)
+        self.dim = check_dim(int(dim), self.name) if dim else 0
+        self._limit = MAX_KEY_BYTES + 64 * max(self.dim, 1) + 2
 
     def _first_dim(self) -> int:
         with open(self.path, "rb") as f:
@@ -57,7 +58,7 @@ class TsvReader(FormatReader):
                     if not tab:
                         raise CorruptFileError(f"{self.name}: not a TSV file (no tab in line 1)")
                     return len(v.split())
-        return 1  # an empty file: any store accepts its zero rows
+        return 0
 
     def chunks(self, batch_size: int = CHUNK_ROWS, *, validate: bool = False
                ) -> Iterator[Chunk]:

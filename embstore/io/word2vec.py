@@ -112,9 +112,10 @@ class Word2VecReader(FormatReader):
                 values.append(v)
             yield parse_text_rows(keys, values, row, self.dim)
             row += n
-        if f.read(_BLOCK).strip():
-            raise CorruptFileError(
-                f"{self.name}: more rows than the {self.declared_rows} the header declares")
+        while rest := f.read(_BLOCK):
+            if rest.strip():
+                raise CorruptFileError(
+                    f"{self.name}: more rows than the {self.declared_rows} the header declares")
 
     # -- binary -----------------------------------------------------------------------------------
     def _binary_chunks(self, f, batch_size: int) -> Iterator[Chunk]:

@@ -1,7 +1,8 @@
 """Layers: Backends that wrap Backends (cache over remote, shards).
 
 :func:`build_backend` turns the layer options of :func:`embstore.open` (``cache=``,
-``cache_capacity=``, ``write_policy=``, ``eviction=``, ``shards=``) into a backend stack.
+``cache_capacity=``, ``write_policy=``, ``eviction=``, ``write_behind=``, ``shards=``) into a
+backend stack.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from ..backends.base import Backend
 from ..errors import InvalidInputError
 
-LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "eviction", "shards")
+LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "eviction", "write_behind", "shards")
 
 __all__ = ["LAYER_OPTIONS", "build_backend", "thread_safe", "CachedBackend", "ShardedBackend"]
 
@@ -40,7 +41,7 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
     read_only : bool
     layer : dict
         Layer options: ``shards`` (list of URLs), ``cache`` (local URL or True for
-        ``memory://``), ``cache_capacity``, ``write_policy``, ``eviction``.
+        ``memory://``), ``cache_capacity``, ``write_policy``, ``eviction``, ``write_behind``.
     options : dict
         Backend options, passed to the remote (every shard).
     """

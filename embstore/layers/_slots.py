@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._keys import key_hash64
+
 
 class SlotTable:
     """Eviction state of a cache.
@@ -17,10 +19,27 @@ class SlotTable:
     key_type : {"int64", "bytes"}
     eviction : {"lru", "lfu"}
         LRU picks the oldest stamps; LFU the fewest uses, ties broken by the oldest stamp.
+    capacity : int
+        The cache's capacity in rows (sizes the LFU history and its aging period).
+
+    Notes
+    -----
+    LFU keeps a use-count *history* for evicted keys: a direct-mapped array of ``4 * capacity``
+    counters indexed by the key's 64-bit mix. An evicted key's count is stored there and a key
+    entering the cache resumes from it, so a warm key that was evicted once is not treated as
+    new (plain in-cache LFU would evict it again at once). Collisions only blur the estimate;
+    they never affect correctness. All counts are halved every ``8 * capacity`` evictions so
+    the policy follows a drifting distribution. None of this runs on the hit path.
     """
 
-    def __init__(self, key_type: str, eviction: str, size: int = 1024) -> None:
+    def __init__(self, key_type: str, eviction: str, capacity: int = 1024,
+                 size: int = 1024) -> None:
         self.eviction = eviction
+        self.capacity = int(capacity)
+        if eviction == "lfu":
+            self.history = np.zeros(1 << max(10, (4 * self.capacity - 1).bit_length()),
+                                    dtype=np.int64)
+            self._evicted_since_aging = 0
         self.key_dtype = np.dtype(np.int64 if key_type == "int64" else object)
         self.stamp = np.zeros(size, dtype=np.int64)   # 0 = free slot
         self.freq = np.zeros(size, dtype=np.int64)
@@ -54,10 +73,24 @@ class SlotTable:
         """Record freshly cached rows."""
         self._grow(int(slots.max()))
         self.stamp[slots] = self.tick
-        self.freq[slots] = 1
+        self.freq[slots] = 1 if self.eviction == "lru" else self.history[self._hist(keys)] + 1
         self.dirty[slots] = dirty
         self.keys[slots] = keys
         self.live += len(slots)
+
+    def _hist(self, keys: np.ndarray) -> np.ndarray:
+        return (key_hash64(keys) & np.uint64(len(self.history) - 1)).astype(np.intp)
+
+    def remember(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Keep the use counts of evicted keys (LFU), aging everything periodically."""
+        if self.eviction != "lfu" or not len(slots):
+            return
+        self.history[self._hist(keys)] = self.freq[slots]
+        self._evicted_since_aging += len(slots)
+        if self._evicted_since_aging > 8 * self.capacity:
+            self.history >>= 1
+            self.freq >>= 1
+            self._evicted_since_aging = 0
 
     def remove(self, slots: np.ndarray) -> None:
         self.stamp[slots] = 0

@@ -138,7 +138,7 @@ class CachedBackend(PrefetchMixin, Backend):
         self._pf_active = False
         self._invalid: list[np.ndarray] = []    # keys written/evicted while a prefetch ran
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        self._st = SlotTable(self.key_type, eviction)
+        self._st = SlotTable(self.key_type, eviction, self.capacity)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -213,6 +213,7 @@ class CachedBackend(PrefetchMixin, Backend):
                 recs = self._read_local(dk, victims[dirty])
                 if self._wb is None:
                     self._remote_put(dk, recs)
+            self._st.remember(keys, victims)
             self._drop(keys, victims)
             self._count(evictions=len(victims), dirty_evictions=nd)
             if nd and self._wb is not None:
@@ -245,7 +246,7 @@ class CachedBackend(PrefetchMixin, Backend):
         if not self._rows_in_index:
             self._index.bind(Layout(1), key_type)
         with self._lock:
-            self._st = SlotTable(key_type, self.eviction)
+            self._st = SlotTable(key_type, self.eviction, self.capacity)
 
     def read_meta(self) -> dict | None:
         meta = self.remote.read_meta()
@@ -264,7 +265,8 @@ class CachedBackend(PrefetchMixin, Backend):
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
         opts.update(cache=self.local.url, cache_capacity=self.capacity,
-                    write_policy=self.write_policy, eviction=self.eviction)
+                    write_policy=self.write_policy, eviction=self.eviction,
+                    write_behind=self._wb is not None)
         return opts
 
     def flush(self) -> None:
@@ -488,7 +490,7 @@ class CachedBackend(PrefetchMixin, Backend):
             self.local.clear()
             if not self._rows_in_index:
                 self._index.clear()
-            self._st = SlotTable(self.key_type, self.eviction)
+            self._st = SlotTable(self.key_type, self.eviction, self.capacity)
 
     def size_bytes(self) -> int | None:
         return self.remote.size_bytes()

@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
 
-from .._keys import key_hash64
+from .._keys import key_hash64, normalize_keys
 from ..backends.base import Backend
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from ..layout import Layout
@@ -97,6 +97,11 @@ class ShardedBackend(Backend):
                 b.close()
             raise
         urls = [b.url for b in opened]
+        durable = [b.url for b in opened if b.persistent]
+        if len(set(durable)) < len(durable):
+            for b in opened:
+                b.close()
+            raise InvalidInputError(f"shard URLs must be distinct, got {urls}")
         super().__init__(sharded_url(urls), read_only=read_only)
         self.shards: list[Backend] = opened
         self.n = len(opened)
@@ -114,10 +119,14 @@ class ShardedBackend(Backend):
 
     # -- routing ----------------------------------------------------------------------------------
     def shard_of(self, keys: np.ndarray) -> np.ndarray:
-        """Shard index (int64) of each key: ``key_hash64(key) % n``."""
-        keys = np.asarray(keys)
-        if keys.dtype != np.int64 and keys.dtype != object:
-            keys = keys.astype(np.int64)
+        """Shard index (int64) of each key: ``key_hash64(key) % n``.
+
+        Takes normalized keys (an int64 array or an object array of bytes) or anything
+        :func:`embstore._keys.normalize_keys` accepts for this store's key type.
+        """
+        if not (isinstance(keys, np.ndarray) and keys.ndim == 1
+                and (keys.dtype == np.int64 or keys.dtype == object)):
+            keys = normalize_keys(keys, self.key_type)
         return (key_hash64(keys) % np.uint64(self.n)).astype(np.int64)
 
     def _partition(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:

@@ -23,7 +23,7 @@ def sampling_index(store: Any, *, staleness: float | None = None) -> SamplingInd
     store._check_open()
     idx = store.__dict__.get(_ATTR)
     if idx is None or idx.backend is not store.backend:
-        idx = SamplingIndex(store.backend, store.key_type, seed=store.seed,
+        idx = SamplingIndex(store.backend, store.key_type,
                             **({} if staleness is None else {"staleness": staleness}))
         idx.build()
         store._observers.append(idx)
@@ -88,10 +88,11 @@ def _draw_unique(idx: SamplingIndex, snap: Any, rng: np.random.Generator, m: int
                  hint: bool) -> tuple[np.ndarray, np.ndarray, int]:
     """Draw until ``m`` distinct keys were seen; return them (in order of first draw), their
     draw probabilities and the number of draws it took."""
-    if m > snap.support:
+    support = snap.support - snap.dead_support
+    if m > support:
         raise InvalidInputError(
             f"unique sampling of {m} candidates needs at least {m} keys with a positive "
-            f"weight; the store has {snap.support}"
+            f"weight; the store has {support}"
         )
     # Unseeded calls size the first draw by the last call's draws-per-distinct ratio, so one
     # round usually suffices (surplus draws past the m-th distinct key are discarded). Seeded

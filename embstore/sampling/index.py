@@ -9,13 +9,15 @@ persists; rebuilding it after a reopen costs one scan (counted in :attr:`Samplin
 Drawing uses a *snapshot* per sampler: the weights of every key as a cumulative sum, inverted
 by a search over a cached coarse level and then bisection inside a 64-entry block, so a draw
 costs a constant number of memory misses whatever the table size (see ``_inverse_cdf``). A
-snapshot is reused until more than ``staleness * len`` rows were written since it was taken, or
-any row was deleted; ``prob`` is always computed from the snapshot actually drawn
+snapshot is reused until more than ``staleness * len`` rows were written or deleted since it was
+taken (deleted keys stay in it as tombstones: drawing one draws again, and their weight leaves
+the normalization); ``prob`` is always computed from the snapshot actually drawn
 from, so the logQ correction stays exact for the distribution used.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,17 +36,35 @@ _BLOCK = 1 << _BLOCK_BITS
 class Snapshot:
     """Weights of every key at one moment, per part (shard)."""
 
-    sizes: np.ndarray            # rows per part when taken
+    sizes: np.ndarray            # rows (positions) per part when taken, dead ones included
     cdfs: list | None            # per-part cumulative weights (float64); None = uniform
     coarse: list | None          # per-part every _BLOCK-th cdf entry (the search's first level)
     last: np.ndarray             # last position with a positive weight, per part
-    part_w: np.ndarray           # total weight per part
-    total: float                 # total weight
-    support: int                 # keys with a positive weight
-    deletes: tuple[int, ...]     # per-part delete counters when taken
+    part_w: np.ndarray           # total weight per part when taken
+    support: int                 # keys with a positive weight when taken
+    epochs: tuple[int, ...]      # per-part position epochs: positions are valid while equal
     changes: int                 # index write counter when taken
+    dead_done: np.ndarray        # per part: entries of the dead log already accounted for
+    dead_w: np.ndarray           # per part: weight of keys deleted since taken
+    dead_support: int = 0        # keys with a positive weight deleted since taken
     tries_ratio: float = 1.0     # draws per distinct key in the last unique sample (a hint)
     by_rank: np.ndarray | None = None  # log-uniform, one part: positions in frequency order
+
+    @property
+    def part_live(self) -> np.ndarray:
+        """Weight per part of the keys still alive (draws of dead keys are rejected)."""
+        return np.maximum(self.part_w - self.dead_w, 0.0)
+
+    @property
+    def total(self) -> float:
+        return float(self.part_live.sum())
+
+    def weight_at(self, s: int, pos: np.ndarray) -> np.ndarray:
+        """Snapshot weight of positions ``pos`` of part ``s``."""
+        if self.cdfs is None:
+            return np.ones(len(pos), dtype=np.float64)
+        cdf = self.cdfs[s]
+        return cdf[pos] - np.where(pos > 0, cdf[np.maximum(pos - 1, 0)], 0.0)
 
 
 class SamplingIndex:
@@ -60,12 +80,9 @@ class SamplingIndex:
         Fraction of rows that may be written before a count-based snapshot is rebuilt
         (default 5%: a rebuild is O(n), O(n log n) for log-uniform, so it is amortized over
         ``staleness * n`` writes).
-    seed : int, optional
-        Seed of the generator used when ``sample`` gets no seed.
     """
 
-    def __init__(self, backend: Any, key_type: str, *, staleness: float = 0.05,
-                 seed: int | None = None) -> None:
+    def __init__(self, backend: Any, key_type: str, *, staleness: float = 0.05) -> None:
         if not (isinstance(staleness, (int, float)) and 0.0 <= staleness < float("inf")):
             raise InvalidInputError(f"staleness must be a number >= 0, got {staleness!r}")
         self.backend = backend
@@ -74,7 +91,7 @@ class SamplingIndex:
         self._shard_of = backend.shard_of if sharded else None
         self.key_type = key_type
         self.staleness = float(staleness)
-        self.parts = [KeyIndex(key_type, {"count": (np.int64, ())}) for _ in self._shards]
+        self.parts = [_part(key_type) for _ in self._shards]
         self.total_count = 0
         #: full scans of the backend made by this index (1 after build)
         self.scans = 0
@@ -82,24 +99,33 @@ class SamplingIndex:
         self.rebuilds = 0
         #: rows written through the engine since the index was built
         self.changes = 0
-        self.rng = np.random.default_rng(None if seed is None else [int(seed), 0x5A3D1E])
+        self._rng = np.random.default_rng()
+        self._pid = os.getpid()
         self._snaps: dict[tuple, Snapshot] = {}
         #: the index missed writes (a bulk load) and must be rebuilt before use
         self.stale = True
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The generator of unseeded calls: fresh OS entropy, and fresh again in a forked
+        child (DataLoader workers must not all draw the same negatives)."""
+        if os.getpid() != self._pid:
+            self._rng, self._pid = np.random.default_rng(), os.getpid()
+        return self._rng
 
     @property
     def num_shards(self) -> int:
         return len(self.parts)
 
     def __len__(self) -> int:
-        return sum(p.n for p in self.parts)
+        return sum(len(p) for p in self.parts)
 
     # -- building and maintenance ----------------------------------------------------------
     def build(self) -> None:
         """(Re)read every key and count with one scan of the backend (per shard)."""
-        self.parts = [KeyIndex(self.key_type, {"count": (np.int64, ())}) for _ in self._shards]
+        self.parts = [_part(self.key_type) for _ in self._shards]
         self.total_count = 0
-        for part, shard in zip(self.parts, self._shards):
+        for part, shard in zip(self.parts, self._shards, strict=True):
             for keys, recs in shard.scan(_SCAN_BATCH):
                 counts = np.ascontiguousarray(recs["count"], dtype=np.int64)
                 part.upsert(keys, {"count": counts})
@@ -162,29 +188,52 @@ class SamplingIndex:
         key = sampler.cache_key()
         snap = self._snaps.get(key)
         limit = self.staleness * max(len(self), 1)
-        if (snap is None or snap.deletes != tuple(p.deletes for p in self.parts)
+        if (snap is None or snap.epochs != tuple(p.epoch for p in self.parts)
                 or self.changes - snap.changes > limit):
             snap = self._build_snapshot(sampler)
             self._snaps[key] = snap
+        else:
+            self._account_deletes(snap)
         return snap
 
+    def _account_deletes(self, snap: Snapshot) -> None:
+        # Keys deleted since the snapshot stay in it but are rejected when drawn; their
+        # weight leaves the normalization, so p stays the exact conditional probability.
+        for s, part in enumerate(self.parts):
+            log = part.dead_log
+            if len(log) > snap.dead_done[s]:
+                new = log[snap.dead_done[s]:]
+                new = new[new < snap.sizes[s]]
+                w = snap.weight_at(s, new)
+                snap.dead_w[s] += float(w.sum())
+                snap.dead_support += int(np.count_nonzero(w > 0))
+                snap.dead_done[s] = len(log)
+
+    def _base(self, **kw: Any) -> Snapshot:
+        nparts = len(self.parts)
+        return Snapshot(sizes=np.array([p.n for p in self.parts], dtype=np.int64),
+                        epochs=tuple(p.epoch for p in self.parts), changes=self.changes,
+                        dead_done=np.array([len(p.dead_log) for p in self.parts], np.int64),
+                        dead_w=np.zeros(nparts), **kw)
+
     def _uniform_snapshot(self) -> Snapshot:
+        live = np.array([len(p) for p in self.parts], dtype=np.float64)
         sizes = np.array([p.n for p in self.parts], dtype=np.int64)
-        return Snapshot(sizes=sizes, cdfs=None, coarse=None, last=sizes - 1,
-                        part_w=sizes.astype(np.float64), total=float(sizes.sum()),
-                        support=int(sizes.sum()),
-                        deletes=tuple(p.deletes for p in self.parts), changes=self.changes)
+        return self._base(cdfs=None, coarse=None, last=sizes - 1, part_w=live,
+                          support=int(live.sum()))
 
     def _build_snapshot(self, sampler: Sampler) -> Snapshot:
         counts = [p.col("count") for p in self.parts]
+        alive = [p.alive_mask() for p in self.parts]
         by_rank = None
         if sampler.rank_based:
-            w_all, order = self._rank_weights(sampler, counts)
+            w_all, order = self._rank_weights(sampler, counts, alive)
             weights = _split(w_all, [len(c) for c in counts])
             if len(self.parts) == 1 and isinstance(sampler, LogUniformSampler):
                 by_rank = order  # lets draws invert the log-uniform cdf analytically
         else:
-            weights = [sampler.weights(c) for c in counts]
+            weights = [np.where(a, sampler.weights(c), 0.0)
+                       for c, a in zip(counts, alive, strict=True)]
         cdfs, last, part_w, support = [], [], [], 0
         for w in weights:
             cdf = np.cumsum(w, dtype=np.float64)
@@ -193,64 +242,72 @@ class SamplingIndex:
             cdfs.append(cdf)
             last.append(int(pos[-1]) if len(pos) else -1)
             part_w.append(float(cdf[-1]) if len(cdf) else 0.0)
-        part_w_arr = np.array(part_w, dtype=np.float64)
         self.rebuilds += 1
-        return Snapshot(sizes=np.array([p.n for p in self.parts], dtype=np.int64), cdfs=cdfs,
-                        coarse=[_coarse(c) for c in cdfs], by_rank=by_rank,
-                        last=np.array(last, dtype=np.int64), part_w=part_w_arr,
-                        total=float(part_w_arr.sum()), support=support,
-                        deletes=tuple(p.deletes for p in self.parts), changes=self.changes)
+        return self._base(cdfs=cdfs, coarse=[_coarse(c) for c in cdfs], by_rank=by_rank,
+                          last=np.array(last, dtype=np.int64),
+                          part_w=np.array(part_w, dtype=np.float64), support=support)
 
-    def _rank_weights(self, sampler: Sampler,
-                      counts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _rank_weights(self, sampler: Sampler, counts: list[np.ndarray],
+                      alive: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # Ranks are global (across shards): most frequent first, ties by key ascending.
-        allc = np.concatenate(counts) if counts else np.zeros(0, np.int64)
-        allk = np.concatenate([p.live_keys for p in self.parts])
-        if allk.dtype == object:
-            by_key = np.argsort(allk, kind="stable")
-            order = by_key[np.argsort(-allc[by_key], kind="stable")]
+        allc = np.concatenate(counts)
+        live = np.flatnonzero(np.concatenate(alive))
+        c = allc[live]
+        k = np.concatenate([p.live_keys for p in self.parts])[live]
+        if k.dtype == object:
+            by_key = np.argsort(k, kind="stable")
+            order = by_key[np.argsort(-c[by_key], kind="stable")]
         else:
-            order = np.lexsort((allk, -allc))
-        w = np.empty(len(allc), dtype=np.float64)
-        w[order] = sampler.weights(allc[order])
-        return w, order
+            order = np.lexsort((k, -c))
+        w = np.zeros(len(allc), dtype=np.float64)
+        w[live[order]] = sampler.weights(c[order])
+        return w, live[order]
 
     # -- drawing -----------------------------------------------------------------------------
+    def _draw_raw(self, snap: Snapshot, s: int, rng: np.random.Generator,
+                  c: int) -> tuple[np.ndarray, np.ndarray]:
+        """``c`` positions of part ``s`` from the snapshot (dead ones included) and weights."""
+        if snap.cdfs is None:
+            pos = rng.integers(0, snap.sizes[s], size=c)
+            return pos, np.ones(c, dtype=np.float64)
+        if snap.by_rank is not None:
+            # TF's log-uniform inverse: rank = floor(exp(u * log(N + 1))) - 1, O(1) a draw.
+            n = len(snap.by_rank)
+            r = np.floor(np.exp(rng.random(c) * np.log(n + 1.0))).astype(np.int64) - 1
+            np.clip(r, 0, n - 1, out=r)
+            return snap.by_rank[r], np.log1p(1.0 / (r + 1.0)) / np.log(n + 1.0)
+        # Sorted probes search the coarse level in one forward sweep (cache friendly); a
+        # random permutation then restores an i.i.d. draw order.
+        u = np.sort(rng.random(c)) * snap.part_w[s]
+        pos = _inverse_cdf(snap.cdfs[s], snap.coarse[s], u)[rng.permutation(c)]
+        np.minimum(pos, snap.last[s], out=pos)
+        return pos, snap.weight_at(s, pos)
+
     def draw(self, snap: Snapshot, rng: np.random.Generator,
              m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``m`` independent draws: ``(keys, ids, p)`` where ``ids`` identify rows across
         shards and ``p`` is each drawn key's probability under the snapshot."""
-        if snap.total <= 0:
+        live_w = snap.part_live
+        total = float(live_w.sum())
+        if total <= 0:
             raise InvalidInputError("the store has no key with a positive sampling weight")
         nparts = len(self.parts)
-        per = ([m] if nparts == 1
-               else rng.multinomial(m, snap.part_w / snap.total).tolist())
+        per = [m] if nparts == 1 else rng.multinomial(m, live_w / total).tolist()
         offsets = np.concatenate(([0], np.cumsum(snap.sizes)))
         keys, ids, ps = [], [], []
         for s, c in enumerate(per):
             if c == 0:
                 continue
-            if snap.cdfs is None:
-                pos = rng.integers(0, snap.sizes[s], size=c)
-                w = np.ones(c, dtype=np.float64)
-            elif snap.by_rank is not None:
-                # TF's log-uniform inverse: rank = floor(exp(u * log(N + 1))) - 1, O(1) a draw.
-                n = int(snap.sizes[s])
-                r = np.floor(np.exp(rng.random(c) * np.log(n + 1.0))).astype(np.int64) - 1
-                np.clip(r, 0, n - 1, out=r)
-                pos = snap.by_rank[r]
-                w = np.log1p(1.0 / (r + 1.0)) / np.log(n + 1.0)  # = the rank's weight
-            else:
-                cdf = snap.cdfs[s]
-                # Sorted probes search the coarse level in one forward sweep (cache friendly);
-                # a random permutation then restores an i.i.d. draw order.
-                u = np.sort(rng.random(c)) * snap.part_w[s]
-                pos = _inverse_cdf(cdf, snap.coarse[s], u)[rng.permutation(c)]
-                np.minimum(pos, snap.last[s], out=pos)
-                w = cdf[pos] - np.where(pos > 0, cdf[np.maximum(pos - 1, 0)], 0.0)
+            alive = self.parts[s].alive
+            pos, w = self._draw_raw(snap, s, rng, c)
+            redo = np.flatnonzero(~alive[pos])
+            while len(redo):  # rejection: a deleted key's slot is drawn again, in place
+                p2, w2 = self._draw_raw(snap, s, rng, len(redo))
+                pos[redo], w[redo] = p2, w2
+                redo = redo[~alive[p2]]
             keys.append(self.parts[s].keys[pos])
             ids.append(pos + offsets[s])
-            ps.append(w / snap.total)
+            ps.append(w / total)
         if len(keys) == 1:
             return keys[0], ids[0], ps[0]
         # Draws grouped by shard are not an i.i.d. sequence; shuffling them makes it one again
@@ -262,28 +319,29 @@ class SamplingIndex:
     def prob_of(self, snap: Snapshot, keys: np.ndarray) -> np.ndarray:
         """Probability of one draw returning each key, under the snapshot (0 if not in it)."""
         out = np.zeros(len(keys), dtype=np.float64)
-        if snap.total <= 0:
+        total = snap.total
+        if total <= 0:
             return out
         for s, sel in self._route(keys):
             k = keys if sel is None else keys[sel]
-            pos = self.parts[s].positions(k)
+            pos = self.parts[s].positions(k)  # live keys only
             ok = (pos >= 0) & (pos < snap.sizes[s])
             w = np.zeros(len(k), dtype=np.float64)
-            if snap.cdfs is None:
-                w[ok] = 1.0
-            else:
-                cdf, p = snap.cdfs[s], pos[ok]
-                w[ok] = cdf[p] - np.where(p > 0, cdf[np.maximum(p - 1, 0)], 0.0)
+            w[ok] = snap.weight_at(s, pos[ok])
             if sel is None:
-                out = w / snap.total
+                out = w / total
             else:
-                out[sel] = w / snap.total
+                out[sel] = w / total
         return out
 
     def stats(self) -> dict[str, Any]:
         return {"sampling_index_rows": len(self), "sampling_index_scans": self.scans,
                 "sampling_snapshot_rebuilds": self.rebuilds,
                 "sampling_index_bytes": sum(p.nbytes() for p in self.parts)}
+
+
+def _part(key_type: str) -> KeyIndex:
+    return KeyIndex(key_type, {"count": (np.int64, ())}, tombstones=True)
 
 
 def _coarse(cdf: np.ndarray) -> np.ndarray:

@@ -1,11 +1,18 @@
-"""``KeyIndex``: the live keys of a table as dense arrays, kept in step with its writes.
+"""``KeyIndex``: the keys of a table as dense arrays, kept in step with its writes.
 
 Sampling and the in-memory top-k path both need "every key, as an array" without scanning the
-table per call. A ``KeyIndex`` holds the keys in a dense prefix ``keys[:n]`` plus optional
-per-key columns (``count``, ``vector``...) and a key -> position map: the compiled cuckoo table
-for int64 keys, a ``dict`` for bytes keys. Deletes swap the tail into the holes, so the prefix
-stays dense; positions of surviving keys only change on delete, which callers rely on to keep
-snapshots valid while rows are merely updated or appended.
+table per call. A ``KeyIndex`` holds the keys in a prefix ``keys[:n]`` plus optional per-key
+columns (``count``, ``vector``...) and a key -> position map: the compiled cuckoo table for int64
+keys, a ``dict`` for bytes keys. New keys are appended.
+
+Deletes work in one of two ways:
+
+- ``tombstones=False``: the tail is swapped into the holes, so ``keys[:n]`` holds exactly the
+  live keys (what a dense matrix product wants);
+- ``tombstones=True``: deleted rows are only marked dead (``alive`` is False) and positions never
+  move, so a sampling snapshot taken earlier stays valid across deletes (dead draws are
+  rejected). Dead rows are compacted away once they exceed a quarter of the rows; that bumps
+  :attr:`epoch`, which invalidates snapshots.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ import numpy as np
 from .._cython.cuckoo import CuckooTable
 
 _EMPTY = 0xFFFFFFFF
+_COMPACT_FRACTION = 0.25
+_COMPACT_MIN = 1024
 
 
 class KeyIndex:
-    """Dense arrays of live keys and per-key columns, with a key -> position map.
+    """Arrays of keys and per-key columns, with a key -> position map.
 
     Parameters
     ----------
@@ -29,36 +38,59 @@ class KeyIndex:
         Per-key columns, e.g. ``{"count": (np.int64, ())}``.
     capacity : int
         Initial number of rows to allocate (grows by doubling).
+    tombstones : bool
+        Mark deleted rows dead instead of moving rows (see the module docstring).
     """
 
     def __init__(self, key_type: str, columns: dict[str, tuple[Any, tuple[int, ...]]],
-                 capacity: int = 1024) -> None:
+                 capacity: int = 1024, *, tombstones: bool = False) -> None:
         cap = max(int(capacity), 16)
         self.key_type = key_type
+        self.tombstones = tombstones
         self.n = 0
         self.keys = np.empty(cap, dtype=np.int64 if key_type == "int64" else object)
         self.cols = {name: np.zeros((cap,) + tuple(shape), dtype=dt)
                      for name, (dt, shape) in columns.items()}
+        self.alive = np.zeros(cap, dtype=bool)
         self._table = CuckooTable(cap) if key_type == "int64" else None
         self._dict: dict[bytes, int] = {}
-        #: rows deleted since creation; a snapshot taken at ``deletes == d`` keeps its
-        #: positions valid for as long as no further delete happens
+        #: rows deleted since creation
         self.deletes = 0
+        #: dead rows in ``[0, n)`` (tombstone mode)
+        self.dead = 0
+        #: bumped whenever positions move (compaction; every delete without tombstones)
+        self.epoch = 0
+        self._dead_log = np.empty(0, dtype=np.int64)
+        self._ndead_log = 0
 
     def __len__(self) -> int:
-        return self.n
+        return self.n - self.dead
 
     @property
     def live_keys(self) -> np.ndarray:
+        """``keys[:n]`` (dead rows included in tombstone mode; see :meth:`alive_mask`)."""
         return self.keys[:self.n]
 
     def col(self, name: str) -> np.ndarray:
-        """The live prefix of one column (a view)."""
+        """The prefix ``[0, n)`` of one column (a view)."""
         return self.cols[name][:self.n]
+
+    def alive_mask(self) -> np.ndarray:
+        return self.alive[:self.n]
+
+    def items(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and one column of the live rows only (copies)."""
+        m = self.alive_mask()
+        return self.live_keys[m], self.col(name)[m]
+
+    @property
+    def dead_log(self) -> np.ndarray:
+        """Positions marked dead since the last compaction, in order of deletion."""
+        return self._dead_log[:self._ndead_log]
 
     # -- lookups ----------------------------------------------------------------------------
     def positions(self, keys: np.ndarray) -> np.ndarray:
-        """Position of each key (int64), -1 where absent."""
+        """Position of each live key (int64), -1 where absent."""
         if self._table is not None:
             out = np.empty(len(keys), dtype=np.uint32)
             self._table.find(np.ascontiguousarray(keys, dtype=np.int64), out)
@@ -78,10 +110,20 @@ class KeyIndex:
         keys = np.empty(cap, dtype=self.keys.dtype)
         keys[:self.n] = self.keys[:self.n]
         self.keys = keys
+        alive = np.zeros(cap, dtype=bool)
+        alive[:self.n] = self.alive[:self.n]
+        self.alive = alive
         for name, arr in self.cols.items():
             new = np.zeros((cap,) + arr.shape[1:], dtype=arr.dtype)
             new[:self.n] = arr[:self.n]
             self.cols[name] = new
+
+    def _map_insert(self, keys: np.ndarray, pos: np.ndarray) -> None:
+        if self._table is not None:
+            self._table.insert_new(np.ascontiguousarray(keys, dtype=np.int64),
+                                   pos.astype(np.uint32))
+        else:
+            self._dict.update(zip(keys.tolist(), pos.tolist(), strict=True))
 
     def upsert(self, keys: np.ndarray, values: dict[str, np.ndarray],
                pos: np.ndarray | None = None) -> np.ndarray:
@@ -93,15 +135,14 @@ class KeyIndex:
         new = pos < 0
         nnew = int(np.count_nonzero(new))
         if nnew:
+            if self.n + nnew > np.iinfo(np.uint32).max - 1:
+                raise OverflowError("KeyIndex holds at most 2**32 - 2 rows")
             self._grow(self.n + nnew)
             new_pos = np.arange(self.n, self.n + nnew, dtype=np.int64)
             new_keys = keys[new]
-            if self._table is not None:
-                self._table.insert_new(np.ascontiguousarray(new_keys, dtype=np.int64),
-                                       new_pos.astype(np.uint32))
-            else:
-                self._dict.update(zip(new_keys.tolist(), new_pos.tolist()))
+            self._map_insert(new_keys, new_pos)
             self.keys[new_pos] = new_keys
+            self.alive[new_pos] = True
             pos[new] = new_pos
             self.n += nnew
         for name, vals in values.items():
@@ -111,8 +152,8 @@ class KeyIndex:
     def remove(self, keys: np.ndarray) -> np.ndarray:
         """Remove ``keys`` (unique); return the positions they had (-1 where absent).
 
-        The caller reads column values at the returned positions *before* the next write if
-        it needs them; after this call those rows hold moved-in tail rows.
+        Read column values at those positions *before* calling if you need them: without
+        tombstones the rows are overwritten by moved-in tail rows.
         """
         if self._table is not None:
             out = np.empty(len(keys), dtype=np.uint32)
@@ -125,29 +166,71 @@ class KeyIndex:
         gone = pos[pos >= 0]
         if len(gone) == 0:
             return pos
+        self.deletes += len(gone)
+        self.alive[gone] = False
+        if self.tombstones:
+            self.dead += len(gone)
+            self._log_dead(gone)
+            if self.dead > max(_COMPACT_MIN, _COMPACT_FRACTION * self.n):
+                self.compact()
+        else:
+            self._swap_remove(gone)
+        return pos
+
+    def _log_dead(self, gone: np.ndarray) -> None:
+        need = self._ndead_log + len(gone)
+        if need > len(self._dead_log):
+            buf = np.empty(max(need, 2 * len(self._dead_log), 1024), dtype=np.int64)
+            buf[:self._ndead_log] = self._dead_log[:self._ndead_log]
+            self._dead_log = buf
+        self._dead_log[self._ndead_log:need] = gone
+        self._ndead_log = need
+
+    def _swap_remove(self, gone: np.ndarray) -> None:
         n_after = self.n - len(gone)
         holes = np.sort(gone[gone < n_after])
         tail = np.arange(n_after, self.n, dtype=np.int64)
         movers = tail[~np.isin(tail, gone)]
         if len(holes):
             self.keys[holes] = self.keys[movers]
+            self.alive[holes] = True
             for arr in self.cols.values():
                 arr[holes] = arr[movers]
             moved_keys = self.keys[holes]
             if self._table is not None:
                 tmp = np.empty(len(moved_keys), dtype=np.uint32)
                 self._table.erase(moved_keys, tmp)
-                self._table.insert_new(moved_keys, holes.astype(np.uint32))
-            else:
-                self._dict.update(zip(moved_keys.tolist(), holes.tolist()))
+            self._map_insert(moved_keys, holes)
+        self.alive[n_after:self.n] = False
         if self.keys.dtype == object:
             self.keys[n_after:self.n] = None  # drop references to removed bytes keys
         self.n = n_after
-        self.deletes += len(gone)
-        return pos
+        self.epoch += 1
+
+    def compact(self) -> None:
+        """Drop dead rows (positions move: bumps :attr:`epoch`)."""
+        keep = np.flatnonzero(self.alive[:self.n])
+        m = len(keep)
+        self.keys[:m] = self.keys[keep]
+        if self.keys.dtype == object:
+            self.keys[m:self.n] = None
+        for arr in self.cols.values():
+            arr[:m] = arr[keep]
+        self.alive[:m] = True
+        self.alive[m:self.n] = False
+        self.n = m
+        if self._table is not None:
+            self._table.clear()
+        else:
+            self._dict.clear()
+        self._map_insert(self.keys[:m], np.arange(m, dtype=np.int64))
+        self.dead = 0
+        self._ndead_log = 0
+        self.epoch += 1
 
     def nbytes(self) -> int:
-        n = self.keys.nbytes + sum(a.nbytes for a in self.cols.values())
+        n = self.keys.nbytes + self.alive.nbytes + self._dead_log.nbytes
+        n += sum(a.nbytes for a in self.cols.values())
         if self._table is not None:
             n += int(self._table.nbytes)
         return n

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import InvalidInputError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SampledResult:
     """Positives and sampled negatives of one example, merged (DynamicEmbedding contract).
 
@@ -91,10 +91,11 @@ class UnigramSampler(Sampler):
     smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        if not np.isfinite(self.power) or self.power < 0:
-            raise InvalidInputError(f"power must be a finite number >= 0, got {self.power}")
-        if not np.isfinite(self.smoothing) or self.smoothing < 0:
-            raise InvalidInputError(f"smoothing must be >= 0, got {self.smoothing}")
+        for name in ("power", "smoothing"):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer))
+                    or not np.isfinite(v) or v < 0):
+                raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
 
     def weights(self, counts: np.ndarray) -> np.ndarray:
         c = counts.astype(np.float64)

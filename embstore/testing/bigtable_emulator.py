@@ -5,6 +5,10 @@ gcloud wrapper forks a child that survives when the wrapper is killed. Each hand
 the process it started, by PID. The emulator keeps everything in memory, so a restart (same
 port) comes back empty.
 
+:class:`FaultInjector` is a gRPC client interceptor that fails a chosen number of calls with
+UNAVAILABLE / DEADLINE_EXCEEDED (or aborts streams mid-way) before passing calls through to
+the real emulator: the one fault the emulator cannot produce on demand.
+
 Example
 -------
 >>> from embstore.testing.bigtable_emulator import start_emulator

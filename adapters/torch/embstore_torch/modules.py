@@ -90,9 +90,18 @@ class _StoreBag(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):
         grad = grad.to("cpu", torch.float32)
         inv, offs = ctx.inv, ctx.offs
-        lengths = torch.diff(offs, append=torch.tensor([len(inv)]))
-        bag_of = torch.repeat_interleave(torch.arange(len(offs)), lengths)
-        gi = grad.index_select(0, bag_of)
+        n_bags = len(offs)
+        if n_bags and len(inv) % n_bags == 0 and torch.equal(
+                offs, torch.arange(n_bags) * (len(inv) // n_bags)):
+            # fixed-size bags (a 2-D input): a broadcast instead of a gather
+            size = len(inv) // n_bags
+            lengths = None
+            gi = grad[:, None, :].expand(n_bags, size, grad.shape[1]).reshape(-1, grad.shape[1])
+            bag_of = None
+        else:
+            lengths = torch.diff(offs, append=torch.tensor([len(inv)]))
+            bag_of = torch.repeat_interleave(torch.arange(n_bags), lengths)
+            gi = grad.index_select(0, bag_of)
         psw_grad = None
         if ctx.psw is not None:
             w = ctx.psw.detach().to("cpu", torch.float32)
@@ -100,7 +109,10 @@ class _StoreBag(torch.autograd.Function):
                 psw_grad = (ctx.rows.index_select(0, inv) * gi).sum(1)
             gi = gi * w[:, None]
         elif ctx.mode == "mean":
-            gi = gi / lengths.clamp(min=1).to(gi.dtype).index_select(0, bag_of)[:, None]
+            if bag_of is None:
+                gi = gi / float(max(len(inv) // n_bags, 1))
+            else:
+                gi = gi / lengths.clamp(min=1).to(gi.dtype).index_select(0, bag_of)[:, None]
         rows = torch.zeros(ctx.rows.shape).index_add_(0, inv, gi)
         ctx.sink.apply(rows)
         return None, psw_grad, None, None, None, None, None
@@ -165,7 +177,7 @@ class _StoreModule(nn.Module):
             return vectors, None
         counts = None
         if self._counts:
-            counts = (torch.bincount(inv.reshape(-1), minlength=len(uniq)).numpy()
+            counts = (np.bincount(inv.numpy().reshape(-1), minlength=len(uniq))
                       if self.count else np.zeros(len(uniq), dtype=np.int64))
         return vectors, _Sink(self.store, uniq, counts)
 

@@ -153,6 +153,11 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
             out.update(words, np.zeros((len(words), args.dim), np.float32), counts=occ)
             # 2. Frequency subsampling, then (center, context) pairs over what is kept.
             keep = out.subsample_mask(tokens, t=args.sample, seed=rng)
+            if args.min_count > 1:
+                # gensim's min_count without a vocabulary pass: a word trains once the store
+                # has counted it min_count times (a frequency-cutoff admission, streamed).
+                seen = out.get_records(words)[0]["count"]
+                keep &= (seen >= args.min_count)[inverse]
             centers, contexts = skipgram_pairs(inverse[keep], doc[keep], args.window, rng)
             perm = rng.permutation(len(centers))
             centers, contexts = centers[perm], contexts[perm]
@@ -252,7 +257,7 @@ def run_gensim(args: argparse.Namespace, docs: list[list[str]]):
     t = time.perf_counter()
     model = Word2Vec(docs, vector_size=args.dim, window=args.window, negative=args.negatives,
                      sg=1, hs=0, sample=args.sample, alpha=args.alpha,
-                     min_alpha=args.min_alpha, min_count=1, epochs=args.epochs,
+                     min_alpha=args.min_alpha, min_count=args.min_count, epochs=args.epochs,
                      workers=args.gensim_workers, seed=args.seed, ns_exponent=0.75)
     seconds = time.perf_counter() - t
     words = sum(len(d) for d in docs) * args.epochs
@@ -268,6 +273,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample", type=float, default=1e-3, help="subsampling threshold t")
     p.add_argument("--alpha", type=float, default=0.025, help="initial learning rate")
     p.add_argument("--min-alpha", type=float, default=0.0001)
+    p.add_argument("--min-count", type=int, default=5,
+                   help="train a word once it was counted this often (gensim's min_count)")
     p.add_argument("--batch", type=int, default=8192, help="(center, context) pairs per step")
     p.add_argument("--chunk-words", type=int, default=20000)
     p.add_argument("--store", default=None,
@@ -303,11 +310,12 @@ def main(argv=None) -> dict:
     n_words = sum(len(d) for d in docs)
     print(f"corpus {corpus.name}: {len(docs)} articles, {n_words:,} words; "
           f"skip-gram dim={args.dim} window={args.window} negatives={args.negatives} "
-          f"sample={args.sample} epochs={args.epochs} batch={args.batch} pairs")
+          f"sample={args.sample} min_count={args.min_count} epochs={args.epochs} "
+          f"batch={args.batch} pairs")
     inp, out = open_stores(args)
     print(f"stores: {inp.url} (input vectors), {out.url} (output vectors)")
     ours = train(args, docs, inp, out)
-    print(f"embstore: {len(inp):,} words learned (no vocabulary given), "
+    print(f"embstore: {len(inp):,} words learned, {len(out):,} counted (no vocabulary given), "
           f"{ours['pairs']:,} pairs in {ours['seconds']:.1f}s, "
           f"{ours['words_per_s']:,.0f} words/s")
 

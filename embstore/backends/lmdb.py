@@ -41,7 +41,9 @@ _META_DB = b"meta"
 _META_KEY = b"meta"
 _BYTES_PREFIX = b"\x00"
 _GROW_LIMIT = 1 << 46  # 64 TiB: beyond that a MapFullError is a real error, not a small map
-_BULK_CHUNK = 1 << 17  # rows per bulk-load transaction
+# Bytes of records per bulk-load transaction: keys are sorted over a whole chunk, and only a
+# chunk that extends the end of the table can use MDB_APPEND, so chunks are large.
+_BULK_BYTES = 320 << 20
 
 
 class _Shared:
@@ -428,7 +430,7 @@ class LmdbBackend(Backend):
                 continue
             pending.append((keys, recs))
             rows += len(keys)
-            if rows >= _BULK_CHUNK:
+            if rows * self._itemsize >= _BULK_BYTES:
                 total += self._write_sorted(pending)
                 pending, rows = [], 0
         if pending:

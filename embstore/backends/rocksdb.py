@@ -38,7 +38,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 _SIGN = np.uint64(1 << 63)
 _META_CF = "embstore_meta"
 _META_KEY = b"meta"
-_SST_CHUNK = 1 << 20  # rows per ingested SST file
+_SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
 
 
 def _options(block_cache_mb: int, bloom_bits: float, create: bool) -> rd.Options:
@@ -358,7 +358,7 @@ class RocksDBBackend(Backend):
                 return
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
-        """Write sorted SST files (about a million rows each) and ingest them."""
+        """Write sorted SST files (about 320 MiB of records each) and ingest them."""
         db = self._writer()
         total = 0
         tmpdir = tempfile.mkdtemp(prefix=".ingest-", dir=self.path)
@@ -370,7 +370,7 @@ class RocksDBBackend(Backend):
                     continue
                 pending.append((keys, recs))
                 rows += len(keys)
-                if rows >= _SST_CHUNK:
+                if rows * self._itemsize >= _SST_BYTES:
                     total += self._ingest(db, pending, tmpdir)
                     pending, rows = [], 0
             if pending:

@@ -1,12 +1,14 @@
 """``DynamicEmbedding`` / ``DynamicEmbeddingBag``: store-backed embedding layers for PyTorch.
 
 The store holds the vectors and applies their updates itself (its own optimizer), so these
-modules own no ``nn.Parameter``. The bridge is :class:`_StoreRows`, an autograd function that
-produces the rows of a batch's distinct keys. Its first input is a fresh zero-size tensor that
-requires grad (the *trigger*): that makes the output part of the autograd graph even though no
-torch parameter is involved, so ``loss.backward()`` reaches ``_StoreRows.backward``, which sends
-the gradient rows (already summed per key by the gather's backward) to ``store.update``.
-The user's torch optimizer keeps driving the dense parameters as usual.
+modules own no ``nn.Parameter``. The bridge is a ``torch.autograd.Function`` over the rows of a
+batch's distinct keys. Its first input is a fresh zero-size tensor that requires grad (the
+*trigger*): that makes the output part of the autograd graph even though no torch parameter is
+involved, so ``loss.backward()`` reaches the function's ``backward``, which sums the gradient per
+distinct key and sends it to ``store.update``. :class:`_StoreRows` is the generic form (rows
+out, row gradients in); :class:`_StoreGather` and :class:`_StoreBag` fuse the gather / bag
+pooling with it, so the per-key sum is one ``index_add_``. The user's torch optimizer keeps
+driving the dense parameters as usual.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def measure(envs: list[dict], repeat: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100k and 1M keys")
-    ap.add_argument("--repeat", type=int, default=60, help="calls per case and size")
+    ap.add_argument("--repeat", type=int, default=200, help="calls per case and size")
     args = ap.parse_args()
     sizes = (100_000, 1_000_000) if args.quick else (1_000_000, 10_000_000)
     rows = [prepare(n) for n in sizes]

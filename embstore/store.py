@@ -693,6 +693,8 @@ class EmbeddingStore:
         out["version"] = self._version
         out.update(self._policy.counters)
         out.update(self._backend.stats())
+        if "_sampling_index" in self.__dict__:  # rows, scans, snapshot rebuilds, bytes
+            out.update(self.__dict__["_sampling_index"].stats())
         size = self._backend.size_bytes()
         if size is not None:
             out["size_bytes"] = int(size)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import embstore
 from embstore.init import Uniform
 from embstore.optim import SGD
+from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
 from embstore_torch import DynamicEmbedding
 
@@ -93,7 +94,9 @@ def open_stores(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, ...]
     inp = embstore.open(store_url(template, "in"), initializer=Uniform(-0.5 / args.dim,
                                                                       0.5 / args.dim),
                         **common, **options)
-    out = embstore.open(store_url(template, "out"), initializer="zeros", **common, **options)
+    admission = FrequencyCutoff(args.min_count) if args.min_count > 1 else None
+    out = embstore.open(store_url(template, "out"), initializer="zeros", admission=admission,
+                        **common, **options)
     return inp, out
 
 
@@ -154,10 +157,10 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
             # 2. Frequency subsampling, then (center, context) pairs over what is kept.
             keep = out.subsample_mask(tokens, t=args.sample, seed=rng)
             if args.min_count > 1:
-                # gensim's min_count without a vocabulary pass: a word trains once the store
-                # has counted it min_count times (a frequency-cutoff admission, streamed).
-                seen = out.get_records(words)[0]["count"]
-                keep &= (seen >= args.min_count)[inverse]
+                # gensim's min_count without a vocabulary pass: the output store admits a word
+                # (gives it a row, so it can be counted, sampled and trained) on its
+                # min_count-th sighting; until then its occurrences are dropped.
+                keep &= out.contains(words)[inverse]
             centers, contexts = skipgram_pairs(inverse[keep], doc[keep], args.window, rng)
             perm = rng.permutation(len(centers))
             centers, contexts = centers[perm], contexts[perm]

@@ -196,3 +196,24 @@ def test_options_survive_pickle_and_unknown_options_fail(rocks_url):
     s.close()
     with pytest.raises(InvalidInputError):
         embstore.open(rocks_url(), dim=DIM, cache_mb=10)
+
+
+WRITER = textwrap.dedent("""
+    import sys, embstore
+    try:
+        embstore.open(sys.argv[1])
+        print("opened")
+    except embstore.errors.BackendError as e:
+        print("refused", "read_only=True" in str(e))
+""")
+
+
+def test_second_writer_process_is_refused_with_a_hint(rocks_url):
+    url = rocks_url()
+    s = embstore.open(url, dim=DIM)
+    s.assign([1], np.ones((1, DIM)))
+    out = subprocess.run([sys.executable, "-c", WRITER, url], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "refused True", out.stderr
+    assert s.lookup([1], insert=False)[0, 0] == 1.0
+    s.close()

@@ -271,6 +271,7 @@ def test_import_resyncs_the_index(tmp_path):
     r = b.sample([], 51, "uniform", seed=0)
     assert sorted(r.keys.tolist()) == list(range(50)) + [1000]
     assert idx.scans == 2
+    assert b.stats()["sampling_index_scans"] == 2 and b.stats()["sampling_index_rows"] == 51
 
 
 # -- no table scan per call, on every backend ------------------------------------------------------

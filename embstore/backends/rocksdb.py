@@ -161,7 +161,9 @@ class RocksDBBackend(Backend):
         except Exception as e:
             if top is not None:
                 shutil.rmtree(top, ignore_errors=True)
-            raise BackendError(f"cannot open RocksDB at {self.path} for writing: {e}") from e
+            hint = ("; another process has it open for writing (RocksDB allows one writer) - "
+                    "open it with read_only=True" if "lock" in str(e).lower() else "")
+            raise BackendError(f"cannot open RocksDB at {self.path} for writing: {e}{hint}") from e
         shared = _Shared(db, meta, self.durable)
         _POOL[self.path] = shared
         self._attach(shared)

@@ -122,6 +122,11 @@ def bench_tf(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
     import embstore
     from embstore_tf import dynamic_embedding_lookup, trigger_variable
 
+    # One thread, as for torch: idle TF pool threads spinning next to the store's Python work
+    # would measure the machine's scheduling, not the two lookup paths.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
     batches = _keys_stream(n_steps, id_space)
     lr = 0.05
     table = tf.Variable(tf.random.uniform((id_space, DIM), -0.05, 0.05))
@@ -166,7 +171,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     print(f"batch {IDS_PER_BATCH} ids ({IDS_PER_BATCH // BAG} bags x {BAG}), dim {DIM}, "
-          f"{id_space:,} ids, {steps} steps, 1 torch thread")
+          f"{id_space:,} ids, {steps} steps, 1 torch / 1 TF thread")
     rows = bench_torch(steps, id_space)
     if not a.no_tf:
         try:

@@ -1,13 +1,14 @@
 """Dictionary-free skip-gram Word2Vec on an embedding store, side by side with gensim.
 
 Raw words go straight from the text into the model: there is no vocabulary, no word -> index
-table, no min_count pass. Each word is a key of two embedding stores (input and output vectors,
-embedded LMDB by default, any backend with ``--store``); a word gets its vector the first time it
-is seen, and the stores' optimizer (plain SGD with gensim's linearly decaying rate) applies the
-gradients that flow back through the PyTorch adapter (``embstore_torch.DynamicEmbedding``).
-Word frequencies are the output store's per-key ``count``, recorded as the text streams by;
-frequency subsampling (``store.subsample_mask``) and the unigram^0.75 negative sampler
-(``store.sample``) read them. At the end: nearest neighbours via ``store.top_k``, the Spearman
+table, no counting pass. Each word is a key of two embedding stores (input and output vectors,
+embedded LMDB by default, any backend with ``--store``); the stores' optimizer (plain SGD with
+gensim's linearly decaying rate) applies the gradients that flow back through the PyTorch adapter
+(``embstore_torch.DynamicEmbedding``). Word frequencies are the output store's per-key
+``count``, recorded as the text streams by; a frequency-cutoff admission policy stands in for
+gensim's ``min_count`` (a word gets a row on its ``min_count``-th sighting), and frequency
+subsampling (``store.subsample_mask``) and the unigram^0.75 negative sampler (``store.sample``)
+read the counts. At the end: nearest neighbours via ``store.top_k``, the Spearman
 correlation on WordSim-353, and gensim's ``Word2Vec`` on the same corpus and settings.
 
 Run ``python examples/word2vec.py`` (``make demo``); ``--quick`` for a smoke run. By default

@@ -284,3 +284,11 @@ def test_forked_workers_reopen_by_url(lmdb_url):
     s.assign([2], np.ones((1, DIM)))  # the parent's environment still works
     assert len(s) == 4
     s.close()
+
+
+def test_size_bytes_and_counters(lmdb_url):
+    with embstore.open(lmdb_url(), dim=DIM) as s:
+        s.lookup(np.arange(5000))
+        st = s.stats()
+        assert st["size_bytes"] >= 5000 * s.layout.itemsize
+        assert st["commits"] >= 2 and st["map_size"] >= 1 << 30

@@ -217,3 +217,11 @@ def test_second_writer_process_is_refused_with_a_hint(rocks_url):
     assert out.stdout.strip() == "refused True", out.stderr
     assert s.lookup([1], insert=False)[0, 0] == 1.0
     s.close()
+
+
+def test_size_bytes_and_counters(rocks_url):
+    with embstore.open(rocks_url(), dim=DIM, durable=False) as s:
+        s.lookup(np.arange(5000))
+        st = s.stats()
+        assert st["size_bytes"] >= 5000 * s.layout.itemsize
+        assert st["write_batches"] >= 1

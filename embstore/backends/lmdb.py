@@ -44,6 +44,7 @@ _GROW_LIMIT = 1 << 46  # 64 TiB: beyond that a MapFullError is a real error, not
 # Bytes of records per bulk-load transaction: keys are sorted over a whole chunk, and only a
 # chunk that extends the end of the table can use MDB_APPEND, so chunks are large.
 _BULK_BYTES = 320 << 20
+_BULK_TXN_ROWS = 1 << 17  # a sorted chunk is committed in slices: smaller dirty-page lists
 
 
 class _Shared:
@@ -312,17 +313,23 @@ class LmdbBackend(Backend):
             with self._begin() as txn:
                 get = txn.get
                 vals = [get(k, b"") for k in enc]
-                lens = np.fromiter(map(len, vals), dtype=np.intp, count=len(vals))
                 buf = bytearray().join(vals)
         except lmdb.Error as e:
             raise BackendError(f"{self.path}: LMDB read failed: {e}") from e
-        found = lens != 0
+        found = self._found(vals, buf)
         if len(buf) != int(found.sum()) * self._itemsize:
             raise SchemaMismatchError(f"{self.url}: stored records are not {self._itemsize} "
                                       "bytes long; the data was written with another layout")
         if long_keys is not None:
             found &= ~long_keys
         return buf, found
+
+    def _found(self, vals: list, buf: bytearray) -> np.ndarray:
+        # Every stored record has the layout's size, so a full-length result means all hits
+        # and the per-value lengths are only needed when some keys missed.
+        if len(buf) == len(vals) * self._itemsize:
+            return np.ones(len(vals), dtype=bool)
+        return np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         buf, found = self._fetch(keys)
@@ -450,13 +457,15 @@ class LmdbBackend(Backend):
             last = {keys[i]: i for i in order}
             idx = np.fromiter(last.values(), dtype=np.intp, count=len(last))
         enc, vals = self._pairs(keys[idx], recs[idx])
+        for i in range(0, len(enc), _BULK_TXN_ROWS):
+            part = list(zip(enc[i:i + _BULK_TXN_ROWS], vals[i:i + _BULK_TXN_ROWS]))
 
-        def write(txn):
-            cur = txn.cursor()
-            append = not cur.last() or bytes(cur.key()) < enc[0]
-            cur.putmulti(zip(enc, vals), append=append)
+            def write(txn, part=part):
+                cur = txn.cursor()
+                append = not cur.last() or bytes(cur.key()) < part[0][0]
+                cur.putmulti(part, append=append)
 
-        self._write(write)
+            self._write(write)
         return len(enc)
 
     def clear(self) -> None:

@@ -274,13 +274,19 @@ class RocksDBBackend(Backend):
             vals = self._db.get(self._encode(keys), b"")
         except Exception as e:
             raise BackendError(f"{self.path}: RocksDB read failed: {e}") from e
-        lens = np.fromiter(map(len, vals), dtype=np.intp, count=len(vals))
-        found = lens != 0
         buf = bytearray().join(vals)
+        found = self._found(vals, buf)
         if len(buf) != int(found.sum()) * self._itemsize:
             raise SchemaMismatchError(f"{self.url}: stored records are not {self._itemsize} "
                                       "bytes long; the data was written with another layout")
         return buf, found
+
+    def _found(self, vals: list, buf: bytearray) -> np.ndarray:
+        # Every stored record has the layout's size, so a full-length result means all hits
+        # and the per-value lengths are only needed when some keys missed.
+        if len(buf) == len(vals) * self._itemsize:
+            return np.ones(len(vals), dtype=bool)
+        return np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         buf, found = self._fetch(keys)

@@ -105,6 +105,11 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
         k = _key_tensor(keys, store)
         flat = tf.reshape(k, [-1])
         uniq, idx, counts = tf.unique_with_counts(flat, out_idx=tf.int64)
+        if store.key_type == "int64":
+            # Sorted distinct keys take the store's fast path (no re-sort in ``update``).
+            perm = tf.argsort(uniq)
+            uniq, counts = tf.gather(uniq, perm), tf.gather(counts, perm)
+            idx = tf.gather(tf.math.invert_permutation(perm), idx)
         rows = _store_rows(uniq, counts, store, trigger, insert, trainable)
         out = tf.gather(rows, idx)
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))

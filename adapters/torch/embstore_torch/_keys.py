@@ -69,6 +69,8 @@ def prepare(input: Any) -> tuple[Any, torch.Tensor, tuple[int, ...]]:
         return uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape)
     if isinstance(input, _STR):
         return [input], torch.zeros((), dtype=torch.long), ()
+    if isinstance(input, (int, np.integer)) and not isinstance(input, bool):
+        return prepare(torch.tensor(int(input), dtype=torch.int64))
     if not isinstance(input, Sequence):
         raise KeyTypeError(
             f"keys must be an int64 tensor, a numpy array or a (nested) list of str; "
@@ -80,9 +82,11 @@ def prepare(input: Any) -> tuple[Any, torch.Tensor, tuple[int, ...]]:
         raise InvalidInputError(
             "nested key lists must be rectangular (use DynamicEmbeddingBag for ragged bags)"
         )
-    if flat and all(isinstance(k, (int, np.integer)) and not isinstance(k, bool)
-                    for k in flat[:1]):
-        arr = np.asarray(flat, dtype=np.int64).reshape(shape)
+    if flat and isinstance(flat[0], (int, np.integer)) and not isinstance(flat[0], bool):
+        try:
+            arr = np.asarray(flat, dtype=np.int64).reshape(shape)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise KeyTypeError(f"keys mix integers with other types: {e}") from e
         return prepare(torch.from_numpy(arr))
     uniq, inv = factorize(flat)
     return uniq, torch.from_numpy(inv).reshape(shape), shape

@@ -54,6 +54,11 @@ class MemoryBackend(Backend):
         self._table: CuckooTable | None = None
         self._arena: RecordArena | None = None
         self._bytes_slots: dict[bytes, int] = {}
+        # The engine's update is get(keys) -> optimizer -> put(same keys array): remembering the
+        # slots of the last get saves put a second probe per key. Valid only while no key was
+        # inserted or removed in between (tracked by _epoch) and for the very same array object.
+        self._epoch = 0
+        self._last_get: tuple[np.ndarray, np.ndarray, int] | None = None
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
@@ -85,6 +90,7 @@ class MemoryBackend(Backend):
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
+        self._last_get = (keys, slots, self._epoch)
         recs = np.empty(len(keys), dtype=self.layout.dtype)
         self._arena.gather(slots, recs.view(np.uint8).reshape(len(keys), -1))
         return recs, slots != _EMPTY
@@ -102,9 +108,14 @@ class MemoryBackend(Backend):
         return self._slots(keys) != _EMPTY
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
-        slots = self._slots(keys)
+        last, self._last_get = self._last_get, None
+        if last is not None and last[0] is keys and last[2] == self._epoch:
+            slots = last[1].copy()
+        else:
+            slots = self._slots(keys)
         new = slots == _EMPTY
         if new.any():
+            self._epoch += 1
             new_slots = np.empty(int(new.sum()), dtype=np.uint32)
             self._arena.alloc(new_slots)
             if self.key_type == "int64":
@@ -116,6 +127,8 @@ class MemoryBackend(Backend):
         self._arena.scatter(slots, src)
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
+        self._epoch += 1
+        self._last_get = None
         if self.key_type == "int64":
             removed = np.empty(len(keys), dtype=np.uint32)
             self._table.erase(keys, removed)
@@ -154,6 +167,8 @@ class MemoryBackend(Backend):
             yield keys[i:i + batch_size], recs
 
     def clear(self) -> None:
+        self._epoch += 1
+        self._last_get = None
         if self._arena is None:
             return
         self._arena.clear()

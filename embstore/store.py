@@ -314,12 +314,18 @@ class EmbeddingStore:
         self._stats["misses"] += n - nfound
         miss = ~found
         miss_keys = k[miss]
-        vectors[miss] = self.initializer(miss_keys, self.layout.dim, self.seed)
+        new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
+        vectors[miss] = new_vecs
         if insert and not self.read_only:
-            uniq, first = _unique_first(miss_keys)
-            new_vecs = vectors[miss][first]
+            if _distinct(miss_keys):
+                uniq, occurrences = miss_keys, None
+            else:
+                uniq, first = _unique_first(miss_keys)
+                new_vecs, occurrences = new_vecs[first], _occurrences(miss_keys, uniq)
             if self._policy.admission is not None:
-                ok = self._policy.admit_lookup(uniq, _occurrences(miss_keys, uniq))
+                if occurrences is None:
+                    occurrences = np.ones(len(uniq), dtype=np.int64)
+                ok = self._policy.admit_lookup(uniq, occurrences)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
                 recs = self._new_records(uniq, new_vecs)

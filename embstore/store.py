@@ -18,20 +18,27 @@ import numpy as np
 
 from . import init as _init
 from . import optim as _optim
+from ._batch import (
+    check_counts,
+    coalesce,
+    distinct,
+    occurrences,
+    sum_counts,
+    unique_first,
+    unique_last,
+)
 from ._keys import check_key_type, normalize_keys
+from ._schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .backends.base import Backend
 from .errors import (
     InvalidInputError,
     ReadOnlyError,
-    SchemaMismatchError,
     StoreClosedError,
     StoreNotFoundError,
 )
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
 
-FORMAT = "embstore"
-FORMAT_VERSION = 1
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
 
@@ -122,43 +129,13 @@ class EmbeddingStore:
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
-        url = self._backend.url
-        if meta.get("format") != FORMAT:
-            raise SchemaMismatchError(f"{url}: holds data that is not an embstore store")
-        if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-            raise SchemaMismatchError(
-                f"{url}: store format {meta['format_version']} is newer than this embstore "
-                f"supports ({FORMAT_VERSION}); upgrade embstore"
-            )
-        stored_layout = Layout.from_json(meta["layout"])
-
-        def mismatch(what: str, stored: Any, given: Any) -> SchemaMismatchError:
-            return SchemaMismatchError(
-                f"{url}: the store was created with {what}={stored!r}, opened with {given!r}"
-            )
-
-        if dim is not None and int(dim) != stored_layout.dim:
-            raise mismatch("dim", stored_layout.dim, dim)
-        if key_type is not None and key_type != meta["key_type"]:
-            raise mismatch("key_type", meta["key_type"], key_type)
-        stored_opt = _optim.from_config(meta["optimizer"])
-        if optimizer is not None and optimizer != stored_opt:
-            raise mismatch("optimizer", stored_opt, optimizer)
-        stored_init = _init.from_config(meta["initializer"])
-        if initializer is not None and initializer != stored_init:
-            raise mismatch("initializer", stored_init, initializer)
-        if seed is not None and int(seed) != int(meta["seed"]):
-            raise mismatch("seed", meta["seed"], seed)
-        expected = Layout(stored_layout.dim, tuple(stored_opt.slots(stored_layout.dim)))
-        if expected != stored_layout:
-            raise SchemaMismatchError(
-                f"{url}: stored layout {stored_layout} does not fit optimizer {stored_opt}"
-            )
-        self.key_type = meta["key_type"]
-        self.layout = stored_layout
-        self.optimizer = stored_opt
-        self.initializer = stored_init
-        self.seed = int(meta["seed"])
+        stored = check_stored_meta(self._backend.url, meta, dim=dim, key_type=key_type,
+                                   initializer=initializer, optimizer=optimizer, seed=seed)
+        self.key_type = stored.key_type
+        self.layout = stored.layout
+        self.optimizer = stored.optimizer
+        self.initializer = stored.initializer
+        self.seed = stored.seed
         self.step = int(meta.get("step", 0))
         self._version = int(meta.get("version", 0))
         self._extra_meta = dict(meta.get("extra", {}))
@@ -317,15 +294,15 @@ class EmbeddingStore:
         new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
         vectors[miss] = new_vecs
         if insert and not self.read_only:
-            if _distinct(miss_keys):
-                uniq, occurrences = miss_keys, None
+            if distinct(miss_keys):
+                uniq, seen = miss_keys, None
             else:
-                uniq, first = _unique_first(miss_keys)
-                new_vecs, occurrences = new_vecs[first], _occurrences(miss_keys, uniq)
+                uniq, first = unique_first(miss_keys)
+                new_vecs, seen = new_vecs[first], occurrences(miss_keys, uniq)
             if self._policy.admission is not None:
-                if occurrences is None:
-                    occurrences = np.ones(len(uniq), dtype=np.int64)
-                ok = self._policy.admit_lookup(uniq, occurrences)
+                if seen is None:
+                    seen = np.ones(len(uniq), dtype=np.int64)
+                ok = self._policy.admit_lookup(uniq, seen)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
                 recs = self._new_records(uniq, new_vecs)
@@ -355,12 +332,12 @@ class EmbeddingStore:
         self._check_writable()
         k = self._keys(keys)
         g = self._rows(grads, len(k), "gradients")
-        c = None if counts is None else _check_counts(counts, len(k))
+        c = None if counts is None else check_counts(counts, len(k))
         if len(k) == 0:
             return
         uniq, summed, mult = coalesce(k, g)
         if c is not None:
-            mult = _sum_counts(k, uniq, c)
+            mult = sum_counts(k, uniq, c)
         recs, found = self._backend.get(uniq)
         nnew = int(len(uniq) - np.count_nonzero(found))
         if nnew and self._policy.admission is not None:
@@ -398,7 +375,7 @@ class EmbeddingStore:
         v = self._rows(values, len(k), "values")
         if len(k) == 0:
             return
-        uniq, last = _unique_last(k)
+        uniq, last = unique_last(k)
         recs, found = self._backend.get(uniq)
         if not found.all():
             recs[~found] = self._new_records(uniq[~found])
@@ -414,7 +391,7 @@ class EmbeddingStore:
         k = self._keys(keys)
         if len(k) == 0:
             return 0
-        uniq, _ = _unique_first(k)
+        uniq, _ = unique_first(k)
         return self._delete(uniq)
 
     # Every row write and delete of the engine goes through these two, so observers see all.
@@ -558,32 +535,13 @@ class EmbeddingStore:
                batch_size: int = 65536, progress: bool = False) -> int:
         """Write every record (or those changed after ``since``) to a native file.
 
-        Returns the number of rows written. A path is written atomically.
+        A delta (``since=``) also carries the keys deleted after that version. Returns the
+        number of rows written. A path is written atomically.
         """
-        from .io.native import NativeWriter
-        from .progress import progress_bar
+        from ._transfer import export_native
 
         self._check_open()
-        src = (self.records(batch_size) if since is None
-               else self.changes_since(since, batch_size))
-        header = self._meta()
-        header["since"] = since
-        if since is not None:
-            from .policies.tombstones import encode_keys
-
-            gone, complete = self.deletions_since(since)
-            if len(gone) > 1 << 20:  # keeps the JSON header within the format's limit
-                gone, complete = gone[:0], False
-            header["deleted"] = encode_keys(gone, self.key_type)
-            header["deletions_complete"] = complete
-        # background: scans yield fresh arrays, so checksum+write can overlap the next scan
-        with NativeWriter(dest, header, background=True) as w, progress_bar(
-            total=len(self) if since is None else None, enabled=progress, desc="export"
-        ) as bar:
-            for keys, recs in src:
-                w.write(keys, recs)
-                bar.update(len(keys))
-        return w.rows
+        return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False) -> int:
@@ -593,98 +551,23 @@ class EmbeddingStore:
         (checksums, trailer) before the first row is written, so a corrupt or truncated file
         imports nothing; with ``partial=True`` rows before the damage are kept.
         """
-        from .io.native import NativeReader
-        from .progress import progress_bar
+        from ._transfer import import_native
 
         self._check_writable()
-        with NativeReader(src) as reader:
-            if reader.key_type != self.key_type:
-                raise SchemaMismatchError(
-                    f"file has {reader.key_type} keys, the store has {self.key_type} keys"
-                )
-            if reader.layout != self.layout:
-                raise SchemaMismatchError(
-                    f"file layout {reader.layout} differs from the store's {self.layout}"
-                )
-            total = None if partial else reader.verify()
-            top = [self._version]
-
-            def batches():
-                for keys, recs in reader:
-                    if not np.isfinite(recs["vector"]).all():
-                        from .errors import CorruptFileError
-
-                        raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
-                    top[0] = max(top[0], int(recs["version"].max()))
-                    uniq, last = _unique_last(keys)
-                    if len(uniq) != len(keys):
-                        keys, recs = uniq, recs[last]
-                    bar.update(len(keys))
-                    yield keys, recs
-
-            if reader.header.get("deletions_complete") is False:
-                import warnings
-
-                warnings.warn(f"{reader.name}: this delta does not carry every deletion since "
-                              "its base version; rows deleted at the source may remain here "
-                              "(sync from a full export)", stacklevel=2)
-            if reader.header.get("deleted"):
-                # A delta carries the keys deleted since its base version: apply them first,
-                # so rows re-created after the delete (in the delta's rows) survive.
-                from .policies.tombstones import decode_keys
-
-                gone = decode_keys(reader.header["deleted"], self.key_type)
-                for i in range(0, len(gone), 65536):
-                    self._delete(gone[i:i + 65536])
-            with progress_bar(total=total, enabled=progress, desc="import") as bar:
-                n = self._backend.bulk_load(batches())
-            for obs in self._observers:  # bulk loads bypass _put: let indexes resync
-                if hasattr(obs, "on_bulk_load"):
-                    obs.on_bulk_load()
-            self._version = max(self._version, top[0])
-            self.step = max(self.step, int(reader.header.get("step", 0)))
-            self._policy.load_from_header(reader.header.get("extra") or {})
-            if self._policy.eviction is not None:
-                self._policy.resync_rows(self)
-                self._policy.maybe_evict(self)
-        return n
+        return import_native(self, src, partial=partial, progress=progress)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
 
-        The path of ``embstore import``/``copy`` for formats carrying whole records: the
-        optimizer is bypassed, a later duplicate key in a batch wins, and the store's version
-        (and, from ``header``, step and policy state) moves forward to cover the rows.
+        The path of ``import_`` and of ``embstore import``/``copy`` for formats carrying whole
+        records: the optimizer is bypassed, a later duplicate key in a batch wins, and the
+        store's version (and, from ``header``, step and policy state) moves forward to cover
+        the rows.
         """
+        from ._transfer import load_records
+
         self._check_writable()
-        top = [self._version]
-
-        def clean():
-            for keys, recs in batches:
-                keys = self._keys(keys)
-                if len(keys) == 0:
-                    continue
-                if getattr(recs, "dtype", None) != self.layout.dtype or len(recs) != len(keys):
-                    raise SchemaMismatchError(
-                        f"records do not match the store layout {self.layout}")
-                top[0] = max(top[0], int(recs["version"].max()))
-                if not _distinct(keys):
-                    uniq, last = _unique_last(keys)
-                    keys, recs = uniq, recs[last]
-                yield keys, recs
-
-        n = self._backend.bulk_load(clean())
-        for obs in self._observers:  # bulk loads bypass _put: let indexes resync
-            if hasattr(obs, "on_bulk_load"):
-                obs.on_bulk_load()
-        self._version = max(self._version, top[0])
-        if header:
-            self.step = max(self.step, int(header.get("step", 0)))
-            self._policy.load_from_header(header.get("extra") or {})
-        if self._policy.eviction is not None:
-            self._policy.resync_rows(self)
-            self._policy.maybe_evict(self)
-        return n
+        return load_records(self, batches, header=header)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -747,79 +630,3 @@ def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
     from .api import open as _open
 
     return _open(url, **options)
-
-
-# -- vectorized helpers ----------------------------------------------------------------------------
-def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sum rows of duplicate keys: return ``(unique_keys, summed_rows, multiplicity)``.
-
-    Unique keys come out sorted. Typical batches have few duplicates, so the first occurrence
-    of each key is gathered with ``np.take`` and only the duplicate rows are added on top;
-    heavily duplicated batches (Zipf streams) use one ``reduceat`` instead.
-    """
-    n = len(keys)
-    if keys.dtype == np.int64 and (n < 2 or bool((keys[1:] > keys[:-1]).all())):
-        # already sorted and distinct (e.g. from an adapter that deduplicated the batch)
-        return keys, grads, np.ones(n, dtype=np.int64)
-    order = np.argsort(keys, kind="stable")
-    ks = keys[order]
-    newseg = np.ones(n, dtype=bool)
-    if n > 1:
-        np.not_equal(ks[1:], ks[:-1], out=newseg[1:])
-    if newseg.all():
-        return ks, np.take(grads, order, axis=0), np.ones(n, dtype=np.int64)
-    starts = np.flatnonzero(newseg)
-    mult = np.diff(np.append(starts, n))
-    ndup = n - len(starts)
-    if ndup * 4 > n:
-        summed = np.add.reduceat(np.take(grads, order, axis=0), starts, axis=0)
-    else:
-        summed = np.take(grads, order[starts], axis=0)
-        dup = ~newseg
-        seg = np.cumsum(newseg) - 1
-        np.add.at(summed, seg[dup], np.take(grads, order[dup], axis=0))
-    return ks[starts], summed, mult
-
-
-def _check_counts(counts: Any, n: int) -> np.ndarray:
-    c = np.asarray(counts)
-    if c.shape != (n,) or c.dtype.kind not in "iu" or (n and int(c.min()) < 0):
-        raise InvalidInputError(f"counts must be {n} non-negative integers, got "
-                                f"shape {c.shape} dtype {c.dtype}")
-    return c.astype(np.int64, copy=False)
-
-
-def _sum_counts(keys: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``counts`` summed per key of the sorted unique ``uniq``."""
-    if len(uniq) == len(keys) and (len(keys) < 2 or bool((keys[1:] > keys[:-1]).all())):
-        return counts
-    pos = np.searchsorted(uniq, keys)
-    return np.bincount(pos, weights=counts, minlength=len(uniq)).astype(np.int64)
-
-
-def _occurrences(keys: np.ndarray, uniq: np.ndarray) -> np.ndarray:
-    """How often each of the sorted unique ``uniq`` occurs in ``keys``."""
-    return np.bincount(np.searchsorted(uniq, keys), minlength=len(uniq)).astype(np.int64)
-
-
-def _unique_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique keys and the index of each one's first occurrence."""
-    uniq, first = np.unique(keys, return_index=True)
-    return uniq, first
-
-
-def _distinct(keys: np.ndarray) -> bool:
-    """True when no key repeats; O(n) for the sorted batches scans and exports produce."""
-    if keys.dtype == np.int64:
-        if len(keys) < 2 or (keys[1:] > keys[:-1]).all():
-            return True
-        s = np.sort(keys)  # measured ~10x faster than np.unique's hash path for int64
-        return bool((s[1:] != s[:-1]).all())
-    return len(set(keys.tolist())) == len(keys)
-
-
-def _unique_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique keys and the index of each one's last occurrence."""
-    rev = keys[::-1]
-    uniq, idx = np.unique(rev, return_index=True)
-    return uniq, len(keys) - 1 - idx

@@ -1,0 +1,84 @@
+"""Vectorized helpers over one batch of normalized keys (sorting, dedupe, coalescing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError
+
+
+def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sum rows of duplicate keys: return ``(unique_keys, summed_rows, multiplicity)``.
+
+    Unique keys come out sorted. Typical batches have few duplicates, so the first occurrence
+    of each key is gathered with ``np.take`` and only the duplicate rows are added on top;
+    heavily duplicated batches (Zipf streams) use one ``reduceat`` instead.
+    """
+    n = len(keys)
+    if keys.dtype == np.int64 and (n < 2 or bool((keys[1:] > keys[:-1]).all())):
+        # already sorted and distinct (e.g. from an adapter that deduplicated the batch)
+        return keys, grads, np.ones(n, dtype=np.int64)
+    order = np.argsort(keys, kind="stable")
+    ks = keys[order]
+    newseg = np.ones(n, dtype=bool)
+    if n > 1:
+        np.not_equal(ks[1:], ks[:-1], out=newseg[1:])
+    if newseg.all():
+        return ks, np.take(grads, order, axis=0), np.ones(n, dtype=np.int64)
+    starts = np.flatnonzero(newseg)
+    mult = np.diff(np.append(starts, n))
+    ndup = n - len(starts)
+    if ndup * 4 > n:
+        summed = np.add.reduceat(np.take(grads, order, axis=0), starts, axis=0)
+    else:
+        summed = np.take(grads, order[starts], axis=0)
+        dup = ~newseg
+        seg = np.cumsum(newseg) - 1
+        np.add.at(summed, seg[dup], np.take(grads, order[dup], axis=0))
+    return ks[starts], summed, mult
+
+
+def check_counts(counts: Any, n: int) -> np.ndarray:
+    c = np.asarray(counts)
+    if c.shape != (n,) or c.dtype.kind not in "iu" or (n and int(c.min()) < 0):
+        raise InvalidInputError(f"counts must be {n} non-negative integers, got "
+                                f"shape {c.shape} dtype {c.dtype}")
+    return c.astype(np.int64, copy=False)
+
+
+def sum_counts(keys: np.ndarray, uniq: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``counts`` summed per key of the sorted unique ``uniq``."""
+    if len(uniq) == len(keys) and (len(keys) < 2 or bool((keys[1:] > keys[:-1]).all())):
+        return counts
+    pos = np.searchsorted(uniq, keys)
+    return np.bincount(pos, weights=counts, minlength=len(uniq)).astype(np.int64)
+
+
+def occurrences(keys: np.ndarray, uniq: np.ndarray) -> np.ndarray:
+    """How often each of the sorted unique ``uniq`` occurs in ``keys``."""
+    return np.bincount(np.searchsorted(uniq, keys), minlength=len(uniq)).astype(np.int64)
+
+
+def unique_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys and the index of each one's first occurrence."""
+    uniq, first = np.unique(keys, return_index=True)
+    return uniq, first
+
+
+def distinct(keys: np.ndarray) -> bool:
+    """True when no key repeats; O(n) for the sorted batches scans and exports produce."""
+    if keys.dtype == np.int64:
+        if len(keys) < 2 or (keys[1:] > keys[:-1]).all():
+            return True
+        s = np.sort(keys)  # measured ~10x faster than np.unique's hash path for int64
+        return bool((s[1:] != s[:-1]).all())
+    return len(set(keys.tolist())) == len(keys)
+
+
+def unique_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys and the index of each one's last occurrence."""
+    rev = keys[::-1]
+    uniq, idx = np.unique(rev, return_index=True)
+    return uniq, len(keys) - 1 - idx

@@ -1,0 +1,115 @@
+"""Whole-table transfer for the engine: native export, native import, bulk record loads.
+
+Kept apart from ``store.py`` because none of it is on a training hot path; the engine's
+``export``/``import_``/``load_records`` methods validate state and delegate here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+from ._batch import distinct, unique_last
+from .errors import CorruptFileError, SchemaMismatchError
+from .io.native import NativeReader, NativeWriter
+from .policies.tombstones import decode_keys, encode_keys
+from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from .store import EmbeddingStore
+
+_MAX_HEADER_DELETIONS = 1 << 20  # keeps the JSON header within the native format's limit
+
+
+def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
+                  since: int | None, batch_size: int, progress: bool) -> int:
+    src = (store.records(batch_size) if since is None
+           else store.changes_since(since, batch_size))
+    header = store.meta
+    header["since"] = since
+    if since is not None:
+        gone, complete = store.deletions_since(since)
+        if len(gone) > _MAX_HEADER_DELETIONS:
+            gone, complete = gone[:0], False
+        header["deleted"] = encode_keys(gone, store.key_type)
+        header["deletions_complete"] = complete
+    # background: scans yield fresh arrays, so checksum+write can overlap the next scan
+    with NativeWriter(dest, header, background=True) as w, progress_bar(
+        total=len(store) if since is None else None, enabled=progress, desc="export"
+    ) as bar:
+        for keys, recs in src:
+            w.write(keys, recs)
+            bar.update(len(keys))
+    return w.rows
+
+
+def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | bytes, *,
+                  partial: bool, progress: bool) -> int:
+    with NativeReader(src) as reader:
+        if reader.key_type != store.key_type:
+            raise SchemaMismatchError(
+                f"file has {reader.key_type} keys, the store has {store.key_type} keys"
+            )
+        if reader.layout != store.layout:
+            raise SchemaMismatchError(
+                f"file layout {reader.layout} differs from the store's {store.layout}"
+            )
+        total = None if partial else reader.verify()
+        header = reader.header
+        if header.get("deletions_complete") is False:
+            warnings.warn(f"{reader.name}: this delta does not carry every deletion since "
+                          "its base version; rows deleted at the source may remain here "
+                          "(sync from a full export)", stacklevel=3)
+        if header.get("deleted"):
+            # A delta carries the keys deleted since its base version: apply them first,
+            # so rows re-created after the delete (in the delta's rows) survive.
+            gone = decode_keys(header["deleted"], store.key_type)
+            for i in range(0, len(gone), 65536):
+                store._delete(gone[i:i + 65536])
+
+        def checked(bar: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for keys, recs in reader:
+                if not np.isfinite(recs["vector"]).all():
+                    raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
+                bar.update(len(keys))
+                yield keys, recs
+
+        with progress_bar(total=total, enabled=progress, desc="import") as bar:
+            return load_records(store, checked(bar), header=header)
+
+
+def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]], *,
+                 header: dict[str, Any] | None = None) -> int:
+    top = [store._version]
+
+    def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for keys, recs in batches:
+            keys = store._keys(keys)
+            if len(keys) == 0:
+                continue
+            if getattr(recs, "dtype", None) != store.layout.dtype or len(recs) != len(keys):
+                raise SchemaMismatchError(
+                    f"records do not match the store layout {store.layout}")
+            top[0] = max(top[0], int(recs["version"].max()))
+            if not distinct(keys):
+                uniq, last = unique_last(keys)
+                keys, recs = uniq, recs[last]
+            yield keys, recs
+
+    n = store._backend.bulk_load(clean())
+    for obs in store._observers:  # bulk loads bypass _put: let indexes resync
+        if hasattr(obs, "on_bulk_load"):
+            obs.on_bulk_load()
+    store._version = max(store._version, top[0])
+    policy = store._policy
+    if header:
+        store.step = max(store.step, int(header.get("step", 0)))
+        policy.load_from_header(header.get("extra") or {})
+    if policy.eviction is not None:
+        policy.resync_rows(store)
+        policy.maybe_evict(store)
+    return n

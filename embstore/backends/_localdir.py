@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
+import numpy as np
+
 from ..errors import BackendError, InvalidURLError
 
 
@@ -81,3 +83,36 @@ def make_store_dir(path: str) -> str | None:
     except OSError as e:
         raise BackendError(f"cannot create store directory {path}: {e}") from e
     return top
+
+
+def sorted_last_wins(pending: list[tuple[np.ndarray, np.ndarray]],
+                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate bulk-load batches, sort by key, keep the last row of each duplicate key.
+
+    Returns keys and the records as a 1-D array of opaque ``void`` items (gathering those is a
+    plain memory copy, several times faster than gathering a structured dtype). int64 keys
+    sort numerically, which is the order of their big-endian sign-flipped encoding; bytes
+    keys sort bytewise.
+    """
+    void = np.dtype((np.void, dtype.itemsize))
+    keys = np.concatenate([k for k, _ in pending])
+    recs = np.concatenate([np.ascontiguousarray(r, dtype=dtype).view(void) for _, r in pending])
+    if keys.dtype == np.int64:
+        if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()):
+            return keys, recs  # already sorted and unique (e.g. an export of a sorted store)
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        idx = order[np.append(sk[1:] != sk[:-1], True)]
+    else:
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        last = {keys[i]: i for i in order}
+        idx = np.fromiter(last.values(), dtype=np.intp, count=len(last))
+    return keys[idx], np.take(recs, idx)
+
+
+def as_void(records: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Records (structured, or already ``void`` items) as a contiguous 1-D ``void`` array."""
+    void = np.dtype((np.void, dtype.itemsize))
+    if records.dtype == void:
+        return np.ascontiguousarray(records)
+    return np.ascontiguousarray(records, dtype=dtype).view(void)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
-from ._localdir import check_store_dir, make_store_dir, parse_dir_url
+from ._localdir import as_void, check_store_dir, make_store_dir, parse_dir_url, sorted_last_wins
 from .base import Backend
 
 try:
@@ -362,9 +362,7 @@ class LmdbBackend(Backend):
                 f"bytes keys longer than {self._require_env().max_key_size() - 1} bytes do not "
                 "fit an LMDB store"
             )
-        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
-        vals = recs.view(np.dtype((np.void, self._itemsize))).tolist()
-        return enc, vals
+        return enc, as_void(records, self.layout.dtype).tolist()
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
@@ -445,18 +443,8 @@ class LmdbBackend(Backend):
         return total
 
     def _write_sorted(self, pending: list[tuple[np.ndarray, np.ndarray]]) -> int:
-        keys = np.concatenate([k for k, _ in pending])
-        recs = np.concatenate([r for _, r in pending])
-        # Sorted and de-duplicated (the last occurrence wins, as with put()).
-        if self.key_type == "int64":
-            order = np.argsort(keys, kind="stable")
-            sk = keys[order]
-            idx = order[np.append(sk[1:] != sk[:-1], True)]
-        else:
-            order = sorted(range(len(keys)), key=keys.__getitem__)
-            last = {keys[i]: i for i in order}
-            idx = np.fromiter(last.values(), dtype=np.intp, count=len(last))
-        enc, vals = self._pairs(keys[idx], recs[idx])
+        keys, recs = sorted_last_wins(pending, self.layout.dtype)
+        enc, vals = self._pairs(keys, recs)
         for i in range(0, len(enc), _BULK_TXN_ROWS):
             part = list(zip(enc[i:i + _BULK_TXN_ROWS], vals[i:i + _BULK_TXN_ROWS]))
 

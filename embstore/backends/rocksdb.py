@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
-from ._localdir import check_store_dir, make_store_dir, parse_dir_url
+from ._localdir import as_void, check_store_dir, make_store_dir, parse_dir_url, sorted_last_wins
 from .base import Backend
 
 try:
@@ -313,8 +313,7 @@ class RocksDBBackend(Backend):
         return self._fetch(keys)[1]
 
     def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
-        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
-        return self._encode(keys), recs.view(np.dtype((np.void, self._itemsize))).tolist()
+        return self._encode(keys), as_void(records, self.layout.dtype).tolist()
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
@@ -389,19 +388,9 @@ class RocksDBBackend(Backend):
         return total
 
     def _ingest(self, db: rd.Rdict, pending: list, tmpdir: str) -> int:
-        keys = np.concatenate([k for k, _ in pending])
-        recs = np.concatenate([r for _, r in pending])
         # Later batches win on duplicate keys, as with put(): keep the last occurrence.
-        if self.key_type == "int64":
-            u = keys.view(np.uint64) ^ _SIGN
-            order = np.argsort(u, kind="stable")
-            su = u[order]
-            idx = order[np.append(su[1:] != su[:-1], True)]
-        else:
-            order = sorted(range(len(keys)), key=keys.__getitem__)
-            last = {keys[i]: i for i in order}
-            idx = np.fromiter(last.values(), dtype=np.intp, count=len(last))
-        enc, vals = self._pairs(keys[idx], recs[idx])
+        keys, recs = sorted_last_wins(pending, self.layout.dtype)
+        enc, vals = self._pairs(keys, recs)
         path = os.path.join(tmpdir, f"chunk{self.counters['sst_ingests']}.sst")
         try:
             writer = rd.SstFileWriter(_options(self._cache_mb, self._bloom, True))

@@ -178,7 +178,8 @@ def run(emu, n_keys: int, n_reads: int, n_client: int, inflight: int) -> int:
         sl = slice(b * BATCH, (b + 1) * BATCH)
         for name, put, limit in rotate(writers, b):
             if b * BATCH < limit:
-                w[name].add(len(keys[sl]), timed(lambda put=put: put(keys[sl], recs[sl])))
+                w[name].add(len(keys[sl]),
+                            timed(lambda put=put, sl=sl: put(keys[sl], recs[sl])))
         progress("write", b, n_batches, w)
     stores["backend"].flush()
 
@@ -215,7 +216,7 @@ def run(emu, n_keys: int, n_reads: int, n_client: int, inflight: int) -> int:
     for b in range(n_batches):
         ks = sample[b * BATCH:(b + 1) * BATCH]
         for name, get in rotate(readers, b):
-            rd[name].add(len(ks), timed(lambda get=get: get(ks)))
+            rd[name].add(len(ks), timed(lambda get=get, ks=ks: get(ks)))
         progress("read", b, n_batches, rd)
     loop.run_until_complete(aclient.close())
     loop.close()

@@ -366,7 +366,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("\nsummary (store / raw, target >= 0.80x):")
-    for name, rs, rr, ratio in results:
+    for name, _rs, _rr, ratio in results:
         flag = "ok" if ratio >= 0.8 else "BELOW"
         print(f"  {name:<40} {ratio:5.2f}x  {flag}")
 

@@ -70,7 +70,7 @@ def bench_update(n_rows: int, n_batches: int) -> None:
         opt = theirs(emb.parameters())
         tb = [(torch.from_numpy(k), torch.from_numpy(g)) for k, g in batches]
 
-        def grads_of(k, g):
+        def grads_of(k, g, emb=emb, opt=opt):
             opt.zero_grad()
             emb(k).backward(g)
             return emb.weight.grad
@@ -78,14 +78,14 @@ def bench_update(n_rows: int, n_batches: int) -> None:
         # Step only: prebuilt sparse gradients (uncoalesced, as backward leaves them).
         sparse = [grads_of(k, g).clone() for k, g in tb]
 
-        def step_only(grad):
+        def step_only(grad, emb=emb, opt=opt):
             emb.weight.grad = grad
             opt.step()
 
         step_only(sparse[0])
         step_rate = _median_rate(step_only, [(s,) for s in sparse], BATCH)
 
-        def bwd_step(k, g):
+        def bwd_step(k, g, emb=emb, opt=opt):
             opt.zero_grad()
             emb(k).backward(g)
             opt.step()
@@ -93,7 +93,7 @@ def bench_update(n_rows: int, n_batches: int) -> None:
         full_rate = _median_rate(bwd_step, tb, BATCH)
         print(f"{name:<10}{ours_rate:>18,.0f}{step_rate:>20,.0f}{full_rate:>17,.0f}"
               f"{ours_rate / step_rate:>14.2f}x{ours_rate / full_rate:>12.2f}x")
-        del emb, opt, sparse
+        emb = opt = sparse = None  # noqa: F841 - free before the next optimizer
         gc.collect()
 
 

@@ -42,7 +42,7 @@ class TopK:
         self.nq, self.k = nq, k
         self.scores = np.full((nq, k), -np.inf, dtype=np.float32)
         self.keys = np.zeros((nq, k), dtype=key_dtype)
-        if key_dtype == object:
+        if np.dtype(key_dtype).kind == "O":
             self.keys[:] = b""
         self.filled = 0  # valid columns, the same for every row
         # Candidates that passed the threshold wait here and are merged in bulk: once the

@@ -7,9 +7,9 @@ import pickle
 
 import numpy as np
 import pytest
+from embstore._cython.cuckoo import CuckooTable, RecordArena
 
 import embstore
-from embstore._cython.cuckoo import CuckooTable, RecordArena
 from embstore.testing.conformance import StoreConformance
 
 

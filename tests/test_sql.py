@@ -252,7 +252,7 @@ def test_changes_since_uses_version_index(url_factory):
         got = [k for ks, _ in s.changes_since(v, batch_size=10) for k in ks.tolist()]
         assert sorted(got) == sorted(set(range(0, 1000, 7)) | {5000, 5001})
         assert len(got) == len(set(got)), "pages must not repeat rows"
-        for ks, recs in s.changes_since(v, batch_size=50):
+        for _ks, recs in s.changes_since(v, batch_size=50):
             assert (recs["version"] > v).all()
         assert list(s.changes_since(s.version)) == []
         plan = s.backend.changes_plan(v)

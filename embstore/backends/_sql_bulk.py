@@ -1,9 +1,10 @@
 """Bulk import for the SQL backend: one transaction, the dialect's fastest write path.
 
 Into an empty table the version index is dropped and rebuilt after the load (one sort instead of
-a random index insert per row). PostgreSQL with int64 keys streams binary COPY (rows built by numpy) straight into an empty
-table. COPY cannot overwrite, so a compiled hash set of the keys sent so far watches for a key
-that repeats across batches; from that batch on, the load continues with upserts in the same
+a random index insert per row). PostgreSQL with int64 keys streams binary COPY (rows built
+by numpy) straight into an empty table. COPY cannot overwrite, so a compiled hash set of the
+keys sent so far watches for a key that repeats across batches; from that batch on, the load
+continues with upserts in the same
 transaction (the later record wins, as with ``put``). Every other case upserts batch by batch.
 """
 

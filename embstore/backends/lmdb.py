@@ -399,7 +399,6 @@ class LmdbBackend(Backend):
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._rec_db is None:
             return
-        dt = self.layout.dtype
         last: bytes | None = None
         # One short read transaction per batch, resumed after the last key seen, so a long
         # iteration neither pins old pages (the file would grow) nor blocks a map resize.

@@ -96,7 +96,7 @@ class SlotTable:
         self.stamp[slots] = 0
         self.freq[slots] = 0
         self.dirty[slots] = False
-        if self.key_dtype == object:
+        if self.key_dtype.kind == "O":
             self.keys[slots] = None  # release the bytes objects
         self.live -= len(slots)
 

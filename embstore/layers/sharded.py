@@ -269,8 +269,8 @@ class ShardedBackend(Backend):
         n = 0
         for keys, recs in batches:
             parts = self._partition(keys)
-            self._map(lambda p: self.shards[p[0]].bulk_load(iter([(keys[p[1]],
-                                                                   recs[p[1]])])), parts)
+            self._map(lambda p, k=keys, r=recs: self.shards[p[0]].bulk_load(
+                iter([(k[p[1]], r[p[1]])])), parts)
             n += len(keys)
         return n
 

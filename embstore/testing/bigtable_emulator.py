@@ -73,9 +73,10 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"cbtemulator did not listen on port {port} in {timeout} s")
+                raise TimeoutError(
+                    f"cbtemulator did not listen on port {port} in {timeout} s") from e
             time.sleep(0.01)
 
 

@@ -73,7 +73,7 @@ class StoreConformance:
             except Exception:  # noqa: BLE001 - cleanup must not mask the test's own failure
                 pass
 
-    # -- helpers ------------------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     def open(self, url: str | None = None, **kw: Any) -> embstore.EmbeddingStore:
         opts = {**self.open_options, **kw}
         if url is None:
@@ -92,7 +92,7 @@ class StoreConformance:
         if not store.backend.persistent:
             pytest.skip("backend is not persistent")
 
-    # -- round trips ----------------------------------------------------------------------------------
+    # -- round trips -------------------------------------------------------------------------------
     def test_lookup_inserts_and_returns_same_vectors(self):
         s = self.open()
         keys = np.array([5, -3, 2**62, 0, -(2**63)], dtype=np.int64)
@@ -145,7 +145,7 @@ class StoreConformance:
         assert len(s) == len(keys)
         np.testing.assert_array_equal(s.lookup(keys, insert=False), vals)
 
-    # -- update ---------------------------------------------------------------------------------------
+    # -- update ------------------------------------------------------------------------------------
     def test_update_sums_duplicates_then_steps(self):
         s = self.open(optimizer=embstore.optim.SGD(lr=0.5))
         keys = [1, 2, 1, 3]
@@ -178,7 +178,7 @@ class StoreConformance:
         changed = {k for keys, _ in s.changes_since(v1) for k in keys.tolist()}
         assert changed == {2}
 
-    # -- assign / delete ------------------------------------------------------------------------------
+    # -- assign / delete ---------------------------------------------------------------------------
     def test_assign_sets_vectors_last_wins(self):
         s = self.open()
         vals = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
@@ -209,7 +209,7 @@ class StoreConformance:
         for kk, vv in zip(keys.tolist(), vals):
             np.testing.assert_array_equal(seen[kk], vv)
 
-    # -- bad input ------------------------------------------------------------------------------------
+    # -- bad input ---------------------------------------------------------------------------------
     def test_bad_input_raises_and_leaves_data_unchanged(self):
         s = self.open()
         s.assign([1, 2], np.ones((2, DIM)))
@@ -254,7 +254,7 @@ class StoreConformance:
             with pytest.raises(StoreClosedError):
                 call()
 
-    # -- persistence ----------------------------------------------------------------------------------
+    # -- persistence -------------------------------------------------------------------------------
     def test_reopen_returns_exact_records(self):
         s = self.open(optimizer=embstore.optim.SGD(lr=0.1))
         self.require_persistent(s)
@@ -315,7 +315,7 @@ class StoreConformance:
         np.testing.assert_array_equal(clone.lookup([1, 2], insert=False),
                                       np.full((2, DIM), 3.0, np.float32))
 
-    # -- init determinism -----------------------------------------------------------------------------
+    # -- init determinism --------------------------------------------------------------------------
     def test_initial_vectors_depend_only_on_seed_and_key(self):
         a = self.open(seed=7)
         b = self.open(seed=7)
@@ -326,7 +326,7 @@ class StoreConformance:
         np.testing.assert_array_equal(va, vb)
         assert not np.array_equal(va, c.lookup(keys))
 
-    # -- export / import ------------------------------------------------------------------------------
+    # -- export / import ---------------------------------------------------------------------------
     def test_export_import_reproduces_records(self, tmp_path):
         s = self.open(optimizer=embstore.optim.SGD(lr=0.2))
         s.lookup(np.arange(300))
@@ -377,7 +377,7 @@ class StoreConformance:
             t.import_(buf.getvalue())
         assert len(t) == 0
 
-    # -- stats ----------------------------------------------------------------------------------------
+    # -- stats -------------------------------------------------------------------------------------
     def test_stats_count_operations(self):
         s = self.open()
         s.lookup([1, 2, 3])
@@ -390,7 +390,7 @@ class StoreConformance:
         assert st["rows"] == 3
         assert math.isclose(st["hit_rate"], 0.2)
 
-    # -- model-based ----------------------------------------------------------------------------------
+    # -- model-based -------------------------------------------------------------------------------
     def test_state_machine_against_dict_model(self):
         from hypothesis import HealthCheck, settings
         from hypothesis.stateful import run_state_machine_as_test

@@ -312,6 +312,14 @@ class EmbeddingStore:
                 self._policy.maybe_evict(self)
         return vectors
 
+    def prefetch(self, keys: Any) -> None:
+        """Load the rows of ``keys`` in the background while the current step computes (with
+        a cache layer; other backends ignore the hint). Call it with the next batch's keys."""
+        self._check_open()
+        k = self._keys(keys)
+        if len(k):
+            self._backend.prefetch(k)
+
     def contains(self, keys: Any) -> np.ndarray:
         """A ``(n,)`` bool array: which keys have a stored record."""
         self._check_open()

@@ -134,6 +134,10 @@ class Backend(abc.ABC):
             n += len(keys)
         return n
 
+    def prefetch(self, keys: np.ndarray) -> None:  # noqa: B027 - optional hook
+        """Hint that ``keys`` are needed soon; a cache layer loads them in the background.
+        Backends without a use for the hint ignore it."""
+
     def clear(self) -> None:
         """Delete every record (metadata is kept)."""
         for keys, _ in list(self.scan()):

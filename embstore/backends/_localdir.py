@@ -7,6 +7,7 @@ to something else is refused with nothing created or touched.
 from __future__ import annotations
 
 import os
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -116,3 +117,45 @@ def as_void(records: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if records.dtype == void:
         return np.ascontiguousarray(records)
     return np.ascontiguousarray(records, dtype=dtype).view(void)
+
+
+class FetchedRecords:
+    """Row reads for key-value backends whose ``_fetch(keys)`` returns the concatenated bytes
+    of the records found (in request order) and the found mask."""
+
+    _itemsize: int
+    layout: Any
+
+    def _fetch(self, keys: np.ndarray) -> tuple[bytearray, np.ndarray]:
+        raise NotImplementedError
+
+    def _found(self, vals: list, buf: bytearray) -> np.ndarray:
+        # Every stored record has the layout's size, so a full-length result means all hits
+        # and the per-value lengths are only needed when some keys missed.
+        if len(buf) == len(vals) * self._itemsize:
+            return np.ones(len(vals), dtype=bool)
+        return np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        dt = self.layout.dtype
+        got = np.frombuffer(buf, dtype=dt)
+        if len(got) == len(keys):
+            return got, found
+        recs = np.zeros(len(keys), dtype=dt)
+        recs[found] = got
+        return recs, found
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        dt = self.layout.dtype
+        fdt = dt.fields[field][0]
+        got = np.frombuffer(buf, dtype=dt)[field]
+        if len(got) == len(keys):
+            return np.ascontiguousarray(got), found
+        out = np.zeros((len(keys),) + fdt.shape, dtype=fdt.base)
+        out[found] = got
+        return out, found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self._fetch(keys)[1]

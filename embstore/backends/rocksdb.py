@@ -27,7 +27,14 @@ import numpy as np
 
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
-from ._localdir import as_void, check_store_dir, make_store_dir, parse_dir_url, sorted_last_wins
+from ._localdir import (
+    FetchedRecords,
+    as_void,
+    check_store_dir,
+    make_store_dir,
+    parse_dir_url,
+    sorted_last_wins,
+)
 from .base import Backend
 
 try:
@@ -77,7 +84,7 @@ class _Shared:
 _POOL: dict[str, _Shared] = {}
 
 
-class RocksDBBackend(Backend):
+class RocksDBBackend(FetchedRecords, Backend):
     """Row store in a RocksDB directory.
 
     Parameters
@@ -280,37 +287,6 @@ class RocksDBBackend(Backend):
             raise SchemaMismatchError(f"{self.url}: stored records are not {self._itemsize} "
                                       "bytes long; the data was written with another layout")
         return buf, found
-
-    def _found(self, vals: list, buf: bytearray) -> np.ndarray:
-        # Every stored record has the layout's size, so a full-length result means all hits
-        # and the per-value lengths are only needed when some keys missed.
-        if len(buf) == len(vals) * self._itemsize:
-            return np.ones(len(vals), dtype=bool)
-        return np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
-
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        dt = self.layout.dtype
-        got = np.frombuffer(buf, dtype=dt)
-        if len(got) == len(keys):
-            return got, found
-        recs = np.zeros(len(keys), dtype=dt)
-        recs[found] = got
-        return recs, found
-
-    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        dt = self.layout.dtype
-        fdt = dt.fields[field][0]
-        got = np.frombuffer(buf, dtype=dt)[field]
-        if len(got) == len(keys):
-            return np.ascontiguousarray(got), found
-        out = np.zeros((len(keys),) + fdt.shape, dtype=fdt.base)
-        out[found] = got
-        return out, found
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        return self._fetch(keys)[1]
 
     def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
         return self._encode(keys), as_void(records, self.layout.dtype).tolist()

@@ -1,26 +1,33 @@
 """Import/export throughput vs numpy/pyarrow directly, and ``embstore copy`` vs raw LMDB.
 
 Measured side by side in one run (1M records x dim 64, SGD layout = 288-byte records;
-``--quick``: 100k):
+``--quick``: 100k). Every row is ``embstore`` vs a raw baseline; ours and the baseline run
+alternately (ours, raw, ours, raw, ...) so that a change of machine load hits both, and each
+timing is the best of ``--repeat``. Ratio = embstore throughput / raw throughput (target >= 0.7).
 
-- ``native export``: ``embstore export`` of a ``memory://`` store (scan + chunked, checksummed,
-  fsynced file) vs ``np.save`` of the same keys and records arrays + fsync (arrays already in
-  memory), and vs scanning the store + ``np.save`` + fsync.
-- ``native import``: ``embstore import`` of that file into an empty ``memory://`` store (pass 1
-  validates every checksum, key and value; pass 2 loads) vs ``np.load`` of the same arrays,
-  and vs ``np.load`` + loading those arrays into the same kind of store (``load_records``).
-- ``parquet export/import``: the same through Parquet vs ``pyarrow.parquet.write_table`` /
-  ``read_table`` (+ conversion to numpy, and + loading into the same kind of store) of a table
-  with the same columns, row-group size and compression.
+Baselines of the file formats (all printed, so no favourable one stands alone):
+
+- ``[same work]`` -- the raw tools doing everything the embstore command does. Export: the
+  rows taken out of the store, written with ``np.save`` / ``pq.write_table``, fsynced.
+  Import: the file read with ``np.load`` / ``pq.read_table`` **and loaded into the same kind
+  of store** (``load_records`` into ``memory://``): an import ends with the rows in a store,
+  so reading alone is not the same work. This is the comparison the performance target
+  (issue 8: >= 0.7x) is checked against.
+- ``[arrays only]`` -- export vs ``np.save`` of keys/records arrays that are already in memory
+  (the baseline skips taking the rows out of the store).
+- ``[read only]`` -- file to numpy arrays, no store: ``NativeReader`` / ``ParquetReader``
+  (which verify checksums / row shapes on the way) vs bare ``np.load`` / ``pq.read_table`` +
+  ``to_numpy`` (which check nothing). It shows the format's own overhead; for the native
+  format that is mostly the CRC-32 pass over every byte (np.load is one memcpy from the page
+  cache), computed in a thread beside the file read.
+
 - ``lmdb copy``: ``embstore copy`` between two LMDB stores vs the raw LMDB bulk copy (cursor
   walk of the source ``records`` database, ``putmulti(append=True)`` into a fresh environment,
   same durability, one commit per 128k rows).
 
-Ratios are embstore/raw throughput (target >= 0.7). Every timing is the best of ``--repeat``.
-
 Usage::
 
-    python bench/bench_io.py [--quick] [--repeat 2]
+    python bench/bench_io.py [--quick] [--repeat 3] [--only native,parquet,lmdb]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import numpy as np
 
 import embstore
 from embstore.cli import main as cli
+from embstore.io.native import NativeReader
 from embstore.io.transfer import export_file, import_file
 
 DIM = 64
@@ -50,6 +58,15 @@ def best(fn, repeat: int, setup=None) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def pair(ours, raw, repeat: int, setup=None) -> tuple[float, float]:
+    """Best times of ``ours`` and ``raw``, run alternately so load changes hit both alike."""
+    t_ours, t_raw = [], []
+    for _ in range(repeat):
+        t_ours.append(best(ours, 1, setup))
+        t_raw.append(best(raw, 1, setup))
+    return min(t_ours), min(t_raw)
 
 
 def fsync(path: str) -> None:
@@ -78,9 +95,13 @@ def make_store(n: int) -> tuple[embstore.EmbeddingStore, np.ndarray, np.ndarray]
     return store, keys, recs
 
 
+RATIOS: dict[str, float] = {}
+
+
 def row(name: str, n: int, t_ours: float, t_raw: float, what: str) -> None:
     ours, raw = n / t_ours, n / t_raw
-    print(f"{name:<26} {ours / 1e6:8.2f}M rows/s   {what:<44} {raw / 1e6:8.2f}M rows/s   "
+    RATIOS[name] = ours / raw
+    print(f"{name:<29} {ours / 1e6:6.2f}M rows/s   vs {what:<50} {raw / 1e6:6.2f}M rows/s   "
           f"ratio {ours / raw:5.2f}")
 
 
@@ -88,6 +109,10 @@ def bench_native(store, keys, recs, d: str, repeat: int) -> None:
     n = len(keys)
     path = os.path.join(d, "t.emb")
     kp, rp = os.path.join(d, "k.npy"), os.path.join(d, "r.npy")
+
+    def fresh():  # every run writes new files, like export
+        for p in (path, kp, rp):
+            rm(p)
 
     def raw_save():
         np.save(kp, keys)
@@ -103,11 +128,15 @@ def bench_native(store, keys, recs, d: str, repeat: int) -> None:
         fsync(kp)
         fsync(rp)
 
-    t_exp = best(lambda: export_file(store, path), repeat, lambda: rm(path))
-    t_save = best(raw_save, repeat, lambda: (rm(kp), rm(rp)))  # fresh files, like export
-    row("native export", n, t_exp, t_save, "np.save keys+records (+fsync)")
-    row("native export", n, t_exp, best(raw_scan_save, repeat, lambda: (rm(kp), rm(rp))),
-        "store scan + np.save (+fsync)")
+    def ours_export():
+        export_file(store, path)
+
+    row("native export [same work]", n, *pair(ours_export, raw_scan_save, repeat, fresh),
+        "store scan + np.save keys+records (+fsync)")
+    row("native export [arrays only]", n, *pair(ours_export, raw_save, repeat, fresh),
+        "np.save of arrays in memory (+fsync)")
+    ours_export()
+    raw_save()
 
     def ours():
         dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
@@ -115,36 +144,44 @@ def bench_native(store, keys, recs, d: str, repeat: int) -> None:
         assert len(dst) == n
         dst.close()
 
-    def raw_load():
-        np.load(kp)
-        np.load(rp)
-
     def raw_load_store():
         k, r = np.load(kp), np.load(rp)
         dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
         dst.load_records((k[i:i + 65536], r[i:i + 65536]) for i in range(0, n, 65536))
+        assert len(dst) == n
         dst.close()
 
-    t_imp = best(ours, repeat)
-    row("native import", n, t_imp, best(raw_load, repeat), "np.load keys+records")
-    row("native import", n, t_imp, best(raw_load_store, repeat),
+    def ours_read():
+        with NativeReader(path) as r:
+            for _k, _r in r:
+                pass
+
+    def raw_load():
+        np.load(kp)
+        np.load(rp)
+
+    row("native import [same work]", n, *pair(ours, raw_load_store, repeat),
         "np.load + load_records into memory://")
-    for p in (path, kp, rp):
-        rm(p)
+    row("native read   [read only]", n, *pair(ours_read, raw_load, repeat),
+        "np.load keys+records (no checksum, no store)")
+    fresh()
 
 
 def bench_parquet(store, keys, recs, d: str, repeat: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from embstore.io.parquet import ParquetReader
+
     n = len(keys)
     path, rawp = os.path.join(d, "t.parquet"), os.path.join(d, "raw.parquet")
+    metas = ("count", "last_seen", "last_step", "version")
 
     def table():
         cols = {"key": pa.array(keys),
                 "vector": pa.FixedSizeListArray.from_arrays(
                     pa.array(np.ascontiguousarray(recs["vector"]).reshape(-1)), DIM)}
-        for name in ("count", "last_seen", "last_step", "version"):
+        for name in metas:
             cols[name] = pa.array(np.ascontiguousarray(recs[name]))
         return pa.table(cols)
 
@@ -153,9 +190,15 @@ def bench_parquet(store, keys, recs, d: str, repeat: int) -> None:
         pq.write_table(table(), rawp, row_group_size=65536, compression="snappy")
         fsync(rawp)
 
-    t_exp = best(lambda: export_file(store, path), repeat, lambda: rm(path))
-    row("parquet export", n, t_exp, best(raw_write, repeat, lambda: rm(rawp)),
-        "pq.write_table same columns")
+    def fresh():
+        rm(path)
+        rm(rawp)
+
+    row("parquet export [same work]", n,
+        *pair(lambda: export_file(store, path), raw_write, repeat, fresh),
+        "arrays -> pq.write_table same columns (+fsync)")
+    export_file(store, path)
+    raw_write()
 
     def ours():
         dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
@@ -167,26 +210,36 @@ def bench_parquet(store, keys, recs, d: str, repeat: int) -> None:
         t = pq.read_table(rawp)
         t.column("key").to_numpy()
         t.column("vector").combine_chunks().flatten().to_numpy().reshape(-1, DIM)
-        for name in ("count", "last_seen", "last_step", "version"):
+        for name in metas:
             t.column(name).to_numpy()
 
     def raw_read_store():
+        # pyarrow's whole-file (multi-threaded) read, records built batch by batch, loaded
         t = pq.read_table(rawp)
-        r = store.layout.empty(n)
-        r["vector"] = t.column("vector").combine_chunks().flatten().to_numpy().reshape(-1, DIM)
-        for name in ("count", "last_seen", "last_step", "version"):
-            r[name] = t.column(name).to_numpy()
-        k = t.column("key").to_numpy()
+
+        def batches():
+            for b in t.to_batches(max_chunksize=65536):
+                r = store.layout.empty(b.num_rows)
+                r["vector"] = b.column(1).flatten().to_numpy().reshape(-1, DIM)
+                for j, name in enumerate(metas):
+                    r[name] = b.column(2 + j).to_numpy()
+                yield b.column(0).to_numpy(), r
+
         dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
-        dst.load_records((k[i:i + 65536], r[i:i + 65536]) for i in range(0, n, 65536))
+        dst.load_records(batches())
+        assert len(dst) == n
         dst.close()
 
-    t_imp = best(ours, repeat)
-    row("parquet import", n, t_imp, best(raw_read, repeat), "pq.read_table + to_numpy")
-    row("parquet import", n, t_imp, best(raw_read_store, repeat),
+    def ours_read():
+        with ParquetReader(path) as r:
+            for _c in r.chunks(65536):
+                pass
+
+    row("parquet import [same work]", n, *pair(ours, raw_read_store, repeat),
         "pq.read_table + load_records into memory://")
-    rm(path)
-    rm(rawp)
+    row("parquet read   [read only]", n, *pair(ours_read, raw_read, repeat),
+        "pq.read_table + to_numpy (no store)")
+    fresh()
 
 
 def bench_lmdb_copy(store, keys, d: str, repeat: int) -> None:
@@ -220,17 +273,18 @@ def bench_lmdb_copy(store, keys, d: str, repeat: int) -> None:
         denv.close()
         senv.close()
 
-    t_ours = best(ours, repeat, lambda: rm(dst_dir))
-    t_raw = best(raw, repeat, lambda: rm(dst_dir))
-    row("lmdb copy", n, t_ours, t_raw, "raw LMDB cursor -> putmulti(append)")
+    row("lmdb copy      [same work]", n, *pair(ours, raw, repeat, lambda: rm(dst_dir)),
+        "raw LMDB cursor -> putmulti(append)")
     rm(dst_dir)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100k records instead of 1M")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--only", default="native,parquet,lmdb",
+                    help="comma-separated sections to run (default: all)")
     args = ap.parse_args()
     n = 100_000 if args.quick else 1_000_000
     d = tempfile.mkdtemp(prefix="bench-io-", dir=args.dir)
@@ -238,9 +292,16 @@ def main() -> None:
         store, keys, recs = make_store(n)
         print(f"{n} records x dim {DIM} ({store.layout.itemsize} bytes each), "
               f"best of {args.repeat}")
-        bench_native(store, keys, recs, d, args.repeat)
-        bench_parquet(store, keys, recs, d, args.repeat)
-        bench_lmdb_copy(store, keys, d, args.repeat)
+        if "native" in args.only:
+            bench_native(store, keys, recs, d, args.repeat)
+        if "parquet" in args.only:
+            bench_parquet(store, keys, recs, d, args.repeat)
+        if "lmdb" in args.only:
+            bench_lmdb_copy(store, keys, d, args.repeat)
+        target = {k: v for k, v in RATIOS.items() if "[same work]" in k}
+        low = [f"{k.split('[')[0].strip()} {v:.2f}" for k, v in target.items() if v < 0.7]
+        print(f"target >= 0.7 on the [same work] rows: "
+              f"{'met by all ' + str(len(target)) if not low else 'missed by ' + ', '.join(low)}")
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

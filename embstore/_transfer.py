@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from .store import EmbeddingStore
 
 _MAX_HEADER_DELETIONS = 1 << 20  # keeps the JSON header within the native format's limit
+# Checked chunks kept in memory during a native import (as the CLI's --cache-mb): a file that
+# fits is read once; a bigger one is read twice in constant memory.
+_CACHE_BYTES = 512 << 20
 
 
 def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
@@ -58,7 +61,14 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             raise SchemaMismatchError(
                 f"file layout {reader.layout} differs from the store's {store.layout}"
             )
-        total = None if partial else reader.verify()
+        total: int | None = None
+        cache: list[tuple[np.ndarray, np.ndarray]] | None = None
+        if not partial:
+            # Pass 1 checks the whole file before anything is written (a damaged file imports
+            # nothing); the checked chunks are kept when they fit, so pass 2 need not read it.
+            size = _source_size(src)
+            cap = _CACHE_BYTES if size is None or size <= _CACHE_BYTES else 0
+            total, cache = _check_all(reader, cap)
         header = reader.header
         if header.get("deletions_complete") is False:
             warnings.warn(f"{reader.name}: this delta does not carry every deletion since "
@@ -71,15 +81,59 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             for i in range(0, len(gone), 65536):
                 store._delete(gone[i:i + 65536])
 
+        def cached(bar: Any, chunks: list) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            chunks.reverse()
+            while chunks:
+                keys, recs = chunks.pop()  # dropped once handed on: memory shrinks as we go
+                bar.update(len(keys))
+                yield keys, recs
+
         def checked(bar: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
             for keys, recs in reader:
-                if not np.isfinite(recs["vector"]).all():
-                    raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
+                if partial:  # otherwise pass 1 has checked every vector
+                    _check_finite(reader, recs)
                 bar.update(len(keys))
                 yield keys, recs
 
         with progress_bar(total=total, enabled=progress, desc="import") as bar:
-            return load_records(store, checked(bar), header=header)
+            return load_records(store, cached(bar, cache) if cache is not None else checked(bar),
+                                header=header)
+
+
+def _source_size(src: Any) -> int | None:
+    if isinstance(src, (bytes, bytearray)):
+        return len(src)
+    if isinstance(src, (str, os.PathLike)):
+        try:
+            return os.path.getsize(src)
+        except OSError:
+            return None  # the reader reports it
+    return None
+
+
+def _check_finite(reader: NativeReader, recs: np.ndarray) -> None:
+    if not np.isfinite(recs["vector"]).all():
+        raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
+
+
+def _check_all(reader: NativeReader, cap: int
+               ) -> tuple[int, list[tuple[np.ndarray, np.ndarray]] | None]:
+    """Check every checksum, the trailer and every vector; return the row count and the
+    decoded chunks if they total at most ``cap`` bytes (else None: read the file again)."""
+    cache: list[tuple[np.ndarray, np.ndarray]] | None = [] if cap > 0 else None
+    kept = total = 0
+    # a file known not to fit is checked through one reused buffer (constant memory)
+    for keys, recs in (reader if cache is not None else reader.iter_transient()):
+        _check_finite(reader, recs)
+        total += len(keys)
+        if cache is not None:
+            kept += recs.nbytes + (keys.nbytes if keys.dtype != object
+                                   else sum(map(len, keys.tolist())) + 8 * len(keys))
+            if kept > cap:
+                cache = None  # too big after all (size was unknown): pass 2 reads again
+            else:
+                cache.append((keys, recs))
+    return total, cache
 
 
 def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]], *,

@@ -461,3 +461,59 @@ def test_lfu_history_survives_eviction():
     assert st.freq[2] == 7 and st.freq[3] == 2  # resumed from the history, plus this use
     st.next_tick()
     assert st.victims(1).tolist() == [3]
+
+
+def test_rows_pending_in_write_behind_are_read_back_without_the_remote(bigtable_url_factory):
+    """A miss on a row evicted dirty whose background write has not landed takes the row from
+    the writer's queue (no remote read, no wait for the writer); it comes back dirty and
+    reaches the remote on close."""
+    from embstore.testing.bigtable_emulator import FaultInjector
+
+    url = bigtable_url_factory()
+    with embstore.open(url, dim=DIM) as plain:   # rows 100..149 exist on the remote
+        plain.assign(np.arange(100, 150), np.ones((50, DIM)))
+    inj = FaultInjector(failures=0, methods=["MutateRows"])
+    s = embstore.open(url, cache="memory://", cache_capacity=50, interceptors=[inj],
+                      retry_deadline=0.3)
+    c = layer(s)
+    ref = embstore.open("memory://", dim=DIM)
+    ref.assign(np.arange(100, 150), np.ones((50, DIM)))
+    for store in (ref, s):
+        _train(store, np.arange(50), 0)           # 50 dirty rows fill the cache
+    inj.failures = 10**9                          # background writes cannot land now
+    s.lookup(np.arange(100, 150))                 # clean rows evict the 50 dirty ones
+    assert c.stats()["pending_rows"] == 50 and cached_keys(s, [0, 49]) == [False, False]
+    calls = c.counters["remote_read_calls"]
+    np.testing.assert_array_equal(s.lookup(np.arange(50), insert=False),
+                                  ref.lookup(np.arange(50)))
+    assert c.counters["remote_read_calls"] == calls
+    assert c.stats()["dirty_rows"] == 50          # back in the cache, still owed to the remote
+    for store in (ref, s):
+        _train(store, np.arange(50), 1)
+    inj.failures = 0                              # the remote recovers
+    s.close()
+    with embstore.open(url) as plain:
+        a, b = table_of(plain), table_of(ref)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+
+
+def test_prefetch_never_evicts_the_batch_being_computed(lmdb_url):
+    """The prefetch makes room among older rows only: the rows of the caller's latest lookup
+    (whose update comes next) stay cached even when that leaves less room than asked for."""
+    url = lmdb_url()
+    with embstore.open(url, dim=4) as plain:
+        plain.assign(np.arange(2000), np.zeros((2000, 4)))
+    s = cached(url, cache_capacity=100)
+    c = layer(s)
+    s.lookup(np.arange(1000, 1050))            # older rows
+    s.lookup(np.arange(50))                    # the batch being computed
+    c.prefetch(np.arange(200, 280))            # 80 rows, room for 50
+    c.wait_prefetch()
+    assert all(cached_keys(s, np.arange(50)))
+    assert not any(cached_keys(s, np.arange(1000, 1050)))
+    assert c.counters["prefetched_rows"] == 50 and c.stats()["cache_rows"] == 100
+    calls = c.counters["remote_read_calls"]
+    s.update(np.arange(50), np.ones((50, 4), np.float32))
+    assert c.counters["remote_read_calls"] == calls

@@ -457,3 +457,100 @@ def test_background_native_writer_surfaces_write_errors(tmp_path):
     with NativeReader(tmp_path / "ok.emb") as r:
         assert r.verify() == 500
     assert os.listdir(tmp_path) == ["ok.emb"]
+
+
+def test_native_reader_reads_ahead_yet_fails_where_damage_starts(tmp_path):
+    from embstore.io.native import NativeReader
+
+    src = _filled("memory://", "int64", n=500)
+    p = tmp_path / "t.emb"
+    export_file(src, p, batch_size=100)  # 5 chunks
+    want = _records_by_key(src)
+    # every chunk decodes right, also through the two alternating buffers of iter_transient
+    for transient in (False, True):
+        got = {}
+        with NativeReader(p) as r:
+            for keys, recs in (r.iter_transient() if transient else r):
+                got.update(zip(keys.tolist(), [x.tobytes() for x in recs]))
+        assert got.keys() == want.keys()
+        assert all(got[k] == want[k] for k in want)
+    # damage in chunk 4: chunks 1-3 come out, then the error (the read-ahead hides nothing)
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) * 7 // 10] ^= 0xFF
+    (tmp_path / "bad.emb").write_bytes(bytes(raw))
+    seen = 0
+    with NativeReader(tmp_path / "bad.emb") as r:
+        with pytest.raises(CorruptFileError, match="checksum mismatch in chunk at row"):
+            for keys, _ in r:
+                seen += len(keys)
+    assert seen in (200, 300)
+    # leaving early stops the read-ahead; the reader can start over
+    with NativeReader(p) as r:
+        for _ in r:
+            break
+        assert r.verify() == 500
+
+
+def test_prefetch_keeps_order_errors_and_stops_early():
+    import threading
+
+    from embstore.io.base import prefetch
+
+    assert list(prefetch(iter(range(100)), depth=2)) == list(range(100))
+
+    def failing():
+        yield 1
+        yield 2
+        raise ValueError("broken source")
+
+    got = []
+    with pytest.raises(ValueError, match="broken source"):
+        for x in prefetch(failing()):
+            got.append(x)
+    assert got == [1, 2]
+
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    it = prefetch(endless(), depth=1)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    it.close()  # stops the producer thread and closes the source in it
+    assert closed.is_set()
+
+
+@pytest.mark.parametrize("key_type", ["int64", "bytes"])
+def test_copy_in_several_loads_equals_one(key_type, tmp_path, monkeypatch):
+    from embstore.io import transfer
+
+    src = _filled("memory://", key_type, n=500)
+    want = _records_by_key(src)
+    # tiny groups: the copy is made of many load_records calls, the source read in a thread
+    monkeypatch.setattr(transfer, "COPY_GROUP_BYTES", 1000)
+    with embstore.open(f"lmdb://{tmp_path}/dst", dim=DIM, key_type=key_type,
+                       optimizer="adagrad") as dst:
+        assert transfer.copy_store(src, dst, batch_size=64) == 500
+        assert _records_by_key(dst) == want
+        assert dst.step == src.step
+    # a store that evicts gets the rows in one load (eviction runs once, on the whole copy)
+    assert not transfer._regroupable(embstore.open("memory://", dim=DIM, capacity=100))
+
+
+def test_native_reader_restarted_while_an_iteration_is_suspended(tmp_path):
+    from embstore.io.native import NativeReader
+
+    src = _filled("memory://", "int64", n=500)
+    p = tmp_path / "t.emb"
+    export_file(src, p, batch_size=50)
+    with NativeReader(p) as r:
+        first = iter(r)
+        next(first)  # suspended with a read-ahead in flight
+        assert r.verify() == 500  # a new pass is not disturbed by the old one's read-ahead
+        assert sum(len(k) for k, _ in r) == 500

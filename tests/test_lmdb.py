@@ -17,6 +17,7 @@ import pytest
 import embstore
 from embstore.errors import (
     BackendError,
+    CorruptFileError,
     InvalidInputError,
     InvalidURLError,
     ReadOnlyError,
@@ -292,3 +293,91 @@ def test_size_bytes_and_counters(lmdb_url):
         st = s.stats()
         assert st["size_bytes"] >= 5000 * s.layout.itemsize
         assert st["commits"] >= 2 and st["map_size"] >= 1 << 30
+
+
+def _native_file(path, store, keys, vectors, chunk=1000):
+    from embstore.io.native import NativeWriter
+
+    recs = store.layout.empty(len(keys))
+    recs["vector"] = vectors
+    recs["version"] = 1
+    with NativeWriter(path, store.meta) as w:
+        for i in range(0, len(keys), chunk):
+            w.write(keys[i:i + chunk], recs[i:i + chunk])
+
+
+@pytest.mark.parametrize("cap, as_stream", [(1 << 30, False), (0, False), (20_000, True)],
+                         ids=["read-once", "read-twice", "unknown-size-over-cap"])
+def test_import_checks_whole_file_first_on_every_path(lmdb_url, tmp_path, monkeypatch, cap,
+                                                      as_stream):
+    # Files that fit the cache are read once, bigger ones twice (the first pass keeps
+    # nothing): either way a damaged file, NaN in its last chunk included, imports nothing.
+    from embstore import _transfer
+
+    monkeypatch.setattr(_transfer, "_CACHE_BYTES", cap)
+    t = embstore.open(lmdb_url(), dim=DIM)
+    t.assign([-1, 5], np.full((2, DIM), 3.0))
+    before = table_of(t)
+    keys = np.random.default_rng(0).permutation(5000).astype(np.int64) * 3
+    vals = np.random.default_rng(1).standard_normal((5000, DIM)).astype(np.float32)
+
+    def run(path):
+        if not as_stream:
+            return t.import_(path)
+        with open(path, "rb") as f:
+            return t.import_(f)
+
+    bad = vals.copy()
+    bad[4990, 2] = np.nan
+    _native_file(tmp_path / "nan.emb", t, keys, bad)
+    good = tmp_path / "good.emb"
+    _native_file(good, t, keys, vals)
+    cut = tmp_path / "cut.emb"
+    cut.write_bytes(good.read_bytes()[:-30])
+    for path in (tmp_path / "nan.emb", cut):
+        with pytest.raises(CorruptFileError):
+            run(path)
+        after = table_of(t)
+        assert after.keys() == before.keys()
+        assert all(rows_equal(after[k], before[k]) for k in before)
+    assert run(good) == 5000
+    assert len(t) == 5002
+    np.testing.assert_array_equal(t.lookup(keys, insert=False), vals)
+    np.testing.assert_array_equal(t.lookup([-1], insert=False), np.full((1, DIM), 3.0))
+    t.close()
+
+
+def test_scan_batches_and_bulk_load_of_unsorted_duplicates(lmdb_url):
+    # bulk_load sorts with a fast unstable sort and falls back to a stable one when a key
+    # repeats (the last occurrence must win); scans resume exactly after each batch.
+    with embstore.open(lmdb_url(), dim=DIM, map_size=64 * 1024) as s:
+        rng = np.random.default_rng(2)
+        keys = rng.permutation(20_000).astype(np.int64) - 10_000
+        recs = s.layout.empty(len(keys))
+        recs["vector"] = rng.standard_normal((len(keys), DIM))
+        dup = recs[:100].copy()
+        dup["vector"] += 1.0
+        n = s.backend.bulk_load(iter([(keys[:7000], recs[:7000]), (keys[7000:], recs[7000:]),
+                                      (keys[:100], dup)]))
+        assert n == 20_000 and len(s) == 20_000
+        assert s.stats()["map_grows"] >= 1
+        want = {int(k): r for k, r in zip(keys, recs["vector"])}
+        want.update({int(k): r for k, r in zip(keys[:100], dup["vector"])})
+        for bs in (1, 4096, 19_999, 20_000, 50_000):
+            got_k, got_v = [], []
+            for k, r in s.backend.scan(bs):
+                assert len(k) == len(r) <= bs
+                got_k.append(k)
+                got_v.append(r["vector"])
+            ks = np.concatenate(got_k)
+            assert ks.tolist() == sorted(want)
+            np.testing.assert_array_equal(np.concatenate(got_v),
+                                          np.array([want[k] for k in ks.tolist()]))
+
+
+def test_scan_of_bytes_keys(lmdb_url):
+    with embstore.open(lmdb_url(), dim=DIM, key_type="bytes") as s:
+        keys = [b"", b"\x00", b"\x00\x00", b"a", b"ab", b"b" * 300]
+        s.assign(keys, np.arange(len(keys) * DIM).reshape(len(keys), DIM))
+        got = [k for ks, _ in s.backend.scan(4) for k in ks.tolist()]
+        assert got == sorted(keys)

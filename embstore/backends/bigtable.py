@@ -162,7 +162,9 @@ class BigtableBackend(Backend):
         self._mutate_rows = self._channel.unary_stream(
             "/google.bigtable.v2.Bigtable/MutateRows", request_serializer=ident,
             response_deserializer=_MutateRowsResponse.FromString)
-        self._pool = ThreadPoolExecutor(self.inflight, thread_name_prefix="embstore-bigtable")
+        # The calling thread is one of the ``inflight`` senders (see _run_sharded).
+        self._pool = ThreadPoolExecutor(max(self.inflight - 1, 1),
+                                        thread_name_prefix="embstore-bigtable")
         self._admin = None
         try:
             self._ensure_table(initial=True)
@@ -172,6 +174,12 @@ class BigtableBackend(Backend):
 
     # -- connections ------------------------------------------------------------------------------
     def _make_channels(self, credentials: Any, interceptors: Sequence[Any]):
+        # ReadRows and MutateRows are unary-stream calls, and the emulator answers ReadRows with
+        # one message per row. gRPC's default iterator hands every message over from its
+        # channel thread (a lock/condition round trip, ~40 us of Python per message); the
+        # single-threaded iterator drives the completion queue from the reading thread itself:
+        # ~3x less client CPU per row read (measured: 465 random rows 29 ms -> 10 ms).
+        single = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
         if self.emulator_host:
             # Reconnect quickly after an emulator restart (gRPC's default backoff reaches 120 s).
             opts = [("grpc.initial_reconnect_backoff_ms", 50),
@@ -179,7 +187,7 @@ class BigtableBackend(Backend):
                     ("grpc.max_reconnect_backoff_ms", 500),
                     ("grpc.max_receive_message_length", 256 << 20),
                     ("grpc.max_send_message_length", 256 << 20)]
-            data = grpc.insecure_channel(self.emulator_host, options=opts)
+            data = grpc.insecure_channel(self.emulator_host, options=opts + [single])
             admin = grpc.insecure_channel(self.emulator_host, options=opts)
         else:
             import google.auth.exceptions
@@ -192,7 +200,7 @@ class BigtableBackend(Backend):
             try:
                 data = grpc_helpers.create_channel("bigtable.googleapis.com:443",
                                                    credentials=credentials, scopes=scopes,
-                                                   options=opts)
+                                                   options=opts + [single])
             except google.auth.exceptions.GoogleAuthError as e:
                 raise BackendError(
                     f"{self.url}: no Google Cloud credentials for Bigtable ({e}); configure "
@@ -301,10 +309,16 @@ class BigtableBackend(Backend):
         """Run ``fn(item, deadline)`` for every item, ``inflight`` at a time, in order."""
         self._check_open()
         deadline = time.monotonic() + self.retry_deadline
-        if len(items) == 1:
-            return [fn(items[0], deadline)]
-        futures = [self._pool.submit(fn, it, deadline) for it in items]
+        if len(items) == 1 or self.inflight == 1:
+            return [fn(it, deadline) for it in items]
+        # The calling thread runs the first item itself: one thread hand-off less per call,
+        # and it has nothing else to do while it waits.
+        futures = [self._pool.submit(fn, it, deadline) for it in items[1:]]
         out, first_err = [], None
+        try:
+            out.append(fn(items[0], deadline))
+        except BaseException as e:  # noqa: BLE001 - re-raised below after all finish
+            first_err = e
         for f in futures:
             try:
                 out.append(f.result())

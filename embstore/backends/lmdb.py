@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -189,14 +190,15 @@ class LmdbBackend(FetchedRecords, Backend):
             raise BackendError(f"{self.path}: LMDB environment is not open")
         return self._env
 
-    def _begin(self, write: bool = False):
+    def _begin(self, write: bool = False, buffers: bool | None = None):
         env = self._require_env()
+        buffers = not write if buffers is None else buffers
         try:
-            return env.begin(db=self._rec_db, write=write, buffers=not write)
+            return env.begin(db=self._rec_db, write=write, buffers=buffers)
         except lmdb.MapResizedError:
             # Another process grew the map: adopt its size, then start again.
             env.set_mapsize(0)
-            return env.begin(db=self._rec_db, write=write, buffers=not write)
+            return env.begin(db=self._rec_db, write=write, buffers=buffers)
 
     def _write(self, fn) -> Any:
         """Run ``fn(txn)`` in one write transaction; grow the map and retry when full."""
@@ -300,6 +302,12 @@ class LmdbBackend(FetchedRecords, Backend):
         out[:] = [bytes(k[1:]) for k in raw]
         return out
 
+    def _decode_rows(self, rows: list[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and records of a scanned ``[(key, value), ...]`` list of bytes."""
+        # list comprehensions, not generators, into join: measured ~4x faster
+        buf = bytearray().join([v for _, v in rows])
+        return self._decode([k for k, _ in rows]), self.layout.from_bytes(buf, len(rows))
+
     def _too_long(self, enc: list[bytes]) -> np.ndarray | None:
         if self.key_type == "int64":
             return None
@@ -344,10 +352,9 @@ class LmdbBackend(FetchedRecords, Backend):
         if len(keys) == 0:
             return
         enc, vals = self._pairs(keys, records)
-
-        pairs = list(zip(enc, vals))
-        # putmulti loops in C: measurably faster than a txn.put loop in Python.
-        self._write(lambda txn: txn.cursor().putmulti(pairs))
+        # putmulti loops in C: measurably faster than a txn.put loop in Python. A fresh zip
+        # per attempt (a full map retries the batch), no list of pairs built.
+        self._write(lambda txn: txn.cursor().putmulti(zip(enc, vals)))
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0 or self._rec_db is None:
@@ -379,24 +386,20 @@ class LmdbBackend(FetchedRecords, Backend):
         # One short read transaction per batch, resumed after the last key seen, so a long
         # iteration neither pins old pages (the file would grow) nor blocks a map resize.
         while True:
-            with self._begin() as txn:
+            # bytes, not buffers: a cursor walk makes plain bytes objects measurably faster
+            # than buffer objects (and nothing then depends on the transaction staying open)
+            with self._begin(buffers=False) as txn:
                 cur = txn.cursor()
                 ok = cur.set_range(last) if last is not None else cur.first()
-                if ok and last is not None and bytes(cur.key()) == last:
+                if ok and last is not None and cur.key() == last:
                     ok = cur.next()
                 if not ok:
                     return
-                ks: list[bytes] = []
-                vs: list = []
-                for k, v in cur:
-                    ks.append(bytes(k))
-                    vs.append(v)
-                    if len(ks) >= batch_size:
-                        break
-                buf = bytearray().join(vs)
-            last = ks[-1]
-            yield self._decode(ks), self.layout.from_bytes(buf, len(ks))
-            if len(ks) < batch_size:
+                # islice over the C iterator: no Python-level loop per row
+                rows = list(islice(cur.iternext(), batch_size))
+            last = rows[-1][0]
+            yield self._decode_rows(rows)
+            if len(rows) < batch_size:
                 return
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
@@ -420,16 +423,37 @@ class LmdbBackend(FetchedRecords, Backend):
     def _write_sorted(self, pending: list[tuple[np.ndarray, np.ndarray]]) -> int:
         keys, recs = sorted_last_wins(pending, self.layout.dtype)
         enc, vals = self._pairs(keys, recs)
+        self._reserve(len(enc))
         for i in range(0, len(enc), _BULK_TXN_ROWS):
-            part = list(zip(enc[i:i + _BULK_TXN_ROWS], vals[i:i + _BULK_TXN_ROWS]))
+            j = i + _BULK_TXN_ROWS
 
-            def write(txn, part=part):
+            def write(txn, i=i, j=j):
                 cur = txn.cursor()
-                append = not cur.last() or bytes(cur.key()) < part[0][0]
-                cur.putmulti(part, append=append)
+                append = not cur.last() or bytes(cur.key()) < enc[i]
+                # a fresh zip per attempt (a full map retries): no list of pairs to build
+                cur.putmulti(zip(enc[i:j], vals[i:j]), append=append)
 
             self._write(write)
         return len(enc)
+
+    def _reserve(self, rows: int) -> None:
+        """Grow the map ahead of a bulk write of ``rows`` records, so that no large
+        transaction is thrown away by a full map (one that still fills it is retried)."""
+        env = self._require_env()
+        info = env.info()
+        # Leaf pages of randomly placed rows end up about half full: reserve twice the bytes.
+        need = (int(info["last_pgno"]) + 1) * int(env.stat()["psize"]) + 2 * rows * (
+            self._itemsize + 24)
+        size = int(info["map_size"])
+        if size >= need:
+            return
+        while size < need:
+            size *= 2
+        try:
+            env.set_mapsize(min(size, _GROW_LIMIT))
+        except lmdb.Error as e:
+            raise BackendError(f"{self.path}: cannot grow the LMDB map: {e}") from e
+        self.counters["map_grows"] += 1
 
     def clear(self) -> None:
         if self._rec_db is None:

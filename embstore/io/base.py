@@ -302,3 +302,69 @@ def parse_text_rows(
 
 def describe_row(reader: FormatReader, row: int, reason: str) -> str:
     return f"{reader.name}: {reader.row_word} {row + reader.row_offset}: {reason}"
+
+
+class _Raised:
+    """An exception raised by a :func:`prefetch` producer, carried to the consumer."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
+def prefetch(items: Iterator[Any] | Any, depth: int = 1, name: str = "embstore-prefetch"
+             ) -> Iterator[Any]:
+    """Iterate ``items`` in a background thread, ``depth`` items ahead of the consumer.
+
+    For pipelines whose stages release the GIL (file and LMDB reads, Parquet decoding, zlib,
+    numpy copies): producing the next batch overlaps consuming this one. At most ``depth + 2``
+    items exist at once (queued, being produced, being consumed), so memory stays bounded.
+    An exception of the producer is raised in the consumer, after the items produced before
+    it; closing the returned generator early stops the producer and closes ``items`` (in the
+    producer's thread, which is the only one that ever runs it).
+    """
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def offer(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        it = iter(items)
+        try:
+            for item in it:
+                if not offer(item):
+                    break
+            else:
+                offer(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            offer(_Raised(e))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    worker = threading.Thread(target=produce, name=name, daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        worker.join()

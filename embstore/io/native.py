@@ -57,6 +57,13 @@ def _open_out(dest: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str | None,
     return dest, None, None
 
 
+def _crc_of(parts: list) -> int:
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return crc
+
+
 class NativeWriter:
     """Write a native file chunk by chunk.
 
@@ -76,11 +83,13 @@ class NativeWriter:
         self._crcs = 0
         self.rows = 0
         self._closed = False
-        # background=True: each chunk is checksummed and written by a thread while the caller
-        # produces the next one (zlib and file writes release the GIL; measured ~30% faster
-        # exports). The caller must leave the arrays it passed alone until its next
-        # write()/close() returns -- true of scans, which yield fresh arrays per batch.
+        # background=True: each chunk is checksummed by one thread and written by another
+        # while the caller produces the next one (zlib and file writes release the GIL), so
+        # scan, CRC and write of consecutive chunks overlap. The caller must leave the arrays
+        # it passed alone until its next write()/close() returns -- true of scans, which
+        # yield fresh arrays per batch.
         self._pool = ThreadPoolExecutor(1, "embstore-native") if background else None
+        self._crc_pool = ThreadPoolExecutor(1, "embstore-native-crc") if background else None
         self._pending: Future | None = None
         hb = json.dumps(header, sort_keys=True).encode("utf-8")
         self._f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(hb)) + hb
@@ -106,19 +115,18 @@ class NativeWriter:
         if self._pool is None:
             self._emit(n, parts)
         else:
+            crc = self._crc_pool.submit(_crc_of, parts)  # overlaps the previous chunk's write
             self._wait()
-            self._pending = self._pool.submit(self._emit, n, parts)
+            self._pending = self._pool.submit(self._emit, n, parts, crc)
 
     def _wait(self) -> None:
         if self._pending is not None:
             done, self._pending = self._pending, None
             done.result()  # re-raises an error of the background write
 
-    def _emit(self, n: int, parts: list) -> None:
+    def _emit(self, n: int, parts: list, crc_done: Future | None = None) -> None:
         # The parts are written and checksummed in place: no payload copy is made.
-        crc = 0
-        for p in parts:
-            crc = zlib.crc32(p, crc)
+        crc = _crc_of(parts) if crc_done is None else crc_done.result()
         self._f.write(_CHUNK.pack(b"CHNK", n, sum(len(p) for p in parts), crc))
         for p in parts:
             self._f.write(p)
@@ -160,7 +168,8 @@ class NativeWriter:
     def _shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-            self._pool = None
+            self._crc_pool.shutdown(wait=True)
+            self._pool = self._crc_pool = None
 
     def __enter__(self) -> NativeWriter:
         return self
@@ -192,6 +201,7 @@ class NativeReader:
             self._f = src
             self._owns = False
         self.name = str(src) if isinstance(src, (str, os.PathLike)) else "<stream>"
+        self._pools: tuple[ThreadPoolExecutor, ...] | None = None
         self._size = self._remaining_size()
         self.header = self._read_header()
         self.layout = Layout.from_json(self.header.get("layout", {}))
@@ -241,52 +251,108 @@ class NativeReader:
 
     def _chunks(self, decode: bool, reuse: bool = False
                 ) -> Iterator[tuple[np.ndarray, np.ndarray] | int]:
+        self._stop_read_ahead()  # of an earlier iteration left suspended: it shares the file
         self._f.seek(self._body)
-        total, crcs = 0, 0
-        spare = np.empty(0, dtype=np.uint8)
-        itemsize = self.layout.itemsize
-        while True:
-            tag = self._read_exact(4, "chunk tag")
-            if tag == b"END.":
-                rows, crc = struct.unpack("<QI", self._read_exact(12, "trailer"))
-                if rows != total or crc != crcs:
-                    raise CorruptFileError(
-                        f"{self.name}: trailer does not match the chunks "
-                        f"({rows} rows declared, {total} read)"
-                    )
-                if self._f.read(1):
-                    raise CorruptFileError(f"{self.name}: trailing bytes after the trailer")
-                return
-            if tag != b"CHNK":
-                raise CorruptFileError(f"{self.name}: bad chunk tag {tag!r} after {total} rows")
-            n, plen, pcrc = struct.unpack("<IQI", self._read_exact(16, "chunk header"))
-            min_len = n * (itemsize + (8 if self.key_type == "int64" else 4))
-            if n > MAX_CHUNK_ROWS or plen < min_len or plen > (1 << 40) or (
-                self._size is not None and plen > self._size
-            ):
-                raise CorruptFileError(f"{self.name}: chunk declares an absurd size ({n} rows)")
-            if self.key_type == "int64" and plen != min_len:
-                raise CorruptFileError(f"{self.name}: chunk size does not match its row count")
-            # readinto a bytearray: decoded arrays are writable views, not second copies
-            if self._size is not None and hasattr(self._f, "readinto"):
-                # np.empty: uninitialized (no zero fill), writable, readinto fills it
-                if reuse:  # the caller is done with a chunk before asking for the next
-                    if len(spare) < plen:
-                        spare = np.empty(plen, dtype=np.uint8)
-                    payload = spare[:plen]
-                else:
-                    payload = np.empty(plen, dtype=np.uint8)
-                if self._f.readinto(payload) != plen:
-                    raise CorruptFileError(f"{self.name}: truncated file (while reading "
-                                           "chunk payload)")
-            else:  # a stream of unknown size: never preallocate what the file claims
-                payload = np.frombuffer(bytearray(self._read_exact(plen, "chunk payload")),
-                                        dtype=np.uint8)
-            if zlib.crc32(payload) != pcrc:
-                raise CorruptFileError(f"{self.name}: checksum mismatch in chunk at row {total}")
-            crcs = zlib.crc32(struct.pack("<I", pcrc), crcs)
-            total += n
-            yield self._decode(payload, n) if decode else n
+        state = {"total": 0, "crcs": 0, "end": False}
+        # reuse: the caller is done with a chunk before asking for the next, so two buffers
+        # alternate (one being read ahead while the caller holds the other)
+        spares = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)] if reuse else None
+        if self._size is None:  # a stream: read in line, it may not be safe to use elsewhere
+            while (got := self._checked(self._next_chunk(state, spares, 0))) is not None:
+                yield self._decode(*got) if decode else got[1]
+            return
+        # A file: the caller's thread reads chunk i+1 while a thread checks its CRC, and the
+        # caller works on chunk i meanwhile (zlib releases the GIL). Reads stay on the caller's
+        # thread: buffers allocated there are reused by the allocator from one import to the
+        # next, where a reading thread's fresh arena would page-fault every buffer in again.
+        # Chunks still come out only once checked, in order, and the error of a damaged chunk
+        # is raised only after every chunk before it.
+        check = ThreadPoolExecutor(1, "embstore-native-crc")
+        self._pools = (check,)
+        try:
+            checking = check.submit(self._checked, self._next_chunk(state, spares, 0))
+            i = 0
+            while True:
+                i += 1
+                ahead: Any = None
+                try:
+                    ahead = self._next_chunk(state, spares, i % 2)
+                except Exception as e:  # noqa: BLE001 - raised after the chunks before it
+                    ahead = e
+                got = checking.result()
+                if got is None:
+                    return
+                if isinstance(ahead, Exception):
+                    yield self._decode(*got) if decode else got[1]
+                    raise ahead
+                checking = check.submit(self._checked, ahead)
+                yield self._decode(*got) if decode else got[1]
+        finally:  # the buffers are never touched after the caller is gone
+            check.shutdown(wait=True)
+            if self._pools == (check,):
+                self._pools = None
+
+    def _stop_read_ahead(self) -> None:
+        pools, self._pools = self._pools, None
+        for pool in pools or ():
+            pool.shutdown(wait=True)
+
+    def _checked(self, got: Any) -> tuple[np.ndarray, int] | None:
+        """Verify the CRC of a chunk read by ``_next_chunk``."""
+        if got is None:
+            return None
+        payload, n, crc, start = got
+        if zlib.crc32(payload) != crc:
+            raise CorruptFileError(f"{self.name}: checksum mismatch in chunk at row {start}")
+        return payload, n
+
+    def _next_chunk(self, state: dict, spares: list | None, which: int
+                    ) -> tuple[np.ndarray, int, int, int] | None:
+        """Read the next chunk: ``(payload, rows, declared crc, first row)``, or None after a
+        good trailer. The payload's CRC is checked by ``_checked``."""
+        if state["end"]:
+            return None
+        total = state["total"]
+        tag = self._read_exact(4, "chunk tag")
+        if tag == b"END.":
+            state["end"] = True
+            rows, crc = struct.unpack("<QI", self._read_exact(12, "trailer"))
+            if rows != total or crc != state["crcs"]:
+                raise CorruptFileError(
+                    f"{self.name}: trailer does not match the chunks "
+                    f"({rows} rows declared, {total} read)"
+                )
+            if self._f.read(1):
+                raise CorruptFileError(f"{self.name}: trailing bytes after the trailer")
+            return None
+        if tag != b"CHNK":
+            raise CorruptFileError(f"{self.name}: bad chunk tag {tag!r} after {total} rows")
+        n, plen, pcrc = struct.unpack("<IQI", self._read_exact(16, "chunk header"))
+        min_len = n * (self.layout.itemsize + (8 if self.key_type == "int64" else 4))
+        if n > MAX_CHUNK_ROWS or plen < min_len or plen > (1 << 40) or (
+            self._size is not None and plen > self._size
+        ):
+            raise CorruptFileError(f"{self.name}: chunk declares an absurd size ({n} rows)")
+        if self.key_type == "int64" and plen != min_len:
+            raise CorruptFileError(f"{self.name}: chunk size does not match its row count")
+        # readinto a bytearray: decoded arrays are writable views, not second copies
+        if self._size is not None and hasattr(self._f, "readinto"):
+            # np.empty: uninitialized (no zero fill), writable, readinto fills it
+            if spares is not None:
+                if len(spares[which]) < plen:
+                    spares[which] = np.empty(plen, dtype=np.uint8)
+                payload = spares[which][:plen]
+            else:
+                payload = np.empty(plen, dtype=np.uint8)
+            if self._f.readinto(payload) != plen:
+                raise CorruptFileError(f"{self.name}: truncated file (while reading "
+                                       "chunk payload)")
+        else:  # a stream of unknown size: never preallocate what the file claims
+            payload = np.frombuffer(bytearray(self._read_exact(plen, "chunk payload")),
+                                    dtype=np.uint8)
+        state["crcs"] = zlib.crc32(struct.pack("<I", pcrc), state["crcs"])
+        state["total"] = total + n
+        return payload, n, pcrc, total
 
     def _decode(self, payload: bytes | bytearray | memoryview, n: int
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -321,6 +387,7 @@ class NativeReader:
         return self._chunks(decode=True, reuse=True)  # type: ignore[return-value]
 
     def close(self) -> None:
+        self._stop_read_ahead()
         if self._owns:
             self._f.close()
 

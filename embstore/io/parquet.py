@@ -13,9 +13,9 @@ too: the key column may be named ``key``/``keys``/``id``/``word`` (integers, bin
 the vector column ``vector``/``vectors``/``embedding`` (fixed-size or variable lists of floats,
 every row of the same length); other columns are ignored. Null keys or vectors are bad rows.
 
-Memory: reading holds one row group at a time (embstore writes one row group per export batch
-of 65536 rows; files from other tools may use larger groups, up to pyarrow's default of 1M
-rows).
+Memory: reading holds up to three row groups at a time (the next ones are decoded ahead in a
+thread; embstore writes one row group per export batch of 65536 rows; files from other tools
+may use larger groups, up to pyarrow's default of 1M rows).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .base import (
     check_dim,
     commit,
     discard,
+    prefetch,
     temp_beside,
 )
 
@@ -176,9 +177,14 @@ class ParquetReader(FormatReader):
     def _iter(self, batch_size: int, columns: list[str]):
         # One row group at a time (memory: one row group; embstore writes one per export
         # batch). Measured 2-3x faster than ParquetFile.iter_batches, which decodes serially.
-        try:
+        # The next group is decoded in a thread (pyarrow releases the GIL) while the caller
+        # converts and checks this one: at most three groups in memory.
+        def groups() -> Iterator[pa.Table]:
             for i in range(self._pf.metadata.num_row_groups):
-                table = self._pf.read_row_group(i, columns=columns)
+                yield self._pf.read_row_group(i, columns=columns)
+
+        try:
+            for table in prefetch(groups(), depth=1, name="embstore-parquet"):
                 yield from table.to_batches(max_chunksize=batch_size)
         except (pa.ArrowException, OSError) as e:
             raise CorruptFileError(f"{self.name}: damaged Parquet data: {e}") from e

@@ -38,17 +38,29 @@ class PrefetchMixin:
             self._check()
             _, found = self._find(k)
             miss = np.unique(k[~found])
-            pending = self._wb.keys() if self._wb is not None else None
-            if pending is not None:  # the remote's copy of those is older: leave them
-                miss = miss[~np.isin(miss, pending)]
+            wb = self._wb.find(miss) if self._wb is not None else None
+            if wb is not None:  # the remote's copy of those is older: re-cache the queued one
+                self._restore_pending(miss[wb[0]], wb[1], k)
+                miss = miss[~wb[0]]
             if not len(miss):
                 return
             self._pf_active = True
             self._invalid = []
-        t = threading.Thread(target=self._prefetch_run, args=(miss,), daemon=True,
+        t = threading.Thread(target=self._prefetch_run, args=(miss, k), daemon=True,
                              name="embstore-prefetch")
         self._pf_thread = t
         t.start()
+
+    def _restore_pending(self, keys: np.ndarray, recs: np.ndarray, batch: np.ndarray) -> None:
+        """Cache (dirty) rows evicted dirty whose background write has not landed yet."""
+        try:
+            self._st.next_tick(foreground=False)
+            slots, hit = self._find(batch)
+            self._st.touch(slots[hit], count=False)
+            room = self._make_room(len(keys), before=self._st.fg_tick)
+            self._insert(keys[:room], recs[:room], dirty=True)
+        except Exception:  # noqa: BLE001 - e.g. the writer failed: the rows stay queued
+            self._count(prefetch_errors=1)
 
     def wait_prefetch(self) -> None:
         """Block until a running prefetch has finished (no-op otherwise)."""
@@ -57,7 +69,7 @@ class PrefetchMixin:
             t.join()
             self._pf_thread = None
 
-    def _prefetch_run(self, keys: np.ndarray) -> None:
+    def _prefetch_run(self, keys: np.ndarray, batch: np.ndarray) -> None:
         try:
             recs, rfound = self._remote_get(keys)
         except Exception:  # noqa: BLE001 - a hint only: the lookup will fetch and raise
@@ -76,8 +88,13 @@ class PrefetchMixin:
                 _, cached = self._find(keys)
                 keys, recs = keys[~cached], recs[~cached]
                 if len(keys):
-                    self._st.next_tick()
-                    room = self._make_room(len(keys))
+                    # Evict neither the rows of the caller's latest operation (the batch being
+                    # computed, whose update reads them again) nor the already cached rows of
+                    # the batch prefetched for (marked with this tick, not counted as a use).
+                    self._st.next_tick(foreground=False)
+                    slots, hit = self._find(batch)
+                    self._st.touch(slots[hit], count=False)
+                    room = self._make_room(len(keys), before=self._st.fg_tick)
                     self._insert(keys[:room], recs[:room], dirty=False)
                     self._count(prefetched_rows=room)
             except Exception:  # noqa: BLE001 - e.g. an eviction write failed: nothing changed

@@ -47,6 +47,7 @@ class SlotTable:
         self.keys = np.zeros(size, dtype=self.key_dtype)
         self.live = 0
         self.tick = 0
+        self.fg_tick = 0  # tick of the latest foreground (caller's) operation
 
     def _grow(self, top: int) -> None:
         size = len(self.stamp)
@@ -59,14 +60,17 @@ class SlotTable:
             arr[:size] = old
             setattr(self, name, arr)
 
-    def next_tick(self) -> int:
+    def next_tick(self, foreground: bool = True) -> int:
+        """Start an operation; ``foreground=False`` for the prefetch thread's inserts."""
         self.tick += 1
+        if foreground:
+            self.fg_tick = self.tick
         return self.tick
 
-    def touch(self, slots: np.ndarray) -> None:
-        """Mark slots used in the current tick."""
+    def touch(self, slots: np.ndarray, count: bool = True) -> None:
+        """Mark slots used in the current tick (``count=False``: without counting a use)."""
         self.stamp[slots] = self.tick
-        if self.eviction == "lfu":
+        if count and self.eviction == "lfu":
             self.freq[slots] += 1
 
     def add(self, slots: np.ndarray, keys: np.ndarray, dirty: bool) -> None:
@@ -100,10 +104,11 @@ class SlotTable:
             self.keys[slots] = None  # release the bytes objects
         self.live -= len(slots)
 
-    def victims(self, need: int) -> np.ndarray:
-        """Up to ``need`` occupied slots not touched in the current tick, least valuable
-        first (one ``argpartition`` over the occupied slots)."""
-        cand = np.flatnonzero((self.stamp > 0) & (self.stamp < self.tick))
+    def victims(self, need: int, before: int | None = None) -> np.ndarray:
+        """Up to ``need`` occupied slots last used before tick ``before`` (default: the
+        current tick), least valuable first (one ``argpartition`` over the occupied slots)."""
+        cutoff = self.tick if before is None else before
+        cand = np.flatnonzero((self.stamp > 0) & (self.stamp < cutoff))
         if need < len(cand):
             if self.eviction == "lru":
                 score = self.stamp[cand]

@@ -47,6 +47,25 @@ class WriteBehind:
                 return None
             return np.concatenate([k for k, _ in self._pending])
 
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Newest pending copies of ``keys`` (unique): ``(found mask, records of the found
+        keys)``, or None when none is pending. The records are copies: the writer may land
+        and drop its batch at any time after this returns."""
+        with self._cond:
+            if not self._pending:
+                return None
+            pk = np.concatenate([k for k, _ in self._pending])
+            pr = np.concatenate([r for _, r in self._pending])
+        found = np.isin(keys, pk)
+        if not found.any():
+            return None
+        # A key evicted twice is pending twice: the later batch holds the newer row.
+        rev = pk[::-1]
+        order = np.argsort(rev, kind="stable")
+        sk = rev[order]
+        pos = order[np.searchsorted(sk, keys[found])]
+        return found, pr[len(pk) - 1 - pos]
+
     def rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
         with self._cond:
             return list(self._pending)

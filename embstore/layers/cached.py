@@ -163,6 +163,20 @@ class CachedBackend(PrefetchMixin, Backend):
         arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
         return out
 
+    def _write_local(self, keys: np.ndarray, records: np.ndarray, slots: np.ndarray,
+                     found: np.ndarray) -> None:
+        """Overwrite the cached rows of ``keys[found]`` (their ``slots`` are known)."""
+        if not self._rows_in_index:
+            self.local.put(keys[found], records[found])
+            return
+        # Same slots, new bytes: the key -> slot map does not change, so writing straight into
+        # the arena is what memory:// put would do after a second probe of every key.
+        if found.all():
+            s, src = slots, np.ascontiguousarray(records)
+        else:
+            s, src = slots[found], records[found]
+        self._index._arena.scatter(s, src.view(np.uint8).reshape(len(s), -1))
+
     def _log_invalid(self, keys: np.ndarray) -> None:
         # A running prefetch read the remote before these writes: its rows for them are stale.
         if self._pf_active and len(keys):
@@ -196,14 +210,15 @@ class CachedBackend(PrefetchMixin, Backend):
             self._wb.drain()
 
     # -- insertion and eviction -------------------------------------------------------------------
-    def _make_room(self, m: int) -> int:
-        """Evict least valuable rows not touched in this operation so that up to ``m`` new rows
-        fit; dirty victims are written first (one batch; may raise, leaving the cache
-        unchanged) or handed to the write-behind. Return how many new rows fit."""
+    def _make_room(self, m: int, before: int | None = None) -> int:
+        """Evict least valuable rows not touched in this operation (or since tick ``before``)
+        so that up to ``m`` new rows fit; dirty victims are written first (one batch; may
+        raise, leaving the cache unchanged) or handed to the write-behind. Return how many new
+        rows fit."""
         need = self._st.live + m - self.capacity
         if need <= 0:
             return m
-        victims = self._st.victims(need)
+        victims = self._st.victims(need, before)
         if len(victims):
             keys = self._st.keys[victims]
             dirty = self._st.dirty[victims]
@@ -357,27 +372,48 @@ class CachedBackend(PrefetchMixin, Backend):
                 self.counters["cache_hits"] += len(keys)
                 return out, found
             if not self._pf_active:
-                return self._lookup_misses(keys, field)
+                return self._lookup_misses(keys, field, slots, found)
         # Rows this batch misses may be on their way: wait for the prefetch, not the remote.
         self.wait_prefetch()
         with self._lock:
             self._check()
-            return self._lookup_misses(keys, field)
+            return self._lookup_misses(keys, field, *self._find(keys))
 
-    def _lookup_misses(self, keys: np.ndarray, field: str | None):
-        slots, found = self._find(keys)
+    def _lookup_misses(self, keys: np.ndarray, field: str | None, slots: np.ndarray,
+                       found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The miss path; ``slots``/``found`` are this batch's probe under the lock held."""
         out = self._read_local(keys, slots, field)
         self._st.next_tick()
         self._st.touch(slots[found])
         nhit = int(np.count_nonzero(found))
         self._count(cache_hits=nhit, cache_misses=len(keys) - nhit)
         miss = ~found
+        if nhit == len(keys):  # all there after all (a prefetch brought them)
+            return out, found
         uniq, inv = np.unique(keys[miss], return_inverse=True)
-        self._settle(uniq)
-        recs, rfound = self._remote_get(uniq)
+        # Rows evicted dirty whose write-behind has not landed: their newest copy is in the
+        # writer's queue. Taking it from there spares a wait for the writer and a remote read;
+        # they come back dirty (the queued write may land or not: the cache holds the truth).
+        wb = self._wb.find(uniq) if self._wb is not None else None
+        if wb is None:
+            recs, rfound = self._remote_get(uniq)
+            back_keys = uniq[:0]
+        else:
+            in_wb, wb_recs = wb
+            recs = np.empty(len(uniq), dtype=self._dtype)
+            rfound = np.ones(len(uniq), dtype=bool)
+            recs[in_wb] = wb_recs
+            back_keys = uniq[in_wb]
+            rest = ~in_wb
+            if rest.any():
+                recs[rest], rfound[rest] = self._remote_get(uniq[rest])
         out[miss] = recs[inv] if field is None else recs[field][inv]
         found = found.copy()
         found[miss] = rfound[inv]
+        if len(back_keys):
+            room = self._make_room(len(back_keys))   # the rest stay queued: not lost
+            self._insert(back_keys[:room], recs[in_wb][:room], dirty=True)
+            rfound = rfound & ~in_wb
         new_keys, new_recs = uniq[rfound], recs[rfound]
         if len(new_keys):
             room = self._make_room(len(new_keys))
@@ -419,7 +455,7 @@ class CachedBackend(PrefetchMixin, Backend):
                 self._settle(new_keys[room:])
                 self._remote_put(new_keys[room:], new_recs[room:])
             if not new.all():
-                self.local.put(keys[found], records[found])
+                self._write_local(keys, records, slots, found)
                 self._st.dirty[slots[found]] = not through
             self._insert(new_keys[:room], new_recs[:room], dirty=not through)
 

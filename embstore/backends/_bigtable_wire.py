@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 import numpy as np
+
+from ..errors import InvalidURLError
 
 DATA_PREFIX = b"r"
 DATA_END = b"s"  # exclusive end of the data row range
@@ -267,3 +270,28 @@ class PartialWrite(Exception):
         self.failed = failed
         self.status = status
         self.transient = transient
+
+
+_PROJECT = re.compile(r"^[a-z0-9][-a-z0-9.:]*$")
+_INSTANCE = re.compile(r"^[a-z][-a-z0-9]*$")
+_TABLE = re.compile(r"^[-_.a-zA-Z0-9]{1,50}$")
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+    """Split ``bigtable://project/instance/table`` into its three ids, validating each."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "bigtable":
+        raise InvalidURLError(f"not a bigtable:// URL: {url!r}")
+    if parts.query or parts.fragment:
+        raise InvalidURLError(f"bigtable URL takes no query or fragment: {url!r}")
+    ids = [parts.netloc] + parts.path.strip("/").split("/")
+    if len(ids) != 3 or not all(ids):
+        raise InvalidURLError(
+            f"bigtable URL must be bigtable://project/instance/table, got {url!r}"
+        )
+    project, instance, table = ids
+    for what, value, pat in (("project", project, _PROJECT), ("instance", instance, _INSTANCE),
+                             ("table", table, _TABLE)):
+        if not pat.match(value):
+            raise InvalidURLError(f"invalid Bigtable {what} id {value!r} in {url!r}")
+    return project, instance, table

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -37,7 +36,6 @@ from ..errors import (
     BackendError,
     BackendUnavailableError,
     InvalidInputError,
-    InvalidURLError,
     ReadOnlyError,
     StoreNotFoundError,
 )
@@ -55,30 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 T = TypeVar("T")
 _ReadRowsResponse = _pb.ReadRowsResponse.pb()
 _MutateRowsResponse = _pb.MutateRowsResponse.pb()
-_PROJECT = re.compile(r"^[a-z0-9][-a-z0-9.:]*$")
-_INSTANCE = re.compile(r"^[a-z][-a-z0-9]*$")
-_TABLE = re.compile(r"^[-_.a-zA-Z0-9]{1,50}$")
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
-
-
-def parse_url(url: str) -> tuple[str, str, str]:
-    """Split ``bigtable://project/instance/table`` into its three ids, validating each."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() != "bigtable":
-        raise InvalidURLError(f"not a bigtable:// URL: {url!r}")
-    if parts.query or parts.fragment:
-        raise InvalidURLError(f"bigtable URL takes no query or fragment: {url!r}")
-    ids = [parts.netloc] + parts.path.strip("/").split("/")
-    if len(ids) != 3 or not all(ids):
-        raise InvalidURLError(
-            f"bigtable URL must be bigtable://project/instance/table, got {url!r}"
-        )
-    project, instance, table = ids
-    for what, value, pat in (("project", project, _PROJECT), ("instance", instance, _INSTANCE),
-                             ("table", table, _TABLE)):
-        if not pat.match(value):
-            raise InvalidURLError(f"invalid Bigtable {what} id {value!r} in {url!r}")
-    return project, instance, table
 
 
 class BigtableBackend(Backend):
@@ -120,7 +95,7 @@ class BigtableBackend(Backend):
                  rpc_timeout: float = 20.0, read_batch: int = 1024, write_batch: int = 1024,
                  inflight: int = 4, interceptors: Sequence[Any] = (),
                  credentials: Any = None, **options: Any) -> None:
-        self.project, self.instance, self.table_id = parse_url(url)
+        self.project, self.instance, self.table_id = wire.parse_url(url)
         if not _FAMILY.match(str(column_family)):
             raise InvalidInputError(f"invalid column family name {column_family!r}")
         for name, val in (("read_batch", read_batch), ("write_batch", write_batch),

@@ -320,12 +320,12 @@ def tune_rocksdb(root: str, keys, vals) -> None:
         "default options": dict(),
         "cache 256M": dict(cache=256),
         "cache 256M + bloom 10": dict(cache=256, bloom=10),
-        "cache 256M + bloom 10 + mmap (chosen)": dict(cache=256, bloom=10, mmap=True),
+        "cache 256M + bloom 10 + mmap": dict(cache=256, bloom=10, mmap=True),
         "cache + bloom + mmap + cache_index": dict(cache=256, bloom=10, mmap=True,
                                                    cache_idx=True),
         "bloom 10 + mmap, no cache": dict(bloom=10, mmap=True),
         "bloom 10 + mmap, no cache, no compression": dict(bloom=10, mmap=True, plain=True),
-        "cache + bloom + mmap, no compression": dict(cache=256, bloom=10, mmap=True,
+        "cache + bloom + mmap, no compression (chosen)": dict(cache=256, bloom=10, mmap=True,
                                                      plain=True),
     }
     for label, kw in variants.items():

@@ -58,7 +58,42 @@ def _row_blobs(raw: np.ndarray) -> list[bytes]:
     return [buf[i:i + s] for i in range(0, len(buf), s)]
 
 
-class SQLiteOps:
+class _PagedReads:
+    """Key-ordered pages and version-ordered change pages, for the DBAPI fast paths: the
+    statements differ between SQLite and PostgreSQL only in the ``param`` placeholder."""
+
+    param = "?"
+    t: str
+    key_type: str
+    itemsize: int
+
+    def _fetchall(self, sql: str, params: tuple) -> list:
+        raise NotImplementedError
+
+    def _rows(self, sql: str, params: tuple) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._fetchall(sql, params)
+        if not rows:
+            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+        ks, recs = zip(*rows)
+        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
+
+    def page(self, after, n: int) -> tuple[np.ndarray, np.ndarray]:
+        p = self.param
+        if after is None:
+            return self._rows(f"SELECT k, rec FROM {self.t} ORDER BY k LIMIT {p}", (n,))
+        return self._rows(f"SELECT k, rec FROM {self.t} WHERE k > {p} ORDER BY k LIMIT {p}",
+                          (after, n))
+
+    def changes(self, version: int, after, n: int) -> tuple[np.ndarray, np.ndarray]:
+        p = self.param
+        if after is None:
+            return self._rows(f"SELECT k, rec FROM {self.t} WHERE version > {p} "
+                              f"ORDER BY version, k LIMIT {p}", (version, n))
+        return self._rows(f"SELECT k, rec FROM {self.t} WHERE (version, k) > ({p}, {p}) "
+                          f"ORDER BY version, k LIMIT {p}", (after[0], after[1], n))
+
+
+class SQLiteOps(_PagedReads):
     """Statements for SQLite (``sqlite3``); ``k`` is the rowid alias for int64 stores."""
 
     param = "?"
@@ -138,25 +173,8 @@ class SQLiteOps:
     def count(self) -> int:
         return int(self.conn.execute(f"SELECT count(*) FROM {self.t}").fetchone()[0])
 
-    def _rows(self, sql: str, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.conn.execute(sql, params).fetchall()
-        if not rows:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
-        ks, recs = zip(*rows)
-        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
-
-    def page(self, after, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if after is None:
-            return self._rows(f"SELECT k, rec FROM {self.t} ORDER BY k LIMIT ?", (n,))
-        return self._rows(f"SELECT k, rec FROM {self.t} WHERE k > ? ORDER BY k LIMIT ?",
-                          (after, n))
-
-    def changes(self, version: int, after, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if after is None:
-            return self._rows(f"SELECT k, rec FROM {self.t} WHERE version > ? "
-                              "ORDER BY version, k LIMIT ?", (version, n))
-        return self._rows(f"SELECT k, rec FROM {self.t} WHERE (version, k) > (?, ?) "
-                          "ORDER BY version, k LIMIT ?", (after[0], after[1], n))
+    def _fetchall(self, sql: str, params: tuple) -> list:
+        return self.conn.execute(sql, params).fetchall()
 
     def changes_plan(self, version: int) -> str:
         rows = self.conn.execute(f"EXPLAIN QUERY PLAN SELECT k, rec FROM {self.t} "
@@ -223,7 +241,7 @@ class _Int8ArrayDumper:
         return cls._cls
 
 
-class PostgresOps:
+class PostgresOps(_PagedReads):
     """Statements for PostgreSQL through psycopg 3 (autocommit, explicit transactions)."""
 
     param = "%s"
@@ -318,25 +336,8 @@ class PostgresOps:
     def count(self) -> int:
         return int(self.conn.execute(f"SELECT count(*) FROM {self.t}").fetchone()[0])
 
-    def _rows(self, sql: str, params: tuple) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.conn.cursor(binary=True).execute(sql, params).fetchall()
-        if not rows:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
-        ks, recs = zip(*rows)
-        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
-
-    def page(self, after, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if after is None:
-            return self._rows(f"SELECT k, rec FROM {self.t} ORDER BY k LIMIT %s", (n,))
-        return self._rows(f"SELECT k, rec FROM {self.t} WHERE k > %s ORDER BY k LIMIT %s",
-                          (after, n))
-
-    def changes(self, version: int, after, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if after is None:
-            return self._rows(f"SELECT k, rec FROM {self.t} WHERE version > %s "
-                              "ORDER BY version, k LIMIT %s", (version, n))
-        return self._rows(f"SELECT k, rec FROM {self.t} WHERE (version, k) > (%s, %s) "
-                          "ORDER BY version, k LIMIT %s", (after[0], after[1], n))
+    def _fetchall(self, sql: str, params: tuple) -> list:
+        return self.conn.cursor(binary=True).execute(sql, params).fetchall()
 
     def changes_plan(self, version: int) -> str:
         with self.conn.transaction():

@@ -124,3 +124,18 @@ def key_hash64(keys: np.ndarray) -> np.ndarray:
         return splitmix64(keys.view(np.uint64))
     digests = b"".join(hashlib.blake2b(k, digest_size=8).digest() for k in keys)
     return np.frombuffer(digests, dtype="<u8").copy()
+
+
+_SIGN = np.uint64(1 << 63)
+
+
+def ordered_int64_bytes(keys: np.ndarray) -> np.ndarray:
+    """Big-endian uint64 with the sign bit flipped: byte order equals numeric order, which is
+    how the ordered key-value backends (LMDB, RocksDB, Bigtable) store int64 keys."""
+    return (keys.view(np.uint64) ^ _SIGN).astype(">u8")
+
+
+def int64_from_ordered(be: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`ordered_int64_bytes` over a ``>u8`` array."""
+    return (be.astype(np.uint64) ^ _SIGN).view(np.int64)
+

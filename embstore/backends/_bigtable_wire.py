@@ -32,13 +32,13 @@ from urllib.parse import urlsplit
 import grpc
 import numpy as np
 
+from .._keys import int64_from_ordered, ordered_int64_bytes
 from ..errors import InvalidURLError
 
 DATA_PREFIX = b"r"
 DATA_END = b"s"  # exclusive end of the data row range
 META_ROW = b"m"
 MAX_ROW_KEY = 4096  # Bigtable's row-key limit, in bytes
-_SIGN = np.uint64(1 << 63)
 
 
 def varint(n: int) -> bytes:
@@ -71,8 +71,7 @@ def encode_int_keys(keys: np.ndarray) -> np.ndarray:
     """``(n, 9)`` uint8: prefix + order-preserving big-endian int64 for each key."""
     out = np.empty((len(keys), 9), dtype=np.uint8)
     out[:, 0] = DATA_PREFIX[0]
-    flipped = (keys.view(np.uint64) ^ _SIGN).astype(">u8")
-    out[:, 1:] = flipped.view(np.uint8).reshape(-1, 8)
+    out[:, 1:] = ordered_int64_bytes(keys).view(np.uint8).reshape(-1, 8)
     return out
 
 
@@ -84,7 +83,7 @@ def decode_int_keys(row_keys: list[bytes]) -> np.ndarray:
     if raw.size != 9 * len(row_keys):
         raise ValueError("row keys of an int64 store must be 9 bytes long")
     be = raw.reshape(-1, 9)[:, 1:].copy().view(">u8").ravel()
-    return (be.astype(np.uint64) ^ _SIGN).view(np.int64)
+    return int64_from_ordered(be)
 
 
 def encode_bytes_keys(keys: np.ndarray) -> list[bytes]:

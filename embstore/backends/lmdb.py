@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._keys import int64_from_ordered, ordered_int64_bytes
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
 from ._localdir import (
@@ -43,7 +44,6 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the lmdb backend needs py-lmdb: pip install 'embstore[lmdb]'") from e
 
-_SIGN = np.uint64(1 << 63)
 _REC_DB = b"records"
 _META_DB = b"meta"
 _META_KEY = b"meta"
@@ -293,13 +293,13 @@ class LmdbBackend(FetchedRecords, Backend):
     # -- key encoding ----------------------------------------------------------------------------
     def _encode(self, keys: np.ndarray) -> list[bytes]:
         if self.key_type == "int64":
-            return (keys.view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
+            return ordered_int64_bytes(keys).view("V8").tolist()
         return [_BYTES_PREFIX + k for k in keys]
 
     def _decode(self, raw: list) -> np.ndarray:
         if self.key_type == "int64":
             buf = b"".join(raw)
-            return (np.frombuffer(buf, dtype=">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
+            return int64_from_ordered(np.frombuffer(buf, dtype=">u8"))
         out = np.empty(len(raw), dtype=object)
         out[:] = [bytes(k[1:]) for k in raw]
         return out

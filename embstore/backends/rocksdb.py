@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._keys import int64_from_ordered, ordered_int64_bytes
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
 from ._localdir import (
@@ -42,7 +43,6 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the rocksdb backend needs rocksdict: pip install 'embstore[rocksdb]'") from e
 
-_SIGN = np.uint64(1 << 63)
 _META_CF = "embstore_meta"
 _META_KEY = b"meta"
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
@@ -256,13 +256,13 @@ class RocksDBBackend(FetchedRecords, Backend):
     # -- keys ------------------------------------------------------------------------------------
     def _encode(self, keys: np.ndarray) -> list[bytes]:
         if self.key_type == "int64":
-            return (keys.view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
+            return ordered_int64_bytes(keys).view("V8").tolist()
         return keys.tolist()
 
     def _decode(self, raw: list[bytes]) -> np.ndarray:
         if self.key_type == "int64":
             buf = b"".join(raw)
-            return (np.frombuffer(buf, dtype=">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
+            return int64_from_ordered(np.frombuffer(buf, dtype=">u8"))
         out = np.empty(len(raw), dtype=object)
         out[:] = raw
         return out

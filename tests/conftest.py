@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-pytest_plugins = [
+pytest_plugins = ["tests.stores"] + [
     p for p in ("tests.fixtures_postgres", "tests.fixtures_bigtable")
     if __import__("importlib.util").util.find_spec(p) is not None
 ]

@@ -17,40 +17,16 @@ from embstore.policies import (
     FrequencyCutoff,
     ProbabilisticAdmission,
 )
+from tests.stores import backend_available
 
 DIM = 4
-
-
-def _backend_available(scheme: str) -> bool:
-    try:
-        from embstore.registry import backend_class
-
-        backend_class(f"{scheme}://x")
-        return True
-    except Exception:  # noqa: BLE001 - missing module or extra: the test skips
-        return False
-
-
-@pytest.fixture(params=["memory", "lmdb", "bigtable"])
-def url_factory(request, tmp_path):
-    counter = itertools.count()
-    if request.param == "memory":
-        return lambda: "memory://"
-    if request.param == "lmdb":
-        if not _backend_available("lmdb"):
-            pytest.skip("lmdb backend not available")
-        return lambda: f"lmdb://{tmp_path}/s{next(counter)}"
-    try:
-        return request.getfixturevalue("bigtable_url_factory")
-    except pytest.FixtureLookupError:
-        pytest.skip("bigtable fixtures not available")
 
 
 @pytest.fixture(params=["lmdb", "sqlite"])
 def persistent_url_factory(request, tmp_path):
     """Persistent local stores, for reopen tests (Bigtable has its own test below)."""
     counter = itertools.count()
-    if not _backend_available(request.param):
+    if not backend_available(request.param):
         pytest.skip(f"{request.param} backend not available")
     if request.param == "lmdb":
         return lambda: f"lmdb://{tmp_path}/p{next(counter)}"
@@ -64,9 +40,9 @@ def zipf_stream(seed: int, batches: int, batch: int, a: float = 1.3, vocab: int 
 
 
 # -- admission ---------------------------------------------------------------------------------
-def test_frequency_cutoff_counts_match_exact_model(url_factory):
+def test_frequency_cutoff_counts_match_exact_model(any_store_url_factory):
     min_count = 3
-    s = embstore.open(url_factory(), dim=DIM, admission=FrequencyCutoff(min_count))
+    s = embstore.open(any_store_url_factory(), dim=DIM, admission=FrequencyCutoff(min_count))
     seen: dict[int, int] = {}
     rows: set[int] = set()
     rejected = 0
@@ -188,8 +164,8 @@ def test_policy_state_survives_reopen_on_bigtable(request):
 
 
 # -- expiry ------------------------------------------------------------------------------------
-def test_step_expiry_matches_model(url_factory):
-    s = embstore.open(url_factory(), dim=DIM)
+def test_step_expiry_matches_model(any_store_url_factory):
+    s = embstore.open(any_store_url_factory(), dim=DIM)
     last: dict[int, int] = {}
     try:
         for i, keys in enumerate(zipf_stream(2, 25, 60), start=1):
@@ -252,9 +228,9 @@ def _eviction_model(stream, capacity: int, policy: str):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_capacity_eviction_matches_model(url_factory, policy):
+def test_capacity_eviction_matches_model(any_store_url_factory, policy):
     cap = 150
-    s = embstore.open(url_factory(), dim=DIM, capacity=Eviction(cap, policy, slack=0.0))
+    s = embstore.open(any_store_url_factory(), dim=DIM, capacity=Eviction(cap, policy, slack=0.0))
     try:
         stream = list(zipf_stream(3, 20, 40, a=1.2, vocab=2000))
         for keys in stream:

@@ -15,38 +15,14 @@ from embstore.errors import ReadOnlyError, StoreNotFoundError
 from embstore.optim import FTRL, Adagrad, Adam
 from embstore.policies import Expiry, FrequencyCutoff, ProbabilisticAdmission
 from embstore.policies.tombstones import TombstoneLog
+from tests.stores import backend_available
 
 DIM = 8
 
 
-def _backend_available(scheme: str) -> bool:
-    try:
-        from embstore.registry import backend_class
-
-        backend_class(f"{scheme}://x")
-        return True
-    except Exception:  # noqa: BLE001 - missing module or extra: the test skips
-        return False
-
-
-@pytest.fixture(params=["memory", "lmdb", "bigtable"])
-def url_factory(request, tmp_path):
-    counter = itertools.count()
-    if request.param == "memory":
-        return lambda: "memory://"
-    if request.param == "lmdb":
-        if not _backend_available("lmdb"):
-            pytest.skip("lmdb backend not available")
-        return lambda: f"lmdb://{tmp_path}/s{next(counter)}"
-    try:
-        return request.getfixturevalue("bigtable_url_factory")
-    except pytest.FixtureLookupError:
-        pytest.skip("bigtable fixtures not available")
-
-
 @pytest.fixture
 def lmdb_url(tmp_path):
-    if not _backend_available("lmdb"):
+    if not backend_available("lmdb"):
         pytest.skip("lmdb backend not available")
     counter = itertools.count()
     return lambda: f"lmdb://{tmp_path}/l{next(counter)}"
@@ -68,8 +44,8 @@ def batches(seed: int, n: int, size: int = 64, vocab: int = 400):
 
 
 # -- incremental sync --------------------------------------------------------------------------
-def test_changes_since_streams_exactly_the_touched_keys(url_factory):
-    s = embstore.open(url_factory(), dim=DIM, optimizer=Adagrad(lr=0.1))
+def test_changes_since_streams_exactly_the_touched_keys(any_store_url_factory):
+    s = embstore.open(any_store_url_factory(), dim=DIM, optimizer=Adagrad(lr=0.1))
     try:
         s.lookup(np.arange(100))
         v = s.version
@@ -86,9 +62,9 @@ def test_changes_since_streams_exactly_the_touched_keys(url_factory):
         s.close()
 
 
-def test_delta_export_import_brings_serving_copy_to_same_state(url_factory, tmp_path):
-    train = embstore.open(url_factory(), dim=DIM, optimizer=Adagrad(lr=0.1))
-    serve = embstore.open(url_factory(), dim=DIM, optimizer=Adagrad(lr=0.1))
+def test_delta_export_import_brings_serving_copy_to_same_state(any_store_url_factory, tmp_path):
+    train = embstore.open(any_store_url_factory(), dim=DIM, optimizer=Adagrad(lr=0.1))
+    serve = embstore.open(any_store_url_factory(), dim=DIM, optimizer=Adagrad(lr=0.1))
     try:
         for k, g in batches(0, 5, vocab=2000):
             train.update(k, g)

@@ -1,0 +1,37 @@
+"""Store URLs shared by tests that run one scenario on memory, LMDB and Bigtable stores.
+
+Registered as a pytest plugin by ``tests/conftest.py``: a test that takes
+``any_store_url_factory`` runs once per backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+
+def backend_available(scheme: str) -> bool:
+    """True when the backend for ``scheme`` imports (its extra is installed)."""
+    try:
+        from embstore.registry import backend_class
+
+        backend_class(f"{scheme}://x")
+        return True
+    except Exception:  # noqa: BLE001 - missing module or extra: the test skips
+        return False
+
+
+@pytest.fixture(params=["memory", "lmdb", "bigtable"])
+def any_store_url_factory(request, tmp_path):
+    counter = itertools.count()
+    if request.param == "memory":
+        return lambda: "memory://"
+    if request.param == "lmdb":
+        if not backend_available("lmdb"):
+            pytest.skip("lmdb backend not available")
+        return lambda: f"lmdb://{tmp_path}/s{next(counter)}"
+    try:
+        return request.getfixturevalue("bigtable_url_factory")
+    except pytest.FixtureLookupError:
+        pytest.skip("bigtable fixtures not available")

@@ -68,6 +68,12 @@ def layer(store: embstore.EmbeddingStore) -> CachedBackend:
     return store.backend
 
 
+def remote_deadline(store: embstore.EmbeddingStore, seconds: float) -> None:
+    """Set how long the remote retries: short only while a fault is on (so the failure comes
+    quickly), generous otherwise (so a loaded machine cannot turn healthy calls into failures)."""
+    layer(store).remote.retry_deadline = seconds
+
+
 def cached_keys(store: embstore.EmbeddingStore, keys) -> list[bool]:
     c = layer(store)
     return c.local.contains(np.asarray(keys, dtype=np.int64)).tolist()
@@ -325,8 +331,7 @@ def test_killed_emulator_loses_no_acknowledged_write(bigtable_private_emulator):
     row, so with a cache that holds the working set nothing acknowledged is lost."""
     emu = bigtable_private_emulator
     url = "bigtable://p/i/fault"
-    opts = dict(cache="memory://", cache_capacity=10_000, emulator_host=emu.host,
-                retry_deadline=1.0)
+    opts = dict(cache="memory://", cache_capacity=10_000, emulator_host=emu.host)
     ref = embstore.open("memory://", dim=DIM)
     s = embstore.open(url, dim=DIM, **opts)
     keys = np.arange(300)
@@ -336,6 +341,7 @@ def test_killed_emulator_loses_no_acknowledged_write(bigtable_private_emulator):
     s.flush()
     for store in (ref, s):
         _train(store, keys[:100], 3)          # acknowledged, dirty, not flushed
+    remote_deadline(s, 1.0)
     emu.stop()
     with pytest.raises(BackendError, match="gave up|cannot reach|failed"):
         s.flush()
@@ -345,6 +351,7 @@ def test_killed_emulator_loses_no_acknowledged_write(bigtable_private_emulator):
     for store in (ref, s):                    # cached keys keep training during the outage
         _train(store, keys[:50], 4)
     emu.restart()                             # fresh and empty
+    remote_deadline(s, 30.0)
     for store in (ref, s):                    # training continues, new keys included
         _train(store, np.arange(250, 350), 5)
     assert s.backend.resync() == len(ref)
@@ -363,13 +370,15 @@ def test_killed_emulator_loses_no_acknowledged_write(bigtable_private_emulator):
 def test_write_through_failure_leaves_cache_unchanged(bigtable_private_emulator):
     emu = bigtable_private_emulator
     s = embstore.open("bigtable://p/i/wt", dim=DIM, cache="memory://", write_policy="through",
-                      emulator_host=emu.host, retry_deadline=0.5)
+                      emulator_host=emu.host)
     s.assign([1, 2], np.ones((2, DIM)))
+    remote_deadline(s, 0.5)
     emu.stop()
     with pytest.raises(BackendError):
         s.assign([1, 2], np.full((2, DIM), 5.0))
     np.testing.assert_array_equal(s.lookup([1, 2], insert=False), np.ones((2, DIM)))
     emu.restart()
+    remote_deadline(s, 30.0)
     s.backend.resync()
     s.assign([1], np.full((1, DIM), 5.0))
     s.close()
@@ -422,11 +431,11 @@ def test_write_behind_failure_keeps_evicted_rows(bigtable_url_factory):
 
     url = bigtable_url_factory()
     inj = FaultInjector(failures=0, methods=["MutateRows"])
-    s = embstore.open(url, dim=DIM, cache="memory://", cache_capacity=50, interceptors=[inj],
-                      retry_deadline=0.3)
+    s = embstore.open(url, dim=DIM, cache="memory://", cache_capacity=50, interceptors=[inj])
     ref = embstore.open("memory://", dim=DIM)
     for store in (ref, s):
         _train(store, np.arange(50), 0)
+    remote_deadline(s, 0.3)
     inj.failures = 10**9                      # every write fails from now on
     for store in (ref, s):
         _train(store, np.arange(50, 100), 1)  # evicts the 50 dirty rows of keys 0..49
@@ -434,6 +443,7 @@ def test_write_behind_failure_keeps_evicted_rows(bigtable_url_factory):
         s.flush()
     st = layer(s).stats()
     assert st["pending_rows"] + st["dirty_rows"] == 100 and st["cache_rows"] == 50
+    remote_deadline(s, 30.0)
     inj.failures = 0                          # the remote recovers
     s.close()
     with embstore.open(url) as plain:
@@ -473,13 +483,13 @@ def test_rows_pending_in_write_behind_are_read_back_without_the_remote(bigtable_
     with embstore.open(url, dim=DIM) as plain:   # rows 100..149 exist on the remote
         plain.assign(np.arange(100, 150), np.ones((50, DIM)))
     inj = FaultInjector(failures=0, methods=["MutateRows"])
-    s = embstore.open(url, cache="memory://", cache_capacity=50, interceptors=[inj],
-                      retry_deadline=0.3)
+    s = embstore.open(url, cache="memory://", cache_capacity=50, interceptors=[inj])
     c = layer(s)
     ref = embstore.open("memory://", dim=DIM)
     ref.assign(np.arange(100, 150), np.ones((50, DIM)))
     for store in (ref, s):
         _train(store, np.arange(50), 0)           # 50 dirty rows fill the cache
+    remote_deadline(s, 0.3)
     inj.failures = 10**9                          # background writes cannot land now
     s.lookup(np.arange(100, 150))                 # clean rows evict the 50 dirty ones
     assert c.stats()["pending_rows"] == 50 and cached_keys(s, [0, 49]) == [False, False]
@@ -490,6 +500,7 @@ def test_rows_pending_in_write_behind_are_read_back_without_the_remote(bigtable_
     assert c.stats()["dirty_rows"] == 50          # back in the cache, still owed to the remote
     for store in (ref, s):
         _train(store, np.arange(50), 1)
+    remote_deadline(s, 30.0)
     inj.failures = 0                              # the remote recovers
     s.close()
     with embstore.open(url) as plain:

@@ -290,10 +290,14 @@ class EmbeddingStore(SamplingAPI):
         if nfound == n:
             return vectors
         self._stats["misses"] += n - nfound
-        miss = ~found
-        miss_keys = k[miss]
-        new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
-        vectors[miss] = new_vecs
+        if nfound == 0:  # a batch of only new keys (a table being filled): no masking
+            miss_keys = k
+            vectors = new_vecs = self.initializer(k, self.layout.dim, self.seed)
+        else:
+            miss = ~found
+            miss_keys = k[miss]
+            new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
+            vectors[miss] = new_vecs
         if insert and not self.read_only:
             if distinct(miss_keys):
                 uniq, seen = miss_keys, None

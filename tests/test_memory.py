@@ -7,9 +7,10 @@ import pickle
 
 import numpy as np
 import pytest
-from embstore._cython.cuckoo import CuckooTable, RecordArena
+from embstore._cython.cuckoo import CuckooTable, RecordArena, find_or_insert
 
 import embstore
+from embstore.errors import InvalidInputError
 from embstore.testing.conformance import StoreConformance
 
 
@@ -101,3 +102,37 @@ def test_fresh_memory_urls_are_independent():
     b = embstore.open("memory://", dim=2)
     a.lookup([next(counter)])
     assert len(b) == 0
+
+
+def test_find_or_insert_places_new_keys_once_and_finds_old_ones():
+    t, a = CuckooTable(16), RecordArena(8, chunk_shift=4)
+    keys = np.array([5, 9, 5, -3, 9, 11], dtype=np.int64)  # repeats inside one batch
+    out = np.empty(len(keys), np.uint32)
+    assert find_or_insert(t, a, keys, out) == 4
+    assert out[0] == out[2] and out[1] == out[4] and len(set(out.tolist())) == 4
+    again = np.empty(len(keys), np.uint32)
+    assert find_or_insert(t, a, keys, again) == 0
+    np.testing.assert_array_equal(again, out)
+    assert len(t) == 4 and a.live == 4
+
+
+@pytest.mark.parametrize("prefault", [True, False, "off", "1"])
+def test_arena_spare_chunks_keep_every_record(prefault):
+    # 70k records span five 16384-row chunks, so the spare chunks (faulted in by a background
+    # thread when prefault is on) are taken into use while records are being written.
+    s = embstore.open("memory://", dim=4, prefault=prefault)
+    keys = np.arange(70_000, dtype=np.int64) * 7
+    vals = np.repeat(np.arange(70_000, dtype=np.float32)[:, None], 4, axis=1)
+    for i in range(0, len(keys), 5000):
+        s.assign(keys[i:i + 5000], vals[i:i + 5000])
+    np.testing.assert_array_equal(s.lookup(keys, insert=False), vals)
+    assert s.stats()["size_bytes"] >= 70_000 * s.layout.itemsize
+    s.backend.clear()
+    assert len(s) == 0
+    s.assign(keys[:10], vals[:10])
+    np.testing.assert_array_equal(s.lookup(keys[:10], insert=False), vals[:10])
+
+
+def test_memory_rejects_a_bad_prefault_flag():
+    with pytest.raises(InvalidInputError, match="prefault"):
+        embstore.open("memory://", dim=4, prefault="sometimes")

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidURLError
+from ..errors import InvalidInputError, InvalidURLError
 from ..layout import Layout
 from .base import Backend
 
 try:
-    from .._cython.cuckoo import CuckooTable, RecordArena
+    from .._cython.cuckoo import CuckooTable, RecordArena, find_or_insert
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "
@@ -31,6 +31,18 @@ except ImportError as e:  # pragma: no cover - depends on the build
 _EMPTY = np.uint32(0xFFFFFFFF)
 
 
+def _flag(name: str, value: Any) -> bool:
+    # Options may come from a URL query string as well as from keyword arguments.
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+        raise InvalidInputError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
 class MemoryBackend(Backend):
     """In-process row store on a cuckoo hash table; not persistent.
 
@@ -38,6 +50,10 @@ class MemoryBackend(Backend):
     -------
     initial_capacity : int
         Keys to size the table for up front (it grows on its own either way).
+    prefault : bool
+        Once the store outgrows its first arena chunk (16384 records), keep up to four chunks
+        mapped ahead and fault their pages in on a background thread, so inserting new keys
+        does not wait for the kernel (default True; at most ~4 chunks of extra memory).
     """
 
     persistent = False
@@ -45,12 +61,14 @@ class MemoryBackend(Backend):
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
-                 initial_capacity: int = 1024, **options: Any) -> None:
+                 initial_capacity: int = 1024, prefault: bool = True,
+                 **options: Any) -> None:
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         super().__init__(url, read_only=read_only, **options)
         self._meta: dict | None = None
         self._capacity = max(int(initial_capacity), 16)
+        self._prefault = _flag("prefault", prefault)
         self._table: CuckooTable | None = None
         self._arena: RecordArena | None = None
         self._bytes_slots: dict[bytes, int] = {}
@@ -63,7 +81,7 @@ class MemoryBackend(Backend):
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         if self._arena is None:
-            self._arena = RecordArena(layout.itemsize)
+            self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
             self._table = CuckooTable(self._capacity) if key_type == "int64" else None
 
     def read_meta(self) -> dict | None:
@@ -109,20 +127,22 @@ class MemoryBackend(Backend):
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         last, self._last_get = self._last_get, None
-        if last is not None and last[0] is keys and last[2] == self._epoch:
-            slots = last[1].copy()
+        if last is not None and last[0] is keys and last[2] == self._epoch and \
+                bool((last[1] != _EMPTY).all()):
+            slots = last[1]
+        elif self.key_type == "int64":
+            slots = np.empty(len(keys), dtype=np.uint32)
+            if find_or_insert(self._table, self._arena, keys, slots):
+                self._epoch += 1
         else:
             slots = self._slots(keys)
-        new = slots == _EMPTY
-        if new.any():
-            self._epoch += 1
-            new_slots = np.empty(int(new.sum()), dtype=np.uint32)
-            self._arena.alloc(new_slots)
-            if self.key_type == "int64":
-                self._table.insert_new(np.ascontiguousarray(keys[new]), new_slots)
-            else:
+            new = slots == _EMPTY
+            if new.any():
+                self._epoch += 1
+                new_slots = np.empty(int(new.sum()), dtype=np.uint32)
+                self._arena.alloc(new_slots)
                 self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
-            slots[new] = new_slots
+                slots[new] = new_slots
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
 

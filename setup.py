@@ -8,6 +8,9 @@ extensions = [
     Extension(
         "embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], extra_compile_args=["-O3"]
     ),
+    Extension(
+        "embstore._cython.rowops", ["embstore/_cython/rowops.pyx"], extra_compile_args=["-O3"]
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

@@ -231,6 +231,11 @@ class EmbeddingStore(SamplingAPI):
         return normalize_keys(keys, self.key_type)
 
     def _rows(self, values: Any, n: int, what: str) -> np.ndarray:
+        if (type(values) is np.ndarray and values.dtype == np.float32
+                and values.shape == (n, self.layout.dim) and values.flags.c_contiguous):
+            if not np.isfinite(values).all():  # the common case, without the conversions
+                raise InvalidInputError(f"{what} contain NaN or inf")
+            return values
         if hasattr(values, "detach") and hasattr(values, "cpu"):
             values = values.detach().cpu().numpy()
         elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):

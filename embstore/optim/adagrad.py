@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cython.rowops import axpy_rows
 from .base import Optimizer, check_hyper
 
 
@@ -55,8 +56,7 @@ class Adagrad(Optimizer):
         tmp += np.float32(self.eps)
         np.divide(grads, tmp, out=tmp)
         tmp *= np.float32(self.lr)
-        vec = records["vector"]
-        vec -= tmp
+        axpy_rows(records["vector"], tmp, np.float32(-1.0))
 
     def _params(self) -> dict[str, Any]:
         return {"lr": self.lr, "initial_accumulator_value": self.initial_accumulator_value,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._cython.rowops import axpy_rows
 from .base import Optimizer, check_hyper
 
 
@@ -29,7 +30,9 @@ class SGD(Optimizer):
         vec = records["vector"]
         if self.weight_decay:
             grads = grads + self.weight_decay * vec
-        vec -= np.float32(self.lr) * grads  # in place: ``vec`` is a view into the records
+        # in place on the records (``vec`` is a view); the same rounding as torch's
+        # ``p.add_(g, alpha=-lr)``: -lr * g, then the sum
+        axpy_rows(vec, np.ascontiguousarray(grads, dtype=np.float32), -np.float32(self.lr))
 
     def _params(self):
         return {"lr": self.lr, "weight_decay": self.weight_decay}

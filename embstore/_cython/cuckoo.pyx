@@ -112,11 +112,12 @@ cdef class CuckooTable:
         self.rehashes = 0
         self.rng = 0x2545F4914F6CDD1DULL
 
-    cdef int _alloc(self, uint64_t nb) except -1:
+    cdef int _alloc(self, uint64_t nb, bint clear=True) except -1:
         cdef Bucket* b = <Bucket*> malloc(nb * sizeof(Bucket))
         if b == NULL:
             raise MemoryError("cuckoo table: cannot allocate %d buckets" % nb)
-        memset(b, 0xFF, nb * sizeof(Bucket))
+        if clear:
+            memset(b, 0xFF, nb * sizeof(Bucket))
         self.buckets = b
         self.nbuckets = nb
         self.mask = nb - 1
@@ -223,20 +224,32 @@ cdef class CuckooTable:
         caller then rehashes from scratch; the old table is still intact)."""
         cdef Bucket* old = self.buckets
         cdef uint64_t old_nb = self.nbuckets, old_mask = self.mask, j, t
-        cdef int i, k, ok = 1
+        cdef int i, k, ok = 1, nlo, nhi
         cdef int64_t lk
         cdef uint32_t lv
-        self._alloc(old_nb * 2)
+        cdef Bucket lo, hi
+        # Old bucket j feeds exactly new buckets j and j + old_nb, so each new bucket is
+        # composed in full and written once: no separate pass to clear the new array.
+        self._alloc(old_nb * 2, False)
         with nogil:
             for j in range(old_nb):
+                memset(&lo, 0xFF, sizeof(Bucket))
+                memset(&hi, 0xFF, sizeof(Bucket))
+                nlo = 0
+                nhi = 0
                 for i in range(BUCKET):
                     if old[j].vals[i] != EMPTY and self._natural_bucket(
                             old[j].keys[i], j, old_mask, &t):
-                        for k in range(BUCKET):
-                            if self.buckets[t].vals[k] == EMPTY:
-                                self.buckets[t].keys[k] = old[j].keys[i]
-                                self.buckets[t].vals[k] = old[j].vals[i]
-                                break
+                        if t == j:
+                            lo.keys[nlo] = old[j].keys[i]
+                            lo.vals[nlo] = old[j].vals[i]
+                            nlo += 1
+                        else:
+                            hi.keys[nhi] = old[j].keys[i]
+                            hi.vals[nhi] = old[j].vals[i]
+                            nhi += 1
+                self.buckets[j] = lo
+                self.buckets[j + old_nb] = hi
             for j in range(old_nb):
                 for i in range(BUCKET):
                     if old[j].vals[i] != EMPTY and not self._natural_bucket(

@@ -30,7 +30,7 @@ from ._batch import (
 from ._keys import check_key_type, normalize_keys
 from ._sampling_api import SamplingAPI
 from ._schema import FORMAT, FORMAT_VERSION, check_stored_meta
-from .backends.base import Backend
+from .backends.base import Backend, RowUpdate
 from .errors import (
     InvalidInputError,
     ReadOnlyError,
@@ -356,6 +356,25 @@ class EmbeddingStore(SamplingAPI):
         uniq, summed, mult = coalesce(k, g)
         if c is not None:
             mult = sum_counts(k, uniq, c)
+        self.step += 1
+        self._stats["updates"] += len(k)
+        axpy = self.optimizer.axpy_step(summed)
+        if axpy is not None and self._backend.supports_row_update and not self._observers:
+            # The step is plain field arithmetic: the backend applies it where the records
+            # live; only keys without a record yet go the general way below.
+            found = self._backend.update_rows(uniq, RowUpdate(
+                axpy, {"count": mult}, {"last_seen": time.time(), "last_step": self.step,
+                                         "version": self._next_version()}))
+            if found.all():
+                self._policy.after_update(self)
+                return
+            new = ~found
+            uniq, summed, mult = uniq[new], summed[new], mult[new]
+        self._update_records(uniq, summed, mult)
+        self._policy.after_update(self)
+
+    def _update_records(self, uniq: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> None:
+        """One optimizer step on records copied out of the backend and written back."""
         recs, found = self._backend.get(uniq)
         nnew = int(len(uniq) - np.count_nonzero(found))
         if nnew and self._policy.admission is not None:
@@ -369,7 +388,6 @@ class EmbeddingStore(SamplingAPI):
         if nnew:
             recs[~found] = self._new_records(uniq[~found])
             self._stats["inserts"] += nnew
-        self.step += 1
         drop = self.optimizer.apply(recs, summed, self.step)
         recs["count"] += mult
         self._stamp(recs)
@@ -382,8 +400,6 @@ class EmbeddingStore(SamplingAPI):
             uniq, recs = uniq[keep], recs[keep]
         if len(uniq):
             self._put(uniq, recs)
-        self._stats["updates"] += len(k)
-        self._policy.after_update(self)
 
     def assign(self, keys: Any, values: Any) -> None:
         """Set vectors directly (warm start). Optimizer slots and counts of existing keys are

@@ -136,3 +136,40 @@ def test_arena_spare_chunks_keep_every_record(prefault):
 def test_memory_rejects_a_bad_prefault_flag():
     with pytest.raises(InvalidInputError, match="prefault"):
         embstore.open("memory://", dim=4, prefault="sometimes")
+
+
+def test_update_after_lookup_of_a_reused_key_buffer_steps_the_new_keys():
+    # The slots found by a lookup are reused by the next update only when the keys match:
+    # a caller refilling one key buffer between the two calls must update the new keys.
+    s = embstore.open("memory://", dim=4, optimizer=embstore.optim.SGD(lr=1.0))
+    buf = np.array([1, 2, 3], dtype=np.int64)
+    s.lookup(np.array([10, 20, 30], dtype=np.int64))
+    v = s.lookup(buf)
+    buf[:] = [10, 20, 30]
+    s.update(buf, np.ones((3, 4), np.float32))
+    np.testing.assert_array_equal(s.lookup([1, 2, 3], insert=False), v)
+    np.testing.assert_allclose(s.lookup([10, 20, 30], insert=False),
+                               s.initial_vectors([10, 20, 30]) - 1.0, rtol=1e-6)
+
+
+def test_in_place_update_matches_the_copy_path_bit_for_bit():
+    rng = np.random.default_rng(5)
+    keys = rng.choice(10_000, 3000, replace=False).astype(np.int64)
+    stores = [embstore.open("memory://", dim=16, optimizer=embstore.optim.SGD(lr=0.1))
+              for _ in range(2)]
+    stores[1].backend.supports_row_update = False  # the general get -> step -> put path
+    touched = [keys[:1000]]
+    for st in stores:
+        st.lookup(keys[:1000])
+    for _ in range(3):  # batches of known and new keys, with repeats
+        b = rng.choice(keys, 2000)
+        g = rng.standard_normal((2000, 16), dtype=np.float32)
+        touched.append(b)
+        for st in stores:
+            st.update(b, g)
+    ks = np.unique(np.concatenate(touched))
+    a, fa = stores[0].get_records(ks)
+    b, fb = stores[1].get_records(ks)
+    assert fa.all() and fb.all()
+    for f in ("vector", "count", "last_step"):
+        np.testing.assert_array_equal(a[f], b[f])

@@ -575,6 +575,50 @@ cdef class RecordArena:
             for j in range(n):
                 memcpy(self._row(slots[j]), &src[j, 0], self.itemsize)
 
+    def update_rows(self, const uint32_t[::1] slots, Py_ssize_t axpy_offset,
+                    const float[:, ::1] x, float alpha, const Py_ssize_t[::1] add_offsets,
+                    const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
+                    const uint64_t[::1] set_bits):
+        """In place, per slot j: ``float32 field at axpy_offset += alpha * x[j]``; for each
+        f, ``int64 at add_offsets[f] += add_values[f, j]``; for each s, the 8 bytes at
+        ``set_offsets[s]`` = ``set_bits[s]``. One pass, each record touched once."""
+        cdef Py_ssize_t n = slots.shape[0], d = x.shape[1], j, k, f
+        cdef Py_ssize_t na = add_offsets.shape[0], ns = set_offsets.shape[0]
+        cdef uint8_t* row
+        cdef float* v
+        cdef int64_t* c
+        if x.shape[0] < n or (na and add_values.shape[1] < n) or add_values.shape[0] < na \
+                or set_bits.shape[0] < ns:
+            raise ValueError("update_rows: value arrays are shorter than the slots")
+        if axpy_offset < 0 or axpy_offset + d * 4 > self.itemsize:
+            raise ValueError("update_rows: the float field does not fit the record")
+        for f in range(na):
+            if add_offsets[f] < 0 or add_offsets[f] + 8 > self.itemsize:
+                raise ValueError("update_rows: an int field does not fit the record")
+        for f in range(ns):
+            if set_offsets[f] < 0 or set_offsets[f] + 8 > self.itemsize:
+                raise ValueError("update_rows: a set field does not fit the record")
+        for j in range(n):
+            if slots[j] == EMPTY or (slots[j] >> self.shift) >= <uint64_t> self.nchunks:
+                raise ValueError("update_rows: a slot is not in the arena")
+        with nogil:
+            for j in range(n):
+                if j + PREFETCH_AHEAD < n:
+                    row = self._row(slots[j + PREFETCH_AHEAD])
+                    k = 0
+                    while k < self.itemsize:
+                        ES_PREFETCH(row + k)
+                        k += 64
+                row = self._row(slots[j])
+                v = <float*> (row + axpy_offset)
+                for k in range(d):
+                    v[k] = v[k] + alpha * x[j, k]
+                for f in range(na):
+                    c = <int64_t*> (row + add_offsets[f])
+                    c[0] += add_values[f, j]
+                for f in range(ns):
+                    memcpy(row + set_offsets[f], &set_bits[f], 8)
+
     def clear(self):
         self._unmap_all()
         self.next_slot = 0

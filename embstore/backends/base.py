@@ -18,11 +18,36 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..layout import Layout
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """Field arithmetic on a batch of records, with no learning in it.
+
+    ``axpy = (field, alpha, x)``: ``field += alpha * x`` (x float32, one row per key);
+    ``add``: int field -> per-key amounts added; ``assign``: field -> one value for every row.
+    """
+
+    axpy: tuple[str, float, np.ndarray]
+    add: dict[str, np.ndarray] = field(default_factory=dict)
+    assign: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, records: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Apply to a structured array in place (``rows``: a mask selecting the per-key
+        arrays' rows that ``records`` holds; all of them when None)."""
+        name, alpha, x = self.axpy
+        sel = slice(None) if rows is None else rows
+        records[name] += np.float32(alpha) * x[sel]
+        for f, v in self.add.items():
+            records[f] += v[sel]
+        for f, v in self.assign.items():
+            records[f] = v
 
 
 class Backend(abc.ABC):
@@ -36,11 +61,15 @@ class Backend(abc.ABC):
         ``scan`` can iterate every record.
     supports_changes : bool
         ``changes_since`` uses an index instead of a full scan.
+    supports_row_update : bool
+        ``update_rows`` changes records where they are stored (the engine then prefers it
+        to a ``get`` + ``put`` round trip).
     """
 
     persistent: bool = False
     supports_scan: bool = True
     supports_changes: bool = False
+    supports_row_update: bool = False
     scheme: str = ""
 
     #: set by the engine once the store's layout is known (after metadata is read/written)
@@ -94,6 +123,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Insert or overwrite whole records (unique keys)."""
+
+    def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
+        """Apply a :class:`RowUpdate` to the stored records of ``keys`` (unique); return a
+        bool array: which keys had a record (the others are left alone).
+
+        The default is a ``get`` + ``put`` of the found rows; backends that can change records
+        in place override it and set ``supports_row_update``.
+        """
+        records, found = self.get(keys)
+        if found.any():
+            rows = records[found]
+            update.apply(rows, found)
+            self.put(keys[found], rows)
+        return found
 
     @abc.abstractmethod
     def delete(self, keys: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import InvalidInputError, InvalidURLError
 from ..layout import Layout
-from .base import Backend
+from .base import Backend, RowUpdate
 
 try:
     from .._cython.cuckoo import CuckooTable, RecordArena, find_or_insert
@@ -58,6 +58,7 @@ class MemoryBackend(Backend):
 
     persistent = False
     supports_scan = True
+    supports_row_update = True
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
@@ -77,6 +78,9 @@ class MemoryBackend(Backend):
         # inserted or removed in between (tracked by _epoch) and for the very same array object.
         self._epoch = 0
         self._last_get: tuple[np.ndarray, np.ndarray, int] | None = None
+        # A training step reads its keys (lookup -> get_field) and then updates the same keys:
+        # the slots of the last get_field, with a copy of its keys to prove the match.
+        self._last_find: tuple[np.ndarray, np.ndarray, int] | None = None
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
@@ -115,6 +119,8 @@ class MemoryBackend(Backend):
 
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
+        if self.key_type == "int64":
+            self._last_find = (keys.copy(), slots, self._epoch)
         dt = self.layout.dtype
         fdt, offset = dt.fields[field][:2]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
@@ -145,6 +151,35 @@ class MemoryBackend(Backend):
                 slots[new] = new_slots
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
+
+    def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
+        if self.key_type != "int64":
+            return super().update_rows(keys, update)
+        last = self._last_find
+        if last is not None and last[2] == self._epoch and np.array_equal(last[0], keys):
+            slots = last[1]
+        else:
+            slots = self._slots(keys)
+        found = slots != _EMPTY
+        x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
+        counts = [np.ascontiguousarray(v, dtype=np.int64) for v in update.add.values()]
+        if not found.all():
+            slots, x = slots[found], x[found]
+            counts = [c[found] for c in counts]
+        fields = self.layout.dtype.fields
+        name, alpha, _ = update.axpy
+        if (fields[name][0].base != np.float32 or fields[name][0].shape != x.shape[1:]
+                or any(fields[f][0] != np.int64 for f in update.add)
+                or any(fields[f][0].itemsize != 8 for f in update.assign)):
+            return super().update_rows(keys, update)  # a layout the kernel was not built for
+        bits = np.array([np.array(v, dtype=fields[f][0]).view(np.uint64)
+                         for f, v in update.assign.items()], dtype=np.uint64)
+        self._arena.update_rows(
+            slots, fields[name][1], x, float(alpha),
+            np.array([fields[f][1] for f in update.add], dtype=np.intp),
+            np.array(counts, dtype=np.int64).reshape(len(counts), len(slots)),
+            np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
+        return found
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._epoch += 1

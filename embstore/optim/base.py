@@ -46,6 +46,15 @@ class Optimizer:
         """
         raise NotImplementedError
 
+    def axpy_step(self, grads: np.ndarray) -> tuple[str, float, np.ndarray] | None:
+        """``(field, alpha, x)`` when one step is exactly ``records[field] += alpha * x`` on
+        the rows of the batch (and never deletes a row); None otherwise.
+
+        A backend able to apply that in place (``Backend.update_rows``) then updates the
+        records where they are stored instead of copying them out and back.
+        """
+        return None
+
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **self._params()}
 

@@ -34,5 +34,10 @@ class SGD(Optimizer):
         # ``p.add_(g, alpha=-lr)``: -lr * g, then the sum
         axpy_rows(vec, np.ascontiguousarray(grads, dtype=np.float32), -np.float32(self.lr))
 
+    def axpy_step(self, grads: np.ndarray) -> tuple[str, float, np.ndarray] | None:
+        if self.weight_decay:
+            return None
+        return "vector", -float(np.float32(self.lr)), grads
+
     def _params(self):
         return {"lr": self.lr, "weight_decay": self.weight_decay}

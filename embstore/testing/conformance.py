@@ -169,6 +169,51 @@ class StoreConformance:
         np.testing.assert_allclose(s.lookup([10, 11]), s.initial_vectors([10, 11]) - lr * g,
                                    rtol=1e-6)
 
+    def test_update_of_known_and_new_keys_in_one_batch(self):
+        # Known keys may be stepped where they are stored (Backend.update_rows), new ones go
+        # through the general path: both must end as one SGD step with exact counts.
+        s = self.open(optimizer=embstore.optim.SGD(lr=0.25))
+        before = s.lookup([1, 2, 3])
+        g = np.arange(5 * DIM, dtype=np.float32).reshape(5, DIM) / 64
+        s.update([3, 7, 1, 7, 9], g, counts=[1, 2, 3, 4, 5])
+        lr = np.float32(0.25)
+        expect = {3: before[2] - lr * g[0], 1: before[0] - lr * g[2],
+                  7: s.initial_vectors([7])[0] - lr * (g[1] + g[3]),
+                  9: s.initial_vectors([9])[0] - lr * g[4], 2: before[1]}
+        keys = sorted(expect)
+        np.testing.assert_allclose(s.lookup(keys, insert=False),
+                                   np.stack([expect[k] for k in keys]), rtol=1e-6)
+        recs, found = s.get_records(keys)
+        assert found.all()
+        assert dict(zip(keys, recs["count"].tolist())) == {1: 3, 2: 0, 3: 1, 7: 6, 9: 5}
+        stepped = np.isin(keys, [1, 3, 7, 9])
+        assert (recs["last_step"][stepped] == 1).all() and recs["last_step"][~stepped][0] == 0
+        assert s.stats()["updates"] == 5 and s.stats()["inserts"] == 5
+
+    def test_backend_row_update_changes_found_rows_only(self):
+        from embstore.backends.base import RowUpdate
+
+        s = self.open()
+        s.lookup([4, 5, 6])
+        backend = s.backend
+        keys = np.array([4, 6, 8], dtype=np.int64)
+        before, _ = backend.get(keys)
+        x = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+        found = backend.update_rows(keys, RowUpdate(
+            ("vector", -0.5, x), {"count": np.array([2, 3, 4])},
+            {"last_step": 9, "last_seen": 1.5, "version": 77}))
+        assert found.tolist() == [True, True, False]
+        after, present = backend.get(keys)
+        assert present.tolist() == [True, True, False]  # nothing created for key 8
+        np.testing.assert_array_equal(after["vector"][:2],
+                                      before["vector"][:2] + np.float32(-0.5) * x[:2])
+        assert after["count"][:2].tolist() == [2, 3]
+        assert after["last_step"][:2].tolist() == [9, 9]
+        assert after["last_seen"][:2].tolist() == [1.5, 1.5]
+        assert after["version"][:2].tolist() == [77, 77]
+        untouched, _ = backend.get(np.array([5], dtype=np.int64))
+        assert untouched["count"][0] == 0 and untouched["last_step"][0] == 0
+
     def test_versions_increase_with_writes(self):
         s = self.open()
         s.lookup([1])

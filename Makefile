@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
 
-.PHONY: demo test bench lint clean ext
+.PHONY: demo test bench lint clean ext tfra-venv
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,18 @@ test: $(VENV)/.test ext
 
 bench: $(VENV)/.test ext
 	$(PY) bench/run_all.py
+
+# TFRA 0.8.1, the TF adapter's peer in bench/bench_adapters.py, needs TF 2.16 + tf-keras 2.16, so
+# it gets its own venv; --no-deps keeps pip from pulling full tensorflow and keras 3 for it.
+TFRA := .venv-tfra
+$(TFRA)/.created:
+	$(PYTHON) -m venv $(TFRA)
+	$(TFRA)/bin/pip -q install tensorflow-cpu==2.16.2 tf-keras==2.16.0 "numpy<2"
+	$(TFRA)/bin/pip -q download --no-deps -d $(TFRA)/wheels tensorflow-recommenders-addons==0.8.1
+	$(TFRA)/bin/pip -q install --no-deps $(TFRA)/wheels/*.whl
+	touch $@
+
+tfra-venv: $(TFRA)/.created
 
 lint:
 	$(VENV)/bin/ruff check embstore adapters tests bench examples

@@ -4,9 +4,13 @@
    ``DynamicEmbeddingBag(memory://)`` vs ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD``
    (and the same with Adagrad). Target: steps/s ratio >= 0.8x.
 2. TensorFlow: one lookup + update step of the TF adapter vs ``tf.nn.embedding_lookup`` on a
-   ``tf.Variable`` + a sparse SGD scatter update (TFRA is not installed here).
+   ``tf.Variable`` + a sparse SGD scatter update, and vs TFRA's ``de.embedding_lookup`` on a
+   pre-populated ``de.get_variable`` (CuckooHashTable) trained by
+   ``de.DynamicEmbeddingOptimizer(SGD)`` (target >= 1.0x). TFRA 0.8.1 needs TF 2.16, so it runs
+   in its own venv (``make tfra-venv``) as a subprocess that times its rounds when told to:
+   rounds of all contenders alternate, none runs while another is timed.
 
-Usage: ``python bench/bench_adapters.py [--quick] [--steps N] [--no-tf]``
+Usage: ``python bench/bench_adapters.py [--quick] [--steps N] [--no-tf] [--tfra-python PATH]``
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -33,29 +42,44 @@ def _keys_stream(n_steps: int, id_space: int, seed: int = 0) -> list[np.ndarray]
     return out
 
 
-def _race(ref_step, dyn_step, batches, warmup: int = 3,
-          repeats: int = 5) -> tuple[float, float, float, float]:
-    """Steps/s of both, measured in alternating rounds (the machine is shared: load changes
-    over time, so each round times both back to back); medians over the rounds.
+Round = Callable[[], tuple[float, float]]  # runs one timed round: (steps/wall s, steps/CPU s)
 
-    Returns ``(dyn_wall, ref_wall, dyn_cpu, ref_cpu)``: steps per wall-clock second and per
-    CPU second of this process (the latter is what a step costs, whatever the other tenants do).
+
+def _local_round(step, batches) -> Round:
+    def run() -> tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
+        for b in batches:
+            step(b)
+        n = len(batches)
+        return n / (time.perf_counter() - t), n / max(time.process_time() - c, 1e-9)
+    return run
+
+
+def _race_rounds(rounds: dict[str, Round], repeats: int = 7) -> dict[str, tuple[float, float]]:
+    """Median steps/s (wall, CPU) of each contender over alternating rounds.
+
+    The machine is shared and its load changes over time, so every round times each contender
+    back to back; CPU steps/s (per CPU second of the process running the step) is what a step
+    costs, whatever the other tenants do.
     """
+    res: dict[str, list[tuple[float, float]]] = {k: [] for k in rounds}
+    for _ in range(repeats):
+        for name, run in rounds.items():
+            res[name].append(run())
+    med = statistics.median
+    return {k: (med(w for w, _ in v), med(c for _, c in v)) for k, v in res.items()}
+
+
+def _race(ref_step, dyn_step, batches, warmup: int = 3,
+          repeats: int = 7) -> tuple[float, float, float, float]:
+    """``(dyn_wall, ref_wall, dyn_cpu, ref_cpu)`` steps/s of two local steps (see
+    :func:`_race_rounds`)."""
     for b in batches[:warmup]:
         ref_step(b)
         dyn_step(b)
-    wall: dict[str, list[float]] = {"ref": [], "dyn": []}
-    cpu: dict[str, list[float]] = {"ref": [], "dyn": []}
-    n = len(batches) - warmup
-    for _ in range(repeats):
-        for name, step in (("ref", ref_step), ("dyn", dyn_step)):
-            t, c = time.perf_counter(), time.process_time()
-            for b in batches[warmup:]:
-                step(b)
-            wall[name].append(n / (time.perf_counter() - t))
-            cpu[name].append(n / max(time.process_time() - c, 1e-9))
-    med = statistics.median
-    return med(wall["dyn"]), med(wall["ref"]), med(cpu["dyn"]), med(cpu["ref"])
+    r = _race_rounds({"ref": _local_round(ref_step, batches[warmup:]),
+                      "dyn": _local_round(dyn_step, batches[warmup:])}, repeats)
+    return r["dyn"][0], r["ref"][0], r["dyn"][1], r["ref"][1]
 
 
 def bench_torch(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
@@ -115,7 +139,102 @@ def bench_torch(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
     return rows
 
 
-def bench_tf(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
+class _TFRAWorker:
+    """The TFRA step in a subprocess (its own venv and TF version), timed one round per call."""
+
+    def __init__(self, python: str, batches: list[np.ndarray], id_space: int, lr: float,
+                 warmup: int) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="embstore-tfra-")
+        path = os.path.join(self._dir.name, "batches.npy")
+        np.save(path, np.stack(batches))
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
+        self._err = open(os.path.join(self._dir.name, "stderr"), "w+")
+        self._p = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--tfra-worker", path,
+             "--id-space", str(id_space), "--lr", str(lr), "--warmup", str(warmup)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+        self._expect("ready")
+
+    def _expect(self, what: str) -> str:
+        line = self._p.stdout.readline().strip()
+        if not line.startswith(what):
+            self._err.seek(0)
+            tail = "".join(self._err.readlines()[-5:]).strip()
+            self.close()
+            raise RuntimeError(f"TFRA worker failed ({line!r}): {tail}")
+        return line
+
+    def round(self) -> tuple[float, float]:
+        self._p.stdin.write("round\n")
+        self._p.stdin.flush()
+        _, wall, cpu = self._expect("round").split()
+        return float(wall), float(cpu)
+
+    def close(self) -> None:
+        if self._p.poll() is None:
+            try:
+                self._p.stdin.write("quit\n")
+                self._p.stdin.flush()
+                self._p.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self._p.kill()
+        self._err.close()
+        self._dir.cleanup()
+
+
+def tfra_worker(batch_file: str, id_space: int, lr: float, warmup: int) -> None:
+    """Child side of :class:`_TFRAWorker` (runs under the TFRA venv's python)."""
+    # Protocol lines go to the original stdout; anything TF/TFRA prints goes to stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import tensorflow as tf
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    batches = [tf.constant(b) for b in np.load(batch_file)]
+    dim = DIM
+    var = de.get_variable("bench", key_dtype=tf.int64, value_dtype=tf.float32, dim=dim,
+                          initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
+                          init_size=id_space)  # default kv_creator: CuckooHashTable
+    chunk = 200_000
+    for s in range(0, id_space, chunk):  # the same table size as the embstore side
+        k = tf.range(s, min(id_space, s + chunk), dtype=tf.int64)
+        var.upsert(k, tf.random.uniform((tf.size(k), dim), -0.05, 0.05))
+    opt = de.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(lr))
+
+    @tf.function
+    def step(keys):
+        with tf.GradientTape() as tape:
+            vecs = de.embedding_lookup(var, keys, name="bench_lookup")
+            loss = tf.reduce_sum(vecs) * 1e-3
+        # TFRA's documented TF2 path: the lookup's shadow (trainable) variable, by name
+        tw = var.get_trainable_by_name("bench_lookup")
+        opt.apply_gradients(zip(tape.gradient(loss, [tw]), [tw]))
+        return loss
+
+    for b in batches[:warmup]:
+        step(b)
+    timed = _local_round(step, batches[warmup:])
+    print("ready", file=proto, flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        wall, cpu = timed()
+        print(f"round {wall} {cpu}", file=proto, flush=True)
+
+
+def _default_tfra_python() -> str | None:
+    env = os.environ.get("EMBSTORE_TFRA_PYTHON")
+    if env:
+        return env
+    local = Path(__file__).resolve().parent.parent / ".venv-tfra" / "bin" / "python"
+    return str(local) if local.exists() else None
+
+
+def bench_tf(n_steps: int, id_space: int,
+             tfra_python: str | None = None) -> list[tuple[str, float, float, float, float]]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
     from embstore_tf import dynamic_embedding_lookup, trigger_variable
@@ -128,7 +247,7 @@ def bench_tf(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
     batches = _keys_stream(n_steps, id_space)
-    lr = 0.05
+    lr, warmup = 0.05, 3
     table = tf.Variable(tf.random.uniform((id_space, DIM), -0.05, 0.05))
 
     @tf.function
@@ -154,9 +273,31 @@ def bench_tf(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
         return loss
 
     tb = [tf.constant(b) for b in batches]
-    res = _race(ref_step, dyn_step, tb)
-    store.close()
-    return [("tf lookup+update: steps/s", *res)]
+    for b in tb[:warmup]:
+        ref_step(b)
+        dyn_step(b)
+    rounds = {"dyn": _local_round(dyn_step, tb[warmup:]),
+              "ref": _local_round(ref_step, tb[warmup:])}
+    worker = None
+    if tfra_python:
+        try:
+            worker = _TFRAWorker(tfra_python, batches, id_space, lr, warmup)
+            rounds["tfra"] = worker.round
+        except (OSError, RuntimeError) as e:
+            print(f"(TFRA part skipped: {e})")
+    try:
+        r = _race_rounds(rounds)
+    finally:
+        if worker is not None:
+            worker.close()
+        store.close()
+    rows = [("tf lookup+update: steps/s", r["dyn"][0], r["ref"][0], r["dyn"][1], r["ref"][1])]
+    if "tfra" in r:
+        rows.append(("  vs TFRA de.embedding_lookup", r["dyn"][0], r["tfra"][0], r["dyn"][1],
+                     r["tfra"][1]))
+    elif not tfra_python:
+        print("(TFRA not found: `make tfra-venv` or --tfra-python PATH to compare against it)")
+    return rows
 
 
 def main() -> None:
@@ -164,9 +305,19 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--no-tf", action="store_true")
+    p.add_argument("--tfra-python", default=_default_tfra_python(),
+                   help="python of a venv with TFRA 0.8.1 (default: $EMBSTORE_TFRA_PYTHON, "
+                        "else .venv-tfra/bin/python if present)")
+    p.add_argument("--tfra-worker", metavar="BATCHES", help=argparse.SUPPRESS)
+    p.add_argument("--id-space", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lr", type=float, default=0.05, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.tfra_worker:
+        tfra_worker(a.tfra_worker, a.id_space, a.lr, a.warmup)
+        return
     steps = a.steps or (15 if a.quick else 60)
-    id_space = 50_000 if a.quick else 1_000_000
+    id_space = a.id_space or (50_000 if a.quick else 1_000_000)
     import torch
 
     torch.set_num_threads(1)
@@ -175,18 +326,19 @@ def main() -> None:
     rows = bench_torch(steps, id_space)
     if not a.no_tf:
         try:
-            rows += bench_tf(steps, id_space)
+            rows += bench_tf(steps, id_space, a.tfra_python)
         except ImportError as e:
             print(f"(TensorFlow part skipped: {e})")
-    print(f"{'benchmark':28s} {'embstore':>9s} {'reference':>9s} {'ratio':>6s}   "
+    print(f"{'benchmark':30s} {'embstore':>9s} {'reference':>9s} {'ratio':>6s}   "
           f"{'cpu: embstore':>13s} {'reference':>9s} {'ratio':>6s}")
     for name, dw, rw, dc, rc in rows:
-        print(f"{name:28s} {dw:9.1f} {rw:9.1f} {dw / rw:5.2f}x   {dc:13.1f} {rc:9.1f} "
+        print(f"{name:30s} {dw:9.1f} {rw:9.1f} {dw / rw:5.2f}x   {dc:13.1f} {rc:9.1f} "
               f"{dc / rc:5.2f}x")
-    print("steps/s per wall-clock second, then per CPU second of this process "
+    print("steps/s per wall-clock second, then per CPU second of the process running the step "
           "(medians of alternating rounds)")
     print("references: torch nn.EmbeddingBag(sparse=True) + torch.optim.SGD/Adagrad; "
-          "tf.nn.embedding_lookup on a tf.Variable + scatter_sub (TFRA not installed)")
+          "tf.nn.embedding_lookup on a tf.Variable + scatter_sub; TFRA 0.8.1 de.embedding_lookup "
+          "+ DynamicEmbeddingOptimizer(SGD) (TF 2.16, own venv)")
 
 
 if __name__ == "__main__":

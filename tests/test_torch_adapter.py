@@ -202,6 +202,51 @@ def test_bag_modes_and_per_sample_weights_match_embedding_bag():
         DynamicEmbeddingBag(store, mode="mean")(flat, offsets, per_sample_weights=w)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_bag_backward_matches_embedding_bag(mode, ragged):
+    """The grouped per-key gradient sum, for fixed-size (2-D) and ragged (offsets) bags."""
+    rng = np.random.default_rng(5)
+    store = embstore.open("memory://", dim=DIM, optimizer=SGD(lr=0.5))
+    ids = np.arange(VOCAB)
+    ref = nn.EmbeddingBag(VOCAB, DIM, mode=mode, sparse=True)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(store.initial_vectors(ids)))
+    dyn = DynamicEmbeddingBag(store, mode=mode)
+    keys = torch.from_numpy(_batches(1, rng, shape=(12, 5))[0])
+    args = (keys.reshape(-1), torch.tensor([0, 4, 4, 11, 30, 41])) if ragged else (keys,)
+    out, out_ref = dyn(*args), ref(*args)
+    np.testing.assert_allclose(out.detach().numpy(), out_ref.detach().numpy(), atol=1e-6)
+    weights = torch.from_numpy(rng.normal(size=out.shape).astype(np.float32))
+    (out * weights).sum().backward()
+    (out_ref * weights).sum().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    np.testing.assert_allclose(store.lookup(ids), ref.weight.detach().numpy(), atol=1e-6)
+    counts = np.bincount(keys.reshape(-1).numpy(), minlength=VOCAB)
+    np.testing.assert_array_equal(store.get_records(ids)[0]["count"], counts)
+
+
+@pytest.mark.parametrize("keys", [
+    [7],
+    [3, 3, 3],
+    [-5, 2, -5, 9, 2, 2, 0],
+    [np.iinfo(np.int64).min, 0, np.iinfo(np.int64).max, 0, 1],  # too wide to pack with positions
+    np.random.default_rng(0).zipf(1.2, 4096) - 1,
+])
+def test_key_batches_dedupe_and_group_every_key_range(keys):
+    from embstore_torch._keys import prepare
+
+    flat = np.asarray(keys, dtype=np.int64)
+    batch = prepare(torch.from_numpy(flat))
+    uniq, inv, counts = np.unique(flat, return_inverse=True, return_counts=True)
+    np.testing.assert_array_equal(batch.uniq, uniq)
+    np.testing.assert_array_equal(batch.inv.numpy(), inv)
+    order, starts, cnt = batch.group()
+    np.testing.assert_array_equal(cnt, counts)
+    np.testing.assert_array_equal(starts, np.cumsum(counts) - counts)
+    np.testing.assert_array_equal(flat[order], np.repeat(uniq, counts))
+
+
 def test_eval_mode_and_no_grad_do_not_write():
     store = embstore.open("memory://", dim=DIM)
     emb = DynamicEmbedding(store).eval()

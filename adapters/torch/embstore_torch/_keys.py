@@ -3,6 +3,11 @@
 Every batch is deduplicated here, once: the store sees each distinct key of a batch once
 (one lookup row, one summed gradient row), and the model gathers rows by an inverse index.
 With Zipf-distributed ids (words, items) that cuts store traffic several-fold.
+
+The dedupe also *groups* the batch: ``order`` lists the element positions key by key and
+``starts`` where each key's run begins, so the backward pass sums the gradient per key as one
+``embedding_bag`` over the gradient (each distinct key is a "bag" of the positions it occurs
+at) instead of scattering every element row with ``index_add_``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,84 @@ import torch
 from embstore.errors import InvalidInputError, KeyTypeError
 
 _STR = (str, bytes)
+
+
+class KeyBatch:
+    """One batch of keys, deduplicated and grouped.
+
+    Attributes
+    ----------
+    uniq : int64 array (sorted) or list of str/bytes (first-seen order)
+        The distinct keys.
+    inv : torch.long tensor of the input's shape
+        Row in ``uniq`` of each input element.
+    shape : tuple of int
+        The input's shape.
+    """
+
+    __slots__ = ("uniq", "inv", "shape", "_group")
+
+    def __init__(self, uniq: Any, inv: torch.Tensor, shape: tuple[int, ...],
+                 group: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        self.uniq, self.inv, self.shape, self._group = uniq, inv, shape, group
+
+    def group(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(order, starts, counts)``: flat element positions grouped by key, where each
+        key's run starts in ``order``, and its length (the key's occurrences)."""
+        if self._group is None:
+            inv = np.ascontiguousarray(self.inv.reshape(-1).numpy())
+            empty = np.zeros(0, dtype=np.int64)
+            # Every row of ``uniq`` occurs in ``inv``: grouping ``inv`` groups the keys.
+            self._group = _group_int(inv)[2] if len(inv) else (empty, empty, empty)
+        return self._group
+
+
+_POSITIONS = np.arange(1 << 14, dtype=np.int64)  # shared by batches up to 16k ids
+
+
+def _group_int(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Sorted distinct keys, inverse index and grouping of a 1-D int64 array.
+
+    One in-place ``sort`` of ``(key - min) << bits | position`` (numpy's vectorized integer
+    sort) gives the sorted keys and the permutation together, where the key range leaves room
+    for the position bits; measured ~1.5x faster than ``np.unique(return_inverse=True,
+    return_counts=True)`` on 4096-id batches, which has no permutation to give besides. Few
+    numpy calls on purpose: next to a model's own work each one runs with cold caches.
+    """
+    n = len(flat)
+    bits = max((n - 1).bit_length(), 1)
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo >= 0 and hi < 1 << (63 - bits):
+        lo = 0
+        s = flat << bits
+    elif hi - lo < 1 << (63 - bits):
+        s = flat - lo  # exact even where the int64 arithmetic wraps: the result is < 2**63
+        s <<= bits
+    else:  # keys spread over (almost) the whole int64 range, e.g. hashed ids
+        s = None
+    if s is not None:
+        s |= _POSITIONS[:n] if n <= len(_POSITIONS) else np.arange(n, dtype=np.int64)
+        s.sort()
+        order = s & ((1 << bits) - 1)
+        s >>= bits
+    else:
+        lo = 0
+        order = np.argsort(flat)
+        s = flat[order]
+    # new[i]: sorted element i starts a run of equal keys; new[n] closes the last run
+    new = np.empty(n + 1, dtype=bool)
+    new[0] = new[n] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:n])
+    bounds = np.flatnonzero(new)
+    starts = bounds[:-1]
+    counts = bounds[1:] - starts
+    uniq = s[starts]
+    if lo:
+        uniq += lo
+    new[0] = False
+    inv = np.empty(n, dtype=np.int64)
+    inv[order] = np.cumsum(new[:n])
+    return uniq, inv, (order, starts, counts)
 
 
 def _nested_shape(x: Any) -> tuple[int, ...]:
@@ -46,29 +129,36 @@ def factorize(flat: Sequence) -> tuple[list, np.ndarray]:
     return list(index), inverse
 
 
-def prepare(input: Any) -> tuple[Any, torch.Tensor, tuple[int, ...]]:
-    """Split a batch of keys into ``(unique_keys, inverse, shape)``.
+def _int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
+    if len(flat) == 0:
+        return KeyBatch(flat, torch.zeros(shape, dtype=torch.long), shape,
+                        (flat, flat, flat))
+    uniq, inv, group = _group_int(flat)
+    return KeyBatch(uniq, torch.from_numpy(inv).reshape(shape), shape, group)
 
-    ``unique_keys`` is an int64 numpy array or a list of str/bytes; ``inverse`` is a
-    ``torch.long`` tensor with one entry per input element (row in ``unique_keys``), and
-    ``shape`` is the input's shape.
-    """
+
+def prepare(input: Any) -> KeyBatch:
+    """Deduplicate a batch of keys (any shape) into a :class:`KeyBatch`."""
     if isinstance(input, torch.Tensor):
         if input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool:
             raise KeyTypeError(f"keys must be an integer tensor, got dtype {input.dtype}")
-        flat = input.detach().reshape(-1).to("cpu", torch.int64).numpy()
-        # np.unique measured fastest here on fresh id batches (torch.unique is ~2.5x slower)
-        uniq, inv = np.unique(flat, return_inverse=True)
-        return uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape)
+        if input.dtype == torch.int64 and input.device.type == "cpu":
+            flat = input.detach().reshape(-1).numpy()
+        else:
+            flat = input.detach().reshape(-1).to("cpu", torch.int64).numpy()
+        return _int_batch(flat, tuple(input.shape))
     if isinstance(input, np.ndarray):
         if input.dtype.kind in "iu":
-            return prepare(torch.from_numpy(np.ascontiguousarray(input, dtype=np.int64)))
+            if input.dtype == np.uint64 and input.size and int(input.max()) >= 1 << 63:
+                raise KeyTypeError("uint64 keys >= 2**63 do not fit the int64 key space")
+            flat = np.ascontiguousarray(input, dtype=np.int64).reshape(-1)
+            return _int_batch(flat, tuple(input.shape))
         if input.dtype.kind not in "USO":
             raise KeyTypeError(f"keys must be integers or strings, got dtype {input.dtype}")
         uniq, inv = factorize(input.reshape(-1).tolist())
-        return uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape)
+        return KeyBatch(uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape))
     if isinstance(input, _STR):
-        return [input], torch.zeros((), dtype=torch.long), ()
+        return KeyBatch([input], torch.zeros((), dtype=torch.long), ())
     if isinstance(input, (int, np.integer)) and not isinstance(input, bool):
         return prepare(torch.tensor(int(input), dtype=torch.int64))
     if not isinstance(input, Sequence):
@@ -89,15 +179,16 @@ def prepare(input: Any) -> tuple[Any, torch.Tensor, tuple[int, ...]]:
             raise KeyTypeError(f"keys mix integers with other types: {e}") from e
         return prepare(torch.from_numpy(arr))
     uniq, inv = factorize(flat)
-    return uniq, torch.from_numpy(inv).reshape(shape), shape
+    return KeyBatch(uniq, torch.from_numpy(inv).reshape(shape), shape)
 
 
-def prepare_bags(input: Any, offsets: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
-    """Keys of an embedding-bag call as ``(unique_keys, flat_inverse, offsets)``.
+def prepare_bags(input: Any, offsets: Any) -> tuple[KeyBatch, torch.Tensor, int]:
+    """Keys of an embedding-bag call as ``(batch, offsets, bag_size)``.
 
-    Accepts a 2-D tensor / rectangular list (fixed-size bags, ``offsets`` must be None), a 1-D
-    tensor or flat list with ``offsets``, or a list of lists of str (ragged bags; offsets are
-    derived).
+    ``batch.inv`` comes out flat. ``bag_size`` is the common size of all bags for a 2-D input
+    (fixed-size bags) and 0 otherwise. Accepts a 2-D tensor / rectangular list (``offsets``
+    must be None), a 1-D tensor or flat list with ``offsets``, or a list of lists of keys
+    (ragged bags; offsets are derived).
     """
     if (offsets is None and isinstance(input, Sequence) and not isinstance(input, _STR)
             and len(input) and isinstance(input[0], Sequence)
@@ -106,16 +197,21 @@ def prepare_bags(input: Any, offsets: Any) -> tuple[Any, torch.Tensor, torch.Ten
         flat = list(chain.from_iterable(input))
         offs = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)[:-1])))
         if flat and isinstance(flat[0], (int, np.integer)):
-            uniq, inv, _ = prepare(torch.as_tensor(flat, dtype=torch.int64))
+            batch = prepare(torch.as_tensor(flat, dtype=torch.int64))
         else:
             uniq, inv_np = factorize(flat)
-            inv = torch.from_numpy(inv_np)
-        return uniq, inv, offs
-    uniq, inv, shape = prepare(input)
+            batch = KeyBatch(uniq, torch.from_numpy(inv_np), (len(flat),))
+        return batch, offs, 0
+    batch = prepare(input)
+    shape = batch.shape
     if len(shape) == 2:
         if offsets is not None:
             raise InvalidInputError("offsets must be None when bags are a 2-D input")
-        return uniq, inv.reshape(-1), torch.arange(shape[0], dtype=torch.long) * shape[1]
+        batch.inv = batch.inv.reshape(-1)
+        n_bags, size = shape
+        offs = (torch.arange(0, n_bags * size, size) if size
+                else torch.zeros(n_bags, dtype=torch.long))
+        return batch, offs, size
     if len(shape) != 1:
         raise InvalidInputError(f"bag input must be 1-D with offsets or 2-D, got shape {shape}")
     if offsets is None:
@@ -124,4 +220,4 @@ def prepare_bags(input: Any, offsets: Any) -> tuple[Any, torch.Tensor, torch.Ten
     if len(offs) and (int(offs[0]) != 0 or bool((offs[1:] < offs[:-1]).any())
                       or int(offs[-1]) > shape[0]):
         raise InvalidInputError("offsets must start at 0, be non-decreasing and within input")
-    return uniq, inv, offs
+    return batch, offs, 0

@@ -58,7 +58,8 @@ def sampled_logits(hidden: torch.Tensor, labels: Any, store: Any, num_sampled: i
     """
     if hidden.dim() != 2 or hidden.shape[1] != store.dim:
         raise InvalidInputError(f"hidden must be (batch, {store.dim}), got {tuple(hidden.shape)}")
-    uniq, inv, shape = prepare(labels)
+    batch = prepare(labels)
+    uniq, inv, shape = batch.uniq, batch.inv, batch.shape
     if shape != (hidden.shape[0],):
         raise InvalidInputError(f"labels must be ({hidden.shape[0]},), got {shape}")
     kwargs: dict[str, Any] = {"remove_accidental_hits": remove_accidental_hits}
@@ -76,7 +77,7 @@ def sampled_logits(hidden: torch.Tensor, labels: Any, store: Any, num_sampled: i
     counts = None
     if trainable and _supports_counts(store):
         counts = np.zeros(len(cand), dtype=np.int64)
-        counts[:n_pos] = np.bincount(targets.numpy(), minlength=n_pos)
+        counts[:n_pos] = batch.group()[2]
     w = store_rows(store, cand, insert=True, trainable=trainable, counts=counts)
     logits = hidden @ w.to(hidden.device, hidden.dtype).T
     if subtract_log_q:

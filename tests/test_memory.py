@@ -118,8 +118,8 @@ def test_find_or_insert_places_new_keys_once_and_finds_old_ones():
 
 @pytest.mark.parametrize("prefault", [True, False, "off", "1"])
 def test_arena_spare_chunks_keep_every_record(prefault):
-    # 70k records span five 16384-row chunks, so the spare chunks (faulted in by a background
-    # thread when prefault is on) are taken into use while records are being written.
+    # 70k records span five 16384-row chunks: the spare mapped at four (faulted in by a background
+    # thread when prefault is on) is taken into use while records are being written.
     s = embstore.open("memory://", dim=4, prefault=prefault)
     keys = np.arange(70_000, dtype=np.int64) * 7
     vals = np.repeat(np.arange(70_000, dtype=np.float32)[:, None], 4, axis=1)

@@ -406,7 +406,7 @@ cdef class RecordArena:
 
     Chunks are mapped straight from the kernel. Writing a fresh row costs a page fault per
     4 KiB, which on a VM is most of the cost of inserting a new key (measured ~1.5 us per
-    page here, 0.1 s per million 288-byte rows). Once the arena has grown past one chunk it
+    page here, 0.1 s per million 288-byte rows). Once the arena has grown to four chunks it
     therefore keeps up to SPARE_CHUNKS chunks mapped ahead of use and has a short-lived
     background thread fault them in (``MADV_POPULATE_WRITE``) while the caller fills the
     current one; ``prefault=False`` turns that off.
@@ -492,10 +492,10 @@ cdef class RecordArena:
         else:
             self._map_chunk()
         self.nchunks += 1
-        if self.prefault and self.nchunks > 1:
-            # Spares grow with the arena (at most SPARE_CHUNKS), so a small store never
-            # holds more memory ahead than it already uses.
-            want = min(<Py_ssize_t> SPARE_CHUNKS, self.nchunks - 1)
+        if self.prefault:
+            # Spares grow with the arena (one per four chunks in use, at most SPARE_CHUNKS),
+            # so the memory held ahead stays a small fraction of what the store uses.
+            want = min(<Py_ssize_t> SPARE_CHUNKS, self.nchunks // 4)
             while self.nspare < want:
                 i = self._map_chunk()
                 self.nspare += 1

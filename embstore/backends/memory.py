@@ -51,9 +51,9 @@ class MemoryBackend(Backend):
     initial_capacity : int
         Keys to size the table for up front (it grows on its own either way).
     prefault : bool
-        Once the store outgrows its first arena chunk (16384 records), keep up to four chunks
-        mapped ahead and fault their pages in on a background thread, so inserting new keys
-        does not wait for the kernel (default True; at most ~4 chunks of extra memory).
+        Once the store holds four arena chunks (65,536 records), keep one chunk per four in
+        use (at most four) mapped ahead and fault their pages in on a background thread, so
+        inserting new keys does not wait for the kernel (default True).
     """
 
     persistent = False

@@ -147,6 +147,9 @@ def main() -> None:
                     help="bigtable read_batch (keys per ReadRows stream), same for all runs")
     ap.add_argument("--prefetch", action="store_true",
                     help="also run with prefetch (nothing to overlap with here: no compute)")
+    ap.add_argument("--only", action="append", default=None, metavar="EVICTION[+prefetch]",
+                    help="run only these cached variants, e.g. --only lru --only lfu+prefetch "
+                         "(skips the compute section)")
     ap.add_argument("--compute-ms", type=float, default=10.0,
                     help="extra section with simulated per-step compute (0: skip)")
     args = ap.parse_args()
@@ -208,6 +211,10 @@ def main() -> None:
         variants = [("cached lru", "lru", False), ("cached lfu", "lfu", False)]
         if args.prefetch:
             variants.append(("cached lfu + prefetch", "lfu", True))
+        if args.only:
+            variants = [(f"cached {o.replace('+', ' + ')}", o.split("+")[0], "+prefetch" in o)
+                        for o in args.only]
+            args.compute_ms = 0
         results = {name: run(name, eviction, prefetch) for name, eviction, prefetch in variants}
         for name, (rate, rate_u) in results.items():
             print(f"ratio {name} / uncached: {rate / rate_u:.1f}x (target >= 10x)")

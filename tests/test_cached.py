@@ -48,8 +48,8 @@ class TestCachedLmdb(StoreConformance):
         return lmdb_url
 
 
-class TestCachedLmdbLfu(StoreConformance):
-    open_options = {"cache": "memory://", "cache_capacity": 50, "eviction": "lfu"}
+class TestCachedLmdbLru(StoreConformance):
+    open_options = {"cache": "memory://", "cache_capacity": 50, "eviction": "lru"}
 
     @pytest.fixture
     def url_factory(self, lmdb_url):
@@ -158,7 +158,7 @@ def test_batch_larger_than_capacity_goes_to_remote():
 
 
 def test_lru_evicts_least_recently_used():
-    s = cached(cache_capacity=3)
+    s = cached(cache_capacity=3, eviction="lru")
     for k in (1, 2, 3):
         s.lookup([k])
     s.lookup([1])      # 2 is now the least recently used
@@ -528,3 +528,181 @@ def test_prefetch_never_evicts_the_batch_being_computed(lmdb_url):
     calls = c.counters["remote_read_calls"]
     s.update(np.arange(50), np.ones((50, 4), np.float32))
     assert c.counters["remote_read_calls"] == calls
+
+
+# -- eviction bookkeeping, overlapped reads, write-behind batching ---------------------------------
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_victim_pool_picks_what_a_full_scan_picks(eviction):
+    """Victims come from a candidate pool refreshed every few calls; on a random workload of
+    touches, evictions (some with an earlier cutoff, as the prefetch asks) and inserts, the
+    chosen slots always score exactly like the ``need`` lowest of a full scan."""
+    from embstore.layers._slots import SlotTable
+
+    rng = np.random.default_rng(7)
+    cap = 2000
+    st = SlotTable("int64", eviction, cap)
+    free, next_key, rebuilds = list(range(cap)), 0, 0
+    build = st._build_pool
+
+    def counting_build(need):
+        nonlocal rebuilds
+        rebuilds += 1
+        build(need)
+
+    st._build_pool = counting_build
+    for _ in range(300):
+        st.next_tick()
+        occ = np.flatnonzero(st.stamp > 0)
+        if len(occ):
+            st.touch(rng.choice(occ, min(len(occ), 300)).astype(np.uint32))  # with repeats
+        m = int(rng.integers(1, 150))
+        need = st.live + m - cap
+        if need > 0:
+            before = st.tick - int(rng.integers(0, 3)) if rng.random() < 0.2 else None
+            cutoff = st.tick if before is None else before
+            v = st.victims(need, before)
+            cand = np.flatnonzero((st.stamp > 0) & (st.stamp < cutoff))
+            assert len(v) == min(need, len(cand)) and len(np.unique(v)) == len(v)
+            assert ((st.stamp[v] > 0) & (st.stamp[v] < cutoff)).all()
+            np.testing.assert_array_equal(np.sort(st._score(v.astype(np.intp))),
+                                          np.sort(st._score(cand))[:len(v)])
+            st.remember(st.keys[v], v)
+            st.remove(v)
+            free += v.tolist()
+        k = min(m, len(free))
+        rng.shuffle(free)
+        slots, free = np.array(free[:k], np.uint32), free[k:]
+        st.add(slots, np.arange(next_key, next_key + k, dtype=np.int64) % 3000, dirty=False)
+        next_key += k
+    assert rebuilds < 150  # the full scan is not paid on every eviction
+
+
+def test_lfu_counts_each_occurrence_off_the_hit_path():
+    from embstore.layers._slots import SlotTable
+
+    st = SlotTable("int64", "lfu", capacity=8)
+    st.next_tick()
+    st.add(np.array([0, 1], np.uint32), np.array([10, 11], np.int64), dirty=False)
+    st.next_tick()
+    st.touch(np.array([0, 0, 1], np.uint32))      # a key twice in one lookup: two uses
+    assert st.freq[0] == 1 and len(st._uses) == 1  # not counted yet
+    st.count_uses()
+    assert st.freq[0] == 3 and st.freq[1] == 2 and not st._uses
+    for _ in range(200):                           # a long run of hits stays bounded
+        st.touch(np.array([1], np.uint32))
+    assert len(st._uses) < 64
+    st.count_uses()
+    assert st.freq[1] == 202
+
+
+def test_write_behind_sends_queued_batches_in_one_put():
+    """While the writer is busy, queued evictions pile up; it then writes them all in one
+    remote put, a key evicted twice only with its later row."""
+    import threading
+
+    from embstore.backends.memory import MemoryBackend
+    from embstore.layers._writebehind import WriteBehind
+    from embstore.layout import Layout
+
+    lay = Layout(DIM)
+    target = MemoryBackend()
+    target.bind(lay, "int64")
+    gate, calls = threading.Event(), []
+
+    def put(keys, recs):
+        gate.wait(30)
+        calls.append(keys.copy())
+        target.put(keys, recs)
+
+    def rows(keys, v):
+        r = lay.empty(len(keys))
+        r["vector"] = v
+        return np.asarray(keys, np.int64), r
+
+    wb = WriteBehind(put, max_pending=5)
+    wb.submit(*rows([1, 2], 1.0))
+    for _ in range(200):                # the writer took batch 1 and waits on the gate
+        if wb._busy:
+            break
+        threading.Event().wait(0.01)
+    wb.submit(*rows([3, 7], 2.0))
+    wb.submit(*rows([7, 8], 3.0))
+    assert len(wb) == 6
+    gate.set()
+    wb.drain()
+    wb.close()
+    assert [c.tolist() for c in calls] == [[1, 2], [3, 7, 8]]
+    recs, found = target.get(np.array([1, 2, 3, 7, 8], np.int64))
+    assert found.all()
+    np.testing.assert_array_equal(recs["vector"][:, 0], [1, 1, 2, 3, 3])
+
+
+def test_put_after_get_probes_again_when_rows_changed_in_between():
+    """update() is get(keys) then put(same array): put reuses get's slots only while no row
+    came or went; a delete in between makes it look the keys up again."""
+    s = cached(cache_capacity=100)
+    c = layer(s)
+    keys = np.arange(10, dtype=np.int64)
+    s.assign(keys, np.zeros((10, 4)))
+    recs, found = c.get(keys)
+    assert found.all()
+    c.delete(keys[3:4])                  # key 3's slot is gone (and may be reused)
+    c.put(np.arange(100, 102, dtype=np.int64), s.layout.empty(2))
+    recs["vector"] = np.arange(10, dtype=np.float32)[:, None]
+    c.put(keys, recs)
+    got, found = c.get(keys)
+    assert found.all()
+    np.testing.assert_array_equal(got["vector"][:, 0], np.arange(10))
+    assert not c.get(np.arange(100, 102, dtype=np.int64))[0]["vector"].any()
+    recs["vector"] += 1                  # the same array again, nothing changed: fast path
+    c.get(keys)
+    c.put(keys, recs)
+    np.testing.assert_array_equal(c.get(keys)[0]["vector"][:, 0], np.arange(1, 11))
+
+
+def test_prefetch_makes_room_ahead_and_fills_the_cache_exactly(lmdb_url):
+    url = lmdb_url()
+    with embstore.open(url, dim=4) as plain:
+        plain.assign(np.arange(300), np.zeros((300, 4)))
+    s = cached(url, cache_capacity=100)
+    c = layer(s)
+    s.lookup(np.arange(100))                  # full
+    s.lookup(np.arange(50))                   # the batch being computed
+    c.prefetch(np.arange(200, 230))
+    c.wait_prefetch()
+    st = c.stats()
+    assert st["cache_rows"] == 100 and st["evictions"] == 30 and st["prefetched_rows"] == 30
+    assert all(cached_keys(s, np.arange(200, 230))) and all(cached_keys(s, np.arange(50)))
+
+
+def test_failed_miss_read_after_making_room_loses_nothing(bigtable_url_factory):
+    """With a thread-safe remote a lookup's misses are read on a helper thread while room is
+    made for them (dirty victims go to the write-behind). When that read fails the lookup
+    raises, and the evicted rows still reach the remote."""
+    from embstore.testing.bigtable_emulator import FaultInjector
+
+    url = bigtable_url_factory()
+    with embstore.open(url, dim=DIM) as plain:    # rows 1000..1099 exist on the remote
+        plain.assign(np.arange(1000, 1100), np.ones((100, DIM)))
+    inj = FaultInjector(failures=0, methods=["ReadRows"])
+    s = embstore.open(url, cache="memory://", cache_capacity=100, interceptors=[inj])
+    c = layer(s)
+    ref = embstore.open("memory://", dim=DIM)
+    ref.assign(np.arange(1000, 1100), np.ones((100, DIM)))
+    for store in (ref, s):
+        _train(store, np.arange(100), 0)          # 100 dirty rows fill the cache
+    remote_deadline(s, 0.3)
+    inj.failures = 10**9
+    with pytest.raises(BackendError):
+        s.lookup(np.arange(1000, 1100))           # 100 misses: read on the helper thread
+    assert c.counters["evictions"] == 100
+    remote_deadline(s, 30.0)
+    inj.failures = 0
+    for store in (ref, s):
+        _train(store, np.arange(1000, 1100), 1)
+    s.close()
+    with embstore.open(url) as plain:
+        a, b = table_of(plain), table_of(ref)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])

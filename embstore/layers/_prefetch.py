@@ -22,6 +22,7 @@ class PrefetchMixin:
 
     _pf_thread: threading.Thread | None = None
     _pf_active: bool = False
+    _pf_rows: int = 0  # rows the running prefetch has yet to insert (room made ahead)
 
     def prefetch(self, keys: Any) -> None:
         """Start loading the rows of ``keys`` that are not cached, in a background thread.
@@ -36,20 +37,30 @@ class PrefetchMixin:
         self.wait_prefetch()
         with self._lock:
             self._check()
-            _, found = self._find(k)
+            slots, found = self._find(k)
             miss = np.unique(k[~found])
             wb = self._wb.find(miss) if self._wb is not None else None
             if wb is not None:  # the remote's copy of those is older: re-cache the queued one
                 self._restore_pending(miss[wb[0]], wb[1], k)
                 miss = miss[~wb[0]]
+                slots, found = self._find(k)
             if not len(miss):
                 return
             self._pf_active = True
+            self._pf_rows = len(miss)
             self._invalid = []
-        t = threading.Thread(target=self._prefetch_run, args=(miss, k), daemon=True,
-                             name="embstore-prefetch")
-        self._pf_thread = t
-        t.start()
+            t = threading.Thread(target=self._prefetch_run, args=(miss, k), daemon=True,
+                                 name="embstore-prefetch")
+            self._pf_thread = t
+            t.start()
+            # Room for the rows is made here, while the remote read runs, not after it: the
+            # background thread then only inserts, and the caller was going to compute anyway.
+            try:
+                self._st.next_tick(foreground=False)
+                self._st.touch(slots[found], count=False)
+                self._make_room(self._pf_rows, before=self._st.fg_tick)
+            except Exception:  # noqa: BLE001 - e.g. an eviction write failed: nothing changed
+                self._count(prefetch_errors=1)
 
     def _restore_pending(self, keys: np.ndarray, recs: np.ndarray, batch: np.ndarray) -> None:
         """Cache (dirty) rows evicted dirty whose background write has not landed yet."""
@@ -76,8 +87,10 @@ class PrefetchMixin:
             with self._lock:
                 self.counters["prefetch_errors"] += 1
                 self._pf_active = False
+                self._pf_rows = 0
             return
         with self._lock:
+            self._pf_rows = 0
             try:
                 if self._closed:
                     return
@@ -88,13 +101,16 @@ class PrefetchMixin:
                 _, cached = self._find(keys)
                 keys, recs = keys[~cached], recs[~cached]
                 if len(keys):
-                    # Evict neither the rows of the caller's latest operation (the batch being
-                    # computed, whose update reads them again) nor the already cached rows of
-                    # the batch prefetched for (marked with this tick, not counted as a use).
-                    self._st.next_tick(foreground=False)
-                    slots, hit = self._find(batch)
-                    self._st.touch(slots[hit], count=False)
-                    room = self._make_room(len(keys), before=self._st.fg_tick)
+                    room = len(keys)
+                    if self._st.live + room > self.capacity:  # the room made ahead was taken
+                        # Evict neither the rows of the caller's latest operation (the batch
+                        # being computed, whose update reads them again) nor the cached rows
+                        # of the batch prefetched for (marked with this tick, not counted as a
+                        # use).
+                        self._st.next_tick(foreground=False)
+                        slots, hit = self._find(batch)
+                        self._st.touch(slots[hit], count=False)
+                        room = self._make_room(room, before=self._st.fg_tick)
                     self._insert(keys[:room], recs[:room], dirty=False)
                     self._count(prefetched_rows=room)
             except Exception:  # noqa: BLE001 - e.g. an eviction write failed: nothing changed

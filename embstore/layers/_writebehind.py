@@ -54,11 +54,12 @@ class WriteBehind:
         with self._cond:
             if not self._pending:
                 return None
-            pk = np.concatenate([k for k, _ in self._pending])
-            pr = np.concatenate([r for _, r in self._pending])
+            batches = list(self._pending)
+        pk = batches[0][0] if len(batches) == 1 else np.concatenate([k for k, _ in batches])
         found = np.isin(keys, pk)
-        if not found.any():
+        if not found.any():  # the usual case: only the keys are looked at
             return None
+        pr = batches[0][1] if len(batches) == 1 else np.concatenate([r for _, r in batches])
         # A key evicted twice is pending twice: the later batch holds the newer row.
         rev = pk[::-1]
         order = np.argsort(rev, kind="stable")
@@ -100,7 +101,19 @@ class WriteBehind:
                     self._cond.wait()
                 if self._stop:
                     return
-                keys, recs = self._pending[0]
+                # Everything queued goes out in one remote put: fewer, larger requests when
+                # the writer lags behind the evictions.
+                n = len(self._pending)
+                if n == 1:
+                    keys, recs = self._pending[0]
+                else:
+                    keys = np.concatenate([k for k, _ in self._pending])
+                    recs = np.concatenate([r for _, r in self._pending])
+                    # A key evicted twice is queued twice: only its later row is written.
+                    _, last = np.unique(keys[::-1], return_index=True)
+                    if len(last) < len(keys):
+                        sel = np.sort(len(keys) - 1 - last)
+                        keys, recs = keys[sel], recs[sel]
                 self._busy = True
             try:
                 self._put(keys, recs)
@@ -111,7 +124,7 @@ class WriteBehind:
                     self._cond.notify_all()
                 continue
             with self._cond:
-                self._pending.pop(0)
+                del self._pending[:n]
                 self._busy = False
                 self._cond.notify_all()
 

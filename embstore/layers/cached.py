@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from ..layout import Layout
 from . import thread_safe
 from ._prefetch import PrefetchMixin
 from ._slots import SlotTable
+from ._wholetable import WholeTableMixin
 from ._writebehind import WriteBehind
 
 _EMPTY = np.uint32(0xFFFFFFFF)
@@ -63,7 +64,7 @@ def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Back
     return backend_class(target)(target, read_only=read_only, **options)
 
 
-class CachedBackend(PrefetchMixin, Backend):
+class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     """A capacity-bounded local cache over any remote backend.
 
     Parameters
@@ -77,9 +78,9 @@ class CachedBackend(PrefetchMixin, Backend):
     write_policy : {"back", "through"}
         ``"back"`` keeps written rows dirty in the cache until flushed; ``"through"`` writes
         the remote before returning.
-    eviction : {"lru", "lfu"}
-        Which rows leave a full cache: least recently used, or least frequently used
-        (ties broken by recency).
+    eviction : {"lfu", "lru"}
+        Which rows leave a full cache: least frequently used (the default: ties broken by
+        recency, use counts of evicted keys remembered), or least recently used.
     write_behind : bool, optional
         Write evicted dirty rows from a background thread while the caller goes on (default:
         when the remote is thread-safe, e.g. Bigtable). Off: evictions write synchronously.
@@ -92,7 +93,7 @@ class CachedBackend(PrefetchMixin, Backend):
     """
 
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
-                 capacity: int = 100_000, write_policy: str = "back", eviction: str = "lru",
+                 capacity: int = 100_000, write_policy: str = "back", eviction: str = "lfu",
                  write_behind: bool | None = None, flush_batch: int = 16384,
                  read_only: bool = False, **remote_options: Any) -> None:
         if write_policy not in WRITE_POLICIES:
@@ -132,6 +133,10 @@ class CachedBackend(PrefetchMixin, Backend):
             write_behind = concurrent
         self._wb = (WriteBehind(self._remote_put) if write_behind and write_policy == "back"
                     else None)
+        # A thread-safe remote reads a lookup's misses on this helper thread while the caller
+        # makes room for them (eviction bookkeeping and write-behind hand-off overlap the read).
+        self._reader = (ThreadPoolExecutor(1, thread_name_prefix="embstore-cache-read")
+                        if concurrent else None)
         self._meta: dict | None = None
         self._closed = False
         self._pf_thread: threading.Thread | None = None
@@ -139,6 +144,10 @@ class CachedBackend(PrefetchMixin, Backend):
         self._invalid: list[np.ndarray] = []    # keys written/evicted while a prefetch ran
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._st = SlotTable(self.key_type, eviction, self.capacity)
+        # The engine's update is get(keys) -> optimizer -> put(the same array): the slots of
+        # the last all-hit probe spare put a second probe, while no row came or went since.
+        self._epoch = 0
+        self._last_probe: tuple[np.ndarray, np.ndarray, int] | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,6 +207,22 @@ class CachedBackend(PrefetchMixin, Backend):
             self.remote.put(keys, recs)
         self._count(remote_writes=len(keys), remote_write_calls=1)
 
+    def _read_and_make_room(self, keys: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """``_remote_get(keys)``; with a thread-safe remote the read runs on the helper thread
+        while this one makes room for ``m`` rows (the caller inserts them afterwards)."""
+        if self._reader is None or len(keys) < 64:
+            return self._remote_get(keys)
+        fut = self._reader.submit(self._remote_get, keys)
+        err = None
+        try:
+            self._make_room(m)  # rows not found remotely leave room unused: harmless
+        except BaseException as e:  # noqa: BLE001 - re-raised once the read is done
+            err = e
+        out = fut.result()      # a failed read raises here, before anything is inserted
+        if err is not None:
+            raise err
+        return out
+
     def _settle(self, keys: np.ndarray | None = None) -> None:
         """Wait for the write-behind of evicted rows (of ``keys`` only, if given) to land."""
         if self._wb is None:
@@ -237,6 +262,7 @@ class CachedBackend(PrefetchMixin, Backend):
 
     def _drop(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Forget cached rows (no remote I/O)."""
+        self._epoch += 1
         self._log_invalid(keys)
         self._st.remove(slots)
         self.local.delete(keys)
@@ -247,6 +273,7 @@ class CachedBackend(PrefetchMixin, Backend):
         """Cache rows of keys not cached yet (room was made by the caller)."""
         if not len(keys):
             return
+        self._epoch += 1
         self.local.put(keys, recs)
         if not self._rows_in_index:
             self._index.put(keys, self._index.layout.empty(len(keys)))
@@ -262,6 +289,7 @@ class CachedBackend(PrefetchMixin, Backend):
             self._index.bind(Layout(1), key_type)
         with self._lock:
             self._st = SlotTable(key_type, self.eviction, self.capacity)
+            self._epoch += 1
 
     def read_meta(self) -> dict | None:
         meta = self.remote.read_meta()
@@ -303,25 +331,6 @@ class CachedBackend(PrefetchMixin, Backend):
             self._count(flushes=1)
         return len(dslots)
 
-    def resync(self) -> int:
-        """Rewrite the metadata and every cached row to the remote; return rows written.
-
-        For a remote that lost its data (e.g. an emulator restarted empty): afterwards it holds
-        everything this cache holds, dirty or clean, and every evicted row still waiting for
-        the write-behind.
-        """
-        self.wait_prefetch()
-        with self._lock:
-            if self._meta is not None:
-                self.write_meta(self._meta)
-            pending = len(self._wb) if self._wb is not None else 0
-            self._settle()
-            self._st.dirty[self._st.occupied()] = True
-            n = self._flush_rows() + pending
-            with self._remote_lock:
-                self.remote.flush()
-            return n
-
     def close(self) -> None:
         """Flush dirty rows and close both stores. If the flush fails the cache stays open
         (``BackendError``): call ``flush()``/``close()`` again once the remote is back."""
@@ -343,6 +352,8 @@ class CachedBackend(PrefetchMixin, Backend):
             self._closed = True
             if self._wb is not None:
                 self._wb.close()
+            if self._reader is not None:
+                self._reader.shutdown()
             try:
                 self.remote.close()
             finally:
@@ -366,6 +377,7 @@ class CachedBackend(PrefetchMixin, Backend):
             self._check()
             slots, found = self._find(keys)
             if found.all():  # the hit path: one probe, one gather, one stamp scatter
+                self._last_probe = (keys, slots, self._epoch)
                 out = self._read_local(keys, slots, field)
                 self._st.next_tick()
                 self._st.touch(slots)
@@ -396,7 +408,7 @@ class CachedBackend(PrefetchMixin, Backend):
         # they come back dirty (the queued write may land or not: the cache holds the truth).
         wb = self._wb.find(uniq) if self._wb is not None else None
         if wb is None:
-            recs, rfound = self._remote_get(uniq)
+            recs, rfound = self._read_and_make_room(uniq, len(uniq))
             back_keys = uniq[:0]
         else:
             in_wb, wb_recs = wb
@@ -406,18 +418,23 @@ class CachedBackend(PrefetchMixin, Backend):
             back_keys = uniq[in_wb]
             rest = ~in_wb
             if rest.any():
-                recs[rest], rfound[rest] = self._remote_get(uniq[rest])
+                recs[rest], rfound[rest] = self._read_and_make_room(uniq[rest], len(uniq))
         out[miss] = recs[inv] if field is None else recs[field][inv]
         found = found.copy()
         found[miss] = rfound[inv]
-        if len(back_keys):
-            room = self._make_room(len(back_keys))   # the rest stay queued: not lost
-            self._insert(back_keys[:room], recs[in_wb][:room], dirty=True)
-            rfound = rfound & ~in_wb
-        new_keys, new_recs = uniq[rfound], recs[rfound]
-        if len(new_keys):
-            room = self._make_room(len(new_keys))
-            self._insert(new_keys[:room], new_recs[:room], dirty=False)
+        m = int(np.count_nonzero(rfound))
+        if m:
+            # One eviction pass for both kinds; rows from the writer's queue go in first (what
+            # does not fit stays queued: not lost), then the clean rows read from the remote.
+            room = self._make_room(m)
+            nb = len(back_keys)
+            if nb:
+                self._insert(back_keys[:room], recs[in_wb][:room], dirty=True)
+                rfound = rfound & ~in_wb
+                room = max(room - nb, 0)
+            if room:
+                new_keys, new_recs = uniq[rfound], recs[rfound]
+                self._insert(new_keys[:room], new_recs[:room], dirty=False)
         return out, found
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
@@ -442,11 +459,21 @@ class CachedBackend(PrefetchMixin, Backend):
             through = self.write_policy == "through"
             if through:
                 self._remote_put(keys, records)
-            slots, found = self._find(keys)
+            last, self._last_probe = self._last_probe, None
+            if last is not None and last[0] is keys and last[2] == self._epoch:
+                slots = last[1]
+                found = np.ones(len(keys), dtype=bool)
+            else:
+                slots, found = self._find(keys)
             self._st.next_tick()
+            m = len(keys) - int(np.count_nonzero(found))
+            if m == 0:  # the training step's case: every row is cached
+                self._st.touch(slots)
+                self._write_local(keys, records, slots, found)
+                self._st.dirty[slots] = not through
+                return
             self._st.touch(slots[found])
             new = ~found
-            m = int(np.count_nonzero(new))
             room = self._make_room(m) if m else 0
             new_keys, new_recs = keys[new], records[new]
             if room < m and not through:
@@ -471,52 +498,6 @@ class CachedBackend(PrefetchMixin, Backend):
                 self._drop(keys[found], slots[found])
             return present | found
 
-    def __len__(self) -> int:
-        with self._lock:
-            if self._closed:
-                return 0
-            self._settle()
-            # Counted without flushing (stats() calls len): dirty keys the remote lacks are new.
-            dkeys = self._st.keys[self._st.dirty_slots()]
-            extra = 0
-            with self._remote_lock:
-                for i in range(0, len(dkeys), self.flush_batch):
-                    chunk = dkeys[i:i + self.flush_batch]
-                    extra += int(np.count_nonzero(~np.asarray(self.remote.contains(chunk))))
-                return len(self.remote) + extra
-
-    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        with self._lock:
-            self._check()
-            self._flush_rows()
-        yield from self.remote.scan(batch_size)
-
-    def changes_since(self, version: int,
-                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        with self._lock:
-            self._check()
-            self._flush_rows()
-        yield from self.remote.changes_since(version, batch_size)
-
-    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
-        """Stream rows to the remote's bulk path; cached copies of loaded keys are dropped
-        (they are clean: dirty rows are flushed first, so a failed load loses nothing)."""
-        self.wait_prefetch()
-        with self._lock:
-            self._check()
-            self._flush_rows()
-
-            def stream():
-                for keys, recs in batches:
-                    slots, found = self._find(keys)
-                    if found.any():
-                        self._drop(keys[found], slots[found])
-                    yield keys, recs
-
-            n = self.remote.bulk_load(stream())
-            self._count(remote_writes=n)
-            return n
-
     def clear(self) -> None:
         self.wait_prefetch()
         with self._lock:
@@ -527,26 +508,4 @@ class CachedBackend(PrefetchMixin, Backend):
             if not self._rows_in_index:
                 self._index.clear()
             self._st = SlotTable(self.key_type, self.eviction, self.capacity)
-
-    def size_bytes(self) -> int | None:
-        return self.remote.size_bytes()
-
-    def stats(self) -> dict[str, Any]:
-        """Cache counters (rows): ``cache_hits``, ``cache_misses``, ``cache_hit_rate``,
-        ``remote_reads``/``remote_writes`` (and ``*_calls``), ``evictions``,
-        ``dirty_evictions``, ``dirty_rows``, ``pending_rows`` (evicted, being written),
-        ``cache_rows``, ``cache_capacity``, ``prefetched_rows``; plus the remote's own
-        counters prefixed ``remote.``."""
-        with self._lock:
-            out: dict[str, Any] = dict(self.counters)
-            looked = out["cache_hits"] + out["cache_misses"]
-            out["cache_hit_rate"] = out["cache_hits"] / looked if looked else float("nan")
-            out["dirty_rows"] = int(np.count_nonzero(self._st.dirty))
-            out["pending_rows"] = len(self._wb) if self._wb is not None else 0
-            out["cache_rows"] = int(self._st.live)
-            out["cache_capacity"] = self.capacity
-            out["write_policy"] = self.write_policy
-            out["eviction"] = self.eviction
-            if not self._closed:
-                out.update({f"remote.{k}": v for k, v in self.remote.stats().items()})
-            return out
+            self._epoch += 1

@@ -68,6 +68,24 @@ def layer(store: embstore.EmbeddingStore) -> CachedBackend:
     return store.backend
 
 
+def cached_over_zeros(lmdb_url, n_rows: int, capacity: int):
+    """A cache of ``capacity`` rows over a fresh LMDB store holding rows 0..n_rows-1 (zeros)."""
+    url = lmdb_url()
+    with embstore.open(url, dim=4) as plain:
+        plain.assign(np.arange(n_rows), np.zeros((n_rows, 4)))
+    s = cached(url, cache_capacity=capacity)
+    return s, layer(s)
+
+
+def assert_remote_matches(url: str, ref: embstore.EmbeddingStore, **open_kw) -> None:
+    """The store at ``url`` holds exactly ``ref``'s keys, with the same vectors."""
+    with embstore.open(url, **open_kw) as plain:
+        a, b = table_of(plain), table_of(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+
+
 def remote_deadline(store: embstore.EmbeddingStore, seconds: float) -> None:
     """Set how long the remote retries: short only while a fault is on (so the failure comes
     quickly), generous otherwise (so a loaded machine cannot turn healthy calls into failures)."""
@@ -281,11 +299,7 @@ def test_prefetch_loads_next_batch_without_remote_calls_in_lookup(lmdb_url):
 
 
 def test_prefetch_never_overrides_newer_writes(lmdb_url):
-    url = lmdb_url()
-    with embstore.open(url, dim=4) as plain:
-        plain.assign(np.arange(200), np.zeros((200, 4)))
-    s = cached(url, cache_capacity=50)
-    c = layer(s)
+    s, c = cached_over_zeros(lmdb_url, 200, 50)
     for i in range(30):
         keys = np.arange(200)[(np.arange(200) + i) % 7 == 0]
         c.prefetch(keys)
@@ -446,11 +460,7 @@ def test_write_behind_failure_keeps_evicted_rows(bigtable_url_factory):
     remote_deadline(s, 30.0)
     inj.failures = 0                          # the remote recovers
     s.close()
-    with embstore.open(url) as plain:
-        a, b = table_of(plain), table_of(ref)
-        assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+    assert_remote_matches(url, ref)
 
 
 def test_lfu_history_survives_eviction():
@@ -473,23 +483,31 @@ def test_lfu_history_survives_eviction():
     assert st.victims(1).tolist() == [3]
 
 
+def _full_dirty_cache(url, remote_keys, method):
+    """A cache over Bigtable whose ``len(remote_keys)`` rows are all dirty (keys 0..n-1),
+    a memory:// reference trained alike, and a fault injector (off) on ``method`` calls.
+    ``remote_keys`` exist on the remote with vectors of ones; the remote deadline is short."""
+    from embstore.testing.bigtable_emulator import FaultInjector
+
+    n = len(remote_keys)
+    with embstore.open(url, dim=DIM) as plain:
+        plain.assign(remote_keys, np.ones((n, DIM)))
+    inj = FaultInjector(failures=0, methods=[method])
+    s = embstore.open(url, cache="memory://", cache_capacity=n, interceptors=[inj])
+    ref = embstore.open("memory://", dim=DIM)
+    ref.assign(remote_keys, np.ones((n, DIM)))
+    for store in (ref, s):
+        _train(store, np.arange(n), 0)            # n dirty rows fill the cache
+    remote_deadline(s, 0.3)
+    return s, layer(s), ref, inj
+
+
 def test_rows_pending_in_write_behind_are_read_back_without_the_remote(bigtable_url_factory):
     """A miss on a row evicted dirty whose background write has not landed takes the row from
     the writer's queue (no remote read, no wait for the writer); it comes back dirty and
     reaches the remote on close."""
-    from embstore.testing.bigtable_emulator import FaultInjector
-
     url = bigtable_url_factory()
-    with embstore.open(url, dim=DIM) as plain:   # rows 100..149 exist on the remote
-        plain.assign(np.arange(100, 150), np.ones((50, DIM)))
-    inj = FaultInjector(failures=0, methods=["MutateRows"])
-    s = embstore.open(url, cache="memory://", cache_capacity=50, interceptors=[inj])
-    c = layer(s)
-    ref = embstore.open("memory://", dim=DIM)
-    ref.assign(np.arange(100, 150), np.ones((50, DIM)))
-    for store in (ref, s):
-        _train(store, np.arange(50), 0)           # 50 dirty rows fill the cache
-    remote_deadline(s, 0.3)
+    s, c, ref, inj = _full_dirty_cache(url, np.arange(100, 150), "MutateRows")
     inj.failures = 10**9                          # background writes cannot land now
     s.lookup(np.arange(100, 150))                 # clean rows evict the 50 dirty ones
     assert c.stats()["pending_rows"] == 50 and cached_keys(s, [0, 49]) == [False, False]
@@ -503,21 +521,13 @@ def test_rows_pending_in_write_behind_are_read_back_without_the_remote(bigtable_
     remote_deadline(s, 30.0)
     inj.failures = 0                              # the remote recovers
     s.close()
-    with embstore.open(url) as plain:
-        a, b = table_of(plain), table_of(ref)
-        assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+    assert_remote_matches(url, ref)
 
 
 def test_prefetch_never_evicts_the_batch_being_computed(lmdb_url):
     """The prefetch makes room among older rows only: the rows of the caller's latest lookup
     (whose update comes next) stay cached even when that leaves less room than asked for."""
-    url = lmdb_url()
-    with embstore.open(url, dim=4) as plain:
-        plain.assign(np.arange(2000), np.zeros((2000, 4)))
-    s = cached(url, cache_capacity=100)
-    c = layer(s)
+    s, c = cached_over_zeros(lmdb_url, 2000, 100)
     s.lookup(np.arange(1000, 1050))            # older rows
     s.lookup(np.arange(50))                    # the batch being computed
     c.prefetch(np.arange(200, 280))            # 80 rows, room for 50
@@ -661,11 +671,7 @@ def test_put_after_get_probes_again_when_rows_changed_in_between():
 
 
 def test_prefetch_makes_room_ahead_and_fills_the_cache_exactly(lmdb_url):
-    url = lmdb_url()
-    with embstore.open(url, dim=4) as plain:
-        plain.assign(np.arange(300), np.zeros((300, 4)))
-    s = cached(url, cache_capacity=100)
-    c = layer(s)
+    s, c = cached_over_zeros(lmdb_url, 300, 100)
     s.lookup(np.arange(100))                  # full
     s.lookup(np.arange(50))                   # the batch being computed
     c.prefetch(np.arange(200, 230))
@@ -679,19 +685,8 @@ def test_failed_miss_read_after_making_room_loses_nothing(bigtable_url_factory):
     """With a thread-safe remote a lookup's misses are read on a helper thread while room is
     made for them (dirty victims go to the write-behind). When that read fails the lookup
     raises, and the evicted rows still reach the remote."""
-    from embstore.testing.bigtable_emulator import FaultInjector
-
     url = bigtable_url_factory()
-    with embstore.open(url, dim=DIM) as plain:    # rows 1000..1099 exist on the remote
-        plain.assign(np.arange(1000, 1100), np.ones((100, DIM)))
-    inj = FaultInjector(failures=0, methods=["ReadRows"])
-    s = embstore.open(url, cache="memory://", cache_capacity=100, interceptors=[inj])
-    c = layer(s)
-    ref = embstore.open("memory://", dim=DIM)
-    ref.assign(np.arange(1000, 1100), np.ones((100, DIM)))
-    for store in (ref, s):
-        _train(store, np.arange(100), 0)          # 100 dirty rows fill the cache
-    remote_deadline(s, 0.3)
+    s, c, ref, inj = _full_dirty_cache(url, np.arange(1000, 1100), "ReadRows")
     inj.failures = 10**9
     with pytest.raises(BackendError):
         s.lookup(np.arange(1000, 1100))           # 100 misses: read on the helper thread
@@ -701,8 +696,4 @@ def test_failed_miss_read_after_making_room_loses_nothing(bigtable_url_factory):
     for store in (ref, s):
         _train(store, np.arange(1000, 1100), 1)
     s.close()
-    with embstore.open(url) as plain:
-        a, b = table_of(plain), table_of(ref)
-        assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_array_equal(a[k]["vector"], b[k]["vector"])
+    assert_remote_matches(url, ref)

@@ -95,7 +95,7 @@ def run(n: int, rng: np.random.Generator) -> None:
 
     grads = rng.standard_normal((BATCH, DIM), dtype=np.float32)
     ub = qb[: max(1, len(qb) // 2)]
-    update_rate = rate(lambda b: store.update(b, grads[: len(b)]), ub, reps=1)
+    update_rate = rate(lambda b: store.update(b, grads[: len(b)]), ub, reps=3)
 
     print(f"{'operation':44s} {'rows/s':>12s}  ratio")
     print(f"{'np.take(table, idx, axis=0) (floor)':44s} {take_rate / 1e6:10.2f}M")

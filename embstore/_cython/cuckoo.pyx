@@ -14,6 +14,7 @@ records and never leaves more than one partly used chunk; freed slots are reused
 This module imports nothing from embstore; callers pass clean, contiguous arrays.
 """
 
+cimport cython
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
 from libc.stdlib cimport malloc, calloc, free, realloc
 from libc.string cimport memcpy, memset
@@ -96,6 +97,7 @@ cdef inline uint64_t mix64(uint64_t z) noexcept nogil:
     return z ^ (z >> 31)
 
 
+@cython.final
 cdef class CuckooTable:
     """int64 -> uint32 map with cuckoo hashing. Values are arena slot numbers."""
 
@@ -150,12 +152,6 @@ cdef class CuckooTable:
         if b == (h & self.mask):
             b = b ^ 1
         return b
-
-    cdef inline void _prefetch(self, int64_t key) noexcept nogil:
-        # issued a few keys ahead of use, so both bucket lines arrive before the probe
-        cdef uint64_t h = mix64(<uint64_t> key)
-        ES_PREFETCH(&self.buckets[self._b1(h)])
-        ES_PREFETCH(&self.buckets[self._b2(h)])
 
     cdef inline uint32_t _find(self, int64_t key, uint64_t h) noexcept nogil:
         cdef Bucket* b = &self.buckets[self._b1(h)]
@@ -331,11 +327,14 @@ cdef class CuckooTable:
         """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits."""
         cdef Py_ssize_t n = keys.shape[0], j
         cdef uint64_t hits = 0
+        cdef uint64_t h
         cdef uint32_t v
         with nogil:
             for j in range(n):
                 if j + PREFETCH_AHEAD < n:
-                    self._prefetch(keys[j + PREFETCH_AHEAD])
+                    h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
+                    ES_PREFETCH(&self.buckets[self._b1(h)])
+                    ES_PREFETCH(&self.buckets[self._b2(h)])
                 v = self._find(keys[j], mix64(<uint64_t> keys[j]))
                 out[j] = v
                 if v != EMPTY:
@@ -348,9 +347,12 @@ cdef class CuckooTable:
         if (self.size + n) > self.nbuckets * BUCKET * MAX_LOAD:
             while (self.size + n) > self.nbuckets * BUCKET * MAX_LOAD:
                 self._grow(self.nbuckets * 2)
+        cdef uint64_t h
         for j in range(n):
             if j + PREFETCH_AHEAD < n:
-                self._prefetch(keys[j + PREFETCH_AHEAD])
+                h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
+                ES_PREFETCH(&self.buckets[self._b1(h)])
+                ES_PREFETCH(&self.buckets[self._b2(h)])
             self._insert(keys[j], vals[j])
 
     def erase(self, const int64_t[::1] keys, uint32_t[::1] out):
@@ -404,6 +406,7 @@ cdef class CuckooTable:
         self.size = 0
 
 
+@cython.final
 cdef class RecordArena:
     """Fixed-width records in chunks; slots are uint32 indices, freed slots are reused.
 
@@ -629,13 +632,15 @@ def find_or_insert(CuckooTable table, RecordArena arena, const int64_t[::1] keys
     table in the same pass (one probe per key instead of a find and then an insert).
     Returns how many keys were inserted."""
     cdef Py_ssize_t n = keys.shape[0], j
-    cdef uint64_t inserted = 0
+    cdef uint64_t h, inserted = 0
     cdef uint32_t v
     if out.shape[0] < n:
         raise ValueError("find_or_insert: output has too few rows")
     for j in range(n):
         if j + PREFETCH_AHEAD < n:
-            table._prefetch(keys[j + PREFETCH_AHEAD])
+            h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
+            ES_PREFETCH(&table.buckets[table._b1(h)])
+            ES_PREFETCH(&table.buckets[table._b2(h)])
         v = table._find(keys[j], mix64(<uint64_t> keys[j]))
         if v == EMPTY:
             v = arena._alloc_one()

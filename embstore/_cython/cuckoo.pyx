@@ -221,21 +221,32 @@ cdef class CuckooTable:
         return 0
 
     cdef int _split_double(self) except -1:
-        """Double the table by splitting each bucket into buckets j and j + old_nb.
+        """Double the table in place by splitting each bucket j into buckets j and j + old_nb.
 
-        Every entry placed by its own hash bits moves to one of the two halves of its old
-        bucket, so the pass is sequential and never overflows a bucket; the rare entries placed
-        by the tie rule are reinserted afterwards. Returns 0 if that reinsertion failed (the
-        caller then rehashes from scratch; the old table is still intact)."""
-        cdef Bucket* old = self.buckets
-        cdef uint64_t old_nb = self.nbuckets, old_mask = self.mask, j, t
-        cdef int i, k, ok = 1, nlo, nhi
+        ``realloc`` extends the array (for a large table glibc moves the pages with mremap,
+        no copy), so only the new upper half is fresh memory. Every entry placed by its own
+        hash bits goes to one of the two halves of its old bucket, so the pass is sequential
+        and never overflows a bucket; the rare entries placed by the tie rule are set aside and
+        reinserted afterwards, growing again if a walk fails. Never drops a key; returns 1."""
+        cdef uint64_t old_nb = self.nbuckets, old_mask = self.mask, j, t, nstash = 0, s
+        cdef int i, nlo, nhi
         cdef int64_t lk
         cdef uint32_t lv
         cdef Bucket lo, hi
-        # Old bucket j feeds exactly new buckets j and j + old_nb, so each new bucket is
-        # composed in full and written once: no separate pass to clear the new array.
-        self._alloc(old_nb * 2, False)
+        cdef Bucket* grown = <Bucket*> realloc(self.buckets, 2 * old_nb * sizeof(Bucket))
+        if grown == NULL:
+            raise MemoryError("cuckoo table: cannot grow to %d buckets" % (2 * old_nb))
+        # Tie-rule entries, at most all of them (in practice a handful): int64 key + slot.
+        cdef int64_t* stash_k = <int64_t*> malloc(self.size * sizeof(int64_t) + 8)
+        cdef uint32_t* stash_v = <uint32_t*> malloc(self.size * sizeof(uint32_t) + 4)
+        if stash_k == NULL or stash_v == NULL:
+            free(stash_k)
+            free(stash_v)
+            self.buckets = grown  # still the old contents, in a bigger block
+            raise MemoryError("cuckoo table: cannot allocate the split's side list")
+        self.buckets = grown
+        self.nbuckets = 2 * old_nb
+        self.mask = 2 * old_nb - 1
         with nogil:
             for j in range(old_nb):
                 memset(&lo, 0xFF, sizeof(Bucket))
@@ -243,36 +254,32 @@ cdef class CuckooTable:
                 nlo = 0
                 nhi = 0
                 for i in range(BUCKET):
-                    if old[j].vals[i] != EMPTY and self._natural_bucket(
-                            old[j].keys[i], j, old_mask, &t):
+                    if grown[j].vals[i] == EMPTY:
+                        continue
+                    if self._natural_bucket(grown[j].keys[i], j, old_mask, &t):
                         if t == j:
-                            lo.keys[nlo] = old[j].keys[i]
-                            lo.vals[nlo] = old[j].vals[i]
+                            lo.keys[nlo] = grown[j].keys[i]
+                            lo.vals[nlo] = grown[j].vals[i]
                             nlo += 1
                         else:
-                            hi.keys[nhi] = old[j].keys[i]
-                            hi.vals[nhi] = old[j].vals[i]
+                            hi.keys[nhi] = grown[j].keys[i]
+                            hi.vals[nhi] = grown[j].vals[i]
                             nhi += 1
-                self.buckets[j] = lo
-                self.buckets[j + old_nb] = hi
-            for j in range(old_nb):
-                for i in range(BUCKET):
-                    if old[j].vals[i] != EMPTY and not self._natural_bucket(
-                            old[j].keys[i], j, old_mask, &t):
-                        if not self._insert_new(old[j].keys[i], old[j].vals[i], &lk, &lv):
-                            ok = 0
-                            break
-                if not ok:
-                    break
-        if ok:
-            free(old)
-            self.rehashes += 1
-            return 1
-        free(self.buckets)
-        self.buckets = old
-        self.nbuckets = old_nb
-        self.mask = old_mask
-        return 0
+                    else:
+                        stash_k[nstash] = grown[j].keys[i]
+                        stash_v[nstash] = grown[j].vals[i]
+                        nstash += 1
+                grown[j] = lo               # bucket j was read in full above
+                grown[j + old_nb] = hi
+        try:
+            for s in range(nstash):
+                if not self._insert_new(stash_k[s], stash_v[s], &lk, &lv):
+                    self._grow_with_pending(self.nbuckets * 2, lk, lv)
+        finally:
+            free(stash_k)
+            free(stash_v)
+        self.rehashes += 1
+        return 1
 
     cdef int _grow(self, uint64_t new_nb) except -1:
         # Rehash from the old table into a bigger one; if a walk fails there, discard the

@@ -315,9 +315,7 @@ class EmbeddingStore(SamplingAPI):
                 ok = self._policy.admit_lookup(uniq, seen)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
-                recs = self._new_records(uniq, new_vecs)
-                self._stamp(recs)
-                self._put(uniq, recs)
+                self._insert(uniq, new_vecs)
                 self._stats["inserts"] += len(uniq)
                 self._policy.maybe_evict(self)
         return vectors
@@ -427,6 +425,17 @@ class EmbeddingStore(SamplingAPI):
             return 0
         uniq, _ = unique_first(k)
         return self._delete(uniq)
+
+    def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        """Write new records of ``keys`` with these vectors."""
+        if self._observers:  # they are handed whole records
+            recs = self._new_records(keys, vectors)
+            self._stamp(recs)
+            self._put(keys, recs)
+            return
+        template = self._new_records(keys[:1], vectors[:1])  # slots are per-row constants
+        self._stamp(template)
+        self._backend.insert_rows(keys, vectors, template)
 
     # Every row write and delete of the engine goes through these two, so observers see all.
     def _put(self, keys: np.ndarray, recs: np.ndarray) -> None:

@@ -627,6 +627,26 @@ cdef class RecordArena:
                 for f in range(ns):
                     memcpy(row + set_offsets[f], &set_bits[f], 8)
 
+    def write_rows(self, const uint32_t[::1] slots, const uint8_t[::1] template,
+                   Py_ssize_t vec_offset, const float[:, ::1] vectors):
+        """Write each slot's record as ``template`` with row j of ``vectors`` (float32) at
+        ``vec_offset``: new records without building them in a separate buffer first."""
+        cdef Py_ssize_t n = slots.shape[0], j
+        cdef Py_ssize_t vbytes = vectors.shape[1] * 4, vec_end = vec_offset + vbytes
+        cdef uint8_t* row
+        if template.shape[0] != self.itemsize or vectors.shape[0] < n or vec_offset < 0 \
+                or vec_end > self.itemsize:
+            raise ValueError("write_rows: template or vectors do not fit the record")
+        for j in range(n):
+            if slots[j] == EMPTY or (slots[j] >> self.shift) >= <uint64_t> self.nchunks:
+                raise ValueError("write_rows: a slot is not in the arena")
+        with nogil:
+            for j in range(n):
+                row = self._row(slots[j])
+                memcpy(row, &template[0], vec_offset)
+                memcpy(row + vec_offset, &vectors[j, 0], vbytes)
+                memcpy(row + vec_end, &template[vec_end], self.itemsize - vec_end)
+
     def clear(self):
         self._unmap_all()
         self.next_slot = 0

@@ -124,6 +124,17 @@ class Backend(abc.ABC):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Insert or overwrite whole records (unique keys)."""
 
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        """Write new records (unique keys) made of ``template`` (a 1-row record array: slots,
+        counters, stamps) with each key's row of ``vectors`` as its vector.
+
+        The default builds the records and calls ``put``; a backend that can write them
+        straight into its storage overrides it.
+        """
+        records = np.repeat(template[:1], len(keys))
+        records["vector"] = vectors
+        self.put(keys, records)
+
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         """Apply a :class:`RowUpdate` to the stored records of ``keys`` (unique); return a
         bool array: which keys had a record (the others are left alone).

@@ -152,6 +152,18 @@ class MemoryBackend(Backend):
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
 
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        if self.key_type != "int64":
+            return super().insert_rows(keys, vectors, template)
+        self._last_get = None
+        slots = np.empty(len(keys), dtype=np.uint32)
+        if find_or_insert(self._table, self._arena, keys, slots):
+            self._epoch += 1
+        fields = self.layout.dtype.fields
+        self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
+                               fields["vector"][1],
+                               np.ascontiguousarray(vectors, dtype=np.float32))
+
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         if self.key_type != "int64":
             return super().update_rows(keys, update)

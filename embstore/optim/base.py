@@ -26,7 +26,11 @@ class Optimizer:
         return []
 
     def init_slots(self, records: np.ndarray) -> None:
-        """Set the slots of freshly created records (zeros are already there)."""
+        """Set the slots of freshly created records (zeros are already there).
+
+        The values may depend on the optimizer's configuration only, the same in every row:
+        the engine fills new records from one template row.
+        """
 
     def apply(self, records: np.ndarray, grads: np.ndarray, step: int) -> np.ndarray | None:
         """Apply one step in place to ``records`` (vector and slots).

@@ -214,6 +214,21 @@ class StoreConformance:
         untouched, _ = backend.get(np.array([5], dtype=np.int64))
         assert untouched["count"][0] == 0 and untouched["last_step"][0] == 0
 
+    def test_backend_insert_rows_fills_records_from_a_template(self):
+        s = self.open(optimizer=embstore.optim.Adagrad(initial_accumulator_value=0.5))
+        s.lookup([1])  # binds the layout; key 1 exists already
+        template = s.layout.empty(1)
+        template["accum"], template["last_step"], template["version"] = 0.5, 3, 99
+        keys = np.array([20, -7, 2**40], dtype=np.int64)
+        vecs = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+        s.backend.insert_rows(keys, vecs, template)
+        recs, found = s.backend.get(keys)
+        assert found.all()
+        np.testing.assert_array_equal(recs["vector"], vecs)
+        assert (recs["accum"] == 0.5).all() and recs["count"].tolist() == [0, 0, 0]
+        assert recs["last_step"].tolist() == [3, 3, 3] and recs["version"].tolist() == [99] * 3
+        assert s.backend.get(np.array([1], dtype=np.int64))[1].all()
+
     def test_versions_increase_with_writes(self):
         s = self.open()
         s.lookup([1])

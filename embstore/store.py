@@ -289,6 +289,17 @@ class EmbeddingStore(SamplingAPI):
         self._stats["lookups"] += n
         if n == 0:
             return np.empty((0, self.layout.dim), dtype=np.float32)
+        if (insert and not self.read_only and self._backend.supports_lookup_insert
+                and self._policy.admission is None and not self._observers and distinct(k)):
+            # No policy to ask and nobody to tell: the backend places the new keys as it
+            # finds them missing (one pass instead of a read and then a write).
+            vectors, n_new = self._backend.lookup_insert(k, self._initial, self._template)
+            self._stats["hits"] += n - n_new
+            if n_new:
+                self._stats["misses"] += n_new
+                self._stats["inserts"] += n_new
+                self._policy.maybe_evict(self)
+            return vectors
         vectors, found = self._backend.get_field(k, "vector")
         nfound = int(np.count_nonzero(found))
         self._stats["hits"] += nfound
@@ -426,6 +437,16 @@ class EmbeddingStore(SamplingAPI):
         uniq, _ = unique_first(k)
         return self._delete(uniq)
 
+    def _initial(self, keys: np.ndarray) -> np.ndarray:
+        return self.initializer(keys, self.layout.dim, self.seed)
+
+    def _template(self) -> np.ndarray:
+        """One fresh record (zero vector, initial slots, stamped): what new rows are made of."""
+        template = self.layout.empty(1)
+        self.optimizer.init_slots(template)  # slots are per-row constants
+        self._stamp(template)
+        return template
+
     def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> None:
         """Write new records of ``keys`` with these vectors."""
         if self._observers:  # they are handed whole records
@@ -433,9 +454,7 @@ class EmbeddingStore(SamplingAPI):
             self._stamp(recs)
             self._put(keys, recs)
             return
-        template = self._new_records(keys[:1], vectors[:1])  # slots are per-row constants
-        self._stamp(template)
-        self._backend.insert_rows(keys, vectors, template)
+        self._backend.insert_rows(keys, vectors, self._template())
 
     # Every row write and delete of the engine goes through these two, so observers see all.
     def _put(self, keys: np.ndarray, recs: np.ndarray) -> None:

@@ -79,7 +79,7 @@ cdef extern from *:
 cdef enum:
     BUCKET = 4
     MAX_KICKS = 500
-    PREFETCH_AHEAD = 8
+    PREFETCH_AHEAD = 16
     SPARE_CHUNKS = 4
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 cdef double MAX_LOAD = 0.85
@@ -654,14 +654,15 @@ cdef class RecordArena:
 
 
 def find_or_insert(CuckooTable table, RecordArena arena, const int64_t[::1] keys,
-                   uint32_t[::1] out):
+                   uint32_t[::1] out, uint8_t[::1] inserted_out=None):
     """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
     table in the same pass (one probe per key instead of a find and then an insert).
-    Returns how many keys were inserted."""
+    ``inserted_out`` (optional) gets 1 where the key was inserted. Returns how many were."""
     cdef Py_ssize_t n = keys.shape[0], j
     cdef uint64_t h, inserted = 0
     cdef uint32_t v
-    if out.shape[0] < n:
+    cdef bint mark = inserted_out is not None
+    if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
         raise ValueError("find_or_insert: output has too few rows")
     for j in range(n):
         if j + PREFETCH_AHEAD < n:
@@ -673,5 +674,9 @@ def find_or_insert(CuckooTable table, RecordArena arena, const int64_t[::1] keys
             v = arena._alloc_one()
             table._insert(keys[j], v)
             inserted += 1
+            if mark:
+                inserted_out[j] = 1
+        elif mark:
+            inserted_out[j] = 0
         out[j] = v
     return inserted

@@ -17,7 +17,7 @@ Contract for implementers
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +64,15 @@ class Backend(abc.ABC):
     supports_row_update : bool
         ``update_rows`` changes records where they are stored (the engine then prefers it
         to a ``get`` + ``put`` round trip).
+    supports_lookup_insert : bool
+        ``lookup_insert`` reads vectors and creates the missing records in one pass.
     """
 
     persistent: bool = False
     supports_scan: bool = True
     supports_changes: bool = False
     supports_row_update: bool = False
+    supports_lookup_insert: bool = False
     scheme: str = ""
 
     #: set by the engine once the store's layout is known (after metadata is read/written)
@@ -134,6 +137,14 @@ class Backend(abc.ABC):
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
         self.put(keys, records)
+
+    def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                      template: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:
+        """Vectors of distinct ``keys``; keys without a record get one on the way, made of
+        ``template()`` (a 1-row record array) with ``initial(new_keys)`` as vectors.
+        Returns ``(vectors, number_inserted)``. Only called when ``supports_lookup_insert``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no lookup_insert")
 
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         """Apply a :class:`RowUpdate` to the stored records of ``keys`` (unique); return a

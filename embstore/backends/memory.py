@@ -84,6 +84,7 @@ class MemoryBackend(Backend):
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
+        self.supports_lookup_insert = key_type == "int64"
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
             self._table = CuckooTable(self._capacity) if key_type == "int64" else None
@@ -151,6 +152,32 @@ class MemoryBackend(Backend):
                 slots[new] = new_slots
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
+
+    def lookup_insert(self, keys, initial, template):
+        # One probe per key: a missing key is placed in the table as it is found missing.
+        self._last_get = None
+        n = len(keys)
+        slots = np.empty(n, dtype=np.uint32)
+        new = np.empty(n, dtype=np.uint8)
+        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        fields = self.layout.dtype.fields
+        offset = fields["vector"][1]
+        if n_new:
+            self._epoch += 1
+            tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
+        if n_new == n:
+            out = np.ascontiguousarray(initial(keys), dtype=np.float32)
+            self._arena.write_rows(slots, tmpl, offset, out)
+        else:
+            if n_new:
+                m = new.view(bool)
+                self._arena.write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
+                    initial(keys[m]), dtype=np.float32))
+            out = np.empty((n, self.layout.dim), dtype=np.float32)
+            self._arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
+                               out.shape[1] * 4)
+        self._last_find = (keys.copy(), slots, self._epoch)
+        return out, n_new
 
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
         if self.key_type != "int64":

@@ -585,6 +585,14 @@ cdef class RecordArena:
             for j in range(n):
                 memcpy(self._row(slots[j]), &src[j, 0], self.itemsize)
 
+    cdef int _check_slots(self, const uint32_t[::1] slots, str what) except -1:
+        # Writes in place trust the slots: refuse any that was never handed out.
+        cdef Py_ssize_t j
+        for j in range(slots.shape[0]):
+            if slots[j] == EMPTY or slots[j] >= self.next_slot:
+                raise ValueError(f"{what}: a slot is not in the arena")
+        return 0
+
     def update_rows(self, const uint32_t[::1] slots, Py_ssize_t axpy_offset,
                     const float[:, ::1] x, float alpha, const Py_ssize_t[::1] add_offsets,
                     const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
@@ -608,9 +616,7 @@ cdef class RecordArena:
         for f in range(ns):
             if set_offsets[f] < 0 or set_offsets[f] + 8 > self.itemsize:
                 raise ValueError("update_rows: a set field does not fit the record")
-        for j in range(n):
-            if slots[j] == EMPTY or (slots[j] >> self.shift) >= <uint64_t> self.nchunks:
-                raise ValueError("update_rows: a slot is not in the arena")
+        self._check_slots(slots, "update_rows")
         with nogil:
             for j in range(n):
                 if j + PREFETCH_AHEAD < n:
@@ -637,9 +643,7 @@ cdef class RecordArena:
         if template.shape[0] != self.itemsize or vectors.shape[0] < n or vec_offset < 0 \
                 or vec_end > self.itemsize:
             raise ValueError("write_rows: template or vectors do not fit the record")
-        for j in range(n):
-            if slots[j] == EMPTY or (slots[j] >> self.shift) >= <uint64_t> self.nchunks:
-                raise ValueError("write_rows: a slot is not in the arena")
+        self._check_slots(slots, "write_rows")
         with nogil:
             for j in range(n):
                 row = self._row(slots[j])

@@ -7,7 +7,8 @@ import pickle
 
 import numpy as np
 import pytest
-from embstore._cython.cuckoo import CuckooTable, RecordArena, find_or_insert
+from embstore._cython.arena import RecordArena
+from embstore._cython.cuckoo import CuckooTable, find_or_insert
 
 import embstore
 from embstore.errors import InvalidInputError

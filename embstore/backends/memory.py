@@ -21,7 +21,8 @@ from ..layout import Layout
 from .base import Backend, RowUpdate
 
 try:
-    from .._cython.cuckoo import CuckooTable, RecordArena, find_or_insert
+    from .._cython.arena import RecordArena
+    from .._cython.cuckoo import CuckooTable, find_or_insert
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "

@@ -1,0 +1,29 @@
+"""Declarations of :class:`RecordArena`, so that other compiled modules can allocate slots."""
+
+cimport cython
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+
+@cython.final
+cdef class RecordArena:
+    cdef uint8_t** chunks        # nchunks chunks in use, then nspare mapped ahead of use
+    cdef Py_ssize_t nchunks
+    cdef Py_ssize_t nspare
+    cdef Py_ssize_t chunk_cap
+    cdef public Py_ssize_t itemsize
+    cdef public Py_ssize_t chunk_rows
+    cdef public bint prefault
+    cdef size_t chunk_bytes
+    cdef uint64_t next_slot      # slots below this were handed out at least once
+    cdef uint32_t* free_list
+    cdef Py_ssize_t nfree
+    cdef Py_ssize_t free_cap
+    cdef int shift
+    cdef uint64_t low_mask
+
+    cdef void _unmap_all(self) noexcept
+    cdef int _map_chunk(self) except -1
+    cdef int _add_chunk(self) except -1
+    cdef uint32_t _alloc_one(self) except? 0xFFFFFFFF
+    cdef uint8_t* _row(self, uint32_t slot) noexcept nogil
+    cdef int _check_slots(self, const uint32_t[::1] slots, str what) except -1

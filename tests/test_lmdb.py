@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import os
 import pickle
 import subprocess
 import sys
@@ -19,12 +17,11 @@ from embstore.errors import (
     BackendError,
     CorruptFileError,
     InvalidInputError,
-    InvalidURLError,
     ReadOnlyError,
-    SchemaMismatchError,
     StoreNotFoundError,
 )
 from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from tests.dir_store_suite import DirectoryStoreSuite
 
 DIM = 8
 
@@ -54,42 +51,23 @@ class TestLmdbNonDurableConformance(StoreConformance):
     test_state_machine_against_dict_model = None  # type: ignore[assignment]
 
 
-def snapshot(path) -> dict[str, str]:
-    """Content hashes of every file except LMDB's lock file (readers register there)."""
-    out = {}
-    for root, _, files in os.walk(path):
-        for f in files:
-            if f == "lock.mdb":
-                continue
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
+class TestLmdbDirectory(DirectoryStoreSuite):
+    scheme = "lmdb"
+    volatile_files = ("lock.mdb",)  # readers register there
+    long_key = 400  # LMDB's key limit is 511 bytes
 
+    @pytest.fixture(params=[
+        "lmdb://relative/dir", "lmdb:relative", "lmdb://", "lmdb:///", "lmdb:///tmp/x?map_size=1",
+        "lmdb:///tmp/x#frag", "lmdb://host/tmp/x",
+    ])
+    def malformed_url(self, request):
+        return request.param
 
-def test_int_keys_scan_in_numeric_order(lmdb_url):
-    with embstore.open(lmdb_url(), dim=DIM) as s:
-        keys = np.array([5, -1, 2**63 - 1, -(2**63), 0, 77, -78], dtype=np.int64)
-        s.lookup(keys)
-        scanned = np.concatenate([k for k, _ in s.items(batch_size=3)])
-        assert scanned.tolist() == sorted(keys.tolist())
-
-
-def test_reopen_exact_bytes_keys_and_meta(lmdb_url):
-    url = lmdb_url()
-    s = embstore.open(url, dim=DIM, key_type="bytes", optimizer="adagrad", seed=3)
-    keys = [b"", b"\x00", b"a", "\u00e9t\u00e9", b"z" * 400]
-    s.lookup(keys)
-    s.update(keys[:3], np.ones((3, DIM)))
-    before, step, version = table_of(s), s.step, s.version
-    s.close()
-    s2 = embstore.open(url)
-    assert (s2.key_type, s2.step, s2.version, s2.seed) == ("bytes", step, version, 3)
-    assert s2.layout == s.layout
-    after = table_of(s2)
-    assert after.keys() == before.keys()
-    assert all(rows_equal(after[k], before[k]) for k in before)
-    s2.close()
+    def make_foreign(self, path: str) -> None:
+        env = lmdb.open(path)
+        with env.begin(write=True) as txn:
+            txn.put(b"somebody", b"else's data")
+        env.close()
 
 
 def test_map_grows_from_tiny_map_size(lmdb_url):
@@ -144,57 +122,6 @@ def test_reader_processes_see_commits_while_writer_runs(lmdb_url):
             r.wait(timeout=30)
         s.close()
     assert all(r.returncode == 0 for r in readers)
-
-
-def test_other_layout_directory_is_refused_and_untouched(lmdb_url):
-    url = lmdb_url()
-    with embstore.open(url, dim=DIM) as s:
-        s.lookup(np.arange(50))
-    path = url[len("lmdb://"):]
-    before = snapshot(path)
-    for kw in ({"dim": DIM * 2}, {"key_type": "bytes"}, {"optimizer": "adagrad"}):
-        with pytest.raises(SchemaMismatchError):
-            embstore.open(url, **kw)
-    assert snapshot(path) == before
-
-
-def test_foreign_lmdb_and_foreign_directory_are_refused(tmp_path):
-    foreign = tmp_path / "foreign"
-    env = lmdb.open(str(foreign))
-    with env.begin(write=True) as txn:
-        txn.put(b"somebody", b"else's data")
-    env.close()
-    before = snapshot(foreign)
-    with pytest.raises(SchemaMismatchError, match="not an embstore store"):
-        embstore.open(f"lmdb://{foreign}", dim=DIM)
-    assert snapshot(foreign) == before
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("hello")
-    with pytest.raises(BackendError, match="not empty"):
-        embstore.open(f"lmdb://{other}", dim=DIM)
-    assert os.listdir(other) == ["notes.txt"]
-
-
-def test_unwritable_directory(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    for url in (f"lmdb://{blocker}", f"lmdb://{blocker}/store"):
-        with pytest.raises(BackendError):
-            embstore.open(url, dim=DIM)
-    assert blocker.read_text() == "x" and os.listdir(tmp_path) == ["file"]
-
-
-@pytest.mark.parametrize("url", [
-    "lmdb://relative/dir", "lmdb:relative", "lmdb://", "lmdb:///", "lmdb:///tmp/x?map_size=1",
-    "lmdb:///tmp/x#frag", "lmdb://host/tmp/x",
-])
-def test_malformed_urls(url, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(InvalidURLError):
-        embstore.open(url, dim=DIM)
-    assert os.listdir(tmp_path) == []
-    assert not os.path.exists("/tmp/x")
 
 
 def test_read_only_environment_refuses_writes(lmdb_url, tmp_path):

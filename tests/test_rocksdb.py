@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import os
 import pickle
 import subprocess
 import sys
@@ -18,12 +16,11 @@ import embstore
 from embstore.errors import (
     BackendError,
     InvalidInputError,
-    InvalidURLError,
     ReadOnlyError,
-    SchemaMismatchError,
     StoreNotFoundError,
 )
 from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from tests.dir_store_suite import DirectoryStoreSuite
 
 DIM = 8
 
@@ -42,38 +39,21 @@ class TestRocksDBConformance(StoreConformance):
         return rocks_url
 
 
-def snapshot(path) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
+class TestRocksDBDirectory(DirectoryStoreSuite):
+    scheme = "rocksdb"
+    long_key = 4000
 
+    @pytest.fixture(params=[
+        "rocksdb://relative/dir", "rocksdb:relative", "rocksdb://", "rocksdb:///",
+        "rocksdb:///tmp/x?sync=1", "rocksdb://host/tmp/x",
+    ])
+    def malformed_url(self, request):
+        return request.param
 
-def test_int_keys_scan_in_numeric_order(rocks_url):
-    with embstore.open(rocks_url(), dim=DIM) as s:
-        keys = np.array([5, -1, 2**63 - 1, -(2**63), 0, 77, -78], dtype=np.int64)
-        s.lookup(keys)
-        scanned = np.concatenate([k for k, _ in s.items(batch_size=3)])
-        assert scanned.tolist() == sorted(keys.tolist())
-
-
-def test_reopen_exact_bytes_keys_and_meta(rocks_url):
-    url = rocks_url()
-    s = embstore.open(url, dim=DIM, key_type="bytes", optimizer="adagrad", seed=3)
-    keys = [b"", b"\x00", b"a", "\u00e9t\u00e9", b"z" * 4000]
-    s.lookup(keys)
-    s.update(keys[:3], np.ones((3, DIM)))
-    before, step, version = table_of(s), s.step, s.version
-    s.close()
-    s2 = embstore.open(url)
-    assert (s2.key_type, s2.step, s2.version, s2.seed) == ("bytes", step, version, 3)
-    after = table_of(s2)
-    assert after.keys() == before.keys()
-    assert all(rows_equal(after[k], before[k]) for k in before)
-    s2.close()
+    def make_foreign(self, path: str) -> None:
+        db = rocksdict.Rdict(path, rocksdict.Options(raw_mode=True))
+        db[b"somebody"] = b"else's data"
+        db.close()
 
 
 def test_sst_bulk_import_overwrites_and_keeps_last(rocks_url, tmp_path):
@@ -100,56 +80,6 @@ def test_sst_bulk_import_overwrites_and_keeps_last(rocks_url, tmp_path):
     with embstore.open(dst.url) as again:
         assert len(again) == 10_003
     src.close()
-
-
-def test_other_layout_directory_is_refused_and_untouched(rocks_url):
-    url = rocks_url()
-    with embstore.open(url, dim=DIM) as s:
-        s.lookup(np.arange(50))
-    path = url[len("rocksdb://"):]
-    before = snapshot(path)
-    for kw in ({"dim": DIM * 2}, {"key_type": "bytes"}, {"optimizer": "adagrad"}):
-        with pytest.raises(SchemaMismatchError):
-            embstore.open(url, **kw)
-    assert snapshot(path) == before
-
-
-def test_foreign_rocksdb_and_foreign_directory_are_refused(tmp_path):
-    foreign = tmp_path / "foreign"
-    db = rocksdict.Rdict(str(foreign), rocksdict.Options(raw_mode=True))
-    db[b"somebody"] = b"else's data"
-    db.close()
-    del db
-    before = snapshot(foreign)
-    with pytest.raises(SchemaMismatchError, match="not an embstore store"):
-        embstore.open(f"rocksdb://{foreign}", dim=DIM)
-    assert snapshot(foreign) == before
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("hello")
-    with pytest.raises(BackendError, match="not empty"):
-        embstore.open(f"rocksdb://{other}", dim=DIM)
-    assert os.listdir(other) == ["notes.txt"]
-
-
-def test_unwritable_directory(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    for url in (f"rocksdb://{blocker}", f"rocksdb://{blocker}/store"):
-        with pytest.raises(BackendError):
-            embstore.open(url, dim=DIM)
-    assert blocker.read_text() == "x" and os.listdir(tmp_path) == ["file"]
-
-
-@pytest.mark.parametrize("url", [
-    "rocksdb://relative/dir", "rocksdb:relative", "rocksdb://", "rocksdb:///",
-    "rocksdb:///tmp/x?sync=1", "rocksdb://host/tmp/x",
-])
-def test_malformed_urls(url, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(InvalidURLError):
-        embstore.open(url, dim=DIM)
-    assert os.listdir(tmp_path) == []
 
 
 def test_read_only_refuses_writes_below_the_engine(rocks_url, tmp_path):

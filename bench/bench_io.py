@@ -98,6 +98,14 @@ def make_store(n: int) -> tuple[embstore.EmbeddingStore, np.ndarray, np.ndarray]
 RATIOS: dict[str, float] = {}
 
 
+def import_into_fresh_store(path: str, n: int) -> None:
+    """What `embstore import` does with the file: every row into a new store."""
+    dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
+    import_file(dst, path)
+    assert len(dst) == n
+    dst.close()
+
+
 def row(name: str, n: int, t_ours: float, t_raw: float, what: str) -> None:
     ours, raw = n / t_ours, n / t_raw
     RATIOS[name] = ours / raw
@@ -139,10 +147,7 @@ def bench_native(store, keys, recs, d: str, repeat: int) -> None:
     raw_save()
 
     def ours():
-        dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
-        import_file(dst, path)
-        assert len(dst) == n
-        dst.close()
+        import_into_fresh_store(path, n)
 
     def raw_load_store():
         k, r = np.load(kp), np.load(rp)
@@ -201,10 +206,7 @@ def bench_parquet(store, keys, recs, d: str, repeat: int) -> None:
     raw_write()
 
     def ours():
-        dst = embstore.open("memory://", dim=DIM, initial_capacity=n)
-        import_file(dst, path)
-        assert len(dst) == n
-        dst.close()
+        import_into_fresh_store(path, n)
 
     def raw_read():
         t = pq.read_table(rawp)

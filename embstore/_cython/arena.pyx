@@ -24,12 +24,42 @@ cdef extern from *:
     #ifndef MADV_POPULATE_WRITE
     #define MADV_POPULATE_WRITE 23
     #endif
-    /* Chunk memory comes straight from mmap so that it can be populated ahead of use. */
+    /* Chunk memory comes straight from mmap so that it can be populated ahead of use.
+       Chunks of closed or cleared arenas wait in a small process-wide pool (at most
+       ES_POOL_MAX bytes) for the next arena: their pages are already faulted in, which is
+       what makes opening store after store in one process (imports, tests) cheap. All
+       calls happen with the GIL held, so the pool needs no lock of its own. */
+    #define ES_POOL_SLOTS 1024
+    #define ES_POOL_MAX ((size_t)512 << 20)
+    static void* es_pool_p[ES_POOL_SLOTS];
+    static size_t es_pool_n[ES_POOL_SLOTS];
+    static int es_pool_len = 0;
+    static size_t es_pool_bytes = 0;
     static void* es_map(size_t n) {
+        for (int i = es_pool_len - 1; i >= 0; i--) {
+            if (es_pool_n[i] == n) {
+                void* p = es_pool_p[i];
+                es_pool_len--;
+                es_pool_p[i] = es_pool_p[es_pool_len];
+                es_pool_n[i] = es_pool_n[es_pool_len];
+                es_pool_bytes -= n;
+                return p;
+            }
+        }
         void* p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         return p == MAP_FAILED ? NULL : p;
     }
-    static void es_unmap(void* p, size_t n) { if (p) munmap(p, n); }
+    static void es_unmap(void* p, size_t n) {
+        if (!p) return;
+        if (es_pool_len < ES_POOL_SLOTS && es_pool_bytes + n <= ES_POOL_MAX) {
+            es_pool_p[es_pool_len] = p;
+            es_pool_n[es_pool_len] = n;
+            es_pool_len++;
+            es_pool_bytes += n;
+            return;
+        }
+        munmap(p, n);
+    }
     typedef struct { void* p; size_t n; } es_span;
     static void* es_populate_worker(void* arg) {
         es_span s = *(es_span*)arg;

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from ._batch import distinct, unique_last
+from ._cython.rowops import all_finite
 from .errors import CorruptFileError, SchemaMismatchError
 from .io.native import NativeReader, NativeWriter
 from .policies.tombstones import decode_keys, encode_keys
@@ -112,7 +113,7 @@ def _source_size(src: Any) -> int | None:
 
 
 def _check_finite(reader: NativeReader, recs: np.ndarray) -> None:
-    if not np.isfinite(recs["vector"]).all():
+    if not all_finite(recs["vector"]):
         raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
 
 

@@ -27,6 +27,7 @@ from ._batch import (
     unique_first,
     unique_last,
 )
+from ._cython.rowops import all_finite
 from ._keys import check_key_type, normalize_keys
 from ._records import RecordWrites
 from ._sampling_api import SamplingAPI
@@ -230,7 +231,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
     def _rows(self, values: Any, n: int, what: str) -> np.ndarray:
         if (type(values) is np.ndarray and values.dtype == np.float32
                 and values.shape == (n, self.layout.dim) and values.flags.c_contiguous):
-            if not np.isfinite(values).all():  # the common case, without the conversions
+            if not all_finite(values):  # the common case, without the conversions
                 raise InvalidInputError(f"{what} contain NaN or inf")
             return values
         if hasattr(values, "detach") and hasattr(values, "cpu"):
@@ -245,7 +246,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
                 f"{what} must have shape ({n}, {self.layout.dim}) for {n} keys, got {arr.shape}"
             )
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not np.isfinite(arr).all():
+        if not all_finite(arr):
             raise InvalidInputError(f"{what} contain NaN or inf")
         return arr
 

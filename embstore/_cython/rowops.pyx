@@ -6,6 +6,9 @@ record apart); numpy's ``v -= lr * g`` makes a temporary and then walks the view
 measured ~33 us for 1,357 rows of 64 floats against ~8 us for this single pass.
 """
 
+from libc.stdint cimport uint32_t
+
+
 def axpy_rows(float[:, :] y, const float[:, ::1] x, float a):
     """``y += a * x`` in place; ``y`` may be a strided field view (contiguous within a row)."""
     cdef Py_ssize_t n = y.shape[0], d = y.shape[1], i, j
@@ -19,3 +22,24 @@ def axpy_rows(float[:, :] y, const float[:, ::1] x, float a):
             xr = &x[i, 0]
             for j in range(d):
                 yr[j] = yr[j] + a * xr[j]
+
+
+def all_finite(const float[:, :] x):
+    """True when no value of ``x`` (rows contiguous, e.g. a record field) is NaN or inf.
+
+    Tests the exponent bits, an integer test the compiler vectorizes: one pass with no
+    temporary, where ``np.isfinite(x).all()`` writes a bool array and reads it again.
+    """
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1], i, j
+    cdef const uint32_t* r
+    cdef uint32_t bad = 0
+    if n and d and x.strides[1] != sizeof(float):
+        raise ValueError("all_finite: the rows must be contiguous")
+    with nogil:
+        for i in range(n):
+            r = <const uint32_t*> &x[i, 0]
+            for j in range(d):
+                bad |= (r[j] & 0x7F800000u) == 0x7F800000u
+            if bad:
+                break
+    return not bad

@@ -174,3 +174,17 @@ def test_in_place_update_matches_the_copy_path_bit_for_bit():
     assert fa.all() and fb.all()
     for f in ("vector", "count", "last_step"):
         np.testing.assert_array_equal(a[f], b[f])
+
+
+def test_arena_chunks_reused_after_close_carry_nothing_over():
+    # Chunks of a closed store go to a process-wide pool and back into the next arena: the
+    # new store must see only what it wrote itself.
+    keys = np.arange(70_000, dtype=np.int64)
+    a = embstore.open("memory://", dim=4)
+    a.assign(keys, np.full((len(keys), 4), 7.0, np.float32))
+    a.close()
+    b = embstore.open("memory://", dim=4)
+    np.testing.assert_array_equal(b.lookup(keys), b.initial_vectors(keys))
+    recs, found = b.get_records(keys)
+    assert found.all() and (recs["count"] == 0).all()
+    assert len(b) == len(keys)

@@ -19,6 +19,7 @@ import resource
 import time
 
 import numpy as np
+from embstore._cython.arena import release_pool
 
 import embstore
 
@@ -49,6 +50,7 @@ def run(n: int, rng: np.random.Generator) -> None:
     batches_new = [keys[i:i + BATCH] for i in range(0, n, BATCH)]
 
     gc.collect()
+    release_pool()  # chunks of the previous size's stores would hide this store's growth
     rss0 = rss_bytes()
     store = embstore.open("memory://", dim=DIM)
     t = time.perf_counter()

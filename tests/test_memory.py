@@ -7,7 +7,7 @@ import pickle
 
 import numpy as np
 import pytest
-from embstore._cython.arena import RecordArena
+from embstore._cython.arena import RecordArena, release_pool
 from embstore._cython.cuckoo import CuckooTable, find_or_insert
 
 import embstore
@@ -188,3 +188,5 @@ def test_arena_chunks_reused_after_close_carry_nothing_over():
     recs, found = b.get_records(keys)
     assert found.all() and (recs["count"] == 0).all()
     assert len(b) == len(keys)
+    b.close()
+    assert release_pool() > 0 and release_pool() == 0

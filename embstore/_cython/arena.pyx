@@ -60,6 +60,13 @@ cdef extern from *:
         }
         munmap(p, n);
     }
+    static size_t es_pool_release(void) {
+        size_t freed = es_pool_bytes;
+        for (int i = 0; i < es_pool_len; i++) munmap(es_pool_p[i], es_pool_n[i]);
+        es_pool_len = 0;
+        es_pool_bytes = 0;
+        return freed;
+    }
     typedef struct { void* p; size_t n; } es_span;
     static void* es_populate_worker(void* arg) {
         es_span s = *(es_span*)arg;
@@ -93,6 +100,7 @@ cdef extern from *:
     void* es_map(size_t n) nogil
     void es_unmap(void* p, size_t n) nogil
     int es_populate_async(void* p, size_t n) nogil
+    size_t es_pool_release()
 
 cdef enum:
     PREFETCH_AHEAD = 16
@@ -327,3 +335,9 @@ cdef class RecordArena:
         self._unmap_all()
         self.next_slot = 0
         self.nfree = 0
+
+
+def release_pool():
+    """Return the pooled chunks of closed arenas to the operating system; returns the bytes
+    freed. (They are otherwise kept, up to 512 MiB, for the next store of this process.)"""
+    return es_pool_release()

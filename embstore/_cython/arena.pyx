@@ -18,12 +18,7 @@ cdef extern from "es_prefetch.h":
 
 cdef extern from *:
     """
-    #include <stdlib.h>
-    #include <sys/mman.h>
-    #include <pthread.h>
-    #ifndef MADV_POPULATE_WRITE
-    #define MADV_POPULATE_WRITE 23
-    #endif
+    #include "es_memory.h"
     /* Chunk memory comes straight from mmap so that it can be populated ahead of use.
        Chunks of closed or cleared arenas wait in a small process-wide pool (at most
        ES_POOL_MAX bytes) for the next arena: their pages are already faulted in, which is
@@ -66,35 +61,6 @@ cdef extern from *:
         es_pool_len = 0;
         es_pool_bytes = 0;
         return freed;
-    }
-    typedef struct { void* p; size_t n; } es_span;
-    static void* es_populate_worker(void* arg) {
-        es_span s = *(es_span*)arg;
-        free(arg);
-        /* Faults the pages in without changing their contents, so it is harmless even if
-           the owner already writes into them (or has unmapped them: then it just fails). */
-        /* In 256 KiB steps: each call holds the address-space lock, and the owner's own
-           mmap calls (a new chunk, a bigger hash table) must not wait for a whole chunk. */
-        for (size_t off = 0; off < s.n; off += (size_t)1 << 18) {
-            size_t len = s.n - off < ((size_t)1 << 18) ? s.n - off : ((size_t)1 << 18);
-            if (madvise((char*)s.p + off, len, MADV_POPULATE_WRITE) != 0) break;
-        }
-        return NULL;
-    }
-    /* Populate [p, p+n) on a detached thread; 0 when the thread started. */
-    static int es_populate_async(void* p, size_t n) {
-        pthread_t t;
-        pthread_attr_t a;
-        es_span* s = (es_span*)malloc(sizeof(es_span));
-        if (!s) return -1;
-        s->p = p; s->n = n;
-        pthread_attr_init(&a);
-        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&a, 64 * 1024);
-        int rc = pthread_create(&t, &a, es_populate_worker, s);
-        pthread_attr_destroy(&a);
-        if (rc != 0) { free(s); return -1; }
-        return 0;
     }
     """
     void* es_map(size_t n) nogil

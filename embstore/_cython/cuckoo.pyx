@@ -3,10 +3,15 @@
 
 Two hash functions pick two buckets of four slots each; a bucket (four keys, four values,
 padding) fills exactly one 64-byte cache line, so a lookup touches at most two lines and the
-worst case is O(1). An insert that finds both buckets full evicts an occupant to its other
-bucket (breadth-limited random walk, MAX_KICKS); when the walk fails or the load factor
-passes MAX_LOAD the table doubles, each bucket splitting in place. No key is ever dropped: the
-key being displaced when a walk fails is carried into the grown table.
+worst case is O(1). A new key goes to the emptier of its two buckets; when both are full, one
+occupant is moved to its other bucket (first a one-step search, then a random walk of at most
+MAX_KICKS). When the walk fails or the load factor passes MAX_LOAD the table doubles, each
+bucket splitting in place. No key is ever dropped: the key being displaced when a walk fails
+is carried into the grown table.
+
+The buckets live in a reserved address range (``es_memory.h``), so a doubling keeps the
+table where it is and the half it grows into is faulted in on a background thread before
+it is needed.
 
 The slots index the record arena (``arena.pyx``); ``find_or_insert`` allocates them there.
 
@@ -16,20 +21,36 @@ arrays.
 
 cimport cython
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
-from libc.stdlib cimport malloc, free, realloc
-from libc.string cimport memcpy, memset
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
 
 from .arena cimport RecordArena
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
 
+cdef extern from "es_memory.h":
+    ctypedef struct es_region:
+        char* base
+        size_t committed
+        size_t reserved
+    int es_region_init(es_region* r, size_t need) nogil
+    int es_region_commit(es_region* r, size_t need) nogil
+    void es_region_free(es_region* r) nogil
+    int es_populate_async(void* p, size_t n) nogil
+
 cdef enum:
     BUCKET = 4
     MAX_KICKS = 500
     PREFETCH_AHEAD = 16
 cdef uint32_t EMPTY = 0xFFFFFFFFu
+
 cdef double MAX_LOAD = 0.85
+# The upper half a doubling will write into is committed and faulted in on a background
+# thread once the table is this far towards its next doubling, and only for halves of at
+# least PREPARE_MIN_BUCKETS (smaller ones fault in faster than a thread starts).
+cdef double PREPARE_AT = 0.8
+cdef uint64_t PREPARE_MIN_BUCKETS = 16384
 
 ctypedef struct Bucket:
     int64_t keys[4]
@@ -48,37 +69,54 @@ cdef inline uint64_t mix64(uint64_t z) noexcept nogil:
 cdef class CuckooTable:
     """int64 -> uint32 map with cuckoo hashing. Values are arena slot numbers."""
 
-    cdef Bucket* buckets
+    cdef Bucket* buckets        # == <Bucket*> region.base
+    cdef es_region region
     cdef uint64_t nbuckets      # power of two
     cdef uint64_t mask
+    cdef uint64_t grow_at       # size beyond which the table doubles
+    cdef uint64_t prepare_at    # size at which the next doubling's memory is made ready
+    cdef bint prefault
     cdef public uint64_t size
     cdef public uint64_t rehashes
     cdef uint64_t rng
 
-    def __cinit__(self, uint64_t capacity=1024):
+    def __cinit__(self, uint64_t capacity=1024, bint prefault=True):
         cdef uint64_t nb = 16
         while nb * BUCKET * MAX_LOAD < capacity:
             nb *= 2
-        self._alloc(nb)
+        if es_region_init(&self.region, nb * sizeof(Bucket)) != 0:
+            raise MemoryError("cuckoo table: cannot allocate %d buckets" % nb)
+        self.prefault = prefault
         self.size = 0
         self.rehashes = 0
         self.rng = 0x2545F4914F6CDD1DULL
+        self._set_buckets(nb)
+        memset(self.buckets, 0xFF, nb * sizeof(Bucket))
 
-    cdef int _alloc(self, uint64_t nb, bint clear=True) except -1:
-        cdef Bucket* b = <Bucket*> malloc(nb * sizeof(Bucket))
-        if b == NULL:
-            raise MemoryError("cuckoo table: cannot allocate %d buckets" % nb)
-        if clear:
-            memset(b, 0xFF, nb * sizeof(Bucket))
-        self.buckets = b
+    cdef void _set_buckets(self, uint64_t nb) noexcept nogil:
+        self.buckets = <Bucket*> self.region.base
         self.nbuckets = nb
         self.mask = nb - 1
+        self.grow_at = <uint64_t> (nb * BUCKET * MAX_LOAD)
+        self.prepare_at = <uint64_t> (self.grow_at * PREPARE_AT)
+
+    cdef int _prepare_next(self) except -1:
+        """Commit the memory the next doubling grows into, and fault it in on a background
+        thread while the table keeps filling, so the doubling itself only moves entries."""
+        cdef size_t half = self.nbuckets * sizeof(Bucket)
+        self.prepare_at = <uint64_t> -1
+        if self.region.committed >= 2 * half:
+            return 0
+        if es_region_commit(&self.region, 2 * half) != 0:
+            return 0            # not fatal here: the doubling tries again and raises
+        self.buckets = <Bucket*> self.region.base   # moved if it outgrew its reservation
+        if self.prefault and self.nbuckets >= PREPARE_MIN_BUCKETS:
+            es_populate_async(self.region.base + half, half)
         return 0
 
     def __dealloc__(self):
-        if self.buckets != NULL:
-            free(self.buckets)
-            self.buckets = NULL
+        es_region_free(&self.region)
+        self.buckets = NULL
 
     def __len__(self):
         return self.size
@@ -89,7 +127,8 @@ cdef class CuckooTable:
 
     @property
     def nbytes(self):
-        return self.nbuckets * sizeof(Bucket)
+        """Bytes of memory committed (the buckets, and the next doubling's once prepared)."""
+        return self.region.committed
 
     cdef inline uint64_t _b1(self, uint64_t h) noexcept nogil:
         return h & self.mask
@@ -122,16 +161,52 @@ cdef class CuckooTable:
                 return 1
         return 0
 
+    cdef inline int _free_in(self, uint64_t bi) noexcept nogil:
+        cdef Bucket* b = &self.buckets[bi]
+        return ((b.vals[0] == EMPTY) + (b.vals[1] == EMPTY) + (b.vals[2] == EMPTY)
+                + (b.vals[3] == EMPTY))
+
+    cdef int _move_one_out(self, uint64_t bi) noexcept nogil:
+        """Move one occupant of the full bucket ``bi`` to its other bucket if that has room;
+        returns the freed position or -1. The four other buckets are prefetched together, so
+        this costs about one memory latency, not four in a row."""
+        cdef uint64_t alt[4]
+        cdef uint64_t h
+        cdef int i
+        cdef Bucket* b = &self.buckets[bi]
+        for i in range(BUCKET):
+            h = mix64(<uint64_t> b.keys[i])
+            alt[i] = self._b2(h) if self._b1(h) == bi else self._b1(h)
+            ES_PREFETCH(&self.buckets[alt[i]])
+        for i in range(BUCKET):
+            if self._try_place(alt[i], b.keys[i], b.vals[i]):
+                return i
+        return -1
+
     cdef int _insert_new(self, int64_t key, uint32_t val, int64_t* lost_key,
                          uint32_t* lost_val) noexcept nogil:
         """Place a key known to be absent. Returns 1 on success; 0 means the walk failed and
-        (lost_key, lost_val) holds the entry left homeless, to be placed after a grow."""
+        (lost_key, lost_val) holds the entry left homeless, to be placed after a grow.
+
+        The key goes to the emptier of its two buckets, which keeps buckets evenly filled
+        and makes full pairs (and the walks they need) rare; a full pair first tries to
+        move one occupant out in a single step, and only then starts a random walk."""
         cdef uint64_t h = mix64(<uint64_t> key)
-        cdef uint64_t bi = self._b1(h)
-        cdef int kick, i
+        cdef uint64_t bi = self._b1(h), bj = self._b2(h)
+        cdef int kick, i, f1 = self._free_in(bi), f2 = self._free_in(bj)
         cdef int64_t k2
         cdef uint32_t v2
-        if self._try_place(bi, key, val) or self._try_place(self._b2(h), key, val):
+        if f1 or f2:
+            self._try_place(bi if f1 >= f2 else bj, key, val)
+            return 1
+        i = self._move_one_out(bi)
+        if i < 0:
+            i = self._move_one_out(bj)
+            if i >= 0:
+                bi = bj
+        if i >= 0:
+            self.buckets[bi].keys[i] = key
+            self.buckets[bi].vals[i] = val
             return 1
         for kick in range(MAX_KICKS):
             # xorshift to pick the victim slot; avoids cycles a fixed choice would fall into
@@ -153,35 +228,27 @@ cdef class CuckooTable:
         lost_val[0] = val
         return 0
 
-    cdef int _natural_bucket(self, int64_t key, uint64_t j, uint64_t old_mask,
-                             uint64_t* target) noexcept nogil:
-        """Where an entry found in old bucket j lands after doubling, if that follows from the
-        hash bit alone (0 when it was placed by the b1^1 tie rule and needs a real insert)."""
-        cdef uint64_t h = mix64(<uint64_t> key)
-        cdef uint64_t a = h & old_mask, b = (h >> 32) & old_mask
-        if a == j:
-            target[0] = h & self.mask
-            return 1
-        if b == j and b != a:
-            target[0] = (h >> 32) & self.mask
-            return 1
-        return 0
-
-    cdef int _split_double(self) except -1:
+    cdef int _grow(self) except -1:
         """Double the table in place by splitting each bucket j into buckets j and j + old_nb.
 
-        ``realloc`` extends the array (for a large table glibc moves the pages with mremap,
-        no copy), so only the new upper half is fresh memory. Every entry placed by its own
-        hash bits goes to one of the two halves of its old bucket, so the pass is sequential
-        and never overflows a bucket; the rare entries placed by the tie rule are set aside and
-        reinserted afterwards, growing again if a walk fails. Never drops a key; returns 1."""
-        cdef uint64_t old_nb = self.nbuckets, old_mask = self.mask, j, t, nstash = 0, s
-        cdef int i, nlo, nhi
-        cdef int64_t lk
-        cdef uint32_t lv
-        cdef Bucket lo, hi
-        cdef Bucket* grown = <Bucket*> realloc(self.buckets, 2 * old_nb * sizeof(Bucket))
-        if grown == NULL:
+        The region keeps its address, so only the upper half is new memory (already faulted
+        in when ``_prepare_next`` ran). An entry placed by its own hash bits goes to one of the
+        two halves of its old bucket, chosen by the next bit of that hash, so the pass is
+        sequential, branch-free per entry and never overflows a bucket; the rare entries
+        placed by the tie rule (b2 == b1, so b1 ^ 1) are set aside and reinserted afterwards,
+        growing again if a walk fails. Never drops a key."""
+        cdef uint64_t old_nb = self.nbuckets, old_mask = self.mask, j, h, a, b, nstash = 0, s
+        cdef uint64_t occ, via1, nat, bit
+        cdef int i, nlo, nhi, shift = 0
+        cdef int64_t k, lk
+        cdef uint32_t v, lv
+        cdef Bucket src
+        cdef Bucket* lo
+        cdef Bucket* hi
+        cdef Bucket* grown
+        while (<uint64_t> 1 << shift) < old_nb:
+            shift += 1
+        if es_region_commit(&self.region, 2 * old_nb * sizeof(Bucket)) != 0:
             raise MemoryError("cuckoo table: cannot grow to %d buckets" % (2 * old_nb))
         # Tie-rule entries, at most all of them (in practice a handful): int64 key + slot.
         cdef int64_t* stash_k = <int64_t*> malloc(self.size * sizeof(int64_t) + 8)
@@ -189,80 +256,58 @@ cdef class CuckooTable:
         if stash_k == NULL or stash_v == NULL:
             free(stash_k)
             free(stash_v)
-            self.buckets = grown  # still the old contents, in a bigger block
+            self.buckets = <Bucket*> self.region.base   # old contents, bigger region
             raise MemoryError("cuckoo table: cannot allocate the split's side list")
-        self.buckets = grown
-        self.nbuckets = 2 * old_nb
-        self.mask = 2 * old_nb - 1
+        self._set_buckets(2 * old_nb)
+        grown = self.buckets
         with nogil:
             for j in range(old_nb):
-                memset(&lo, 0xFF, sizeof(Bucket))
-                memset(&hi, 0xFF, sizeof(Bucket))
+                src = grown[j]      # copied first: bucket j is rewritten as it is read
+                lo = &grown[j]
+                hi = &grown[j + old_nb]
                 nlo = 0
                 nhi = 0
                 for i in range(BUCKET):
-                    if grown[j].vals[i] == EMPTY:
-                        continue
-                    if self._natural_bucket(grown[j].keys[i], j, old_mask, &t):
-                        if t == j:
-                            lo.keys[nlo] = grown[j].keys[i]
-                            lo.vals[nlo] = grown[j].vals[i]
-                            nlo += 1
-                        else:
-                            hi.keys[nhi] = grown[j].keys[i]
-                            hi.vals[nhi] = grown[j].vals[i]
-                            nhi += 1
-                    else:
-                        stash_k[nstash] = grown[j].keys[i]
-                        stash_v[nstash] = grown[j].vals[i]
+                    k = src.keys[i]
+                    v = src.vals[i]
+                    h = mix64(<uint64_t> k)
+                    a = h & old_mask
+                    b = (h >> 32) & old_mask
+                    occ = v != EMPTY
+                    via1 = a == j
+                    nat = via1 | ((b == j) & (b != a))
+                    bit = ((h >> shift) if via1 else (h >> (32 + shift))) & 1
+                    # Written to both, kept (counted) in one: no branch on the 50/50 bit.
+                    lo.keys[nlo] = k
+                    lo.vals[nlo] = v
+                    hi.keys[nhi] = k
+                    hi.vals[nhi] = v
+                    nlo += <int> (occ & nat & (bit ^ 1))
+                    nhi += <int> (occ & nat & bit)
+                    if occ & (nat ^ 1):
+                        stash_k[nstash] = k
+                        stash_v[nstash] = v
                         nstash += 1
-                grown[j] = lo               # bucket j was read in full above
-                grown[j + old_nb] = hi
+                for i in range(nlo, BUCKET):
+                    lo.vals[i] = EMPTY
+                for i in range(nhi, BUCKET):
+                    hi.vals[i] = EMPTY
         try:
             for s in range(nstash):
                 if not self._insert_new(stash_k[s], stash_v[s], &lk, &lv):
-                    self._grow_with_pending(self.nbuckets * 2, lk, lv)
+                    self._grow_with_pending(lk, lv)
         finally:
             free(stash_k)
             free(stash_v)
         self.rehashes += 1
-        return 1
+        return 0
 
-    cdef int _grow(self, uint64_t new_nb) except -1:
-        # Rehash from the old table into a bigger one; if a walk fails there, discard the
-        # attempt and retry bigger, so the old table (which holds every key) stays intact.
-        cdef Bucket* old = self.buckets
-        cdef uint64_t old_nb = self.nbuckets
-        cdef uint64_t j
-        cdef int i, ok
-        cdef int64_t lk
-        cdef uint32_t lv
-        if new_nb == old_nb * 2 and self._split_double():
-            return 0
-        while True:
-            self._alloc(new_nb)
-            ok = 1
-            for j in range(old_nb):
-                for i in range(BUCKET):
-                    if old[j].vals[i] != EMPTY:
-                        if not self._insert_new(old[j].keys[i], old[j].vals[i], &lk, &lv):
-                            ok = 0
-                            break
-                if not ok:
-                    break
-            if ok:
-                free(old)
-                self.rehashes += 1
-                return 0
-            free(self.buckets)
-            new_nb *= 2
-
-    cdef int _grow_with_pending(self, uint64_t new_nb, int64_t pk, uint32_t pv) except -1:
-        self._grow(new_nb)
+    cdef int _grow_with_pending(self, int64_t pk, uint32_t pv) except -1:
+        self._grow()
         cdef int64_t lk
         cdef uint32_t lv
         while not self._insert_new(pk, pv, &lk, &lv):
-            self._grow(self.nbuckets * 2)
+            self._grow()
             pk = lk
             pv = lv
         return 0
@@ -270,10 +315,12 @@ cdef class CuckooTable:
     cdef int _insert(self, int64_t key, uint32_t val) except -1:
         cdef int64_t lk
         cdef uint32_t lv
-        if (self.size + 1) > self.nbuckets * BUCKET * MAX_LOAD:
-            self._grow(self.nbuckets * 2)
+        if self.size >= self.prepare_at:
+            self._prepare_next()
+        if self.size + 1 > self.grow_at:
+            self._grow()
         if not self._insert_new(key, val, &lk, &lv):
-            self._grow_with_pending(self.nbuckets * 2, lk, lv)
+            self._grow_with_pending(lk, lv)
         self.size += 1
         return 0
 
@@ -298,9 +345,8 @@ cdef class CuckooTable:
     def insert_new(self, const int64_t[::1] keys, const uint32_t[::1] vals):
         """Insert keys the caller knows are absent and unique, with their slots."""
         cdef Py_ssize_t n = keys.shape[0], j
-        if (self.size + n) > self.nbuckets * BUCKET * MAX_LOAD:
-            while (self.size + n) > self.nbuckets * BUCKET * MAX_LOAD:
-                self._grow(self.nbuckets * 2)
+        while self.size + n > self.grow_at:
+            self._grow()
         cdef uint64_t h
         for j in range(n):
             if j + PREFETCH_AHEAD < n:

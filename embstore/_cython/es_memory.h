@@ -1,0 +1,109 @@
+/* Memory helpers shared by the compiled modules: faulting pages in on a background thread,
+   and a growable region that keeps its address while it doubles. */
+#ifndef ES_MEMORY_H
+#define ES_MEMORY_H
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <pthread.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+typedef struct { void* p; size_t n; } es_span;
+
+static inline void* es_populate_worker(void* arg) {
+    es_span s = *(es_span*)arg;
+    free(arg);
+    /* Faults the pages in without changing their contents, so it is harmless even if the
+       owner already writes into them (or has unmapped them: then it just fails). In 256 KiB
+       steps: each call holds the address-space lock, and the owner's own mmap calls must not
+       wait for a whole span. */
+    for (size_t off = 0; off < s.n; off += (size_t)1 << 18) {
+        size_t len = s.n - off < ((size_t)1 << 18) ? s.n - off : ((size_t)1 << 18);
+        if (madvise((char*)s.p + off, len, MADV_POPULATE_WRITE) != 0) break;
+    }
+    return NULL;
+}
+
+/* Populate [p, p+n) on a detached thread; 0 when the thread started. */
+static inline int es_populate_async(void* p, size_t n) {
+    pthread_t t;
+    pthread_attr_t a;
+    es_span* s = (es_span*)malloc(sizeof(es_span));
+    if (!s) return -1;
+    s->p = p; s->n = n;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, 64 * 1024);
+    int rc = pthread_create(&t, &a, es_populate_worker, s);
+    pthread_attr_destroy(&a);
+    if (rc != 0) { free(s); return -1; }
+    return 0;
+}
+
+/* A region is a reservation of address space (PROT_NONE, costs no memory) of which the first
+   `committed` bytes are usable. Growing within the reservation keeps the address, so the part
+   to grow into can be committed and faulted in ahead of time, while the old part is in use.
+   Outgrowing it moves the pages to a bigger reservation (mremap: no copy on Linux). */
+typedef struct { char* base; size_t committed; size_t reserved; } es_region;
+
+#define ES_REGION_MIN_RESERVE ((size_t)1 << 20)
+#define ES_REGION_RESERVE_FACTOR 16
+
+#define ES_PAGE ((size_t)4096)
+static inline size_t es_page_round(size_t n) { return (n + ES_PAGE - 1) & ~(ES_PAGE - 1); }
+
+static inline size_t es_region_reserve_for(size_t need) {
+    size_t r = need * ES_REGION_RESERVE_FACTOR;
+    if (r < ES_REGION_MIN_RESERVE) r = ES_REGION_MIN_RESERVE;
+    return es_page_round(r);
+}
+
+/* 0 on success; -1 (errno set) if the address space or the memory is not available. */
+static inline int es_region_init(es_region* r, size_t need) {
+    need = es_page_round(need);   /* committed stays page-aligned, as mprotect needs */
+    size_t res = es_region_reserve_for(need);
+    void* p = mmap(NULL, res, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return -1;
+    if (need && mprotect(p, need, PROT_READ | PROT_WRITE) != 0) { munmap(p, res); return -1; }
+    r->base = (char*)p; r->committed = need; r->reserved = res;
+    return 0;
+}
+
+/* Make the first `need` bytes usable, keeping contents; the base may move only when `need`
+   exceeds the reservation. 0 on success, -1 with the region unchanged otherwise. */
+static inline int es_region_commit(es_region* r, size_t need) {
+    need = es_page_round(need);
+    if (need <= r->committed) return 0;
+    if (need <= r->reserved) {
+        if (mprotect(r->base + r->committed, need - r->committed, PROT_READ | PROT_WRITE) != 0)
+            return -1;
+        r->committed = need;
+        return 0;
+    }
+    size_t res = es_region_reserve_for(need);
+    void* p = mmap(NULL, res, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return -1;
+    if (mprotect(p, need, PROT_READ | PROT_WRITE) != 0) { munmap(p, res); return -1; }
+#ifdef __linux__
+    /* Move the committed pages into the new reservation (replacing its first pages). */
+    if (mremap(r->base, r->committed, r->committed, MREMAP_MAYMOVE | MREMAP_FIXED, p)
+            == MAP_FAILED) {
+        munmap(p, res);
+        return -1;
+    }
+    munmap(r->base, r->reserved);  /* the reservation's tail; the moved part is gone already */
+#else
+    memcpy(p, r->base, r->committed);
+    munmap(r->base, r->reserved);
+#endif
+    r->base = (char*)p; r->committed = need; r->reserved = res;
+    return 0;
+}
+
+static inline void es_region_free(es_region* r) {
+    if (r->base) munmap(r->base, r->reserved);
+    r->base = NULL; r->committed = 0; r->reserved = 0;
+}
+#endif

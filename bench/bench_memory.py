@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import mmap
 import resource
 import time
 
@@ -38,12 +39,17 @@ def rss_bytes() -> int:
 
 
 def first_write_rate(nbytes: int) -> float:
-    """Bytes/s of writing ``nbytes`` into newly allocated memory (page faults included)."""
-    buf = np.empty(nbytes, dtype=np.uint8)
+    """Bytes/s of writing ``nbytes`` into newly mapped memory (page faults included).
+
+    An anonymous mmap, as the arena uses; not a numpy array, which numpy maps with huge pages
+    (one fault per 2 MiB, whose cost on this VM swings far more with what ran before)."""
+    m = mmap.mmap(-1, nbytes)
+    buf = np.frombuffer(m, dtype=np.uint8)
     t = time.perf_counter()
     buf.fill(1)
     r = nbytes / (time.perf_counter() - t)
     del buf
+    m.close()
     return r
 
 
@@ -67,34 +73,41 @@ def run(n: int, rng: np.random.Generator) -> None:
     gc.collect()
     release_pool()  # chunks of the previous size's stores would hide this store's growth
     rec = embstore.open("memory://", dim=DIM).layout.itemsize
-    # Twice: the first write may meet memory the VM has to fetch from its host, the second
-    # meets the pages the first just freed, as the store below does.
+    # The VM may have to fetch memory it has not used for a while from its host, several times
+    # slower than pages it freed a moment ago. So each insert below runs right after writing n
+    # records' bytes into new memory and freeing it: all meet recycled pages, and that write's
+    # rate, printed beside each, is the floor for growing a table to n rows on this machine.
     fault_first = first_write_rate(n * rec)
-    fault_again = first_write_rate(n * rec)
-    rss0 = rss_bytes()
-    store = embstore.open("memory://", dim=DIM)
-    t = time.perf_counter()
-    for b in batches_new:
-        store.lookup(b)
-    insert_rate = n / (time.perf_counter() - t)
-    rss_store = rss_bytes() - rss0
-    st = store.stats()
-    per_key = st["size_bytes"] / n
 
-    def fresh_insert_rate(**options) -> float:
-        release_pool()  # start on fresh memory, as the first store did
-        other = embstore.open("memory://", dim=DIM, **options)
+    def insert_rate_of(store) -> float:
         t = time.perf_counter()
         for b in batches_new:
-            other.lookup(b)
-        r = n / (time.perf_counter() - t)
+            store.lookup(b)
+        return n / (time.perf_counter() - t)
+
+    def fresh_store(**options):
+        floor = first_write_rate(n * rec)
+        release_pool()  # no pooled chunks: the store gets new memory, as the floor did
+        return embstore.open("memory://", dim=DIM, **options), floor
+
+    def fresh_insert_rate(**options) -> tuple[float, float]:
+        other, floor = fresh_store(**options)
+        r = insert_rate_of(other)
         other.close()
-        return r
+        return r, floor
 
     # The same inserts into a store sized up front (no table doubling on the way), and
     # without the background thread that faults arena pages in ahead of use.
-    sized_rate = fresh_insert_rate(initial_capacity=n)
-    serial_rate = fresh_insert_rate(prefault=False)
+    sized_rate, sized_floor = fresh_insert_rate(initial_capacity=n)
+    serial_rate, serial_floor = fresh_insert_rate(prefault=False)
+
+    gc.collect()
+    store, floor = fresh_store()
+    rss0 = rss_bytes()
+    insert_rate = insert_rate_of(store)
+    rss_store = rss_bytes() - rss0
+    st = store.stats()
+    per_key = st["size_bytes"] / n
 
     q = rng.integers(0, n, size=min(n, 2_000_000))
     qkeys = keys[q]
@@ -125,14 +138,17 @@ def run(n: int, rng: np.random.Generator) -> None:
     print(f"{'store.lookup, existing keys':44s} {lookup_rate / 1e6:10.2f}M  "
           f"{lookup_rate / take_rate:.2f}x np.take (target >= 0.35), "
           f"{lookup_rate / dict_rate:.1f}x dict (target >= 7)")
-    print(f"{'new memory, write n records (1st time)':44s} {fault_first / rec / 1e6:10.2f}M  "
-          f"({fault_first / 1e9:.2f} GB/s)")
-    print(f"{'new memory, write n records (2nd time)':44s} {fault_again / rec / 1e6:10.2f}M  "
-          f"({fault_again / 1e9:.2f} GB/s; the floor for the insert below)")
+    def floor_note(f: float) -> str:
+        return f"(new memory just before: {f / rec / 1e6:.2f}M rows/s, {f / 1e9:.2f} GB/s)"
+
+    print(f"{'new memory, write n records, first time':44s} {fault_first / rec / 1e6:10.2f}M  "
+          f"({fault_first / 1e9:.2f} GB/s: pages the VM had not used lately)")
     print(f"{'store.lookup, new keys (insert)':44s} {insert_rate / 1e6:10.2f}M  "
-          f"{insert_rate * rec / fault_again:.2f}x that floor (target >= 5M rows/s)")
-    print(f"{'  same, store opened with initial_capacity=n':44s} {sized_rate / 1e6:10.2f}M")
-    print(f"{'  same, prefault=False (one thread only)':44s} {serial_rate / 1e6:10.2f}M")
+          f"(target >= 5M) {floor_note(floor)}")
+    print(f"{'  same, store opened with initial_capacity=n':44s} {sized_rate / 1e6:10.2f}M  "
+          f"{floor_note(sized_floor)}")
+    print(f"{'  same, prefault=False (one thread only)':44s} {serial_rate / 1e6:10.2f}M  "
+          f"{floor_note(serial_floor)}")
     print(f"{'store.update, SGD, existing keys':44s} {update_rate / 1e6:10.2f}M  "
           f"(target >= 4M)")
     print(f"memory: record {rec} B; arena+table {per_key:.1f} B/key = {per_key / rec:.2f}x record; "

@@ -41,6 +41,59 @@ def test_cuckoo_never_drops_a_key_through_many_rehashes():
     np.testing.assert_array_equal(out, vals)
 
 
+@pytest.mark.parametrize("prefault", [True, False])
+def test_cuckoo_grows_past_its_address_reservations_keeping_every_key(prefault):
+    # From 1 KiB of buckets to 32 MiB: the table outgrows its reserved address range twice
+    # (1 MiB, then 16x that), so the buckets move, and from 16384 buckets on, the half each
+    # doubling grows into is committed and faulted in ahead (or not, with prefault=False).
+    t = CuckooTable(16, prefault=prefault)
+    rng = np.random.default_rng(5)
+    keys = rng.choice(2**63 - 1, 1_500_000, replace=False).astype(np.int64)
+    vals = rng.permutation(len(keys)).astype(np.uint32)
+    arena = RecordArena(8, prefault=False)
+    slots = np.empty(len(keys), np.uint32)
+    for i in range(0, len(keys), 65536):
+        t.insert_new(keys[i:i + 65536], vals[i:i + 65536])
+    assert t.nbytes >= 32 << 20 and t.rehashes >= 15
+    out = np.empty(len(keys), np.uint32)
+    assert t.find(keys, out) == len(keys)
+    np.testing.assert_array_equal(out, vals)
+    # find_or_insert on the grown table finds them all and inserts none
+    assert find_or_insert(t, arena, keys, slots) == 0
+    np.testing.assert_array_equal(slots, vals)
+
+
+def test_cuckoo_random_inserts_and_erases_match_a_dict():
+    # Mixed growth, erasure and re-insertion against a dict: the emptier-bucket placement,
+    # the one-step move and the random walk must never lose or duplicate a key.
+    rng = np.random.default_rng(9)
+    for seed in range(8):
+        t, model = CuckooTable(16), {}
+        pool = rng.choice(2**40, 30_000, replace=False).astype(np.int64)
+        next_val = 0
+        for _ in range(12):
+            fresh = np.array([k for k in rng.choice(pool, 3000) if int(k) not in model],
+                             dtype=np.int64)
+            fresh = np.unique(fresh)
+            vals = np.arange(next_val, next_val + len(fresh), dtype=np.uint32)
+            next_val += len(fresh)
+            t.insert_new(fresh, vals)
+            model.update(zip(fresh.tolist(), vals.tolist()))
+            gone = rng.choice(np.array(sorted(model), dtype=np.int64), len(model) // 4,
+                              replace=False)
+            removed = np.empty(len(gone), np.uint32)
+            assert t.erase(gone, removed) == len(gone)
+            assert removed.tolist() == [model.pop(k) for k in gone.tolist()]
+        assert len(t) == len(model), seed
+        ks = np.array(sorted(model), dtype=np.int64)
+        out = np.empty(len(ks), np.uint32)
+        assert t.find(ks, out) == len(ks)
+        assert out.tolist() == [model[k] for k in ks.tolist()]
+        absent = np.setdiff1d(pool, ks)
+        miss = np.empty(len(absent), np.uint32)
+        assert t.find(absent, miss) == 0
+
+
 def test_cuckoo_adversarial_keys_sharing_hash_buckets():
     # Keys whose mixed hashes collide in low bits stress the kick walk and growth.
     t = CuckooTable(16)

@@ -52,9 +52,12 @@ class MemoryBackend(Backend):
     initial_capacity : int
         Keys to size the table for up front (it grows on its own either way).
     prefault : bool
-        Once the store holds four arena chunks (65,536 records), keep one chunk per four in
-        use (at most four) mapped ahead and fault their pages in on a background thread, so
-        inserting new keys does not wait for the kernel (default True).
+        Fault memory in ahead of use on short-lived background threads, so inserting new keys
+        rarely waits for the kernel (default True): once the store holds four arena chunks
+        (65,536 records), one chunk per four in use (at most four) is kept mapped ahead; and
+        once the hash table has 16,384 buckets, the half it will grow into at its next
+        doubling is prepared when it is 80% of the way there. ``False`` keeps every page
+        fault on the calling thread.
     """
 
     persistent = False
@@ -88,7 +91,8 @@ class MemoryBackend(Backend):
         self.supports_lookup_insert = key_type == "int64"
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
-            self._table = CuckooTable(self._capacity) if key_type == "int64" else None
+            self._table = (CuckooTable(self._capacity, self._prefault)
+                           if key_type == "int64" else None)
 
     def read_meta(self) -> dict | None:
         return None if self._meta is None else dict(self._meta)

@@ -6,13 +6,16 @@ byte for byte) to its arena slot: hashing variable-length bytes into the int64 c
 would need a fingerprint plus a full-key check anyway, and the dict already is exactly that.
 Records of both key types live in one chunked arena (:class:`RecordArena`).
 
-The data lives and dies with the process: a ``memory://`` store refuses to pickle.
+The data lives and dies with the process: a ``memory://`` store refuses to pickle. Calls are
+serialized by a lock, so threads may share one store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,6 +33,17 @@ except ImportError as e:  # pragma: no cover - depends on the build
     ) from e
 
 _EMPTY = np.uint32(0xFFFFFFFF)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """Run the method under the store's lock. The compiled loops release the GIL, and a
+    table that grows (moving its buckets) under a concurrent reader would crash it."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -72,6 +86,7 @@ class MemoryBackend(Backend):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         super().__init__(url, read_only=read_only, **options)
         self._meta: dict | None = None
+        self._lock = threading.RLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
         self._table: CuckooTable | None = None
@@ -100,6 +115,7 @@ class MemoryBackend(Backend):
     def write_meta(self, meta: dict) -> None:
         self._meta = dict(meta)
 
+    @_serialized
     def close(self) -> None:
         # Dropping the references frees the C memory now, not at interpreter exit.
         self._table = None
@@ -116,6 +132,7 @@ class MemoryBackend(Backend):
             out[:] = [get(k, 0xFFFFFFFF) for k in keys]
         return out
 
+    @_serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
         self._last_get = (keys, slots, self._epoch)
@@ -123,6 +140,7 @@ class MemoryBackend(Backend):
         self._arena.gather(slots, recs.view(np.uint8).reshape(len(keys), -1))
         return recs, slots != _EMPTY
 
+    @_serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
         if self.key_type == "int64":
@@ -134,9 +152,11 @@ class MemoryBackend(Backend):
                            offset, fdt.itemsize)
         return out, slots != _EMPTY
 
+    @_serialized
     def contains(self, keys: np.ndarray) -> np.ndarray:
         return self._slots(keys) != _EMPTY
 
+    @_serialized
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         last, self._last_get = self._last_get, None
         if last is not None and last[0] is keys and last[2] == self._epoch and \
@@ -158,6 +178,7 @@ class MemoryBackend(Backend):
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
 
+    @_serialized
     def lookup_insert(self, keys, initial, template):
         # One probe per key: a missing key is placed in the table as it is found missing.
         self._last_get = None
@@ -184,6 +205,7 @@ class MemoryBackend(Backend):
         self._last_find = (keys.copy(), slots, self._epoch)
         return out, n_new
 
+    @_serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
         if self.key_type != "int64":
             return super().insert_rows(keys, vectors, template)
@@ -196,6 +218,7 @@ class MemoryBackend(Backend):
                                fields["vector"][1],
                                np.ascontiguousarray(vectors, dtype=np.float32))
 
+    @_serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         if self.key_type != "int64":
             return super().update_rows(keys, update)
@@ -225,6 +248,7 @@ class MemoryBackend(Backend):
             np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
         return found
 
+    @_serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._epoch += 1
         self._last_get = None
@@ -237,6 +261,7 @@ class MemoryBackend(Backend):
         self._arena.release(removed)
         return removed != _EMPTY
 
+    @_serialized
     def __len__(self) -> int:
         if self._arena is None:
             return 0
@@ -258,13 +283,18 @@ class MemoryBackend(Backend):
         if self._arena is None:
             return
         # Snapshot of (key, slot) pairs; 12 bytes per key, far below the records themselves.
-        keys, slots = self._all_slots()
+        with self._lock:
+            keys, slots = self._all_slots()
         for i in range(0, len(keys), batch_size):
             s = slots[i:i + batch_size]
             recs = np.empty(len(s), dtype=self.layout.dtype)
-            self._arena.gather(s, recs.view(np.uint8).reshape(len(s), -1))
+            with self._lock:
+                if self._arena is None:
+                    return
+                self._arena.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 
+    @_serialized
     def clear(self) -> None:
         self._epoch += 1
         self._last_get = None
@@ -275,6 +305,7 @@ class MemoryBackend(Backend):
             self._table.clear()
         self._bytes_slots.clear()
 
+    @_serialized
     def size_bytes(self) -> int:
         if self._arena is None:
             return 0
@@ -283,6 +314,7 @@ class MemoryBackend(Backend):
             n += self._table.nbytes
         return int(n)
 
+    @_serialized
     def stats(self) -> dict[str, Any]:
         out = dict(self.counters)
         if self._table is not None:

@@ -7,8 +7,28 @@ Registered as a pytest plugin by ``tests/conftest.py``: a test that takes
 from __future__ import annotations
 
 import itertools
+import threading
+from collections.abc import Callable
 
 import pytest
+
+
+def run_in_threads(work: Callable[[int], None], n: int = 4) -> list[BaseException]:
+    """Run ``work(0) .. work(n - 1)`` on ``n`` threads at once; return what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - handed to the test to assert on
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def backend_available(scheme: str) -> bool:

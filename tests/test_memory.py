@@ -13,6 +13,7 @@ from embstore._cython.cuckoo import CuckooTable, find_or_insert
 import embstore
 from embstore.errors import InvalidInputError
 from embstore.testing.conformance import StoreConformance
+from tests.stores import run_in_threads
 
 
 class TestMemoryConformance(StoreConformance):
@@ -248,29 +249,19 @@ def test_arena_chunks_reused_after_close_carry_nothing_over():
 def test_threads_sharing_one_store_lose_nothing():
     # Four threads insert disjoint keys while the table and the arena keep growing, read back
     # each other's keys and step their own; every key ends where a single thread would put it.
-    import threading
-
     store = embstore.open("memory://", dim=8, optimizer=embstore.optim.SGD(lr=0.5))
-    per, batch, errors = 60_000, 2048, []
+    per, batch = 60_000, 2048
 
     def work(t: int) -> None:
-        try:
-            mine = np.arange(t * per, (t + 1) * per, dtype=np.int64)
-            other = np.arange(((t + 1) % 4) * per, ((t + 1) % 4) * per + batch, dtype=np.int64)
-            for i in range(0, per, batch):
-                k = mine[i:i + batch]
-                store.lookup(k)
-                store.update(k, np.ones((len(k), 8), np.float32))
-                store.lookup(other, insert=False)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        mine = np.arange(t * per, (t + 1) * per, dtype=np.int64)
+        other = np.arange(((t + 1) % 4) * per, ((t + 1) % 4) * per + batch, dtype=np.int64)
+        for i in range(0, per, batch):
+            k = mine[i:i + batch]
+            store.lookup(k)
+            store.update(k, np.ones((len(k), 8), np.float32))
+            store.lookup(other, insert=False)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    assert run_in_threads(work, 4) == []
     keys = np.arange(4 * per, dtype=np.int64)
     assert len(store) == len(keys)
     np.testing.assert_array_equal(store.lookup(keys, insert=False),

@@ -19,6 +19,7 @@ from embstore.errors import (
     StoreNotFoundError,
 )
 from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from tests.stores import run_in_threads
 
 DIM = 8
 
@@ -401,25 +402,14 @@ def test_batches_above_the_sqlite_variable_limit(tmp_path):
 
 
 def test_threads_share_one_store(url_factory):
-    import threading
-
     with embstore.open(url_factory(), dim=DIM) as s:
-        errors: list[BaseException] = []
-
         def work(i: int) -> None:
-            try:
-                for j in range(10):
-                    ks = np.arange(100) + 1000 * i
-                    s.assign(ks, np.full((100, DIM), float(j)))
-                    assert (s.lookup(ks, insert=False) >= 0).all()
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread
-                errors.append(e)
+            for j in range(10):
+                ks = np.arange(100) + 1000 * i
+                s.assign(ks, np.full((100, DIM), float(j)))
+                assert (s.lookup(ks, insert=False) >= 0).all()
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(work, 4)
         assert not errors, errors
         assert len(s) == 400
         assert (s.lookup(np.arange(100) + 3000, insert=False) == 9.0).all()

@@ -6,12 +6,12 @@
 Prints rows/s for each operation and the ratio to the anchor it is judged against:
 - lookup of existing keys vs ``np.take(table, idx, axis=0)`` on a dense array (the floor) and
   vs the best pure-Python form (dict key->row, then ``np.take``);
-- lookup-with-insert of new keys and SGD ``update`` of existing keys, absolute rows/s; the
-  insert is also set against the floor for growing a table to n rows: writing n records'
-  bytes into new memory, which costs a page fault per 4 KiB. On a VM that floor differs several
-  fold between memory the guest has just freed (fast) and memory it has not touched for a while
-  (the host must supply it), so the bench measures both, twice in a row, and the insert runs
-  right after, on the same kind of memory as the second;
+- lookup-with-insert of new keys and SGD ``update`` of existing keys, absolute rows/s. Growing
+  a table to n rows costs a page fault per 4 KiB of new memory, and on a VM whose balloon
+  reports free memory to its host (free page reporting) pages the guest has not used for a
+  few seconds cost several times more than pages it freed a moment ago. So the bench prints
+  the first-touch rate once, and runs each insert right after writing n records' bytes into
+  new memory (and freeing it), printing that write's rate beside it as the floor;
 - memory per key: arena + hash table bytes / rows, and the growth of process RSS, vs the record
   size.
 """

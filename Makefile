@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
+HDR    := $(wildcard embstore/_cython/*.h)
 
 .PHONY: demo test bench lint clean ext tfra-venv
 
@@ -23,10 +24,11 @@ $(VENV)/.test: $(VENV)/.demo
 	$(PIP) install -e '.[all,torch,tf,test]'
 	touch $@
 
-# Rebuild the compiled extension whenever a .pyx changed since the last build.
+# Rebuild the compiled extension whenever a .pyx or a shared header changed since the last build.
 ext: $(VENV)/.created
 	@for f in $(PYX); do so=$$(ls $${f%.pyx}.cpython-*.so 2>/dev/null | head -1); \
-	  if [ -z "$$so" ] || [ "$$f" -nt "$$so" ]; then \
+	  stale=; for src in $$f $(HDR); do [ "$$src" -nt "$$so" ] && stale=1; done; \
+	  if [ -z "$$so" ] || [ -n "$$stale" ]; then \
 	    $(PY) setup.py -q build_ext --inplace >/dev/null && break; fi; done
 
 demo: $(VENV)/.demo ext

@@ -3,16 +3,15 @@
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-_HERE = ["embstore/_cython"]  # es_prefetch.h
+_HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h
 
 extensions = [
     Extension("embstore._cython.arena", ["embstore/_cython/arena.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.cuckoo", ["embstore/_cython/cuckoo.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
-    Extension(
-        "embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], extra_compile_args=["-O3"]
-    ),
+    Extension("embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], include_dirs=_HERE,
+              extra_compile_args=["-O3"]),
     Extension(
         "embstore._cython.rowops", ["embstore/_cython/rowops.pyx"], extra_compile_args=["-O3"]
     ),

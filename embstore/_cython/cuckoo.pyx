@@ -29,6 +29,9 @@ from .arena cimport RecordArena
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
 
+cdef extern from "es_hash.h":
+    uint64_t mix64 "es_mix64"(uint64_t z) nogil
+
 cdef extern from "es_memory.h":
     ctypedef struct es_region:
         char* base
@@ -56,13 +59,6 @@ ctypedef struct Bucket:
     int64_t keys[4]
     uint32_t vals[4]
     uint8_t pad[16]
-
-
-cdef inline uint64_t mix64(uint64_t z) noexcept nogil:
-    z += 0x9E3779B97F4A7C15ULL
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
-    return z ^ (z >> 31)
 
 
 @cython.final

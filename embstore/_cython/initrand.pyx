@@ -10,15 +10,12 @@ key the same vector whatever order keys arrive in, at ~1 ns per value.
 from libc.stdint cimport int64_t, uint64_t
 from libc.math cimport sqrt, log, cos, M_PI
 
+cdef extern from "es_hash.h":
+    uint64_t es_mix64(uint64_t z) nogil
+
 cdef extern from *:
     """
-    #include <stdint.h>
-    static inline uint64_t es_mix64(uint64_t z) {   /* splitmix64's finalizer */
-        z += 0x9E3779B97F4A7C15ULL;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-        return z ^ (z >> 31);
-    }
+    #include "es_hash.h"
     static inline uint64_t es_wyrand(uint64_t *state) {
         *state += 0xa0761d6478bd642fULL;
         __uint128_t t = (__uint128_t)(*state) * (*state ^ 0xe7037ed1a0b428dbULL);
@@ -62,7 +59,6 @@ cdef extern from *:
         }
     }
     """
-    uint64_t es_mix64(uint64_t z) nogil
     uint64_t es_wyrand(uint64_t* state) nogil
     void es_fill_uniform(const uint64_t* hashes, uint64_t s, float* out, Py_ssize_t n,
                          Py_ssize_t d, double low, double span) nogil

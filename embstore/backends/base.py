@@ -17,13 +17,27 @@ Contract for implementers
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..layout import Layout
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def serialized(method: _F) -> _F:
+    """Run a backend method under the backend's ``self._lock`` (an ``RLock``, so serialized
+    methods may call each other): for backends whose calls must not interleave across
+    threads."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

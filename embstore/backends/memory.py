@@ -12,16 +12,15 @@ serialized by a lock, so threads may share one store.
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidInputError, InvalidURLError
 from ..layout import Layout
-from .base import Backend, RowUpdate
+from .base import Backend, RowUpdate, serialized
 
 try:
     from .._cython.arena import RecordArena
@@ -33,17 +32,6 @@ except ImportError as e:  # pragma: no cover - depends on the build
     ) from e
 
 _EMPTY = np.uint32(0xFFFFFFFF)
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _serialized(method: _F) -> _F:
-    """Run the method under the store's lock. The compiled loops release the GIL, and a
-    table that grows (moving its buckets) under a concurrent reader would crash it."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return wrapper  # type: ignore[return-value]
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -86,6 +74,8 @@ class MemoryBackend(Backend):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         super().__init__(url, read_only=read_only, **options)
         self._meta: dict | None = None
+        # The compiled loops release the GIL, and a table that grows (moving its buckets)
+        # under a concurrent reader would crash it: calls are serialized.
         self._lock = threading.RLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
@@ -115,7 +105,7 @@ class MemoryBackend(Backend):
     def write_meta(self, meta: dict) -> None:
         self._meta = dict(meta)
 
-    @_serialized
+    @serialized
     def close(self) -> None:
         # Dropping the references frees the C memory now, not at interpreter exit.
         self._table = None
@@ -132,7 +122,7 @@ class MemoryBackend(Backend):
             out[:] = [get(k, 0xFFFFFFFF) for k in keys]
         return out
 
-    @_serialized
+    @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
         self._last_get = (keys, slots, self._epoch)
@@ -140,7 +130,7 @@ class MemoryBackend(Backend):
         self._arena.gather(slots, recs.view(np.uint8).reshape(len(keys), -1))
         return recs, slots != _EMPTY
 
-    @_serialized
+    @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
         if self.key_type == "int64":
@@ -152,11 +142,11 @@ class MemoryBackend(Backend):
                            offset, fdt.itemsize)
         return out, slots != _EMPTY
 
-    @_serialized
+    @serialized
     def contains(self, keys: np.ndarray) -> np.ndarray:
         return self._slots(keys) != _EMPTY
 
-    @_serialized
+    @serialized
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         last, self._last_get = self._last_get, None
         if last is not None and last[0] is keys and last[2] == self._epoch and \
@@ -178,7 +168,7 @@ class MemoryBackend(Backend):
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
 
-    @_serialized
+    @serialized
     def lookup_insert(self, keys, initial, template):
         # One probe per key: a missing key is placed in the table as it is found missing.
         self._last_get = None
@@ -205,7 +195,7 @@ class MemoryBackend(Backend):
         self._last_find = (keys.copy(), slots, self._epoch)
         return out, n_new
 
-    @_serialized
+    @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
         if self.key_type != "int64":
             return super().insert_rows(keys, vectors, template)
@@ -218,7 +208,7 @@ class MemoryBackend(Backend):
                                fields["vector"][1],
                                np.ascontiguousarray(vectors, dtype=np.float32))
 
-    @_serialized
+    @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         if self.key_type != "int64":
             return super().update_rows(keys, update)
@@ -248,7 +238,7 @@ class MemoryBackend(Backend):
             np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
         return found
 
-    @_serialized
+    @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._epoch += 1
         self._last_get = None
@@ -261,7 +251,7 @@ class MemoryBackend(Backend):
         self._arena.release(removed)
         return removed != _EMPTY
 
-    @_serialized
+    @serialized
     def __len__(self) -> int:
         if self._arena is None:
             return 0
@@ -294,7 +284,7 @@ class MemoryBackend(Backend):
                 self._arena.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 
-    @_serialized
+    @serialized
     def clear(self) -> None:
         self._epoch += 1
         self._last_get = None
@@ -305,7 +295,7 @@ class MemoryBackend(Backend):
             self._table.clear()
         self._bytes_slots.clear()
 
-    @_serialized
+    @serialized
     def size_bytes(self) -> int:
         if self._arena is None:
             return 0
@@ -314,7 +304,7 @@ class MemoryBackend(Backend):
             n += self._table.nbytes
         return int(n)
 
-    @_serialized
+    @serialized
     def stats(self) -> dict[str, Any]:
         out = dict(self.counters)
         if self._table is not None:

@@ -32,7 +32,7 @@ from ..errors import (
     SchemaMismatchError,
 )
 from ..layout import Layout
-from .base import Backend
+from .base import Backend, serialized
 
 try:
     import sqlalchemy as sa
@@ -100,13 +100,14 @@ def _parse(url: str, table: str | None):
 
 
 def _wrap_errors(fn):
+    # One DBAPI connection per backend: threads take turns, so a batch's transaction never
+    # interleaves with another thread's statements.
+    locked = serialized(fn)
+
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
         try:
-            # One DBAPI connection per backend: threads take turns, so a batch's transaction
-            # never interleaves with another thread's statements.
-            with self._lock:
-                return fn(self, *args, **kwargs)
+            return locked(self, *args, **kwargs)
         except self._driver_errors as e:
             raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
 

@@ -96,19 +96,18 @@ cdef class CuckooTable:
         self.grow_at = <uint64_t> (nb * BUCKET * MAX_LOAD)
         self.prepare_at = <uint64_t> (self.grow_at * PREPARE_AT)
 
-    cdef int _prepare_next(self) except -1:
+    cdef void _prepare_next(self) noexcept nogil:
         """Commit the memory the next doubling grows into, and fault it in on a background
         thread while the table keeps filling, so the doubling itself only moves entries."""
         cdef size_t half = self.nbuckets * sizeof(Bucket)
         self.prepare_at = <uint64_t> -1
         if self.region.committed >= 2 * half:
-            return 0
+            return
         if es_region_commit(&self.region, 2 * half) != 0:
-            return 0            # not fatal here: the doubling tries again and raises
+            return              # not fatal here: the doubling tries again and raises
         self.buckets = <Bucket*> self.region.base   # moved if it outgrew its reservation
         if self.prefault and self.nbuckets >= PREPARE_MIN_BUCKETS:
             es_populate_async(self.region.base + half, half)
-        return 0
 
     def __dealloc__(self):
         es_region_free(&self.region)

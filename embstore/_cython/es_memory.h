@@ -60,14 +60,21 @@ static inline size_t es_region_reserve_for(size_t need) {
     return es_page_round(r);
 }
 
+/* A new reservation of `res` bytes with its first `need` usable; NULL if not available. */
+static inline char* es_reserve(size_t res, size_t need) {
+    void* p = mmap(NULL, res, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    if (need && mprotect(p, need, PROT_READ | PROT_WRITE) != 0) { munmap(p, res); return NULL; }
+    return (char*)p;
+}
+
 /* 0 on success; -1 (errno set) if the address space or the memory is not available. */
 static inline int es_region_init(es_region* r, size_t need) {
     need = es_page_round(need);   /* committed stays page-aligned, as mprotect needs */
     size_t res = es_region_reserve_for(need);
-    void* p = mmap(NULL, res, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return -1;
-    if (need && mprotect(p, need, PROT_READ | PROT_WRITE) != 0) { munmap(p, res); return -1; }
-    r->base = (char*)p; r->committed = need; r->reserved = res;
+    char* p = es_reserve(res, need);
+    if (!p) return -1;
+    r->base = p; r->committed = need; r->reserved = res;
     return 0;
 }
 
@@ -83,9 +90,8 @@ static inline int es_region_commit(es_region* r, size_t need) {
         return 0;
     }
     size_t res = es_region_reserve_for(need);
-    void* p = mmap(NULL, res, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return -1;
-    if (mprotect(p, need, PROT_READ | PROT_WRITE) != 0) { munmap(p, res); return -1; }
+    char* p = es_reserve(res, need);
+    if (!p) return -1;
 #ifdef __linux__
     /* Move the committed pages into the new reservation (replacing its first pages). */
     if (mremap(r->base, r->committed, r->committed, MREMAP_MAYMOVE | MREMAP_FIXED, p)
@@ -98,7 +104,7 @@ static inline int es_region_commit(es_region* r, size_t need) {
     memcpy(p, r->base, r->committed);
     munmap(r->base, r->reserved);
 #endif
-    r->base = (char*)p; r->committed = need; r->reserved = res;
+    r->base = p; r->committed = need; r->reserved = res;
     return 0;
 }
 

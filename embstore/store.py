@@ -32,6 +32,7 @@ from ._keys import check_key_type, normalize_keys
 from ._records import RecordWrites
 from ._sampling_api import SamplingAPI
 from ._schema import FORMAT, FORMAT_VERSION, check_stored_meta
+from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .errors import (
     InvalidInputError,
@@ -108,9 +109,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
-                raise StoreNotFoundError(f"{self._backend.url}: no store here to open read-only")
+                raise StoreNotFoundError(f"{self.url}: no store here to open read-only")
             if dim is None:
-                raise InvalidInputError(f"{self._backend.url}: dim is required to create a store")
+                raise InvalidInputError(f"{self.url}: dim is required to create a store")
             self.key_type = check_key_type(key_type or "int64")
             self.optimizer = optimizer or _optim.SGD(lr=0.01)
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
@@ -128,7 +129,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
-        stored = check_stored_meta(self._backend.url, meta, dim=dim, key_type=key_type,
+        stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
                                    initializer=initializer, optimizer=optimizer, seed=seed)
         self.key_type = stored.key_type
         self.layout = stored.layout
@@ -167,8 +168,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
 
     @property
     def url(self) -> str:
-        """A URL that reopens the same data (``embstore.open(store.url)``)."""
-        return self._backend.url
+        """A URL that reopens the same data (``embstore.open(store.url)``), with any password
+        shown as ``***`` (pickling keeps the real one; give the password to a reopen through
+        the driver's own means, e.g. ``PGPASSWORD`` or ``~/.pgpass``)."""
+        return redact_url(self._backend.url)
 
     @property
     def backend(self) -> Backend:
@@ -536,7 +539,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
             )
         opts = dict(self._reopen_options)
         opts["read_only"] = self.read_only
-        return (_reopen, (self.url, opts))
+        return (_reopen, (self._backend.url, opts))  # the real URL, password included
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:

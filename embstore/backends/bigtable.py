@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._urls import check_url_text
 from ..errors import (
     BackendError,
     BackendUnavailableError,
@@ -95,6 +96,7 @@ class BigtableBackend(Backend):
                  rpc_timeout: float = 20.0, read_batch: int = 1024, write_batch: int = 1024,
                  inflight: int = 4, interceptors: Sequence[Any] = (),
                  credentials: Any = None, **options: Any) -> None:
+        check_url_text(url)  # a newline would cut the table id short
         self.project, self.instance, self.table_id = wire.parse_url(url)
         if not _FAMILY.match(str(column_family)):
             raise InvalidInputError(f"invalid column family name {column_family!r}")

@@ -21,9 +21,11 @@ import re
 import threading
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import parse_qsl
 
 import numpy as np
 
+from .._urls import check_url_text, redact_url
 from ..errors import (
     BackendError,
     BackendUnavailableError,
@@ -66,14 +68,19 @@ def validate_table_name(name: Any) -> str:
 
 def _parse(url: str, table: str | None):
     """Split a store URL into (SQLAlchemy URL without ``table``, table name, public URL)."""
+    check_url_text(url)
     try:
         u = make_url(url)
     except Exception as e:  # noqa: BLE001 - SQLAlchemy raises ArgumentError/ValueError
-        raise InvalidURLError(f"malformed SQL URL {url!r}: {e}") from e
+        raise InvalidURLError(f"malformed SQL URL {redact_url(url)!r}: {e}") from e
     q = dict(u.query)
     in_url = q.get("table")
     if isinstance(in_url, tuple):
-        raise InvalidURLError(f"{url!r}: 'table' given more than once")
+        raise InvalidURLError(f"{redact_url(url)!r}: 'table' given more than once")
+    if in_url is None and ("table", "") in parse_qsl(url.partition("?")[2],
+                                                     keep_blank_values=True):
+        # SQLAlchemy drops empty query values: "?table=" would silently mean the default table
+        raise InvalidURLError(f"{redact_url(url)!r}: empty table name in '?table='")
     if in_url is not None and table is not None and in_url != table:
         raise InvalidInputError(f"table={table!r} conflicts with table={in_url!r} in the URL")
     name = validate_table_name(table if table is not None else (in_url or DEFAULT_TABLE))
@@ -88,13 +95,13 @@ def _parse(url: str, table: str | None):
         db = u.database or ""
         if not db or db == ":memory:" or db.startswith("file:"):
             raise InvalidURLError(
-                f"{url!r}: a SQLite store needs a file path (sqlite:////abs/file.db); "
+                f"{redact_url(url)!r}: a SQLite store needs a file path (sqlite:////abs/file.db); "
                 "use memory:// for a store in process memory"
             )
         if not os.path.isabs(db):
             u = u.set(database=os.path.abspath(db))
     elif not u.host and backend != "sqlite" and not u.query.get("host"):
-        raise InvalidURLError(f"{url!r}: no host in the URL")
+        raise InvalidURLError(f"{redact_url(url)!r}: no host in the URL")
     public = u.update_query_dict({"table": name}).render_as_string(hide_password=False)
     return u, name, public
 
@@ -222,8 +229,23 @@ class SQLBackend(Backend):
             conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durable else 'NORMAL'}")
         conn.execute("PRAGMA busy_timeout = 60000")
+        self._refuse_case_aliases(conn)
         self._ops = _sql_ops.SQLiteOps(conn, self.table_name, self.table_name + "_meta",
                                        self._quote, "int64", 0)
+
+    def _refuse_case_aliases(self, conn: Any) -> None:
+        """SQLite compares identifiers case-insensitively (ASCII): ``Items`` and ``ITEMS`` are
+        one table. A store whose table (or ``_meta`` table / version index) differs from an
+        existing object only in case would open and rewrite the other store; refuse it."""
+        mine = (self.table_name, self.table_name + "_meta", self.table_name + "_version_idx")
+        for name in mine:
+            row = conn.execute("SELECT name FROM sqlite_master WHERE name = ? COLLATE NOCASE "
+                               "AND name != ?", (name, name)).fetchone()
+            if row is not None:
+                raise InvalidInputError(
+                    f"{self._safe_url}: table name {self.table_name!r} clashes with the "
+                    f"existing {row[0]!r} (SQLite table names ignore case); pick a name that "
+                    "differs in more than case")
 
     def _open_postgres(self) -> None:
         self._raw = self._engine.raw_connection()

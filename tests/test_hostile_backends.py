@@ -98,3 +98,57 @@ def test_cli_error_does_not_print_the_password(tmp_path):
                            text=True, timeout=60)
         assert r.returncode != 0 and "embstore: error:" in r.stderr
         assert "hunter2" not in r.stderr + r.stdout
+
+
+# -- 12: top_k with NaN scores and exhausted rows --------------------------------------------------
+def _nan_store(url):
+    """Key 1's dot product with the query is inf - inf = NaN; keys 2, 3 score 2 and -2; key 4
+    scores -inf (a real -inf, ranked before NaN)."""
+    s = embstore.open(url, dim=DIM)
+    s.assign([1, 2, 3, 4], np.array([[3e38, 3e38, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0],
+                                      [-3e38, 0, 0, 0]], np.float32))
+    return s
+
+
+@pytest.mark.parametrize("batch_size", [None, 1, 2])
+@pytest.mark.parametrize("kind", ["memory", "lmdb"])
+def test_top_k_ranks_nan_scores_last(tmp_path, kind, batch_size):
+    url = "memory://" if kind == "memory" else f"lmdb://{tmp_path}/db"
+    q = np.array([[2, -2, 0, 0]], np.float32)
+    with _nan_store(url) as s:
+        keys, scores = s.top_k(q, 4, batch_size=batch_size)
+        assert keys.tolist() == [[2, 3, 4, 1]]
+        assert scores[0, :3].tolist() == [2.0, -2.0, -np.inf] and np.isnan(scores[0, 3])
+        keys, scores = s.top_k(q, 2, batch_size=batch_size)
+        assert keys.tolist() == [[2, 3]]
+        # several queries (BLAS may round key 1's first score to inf there: not asserted)
+        keys, _ = s.top_k(np.vstack([q, [[1, 0, 0, 0]]]), 4, batch_size=batch_size)
+        assert keys[1].tolist() == [1, 2, 3, 4] and sorted(keys[0].tolist()) == [1, 2, 3, 4]
+
+
+def test_top_k_all_nan_first_block_does_not_stop_later_items():
+    s = embstore.open("memory://", dim=2)
+    s.assign(np.arange(10), np.array([[3e38, 3e38]] * 5 + [[1, 0]] * 5, np.float32))
+    keys, scores = s.top_k([[2, -2]], 3, batch_size=1)
+    assert keys.tolist() == [[5, 6, 7]] and scores.tolist() == [[2.0, 2.0, 2.0]]
+    keys, scores = s.top_k([[2, -2]], 7, batch_size=3)
+    assert keys.tolist() == [[5, 6, 7, 8, 9, 0, 1]] and np.isnan(scores[0, 5:]).all()
+
+
+def test_top_k_pads_exhausted_rows_with_a_sentinel_and_a_mask():
+    from embstore.retrieval import PAD_KEY, TopKResult
+
+    s = embstore.open("memory://", dim=2)
+    s.assign([0, 1], [[1, 0], [0, 1]])                 # 0 is a real key
+    res = s.top_k([[1, 1], [1, 0]], 2, exclude=[[0, 1], [1]])
+    assert isinstance(res, TopKResult)
+    keys, scores = res
+    assert keys.tolist() == [[PAD_KEY, PAD_KEY], [0, PAD_KEY]]
+    assert res.valid.tolist() == [[False, False], [True, False]]
+    assert (scores[~res.valid] == -np.inf).all() and (res.keys is keys)
+    again = pickle.loads(pickle.dumps(res))
+    assert again.valid.tolist() == res.valid.tolist() and again[0].tolist() == keys.tolist()
+    b = embstore.open("memory://", dim=2, key_type="bytes")
+    b.assign([b"a", b"b"], [[1, 0], [0, -1]])
+    res = b.top_k([[1, 0]], 2, exclude=[[b"a"]])
+    assert res[0].tolist() == [[b"b", b""]] and res.valid.tolist() == [[True, False]]

@@ -543,6 +543,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
+    from ._unpickle import UnopenedStore
     from .api import open as _open
 
-    return _open(url, **options)
+    try:
+        return _open(url, **options)
+    except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
+        return UnopenedStore(url, e)  # type: ignore[return-value]

@@ -152,3 +152,40 @@ def test_top_k_pads_exhausted_rows_with_a_sentinel_and_a_mask():
     b.assign([b"a", b"b"], [[1, 0], [0, -1]])
     res = b.top_k([[1, 0]], 2, exclude=[[b"a"]])
     assert res[0].tolist() == [[b"b", b""]] and res.valid.tolist() == [[True, False]]
+
+
+# -- 13: a pickled read-write store sent to a multiprocessing.Pool ---------------------------------
+def _lookup_in_worker(store):
+    return store.lookup([1], insert=False).tolist()
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_pickled_store_that_cannot_reopen_fails_the_pool_task_cleanly(tmp_path, method):
+    import multiprocessing
+
+    from embstore.errors import EmbstoreError
+
+    s = embstore.open(f"rocksdb://{tmp_path}/db", dim=DIM)   # read-write: holds the lock
+    s.assign([1], np.ones((1, DIM)))
+    s.flush()
+    with multiprocessing.get_context(method).Pool(1) as pool:
+        res = pool.apply_async(_lookup_in_worker, (s,))
+        # before: the worker died reading the task (an OSError while unpickling) and the
+        # result never came
+        with pytest.raises(EmbstoreError, match="could not be reopened"):
+            res.get(timeout=60)
+        assert pool.apply_async(len, ([1, 2],)).get(timeout=120) == 2   # the pool still works
+    s.close()
+
+
+def test_unopened_store_stand_in():
+    from embstore._unpickle import UnopenedStore
+    from embstore.errors import BackendError
+
+    u = UnopenedStore("postgresql://u:pw@h/db", BackendError("lock held"))
+    assert "pw" not in repr(u) and u.closed
+    with pytest.raises(BackendError, match="could not be reopened here: lock held"):
+        u.lookup([1])
+    with pytest.raises(BackendError):
+        len(u)
+    u.close()

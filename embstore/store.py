@@ -35,6 +35,7 @@ from ._schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .errors import (
+    BackendError,
     InvalidInputError,
     ReadOnlyError,
     StoreClosedError,
@@ -214,7 +215,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         return len(self._backend)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._backend)} rows"
+        try:
+            state = "closed" if self._closed else f"{len(self._backend)} rows"
+        except BackendError:  # a repr must not fail while the remote is down
+            state = "unreachable"
         return (f"<EmbeddingStore {self.url!r} dim={self.layout.dim} key_type={self.key_type} "
                 f"optimizer={self.optimizer!r} {state}>")
 
@@ -488,10 +492,15 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters since open: rows looked up, hits, misses, inserts, updates, ...; plus
-        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known."""
+        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known.
+        While a remote backend is unreachable ``rows`` is None and ``backend_error`` says why."""
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
-        out["rows"] = len(self._backend)
+        try:
+            out["rows"] = len(self._backend)
+        except BackendError as e:  # a remote that is down: report it, the counters still count
+            out["rows"] = None
+            out["backend_error"] = str(e)
         looked = out["lookups"]
         out["hit_rate"] = out["hits"] / looked if looked else math.nan
         out["step"] = self.step
@@ -500,7 +509,11 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         out.update(self._backend.stats())
         if "_sampling_index" in self.__dict__:  # rows, scans, snapshot rebuilds, bytes
             out.update(self.__dict__["_sampling_index"].stats())
-        size = self._backend.size_bytes()
+        try:
+            size = self._backend.size_bytes()
+        except BackendError as e:
+            size = None
+            out.setdefault("backend_error", str(e))
         if size is not None:
             out["size_bytes"] = int(size)
         return out

@@ -189,3 +189,35 @@ def test_unopened_store_stand_in():
     with pytest.raises(BackendError):
         len(u)
     u.close()
+
+
+# -- 7: Bigtable with nothing listening, or stopped mid-test ---------------------------------------
+def test_bigtable_nothing_listening_raises_backend_error(monkeypatch):
+    from embstore.errors import BackendError
+    from embstore.testing.bigtable_emulator import free_port
+
+    host = f"127.0.0.1:{free_port()}"   # nothing listens there
+    with pytest.raises(BackendError, match="gave up after 1 s"):
+        embstore.open("bigtable://p/i/t", dim=DIM, emulator_host=host, retry_deadline=1.0)
+
+
+def test_bigtable_stopped_mid_test(bigtable_private_emulator):
+    from embstore.errors import BackendError
+
+    emu = bigtable_private_emulator
+    url = "bigtable://p/i/down"
+    s = embstore.open(url, dim=DIM, emulator_host=emu.host, retry_deadline=1.0)
+    s.assign([1, 2], np.ones((2, DIM)))
+    assert s.stats()["rows"] == 2
+    emu.stop()
+    with pytest.raises(BackendError, match="gave up after 1 s"):
+        s.lookup([1])
+    st = s.stats()                                 # no exception while the remote is down
+    assert st["rows"] is None and "gave up" in st["backend_error"]
+    assert "unreachable" in repr(s)
+    with pytest.raises(BackendError, match="gave up after 1 s"):   # not a raw RetryError
+        embstore.open(url, dim=DIM, emulator_host=emu.host, retry_deadline=1.0)
+    emu.restart()                                  # back (empty: the emulator keeps no data)
+    s.assign([3], np.ones((1, DIM)))               # the table is recreated on the way
+    assert s.stats()["rows"] == 1
+    s.close()

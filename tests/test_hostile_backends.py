@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -220,4 +221,68 @@ def test_bigtable_stopped_mid_test(bigtable_private_emulator):
     emu.restart()                                  # back (empty: the emulator keeps no data)
     s.assign([3], np.ones((1, DIM)))               # the table is recreated on the way
     assert s.stats()["rows"] == 1
+    s.close()
+
+
+# -- 8: write-behind recovers by itself after an outage longer than retry_deadline -----------------
+def _wait_until(cond, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_write_behind_retries_in_the_background_until_the_put_lands():
+    from embstore.layers._writebehind import WriteBehind
+
+    landed, attempts = [], []
+
+    def put(keys, recs):
+        attempts.append(len(keys))
+        if len(attempts) <= 3:
+            raise OSError("remote down")
+        landed.append(keys.copy())
+
+    wb = WriteBehind(put, max_pending=5, retry_min=0.01, retry_max=0.05)
+    try:
+        wb.submit(np.array([1, 2]), np.zeros(2))
+        assert _wait_until(lambda: len(wb) == 0)      # no drain()/flush() needed
+        assert [k.tolist() for k in landed] == [[1, 2]] and len(attempts) == 4
+        wb.submit(np.array([3]), np.zeros(1))          # and later batches go through as usual
+        wb.drain()
+        assert landed[-1].tolist() == [3]
+    finally:
+        wb.close()
+
+
+def test_cached_bigtable_write_behind_recovers_without_flush(bigtable_private_emulator):
+    from embstore.errors import BackendError
+    from tests.cache_helpers import layer
+
+    emu = bigtable_private_emulator
+    url = "bigtable://p/i/wbrecover"
+    s = embstore.open(url, dim=DIM, cache="memory://", cache_capacity=50, emulator_host=emu.host,
+                      retry_deadline=0.5)
+    c = layer(s)
+    assert c._wb is not None
+    c._wb.retry_min = c._wb.retry_max = 0.2
+    ref = embstore.open("memory://", dim=DIM)
+    for store in (ref, s):
+        store.lookup(np.arange(50))
+        store.update(np.arange(50), np.full((50, DIM), 0.5, np.float32))  # 50 dirty rows
+    emu.stop()
+    with pytest.raises(BackendError):
+        s.lookup(np.arange(50, 150))     # misses read on a helper thread while room is made
+    assert c.stats()["pending_rows"] == 50
+    time.sleep(1.5)                                    # down for longer than retry_deadline
+    emu.restart()                                      # back (empty; the table is recreated)
+    c.remote.retry_deadline = 30.0
+    assert _wait_until(lambda: c.stats()["pending_rows"] == 0), "write-behind did not recover"
+    for store in (ref, s):                             # training goes on without errors
+        store.lookup(np.arange(150, 250))
+    with embstore.open(url, emulator_host=emu.host) as plain:   # nothing acknowledged lost
+        np.testing.assert_array_equal(plain.lookup(np.arange(50), insert=False),
+                                      ref.lookup(np.arange(50), insert=False))
     s.close()

@@ -22,6 +22,7 @@ __all__ = [
     "CorruptFileError",
     "InvalidURLError",
     "StoreNotFoundError",
+    "ForkedProcessError",
 ]
 
 
@@ -75,3 +76,8 @@ class CorruptFileError(EmbstoreError, ValueError):
 
 class StoreNotFoundError(EmbstoreError, FileNotFoundError):
     """A store was opened read-only (or without ``dim``) but holds no data yet."""
+
+
+class ForkedProcessError(EmbstoreError, RuntimeError):
+    """An in-process store (``memory://``) was used in a child forked from its process: the
+    child holds a private copy, so its writes would silently never reach the parent."""

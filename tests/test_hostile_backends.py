@@ -286,3 +286,63 @@ def test_cached_bigtable_write_behind_recovers_without_flush(bigtable_private_em
         np.testing.assert_array_equal(plain.lookup(np.arange(50), insert=False),
                                       ref.lookup(np.arange(50), insert=False))
     s.close()
+
+
+# -- 11: memory:// in a fork-started child ------------------------------------------------------
+def _use_in_child(store, conn):
+    try:
+        store.update([1], np.ones((1, DIM), np.float32))
+        conn.send("no error")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send(f"{type(e).__name__}: {e}")
+    try:
+        fresh = embstore.open("memory://", dim=DIM)   # a store made in the child works
+        fresh.assign([1], np.ones((1, DIM)))
+        conn.send(len(fresh))
+    except Exception as e:  # noqa: BLE001
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def test_memory_store_used_in_a_forked_child_raises():
+    import multiprocessing
+
+    s = embstore.open("memory://", dim=DIM)
+    s.lookup([1])
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_use_in_child, args=(s, child))
+    p.start()
+    try:
+        assert parent.poll(60)
+        msg = parent.recv()
+        assert msg.startswith("ForkedProcessError") and "forked child" in msg
+        assert parent.poll(60) and parent.recv() == 1
+    finally:
+        p.join(60)
+    s.update([1], np.ones((1, DIM), np.float32))      # the parent's store is unaffected
+
+
+class _Steps:
+    def __init__(self, store):
+        self.store = store
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        self.store.update([i], np.ones((1, DIM), np.float32))
+        return i
+
+
+def test_memory_store_in_fork_started_dataloader_worker_raises():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from embstore.errors import ForkedProcessError
+
+    s = embstore.open("memory://", dim=DIM)
+    loader = DataLoader(_Steps(s), batch_size=None, num_workers=1,
+                        multiprocessing_context="fork", timeout=120)
+    with pytest.raises(ForkedProcessError):   # torch re-raises the worker's error type
+        list(loader)
+    assert torch is not None

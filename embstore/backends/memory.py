@@ -6,19 +6,22 @@ byte for byte) to its arena slot: hashing variable-length bytes into the int64 c
 would need a fingerprint plus a full-key check anyway, and the dict already is exactly that.
 Records of both key types live in one chunked arena (:class:`RecordArena`).
 
-The data lives and dies with the process: a ``memory://`` store refuses to pickle. Calls are
-serialized by a lock, so threads may share one store.
+The data lives and dies with the process: a ``memory://`` store refuses to pickle, and a
+child forked from the process (a fork-started DataLoader worker) that uses it gets
+:class:`~embstore.errors.ForkedProcessError` instead of silently training a private copy.
+Calls are serialized by a lock, so threads may share one store.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInputError, InvalidURLError
+from ..errors import ForkedProcessError, InvalidInputError, InvalidURLError
 from ..layout import Layout
 from .base import Backend, RowUpdate, serialized
 
@@ -32,6 +35,43 @@ except ImportError as e:  # pragma: no cover - depends on the build
     ) from e
 
 _EMPTY = np.uint32(0xFFFFFFFF)
+
+# Bumped in every forked child: a store remembers the generation it was made in, so telling a
+# forked copy apart costs one comparison per call, no getpid() system call.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ProcessLock:
+    """The backend's re-entrant lock, refusing to be taken in a child forked after the store
+    was made (the child's copy of the lock may even be held by a thread that does not exist
+    there)."""
+
+    __slots__ = ("_lock", "_generation", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._generation = _fork_generation
+        self._pid = os.getpid()
+
+    def __enter__(self) -> bool:
+        if self._generation != _fork_generation:
+            raise ForkedProcessError(
+                f"a memory:// store made in process {self._pid} is used in forked child "
+                f"{os.getpid()}: the child only has a copy, its updates would never reach the "
+                "parent. Open the store in the child, use a persistent backend (lmdb://, "
+                "rocksdb://, sql, bigtable://) shared by URL, or start workers with 'spawn'")
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -76,7 +116,7 @@ class MemoryBackend(Backend):
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.
-        self._lock = threading.RLock()
+        self._lock = _ProcessLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
         self._table: CuckooTable | None = None

@@ -346,3 +346,88 @@ def test_memory_store_in_fork_started_dataloader_worker_raises():
     with pytest.raises(ForkedProcessError):   # torch re-raises the worker's error type
         list(loader)
     assert torch is not None
+
+
+# -- 9: PostgreSQL that never answers, restarts, or is gone at close ----------------------------------
+@pytest.fixture
+def private_postgres():
+    from embstore.testing.postgres import find_pg_bin, start_postgres
+
+    try:
+        find_pg_bin()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    pg = start_postgres(settings={"fsync": "off"})
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+def test_postgres_open_against_a_silent_server_times_out(monkeypatch):
+    import socket
+    import threading
+
+    from embstore.backends import sql
+    from embstore.errors import BackendError
+
+    monkeypatch.setattr(sql, "DEFAULT_CONNECT_TIMEOUT", 1)   # the default applies...
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    accepted = []
+
+    def accept_and_say_nothing():
+        while True:
+            try:
+                accepted.append(srv.accept()[0])
+            except OSError:
+                return
+
+    t = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    t.start()
+    port = srv.getsockname()[1]
+    try:
+        with pytest.raises(BackendError, match="cannot connect"):
+            embstore.open(f"postgresql+psycopg://u@127.0.0.1:{port}/db?table=t", dim=DIM)
+        with pytest.raises(BackendError, match="cannot connect"):   # ...unless the URL says
+            embstore.open(f"postgresql+psycopg://u@127.0.0.1:{port}/db?connect_timeout=1"
+                          "&table=t", dim=DIM)
+        assert accepted                                   # it did accept, then said nothing
+    finally:
+        srv.close()
+        for c in accepted:
+            c.close()
+
+
+def test_postgres_store_recovers_after_a_server_restart(private_postgres, capfd, caplog):
+    import logging
+
+    from embstore.errors import BackendError
+
+    caplog.set_level(logging.WARNING)
+    pg = private_postgres
+    s = embstore.open(pg.url + "?table=restart", dim=DIM)
+    s.assign([1, 2, 3], np.ones((3, DIM)))
+    pg.restart()
+    np.testing.assert_array_equal(s.lookup([1], insert=False), np.ones((1, DIM)))  # replayed
+    s.update([1], np.ones((1, DIM), np.float32))
+    assert len(s) == 3 and s.stats()["reconnects"] == 1
+    pg.restart(mode="immediate")
+    with pytest.raises(BackendError, match="reconnected"):   # not replayed: may have happened
+        s.delete([3])
+    s.delete([3])
+    assert sorted(k for ks, _ in s.items() for k in ks.tolist()) == [1, 2]
+    pg.restart(mode="immediate")
+    with pytest.raises(BackendError):
+        pg_stop_then_close(pg, s)
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+    assert not [r for r in caplog.records if r.name.startswith("sqlalchemy")]
+
+
+def pg_stop_then_close(pg, s):
+    """Close a store whose server is gone: the final metadata write fails (BackendError),
+    and nothing is printed on the way."""
+    pg.stop()
+    s.close()

@@ -106,13 +106,37 @@ def _parse(url: str, table: str | None):
     return u, name, public
 
 
+# Calls that may run again after the connection was lost in the middle of them: reads, and
+# writes that set whole records (a replay writes the same bytes). Not ``delete`` (its "found"
+# answer), ``modify`` (its function may add to what the lost commit already added) or
+# ``bulk_load`` (its source is consumed).
+_REPLAYABLE = frozenset({"read_meta", "write_meta", "bind", "get", "get_field", "contains",
+                         "put", "__len__", "changes_plan", "clear", "flush", "size_bytes"})
+# Seconds to wait for a PostgreSQL server to answer a new connection (libpq drivers); a URL's
+# own ``?connect_timeout=`` wins.
+DEFAULT_CONNECT_TIMEOUT = 10
+
+
 def _wrap_errors(fn):
     # One DBAPI connection per backend: threads take turns, so a batch's transaction never
     # interleaves with another thread's statements.
     locked = serialized(fn)
+    replayable = fn.__name__ in _REPLAYABLE
 
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
+        try:
+            return locked(self, *args, **kwargs)
+        except self._driver_errors as e:
+            # The server went away (restart, failover, idle-connection kill): connect again
+            # so the store recovers, and replay the call when that is harmless.
+            if not self._recover_connection(e):
+                raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
+            if not replayable:
+                raise BackendError(
+                    f"{self._safe_url}: the connection was lost during {fn.__name__} "
+                    f"({type(e).__name__}: {e}); reconnected, but the call may or may not "
+                    "have taken effect") from e
         try:
             return locked(self, *args, **kwargs)
         except self._driver_errors as e:
@@ -166,6 +190,8 @@ class SQLBackend(Backend):
         self._raw = self._conn = self._engine = None
         self._closed = False
         self._missing = False
+        self._core = False
+        self._bound: tuple[str, int] | None = None
         self._lock = threading.RLock()
         self._driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
         try:
@@ -191,6 +217,10 @@ class SQLBackend(Backend):
                     raise BackendError(f"{self._safe_url}: directory {parent!r} is not writable")
             connect_args = {"check_same_thread": False, "timeout": 60.0,
                             "cached_statements": 256}
+        elif (kind == "postgresql" and self._sa_url.get_driver_name() in ("psycopg", "psycopg2")
+              and "connect_timeout" not in self._sa_url.query):
+            # libpq waits forever for a server that accepts and never answers
+            connect_args = {"connect_timeout": DEFAULT_CONNECT_TIMEOUT}
         try:
             self._engine = sa.create_engine(self._sa_url, poolclass=NullPool,
                                             connect_args=connect_args)
@@ -214,6 +244,54 @@ class SQLBackend(Backend):
                 self._open_core()
         except self._driver_errors as e:
             raise BackendError(f"{self._safe_url}: cannot connect: {e}") from e
+
+    def _connection_lost(self, error: BaseException | None = None) -> bool:
+        """Whether the DBAPI connection is dead (the server closed it or went away)."""
+        if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
+            return True
+        if self._conn is not None:
+            return bool(self._conn.invalidated or self._conn.closed)
+        if self._raw is not None and self._dialect_name == "postgresql":
+            conn = self._raw.driver_connection
+            return bool(getattr(conn, "broken", False) or conn.closed)
+        return False
+
+    def _recover_connection(self, error: BaseException) -> bool:
+        """After a driver error: if the connection is dead, open a new one (same session
+        settings, same bound layout) and return True; False when the connection is fine."""
+        with self._lock:
+            if self._closed or self._dialect_name == "sqlite" or \
+                    not self._connection_lost(error):
+                return False
+            self._release_connection()
+            try:
+                if self._core:
+                    self._open_core()
+                else:
+                    self._open_postgres()
+                if self._bound is not None:
+                    self._configure_ops(*self._bound)
+            except self._driver_errors as e:
+                raise BackendError(f"{self._safe_url}: connection lost ({error}) and "
+                                   f"reconnecting failed: {e}") from e
+            self.counters["reconnects"] = self.counters.get("reconnects", 0) + 1
+            return True
+
+    def _release_connection(self) -> None:
+        """Drop the DBAPI connection; a dead one is invalidated rather than closed, so the
+        pool does not try (and log a traceback for) a rollback on it."""
+        lost = self._connection_lost()
+        for res in (self._raw, self._conn):
+            if res is None:
+                continue
+            try:
+                if lost:
+                    res.invalidate()
+                else:
+                    res.close()
+            except Exception:  # noqa: BLE001 - a broken connection must not raise
+                pass
+        self._raw = self._conn = None
 
     def _quote(self, name: str) -> str:
         return self._engine.dialect.identifier_preparer.quote_identifier(name)
@@ -260,6 +338,7 @@ class SQLBackend(Backend):
                                          self._quote, "int64", 0, self._pg_upsert)
 
     def _open_core(self) -> None:
+        self._core = True
         self._conn = self._engine.connect()
         tables = self._tables("int64")
         self._ops = _sql_ops.CoreOps(self._conn, tables[0], tables[1], "int64", 0)
@@ -339,9 +418,15 @@ class SQLBackend(Backend):
             self._ops.execute_ddl(ddl)
         else:
             self._check_columns(cols, key_type)
-        self._ops.key_type, self._ops.itemsize = key_type, layout.itemsize
+        self._configure_ops(key_type, layout.itemsize)
+        self._bound = (key_type, layout.itemsize)
+
+    def _configure_ops(self, key_type: str, itemsize: int) -> None:
+        """Tell the statements object the bound key type and record size."""
+        self._ops.key_type, self._ops.itemsize = key_type, itemsize
         if isinstance(self._ops, _sql_ops.CoreOps):
-            self._ops.__init__(self._conn, data, meta, key_type, layout.itemsize)
+            data, meta, _ = self._tables(key_type)
+            self._ops.__init__(self._conn, data, meta, key_type, itemsize)
         elif isinstance(self._ops, _sql_ops.PostgresOps):
             self._ops._karr = "int8[]" if key_type == "int64" else "bytea[]"
 
@@ -440,8 +525,14 @@ class SQLBackend(Backend):
         after = None
         while True:
             try:
-                with self._lock:
-                    keys, raw = fetch_page(after)
+                try:
+                    with self._lock:
+                        keys, raw = fetch_page(after)
+                except self._driver_errors as e:
+                    if not self._recover_connection(e):  # a page is a read: read it again
+                        raise
+                    with self._lock:
+                        keys, raw = fetch_page(after)
             except self._driver_errors as e:
                 raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}") from e
             if len(keys) == 0:
@@ -534,13 +625,8 @@ class SQLBackend(Backend):
             if self._closed:
                 return
             self._closed = True
-            for res in (self._raw, self._conn):
-                if res is not None:
-                    try:
-                        res.close()
-                    except Exception:  # noqa: BLE001 - a broken connection must not raise
-                        pass
-            self._raw = self._conn = self._ops = None
+            self._release_connection()
+            self._ops = None
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None

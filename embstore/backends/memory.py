@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ForkedProcessError, InvalidInputError, InvalidURLError
+from ..errors import CapacityError, ForkedProcessError, InvalidInputError, InvalidURLError
 from ..layout import Layout
 from .base import Backend, RowUpdate, serialized
 
@@ -86,6 +86,16 @@ def _flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def _insert_keys(table: CuckooTable, arena: RecordArena, keys: np.ndarray, slots: np.ndarray,
+                 new: np.ndarray | None = None) -> int:
+    """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``."""
+    try:
+        return find_or_insert(table, arena, keys, slots, new)
+    except MemoryError as e:
+        raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
+                            "is unchanged") from e
+
+
 class MemoryBackend(Backend):
     """In-process row store on a cuckoo hash table; not persistent.
 
@@ -100,6 +110,13 @@ class MemoryBackend(Backend):
         once the hash table has 16,384 buckets, the half it will grow into at its next
         doubling is prepared when it is 80% of the way there. ``False`` keeps every page
         fault on the calling thread.
+    hash_seed : int, optional
+        Seed of the int64 key hash (default: drawn at random per store, so keys crafted to
+        collide cannot make the table grow without bound). Give one only to reproduce a
+        table layout (scan order) exactly; nothing stored depends on it.
+
+    A table that cannot grow (memory exhausted, or keys that collide under the seed) raises
+    :class:`~embstore.errors.CapacityError` and leaves every stored key as it was.
     """
 
     persistent = False
@@ -109,7 +126,7 @@ class MemoryBackend(Backend):
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
                  initial_capacity: int = 1024, prefault: bool = True,
-                 **options: Any) -> None:
+                 hash_seed: int | None = None, **options: Any) -> None:
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         super().__init__(url, read_only=read_only, **options)
@@ -119,6 +136,7 @@ class MemoryBackend(Backend):
         self._lock = _ProcessLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
+        self._hash_seed = None if hash_seed is None else int(hash_seed)
         self._table: CuckooTable | None = None
         self._arena: RecordArena | None = None
         self._bytes_slots: dict[bytes, int] = {}
@@ -136,7 +154,7 @@ class MemoryBackend(Backend):
         self.supports_lookup_insert = key_type == "int64"
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
-            self._table = (CuckooTable(self._capacity, self._prefault)
+            self._table = (CuckooTable(self._capacity, self._prefault, self._hash_seed)
                            if key_type == "int64" else None)
 
     def read_meta(self) -> dict | None:
@@ -194,7 +212,7 @@ class MemoryBackend(Backend):
             slots = last[1]
         elif self.key_type == "int64":
             slots = np.empty(len(keys), dtype=np.uint32)
-            if find_or_insert(self._table, self._arena, keys, slots):
+            if _insert_keys(self._table, self._arena, keys, slots):
                 self._epoch += 1
         else:
             slots = self._slots(keys)
@@ -215,7 +233,7 @@ class MemoryBackend(Backend):
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         new = np.empty(n, dtype=np.uint8)
-        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, new))
         fields = self.layout.dtype.fields
         offset = fields["vector"][1]
         if n_new:
@@ -241,7 +259,7 @@ class MemoryBackend(Backend):
             return super().insert_rows(keys, vectors, template)
         self._last_get = None
         slots = np.empty(len(keys), dtype=np.uint32)
-        if find_or_insert(self._table, self._arena, keys, slots):
+        if _insert_keys(self._table, self._arena, keys, slots):
             self._epoch += 1
         fields = self.layout.dtype.fields
         self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),

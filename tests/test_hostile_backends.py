@@ -348,7 +348,7 @@ def test_memory_store_in_fork_started_dataloader_worker_raises():
     assert torch is not None
 
 
-# -- 9: PostgreSQL that never answers, restarts, or is gone at close ----------------------------------
+# -- 9: PostgreSQL that never answers, restarts, or is gone at close ------------------------------
 @pytest.fixture
 def private_postgres():
     from embstore.testing.postgres import find_pg_bin, start_postgres

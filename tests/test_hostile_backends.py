@@ -520,3 +520,33 @@ def test_failed_table_grow_leaves_the_table_unchanged():
     s.assign(crowd[8:], np.full((1, DIM), 4.0))          # with memory, the grow goes through
     assert len(s) == 29 and s.stats()["table_capacity"] > cap
     np.testing.assert_array_equal(s.lookup(crowd, insert=False)[-1], np.full(DIM, 4.0))
+
+
+# -- 16: RocksDB whose disk fills up ---------------------------------------------------------------
+_DISK_FULL = """
+import resource, signal, sys
+import numpy as np
+import embstore
+s = embstore.open("rocksdb://" + sys.argv[1], dim=64, durable=False)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    for i in range(20):
+        s.assign(np.arange(i * 500, (i + 1) * 500), np.ones((500, 64)))
+except Exception as e:
+    print("write", type(e).__name__)
+try:
+    s.close()
+    print("close ok")
+except Exception as e:
+    print("close", type(e).__name__, e)
+"""
+
+
+def test_rocksdb_close_on_a_full_disk_raises_backend_error(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _DISK_FULL, str(tmp_path / "db")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "write BackendError"
+    assert lines[1].startswith("close BackendError") and "close failed" in lines[1]

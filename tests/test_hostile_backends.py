@@ -92,6 +92,14 @@ def test_redact_url_and_text():
     assert "hunter2" not in redact_text(text)
 
 
+def test_unknown_scheme_error_does_not_show_the_password():
+    from embstore.errors import UnknownSchemeError
+
+    with pytest.raises(UnknownSchemeError) as info:
+        embstore.open("mysqlx://u:hunter2@h/db", dim=DIM)
+    assert "hunter2" not in str(info.value)
+
+
 def test_cli_error_does_not_print_the_password(tmp_path):
     for url in ("postgresql+psycopg://u:hunter2@/db?table=t",          # quoted in the error
                 "postgresql+psycopg://u:hunter2@127.0.0.1:9/db?connect_timeout=2&table=t"):

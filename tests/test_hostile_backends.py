@@ -558,3 +558,42 @@ def test_rocksdb_close_on_a_full_disk_raises_backend_error(tmp_path):
     lines = r.stdout.splitlines()
     assert lines[0] == "write BackendError"
     assert lines[1].startswith("close BackendError") and "close failed" in lines[1]
+
+
+_OUT_OF_MEMORY = """
+import resource, sys
+import numpy as np
+import embstore
+
+s = embstore.open("memory://", dim=64)
+s.assign(np.arange(-1000, 0), np.full((1000, 64), 7.0))        # rows that must survive
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (vm + (300 << 20), hard))
+done, failed = 0, None
+try:
+    for i in range(200):
+        keys = np.arange(i * 50_000, (i + 1) * 50_000)
+        s.assign(keys, np.ones((50_000, 64)))
+        done = i + 1
+except MemoryError as e:
+    failed = type(e).__name__
+resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+n = done * 50_000
+ok = (len(s) == 1000 + n and bool(s.contains(np.arange(n)).all())
+      and not s.contains(np.arange(n, n + 50_000)).any()
+      and bool((s.lookup(np.arange(-1000, 0), insert=False) == 7.0).all()))
+print(failed, done, ok)
+"""
+
+
+def test_memory_store_out_of_memory_is_all_or_nothing_per_batch():
+    """Under an address-space limit the store fills up until a batch cannot fit: that batch
+    raises MemoryError (CapacityError where the table or arena could not grow) and adds
+    nothing, and every earlier row is intact."""
+    r = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    failed, done, ok = r.stdout.split()
+    assert failed in ("CapacityError", "MemoryError") and 0 < int(done) < 200 and ok == "True"

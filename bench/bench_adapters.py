@@ -84,10 +84,10 @@ def _race(ref_step, dyn_step, batches, warmup: int = 3,
 
 def bench_torch(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
     import torch
-    from embstore_torch import DynamicEmbeddingBag
     from torch import nn
 
     import embstore
+    from embstore_torch import DynamicEmbeddingBag
 
     torch.manual_seed(0)
     batches = _keys_stream(n_steps, id_space)
@@ -237,9 +237,9 @@ def bench_tf(n_steps: int, id_space: int,
              tfra_python: str | None = None) -> list[tuple[str, float, float, float, float]]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
-    from embstore_tf import dynamic_embedding_lookup, trigger_variable
 
     import embstore
+    from embstore_tf import dynamic_embedding_lookup, trigger_variable
 
     # One thread, as for torch: idle TF pool threads spinning next to the store's Python work
     # would measure the machine's scheduling, not the two lookup paths.

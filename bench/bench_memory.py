@@ -25,9 +25,9 @@ import resource
 import time
 
 import numpy as np
-from embstore._cython.arena import release_pool
 
 import embstore
+from embstore._cython.arena import release_pool
 
 DIM = 64
 BATCH = 4096

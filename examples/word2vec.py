@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from embstore_torch import DynamicEmbedding
 
 import embstore
 from embstore.init import Uniform
 from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
+from embstore_torch import DynamicEmbedding
 
 try:
     from tqdm import tqdm

@@ -7,10 +7,10 @@ import pickle
 
 import numpy as np
 import pytest
-from embstore._cython.arena import RecordArena, release_pool
-from embstore._cython.cuckoo import CuckooTable, find_or_insert
 
 import embstore
+from embstore._cython.arena import RecordArena, release_pool
+from embstore._cython.cuckoo import CuckooTable, find_or_insert
 from embstore.errors import InvalidInputError
 from embstore.testing.conformance import StoreConformance
 from tests.stores import run_in_threads

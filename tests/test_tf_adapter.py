@@ -11,16 +11,15 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
 
+import embstore  # noqa: E402
+from embstore.errors import KeyTypeError, ReadOnlyError  # noqa: E402
+from embstore.optim import SGD, Adagrad  # noqa: E402
 from embstore_tf import (  # noqa: E402
     DynamicEmbedding,
     dynamic_embedding_lookup,
     sampled_logits,
     trigger_variable,
 )
-
-import embstore  # noqa: E402
-from embstore.errors import KeyTypeError, ReadOnlyError  # noqa: E402
-from embstore.optim import SGD, Adagrad  # noqa: E402
 
 DIM = 8
 VOCAB = 30

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import embstore  # noqa: E402
+from embstore.errors import InvalidInputError, KeyTypeError, ReadOnlyError  # noqa: E402
+from embstore.optim import SGD, Adagrad  # noqa: E402
 from embstore_torch import (  # noqa: E402
     DynamicEmbedding,
     DynamicEmbeddingBag,
     SampledSoftmaxLoss,
     sampled_logits,
 )
-from torch import nn  # noqa: E402
-
-import embstore  # noqa: E402
-from embstore.errors import InvalidInputError, KeyTypeError, ReadOnlyError  # noqa: E402
-from embstore.optim import SGD, Adagrad  # noqa: E402
 
 DIM = 8
 VOCAB = 40

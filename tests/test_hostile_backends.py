@@ -187,6 +187,20 @@ def test_pickled_store_that_cannot_reopen_fails_the_pool_task_cleanly(tmp_path, 
     s.close()
 
 
+@pytest.mark.parametrize("scheme", ["lmdb", "sqlite", "rocksdb-read-only"])
+def test_pickled_store_in_a_pool_works_where_it_can_reopen(tmp_path, scheme):
+    import multiprocessing
+
+    url = {"lmdb": f"lmdb://{tmp_path}/db", "sqlite": f"sqlite:///{tmp_path}/x.db",
+           "rocksdb-read-only": f"rocksdb://{tmp_path}/r"}[scheme]
+    with embstore.open(url, dim=DIM) as w:
+        w.assign([1], np.ones((1, DIM)))
+    s = embstore.open(url, read_only=scheme.endswith("read-only"))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply_async(_lookup_in_worker, (s,)).get(timeout=120) == [[1.0] * DIM]
+    s.close()
+
+
 def test_unopened_store_stand_in():
     from embstore._unpickle import UnopenedStore
     from embstore.errors import BackendError

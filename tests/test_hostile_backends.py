@@ -24,17 +24,21 @@ DIM = 4
 
 
 # -- 2: SQLite table names that differ only in case ------------------------------------------------
-def test_sqlite_table_names_differing_in_case_are_refused(tmp_path):
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_sqlite_table_names_differing_in_case_are_refused(tmp_path, fast_path):
     db = f"sqlite:///{tmp_path}/x.db"
-    with embstore.open(db + "?table=Items", dim=DIM) as first:
+    kw = {"fast_path": fast_path}
+    with embstore.open(db + "?table=Items", dim=DIM, **kw) as first:
         first.assign([1, 2], np.ones((2, DIM)))
     with pytest.raises(InvalidInputError, match="clashes with the existing 'Items'"):
-        embstore.open(db + "?table=ITEMS", dim=8)
+        embstore.open(db + "?table=ITEMS", dim=8, **kw)
     with pytest.raises(InvalidInputError, match="ignore case"):
-        embstore.open(db + "?table=items", dim=DIM)
-    with embstore.open(db + "?table=Items") as again:      # the first store is untouched
+        embstore.open(db + "?table=items", dim=DIM, **kw)
+    with pytest.raises(InvalidInputError, match="ignore case"):   # the _meta table clashes
+        embstore.open(db + "?table=ITEMS_meta", dim=DIM, **kw)
+    with embstore.open(db + "?table=Items", **kw) as again:    # the first store is untouched
         assert again.dim == DIM and len(again) == 2
-    with embstore.open(db + "?table=Other", dim=8) as other:  # a distinct name still works
+    with embstore.open(db + "?table=Other", dim=8, **kw) as other:  # distinct names work
         assert other.dim == 8
 
 

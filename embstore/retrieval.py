@@ -43,6 +43,8 @@ class TopKResult(tuple):
     ``-inf``.
     """
 
+    valid: np.ndarray
+
     def __new__(cls, keys: np.ndarray, scores: np.ndarray, valid: np.ndarray) -> TopKResult:
         obj = super().__new__(cls, (keys, scores))
         obj.valid = valid

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -70,8 +71,9 @@ class _ProcessLock:
                 "rocksdb://, sql, bigtable://) shared by URL, or start workers with 'spawn'")
         return self._lock.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
-        self._lock.__exit__(*exc)
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._lock.__exit__(exc_type, exc, tb)
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -86,7 +88,7 @@ def _flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def _insert_keys(table: CuckooTable, arena: RecordArena, keys: np.ndarray, slots: np.ndarray,
+def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
                  new: np.ndarray | None = None) -> int:
     """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``."""
     try:

@@ -339,9 +339,9 @@ class SQLBackend(Backend):
 
     def _open_core(self) -> None:
         self._core = True
-        self._conn = self._engine.connect()
+        self._conn = conn = self._engine.connect()
         if self._dialect_name == "sqlite":
-            self._refuse_case_aliases(self._conn.connection.driver_connection)
+            self._refuse_case_aliases(conn.connection.driver_connection)
         tables = self._tables("int64")
         self._ops = _sql_ops.CoreOps(self._conn, tables[0], tables[1], "int64", 0)
 

@@ -8,6 +8,7 @@ retrieval indexes) and the tombstone log see all of them.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -33,32 +34,88 @@ class RecordWrites:
         return recs
 
     def _update_records(self, uniq: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> None:
-        """One optimizer step on records copied out of the backend and written back."""
-        recs, found = self._backend.get(uniq)
-        nnew = int(len(uniq) - np.count_nonzero(found))
-        if nnew and self._policy.admission is not None:
-            # Gradients of keys the policy does not (yet) admit are dropped: they have no row.
-            ok = found.copy()
-            ok[~found] = self._policy.admit_update(uniq[~found], mult[~found])
-            if not ok.all():
-                uniq, summed, mult, recs, found = (uniq[ok], summed[ok], mult[ok], recs[ok],
-                                                   found[ok])
-                nnew = int(len(uniq) - np.count_nonzero(found))
-        if nnew:
-            recs[~found] = self._new_records(uniq[~found])
-            self._stats["inserts"] += nnew
+        """One optimizer step on the records of ``uniq``, read and written back by one
+        ``Backend.modify``; stats, tombstones and observers follow its last call's outcome."""
+        policy = self._policy
+        n = len(uniq)
+        # Admission is asked once per key however often the backend runs ``step`` (a policy
+        # counts sightings): decisions are kept across calls.
+        asked = np.zeros(n, dtype=bool)
+        admitted = np.zeros(n, dtype=bool)
+        last: list[Any] = [None]
+
+        def step(recs: np.ndarray, found: np.ndarray) -> np.ndarray | None:
+            ok = None
+            if not found.all():
+                if policy.admission is not None:
+                    ask = ~found & ~asked
+                    if ask.any():
+                        admitted[ask] = policy.admit_update(uniq[ask], mult[ask])
+                        asked[ask] = True
+                    ok = found | admitted
+                new = ~found if ok is None else ~found & ok
+                if new.any():
+                    recs[new] = self._new_records(uniq[new])
+            if ok is None or ok.all():
+                drop = self._step(recs, summed, mult)
+            else:  # gradients of keys not admitted are dropped: they get no row
+                sub = recs[ok]
+                sub_drop = self._step(sub, summed[ok], mult[ok])
+                recs[ok] = sub
+                drop = None
+                if sub_drop is not None:
+                    drop = np.zeros(n, dtype=bool)
+                    drop[ok] = sub_drop
+            if drop is not None and drop.any():
+                ok = ~drop if ok is None else ok & ~drop
+            last[0] = (recs, found, ok, drop)
+            return ok
+
+        self._backend.modify(uniq, step)
+        recs, found, keep, drop = last[0]
+        written = np.ones(n, dtype=bool) if keep is None else keep
+        self._stats["inserts"] += int(np.count_nonzero(written & ~found))
+        if drop is not None and drop.any():
+            self._policy.counters["pruned"] += int(np.count_nonzero(drop))
+        self._after_modify(uniq, recs, found, keep)
+
+    def _step(self, recs: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> np.ndarray | None:
         drop = self.optimizer.apply(recs, summed, self.step)
         recs["count"] += mult
         self._stamp(recs)
-        if drop is not None and drop.any():
-            keep = ~drop
-            gone = uniq[drop & found]
-            self._policy.counters["pruned"] += int(np.count_nonzero(drop))
-            if len(gone):
-                self._delete(gone)
-            uniq, recs = uniq[keep], recs[keep]
-        if len(uniq):
-            self._put(uniq, recs)
+        return drop
+
+    def _assign_records(self, uniq: np.ndarray, values: np.ndarray) -> None:
+        """Set the vectors of ``uniq`` (new keys get fresh records) in one ``modify``."""
+        last: list[Any] = [None]
+
+        def assign(recs: np.ndarray, found: np.ndarray) -> None:
+            if not found.all():
+                new = ~found
+                recs[new] = self._new_records(uniq[new], values[new])
+            recs["vector"] = values
+            self._stamp(recs)
+            last[0] = (recs, found)
+
+        found = self._backend.modify(uniq, assign)
+        recs = last[0][0]
+        self._stats["inserts"] += int(len(uniq) - np.count_nonzero(found))
+        self._stats["assigns"] += len(uniq)
+        self._after_modify(uniq, recs, found, None)
+
+    def _after_modify(self, keys: np.ndarray, recs: np.ndarray, found: np.ndarray,
+                      keep: np.ndarray | None) -> None:
+        """Side effects of a ``modify``: deletes counted and logged, observers told."""
+        if keep is not None:
+            gone = found & ~keep
+            ngone = int(np.count_nonzero(gone))
+            if ngone:
+                self._deleted(keys[gone])
+            if not keep.all():
+                keys, recs = keys[keep], recs[keep]
+        if len(keys):
+            for obs in self._observers:
+                obs.on_write(keys, recs)
 
     def _initial(self, keys: np.ndarray) -> np.ndarray:
         return self.initializer(keys, self.layout.dim, self.seed)
@@ -88,13 +145,16 @@ class RecordWrites:
     def _delete(self, keys: np.ndarray) -> int:
         present = self._backend.delete(keys)
         n = int(np.count_nonzero(present))
-        self._stats["deletes"] += n
         if n:
-            gone = keys[np.asarray(present, dtype=bool)]
-            self._policy.tombstones.add(gone, self._next_version())
-            for obs in self._observers:
-                obs.on_delete(gone)
+            self._deleted(keys[np.asarray(present, dtype=bool)])
         return n
+
+    def _deleted(self, gone: np.ndarray) -> None:
+        """Record rows that left the table: counted, logged as tombstones, observers told."""
+        self._stats["deletes"] += len(gone)
+        self._policy.tombstones.add(gone, self._next_version())
+        for obs in self._observers:
+            obs.on_delete(gone)
 
     def _stamp(self, recs: np.ndarray) -> None:
         recs["last_seen"] = time.time()

@@ -375,14 +375,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if len(k) == 0:
             return
         uniq, last = unique_last(k)
-        recs, found = self._backend.get(uniq)
-        if not found.all():
-            recs[~found] = self._new_records(uniq[~found])
-            self._stats["inserts"] += int(len(uniq) - np.count_nonzero(found))
-        recs["vector"] = v[last]
-        self._stamp(recs)
-        self._put(uniq, recs)
-        self._stats["assigns"] += len(uniq)
+        self._assign_records(uniq, v[last])
 
     def delete(self, keys: Any) -> int:
         """Delete keys; return how many were present."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backends.base import Backend, ModifyFn
 from ..backends.memory import MemoryBackend
 from ..errors import BackendError, InvalidInputError, StoreClosedError
 from ..layout import Layout
@@ -144,10 +144,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         self._invalid: list[np.ndarray] = []    # keys written/evicted while a prefetch ran
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._st = SlotTable(self.key_type, eviction, self.capacity)
-        # The engine's update is get(keys) -> optimizer -> put(the same array): the slots of
-        # the last all-hit probe spare put a second probe, while no row came or went since.
-        self._epoch = 0
-        self._last_probe: tuple[np.ndarray, np.ndarray, int] | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -262,7 +258,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
 
     def _drop(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Forget cached rows (no remote I/O)."""
-        self._epoch += 1
         self._log_invalid(keys)
         self._st.remove(slots)
         self.local.delete(keys)
@@ -273,7 +268,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         """Cache rows of keys not cached yet (room was made by the caller)."""
         if not len(keys):
             return
-        self._epoch += 1
         self.local.put(keys, recs)
         if not self._rows_in_index:
             self._index.put(keys, self._index.layout.empty(len(keys)))
@@ -289,7 +283,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             self._index.bind(Layout(1), key_type)
         with self._lock:
             self._st = SlotTable(key_type, self.eviction, self.capacity)
-            self._epoch += 1
 
     def read_meta(self) -> dict | None:
         meta = self.remote.read_meta()
@@ -377,7 +370,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             self._check()
             slots, found = self._find(keys)
             if found.all():  # the hit path: one probe, one gather, one stamp scatter
-                self._last_probe = (keys, slots, self._epoch)
                 out = self._read_local(keys, slots, field)
                 self._st.next_tick()
                 self._st.touch(slots)
@@ -459,15 +451,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             through = self.write_policy == "through"
             if through:
                 self._remote_put(keys, records)
-            last, self._last_probe = self._last_probe, None
-            if last is not None and last[0] is keys and last[2] == self._epoch:
-                slots = last[1]
-                found = np.ones(len(keys), dtype=bool)
-            else:
-                slots, found = self._find(keys)
+            slots, found = self._find(keys)
             self._st.next_tick()
             m = len(keys) - int(np.count_nonzero(found))
-            if m == 0:  # the training step's case: every row is cached
+            if m == 0:  # every row is cached
                 self._st.touch(slots)
                 self._write_local(keys, records, slots, found)
                 self._st.dirty[slots] = not through
@@ -485,6 +472,35 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
                 self._write_local(keys, records, slots, found)
                 self._st.dirty[slots[found]] = not through
             self._insert(new_keys[:room], new_recs[:room], dirty=not through)
+
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        with self._lock:
+            self._check()
+            slots, found = self._find(keys)
+            if found.all():
+                # The training step's case: every row is cached. One probe; the rows are
+                # stepped and written back into the slots they were read from.
+                recs = self._read_local(keys, slots)
+                self.counters["cache_hits"] += len(keys)
+                keep = fn(recs, found.copy())
+                if keep is not None and not np.asarray(keep, dtype=bool).all():
+                    keep = np.asarray(keep, dtype=bool)
+                    self.delete(keys[~keep])
+                    if keep.any():
+                        self.put(keys[keep], recs[keep])
+                    return found
+                self._log_invalid(keys)
+                through = self.write_policy == "through"
+                if through:
+                    self._remote_put(keys, recs)
+                self._st.next_tick()
+                self._st.touch(slots)
+                self._write_local(keys, recs, slots, found)
+                self._st.dirty[slots] = not through
+                return found
+        # Some rows come from the remote: read-through get, fn, put (outside the lock, as a
+        # get may wait for a running prefetch).
+        return super().modify(keys, fn)
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -508,4 +524,3 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             if not self._rows_in_index:
                 self._index.clear()
             self._st = SlotTable(self.key_type, self.eviction, self.capacity)
-            self._epoch += 1

@@ -129,12 +129,26 @@ class RecordWrites:
 
     def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> None:
         """Write new records of ``keys`` with these vectors."""
-        if self._observers:  # they are handed whole records
-            recs = self._new_records(keys, vectors)
-            self._stamp(recs)
-            self._put(keys, recs)
-            return
-        self._backend.insert_rows(keys, vectors, self._template())
+        template = self._template()
+        self._backend.insert_rows(keys, vectors, template)
+        for obs in self._observers:
+            obs.on_insert(keys, vectors, template)
+
+    def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``Backend.lookup_insert``: vectors and which keys were inserted (the first
+        occurrence of each new key); observers are told about the new rows."""
+        made: list[np.ndarray] = []
+
+        def template() -> np.ndarray:
+            made.append(self._template())
+            return made[-1]
+
+        new = np.zeros(len(keys), dtype=bool)
+        vectors, n_new = self._backend.lookup_insert(keys, self._initial, template, new=new)
+        if n_new:
+            for obs in self._observers:
+                obs.on_insert(keys[new], vectors[new], made[-1])
+        return vectors, new
 
     # Every row write and delete of the engine goes through these two, so observers see all.
     def _put(self, keys: np.ndarray, recs: np.ndarray) -> None:

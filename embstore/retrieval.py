@@ -173,7 +173,7 @@ def _dense(store: Any) -> KeyIndex:
     if idx is None or idx.stale:
         if idx is not None:
             store._observers.remove(idx)
-        idx = _DenseVectors(store.key_type, store.dim, len(store.backend))
+        idx = _DenseVectors(store.backend, store.key_type, store.dim, len(store.backend))
         for keys, recs in store.backend.scan(65536):
             idx.upsert(keys, {"vector": recs["vector"]})
         store._observers.append(idx)
@@ -182,12 +182,26 @@ def _dense(store: Any) -> KeyIndex:
 
 
 class _DenseVectors(KeyIndex):
-    def __init__(self, key_type: str, dim: int, capacity: int) -> None:
+    """Keys and vectors of a memory store as dense arrays (a ``StoreObserver``)."""
+
+    def __init__(self, backend: Any, key_type: str, dim: int, capacity: int) -> None:
         super().__init__(key_type, {"vector": (np.float32, (dim,))}, capacity)
+        self.backend = backend
         self.stale = False
 
     def on_write(self, keys: np.ndarray, recs: np.ndarray) -> None:
         self.upsert(keys, {"vector": recs["vector"]})
+
+    def on_insert(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        self.upsert(keys, {"vector": vectors})
+
+    def on_row_update(self, keys: np.ndarray, update: Any, found: np.ndarray) -> None:
+        if update.axpy[0] != "vector":
+            return
+        k = keys if found.all() else keys[found]
+        # read back, not recomputed: the copy must equal the stored bits exactly
+        vectors, _ = self.backend.get_field(k, "vector")
+        self.upsert(k, {"vector": vectors})
 
     def on_delete(self, keys: np.ndarray) -> None:
         self.remove(keys)

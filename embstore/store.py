@@ -274,15 +274,20 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if n == 0:
             return np.empty((0, self.layout.dim), dtype=np.float32)
         if (insert and not self.read_only and self._backend.supports_lookup_insert
-                and self._policy.admission is None and not self._observers and distinct(k)):
-            # No policy to ask and nobody to tell: the backend places the new keys as it
-            # finds them missing (one pass instead of a read and then a write).
-            vectors, n_new = self._backend.lookup_insert(k, self._initial, self._template)
-            self._stats["hits"] += n - n_new
+                and self._policy.admission is None):
+            # No policy to ask: the backend places the new keys as it finds them missing (one
+            # pass instead of a read and then a write); observers learn which keys were new.
+            vectors, new = self._lookup_insert(k)
+            n_new = int(np.count_nonzero(new))
             if n_new:
-                self._stats["misses"] += n_new
+                # every occurrence of a new key missed (a repeated one is inserted once)
+                misses = n if n_new == n else int(np.count_nonzero(np.isin(k, k[new])))
+                self._stats["hits"] += n - misses
+                self._stats["misses"] += misses
                 self._stats["inserts"] += n_new
                 self._policy.maybe_evict(self)
+            else:
+                self._stats["hits"] += n
             return vectors
         vectors, found = self._backend.get_field(k, "vector")
         nfound = int(np.count_nonzero(found))
@@ -352,12 +357,16 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         self.step += 1
         self._stats["updates"] += len(k)
         axpy = self.optimizer.axpy_step(summed)
-        if axpy is not None and self._backend.supports_row_update and not self._observers:
+        if axpy is not None and self._backend.supports_row_update:
             # The step is plain field arithmetic: the backend applies it where the records
-            # live; only keys without a record yet go the general way below.
-            found = self._backend.update_rows(uniq, RowUpdate(
-                axpy, {"count": mult}, {"last_seen": time.time(), "last_step": self.step,
-                                         "version": self._next_version()}))
+            # live (observers are told the same arithmetic); only keys without a record yet
+            # go the general way below.
+            row_update = RowUpdate(axpy, {"count": mult}, {
+                "last_seen": time.time(), "last_step": self.step,
+                "version": self._next_version()})
+            found = self._backend.update_rows(uniq, row_update)
+            for obs in self._observers:
+                obs.on_row_update(uniq, row_update, found)
             if found.all():
                 self._policy.after_update(self)
                 return

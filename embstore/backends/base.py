@@ -158,10 +158,14 @@ class Backend(abc.ABC):
         self.put(keys, records)
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:
-        """Vectors of distinct ``keys``; keys without a record get one on the way, made of
+                      template: Callable[[], np.ndarray],
+                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """Vectors of ``keys``; keys without a record get one on the way, made of
         ``template()`` (a 1-row record array) with ``initial(new_keys)`` as vectors.
-        Returns ``(vectors, number_inserted)``. Only called when ``supports_lookup_insert``.
+        A key may repeat: a new one is inserted once, at its first occurrence, and every
+        occurrence reads the same vector. Returns ``(vectors, number_inserted)``; ``new`` (a
+        bool array, one per key), when given, is set True exactly where a key was inserted.
+        Only called when ``supports_lookup_insert``.
         """
         raise NotImplementedError(f"{type(self).__name__} has no lookup_insert")
 

@@ -13,7 +13,7 @@ serialized by a lock, so threads may share one store.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -196,12 +196,14 @@ class MemoryBackend(Backend):
         self._scatter(self._place(keys), records)
 
     @serialized
-    def lookup_insert(self, keys, initial, template):
+    def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                      template: Callable[[], np.ndarray],
+                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         # One probe per key: a missing key is placed in the table as it is found missing.
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
-        new = np.empty(n, dtype=np.uint8)
-        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
+        n_new = int(find_or_insert(self._table, self._arena, keys, slots, flags))
         fields = self.layout.dtype.fields
         offset = fields["vector"][1]
         if n_new:
@@ -212,7 +214,7 @@ class MemoryBackend(Backend):
             self._arena.write_rows(slots, tmpl, offset, out)
         else:
             if n_new:
-                m = new.view(bool)
+                m = flags.view(bool)
                 self._arena.write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
                     initial(keys[m]), dtype=np.float32))
             out = np.empty((n, self.layout.dim), dtype=np.float32)

@@ -142,8 +142,32 @@ class SamplingIndex:
         for s in np.unique(sid).tolist():
             yield s, sid == s
 
+    # -- the engine's observer protocol (embstore.engine.protocols.StoreObserver) -----------
     def on_write(self, keys: np.ndarray, recs: np.ndarray) -> None:
-        counts = np.ascontiguousarray(recs["count"], dtype=np.int64)
+        self._set_counts(keys, np.ascontiguousarray(recs["count"], dtype=np.int64))
+
+    def on_insert(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        self._set_counts(keys, np.full(len(keys), int(template["count"][0]), dtype=np.int64))
+
+    def on_row_update(self, keys: np.ndarray, update: Any, found: np.ndarray) -> None:
+        add = update.add.get("count")
+        if add is None:
+            return
+        if not found.all():
+            keys, add = keys[found], add[found]
+        add = np.asarray(add, dtype=np.int64)
+        for s, sel in self._route(keys):
+            part = self.parts[s]
+            k, a = (keys, add) if sel is None else (keys[sel], add[sel])
+            pos = part.positions(k)
+            hit = pos >= 0
+            if not hit.all():
+                pos, a = pos[hit], a[hit]
+            part.cols["count"][pos] += a
+            self.total_count += int(a.sum())
+        self.changes += len(keys)
+
+    def _set_counts(self, keys: np.ndarray, counts: np.ndarray) -> None:
         for s, sel in self._route(keys):
             part = self.parts[s]
             k, c = (keys, counts) if sel is None else (keys[sel], counts[sel])

@@ -163,21 +163,20 @@ def _exclusions(store: Any, exclude: Any, nq: int) -> tuple[np.ndarray | None, l
     if isinstance(exclude, (list, tuple)) and len(exclude) == nq and nq and all(
         isinstance(e, (list, tuple, np.ndarray)) for e in exclude
     ):
-        return None, [store._keys(e) for e in exclude]
-    return store._keys(exclude), None
+        return None, [store.normalize_keys(e) for e in exclude]
+    return store.normalize_keys(exclude), None
 
 
 def _dense(store: Any) -> KeyIndex:
-    """The memory store's dense (keys, vectors) copy, kept current by observers."""
-    idx = store.__dict__.get(_ATTR)
-    if idx is None or idx.stale:
+    """The memory store's dense (keys, vectors) copy, kept current as an observer."""
+    idx = next((o for o in store.observers if isinstance(o, _DenseVectors)), None)
+    if idx is None or idx.stale or idx.backend is not store.backend:
         if idx is not None:
-            store._observers.remove(idx)
+            store.remove_observer(idx)
         idx = _DenseVectors(store.backend, store.key_type, store.dim, len(store.backend))
         for keys, recs in store.backend.scan(65536):
             idx.upsert(keys, {"vector": recs["vector"]})
-        store._observers.append(idx)
-        setattr(store, _ATTR, idx)
+        store.add_observer(idx)
     return idx
 
 
@@ -208,6 +207,9 @@ class _DenseVectors(KeyIndex):
 
     def on_bulk_load(self) -> None:
         self.stale = True
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
 
 def _blocks(source: Iterable[tuple[np.ndarray, np.ndarray]], rows: int,
@@ -249,7 +251,7 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
           batch_size: int | None = None, dense: bool | None = None,
           ) -> tuple[np.ndarray, np.ndarray]:
     """See :meth:`embstore.EmbeddingStore.top_k`."""
-    store._check_open()
+    store.check_open()
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
         raise InvalidInputError(f"k must be a positive int, got {k!r}")
     q = _queries(store, queries)

@@ -18,8 +18,11 @@ import numpy as np
 
 from . import init as _init
 from . import optim as _optim
-from ._batch import (
+from ._keys import check_key_type
+from .backends.base import Backend, RowUpdate
+from .engine.batch import (
     check_counts,
+    check_rows,
     coalesce,
     distinct,
     occurrences,
@@ -27,25 +30,19 @@ from ._batch import (
     unique_first,
     unique_last,
 )
-from ._cython.rowops import all_finite
-from ._keys import check_key_type, normalize_keys
-from ._records import RecordWrites
-from ._sampling_api import SamplingAPI
-from ._schema import FORMAT, FORMAT_VERSION, check_stored_meta
-from .backends.base import Backend, RowUpdate
-from .errors import (
-    InvalidInputError,
-    ReadOnlyError,
-    StoreClosedError,
-    StoreNotFoundError,
-)
+from .engine.protocols import StoreObserver
+from .engine.records import RecordWrites
+from .engine.sampling_api import SamplingAPI
+from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
+from .engine.seams import StoreSeams
+from .errors import InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
 
-class EmbeddingStore(SamplingAPI, RecordWrites):
+class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
     """A dynamic embedding table: one float32 vector (plus optimizer state) per key.
 
     Use :func:`embstore.open` rather than constructing this directly.
@@ -92,9 +89,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         # admission, expiry, capacity eviction, tombstones (``embstore.policies``)
         self._policy = PolicyRuntime(admission, expiry, capacity, eviction)
-        #: objects told about every write and delete (sampling index, touched-key tracking,
-        #: eviction bookkeeping): ``on_write(keys, records)`` / ``on_delete(keys)``
-        self._observers: list[Any] = []
+        #: told about every row write and delete (sampling index, dense top-k copy): see
+        #: ``add_observer`` and ``embstore.engine.protocols.StoreObserver``
+        self._observers: list[StoreObserver] = []
         try:
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
                         seed)
@@ -216,39 +213,8 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
                 f"optimizer={self.optimizer!r} {state}>")
 
     # -- validation --------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("operation on a closed store")
-
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self.read_only:
-            raise ReadOnlyError(f"{self.url} is open read-only")
-
-    def _keys(self, keys: Any) -> np.ndarray:
-        return normalize_keys(keys, self.key_type)
-
     def _rows(self, values: Any, n: int, what: str) -> np.ndarray:
-        if (type(values) is np.ndarray and values.dtype == np.float32
-                and values.shape == (n, self.layout.dim) and values.flags.c_contiguous):
-            if not all_finite(values):  # the common case, without the conversions
-                raise InvalidInputError(f"{what} contain NaN or inf")
-            return values
-        if hasattr(values, "detach") and hasattr(values, "cpu"):
-            values = values.detach().cpu().numpy()
-        elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):
-            values = values.numpy()
-        arr = np.asarray(values)
-        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
-            raise InvalidInputError(f"{what} must be numeric, got dtype {arr.dtype}")
-        if arr.shape != (n, self.layout.dim):
-            raise InvalidInputError(
-                f"{what} must have shape ({n}, {self.layout.dim}) for {n} keys, got {arr.shape}"
-            )
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not all_finite(arr):
-            raise InvalidInputError(f"{what} contain NaN or inf")
-        return arr
+        return check_rows(values, n, self.layout.dim, what)
 
     def initial_vectors(self, keys: Any) -> np.ndarray:
         """The vector each key gets on first sight (pure function of seed and key)."""
@@ -453,7 +419,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         A delta (``since=``) also carries the keys deleted after that version. Returns the
         number of rows written. A path is written atomically.
         """
-        from ._transfer import export_native
+        from .engine.transfer import export_native
 
         self._check_open()
         return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
@@ -466,7 +432,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         (checksums, trailer) before the first row is written, so a corrupt or truncated file
         imports nothing; with ``partial=True`` rows before the damage are kept.
         """
-        from ._transfer import import_native
+        from .engine.transfer import import_native
 
         self._check_writable()
         return import_native(self, src, partial=partial, progress=progress)
@@ -479,7 +445,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         store's version (and, from ``header``, step and policy state) moves forward to cover
         the rows.
         """
-        from ._transfer import load_records
+        from .engine.transfer import load_records
 
         self._check_writable()
         return load_records(self, batches, header=header)
@@ -497,8 +463,8 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         out["version"] = self._version
         out.update(self._policy.counters)
         out.update(self._backend.stats())
-        if "_sampling_index" in self.__dict__:  # rows, scans, snapshot rebuilds, bytes
-            out.update(self.__dict__["_sampling_index"].stats())
+        for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
+            out.update(obs.stats())
         size = self._backend.size_bytes()
         if size is not None:
             out["size_bytes"] = int(size)
@@ -542,6 +508,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
-    from .api import open as _open
+    from .engine.opening import open_backend, split_options
 
-    return _open(url, **options)
+    engine, read_only, layer, backend_options = split_options(options)
+    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
+    return EmbeddingStore(backend, read_only=read_only,
+                          reopen_options=dict(backend.reopen_options()), **engine)

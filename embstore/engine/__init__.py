@@ -8,6 +8,6 @@ writes must implement.
 
 from __future__ import annotations
 
-from .protocols import StoreObserver, StoreView
+from .protocols import IndexHost, PolicyHost, StoreObserver
 
-__all__ = ["StoreObserver", "StoreView"]
+__all__ = ["IndexHost", "PolicyHost", "StoreObserver"]

@@ -6,14 +6,13 @@ store's private attributes; they now program against these protocols instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 if TYPE_CHECKING:
     from ..backends.base import Backend, RowUpdate
-    from ..layout import Layout
 
 
 @runtime_checkable
@@ -33,6 +32,8 @@ class StoreObserver(Protocol):
       ``update``'s per-key arrays are aligned with ``keys``);
     - ``on_delete(keys)``: rows removed (delete, expiry, eviction, pruning);
     - ``on_bulk_load()``: rows written around the engine (import): resync before next use.
+
+    ``stats()`` returns counters merged into ``store.stats()`` (may be empty).
     """
 
     def on_write(self, keys: np.ndarray, records: np.ndarray) -> None: ...
@@ -47,13 +48,13 @@ class StoreObserver(Protocol):
 
     def on_bulk_load(self) -> None: ...
 
+    def stats(self) -> dict[str, Any]: ...
 
-class StoreView(Protocol):
-    """What sampling, retrieval, policies and transfers may use of an open store."""
+
+class IndexHost(Protocol):
+    """What sampling and retrieval use of a store: its keys, its rows and its observers."""
 
     key_type: str
-    layout: Layout
-    step: int
 
     @property
     def backend(self) -> Backend: ...
@@ -62,7 +63,7 @@ class StoreView(Protocol):
     def dim(self) -> int: ...
 
     @property
-    def version(self) -> int: ...
+    def observers(self) -> tuple[StoreObserver, ...]: ...
 
     def check_open(self) -> None: ...
 
@@ -72,10 +73,16 @@ class StoreView(Protocol):
 
     def remove_observer(self, observer: StoreObserver) -> None: ...
 
-    def attachment(self, name: str) -> Any: ...
 
-    def attach(self, name: str, value: Any) -> None: ...
+class PolicyHost(Protocol):
+    """What expiry and capacity eviction use of a store."""
 
-    def delete_rows(self, keys: np.ndarray) -> int: ...
+    step: int
 
-    def scan(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+
+    def delete(self, keys: Any) -> int: ...

@@ -324,9 +324,7 @@ COPY_GROUP_BYTES = 32 << 20
 def _regroupable(dst: Any) -> bool:
     # Loading in several calls leaves the same table as one call, unless the destination
     # evicts (eviction would run per call) or has observers (each call resyncs them).
-    policy = getattr(dst, "_policy", None)
-    return (policy is not None and getattr(policy, "eviction", True) is None
-            and not getattr(dst, "_observers", True))
+    return dst.eviction is None and not dst.observers
 
 
 def _take_bytes(it: Iterator[tuple[np.ndarray, np.ndarray]], limit: int

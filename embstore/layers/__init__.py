@@ -1,7 +1,7 @@
 """Layers: Backends that wrap Backends (cache over remote, shards).
 
 :func:`build_backend` turns the layer options of :func:`embstore.open` (``cache=``,
-``cache_capacity=``, ``write_policy=``, ``eviction=``, ``write_behind=``, ``shards=``) into a
+``cache_capacity=``, ``write_policy=``, ``cache_eviction=``, ``write_behind=``, ``shards=``) into a
 backend stack.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 from ..backends.base import Backend
 from ..errors import InvalidInputError
 
-LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "eviction", "write_behind", "shards")
+LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "cache_eviction", "write_behind",
+                 "shards")
 
 __all__ = ["LAYER_OPTIONS", "build_backend", "thread_safe", "CachedBackend", "ShardedBackend"]
 
@@ -41,7 +42,8 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
     read_only : bool
     layer : dict
         Layer options: ``shards`` (list of URLs), ``cache`` (local URL or True for
-        ``memory://``), ``cache_capacity``, ``write_policy``, ``eviction``, ``write_behind``.
+        ``memory://``), ``cache_capacity``, ``write_policy``, ``cache_eviction``,
+        ``write_behind``.
     options : dict
         Backend options, passed to the remote (every shard).
     """
@@ -76,6 +78,8 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
         cache = "memory://"
     try:
         capacity = layer.pop("cache_capacity", 100_000)
+        if "cache_eviction" in layer:
+            layer["eviction"] = layer.pop("cache_eviction")
         return CachedBackend(remote, cache, read_only=read_only, capacity=capacity, **layer)
     except BaseException:
         remote.close()

@@ -301,7 +301,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
         opts.update(cache=self.local.url, cache_capacity=self.capacity,
-                    write_policy=self.write_policy, eviction=self.eviction,
+                    write_policy=self.write_policy, cache_eviction=self.eviction,
                     write_behind=self._wb is not None)
         return opts
 

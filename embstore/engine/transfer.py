@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ._batch import distinct, unique_last
-from .errors import SchemaMismatchError
-from .io.formats import NativeFormatReader
-from .io.native import NativeWriter
-from .policies.tombstones import encode_keys
-from .progress import progress_bar
+from ..errors import SchemaMismatchError
+from ..io.formats import NativeFormatReader
+from ..io.native import NativeWriter
+from ..policies.tombstones import encode_keys
+from ..progress import progress_bar
+from .batch import distinct, unique_last
 
 if TYPE_CHECKING:
-    from .store import EmbeddingStore
+    from ..store import EmbeddingStore
 
 _MAX_HEADER_DELETIONS = 1 << 20  # keeps the JSON header within the native format's limit
 
@@ -53,7 +53,7 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
                   partial: bool, progress: bool) -> int:
     """``store.import_``: the native file must hold exactly this store's records; it then
     goes through the one import pipeline (:func:`embstore.io.transfer.import_file`)."""
-    from .io import transfer
+    from ..io import transfer
 
     with NativeFormatReader(src) as reader:
         if reader.key_kind != store.key_type:
@@ -75,7 +75,7 @@ def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]
 
     def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for keys, recs in batches:
-            keys = store._keys(keys)
+            keys = store.normalize_keys(keys)
             if len(keys) == 0:
                 continue
             if getattr(recs, "dtype", None) != store.layout.dtype or len(recs) != len(keys):
@@ -87,10 +87,9 @@ def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]
                 keys, recs = uniq, recs[last]
             yield keys, recs
 
-    n = store._backend.bulk_load(clean())
-    for obs in store._observers:  # bulk loads bypass _put: let indexes resync
-        if hasattr(obs, "on_bulk_load"):
-            obs.on_bulk_load()
+    n = store.backend.bulk_load(clean())
+    for obs in store.observers:  # bulk loads bypass the engine's writes: let indexes resync
+        obs.on_bulk_load()
     store._version = max(store._version, top[0])
     policy = store._policy
     if header:

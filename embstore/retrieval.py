@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import CapabilityError, InvalidInputError
 from .sampling.keyindex import KeyIndex
 
 _ATTR = "_dense_vectors"
@@ -265,8 +265,12 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
             raise InvalidInputError(f"batch_size must be positive, got {batch_size}")
         rows = int(batch_size)
     backend = store.backend
+    if not backend.supports_scan:
+        raise CapabilityError(f"{backend.url}: top_k needs a backend that can scan its rows "
+                              "(supports_scan)")
+    shards = backend.partitions()
     if dense is None:
-        dense = not backend.persistent and not hasattr(backend, "shards")
+        dense = not backend.persistent and len(shards) == 1
     parts = []
     # Very large query batches go in chunks so a block of scores stays bounded (streaming
     # backends are then scanned once per chunk).
@@ -276,10 +280,10 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
         elif dense:
             idx = _dense(store)
             acc = _run(qc, k_eff, key_dtype, [(idx.live_keys, idx.col("vector"))], rows, glob)
-        elif hasattr(backend, "shards") and hasattr(backend, "shard_of"):
+        elif len(shards) > 1:
             # Per-shard top-k (what each shard server would compute), merged by the caller.
             acc = TopK(len(qc), k_eff, key_dtype)
-            for shard in backend.shards:
+            for shard in shards:
                 acc.merge(_run(qc, k_eff, key_dtype, _scan_vectors(shard, min(rows, 65536)),
                                rows, glob))
         else:

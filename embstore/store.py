@@ -35,7 +35,7 @@ from .engine.records import RecordWrites
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
-from .errors import InvalidInputError, StoreNotFoundError
+from .errors import CapabilityError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
 
@@ -378,7 +378,13 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         self._check_open()
         if batch_size <= 0:
             raise InvalidInputError(f"batch_size must be positive, got {batch_size}")
+        self._require_scan("iterating the records")
         yield from self._backend.scan(batch_size)
+
+    def _require_scan(self, what: str) -> None:
+        if not self._backend.supports_scan:
+            raise CapabilityError(f"{self.url}: {what} needs a backend that can scan its rows "
+                                  "(supports_scan)")
 
     def expire(self, *, ttl_seconds: float | None = None, ttl_steps: int | None = None,
                now: float | None = None, batch_size: int = 65536) -> int:
@@ -408,9 +414,19 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Iterate ``(keys, records)`` written after ``version`` (see :attr:`version`)."""
+        """Iterate ``(keys, records)`` written after ``version`` (see :attr:`version`).
+
+        Uses the backend's change index where it has one (``supports_changes``), else
+        filters a scan of the whole table."""
         self._check_open()
-        yield from self._backend.changes_since(int(version), batch_size)
+        if self._backend.supports_changes:
+            yield from self._backend.changes_since(int(version), batch_size)
+            return
+        self._require_scan("changes_since without a change index")
+        for keys, recs in self._backend.scan(batch_size):
+            sel = recs["version"] > version
+            if sel.any():
+                yield keys[sel], recs[sel]
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False) -> int:

@@ -85,6 +85,14 @@ class Backend(abc.ABC):
         to a ``get`` + ``put`` round trip).
     supports_lookup_insert : bool
         ``lookup_insert`` reads vectors and creates the missing records in one pass.
+    thread_safe : bool
+        Calls from several threads may run at once and overlap (own connection pool,
+        per-call transactions): layers then read and write it from helper threads.
+    scheme : str
+        The URL scheme it serves.
+
+    The engine reads these flags; a layer forwards its inner backend's (see
+    :class:`embstore.layers.WrapperBackend`).
     """
 
     persistent: bool = False
@@ -92,6 +100,7 @@ class Backend(abc.ABC):
     supports_changes: bool = False
     supports_row_update: bool = False
     supports_lookup_insert: bool = False
+    thread_safe: bool = False
     scheme: str = ""
 
     #: set by the engine once the store's layout is known (after metadata is read/written)
@@ -250,6 +259,19 @@ class Backend(abc.ABC):
             self.put(keys, recs)
             n += len(keys)
         return n
+
+    def partitions(self) -> list[Backend]:
+        """The independent parts rows are split across (shards), each a backend holding
+        exactly the keys :meth:`partition_of` maps to it; ``[self]`` when not partitioned.
+
+        Sampling and top-k work per part. A layer that buffers writes makes them visible in
+        the parts before returning them.
+        """
+        return [self]
+
+    def partition_of(self, keys: np.ndarray) -> np.ndarray:
+        """Index into :meth:`partitions` of each key's part (int64)."""
+        return np.zeros(len(keys), dtype=np.int64)
 
     def prefetch(self, keys: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Hint that ``keys`` are needed soon; a cache layer loads them in the background.

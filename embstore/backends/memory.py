@@ -146,6 +146,29 @@ class MemoryBackend(Backend):
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(slots), -1)
         self._arena.scatter(slots, src)
 
+    # -- slot-addressed access (the cache layer keeps its bookkeeping per slot) ---------------
+    @serialized
+    def find_slots(self, keys: np.ndarray) -> np.ndarray:
+        """The arena slot of each key (uint32), ``0xFFFFFFFF`` where absent. Slots stay valid
+        until the key is deleted."""
+        return self._slots(keys)
+
+    @serialized
+    def read_slots(self, slots: np.ndarray, field: str | None = None) -> np.ndarray:
+        """Records (or one field) stored at ``slots``; zero rows for empty slots."""
+        if field is None:
+            return self._gather(slots)
+        n = len(slots)
+        fdt, offset = self.layout.dtype.fields[field][:2]
+        out = np.empty((n,) + fdt.shape, dtype=fdt.base)
+        self._arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
+        return out
+
+    @serialized
+    def write_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
+        """Overwrite the records at occupied ``slots`` (their keys do not change)."""
+        self._scatter(slots, records)
+
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)

@@ -6,7 +6,7 @@ store's private attributes; they now program against these protocols instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -86,3 +86,5 @@ class PolicyHost(Protocol):
     def counters(self) -> Mapping[str, int]: ...
 
     def delete(self, keys: Any) -> int: ...
+
+    def records(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...

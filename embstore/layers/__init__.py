@@ -15,19 +15,7 @@ from ..errors import InvalidInputError
 LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "cache_eviction", "write_behind",
                  "shards")
 
-__all__ = ["LAYER_OPTIONS", "build_backend", "thread_safe", "CachedBackend", "ShardedBackend"]
-
-# Backends whose methods may be called from several threads at once (own connection pool /
-# per-call transactions). A backend can declare it with a ``thread_safe = True`` attribute.
-_THREAD_SAFE_SCHEMES = frozenset({"bigtable"})
-
-
-def thread_safe(backend: Backend) -> bool:
-    """Whether the layers may call ``backend`` from several threads at once."""
-    flag = getattr(backend, "thread_safe", None)
-    if flag is not None:
-        return bool(flag)
-    return backend.scheme in _THREAD_SAFE_SCHEMES
+__all__ = ["LAYER_OPTIONS", "build_backend", "WrapperBackend", "CachedBackend", "ShardedBackend"]
 
 
 def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
@@ -88,6 +76,10 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
 
 def __getattr__(name: str) -> Any:
     # Lazy, so importing embstore.layers does not import the cache/shard modules.
+    if name == "WrapperBackend":
+        from .wrapper import WrapperBackend
+
+        return WrapperBackend
     if name == "CachedBackend":
         from .cached import CachedBackend
 

@@ -142,7 +142,7 @@ class PolicyRuntime:
     def expire(self, store: PolicyHost, ttl_seconds: float | None, ttl_steps: int | None,
                batch_size: int, now: float | None = None) -> int:
         now = time.time() if now is None else float(now)
-        batches = expired_keys(store.backend.scan(batch_size), now=now,
+        batches = expired_keys(store.records(batch_size), now=now,
                                step=store.step, ttl_seconds=ttl_seconds, ttl_steps=ttl_steps)
         n = sum(store.delete(k) for k in batches)
         self.counters["expired"] += n
@@ -168,7 +168,7 @@ class PolicyRuntime:
         self.resync_rows(store, rows)
         if rows <= ev.capacity:
             return 0
-        victims, _ = eviction_victims(store.backend.scan(batch_size),
+        victims, _ = eviction_victims(store.records(batch_size),
                                       n_evict=rows - ev.low_water, policy=ev.policy,
                                       step=store.step)
         if victims is None or not len(victims):

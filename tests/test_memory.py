@@ -310,3 +310,16 @@ def test_fast_paths_stay_on_after_sample_and_keep_the_sampling_index_exact(monke
     np.testing.assert_array_equal(idx.counts_of(keys), recs["count"])
     assert idx.total_count == int(recs["count"].sum()) and len(idx) == len(s)
     assert idx.scans == 1
+
+
+@pytest.mark.parametrize("key_type", ["int64", "bytes"])
+def test_insert_rows_never_overwrites_an_existing_record(key_type):
+    # Another writer may have created a key since the engine saw it missing.
+    s = embstore.open("memory://", dim=4, key_type=key_type)
+    k = [b"a", b"b"] if key_type == "bytes" else [1, 2]
+    s.assign(k[:1], np.full((1, 4), 7.0, np.float32))
+    keys = s.normalize_keys(k)
+    s.backend.insert_rows(keys, np.zeros((2, 4), np.float32), s.layout.empty(1))
+    recs, found = s.backend.get(keys)
+    assert found.all()
+    np.testing.assert_array_equal(recs["vector"], [[7.0] * 4, [0.0] * 4])

@@ -49,6 +49,9 @@ def _flag(name: str, value: Any) -> bool:
 class MemoryBackend(Backend):
     """In-process row store on a cuckoo hash table; not persistent.
 
+    Calls are serialized by a lock: ``modify`` is one unit, and ``insert_rows`` /
+    ``lookup_insert`` never overwrite a record another thread created (insert-if-absent).
+
     Options
     -------
     initial_capacity : int
@@ -248,11 +251,22 @@ class MemoryBackend(Backend):
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        # Insert-if-absent: a key another thread created since the caller saw it missing
+        # keeps its record.
         if self.key_type != "int64":
+            new = self._slots(keys) == _EMPTY
+            if not new.all():
+                keys, vectors = keys[new], vectors[new]
             return super().insert_rows(keys, vectors, template)
-        slots = np.empty(len(keys), dtype=np.uint32)
-        if find_or_insert(self._table, self._arena, keys, slots):
+        n = len(keys)
+        slots = np.empty(n, dtype=np.uint32)
+        new = np.empty(n, dtype=np.uint8)
+        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        if n_new:
             self._epoch += 1
+        if n_new < n:
+            m = new.view(bool)
+            slots, vectors = slots[m], vectors[m]
         fields = self.layout.dtype.fields
         self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
                                fields["vector"][1],

@@ -1,8 +1,10 @@
 """How the engine writes records: construction, stamps, and the one write/delete path.
 
 ``EmbeddingStore`` inherits these from :class:`RecordWrites`; every row the engine writes or
-deletes goes through ``_put`` / ``_insert`` / ``_delete`` here, so observers (sampling and
-retrieval indexes) and the tombstone log see all of them.
+deletes goes through ``_update_records`` / ``_assign_records`` (one ``Backend.modify`` each),
+``_insert`` / ``_lookup_insert`` or ``_delete`` here, so observers (sampling and retrieval
+indexes, :class:`~embstore.engine.protocols.StoreObserver`) and the tombstone log see all of
+them. The row-update fast path in ``EmbeddingStore.update`` tells observers itself.
 """
 
 from __future__ import annotations
@@ -150,12 +152,7 @@ class RecordWrites:
                 obs.on_insert(keys[new], vectors[new], made[-1])
         return vectors, new
 
-    # Every row write and delete of the engine goes through these two, so observers see all.
-    def _put(self, keys: np.ndarray, recs: np.ndarray) -> None:
-        self._backend.put(keys, recs)
-        for obs in self._observers:
-            obs.on_write(keys, recs)
-
+    # Every row write and delete of the engine goes through this module, so observers see all.
     def _delete(self, keys: np.ndarray) -> int:
         present = self._backend.delete(keys)
         n = int(np.count_nonzero(present))

@@ -78,6 +78,11 @@ class StoreNotFoundError(EmbstoreError, FileNotFoundError):
     """A store was opened read-only (or without ``dim``) but holds no data yet."""
 
 
+class CapabilityError(EmbstoreError, NotImplementedError):
+    """The backend does not declare the capability an operation needs (e.g. ``supports_scan``
+    for a whole-table scan)."""
+
+
 class ForkedProcessError(EmbstoreError, RuntimeError):
     """An in-process store (``memory://``) was used in a child forked from its process: the
     child holds a private copy, so its writes would silently never reach the parent."""

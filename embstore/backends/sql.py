@@ -45,7 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
     ) from e
 
-from . import _sql_ops
+from . import _sql_conn, _sql_ops
 
 DEFAULT_TABLE = "embeddings"
 # Identifiers are validated, then always quoted: never interpolated unchecked. 50 characters
@@ -106,12 +106,6 @@ def _parse(url: str, table: str | None):
     return u, name, public
 
 
-# Calls that may run again after the connection was lost in the middle of them: reads, and
-# writes that set whole records (a replay writes the same bytes). Not ``delete`` (its "found"
-# answer), ``modify`` (its function may add to what the lost commit already added) or
-# ``bulk_load`` (its source is consumed).
-_REPLAYABLE = frozenset({"read_meta", "write_meta", "bind", "get", "get_field", "contains",
-                         "put", "__len__", "changes_plan", "clear", "flush", "size_bytes"})
 # Seconds to wait for a PostgreSQL server to answer a new connection (libpq drivers); a URL's
 # own ``?connect_timeout=`` wins.
 DEFAULT_CONNECT_TIMEOUT = 10
@@ -121,7 +115,7 @@ def _wrap_errors(fn):
     # One DBAPI connection per backend: threads take turns, so a batch's transaction never
     # interleaves with another thread's statements.
     locked = serialized(fn)
-    replayable = fn.__name__ in _REPLAYABLE
+    replayable = fn.__name__ in _sql_conn.REPLAYABLE
 
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
@@ -130,7 +124,7 @@ def _wrap_errors(fn):
         except self._driver_errors as e:
             # The server went away (restart, failover, idle-connection kill): connect again
             # so the store recovers, and replay the call when that is harmless.
-            if not self._recover_connection(e):
+            if not _sql_conn.recover_connection(self, e):
                 raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
             if not replayable:
                 raise BackendError(
@@ -245,54 +239,6 @@ class SQLBackend(Backend):
         except self._driver_errors as e:
             raise BackendError(f"{self._safe_url}: cannot connect: {e}") from e
 
-    def _connection_lost(self, error: BaseException | None = None) -> bool:
-        """Whether the DBAPI connection is dead (the server closed it or went away)."""
-        if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
-            return True
-        if self._conn is not None:
-            return bool(self._conn.invalidated or self._conn.closed)
-        if self._raw is not None and self._dialect_name == "postgresql":
-            conn = self._raw.driver_connection
-            return bool(getattr(conn, "broken", False) or conn.closed)
-        return False
-
-    def _recover_connection(self, error: BaseException) -> bool:
-        """After a driver error: if the connection is dead, open a new one (same session
-        settings, same bound layout) and return True; False when the connection is fine."""
-        with self._lock:
-            if self._closed or self._dialect_name == "sqlite" or \
-                    not self._connection_lost(error):
-                return False
-            self._release_connection()
-            try:
-                if self._core:
-                    self._open_core()
-                else:
-                    self._open_postgres()
-                if self._bound is not None:
-                    self._configure_ops(*self._bound)
-            except self._driver_errors as e:
-                raise BackendError(f"{self._safe_url}: connection lost ({error}) and "
-                                   f"reconnecting failed: {e}") from e
-            self.counters["reconnects"] = self.counters.get("reconnects", 0) + 1
-            return True
-
-    def _release_connection(self) -> None:
-        """Drop the DBAPI connection; a dead one is invalidated rather than closed, so the
-        pool does not try (and log a traceback for) a rollback on it."""
-        lost = self._connection_lost()
-        for res in (self._raw, self._conn):
-            if res is None:
-                continue
-            try:
-                if lost:
-                    res.invalidate()
-                else:
-                    res.close()
-            except Exception:  # noqa: BLE001 - a broken connection must not raise
-                pass
-        self._raw = self._conn = None
-
     def _quote(self, name: str) -> str:
         return self._engine.dialect.identifier_preparer.quote_identifier(name)
 
@@ -307,23 +253,9 @@ class SQLBackend(Backend):
             conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durable else 'NORMAL'}")
         conn.execute("PRAGMA busy_timeout = 60000")
-        self._refuse_case_aliases(conn)
+        _sql_conn.refuse_case_aliases(self, conn)
         self._ops = _sql_ops.SQLiteOps(conn, self.table_name, self.table_name + "_meta",
                                        self._quote, "int64", 0)
-
-    def _refuse_case_aliases(self, conn: Any) -> None:
-        """SQLite compares identifiers case-insensitively (ASCII): ``Items`` and ``ITEMS`` are
-        one table. A store whose table (or ``_meta`` table / version index) differs from an
-        existing object only in case would open and rewrite the other store; refuse it."""
-        mine = (self.table_name, self.table_name + "_meta", self.table_name + "_version_idx")
-        for name in mine:
-            row = conn.execute("SELECT name FROM sqlite_master WHERE name = ? COLLATE NOCASE "
-                               "AND name != ?", (name, name)).fetchone()
-            if row is not None:
-                raise InvalidInputError(
-                    f"{self._safe_url}: table name {self.table_name!r} clashes with the "
-                    f"existing {row[0]!r} (SQLite table names ignore case); pick a name that "
-                    "differs in more than case")
 
     def _open_postgres(self) -> None:
         self._raw = self._engine.raw_connection()
@@ -341,7 +273,7 @@ class SQLBackend(Backend):
         self._core = True
         self._conn = conn = self._engine.connect()
         if self._dialect_name == "sqlite":
-            self._refuse_case_aliases(conn.connection.driver_connection)
+            _sql_conn.refuse_case_aliases(self, conn.connection.driver_connection)
         tables = self._tables("int64")
         self._ops = _sql_ops.CoreOps(self._conn, tables[0], tables[1], "int64", 0)
 
@@ -531,7 +463,7 @@ class SQLBackend(Backend):
                     with self._lock:
                         keys, raw = fetch_page(after)
                 except self._driver_errors as e:
-                    if not self._recover_connection(e):  # a page is a read: read it again
+                    if not _sql_conn.recover_connection(self, e):  # a page is a read: read it again
                         raise
                     with self._lock:
                         keys, raw = fetch_page(after)
@@ -627,7 +559,7 @@ class SQLBackend(Backend):
             if self._closed:
                 return
             self._closed = True
-            self._release_connection()
+            _sql_conn.release_connection(self)
             self._ops = None
             if self._engine is not None:
                 self._engine.dispose()

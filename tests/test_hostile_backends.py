@@ -245,6 +245,7 @@ def test_bigtable_stopped_mid_test(bigtable_private_emulator):
     with pytest.raises(BackendError, match="gave up after 1 s"):   # not a raw RetryError
         embstore.open(url, dim=DIM, emulator_host=emu.host, retry_deadline=1.0)
     emu.restart()                                  # back (empty: the emulator keeps no data)
+    s.backend.retry_deadline = 30.0                # generous again: a loaded machine is slow
     s.assign([3], np.ones((1, DIM)))               # the table is recreated on the way
     assert s.stats()["rows"] == 1
     s.close()

@@ -117,16 +117,17 @@ def test_cli_error_does_not_print_the_password(tmp_path):
 def _nan_store(url):
     """Key 1's dot product with the query is inf - inf = NaN; keys 2, 3 score 2 and -2; key 4
     scores -inf (a real -inf, ranked before NaN)."""
-    s = embstore.open(url, dim=DIM)
+    kw = {"shards": ["memory://", "memory://"]} if url == "sharded://" else {}
+    s = embstore.open(url, dim=DIM, **kw)
     s.assign([1, 2, 3, 4], np.array([[3e38, 3e38, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0],
                                       [-3e38, 0, 0, 0]], np.float32))
     return s
 
 
 @pytest.mark.parametrize("batch_size", [None, 1, 2])
-@pytest.mark.parametrize("kind", ["memory", "lmdb"])
+@pytest.mark.parametrize("kind", ["memory", "lmdb", "sharded"])
 def test_top_k_ranks_nan_scores_last(tmp_path, kind, batch_size):
-    url = "memory://" if kind == "memory" else f"lmdb://{tmp_path}/db"
+    url = {"memory": "memory://", "lmdb": f"lmdb://{tmp_path}/db", "sharded": "sharded://"}[kind]
     q = np.array([[2, -2, 0, 0]], np.float32)
     with _nan_store(url) as s:
         keys, scores = s.top_k(q, 4, batch_size=batch_size)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import final
+
 import numpy as np
 import numpy.typing as npt
 
+@final  # a final cdef class: not subclassable at runtime
 class RecordArena:
     """Fixed-width records in chunks; slots are uint32 indices, freed slots are reused."""
 
     itemsize: int
+    chunk_rows: int
+    prefault: bool
     def __init__(self, itemsize: int, chunk_shift: int = 14, prefault: bool = True) -> None: ...
     @property
     def nbytes(self) -> int: ...

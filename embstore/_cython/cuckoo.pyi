@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from typing import final
+
 import numpy as np
 import numpy.typing as npt
 
 from .arena import RecordArena
 
+@final  # a final cdef class: not subclassable at runtime
 class CuckooTable:
     """int64 -> uint32 map with cuckoo hashing. Values are arena slot numbers."""
 
     size: int
     rehashes: int
-    seed: int
+    @property
+    def seed(self) -> int:
+        """The table's 64-bit hash seed (random unless given); read-only."""
     def __init__(self, capacity: int = 1024, prefault: bool = True,
                  seed: int | None = None) -> None: ...
     def __len__(self) -> int: ...

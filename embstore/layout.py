@@ -15,6 +15,7 @@ record as one opaque binary value.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,6 +67,14 @@ class Layout:
         fields += [(n, "<f4", (w,)) for n, w in self.slots]
         fields += list(META_FIELDS)
         return np.dtype(fields)
+
+    @functools.cached_property
+    def fields(self) -> dict[str, tuple[np.dtype, int]]:
+        """Each field's ``(dtype, byte offset)`` in the record (``dtype.fields``, which numpy
+        types as optional because unstructured dtypes have none)."""
+        fields = self.dtype.fields
+        assert fields is not None  # invariant: a record dtype is always structured
+        return {name: (spec[0], spec[1]) for name, spec in fields.items()}
 
     @property
     def itemsize(self) -> int:

@@ -21,28 +21,40 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
 from ..layout import Layout
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _Locked(Protocol):
+    """A backend with the lock :func:`serialized` takes."""
+
+    @property
+    def _lock(self) -> AbstractContextManager[Any]: ...
+
+
+_L = TypeVar("_L", bound=_Locked)
 
 #: ``fn(records, found) -> keep`` of :meth:`Backend.modify`
 ModifyFn = Callable[[np.ndarray, np.ndarray], "np.ndarray | None"]
 
 
-def serialized(method: _F) -> _F:
+def serialized(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Concatenate[_L, _P], _R]:
     """Run a backend method under the backend's ``self._lock`` (an ``RLock``, so serialized
     methods may call each other): for backends whose calls must not interleave across
     threads."""
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: _L, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,8 @@ class Backend(abc.ABC):
     thread_safe: bool = False
     scheme: str = ""
 
-    #: set by the engine once the store's layout is known (after metadata is read/written)
-    layout: Layout | None = None
+    #: set by :meth:`bind` once the store's layout is known (after metadata is read/written)
+    _layout: Layout | None = None
     key_type: str = "int64"
 
     def __init__(self, url: str, *, read_only: bool = False, **options: Any) -> None:
@@ -113,6 +125,23 @@ class Backend(abc.ABC):
         self.options = options
         self.counters: dict[str, int] = {}
 
+    @property
+    def layout(self) -> Layout:
+        """The store's record layout; set by :meth:`bind`, and an ``AttributeError`` before."""
+        if self._layout is None:
+            raise AttributeError(f"{type(self).__name__} ({self.url}) has no record layout yet: "
+                                 "the engine sets it with bind() when the store opens")
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: Layout) -> None:
+        self._layout = layout
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether :meth:`bind` has set the layout (row I/O needs it)."""
+        return self._layout is not None
+
     # -- lifecycle --------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
         """Called by the engine once the layout and key type are fixed, before any row I/O."""
@@ -120,11 +149,11 @@ class Backend(abc.ABC):
         self.key_type = key_type
 
     @abc.abstractmethod
-    def read_meta(self) -> dict | None:
+    def read_meta(self) -> dict[str, Any] | None:
         """Return the stored metadata dict, or None for a new, empty store."""
 
     @abc.abstractmethod
-    def write_meta(self, meta: dict) -> None:
+    def write_meta(self, meta: dict[str, Any]) -> None:
         """Persist the metadata dict (replaces the previous one)."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook
@@ -134,7 +163,7 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release resources. Must be idempotent."""
 
-    def reopen_options(self) -> dict:
+    def reopen_options(self) -> dict[str, Any]:
         """Options (beyond the URL) needed to reopen the same data in another process."""
         return {}
 
@@ -292,5 +321,4 @@ class Backend(abc.ABC):
 
     # -- helpers for subclasses ---------------------------------------------------------------
     def _empty_records(self, n: int) -> np.ndarray:
-        assert self.layout is not None, "backend used before bind()"
         return self.layout.empty(n)

@@ -451,7 +451,7 @@ class SQLBackend(Backend):
 
     @_wrap_errors
     def __len__(self) -> int:
-        if self._missing or self.layout is None:
+        if self._missing or not self.is_bound:
             return 0
         return self._ops.count()
 
@@ -478,7 +478,7 @@ class SQLBackend(Backend):
             after = (int(recs["version"][-1]), last) if by_version else last
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        if self._missing or self.layout is None:
+        if self._missing or not self.is_bound:
             return
 
         def scan_page(after):
@@ -489,7 +489,7 @@ class SQLBackend(Backend):
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Records with ``version`` above ``version``, read through the version index."""
-        if self._missing or self.layout is None:
+        if self._missing or not self.is_bound:
             return
 
         def changes_page(after):
@@ -534,7 +534,7 @@ class SQLBackend(Backend):
 
     @_wrap_errors
     def size_bytes(self) -> int | None:
-        if self._missing or self.layout is None:
+        if self._missing or not self.is_bound:
             return 0
         return self._ops.size_bytes()
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._keys import normalize_keys
+from ._cache_host import CacheHost
 
 
 class PrefetchMixin:
@@ -23,8 +24,9 @@ class PrefetchMixin:
     _pf_thread: threading.Thread | None = None
     _pf_active: bool = False
     _pf_rows: int = 0  # rows the running prefetch has yet to insert (room made ahead)
+    _invalid: list[np.ndarray]  # keys written/evicted while it runs (the cache sets it)
 
-    def prefetch(self, keys: Any) -> None:
+    def prefetch(self: CacheHost, keys: Any) -> None:
         """Start loading the rows of ``keys`` that are not cached, in a background thread.
 
         Call it with the *next* batch's keys before computing the current step; the next
@@ -62,7 +64,8 @@ class PrefetchMixin:
             except Exception:  # noqa: BLE001 - e.g. an eviction write failed: nothing changed
                 self._count(prefetch_errors=1)
 
-    def _restore_pending(self, keys: np.ndarray, recs: np.ndarray, batch: np.ndarray) -> None:
+    def _restore_pending(self: CacheHost, keys: np.ndarray, recs: np.ndarray,
+                         batch: np.ndarray) -> None:
         """Cache (dirty) rows evicted dirty whose background write has not landed yet."""
         try:
             self._st.next_tick(foreground=False)
@@ -73,14 +76,14 @@ class PrefetchMixin:
         except Exception:  # noqa: BLE001 - e.g. the writer failed: the rows stay queued
             self._count(prefetch_errors=1)
 
-    def wait_prefetch(self) -> None:
+    def wait_prefetch(self: CacheHost) -> None:
         """Block until a running prefetch has finished (no-op otherwise)."""
         t = self._pf_thread
         if t is not None:
             t.join()
             self._pf_thread = None
 
-    def _prefetch_run(self, keys: np.ndarray, batch: np.ndarray) -> None:
+    def _prefetch_run(self: CacheHost, keys: np.ndarray, batch: np.ndarray) -> None:
         try:
             recs, rfound = self._remote_get(keys)
         except Exception:  # noqa: BLE001 - a hint only: the lookup will fetch and raise

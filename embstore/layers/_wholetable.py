@@ -12,11 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from ._cache_host import CacheHost
+
 
 class WholeTableMixin:
     """Operations over the whole table for the cache layer (state lives in the cache)."""
 
-    def resync(self) -> int:
+    def resync(self: CacheHost) -> int:
         """Rewrite the metadata and every cached row to the remote; return rows written.
 
         For a remote that lost its data (e.g. an emulator restarted empty): afterwards it holds
@@ -35,7 +37,7 @@ class WholeTableMixin:
                 self.remote.flush()
             return n
 
-    def __len__(self) -> int:
+    def __len__(self: CacheHost) -> int:
         with self._lock:
             if self._closed:
                 return 0
@@ -49,20 +51,20 @@ class WholeTableMixin:
                     extra += int(np.count_nonzero(~np.asarray(self.remote.contains(chunk))))
                 return len(self.remote) + extra
 
-    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan(self: CacheHost, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with self._lock:
             self._check()
             self._flush_rows()
         yield from self.remote.scan(batch_size)
 
-    def changes_since(self, version: int,
+    def changes_since(self: CacheHost, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with self._lock:
             self._check()
             self._flush_rows()
         yield from self.remote.changes_since(version, batch_size)
 
-    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+    def bulk_load(self: CacheHost, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Stream rows to the remote's bulk path; cached copies of loaded keys are dropped
         (they are clean: dirty rows are flushed first, so a failed load loses nothing)."""
         self.wait_prefetch()
@@ -81,10 +83,10 @@ class WholeTableMixin:
             self._count(remote_writes=n)
             return n
 
-    def size_bytes(self) -> int | None:
+    def size_bytes(self: CacheHost) -> int | None:
         return self.remote.size_bytes()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self: CacheHost) -> dict[str, Any]:
         """Cache counters (rows): ``cache_hits``, ``cache_misses``, ``cache_hit_rate``,
         ``remote_reads``/``remote_writes`` (and ``*_calls``), ``evictions``,
         ``dirty_evictions``, ``dirty_rows``, ``pending_rows`` (evicted, being written),

@@ -41,9 +41,10 @@ class RecordWrites:
         policy = self._policy
         n = len(uniq)
         # Admission is asked once per key however often the backend runs ``step`` (a policy
-        # counts sightings): decisions are kept across calls.
+        # counts sightings): decisions are kept across calls, and counted after the last one.
         asked = np.zeros(n, dtype=bool)
         admitted = np.zeros(n, dtype=bool)
+        fresh = np.zeros(n, dtype=bool)
         last: list[Any] = [None]
 
         def step(recs: np.ndarray, found: np.ndarray) -> np.ndarray | None:
@@ -52,7 +53,7 @@ class RecordWrites:
                 if policy.admission is not None:
                     ask = ~found & ~asked
                     if ask.any():
-                        admitted[ask] = policy.admit_update(uniq[ask], mult[ask])
+                        admitted[ask], fresh[ask] = policy.decide_update(uniq[ask], mult[ask])
                         asked[ask] = True
                     ok = found | admitted
                 new = ~found if ok is None else ~found & ok
@@ -75,6 +76,9 @@ class RecordWrites:
 
         self._backend.modify(uniq, step)
         recs, found, keep, drop = last[0]
+        if policy.admission is not None and not found.all():
+            missing = ~found
+            policy.count_update(admitted[missing], fresh[missing])
         written = np.ones(n, dtype=bool) if keep is None else keep
         self._stats["inserts"] += int(np.count_nonzero(written & ~found))
         if drop is not None and drop.any():

@@ -10,9 +10,17 @@ them. The row-update fast path in ``EmbeddingStore.update`` tells observers itse
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..init import Initializer
+    from ..layout import Layout
+    from ..optim import Optimizer
+    from ..policies.runtime import PolicyRuntime
+    from .protocols import StoreObserver
 
 
 def _now_us() -> int:
@@ -21,6 +29,17 @@ def _now_us() -> int:
 
 class RecordWrites:
     """The write half of :class:`embstore.EmbeddingStore` (no public methods)."""
+
+    layout: Layout
+    initializer: Initializer
+    optimizer: Optimizer
+    seed: int
+    step: int
+    _version: int
+    _backend: Backend
+    _stats: dict[str, int]
+    _policy: PolicyRuntime
+    _observers: list[StoreObserver]
 
     def _next_version(self) -> int:
         # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep

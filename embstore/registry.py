@@ -125,6 +125,6 @@ def backend_class(url: str) -> type:
             f"the {scheme!r} backend needs a package that is not installed ({e.name or e}); "
             f"install it with: {hint}"
         ) from e
-    cls = getattr(module, attr)
+    cls: type = getattr(module, attr)
     _registry[scheme] = (cls, extra)
     return cls

@@ -103,7 +103,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             raise
 
     # -- metadata ---------------------------------------------------------------------------------
-    def _setup(self, dim, key_type, initializer, optimizer, seed) -> None:
+    def _setup(self, dim: int | None, key_type: str | None, initializer: _init.Initializer | None,
+               optimizer: _optim.Optimizer | None, seed: int | None) -> None:
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
@@ -126,7 +127,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
 
-    def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
+    def _check_meta(self, meta: dict[str, Any], dim: int | None, key_type: str | None,
+                    initializer: _init.Initializer | None, optimizer: _optim.Optimizer | None,
+                    seed: int | None) -> None:
         stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
                                    initializer=initializer, optimizer=optimizer, seed=seed)
         self.key_type = stored.key_type

@@ -5,16 +5,25 @@ about lookups and updates)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..errors import InvalidInputError
+from .protocols import PolicyHost
 from .seams import StoreSeams
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
     from ..policies.runtime import PolicyRuntime
+
+
+class _ExpiryHost(PolicyHost, Protocol):
+    """What ``expire`` uses: the policies' view of the store, and its own policy state."""
+
+    _policy: PolicyRuntime
+
+    def _check_writable(self) -> None: ...
 
 
 class HistoryAPI(StoreSeams):
@@ -23,7 +32,7 @@ class HistoryAPI(StoreSeams):
     _backend: Backend
     _policy: PolicyRuntime
 
-    def expire(self, *, ttl_seconds: float | None = None, ttl_steps: int | None = None,
+    def expire(self: _ExpiryHost, *, ttl_seconds: float | None = None, ttl_steps: int | None = None,
                now: float | None = None, batch_size: int = 65536) -> int:
         """Delete rows past their time to live; return how many (also ``stats()["expired"]``).
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._keys import normalize_keys
 from ..errors import CapabilityError, InvalidInputError, ReadOnlyError, StoreClosedError
 from .protocols import StoreObserver
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
 
 
 class StoreSeams:
@@ -24,6 +27,12 @@ class StoreSeams:
     key_type: str
     read_only: bool
     _closed: bool
+    _backend: Backend
+
+    @property
+    def url(self) -> str:
+        """The store's URL, password redacted (defined by the store)."""
+        raise NotImplementedError
     _observers: list[StoreObserver]
     _stats: dict[str, int]
 
@@ -36,10 +45,10 @@ class StoreSeams:
         """Raise when the store is closed or open read-only."""
         self.check_open()
         if self.read_only:
-            raise ReadOnlyError(f"{self.url} is open read-only")  # type: ignore[attr-defined]
+            raise ReadOnlyError(f"{self.url} is open read-only")
 
     def _require_scan(self, what: str) -> None:
-        backend = self._backend  # type: ignore[attr-defined]
+        backend = self._backend
         if not backend.supports_scan:
             raise CapabilityError(f"{backend.url}: {what} needs a backend that can scan its "
                                   "rows (supports_scan)")

@@ -1,14 +1,15 @@
 """What the cache layer's mixins use of :class:`~embstore.layers.cached.CachedBackend`.
 
-``PrefetchMixin`` and ``WholeTableMixin`` keep no state of their own: their methods take
-``self: CacheHost``, so a type checker verifies that the cache provides every attribute and
-helper they rely on (a mixin cannot declare them itself without shadowing the cache's
+``PrefetchMixin``, ``WholeTableMixin`` and ``RemoteIOMixin`` keep no state of their own: their
+methods take ``self: CacheHost``, so a type checker verifies that the cache provides every
+attribute and helper they rely on (a mixin cannot declare them itself without shadowing the cache's
 methods at run time).
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,6 +53,8 @@ class CacheHost(Protocol):
     def _closed(self) -> bool: ...
     @property
     def _wb(self) -> WriteBehind | None: ...
+    @property
+    def _reader(self) -> ThreadPoolExecutor | None: ...
     @property
     def _st(self) -> SlotTable: ...
 

@@ -10,6 +10,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
+    from ._cache_host import CacheHost
 
 
 class RemoteIOMixin:
@@ -38,7 +39,8 @@ class RemoteIOMixin:
             self.remote.put(keys, recs)
         self._count(remote_writes=len(keys), remote_write_calls=1)
 
-    def _read_and_make_room(self, keys: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    def _read_and_make_room(self: CacheHost, keys: np.ndarray,
+                            m: int) -> tuple[np.ndarray, np.ndarray]:
         """``_remote_get(keys)``; with a thread-safe remote the read runs on the helper thread
         while this one makes room for ``m`` rows (the caller inserts them afterwards)."""
         if self._reader is None or len(keys) < 64:

@@ -144,9 +144,8 @@ class SlotTable:
         self._pool = None
         self._added = []
 
-    def _build_pool(self, need: int) -> np.ndarray:
-        """Full scan: keep the ``max(8 * need, 1024)`` lowest-scored occupied slots (the new
-        pool, returned)."""
+    def _build_pool(self, need: int) -> None:
+        """Full scan: keep the ``max(8 * need, 1024)`` lowest-scored occupied slots."""
         self._drop_pool()
         occ = np.flatnonzero(self.stamp > 0)
         k = max(8 * need, 1024)
@@ -159,7 +158,6 @@ class SlotTable:
             self._theta = np.iinfo(np.int64).max
         self._pool = occ
         self._inpool[occ] = True
-        return occ
 
     def victims(self, need: int, before: int | None = None) -> np.ndarray:
         """Up to ``need`` occupied slots last used before tick ``before`` (default: the
@@ -174,7 +172,10 @@ class SlotTable:
         if need <= 0:
             return np.zeros(0, dtype=np.uint32)
         for rebuilt in (False, True):
-            pool = self._build_pool(need) if self._pool is None or rebuilt else self._pool
+            if self._pool is None or rebuilt:
+                self._build_pool(need)
+            pool = self._pool
+            assert pool is not None  # invariant: _build_pool sets it
             if self._added:
                 new = np.concatenate(self._added)
                 self._added = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
@@ -32,6 +32,8 @@ from ..layout import Layout
 SCHEME = "sharded"
 #: the ``format`` recorded in each shard's metadata (the engine's is ``"embstore"``)
 SHARD_FORMAT = "embstore-shard"
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 _VOLATILE = ("step", "version", "extra", "sharding")
 
 
@@ -141,7 +143,7 @@ class ShardedBackend(Backend):
         return [(i, order[bounds[i]:bounds[i + 1]]) for i in range(self.n)
                 if bounds[i + 1] > bounds[i]]
 
-    def _map(self, fn: Callable[[int], Any], which: Sequence[int]) -> list[Any]:
+    def _map(self, fn: Callable[[_T], _R], which: Sequence[_T]) -> list[_R]:
         if self._pool is None or len(which) < 2:
             return [fn(i) for i in which]
         return list(self._pool.map(fn, which))
@@ -158,6 +160,7 @@ class ShardedBackend(Backend):
             return None
         first = next(m for m in metas if m is not None)
         schema = {k: v for k, v in first.items() if k not in _VOLATILE}
+        checked: list[dict[str, Any]] = []
         for i, m in enumerate(metas):
             if m is None:
                 raise SchemaMismatchError(f"{self.url}: shard {i} ({self.shards[i].url}) holds "
@@ -178,11 +181,12 @@ class ShardedBackend(Backend):
                     f"{self.url}: shard {i} ({self.shards[i].url}) has other store metadata "
                     "(dim, key type, optimizer...) than shard 0"
                 )
+            checked.append(m)
         # step/version may lag on a shard if a crash hit between shard writes: take the newest.
         out = {k: v for k, v in first.items() if k != "sharding"}
         out["format"] = "embstore"
-        out["step"] = max(int(m.get("step", 0)) for m in metas)
-        out["version"] = max(int(m.get("version", 0)) for m in metas)
+        out["step"] = max(int(m.get("step", 0)) for m in checked)
+        out["version"] = max(int(m.get("version", 0)) for m in checked)
         return out
 
     def write_meta(self, meta: dict) -> None:
@@ -230,7 +234,7 @@ class ShardedBackend(Backend):
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         parts = self._partition(keys)
         got = self._map(lambda p: self.shards[p[0]].get_field(keys[p[1]], field), parts)
-        fdt = self.layout.dtype.fields[field][0]
+        fdt = self.layout.fields[field][0]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
         found = np.empty(len(keys), dtype=bool)
         for (_, pos), (v, f) in zip(parts, got):
@@ -273,8 +277,12 @@ class ShardedBackend(Backend):
         n = 0
         for keys, recs in batches:
             parts = self._partition(keys)
-            self._map(lambda p, k=keys, r=recs: self.shards[p[0]].bulk_load(
-                iter([(k[p[1]], r[p[1]])])), parts)
+
+            def load(p: tuple[int, np.ndarray], k: np.ndarray = keys,
+                     r: np.ndarray = recs) -> int:
+                return self.shards[p[0]].bulk_load(iter([(k[p[1]], r[p[1]])]))
+
+            self._map(load, parts)
             n += len(keys)
         return n
 
@@ -283,7 +291,8 @@ class ShardedBackend(Backend):
 
     def size_bytes(self) -> int | None:
         sizes = [b.size_bytes() for b in self.shards]
-        return None if any(s is None for s in sizes) else int(sum(sizes))
+        known = [s for s in sizes if s is not None]
+        return int(sum(known)) if len(known) == len(sizes) else None
 
     def stats(self) -> dict[str, Any]:
         """Numeric counters summed over shards, plus ``shard_rows`` (rows per shard)."""

@@ -9,12 +9,40 @@ never hidden by the layer in front of it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 
 from ..backends.base import Backend, ModifyFn, RowUpdate
 from ..layout import Layout
+
+_T = TypeVar("_T", bool, str)
+
+
+class _InnerFlag(Generic[_T]):
+    """A capability of the layer that is its wrapped backend's, read on every access.
+
+    Setting it on the layer raises (set it on the inner backend, or override it in a
+    subclass); a descriptor rather than a read-only property, which could not override the
+    writable flag of :class:`Backend`.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, layer: None, owner: type) -> _InnerFlag[_T]: ...
+    @overload
+    def __get__(self, layer: WrapperBackend, owner: type) -> _T: ...
+    def __get__(self, layer: WrapperBackend | None, owner: type) -> _InnerFlag[_T] | _T:
+        if layer is None:
+            return self
+        value: _T = getattr(layer.inner, self._name)
+        return value
+
+    def __set__(self, layer: WrapperBackend, value: _T) -> None:
+        raise AttributeError(f"{type(layer).__name__}.{self._name} is the wrapped backend's: "
+                             "set it there")
 
 
 class WrapperBackend(Backend):
@@ -34,33 +62,13 @@ class WrapperBackend(Backend):
         self.inner = inner
 
     # -- capabilities (read from the inner backend on every access) ---------------------------
-    @property
-    def persistent(self) -> bool:  # type: ignore[override]
-        return self.inner.persistent
-
-    @property
-    def supports_scan(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_scan
-
-    @property
-    def supports_changes(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_changes
-
-    @property
-    def supports_row_update(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_row_update
-
-    @property
-    def supports_lookup_insert(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_lookup_insert
-
-    @property
-    def thread_safe(self) -> bool:  # type: ignore[override]
-        return self.inner.thread_safe
-
-    @property
-    def scheme(self) -> str:  # type: ignore[override]
-        return self.inner.scheme
+    persistent = _InnerFlag[bool]()
+    supports_scan = _InnerFlag[bool]()
+    supports_changes = _InnerFlag[bool]()
+    supports_row_update = _InnerFlag[bool]()
+    supports_lookup_insert = _InnerFlag[bool]()
+    thread_safe = _InnerFlag[bool]()
+    scheme = _InnerFlag[str]()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -22,6 +22,13 @@ from .eviction import EvictionPolicy, eviction_policy
 __all__ = ["Expiry", "Eviction", "expired_keys", "eviction_victims"]
 
 
+@overload
+def _positive(name: str, value: float, *, integer: Literal[True]) -> int: ...
+@overload
+def _positive(name: str, value: float | None, *, integer: Literal[True]) -> int | None: ...
+@overload
+def _positive(name: str, value: float | None, *,
+              integer: Literal[False] = False) -> float | None: ...
 def _positive(name: str, value: Any, *, integer: bool = False) -> float | int | None:
     if value is None:
         return None

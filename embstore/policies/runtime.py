@@ -56,7 +56,7 @@ class PolicyRuntime:
         self.eviction: Eviction | None = None
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.updates_since_expire = 0
-        self.tombstones: TombstoneLog | None = None
+        self._tombstones: TombstoneLog | None = None  # set by restore()
         self._pending = np.zeros(0, dtype=np.int64)  # rejected in lookups since last update
         self._rows_base: int | None = None
 
@@ -82,10 +82,18 @@ class PolicyRuntime:
         self.updates_since_expire = int(stored.get("updates_since_expire", 0))
         self._pending = np.zeros(0, dtype=np.int64 if key_type == "int64" else object)
         if created:
-            self.tombstones = TombstoneLog(key_type, floor=0)
+            self._tombstones = TombstoneLog(key_type, floor=0)
         else:
             # A store written before the log existed knows nothing before its current version.
-            self.tombstones = TombstoneLog.from_json(key_type, stored.get("tombstones"), version)
+            self._tombstones = TombstoneLog.from_json(key_type, stored.get("tombstones"), version)
+
+    @property
+    def tombstones(self) -> TombstoneLog:
+        """The log of deleted keys (for ``deletions_since``); :meth:`restore` creates it."""
+        if self._tombstones is None:
+            raise AttributeError("the tombstone log is made by PolicyRuntime.restore(), "
+                                 "when the store opens")
+        return self._tombstones
 
     def to_json(self) -> dict[str, Any]:
         adm = None
@@ -98,7 +106,7 @@ class PolicyRuntime:
             "expiry": self.expiry.config() if self.expiry else None,
             "eviction": self.eviction.config() if self.eviction else None,
             "updates_since_expire": self.updates_since_expire,
-            "tombstones": self.tombstones.to_json() if self.tombstones else {},
+            "tombstones": self._tombstones.to_json() if self._tombstones else {},
         }
 
     def load_from_header(self, extra: dict[str, Any]) -> None:
@@ -113,6 +121,7 @@ class PolicyRuntime:
 
     # -- admission ------------------------------------------------------------------------------
     def admit_lookup(self, keys: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
+        assert self.admission is not None  # invariant: asked only with a policy configured
         ok = np.asarray(self.admission.admit(keys, occurrences), dtype=bool)
         rejected = keys[~ok]
         if len(rejected):
@@ -126,6 +135,7 @@ class PolicyRuntime:
         asked about ``fresh`` keys only (not rejected by a lookup since the last update)."""
         ok = np.zeros(len(keys), dtype=bool)
         fresh = np.ones(len(keys), dtype=bool)
+        assert self.admission is not None  # invariant: asked only with a policy configured
         if len(self._pending):
             fresh = ~np.isin(keys, self._pending)
         if fresh.any():

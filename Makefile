@@ -34,7 +34,8 @@ ext: $(VENV)/.created
 demo: $(VENV)/.demo ext
 	$(PY) examples/word2vec.py
 
-test: $(VENV)/.test ext
+# Lint first: ruff and mypy (configured in pyproject.toml) fail the run before any test starts.
+test: $(VENV)/.test ext lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.test ext
@@ -52,8 +53,10 @@ $(TFRA)/.created:
 
 tfra-venv: $(TFRA)/.created
 
-lint:
+# ruff and mypy come from the test extra; mypy checks embstore (files= in pyproject.toml).
+lint: $(VENV)/.test
 	$(VENV)/bin/ruff check embstore adapters tests bench examples
+	$(PY) -m mypy
 
 clean:
 	rm -rf build dist *.egg-info embstore/_cython/*.so embstore/_cython/*.c

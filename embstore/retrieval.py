@@ -182,6 +182,7 @@ class TopK:
         if nan.any():
             rank[nan] = 1
             neg[nan] = np.inf
+        tie: np.ndarray
         if mat_k.dtype == object:  # lexsort needs numbers: rank bytes keys among candidates
             mat_k[rank == 2] = b""
             tie = np.unique(mat_k, return_inverse=True)[1].reshape(mat_k.shape)

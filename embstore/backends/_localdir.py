@@ -112,8 +112,8 @@ def sorted_last_wins(pending: list[tuple[np.ndarray, np.ndarray]],
             order = order[np.append(sk[1:] != sk[:-1], True)]
         idx = order
     else:
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        last = {keys[i]: i for i in order}
+        by_key = sorted(range(len(keys)), key=keys.__getitem__)
+        last = {keys[i]: i for i in by_key}
         idx = np.fromiter(last.values(), dtype=np.intp, count=len(last))
     return keys[idx], np.take(recs, idx)
 

@@ -63,6 +63,7 @@ class Word2VecReader(FormatReader):
 
     key_kind = "text"
     row_word = "row"
+    declared_rows: int  # always known: the header declares it
 
     def __init__(self, path: str | os.PathLike, binary: bool = False) -> None:
         super().__init__(path)

@@ -315,6 +315,7 @@ class SamplingIndex:
         # Sorted probes search the coarse level in one forward sweep (cache friendly); a
         # random permutation then restores an i.i.d. draw order.
         u = np.sort(rng.random(c)) * snap.part_w[s]
+        assert snap.coarse is not None  # invariant: built together with the cdfs
         pos = _inverse_cdf(snap.cdfs[s], snap.coarse[s], u)[rng.permutation(c)]
         np.minimum(pos, snap.last[s], out=pos)
         return pos, snap.weight_at(s, pos)

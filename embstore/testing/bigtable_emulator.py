@@ -190,7 +190,7 @@ def _stop_all() -> None:  # pragma: no cover - interpreter shutdown
 
 
 # -- fault injection ------------------------------------------------------------------------------
-class InjectedRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+class InjectedRpcError(grpc.RpcError, grpc.Call):
     """The error a :class:`FaultInjector` raises: looks like a real failed gRPC call."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:

@@ -170,6 +170,7 @@ def run_crash_trials(url: str, *, trials: int = 8, dim: int = 4, keyspace: int =
                str(start), "--dim", str(dim), "--keyspace", str(keyspace), "--batch",
                str(batch), "--options", json.dumps(options)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs
         q: queue.Queue = queue.Queue()
         reader = threading.Thread(target=_read_lines, args=(proc.stdout, q), daemon=True)
         reader.start()

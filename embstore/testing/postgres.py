@@ -70,6 +70,8 @@ class PostgresHandle:
         The postmaster's PID (the only process :meth:`stop` kills).
     """
 
+    pid: int | None  # None once stopped
+
     def __init__(self, base: str, data: str, port: int, pid: int, as_user: list[str],
                  bindir: str) -> None:
         self.base, self.data, self.port, self.pid = base, data, port, pid

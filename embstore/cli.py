@@ -108,11 +108,12 @@ def _parse_key(store, key: str) -> Any:
 def _size(n: int | None) -> str:
     if n is None:
         return "unknown"
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
 
 
 def _field_type(dt: np.dtype) -> str:
@@ -217,7 +218,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
     opts = _options(args.option)
     with _open_ro(args.src, _options(args.src_option) or opts) as src:
-        dst_url, layer = args.dst, {}
+        dst_url = args.dst
+        layer: dict[str, Any] = {}
         if args.shards:
             layer = {"shards": shard_urls(args.dst, args.shards)}
             dst_url = "sharded://"

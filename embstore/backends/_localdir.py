@@ -133,7 +133,7 @@ class FetchedRecords:
     _itemsize: int
     layout: Any
 
-    def _fetch(self, keys: np.ndarray) -> tuple[bytearray, np.ndarray]:
+    def _fetch(self, keys: np.ndarray) -> tuple[bytes | bytearray, np.ndarray]:
         raise NotImplementedError
 
     def _found(self, vals: list, buf: bytearray) -> np.ndarray:

@@ -261,6 +261,7 @@ class LmdbBackend(FetchedRecords, Backend):
                     shutil.rmtree(top, ignore_errors=True)
                 raise
         if self._meta_db is None or self._rec_db is None:
+            assert self._shared is not None  # invariant: set with _env
             self._rec_db = self._shared.db(_REC_DB, create=True)
             self._meta_db = self._shared.db(_META_DB, create=True)
         raw = json.dumps(meta, sort_keys=True).encode()
@@ -281,6 +282,7 @@ class LmdbBackend(FetchedRecords, Backend):
         if self._env is not None:
             self._env = self._rec_db = self._meta_db = None
             shared, self._shared = self._shared, None
+            assert shared is not None  # invariant: set with _env
             shared.refs -= 1
             if shared.refs == 0:
                 if _POOL.get(self.path) is shared:

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -69,7 +69,8 @@ def _options(block_cache_mb: int, bloom_bits: float, create: bool) -> rd.Options
     else:
         table.disable_cache()
     if bloom_bits > 0:
-        table.set_bloom_filter(float(bloom_bits), False)
+        # rocksdict's stub types bits_per_key as int; RocksDB takes a double (e.g. 9.9)
+        table.set_bloom_filter(float(bloom_bits), False)  # type: ignore[arg-type]
     opts.set_block_based_table_factory(table)
     opts.set_allow_mmap_reads(True)
     opts.increase_parallelism(2)
@@ -192,6 +193,7 @@ class RocksDBBackend(FetchedRecords, Backend):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def read_meta(self) -> dict | None:
+        meta_cf: rd.Rdict | None
         if self._shared is not None:
             meta_cf = self._shared.meta
         elif self._ro is not None:
@@ -200,6 +202,7 @@ class RocksDBBackend(FetchedRecords, Backend):
             return None
         try:
             raw = meta_cf.get(_META_KEY) if meta_cf is not None else None
+            assert self._db is not None  # invariant: set with _shared / _ro
             has_rows = next(iter(self._db.keys()), None) is not None
         except Exception as e:
             raise BackendError(f"{self.path}: cannot read metadata: {e}") from e
@@ -274,27 +277,33 @@ class RocksDBBackend(FetchedRecords, Backend):
         out[:] = raw
         return out
 
-    def _writer(self) -> rd.Rdict:
+    def _writable(self) -> _Shared:
         if self._shared is None:
             raise BackendError(f"{self.path}: RocksDB is not open for writing")
-        return self._shared.db
+        return self._shared
+
+    def _writer(self) -> rd.Rdict:
+        return self._writable().db
 
     def _commit(self, wb: rd.WriteBatch) -> None:
         try:
-            self._writer().write(wb, self._wopt)
+            shared = self._writable()
+            shared.db.write(wb, self._wopt)
         except Exception as e:
             raise BackendError(f"{self.path}: RocksDB write failed: {e}") from e
         self.counters["write_batches"] += 1
-        self._shared.count = None
+        shared.count = None
 
     # -- rows ------------------------------------------------------------------------------------
     def _fetch(self, keys: np.ndarray) -> tuple[bytearray, np.ndarray]:
         if self._db is None or len(keys) == 0:
             return bytearray(), np.zeros(len(keys), dtype=bool)
         try:
-            vals = self._db.get(self._encode(keys), b"")
+            # rocksdict's stub takes a List[Union[str, int, ...]] (invariant), not list[bytes]
+            vals = self._db.get(self._encode(keys), b"")  # type: ignore[arg-type]
         except Exception as e:
             raise BackendError(f"{self.path}: RocksDB read failed: {e}") from e
+        assert vals is not None  # a list of keys gets a list (b"" for missing ones)
         buf = bytearray().join(vals)
         found = self._found(vals, buf)
         if len(buf) != int(found.sum()) * self._itemsize:
@@ -345,7 +354,8 @@ class RocksDBBackend(FetchedRecords, Backend):
             return
         items = self._db.items()
         while True:
-            chunk = list(islice(items, batch_size))
+            # raw mode: keys are bytes (rocksdict's stub types them for every mode)
+            chunk = cast("list[tuple[bytes, bytes]]", list(islice(items, batch_size)))
             if not chunk:
                 return
             # list comprehensions, not generators, into join: measured ~4x faster
@@ -356,7 +366,8 @@ class RocksDBBackend(FetchedRecords, Backend):
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Write sorted SST files (about 320 MiB of records each) and ingest them."""
-        db = self._writer()
+        shared = self._writable()
+        db = shared.db
         total = 0
         tmpdir = tempfile.mkdtemp(prefix=".ingest-", dir=self.path)
         try:
@@ -374,7 +385,7 @@ class RocksDBBackend(FetchedRecords, Backend):
                 total += self._ingest(db, pending, tmpdir)
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
-            self._shared.count = None
+            shared.count = None
         return total
 
     def _ingest(self, db: rd.Rdict, pending: list, tmpdir: str) -> int:

@@ -32,6 +32,7 @@ from ..errors import (
     InvalidInputError,
     InvalidURLError,
     SchemaMismatchError,
+    StoreClosedError,
 )
 from ..layout import Layout
 from .base import Backend, serialized
@@ -39,7 +40,7 @@ from .base import Backend, serialized
 try:
     import sqlalchemy as sa
     from sqlalchemy.engine import make_url
-    from sqlalchemy.pool import NullPool
+    from sqlalchemy.pool import NullPool, PoolProxiedConnection
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
@@ -181,7 +182,9 @@ class SQLBackend(Backend):
         self._dialect_name = sa_url.get_backend_name()
         self._pg_upsert = pg_upsert
         self._ops: Any = None
-        self._raw = self._conn = self._engine = None
+        self._raw: PoolProxiedConnection | None = None
+        self._conn: sa.Connection | None = None
+        self._engine: sa.Engine | None = None
         self._closed = False
         self._missing = False
         self._core = False
@@ -239,12 +242,20 @@ class SQLBackend(Backend):
         except self._driver_errors as e:
             raise BackendError(f"{self._safe_url}: cannot connect: {e}") from e
 
+    @property
+    def _db(self) -> sa.Engine:
+        """The SQLAlchemy engine, from open until close."""
+        if self._engine is None:
+            raise StoreClosedError(f"{self._safe_url}: the backend is closed")
+        return self._engine
+
     def _quote(self, name: str) -> str:
-        return self._engine.dialect.identifier_preparer.quote_identifier(name)
+        return self._db.dialect.identifier_preparer.quote_identifier(name)
 
     def _open_sqlite(self) -> None:
-        self._raw = self._engine.raw_connection()
+        self._raw = self._db.raw_connection()
         conn = self._raw.driver_connection
+        assert conn is not None  # invariant: a connection just checked out is live
         # autocommit at the driver level; batches use explicit BEGIN IMMEDIATE / COMMIT
         conn.isolation_level = None
         if self.read_only:
@@ -258,8 +269,9 @@ class SQLBackend(Backend):
                                        self._quote, "int64", 0)
 
     def _open_postgres(self) -> None:
-        self._raw = self._engine.raw_connection()
+        self._raw = self._db.raw_connection()
         conn = self._raw.driver_connection
+        assert conn is not None  # invariant: a connection just checked out is live
         if conn.info.transaction_status != 0:  # SQLAlchemy's first-connect probe left one
             conn.rollback()
         conn.autocommit = True
@@ -271,7 +283,7 @@ class SQLBackend(Backend):
 
     def _open_core(self) -> None:
         self._core = True
-        self._conn = conn = self._engine.connect()
+        self._conn = conn = self._db.connect()
         if self._dialect_name == "sqlite":
             _sql_conn.refuse_case_aliases(self, conn.connection.driver_connection)
         tables = self._tables("int64")
@@ -281,7 +293,8 @@ class SQLBackend(Backend):
         md = sa.MetaData()
         if key_type == "int64":
             # INTEGER PRIMARY KEY is SQLite's rowid alias: no second B-tree for the key.
-            ktype = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+            ktype: sa.types.TypeEngine[Any] = sa.BigInteger().with_variant(sa.Integer(),
+                                                                             "sqlite")
         else:
             from sqlalchemy.dialects.mysql import VARBINARY  # a BLOB cannot be a MySQL key
 
@@ -335,7 +348,7 @@ class SQLBackend(Backend):
         data, meta, index = self._tables(key_type)
         self._index_name = index.name
         self._create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
-                                     .compile(dialect=self._engine.dialect))
+                                     .compile(dialect=self._db.dialect))
         cols = self._ops.columns(self.table_name)
         if cols is None:
             if self.read_only:
@@ -345,7 +358,7 @@ class SQLBackend(Backend):
                              sa.schema.CreateTable(meta, if_not_exists=True),
                              sa.schema.CreateIndex(index, if_not_exists=True)]
             else:
-                d = self._engine.dialect
+                d = self._db.dialect
                 ddl = [str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=d))
                        for t in (data, meta)]
                 ddl.append(self._create_index_sql)
@@ -360,7 +373,7 @@ class SQLBackend(Backend):
         self._ops.key_type, self._ops.itemsize = key_type, itemsize
         if isinstance(self._ops, _sql_ops.CoreOps):
             data, meta, _ = self._tables(key_type)
-            self._ops.__init__(self._conn, data, meta, key_type, itemsize)
+            _sql_ops.CoreOps.__init__(self._ops, self._conn, data, meta, key_type, itemsize)
         elif isinstance(self._ops, _sql_ops.PostgresOps):
             self._ops._karr = "int8[]" if key_type == "int64" else "bytea[]"
 
@@ -414,7 +427,7 @@ class SQLBackend(Backend):
 
     @_wrap_errors
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        fdt, offset = self.layout.dtype.fields[field][:2]
+        fdt, offset = self.layout.fields[field]
         out, found = self._gather(keys, offset, fdt.itemsize)
         return out.view(fdt.base).reshape((len(keys),) + fdt.shape), found
 

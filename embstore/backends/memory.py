@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CapacityError, ForkedProcessError, InvalidInputError, InvalidURLError
+from ..errors import (
+    CapacityError,
+    ForkedProcessError,
+    InvalidInputError,
+    InvalidURLError,
+    StoreClosedError,
+)
 from ..layout import Layout
 from .base import Backend, ModifyFn, RowUpdate, serialized
 
@@ -160,6 +166,20 @@ class MemoryBackend(Backend):
             self._table = (CuckooTable(self._capacity, self._prefault, self._hash_seed)
                            if key_type == "int64" else None)
 
+    @property
+    def _records(self) -> RecordArena:
+        """The record arena, from :meth:`bind` until :meth:`close`."""
+        if self._arena is None:
+            raise StoreClosedError(f"{self.url}: the memory:// table is closed (or not bound)")
+        return self._arena
+
+    @property
+    def _key_table(self) -> CuckooTable:
+        """The key -> slot table, from :meth:`bind` until :meth:`close`."""
+        if self._table is None:
+            raise StoreClosedError(f"{self.url}: the memory:// table is closed (or not bound)")
+        return self._table
+
     def read_meta(self) -> dict | None:
         return None if self._meta is None else dict(self._meta)
 
@@ -177,7 +197,7 @@ class MemoryBackend(Backend):
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)
         if self.key_type == "int64":
-            self._table.find(keys, out)
+            self._key_table.find(keys, out)
         else:
             get = self._bytes_slots.get
             out[:] = [get(k, 0xFFFFFFFF) for k in keys]
@@ -195,19 +215,19 @@ class MemoryBackend(Backend):
         if new.any():
             self._epoch += 1
             new_slots = np.empty(int(new.sum()), dtype=np.uint32)
-            self._arena.alloc(new_slots)
+            self._records.alloc(new_slots)
             self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
             slots[new] = new_slots
         return slots
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
         recs = np.empty(len(slots), dtype=self.layout.dtype)
-        self._arena.gather(slots, recs.view(np.uint8).reshape(len(slots), -1))
+        self._records.gather(slots, recs.view(np.uint8).reshape(len(slots), -1))
         return recs
 
     def _scatter(self, slots: np.ndarray, records: np.ndarray) -> None:
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(slots), -1)
-        self._arena.scatter(slots, src)
+        self._records.scatter(slots, src)
 
     # -- slot-addressed access (the cache layer keeps its bookkeeping per slot) ---------------
     @serialized
@@ -222,9 +242,9 @@ class MemoryBackend(Backend):
         if field is None:
             return self._gather(slots)
         n = len(slots)
-        fdt, offset = self.layout.dtype.fields[field][:2]
+        fdt, offset = self.layout.fields[field]
         out = np.empty((n,) + fdt.shape, dtype=fdt.base)
-        self._arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
+        self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
         return out
 
     @serialized
@@ -266,10 +286,9 @@ class MemoryBackend(Backend):
         slots = self._slots(keys)
         if self.key_type == "int64":
             self._last_find = (keys.copy(), slots, self._epoch)
-        dt = self.layout.dtype
-        fdt, offset = dt.fields[field][:2]
+        fdt, offset = self.layout.fields[field]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
-        self._arena.gather(slots, out.view(np.uint8).reshape(len(keys), -1),
+        self._records.gather(slots, out.view(np.uint8).reshape(len(keys), -1),
                            offset, fdt.itemsize)
         return out, slots != _EMPTY
 
@@ -290,21 +309,22 @@ class MemoryBackend(Backend):
         slots = np.empty(n, dtype=np.uint32)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
         n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags))
-        fields = self.layout.dtype.fields
+        fields = self.layout.fields
         offset = fields["vector"][1]
         if n_new:
             self._epoch += 1
             tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
+        out: np.ndarray
         if n_new == n:
             out = np.ascontiguousarray(initial(keys), dtype=np.float32)
-            self._arena.write_rows(slots, tmpl, offset, out)
+            self._records.write_rows(slots, tmpl, offset, out)
         else:
             if n_new:
                 m = flags.view(bool)
-                self._arena.write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
+                self._records.write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
                     initial(keys[m]), dtype=np.float32))
             out = np.empty((n, self.layout.dim), dtype=np.float32)
-            self._arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
+            self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
                                out.shape[1] * 4)
         self._last_find = (keys.copy(), slots, self._epoch)
         return out, n_new
@@ -327,8 +347,8 @@ class MemoryBackend(Backend):
         if n_new < n:
             m = new.view(bool)
             slots, vectors = slots[m], vectors[m]
-        fields = self.layout.dtype.fields
-        self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
+        fields = self.layout.fields
+        self._records.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
                                fields["vector"][1],
                                np.ascontiguousarray(vectors, dtype=np.float32))
 
@@ -347,7 +367,7 @@ class MemoryBackend(Backend):
         if not found.all():
             slots, x = slots[found], x[found]
             counts = [c[found] for c in counts]
-        fields = self.layout.dtype.fields
+        fields = self.layout.fields
         name, alpha, _ = update.axpy
         if (fields[name][0].base != np.float32 or fields[name][0].shape != x.shape[1:]
                 or any(fields[f][0] != np.int64 for f in update.add)
@@ -355,7 +375,7 @@ class MemoryBackend(Backend):
             return super().update_rows(keys, update)  # a layout the kernel was not built for
         bits = np.array([np.array(v, dtype=fields[f][0]).view(np.uint64)
                          for f, v in update.assign.items()], dtype=np.uint64)
-        self._arena.update_rows(
+        self._records.update_rows(
             slots, fields[name][1], x, float(alpha),
             np.array([fields[f][1] for f in update.add], dtype=np.intp),
             np.array(counts, dtype=np.int64).reshape(len(counts), len(slots)),
@@ -367,25 +387,25 @@ class MemoryBackend(Backend):
         self._epoch += 1
         if self.key_type == "int64":
             removed = np.empty(len(keys), dtype=np.uint32)
-            self._table.erase(keys, removed)
+            self._key_table.erase(keys, removed)
         else:
             pop = self._bytes_slots.pop
             removed = np.array([pop(k, 0xFFFFFFFF) for k in keys], dtype=np.uint32)
-        self._arena.release(removed)
+        self._records.release(removed)
         return removed != _EMPTY
 
     @serialized
     def __len__(self) -> int:
         if self._arena is None:
             return 0
-        return len(self._table) if self.key_type == "int64" else len(self._bytes_slots)
+        return len(self._key_table) if self.key_type == "int64" else len(self._bytes_slots)
 
     def _all_slots(self) -> tuple[np.ndarray, np.ndarray]:
         n = len(self)
         if self.key_type == "int64":
             keys = np.empty(n, dtype=np.int64)
             slots = np.empty(n, dtype=np.uint32)
-            self._table.items(keys, slots)
+            self._key_table.items(keys, slots)
         else:
             keys = np.empty(n, dtype=object)
             keys[:] = list(self._bytes_slots.keys())
@@ -404,7 +424,7 @@ class MemoryBackend(Backend):
             with self._lock:
                 if self._arena is None:
                     return
-                self._arena.gather(s, recs.view(np.uint8).reshape(len(s), -1))
+                self._records.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 
     @serialized
@@ -412,24 +432,24 @@ class MemoryBackend(Backend):
         self._epoch += 1
         if self._arena is None:
             return
-        self._arena.clear()
+        self._records.clear()
         if self._table is not None:
-            self._table.clear()
+            self._key_table.clear()
         self._bytes_slots.clear()
 
     @serialized
     def size_bytes(self) -> int:
         if self._arena is None:
             return 0
-        n = self._arena.nbytes
+        n = self._records.nbytes
         if self._table is not None:
-            n += self._table.nbytes
+            n += self._key_table.nbytes
         return int(n)
 
     @serialized
     def stats(self) -> dict[str, Any]:
         out = dict(self.counters)
         if self._table is not None:
-            out["table_capacity"] = int(self._table.capacity)
-            out["table_rehashes"] = int(self._table.rehashes)
+            out["table_capacity"] = int(self._key_table.capacity)
+            out["table_rehashes"] = int(self._key_table.rehashes)
         return out

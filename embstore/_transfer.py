@@ -17,7 +17,8 @@ from ._batch import distinct, unique_last
 from ._cython.rowops import all_finite
 from .errors import CorruptFileError, SchemaMismatchError
 from .io.native import NativeReader, NativeWriter
-from .policies.tombstones import decode_keys, encode_keys
+from .io.validate import ImportChecks
+from .policies.tombstones import encode_keys
 from .progress import progress_bar
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
 
 
 def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | bytes, *,
-                  partial: bool, progress: bool) -> int:
+                  partial: bool, progress: bool, apply_deletes: bool = False) -> int:
     with NativeReader(src) as reader:
         if reader.key_type != store.key_type:
             raise SchemaMismatchError(
@@ -62,6 +63,9 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             raise SchemaMismatchError(
                 f"file layout {reader.layout} differs from the store's {store.layout}"
             )
+        # header, deletions, policy state now; stamps and key lengths on every chunk below
+        checks = ImportChecks(reader.name, reader.header, store, records=True,
+                              apply_deletes=apply_deletes)
         total: int | None = None
         cache: list[tuple[np.ndarray, np.ndarray]] | None = None
         if not partial:
@@ -69,16 +73,16 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             # nothing); the checked chunks are kept when they fit, so pass 2 need not read it.
             size = _source_size(src)
             cap = _CACHE_BYTES if size is None or size <= _CACHE_BYTES else 0
-            total, cache = _check_all(reader, cap)
+            total, cache = _check_all(reader, cap, checks)
         header = reader.header
         if header.get("deletions_complete") is False:
             warnings.warn(f"{reader.name}: this delta does not carry every deletion since "
                           "its base version; rows deleted at the source may remain here "
                           "(sync from a full export)", stacklevel=3)
-        if header.get("deleted"):
+        if checks.deleted is not None:
             # A delta carries the keys deleted since its base version: apply them first,
             # so rows re-created after the delete (in the delta's rows) survive.
-            gone = decode_keys(header["deleted"], store.key_type)
+            gone = checks.deleted
             for i in range(0, len(gone), 65536):
                 store._delete(gone[i:i + 65536])
 
@@ -93,6 +97,7 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             for keys, recs in reader:
                 if partial:  # otherwise pass 1 has checked every vector
                     _check_finite(reader, recs)
+                    checks.chunk(keys, recs)
                 bar.update(len(keys))
                 yield keys, recs
 
@@ -117,7 +122,7 @@ def _check_finite(reader: NativeReader, recs: np.ndarray) -> None:
         raise CorruptFileError(f"{reader.name}: NaN/inf in stored vectors")
 
 
-def _check_all(reader: NativeReader, cap: int
+def _check_all(reader: NativeReader, cap: int, checks: ImportChecks
                ) -> tuple[int, list[tuple[np.ndarray, np.ndarray]] | None]:
     """Check every checksum, the trailer and every vector; return the row count and the
     decoded chunks if they total at most ``cap`` bytes (else None: read the file again)."""
@@ -126,6 +131,7 @@ def _check_all(reader: NativeReader, cap: int
     # a file known not to fit is checked through one reused buffer (constant memory)
     for keys, recs in (reader if cache is not None else reader.iter_transient()):
         _check_finite(reader, recs)
+        checks.chunk(keys, recs, np.arange(total, total + len(keys)))
         total += len(keys)
         if cache is not None:
             kept += recs.nbytes + (keys.nbytes if keys.dtype != object

@@ -88,6 +88,8 @@ class BigtableBackend(Backend):
     persistent = True
     supports_scan = True
     scheme = "bigtable"
+    #: longest bytes key: Bigtable's 4 KiB row-key limit minus the one-byte key prefix
+    max_key_bytes = wire.MAX_ROW_KEY - 1
 
     def __init__(self, url: str, *, read_only: bool = False, emulator_host: str | None = None,
                  create: bool | None = None, column_family: str = "e",

@@ -36,6 +36,8 @@ import numpy as np
 
 from ..errors import CorruptFileError
 from ..layout import Layout
+from .base import MAX_DIM
+from .limits import check_input_path
 
 MAGIC = b"EMBSTNAT"
 FORMAT_VERSION = 1
@@ -192,6 +194,7 @@ class NativeReader:
             self._f: IO[bytes] = io.BytesIO(src)
             self._owns = True
         elif isinstance(src, (str, os.PathLike)):
+            check_input_path(os.fspath(src))
             try:
                 self._f = open(src, "rb")  # noqa: SIM115 - closed by close()
             except OSError as e:
@@ -204,7 +207,13 @@ class NativeReader:
         self._pools: tuple[ThreadPoolExecutor, ...] | None = None
         self._size = self._remaining_size()
         self.header = self._read_header()
-        self.layout = Layout.from_json(self.header.get("layout", {}))
+        try:
+            self.layout = Layout.from_json(self.header.get("layout", {}))
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptFileError(f"{self.name}: header has a bad layout: {e}") from e
+        if self.layout.dim > MAX_DIM or self.layout.itemsize > 16 * 4 * MAX_DIM:
+            raise CorruptFileError(f"{self.name}: header declares an absurd record layout "
+                                   f"(dim {self.layout.dim}, {self.layout.itemsize} bytes)")
         self.key_type = self.header.get("key_type")
         if self.key_type not in ("int64", "bytes"):
             raise CorruptFileError(f"{self.name}: header has an unknown key_type")
@@ -245,6 +254,8 @@ class NativeReader:
             header = json.loads(hb.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptFileError(f"{self.name}: header is not valid JSON: {e}") from e
+        except RecursionError:  # e.g. 200k nested brackets: no store header looks like that
+            raise CorruptFileError(f"{self.name}: header JSON is nested absurdly deep") from None
         if not isinstance(header, dict) or "layout" not in header:
             raise CorruptFileError(f"{self.name}: header lacks a layout")
         return header

@@ -22,6 +22,8 @@ from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
 from ..progress import progress_bar
 from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
 from .formats import detect_format, open_reader, open_writer
+from .limits import chunk_rows
+from .validate import ImportChecks, local_store_paths, remove_created
 
 PROJECTIONS = ("random", "truncate")
 #: decoded rows kept between the checking and the writing pass (see ``import_file``)
@@ -40,6 +42,9 @@ class ImportReport:
     bad: list[str] = field(default_factory=list)
     url: str = ""
     store: Any = None
+    #: keys the file asked to delete (a delta's deletions, or a full export's with
+    #: ``apply_deletes``) and how many of them were in the store
+    deleted: int = 0
 
 
 def _projection(kind: str, src_dim: int, dst_dim: int, seed: int) -> np.ndarray | None:
@@ -137,7 +142,16 @@ class NewStore:
     def open(self) -> Any:
         from ..api import open as _open
 
+        # what does not exist yet is removed again when the import fails after this
+        self.created = [p for p in local_store_paths(self.url) if not os.path.lexists(p)]
         return _open(self.url, **self.options)
+
+    def discard(self, store: Any) -> None:
+        """Close and remove a store this import created and then failed to fill."""
+        try:
+            store.close()
+        finally:
+            remove_created(getattr(self, "created", []))
 
 
 def creation_options(reader: FormatReader, *, dim: int | None = None,
@@ -157,7 +171,8 @@ def creation_options(reader: FormatReader, *, dim: int | None = None,
 def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
                 skip_bad: bool = False, project: str | None = None, seed: int = 0,
                 batch_size: int = CHUNK_ROWS, progress: bool = False,
-                cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImportReport:
+                cache_bytes: int = DEFAULT_CACHE_BYTES,
+                apply_deletes: bool = False) -> ImportReport:
     """Import a file of any supported format into ``store``.
 
     Parameters
@@ -177,6 +192,9 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
     cache_bytes : int
         Memory for keeping the first pass's decoded rows: a file whose rows fit is read
         once; a bigger one is read (and checked) again in the second pass. 0 disables.
+    apply_deletes : bool
+        Let a native full export that lists deleted keys delete them (such a file is refused
+        otherwise; a delta's deletions always apply). ``ImportReport.deleted`` counts them.
 
     Returns
     -------
@@ -191,6 +209,12 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
         report.mode = "records" if records_mode else "vectors"
         mat = (_projection(project, reader.dim, store.dim, seed)
                if reader.dim != store.dim else None)
+        # header, deletions and policy state now; stamps and key lengths per chunk in pass 1
+        checks = ImportChecks(reader.name, reader.header, store, records=records_mode,
+                              apply_deletes=apply_deletes, row_word=reader.row_word,
+                              row_offset=reader.row_offset)
+        # chunks are bounded in bytes: a 2**20-dim vector is 4 MiB
+        batch_size = chunk_rows(4 * reader.dim + 64, batch_size)
 
         # Pass 1: read everything, write nothing. Clean chunks are kept (up to cache_bytes)
         # so that a file that fits is not read and parsed a second time.
@@ -207,6 +231,7 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
                         f"{bad[0]}{more}; nothing was imported (--skip-bad skips bad rows)")
                 report.skipped += len(bad)
                 report.bad += bad[:max(0, 20 - len(report.bad))]
+                checks.chunk(clean.keys, clean.records, clean.rows)
                 total += len(clean.keys)
                 bar.update(len(chunk.keys) + len(chunk.bad))
                 if cache is not None:
@@ -219,8 +244,9 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
         # Pass 2: write. Re-read chunks need no second check unless keys must be converted.
         recheck = report.skipped > 0 or (reader.key_kind == "text"
                                          and store.key_type == "int64")
-        if isinstance(store, NewStore):
-            store = store.open()
+        new = store if isinstance(store, NewStore) else None
+        if new is not None:
+            store = new.open()
             report.url = store.url
             report.store = store
 
@@ -237,22 +263,34 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
                 bar.update(len(clean.keys))
                 yield clean
 
-        with progress_bar(total=total, enabled=progress, desc="import") as bar:
-            if records_mode:
-                deleted = (reader.header or {}).get("deleted")
-                if deleted:
-                    _apply_deletions(store, deleted)
-                report.rows = store.load_records(
-                    ((c.keys, c.records) for c in cleaned()), header=reader.header)
-            else:
-                for c in cleaned():
-                    vecs = c.vectors
-                    if reader.dim != store.dim:
-                        vecs = _project(vecs, project, store.dim, mat)
-                    if len(c.keys):
-                        store.assign(c.keys, vecs)
-                        report.rows += len(c.keys)
+        try:
+            with progress_bar(total=total, enabled=progress, desc="import") as bar:
+                _write(store, reader, report, cleaned(), checks.deleted, project, mat)
+        except BaseException:
+            if new is not None:  # a store created for this import goes again
+                report.store = None
+                new.discard(store)
+            raise
     return report
+
+
+def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Iterator[Chunk],
+           deleted: np.ndarray | None, project: str | None, mat: np.ndarray | None) -> None:
+    """Pass 2 of ``import_file``: deletions first (rows re-created after them survive),
+    then whole records or vectors."""
+    if report.mode == "records":
+        if deleted is not None and len(deleted):
+            report.deleted = _apply_deletions(store, deleted)
+        report.rows = store.load_records(((c.keys, c.records) for c in chunks),
+                                         header=reader.header)
+        return
+    for c in chunks:
+        vecs = c.vectors
+        if reader.dim != store.dim:
+            vecs = _project(vecs, project, store.dim, mat)
+        if len(c.keys):
+            store.assign(c.keys, vecs)
+            report.rows += len(c.keys)
 
 
 def _nbytes(chunk: Chunk) -> int:
@@ -262,13 +300,12 @@ def _nbytes(chunk: Chunk) -> int:
     return n + chunk.keys.nbytes
 
 
-def _apply_deletions(store: Any, deleted: Any) -> None:
+def _apply_deletions(store: Any, gone: np.ndarray) -> int:
     # A native delta export lists the keys deleted since its base version.
-    from ..policies.tombstones import decode_keys
-
-    gone = decode_keys(deleted, store.key_type)
+    n = 0
     for i in range(0, len(gone), CHUNK_ROWS):
-        store.delete(gone[i:i + CHUNK_ROWS])
+        n += int(store.delete(gone[i:i + CHUNK_ROWS]) or 0)
+    return n
 
 
 def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
@@ -431,6 +468,7 @@ def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
     with open_reader(path, fmt) as reader:
         rep = VerifyReport(dim=reader.dim, kind=f"{reader.format} ({reader.key_kind} keys)")
         kt = "int64" if reader.key_kind == "int64" else "bytes"
+        batch_size = chunk_rows(4 * reader.dim + 64, batch_size)
         with progress_bar(total=reader.declared_rows, enabled=progress, desc="verify") as bar:
             for chunk in reader.chunks(batch_size, validate=True):
                 clean, bad = _clean(chunk, reader, kt)

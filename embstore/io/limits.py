@@ -210,3 +210,58 @@ def finite_float32(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return out, np.zeros(len(values), dtype=bool)
     lost = ~np.isfinite(out) & np.isfinite(values)
     return out, lost.any(axis=1)
+
+
+# -- export destinations ---------------------------------------------------------------------------
+def output_mode(path: str) -> str:
+    """How an export reaches ``path``: ``"replace"`` (a regular file or nothing there yet:
+    written beside it and renamed over it, atomically) or ``"stream"`` (a FIFO or character
+    device such as ``/dev/null``: the finished file is written into it).
+
+    Symbolic links are not followed to files: renaming over one would replace the link, and
+    writing through it would overwrite whatever it points at (in a shared directory, another
+    user's file), so an export to a symlink is refused unless it points at a FIFO or character
+    device (``/dev/stdout``). Block devices, sockets and directories are refused.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "replace"
+    except OSError as e:
+        raise InvalidInputError(f"{path}: cannot export here: {e.strerror}") from e
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = None
+        if mode is None or not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+            raise InvalidInputError(
+                f"{path}: is a symbolic link; export does not replace or write through links "
+                "to files (export to the file it points at instead)")
+        return "stream"
+    if stat.S_ISREG(mode):
+        return "replace"
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
+        return "stream"
+    raise InvalidInputError(f"{path}: is {_kind(mode)}; export writes regular files, FIFOs "
+                            "and character devices only")
+
+
+def stream_into(tmp: str, final: str) -> None:
+    """Copy a finished temporary file into a FIFO/character device, then remove it."""
+    import shutil
+
+    try:
+        with open(tmp, "rb") as src, open(final, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    finally:
+        os.unlink(tmp)
+
+
+def deliver(tmp: str, final: str) -> None:
+    """Move a finished temporary file to ``final`` as :func:`output_mode` says."""
+    if output_mode(final) == "stream":
+        stream_into(tmp, final)
+    else:
+        os.replace(tmp, final)

@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import CorruptFileError
 from ..layout import Layout
 from .base import MAX_DIM
-from .limits import check_input_path
+from .limits import check_input_path, deliver, output_mode
 
 MAGIC = b"EMBSTNAT"
 FORMAT_VERSION = 1
@@ -50,7 +50,9 @@ _TRAILER = struct.Struct("<4sQI")
 def _open_out(dest: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str | None, str | None]:
     if isinstance(dest, (str, os.PathLike)):
         final = os.fspath(dest)
-        d = os.path.dirname(os.path.abspath(final))
+        # a FIFO/device gets the finished file written into it; symlinks etc. are refused
+        d = (tempfile.gettempdir() if output_mode(final) == "stream"
+             else os.path.dirname(os.path.abspath(final)))
         fd, tmp = tempfile.mkstemp(prefix=".embstore-", suffix=".tmp", dir=d)
         mask = os.umask(0o022)
         os.umask(mask)
@@ -151,7 +153,7 @@ class NativeWriter:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
-            os.replace(self._tmp, self._final)
+            deliver(self._tmp, self._final)
 
     def abort(self) -> None:
         """Drop a partly written file (path destinations only)."""
@@ -205,6 +207,13 @@ class NativeReader:
             self._owns = False
         self.name = str(src) if isinstance(src, (str, os.PathLike)) else "<stream>"
         self._pools: tuple[ThreadPoolExecutor, ...] | None = None
+        try:
+            self._open_header()
+        except BaseException:
+            self.close()  # a refused file is not left open
+            raise
+
+    def _open_header(self) -> None:
         self._size = self._remaining_size()
         self.header = self._read_header()
         try:

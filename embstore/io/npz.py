@@ -43,7 +43,7 @@ from .base import (
     discard,
     temp_beside,
 )
-from .limits import check_inflation, check_input_path, chunk_rows, finite_float32
+from .limits import check_inflation, check_input_path, chunk_rows, deliver, finite_float32
 
 _MAGIC = b"\x93NUMPY"
 #: what the zip module raises on damaged, encrypted or unsupported members
@@ -342,7 +342,7 @@ class NpzWriter(FormatWriter):
                 m.finish()
             if self._npy:
                 for m in self._members.values():
-                    os.replace(m.tmp, m.final)
+                    deliver(m.tmp, m.final)
                 return
             out, tmp = temp_beside(self.dest)
             try:

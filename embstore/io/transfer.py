@@ -22,7 +22,7 @@ from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
 from ..progress import progress_bar
 from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
 from .formats import detect_format, open_reader, open_writer
-from .limits import chunk_rows
+from .limits import check_header, check_stamps, chunk_rows
 from .validate import ImportChecks, local_store_paths, remove_created
 
 PROJECTIONS = ("random", "truncate")
@@ -462,6 +462,15 @@ def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
     return rep
 
 
+def _verify_check(rep: VerifyReport, check: Any) -> bool:
+    try:
+        check()
+    except CorruptFileError as e:
+        rep.problems.append(str(e).replace("; nothing imported", ""))
+        return False
+    return True
+
+
 def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
                 batch_size: int = CHUNK_ROWS, progress: bool = False) -> VerifyReport:
     """Read every row of a file: structure and checksums (native), keys, values, counts."""
@@ -469,8 +478,12 @@ def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
         rep = VerifyReport(dim=reader.dim, kind=f"{reader.format} ({reader.key_kind} keys)")
         kt = "int64" if reader.key_kind == "int64" else "bytes"
         batch_size = chunk_rows(4 * reader.dim + 64, batch_size)
+        stamps_ok = _verify_check(rep, lambda: check_header(reader.name, reader.header))
         with progress_bar(total=reader.declared_rows, enabled=progress, desc="verify") as bar:
             for chunk in reader.chunks(batch_size, validate=True):
+                if stamps_ok:  # the first bad stamp is reported, as import would refuse it
+                    stamps_ok = _verify_check(rep, lambda c=chunk: check_stamps(
+                        reader.name, c.records, c.rows, reader.row_word, reader.row_offset))
                 clean, bad = _clean(chunk, reader, kt)
                 rep.bad += len(bad)
                 rep.problems += bad[:max(0, 20 - len(rep.problems))]

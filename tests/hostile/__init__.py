@@ -24,7 +24,7 @@ from embstore.io.native import MAGIC, NativeWriter
 DIM = 4
 
 
-# -- native -----------------------------------------------------------------------------------------
+# -- native ----------------------------------------------------------------------------------------
 def small_store(key_type: str = "int64", n: int = 10, **options) -> embstore.EmbeddingStore:
     s = embstore.open("memory://", dim=DIM, key_type=key_type, optimizer="adagrad", **options)
     keys = np.arange(1, n + 1) if key_type == "int64" else [b"k%d" % i for i in range(n)]
@@ -103,7 +103,7 @@ def native_admission_bomb(path: Path, decoded: int = 1 << 30) -> Path:
     return native_file(path, header={"extra": extra})
 
 
-# -- parquet ----------------------------------------------------------------------------------------
+# -- parquet ---------------------------------------------------------------------------------------
 def parquet_file(path: Path, *, field: str | None = None, value=None, row: int = 3,
                  header: dict | None = None) -> Path:
     from embstore.io.parquet import ParquetWriter
@@ -149,7 +149,7 @@ def parquet_bomb(path: Path, rows: int = 256, dim: int = 1 << 20) -> Path:
     return path
 
 
-# -- npz / npy --------------------------------------------------------------------------------------
+# -- npz / npy -------------------------------------------------------------------------------------
 def _npy_header(dtype: str, shape: tuple) -> bytes:
     from embstore.io.npz import _npy_header as h
 
@@ -235,7 +235,7 @@ def npy_dir_with_fifo(path: Path) -> Path:
     return path
 
 
-# -- text -------------------------------------------------------------------------------------------
+# -- text ------------------------------------------------------------------------------------------
 def word2vec_long_key(path: Path, rows: int = 300, at: int = 250, key_len: int = 600) -> Path:
     """A valid word2vec text file whose row ``at`` (0-based) has a ``key_len``-byte key."""
     lines = [f"{rows} {DIM}\n"]
@@ -243,4 +243,29 @@ def word2vec_long_key(path: Path, rows: int = 300, at: int = 250, key_len: int =
         key = ("x" * key_len) if i == at else f"w{i}"
         lines.append(key + " " + " ".join(["0.5"] * DIM) + "\n")
     path.write_text("".join(lines))
+    return path
+
+
+def native_full_with_deletions(path: Path, deleted=(1, 2), since=None) -> Path:
+    """A native export of keys 1..10 (since=None: a full export) that lists ``deleted``."""
+    from embstore.policies.tombstones import encode_keys
+
+    gone = encode_keys(np.asarray(deleted, dtype=np.int64), "int64")
+    return native_file(path, header={"since": since, "deleted": gone,
+                                     "deletions_complete": True})
+
+
+def long_key_file(path: Path, fmt: str, rows: int = 300, at: int = 250,
+                  key_len: int = 4200) -> Path:
+    """A valid file of ``rows`` bytes/text keys in ``fmt``, one of them (the ``at``-th
+    assigned; a scan puts it after the first hundred rows) ``key_len`` bytes long: too long
+    for LMDB's 511 and Bigtable's 4096-byte key limits."""
+    from embstore.io.transfer import export_file
+
+    s = embstore.open("memory://", dim=DIM, key_type="bytes", optimizer="adagrad")
+    keys = [b"w%d" % i for i in range(rows)]
+    keys[at] = b"x" * key_len
+    s.assign(keys, np.full((rows, DIM), 0.25, np.float32))
+    export_file(s, path, fmt=fmt)
+    s.close()
     return path

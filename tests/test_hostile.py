@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -106,11 +107,40 @@ REFUSED = {
 }
 
 
+@pytest.fixture
+def fifo_watchdog():
+    """watch(dir): should a reader block on a FIFO in ``dir`` (the bug), open and close its
+    write end after a while, so the test fails instead of hanging."""
+    stop = threading.Event()
+    threads = []
+
+    def watch(d) -> None:
+        def unblock() -> None:
+            while not stop.wait(10):
+                for p in d.iterdir() if d.is_dir() else ():
+                    if p.is_fifo():
+                        try:
+                            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+                        except OSError:
+                            pass  # no reader is waiting on it
+
+        t = threading.Thread(target=unblock, daemon=True)
+        t.start()
+        threads.append(t)
+
+    yield watch
+    stop.set()
+    for t in threads:
+        t.join()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_hostile_file_is_refused_and_store_untouched(name, backend, target, tmp_path):
+def test_hostile_file_is_refused_and_store_untouched(name, backend, target, tmp_path,
+                                                     fifo_watchdog):
     build, words = REFUSED[name]
     path = build(tmp_path / name)
+    fifo_watchdog(path)
     with embstore.open(target(backend), dim=h.DIM, optimizer="adagrad") as store:
         store.lookup(np.arange(5, 9))
         before = _snapshot(store)
@@ -129,10 +159,15 @@ def test_hostile_file_is_refused_and_store_untouched(name, backend, target, tmp_
 def test_compression_bombs_are_refused_before_decoding(name, bombs):
     path = bombs(name)
     assert path.stat().st_size < 2 << 20  # ~1 MB / ~60 KB on disk, 1 GiB decoded
-    store = embstore.open("memory://", dim=1 << 20)
-    with pytest.raises(CorruptFileError, match="compression bomb"):
-        import_file(store, path)
-    assert len(store) == 0
+    # under a memory limit, so that a reader decoding the bomb fails instead of swapping
+    r = _run_limited(
+        "from embstore.io.transfer import import_file\n"
+        "store = embstore.open('memory://', dim=1 << 20)\n"
+        f"try:\n    import_file(store, {str(path)!r})\n"
+        "except embstore.errors.CorruptFileError as e:\n"
+        "    print('refused', len(store), e)\n")
+    assert r.stdout.startswith("refused 0 "), r.stdout + r.stderr
+    assert "compression bomb" in r.stdout
 
 
 def _run_limited(code: str, headroom: int = 768 << 20) -> subprocess.CompletedProcess:
@@ -195,7 +230,7 @@ LONG_KEY_FORMATS = {"native": "k.emb", "parquet": "k.parquet", "npz": "k.npz", "
                     "word2vec": "k.txt", "word2vec-binary": "k.bin", "tsv": "k.tsv"}
 
 
-@pytest.mark.parametrize("backend", ["lmdb", "bigtable"])
+@pytest.mark.parametrize("backend", ["lmdb", "postgres", "bigtable"])
 @pytest.mark.parametrize("fmt", sorted(LONG_KEY_FORMATS))
 def test_key_too_long_for_the_backend_imports_nothing(fmt, backend, target, tmp_path):
     path = h.long_key_file(tmp_path / LONG_KEY_FORMATS[fmt], fmt)
@@ -265,7 +300,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="default")
     env.pop("EMBSTORE_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "embstore", *args], capture_output=True,
-                          text=True, timeout=120, env=env)
+                          text=True, timeout=60, env=env)
 
 
 CLI_CASES = ["bad_crc.npz", "encrypted.npz", "method.npz", "deep_header.emb",
@@ -375,10 +410,18 @@ def test_export_streams_into_a_fifo(fmt, small, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".embstore-")] == []
 
 
-def test_export_to_a_character_device(small):
-    assert small.export("/dev/null") == len(small)
-    assert export_file(small, "/dev/null", fmt="word2vec") == len(small)
-    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+def test_export_to_a_character_device(small, tmp_path):
+    # A null device of our own, never the system's /dev/null: code that renames over its
+    # destination (the bug) must not be able to replace a device the whole machine uses.
+    dev = tmp_path / "null"
+    try:
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (PermissionError, OSError) as e:
+        pytest.skip(f"cannot create a device node here: {e}")
+    assert small.export(dev) == len(small)
+    assert export_file(small, dev, fmt="word2vec") == len(small)
+    assert stat.S_ISCHR(os.lstat(dev).st_mode)  # still the device, not a regular file
+    assert [p.name for p in tmp_path.iterdir()] == ["null"]
 
 
 def test_export_refuses_symlinks_and_sockets(small, tmp_path):

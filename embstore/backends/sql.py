@@ -180,6 +180,12 @@ class SQLBackend(Backend):
             self.close()
             raise
 
+    @property
+    def max_key_bytes(self) -> int | None:
+        """Longest bytes key: PostgreSQL's B-tree index rows hold at most 2704 bytes (2684
+        of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
+        return {"postgresql": 2680, "mysql": 767}.get(self._dialect_name)
+
     # -- connection -------------------------------------------------------------------------------
     def _connect(self, fast_path: bool) -> None:
         kind = self._dialect_name

@@ -19,7 +19,8 @@ The bounds (see ``docs/cli.md``, "Import limits"):
   zip-bomb style ratios of 1000:1 and more are refused before they are decoded).
 * policy state saved in a header (compressed) decodes to at most the policy's own size, or
   ``MAX_POLICY_STATE`` for policies of no fixed size.
-* keys must fit the target backend (``max_key_bytes``: LMDB 510, Bigtable 4095 bytes, ...).
+* keys must fit the target backend (``max_key_bytes``: LMDB 510, PostgreSQL 2680, Bigtable
+  4095 bytes; memory://, RocksDB and SQLite have no limit).
 """
 
 from __future__ import annotations

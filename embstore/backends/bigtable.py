@@ -87,6 +87,7 @@ class BigtableBackend(Backend):
 
     persistent = True
     supports_scan = True
+    thread_safe = True  # a gRPC channel pool; calls from several threads overlap
     scheme = "bigtable"
     #: longest bytes key: Bigtable's 4 KiB row-key limit minus the one-byte key prefix
     max_key_bytes = wire.MAX_ROW_KEY - 1

@@ -96,7 +96,7 @@ def _check_policy_state(name: str, header: dict[str, Any] | None, store: Any) ->
     if "updates_since_expire" in st:
         check_count(name, "updates_since_expire", st["updates_since_expire"])
     adm = st.get("admission")
-    policy = getattr(getattr(store, "_policy", None), "admission", None)
+    policy = getattr(store, "admission", None)  # None for a store still to be created
     if not adm or policy is None or not isinstance(adm, dict):
         return
     if policy.config() != adm.get("config") or not adm.get("state"):
@@ -116,7 +116,7 @@ def _check_policy_state(name: str, header: dict[str, Any] | None, store: Any) ->
 
 def target_key_limit(store: Any) -> tuple[int | None, str]:
     """``(max key bytes, what)`` for the target store or a store still to be created."""
-    backend = getattr(store, "_backend", None)
+    backend = getattr(store, "backend", None)
     if backend is not None:
         return max_key_bytes(backend), store.url
     url = getattr(store, "url", "")

@@ -459,3 +459,24 @@ def test_export_replaces_a_regular_file_atomically(small, tmp_path):
     dest.write_text("old")
     assert export_file(small, dest) == len(small)
     assert dest.read_text().count("\n") == len(small)
+
+
+def test_partial_import_checks_each_chunk_before_writing_it(tmp_path):
+    path = h.native_file(tmp_path / "v.emb", field="version", value=2**63 - 1, row=3)
+    store = embstore.open("memory://", dim=h.DIM, optimizer="adagrad")
+    with pytest.raises(CorruptFileError, match="row 4: version"):
+        store.import_(path, partial=True)
+    assert len(store) == 0  # the file is one chunk: nothing of it was written
+
+
+def test_cli_error_line_for_unexpected_errors():
+    import argparse
+
+    from embstore.cli import error_line
+
+    args = argparse.Namespace(src="/data/f.npz", url="lmdb:///x")
+    deep = error_line(RecursionError("deep"), args)
+    assert deep == "/data/f.npz: input nested too deeply to read"
+    assert error_line(RuntimeError("boom\nmore"), args) == "/data/f.npz: RuntimeError: boom"
+    assert error_line(InvalidInputError("lmdb:///x: no"), args) == "lmdb:///x: no"
+    assert error_line(MemoryError(), args) == "/data/f.npz: out of memory"

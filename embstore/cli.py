@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._urls import redact_text
 from .errors import EmbstoreError, InvalidInputError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -409,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line, never a traceback (EMBSTORE_DEBUG=1 shows it)
         if os.environ.get("EMBSTORE_DEBUG"):
             raise
-        print(f"embstore: error: {error_line(e, args)}", file=sys.stderr)
+        print(f"embstore: error: {redact_text(error_line(e, args))}", file=sys.stderr)
         return EXIT_FAIL
 
 

@@ -480,3 +480,15 @@ def test_cli_error_line_for_unexpected_errors():
     assert error_line(RuntimeError("boom\nmore"), args) == "/data/f.npz: RuntimeError: boom"
     assert error_line(InvalidInputError("lmdb:///x: no"), args) == "lmdb:///x: no"
     assert error_line(MemoryError(), args) == "/data/f.npz: out of memory"
+
+
+def test_native_chunks_are_bounded_in_bytes(tmp_path, monkeypatch):
+    from embstore.io import native
+
+    monkeypatch.setattr(native, "MAX_CHUNK_BYTES", 1 << 12)
+    s = h.small_store(n=40)  # adagrad dim 4: 64-byte records + 8 key bytes: 56 per 4 KiB
+    keys, recs = h._records(s)
+    with native.NativeWriter(tmp_path / "w.emb", s.meta) as w:
+        w.write(np.concatenate([keys, keys + 100]), np.concatenate([recs, recs]))
+    with native.NativeReader(tmp_path / "w.emb") as r:
+        assert [len(k) for k, _ in r] == [56, 24]

@@ -43,6 +43,8 @@ MAGIC = b"EMBSTNAT"
 FORMAT_VERSION = 1
 MAX_HEADER = 16 << 20
 MAX_CHUNK_ROWS = 1 << 22
+#: bytes of records per chunk a writer produces (readers accept any chunk the file can hold)
+MAX_CHUNK_BYTES = 64 << 20
 _CHUNK = struct.Struct("<4sIQI")
 _TRAILER = struct.Struct("<4sQI")
 
@@ -104,9 +106,10 @@ class NativeWriter:
         n = len(keys)
         if n == 0:
             return
-        for start in range(0, n, MAX_CHUNK_ROWS):
-            self._write_chunk(keys[start:start + MAX_CHUNK_ROWS],
-                              records[start:start + MAX_CHUNK_ROWS])
+        # chunks bounded in bytes too, so a reader of wide records holds little at a time
+        step = max(1, min(MAX_CHUNK_ROWS, MAX_CHUNK_BYTES // (self.layout.itemsize + 8)))
+        for start in range(0, n, step):
+            self._write_chunk(keys[start:start + step], records[start:start + step])
 
     def _write_chunk(self, keys: np.ndarray, records: np.ndarray) -> None:
         n = len(keys)

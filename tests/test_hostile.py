@@ -104,6 +104,9 @@ REFUSED = {
     "method.npz": (h.npz_unsupported_method, "compression method"),
     "float64_overflow.npz": (h.npz_float64_overflow, "float32 range"),
     "fifo_dir": (h.npy_dir_with_fifo, "FIFO"),
+    "lying_count.txt": (h.word2vec_lying_count, "header declares"),
+    "nan.bin": (h.word2vec_binary_nan, "NaN"),
+    "endless_line.tsv": (h.tsv_endless_line, "absurdly long"),
 }
 
 

@@ -269,3 +269,24 @@ def long_key_file(path: Path, fmt: str, rows: int = 300, at: int = 250,
     export_file(s, path, fmt=fmt)
     s.close()
     return path
+
+
+def word2vec_lying_count(path: Path) -> Path:
+    """A word2vec header declaring a billion rows over a one-row file."""
+    path.write_text(f"1000000000 {DIM}\n1 " + " ".join(["0.5"] * DIM) + "\n")
+    return path
+
+
+def word2vec_binary_nan(path: Path) -> Path:
+    """A word2vec binary file whose second row holds a NaN."""
+    vec = np.full((2, DIM), 0.5, dtype="<f4")
+    vec[1, 2] = np.nan
+    path.write_bytes(f"2 {DIM}\n".encode() + b"1 " + vec[0].tobytes() + b"\n2 "
+                     + vec[1].tobytes() + b"\n")
+    return path
+
+
+def tsv_endless_line(path: Path, length: int = 1 << 20) -> Path:
+    """A TSV file whose second line never ends (1 MiB of digits, no tab, no newline)."""
+    path.write_text("1\t" + " ".join(["0.5"] * DIM) + "\n" + "7" * length)
+    return path

@@ -402,17 +402,21 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
-                progress: bool = False) -> int:
+                progress: bool = False, apply_deletes: bool = False) -> int:
         """Load records from a native file; return the number of rows imported.
 
         The file's layout and key type must equal the store's. The whole file is verified
         (checksums, trailer) before the first row is written, so a corrupt or truncated file
-        imports nothing; with ``partial=True`` rows before the damage are kept.
+        imports nothing; with ``partial=True`` rows before the damage are kept. Stamps,
+        counts and keys are range-checked first (``docs/cli.md``, "Import limits"). A full
+        export listing deleted keys is refused unless ``apply_deletes=True``; a delta's
+        deletions always apply.
         """
         from .engine.transfer import import_native
 
         self._check_writable()
-        return import_native(self, src, partial=partial, progress=progress)
+        return import_native(self, src, partial=partial, progress=progress,
+                             apply_deletes=apply_deletes)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.

@@ -90,6 +90,8 @@ class BigtableBackend(Backend):
     supports_scan = True
     thread_safe = True  # a gRPC channel pool; calls from several threads overlap
     scheme = "bigtable"
+    #: longest bytes key: Bigtable's 4 KiB row-key limit minus the one-byte key prefix
+    max_key_bytes = wire.MAX_ROW_KEY - 1
 
     def __init__(self, url: str, *, read_only: bool = False, emulator_host: str | None = None,
                  create: bool | None = None, column_family: str = "e",

@@ -115,6 +115,8 @@ class LmdbBackend(FetchedRecords, Backend):
     persistent = True
     supports_scan = True
     scheme = "lmdb"
+    #: longest bytes key: LMDB's 511-byte key limit minus the one-byte key prefix
+    max_key_bytes = 510
 
     def __init__(self, url: str, *, read_only: bool = False, map_size: int = 1 << 30,
                  durable: bool = True, writemap: bool = False, lock: bool = True,

@@ -14,6 +14,7 @@ The table name travels in the URL (``?table=name``) so ``store.url`` reopens the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -106,6 +107,17 @@ def _parse(url: str, table: str | None):
     return u, name, public
 
 
+def _sqlite_empty(path: str) -> bool:
+    """True when the SQLite file holds no table (another writer may have made a store since)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=1.0)) as conn:
+            return conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+    except sqlite3.Error:
+        return False
+
+
 # Seconds to wait for a PostgreSQL server to answer a new connection (libpq drivers); a URL's
 # own ``?connect_timeout=`` wins.
 DEFAULT_CONNECT_TIMEOUT = 10
@@ -184,6 +196,7 @@ class SQLBackend(Backend):
         self._raw = self._conn = self._engine = None
         self._closed = False
         self._missing = False
+        self._created_file: str | None = None  # removed by close() if no store was written
         self._core = False
         self._bound: tuple[str, int] | None = None
         self._lock = threading.RLock()
@@ -193,6 +206,12 @@ class SQLBackend(Backend):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def max_key_bytes(self) -> int | None:
+        """Longest bytes key: PostgreSQL's B-tree index rows hold at most 2704 bytes (2684
+        of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
+        return {"postgresql": 2680, "mysql": 767}.get(self._dialect_name)
 
     # -- connection -------------------------------------------------------------------------------
     def _connect(self, fast_path: bool) -> None:
@@ -209,6 +228,7 @@ class SQLBackend(Backend):
                     raise BackendError(f"{self._safe_url}: directory {parent!r} does not exist")
                 if not os.access(parent, os.W_OK):
                     raise BackendError(f"{self._safe_url}: directory {parent!r} is not writable")
+                self._created_file = path
             connect_args = {"check_same_thread": False, "timeout": 60.0,
                             "cached_statements": 256}
         elif (kind == "postgresql" and self._sa_url.get_driver_name() in ("psycopg", "psycopg2")
@@ -328,6 +348,7 @@ class SQLBackend(Backend):
         text = json.dumps(meta, sort_keys=True)
         with self._ops.txn():
             self._ops.meta_put(text)
+        self._created_file = None  # a store lives here now
 
     @_wrap_errors
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -564,3 +585,8 @@ class SQLBackend(Backend):
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
+            if self._created_file is not None and _sqlite_empty(self._created_file):
+                # opened without dim (or failed before the store was made): no empty file left
+                for suffix in ("", "-wal", "-shm", "-journal"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._created_file + suffix)

@@ -310,8 +310,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
                 ok = self._policy.admit_lookup(uniq, seen)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
-                self._insert(uniq, new_vecs)
-                self._stats["inserts"] += len(uniq)
+                self._stats["inserts"] += self._insert(uniq, new_vecs)
                 self._policy.maybe_evict(self)
         return vectors
 
@@ -375,13 +374,20 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if len(k) == 0:
             return
         uniq, last = unique_last(k)
-        recs, found = self._backend.get(uniq)
-        if not found.all():
-            recs[~found] = self._new_records(uniq[~found])
-            self._stats["inserts"] += int(len(uniq) - np.count_nonzero(found))
-        recs["vector"] = v[last]
-        self._stamp(recs)
-        self._put(uniq, recs)
+        values = v[last]
+        written: list[np.ndarray] = []
+
+        def set_vectors(recs: np.ndarray, found: np.ndarray) -> None:
+            if not found.all():
+                recs[~found] = self._new_records(uniq[~found])
+            recs["vector"] = values
+            self._stamp(recs)
+            written[:] = [recs]
+
+        found = self._backend.modify(uniq, set_vectors)
+        self._stats["inserts"] += int(len(uniq) - np.count_nonzero(found))
+        for obs in self._observers:
+            obs.on_write(uniq, written[0])
         self._stats["assigns"] += len(uniq)
 
     def delete(self, keys: Any) -> int:

@@ -11,6 +11,8 @@ Contract for implementers
 - ``put`` of one batch is atomic where the engine can offer it (one transaction/write batch):
   after a crash either the whole batch is visible or none of it.
 - ``get`` returns records in request order; rows for missing keys are zero and ``found`` is False.
+- ``modify`` is the one read-modify-write primitive (the engine's ``update`` and ``assign``):
+  a backend that can resolve each key once, or that is shared by several writers, overrides it.
 - Native driver errors are wrapped in ``embstore.errors.BackendError`` (``raise ... from e``).
 """
 
@@ -27,6 +29,9 @@ import numpy as np
 from ..layout import Layout
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: ``fn(records, found) -> keep`` of :meth:`Backend.modify`
+ModifyFn = Callable[[np.ndarray, np.ndarray], "np.ndarray | None"]
 
 
 def serialized(method: _F) -> _F:
@@ -172,6 +177,35 @@ class Backend(abc.ABC):
             rows = records[found]
             update.apply(rows, found)
             self.put(keys[found], rows)
+        return found
+
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        """Read-modify-write the records of unique ``keys`` as one unit; return ``found``.
+
+        ``fn(records, found)`` gets the current records in key order (zero rows where not
+        found) and the found mask, edits ``records`` in place and returns ``keep``: None
+        (write every row) or a bool array: rows with keep=True are written (inserted when
+        new), found rows with keep=False are deleted, missing rows with keep=False stay absent.
+
+        Backends shared by several writers run the read, ``fn`` and the write in one
+        transaction (or retry optimistically); ``fn`` may therefore run more than once and must
+        have no effects outside ``records`` except ones it resets on each call.
+
+        The default is ``get`` -> ``fn`` -> ``put`` / ``delete``: one writer at a time.
+        """
+        records, found = self.get(keys)
+        keep = fn(records, found.copy())
+        if keep is None:
+            self.put(keys, records)
+            return found
+        keep = np.asarray(keep, dtype=bool)
+        gone = found & ~keep
+        if gone.any():
+            self.delete(keys[gone])
+        if keep.all():
+            self.put(keys, records)
+        elif keep.any():
+            self.put(keys[keep], records[keep])
         return found
 
     @abc.abstractmethod

@@ -118,6 +118,17 @@ class Backend(abc.ABC):
     def write_meta(self, meta: dict) -> None:
         """Persist the metadata dict (replaces the previous one)."""
 
+    def modify_meta(self, fn: Callable[[dict | None], dict]) -> dict:
+        """Replace the metadata by ``fn(stored)`` as one unit; return what was written.
+
+        Backends shared by several writers read, call ``fn`` and write in one transaction (or
+        retry a compare-and-set, so ``fn`` may run more than once). The default is
+        ``read_meta`` -> ``fn`` -> ``write_meta``: one writer at a time.
+        """
+        meta = fn(self.read_meta())
+        self.write_meta(meta)
+        return meta
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make every acknowledged write durable (where the backend buffers)."""
 

@@ -204,3 +204,93 @@ def test_rocksdb_refuses_a_second_writer_process(kind, store_url):
     _work(store, 1, steps, nkeys)
     store.close()
     _check(store_url, kind, steps, nkeys, 4 * steps)
+
+
+def test_bigtable_conflicting_write_is_retried_not_lost(bigtable_url_factory):
+    """A writer that changes a row between another writer's read and its compare-and-set
+    makes that compare-and-set fail; the batch is re-read and re-applied, nothing is lost,
+    and rows that already landed are not applied twice."""
+    url = bigtable_url_factory()
+    a = embstore.open(url, **_options("bigtable"))
+    b = embstore.open(url, **_options("bigtable"))
+    keys = np.arange(6, dtype=np.int64)
+    a.update(keys, np.ones((6, DIM), np.float32))
+    backend = a.backend
+    calls = []
+    real_modify = backend.modify
+
+    def interfering(ks, fn):
+        def wrapped(recs, found):
+            calls.append(1)
+            if len(calls) == 1:  # another writer slips in after this read
+                b.update(keys[:2], np.full((2, DIM), 10, np.float32))
+            return fn(recs, found)
+        return real_modify(ks, wrapped)
+
+    backend.modify = interfering
+    a.update(keys, np.ones((6, DIM), np.float32))
+    backend.modify = real_modify
+    assert len(calls) == 2
+    assert backend.stats()["cas_conflicts"] == 2
+    recs, found = a.get_records(keys)
+    assert found.all()
+    np.testing.assert_array_equal(recs["vector"][:, 0], [-12, -12, -2, -2, -2, -2])
+    np.testing.assert_array_equal(recs["count"], [3, 3, 2, 2, 2, 2])
+    a.close()
+    b.close()
+    with embstore.open(url) as c:
+        assert c.step == 3
+
+
+def test_bigtable_without_check_and_set_is_a_single_writer_option(bigtable_url_factory):
+    url = bigtable_url_factory()
+    with embstore.open(url, check_and_set=False, **_options("bigtable")) as s:
+        s.update(np.arange(3), np.ones((3, DIM), np.float32))
+        assert "check_and_set" in s.backend.reopen_options()
+        assert s.backend.stats().get("cas_conflicts", 0) == 0
+    with embstore.open(url) as s:
+        np.testing.assert_array_equal(s.lookup(np.arange(3))[:, 0], [-1, -1, -1])
+
+
+def test_bigtable_compare_and_set_survives_lost_answers(bigtable_url_factory):
+    """Transient errors on CheckAndMutateRow are retried, including ones raised *after* the
+    server applied the mutation (the retry's predicate then fails): such a row is recognized
+    on the re-read and not applied twice."""
+    import grpc
+
+    from embstore.testing.bigtable_emulator import InjectedRpcError
+
+    class Faults(grpc.UnaryUnaryClientInterceptor):
+        """The first 4 calls fail before reaching the server, the next 3 after it applied
+        them (the answer is lost)."""
+
+        def __init__(self) -> None:
+            self.before = self.lost = 0
+            self.armed = False
+
+        def intercept_unary_unary(self, continuation, details, request):
+            if not (self.armed and details.method.endswith("CheckAndMutateRow")):
+                return continuation(details, request)
+            if self.before < 4:
+                self.before += 1
+                raise InjectedRpcError(grpc.StatusCode.UNAVAILABLE, "injected")
+            out = continuation(details, request)
+            if self.lost < 3:
+                out.result()
+                self.lost += 1
+                raise InjectedRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
+            return out
+
+    url = bigtable_url_factory()
+    faults = Faults()
+    with embstore.open(url, interceptors=[faults], **_options("bigtable")) as s:
+        faults.armed = True
+        keys = np.arange(5, dtype=np.int64)
+        s.update(keys, np.ones((5, DIM), np.float32))
+        s.update(keys, np.ones((5, DIM), np.float32))
+        s.assign(keys[:1], np.full((1, DIM), 7, np.float32))
+        assert faults.lost == 3 and faults.before == 4
+        recs, found = s.get_records(keys)
+        assert found.all()
+        np.testing.assert_array_equal(recs["vector"][:, 0], [7, -2, -2, -2, -2])
+        np.testing.assert_array_equal(recs["count"], [2, 2, 2, 2, 2])

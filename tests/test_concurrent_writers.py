@@ -76,10 +76,11 @@ def _check(url: str, kind: str, steps: int, nkeys: int, step_expected: int) -> N
 
 
 def _process_writer(url: str, kind: str, writer: int, steps: int, nkeys: int, env: dict,
-                    errors) -> None:
+                    errors, start) -> None:
     os.environ.update(env)
     try:
         with embstore.open(url, **_options(kind)) as store:
+            start.wait(TIMEOUT)  # both open before either writes: the runs overlap
             _work(store, writer, steps, nkeys)
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         errors.put(f"writer {writer}: {traceback.format_exc()}")
@@ -89,8 +90,10 @@ def _process_writer(url: str, kind: str, writer: int, steps: int, nkeys: int, en
 def _run_processes(url: str, kind: str, steps: int, nkeys: int) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
+    start = ctx.Barrier(2)
     env = {k: v for k, v in os.environ.items() if k == "BIGTABLE_EMULATOR_HOST"}
-    procs = [ctx.Process(target=_process_writer, args=(url, kind, w, steps, nkeys, env, errors))
+    procs = [ctx.Process(target=_process_writer,
+                         args=(url, kind, w, steps, nkeys, env, errors, start))
              for w in (0, 1)]
     for p in procs:
         p.start()

@@ -297,3 +297,51 @@ def test_bigtable_compare_and_set_survives_lost_answers(bigtable_url_factory):
         assert found.all()
         np.testing.assert_array_equal(recs["vector"][:, 0], [7, -2, -2, -2, -2])
         np.testing.assert_array_equal(recs["count"], [2, 2, 2, 2, 2])
+
+
+# -- caches over a shared remote: one writer per key range, enforced --------------------------
+def test_second_write_back_cache_on_the_same_keys_is_refused(tmp_path):
+    from embstore._keys import key_hash64
+    from embstore.layers._lease import LeaseConflictError
+
+    url = f"sqlite:///{tmp_path}/shared.db"
+    embstore.open(url, **_options("sqlite")).close()
+    a = embstore.open(url, cache="memory://", **_options("sqlite"))
+    b = embstore.open(url, cache="memory://", **_options("sqlite"))
+    a.update(np.arange(4), np.ones((4, DIM), np.float32))
+    with pytest.raises(LeaseConflictError, match="writer_keys"):
+        b.update(np.arange(4), np.ones((4, DIM), np.float32))
+    assert b.lookup(np.arange(4), insert=False).shape == (4, DIM)  # reading is fine
+    a.close()  # releases the lease
+    b.update(np.arange(4), np.ones((4, DIM), np.float32))
+    b.close()
+    with embstore.open(url) as s:
+        np.testing.assert_array_equal(s.get_records(np.arange(4))[0]["count"], [2] * 4)
+        assert "writer_leases" not in s.meta
+
+    # disjoint writer_keys: both write; a key of the other range is refused
+    keys = np.arange(100, dtype=np.int64)
+    owner = (key_hash64(keys) % np.uint64(2)).astype(np.int64)
+    c0 = embstore.open(url, cache="memory://", writer_keys=(0, 2))
+    c1 = embstore.open(url, cache="memory://", writer_keys=(1, 2))
+    c0.update(keys[owner == 0], np.ones((int((owner == 0).sum()), DIM), np.float32))
+    c1.update(keys[owner == 1], np.ones((int((owner == 1).sum()), DIM), np.float32))
+    with pytest.raises(embstore.errors.InvalidInputError, match="route other keys"):
+        c0.update(keys[owner == 1][:1], np.ones((1, DIM), np.float32))
+    c0.close()
+    c1.close()
+    with embstore.open(url) as s:
+        assert (s.get_records(keys)[0]["count"] >= 1).all()
+
+
+def test_a_dead_writers_lease_expires(tmp_path):
+    url = f"sqlite:///{tmp_path}/shared.db"
+    embstore.open(url, **_options("sqlite")).close()
+    a = embstore.open(url, cache="memory://", lease_seconds=0.2)
+    a.update(np.arange(2), np.ones((2, DIM), np.float32))  # takes the lease, never closes
+    import time
+
+    time.sleep(0.3)
+    with embstore.open(url, cache="memory://") as b:
+        b.update(np.arange(2), np.ones((2, DIM), np.float32))
+    a.close()

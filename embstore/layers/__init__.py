@@ -12,7 +12,8 @@ from typing import Any
 from ..backends.base import Backend
 from ..errors import InvalidInputError
 
-LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "eviction", "write_behind", "shards")
+LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "eviction", "write_behind", "shards",
+                 "writer_keys", "lease_seconds")
 
 __all__ = ["LAYER_OPTIONS", "build_backend", "thread_safe", "CachedBackend", "ShardedBackend"]
 

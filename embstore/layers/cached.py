@@ -43,6 +43,7 @@ from ..backends.memory import MemoryBackend
 from ..errors import BackendError, InvalidInputError, StoreClosedError
 from ..layout import Layout
 from . import thread_safe
+from ._lease import WriterLease
 from ._prefetch import PrefetchMixin
 from ._slots import SlotTable
 from ._wholetable import WholeTableMixin
@@ -88,6 +89,13 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         Rows per remote ``put`` when flushing.
     read_only : bool
         Passed to the remote when it is given as a URL.
+    writer_keys : (int, int), optional
+        ``(index, count)``: this cache writes only keys with ``key_hash64(k) % count ==
+        index``. A writable cache over a persistent remote holds a lease on its keys in the
+        remote's metadata: a second cache writing overlapping keys is refused
+        (``LeaseConflictError``, see :mod:`._lease`). Default: every key (one writer).
+    lease_seconds : float
+        How long a lease outlives a writer that died without closing (default 300).
     **remote_options
         Options for the remote backend when it is given as a URL.
     """
@@ -95,7 +103,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
                  capacity: int = 100_000, write_policy: str = "back", eviction: str = "lfu",
                  write_behind: bool | None = None, flush_batch: int = 16384,
-                 read_only: bool = False, **remote_options: Any) -> None:
+                 read_only: bool = False, writer_keys: Any = None,
+                 lease_seconds: float = 300.0, **remote_options: Any) -> None:
         if write_policy not in WRITE_POLICIES:
             raise InvalidInputError(f"write_policy must be one of {WRITE_POLICIES}, "
                                     f"got {write_policy!r}")
@@ -120,6 +129,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         self.write_policy = write_policy
         self.eviction = eviction
         self.flush_batch = int(flush_batch)
+        # "one writer per key range", enforced: a lease in the remote's metadata
+        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds)
+                       if self.persistent and not self.read_only else None)
         # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
         self._index: MemoryBackend = (self.local if isinstance(self.local, MemoryBackend)
                                       else MemoryBackend("memory://"))
@@ -305,11 +317,21 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         if not self._rows_in_index:
             self.local.write_meta(meta)
 
+    def modify_meta(self, fn) -> dict:
+        lease = self._lease
+        with self._remote_lock:
+            meta = self.remote.modify_meta(
+                fn if lease is None else (lambda stored: lease.keep(stored, fn(stored))))
+        self._meta = dict(meta)
+        return meta
+
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
         opts.update(cache=self.local.url, cache_capacity=self.capacity,
                     write_policy=self.write_policy, eviction=self.eviction,
                     write_behind=self._wb is not None)
+        if self._lease is not None and self._lease.keys is not None:
+            opts["writer_keys"] = tuple(self._lease.keys)
         return opts
 
     def flush(self) -> None:
@@ -350,6 +372,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
                         "is reachable"
                     ) from e
             self._closed = True
+            if self._lease is not None:
+                self._lease.release()
             if self._wb is not None:
                 self._wb.close()
             if self._reader is not None:
@@ -455,6 +479,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         with self._lock:
             self._check()
+            if self._lease is not None:
+                self._lease.check_keys(keys)
+                self._lease.ensure()
             self._log_invalid(keys)
             through = self.write_policy == "through"
             if through:
@@ -489,6 +516,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()
+            if self._lease is not None:
+                self._lease.check_keys(keys)
+                self._lease.ensure()
             self._log_invalid(keys)
             self._settle(keys)  # a pending write-behind must not resurrect a deleted row
             with self._remote_lock:

@@ -13,8 +13,9 @@ costs one hash probe, as a plain ``memory://`` lookup does. Any other local back
 
 Consistency contract
 --------------------
-- One writer per key range: two processes may share a remote table through their own caches as
-  long as they write disjoint keys. A reader sees another writer's rows up to that writer's
+- One writer per key range, enforced by a lease in the remote's metadata (:mod:`._lease`):
+  two processes may share a remote table through their own caches as long as they declare
+  disjoint ``writer_keys``. A reader sees another writer's rows up to that writer's
   last flush (and only rows it does not hold in its own cache).
 - The remote holds the truth for metadata (read and written through) and, after ``flush()``,
   for every row. ``scan`` and ``changes_since`` flush dirty rows first, then ask the remote;

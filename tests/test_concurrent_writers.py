@@ -270,17 +270,21 @@ def test_bigtable_compare_and_set_survives_lost_answers(bigtable_url_factory):
         def __init__(self) -> None:
             self.before = self.lost = 0
             self.armed = False
+            self.lock = threading.Lock()  # calls come from several sender threads
 
         def intercept_unary_unary(self, continuation, details, request):
             if not (self.armed and details.method.endswith("CheckAndMutateRow")):
                 return continuation(details, request)
-            if self.before < 4:
-                self.before += 1
+            with self.lock:
+                fail_before = self.before < 4
+                self.before += fail_before
+                lose = not fail_before and self.lost < 3
+                self.lost += lose
+            if fail_before:
                 raise InjectedRpcError(grpc.StatusCode.UNAVAILABLE, "injected")
             out = continuation(details, request)
-            if self.lost < 3:
-                out.result()
-                self.lost += 1
+            if lose:
+                out.result()  # the server applied it; the answer never arrives
                 raise InjectedRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost")
             return out
 

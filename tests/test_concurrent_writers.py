@@ -349,3 +349,22 @@ def test_a_dead_writers_lease_expires(tmp_path):
     with embstore.open(url, cache="memory://") as b:
         b.update(np.arange(2), np.ones((2, DIM), np.float32))
     a.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "lmdb", "rocksdb", "sqlite", "postgresql",
+                                  "bigtable"])
+def test_insert_rows_never_overwrites_a_row_created_meanwhile(kind, store_url):
+    """The lookup path writes new rows only where none exists by then: a writer whose read
+    missed a key that another writer created and trained meanwhile leaves that row alone."""
+    with embstore.open(store_url, **_options(kind)) as s:
+        keys = np.arange(10, dtype=np.int64)
+        s.update(keys[:4], np.ones((4, DIM), np.float32))  # "the other writer"
+        template = s._template()
+        vectors = s.initial_vectors(keys)
+        done = s.backend.insert_rows(keys, vectors, template)  # a stale lookup's insert
+        if done is not None:
+            np.testing.assert_array_equal(done, [False] * 4 + [True] * 6)
+        recs, found = s.get_records(keys)
+        assert found.all()
+        np.testing.assert_array_equal(recs["count"], [1] * 4 + [0] * 6)
+        np.testing.assert_array_equal(recs["vector"][:4], -np.ones((4, DIM), np.float32))

@@ -414,9 +414,12 @@ class LmdbBackend(FetchedRecords, Backend):
         enc, vals = self._pairs(keys, records)
 
         def write(txn):
-            put = txn.put
-            return np.fromiter((put(k, v, overwrite=False) for k, v in zip(enc, vals)),
-                               dtype=bool, count=len(enc))
+            _, added = txn.cursor().putmulti(zip(enc, vals), overwrite=False)
+            if added == len(enc):  # the usual case: nobody created any of them meanwhile
+                return np.ones(len(enc), dtype=bool)
+            # which ones: a row holding exactly our bytes is ours (records carry stamps)
+            get = txn.get
+            return np.array([get(k) == v for k, v in zip(enc, vals)], dtype=bool)
 
         return self._write(write)
 

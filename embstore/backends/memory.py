@@ -196,17 +196,33 @@ class MemoryBackend(Backend):
         return out, n_new
 
     @serialized
-    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        # Insert-if-absent: a row another thread created since the caller's read is kept.
         if self.key_type != "int64":
-            return super().insert_rows(keys, vectors, template)
+            new = ~self.contains(keys)
+            if new.any():
+                super().insert_rows(keys[new], vectors[new], template)
+            return new
         self._last_get = None
         slots = np.empty(len(keys), dtype=np.uint32)
-        if find_or_insert(self._table, self._arena, keys, slots):
+        fresh = np.empty(len(keys), dtype=np.uint8)
+        n_new = int(find_or_insert(self._table, self._arena, keys, slots, fresh))
+        new = fresh.view(bool)
+        if n_new:
             self._epoch += 1
-        fields = self.layout.dtype.fields
-        self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
-                               fields["vector"][1],
-                               np.ascontiguousarray(vectors, dtype=np.float32))
+            if n_new < len(keys):
+                slots, vectors = slots[new], vectors[new]
+            fields = self.layout.dtype.fields
+            self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
+                                   fields["vector"][1],
+                                   np.ascontiguousarray(vectors, dtype=np.float32))
+        return new.copy()
+
+    @serialized
+    def modify(self, keys: np.ndarray, fn: Any) -> np.ndarray:
+        # get -> fn -> put under the table's lock: threads sharing a store lose no update
+        return super().modify(keys, fn)
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:

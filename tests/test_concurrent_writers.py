@@ -368,3 +368,29 @@ def test_insert_rows_never_overwrites_a_row_created_meanwhile(kind, store_url):
         assert found.all()
         np.testing.assert_array_equal(recs["count"], [1] * 4 + [0] * 6)
         np.testing.assert_array_equal(recs["vector"][:4], -np.ones((4, DIM), np.float32))
+
+
+def test_metadata_merge_keeps_every_writers_share():
+    """Unit check of the metadata merge: step summed, version max, expiry counter summed,
+    tombstone logs united."""
+    from embstore._meta_merge import merge_meta
+    from embstore.policies.tombstones import TombstoneLog
+
+    def tomb(keys, version):
+        log = TombstoneLog("int64")
+        log.add(np.asarray(keys, np.int64), version)
+        return log.to_json()
+
+    stored = {"step": 10, "version": 500, "key_type": "int64",
+              "extra": {"policies": {"updates_since_expire": 7, "tombstones": tomb([1, 2], 400)}}}
+    mine = {"step": 6, "version": 450, "key_type": "int64",
+            "extra": {"policies": {"updates_since_expire": 3, "tombstones": tomb([9], 440)}}}
+    out = merge_meta(stored, mine, steps=4, expire_updates=3)
+    assert out["step"] == 14 and out["version"] == 500
+    pol = out["extra"]["policies"]
+    assert pol["updates_since_expire"] == 10
+    log = TombstoneLog.from_json("int64", pol["tombstones"], 0)
+    assert log.since(0)[0].tolist() == [1, 2, 9]
+    # an expiry pass by this writer restarts the counter with its own count
+    assert merge_meta(stored, mine, 4, None)["extra"]["policies"]["updates_since_expire"] == 3
+    assert merge_meta(None, mine, 4, 3) == mine

@@ -118,7 +118,8 @@ class Backend(abc.ABC):
     def write_meta(self, meta: dict) -> None:
         """Persist the metadata dict (replaces the previous one)."""
 
-    def modify_meta(self, fn: Callable[[dict | None], dict]) -> dict:
+    def modify_meta(self, fn: Callable[[dict[str, Any] | None], dict[str, Any]]
+                    ) -> dict[str, Any]:
         """Replace the metadata by ``fn(stored)`` as one unit; return what was written.
 
         Backends shared by several writers read, call ``fn`` and write in one transaction (or
@@ -157,9 +158,12 @@ class Backend(abc.ABC):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Insert or overwrite whole records (unique keys)."""
 
-    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray | None:
         """Write new records (unique keys) made of ``template`` (a 1-row record array: slots,
-        counters, stamps) with each key's row of ``vectors`` as its vector.
+        counters, stamps) with each key's row of ``vectors`` as its vector; return which keys
+        were written (None: all of them). Backends shared by several writers write only keys
+        that still have no record (insert-if-absent).
 
         The default builds the records and calls ``put``; a backend that can write them
         straight into its storage overrides it.
@@ -167,6 +171,7 @@ class Backend(abc.ABC):
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
         self.put(keys, records)
+        return None
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                       template: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:

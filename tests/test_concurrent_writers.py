@@ -394,3 +394,38 @@ def test_metadata_merge_keeps_every_writers_share():
     # an expiry pass by this writer restarts the counter with its own count
     assert merge_meta(stored, mine, 4, None)["extra"]["policies"]["updates_since_expire"] == 3
     assert merge_meta(None, mine, 4, 3) == mine
+
+
+@pytest.mark.parametrize("kind", ["memory", "lmdb", "rocksdb", "sqlite", "postgresql",
+                                  "bigtable"])
+def test_bytes_keys_two_threads(kind, store_url):
+    store = embstore.open(store_url, key_type="bytes", **_options(kind))
+    keys = [f"w{i}".encode() for i in range(30)]
+    steps = 5
+
+    def work(w: int) -> None:
+        mine = keys[w * 10:w * 10 + 20]  # 10 of 20 shared
+        for _ in range(steps):
+            store.lookup(mine)
+            store.update(mine, np.ones((20, DIM), np.float32))
+
+    errors = []
+    threads = [threading.Thread(target=lambda w=w: _guard(work, w, errors)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors, errors
+    recs, found = store.get_records(keys)
+    assert found.all()
+    expect = np.array([steps] * 10 + [2 * steps] * 10 + [steps] * 10)
+    np.testing.assert_array_equal(recs["count"], expect)
+    np.testing.assert_array_equal(recs["vector"][:, 0], -expect.astype(np.float32))
+    store.close()
+
+
+def _guard(fn, arg, errors: list) -> None:
+    try:
+        fn(arg)
+    except BaseException as e:  # noqa: BLE001 - asserted by the caller
+        errors.append(e)

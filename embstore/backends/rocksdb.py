@@ -374,12 +374,14 @@ class RocksDBBackend(FetchedRecords, Backend):
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        present = self._fetch(keys)[1]
-        if present.any():
-            wb = rd.WriteBatch(raw_mode=True)
-            for k in self._encode(keys[present]):
-                wb.delete(k)
-            self._commit(wb)
+        self._writer()
+        with self._shared.lock:  # not between another thread's read and write of a row
+            present = self._fetch(keys)[1]
+            if present.any():
+                wb = rd.WriteBatch(raw_mode=True)
+                for k in self._encode(keys[present]):
+                    wb.delete(k)
+                self._commit(wb)
         return present
 
     def __len__(self) -> int:

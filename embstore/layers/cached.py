@@ -514,6 +514,20 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
                 self._st.dirty[slots[found]] = not through
             self._insert(new_keys[:room], new_recs[:room], dirty=not through)
 
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        """Insert-if-absent against the cache: keys the caller's lookup found missing (here
+        and remotely) that another thread cached meanwhile are left alone. Other processes
+        cannot write these keys (the writer lease)."""
+        with self._lock:
+            self._check()
+            new = ~self._find(keys)[1]
+            if new.any():
+                records = np.repeat(template[:1], int(new.sum()))
+                records["vector"] = vectors[new]
+                self.put(keys[new], records)
+        return new
+
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()

@@ -85,6 +85,14 @@ class Backend(abc.ABC):
         to a ``get`` + ``put`` round trip).
     supports_lookup_insert : bool
         ``lookup_insert`` reads vectors and creates the missing records in one pass.
+    thread_safe : bool
+        Calls from several threads may run at once and overlap (own connection pool,
+        per-call transactions): layers then read and write it from helper threads.
+    scheme : str
+        The URL scheme it serves.
+
+    The engine reads these flags; a layer forwards its inner backend's (see
+    :class:`embstore.layers.WrapperBackend`).
     """
 
     persistent: bool = False
@@ -92,6 +100,7 @@ class Backend(abc.ABC):
     supports_changes: bool = False
     supports_row_update: bool = False
     supports_lookup_insert: bool = False
+    thread_safe: bool = False
     scheme: str = ""
 
     #: set by the engine once the store's layout is known (after metadata is read/written)
@@ -174,10 +183,14 @@ class Backend(abc.ABC):
         return None
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:
-        """Vectors of distinct ``keys``; keys without a record get one on the way, made of
+                      template: Callable[[], np.ndarray],
+                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """Vectors of ``keys``; keys without a record get one on the way, made of
         ``template()`` (a 1-row record array) with ``initial(new_keys)`` as vectors.
-        Returns ``(vectors, number_inserted)``. Only called when ``supports_lookup_insert``.
+        A key may repeat: a new one is inserted once, at its first occurrence, and every
+        occurrence reads the same vector. Returns ``(vectors, number_inserted)``; ``new`` (a
+        bool array, one per key), when given, is set True exactly where a key was inserted.
+        Only called when ``supports_lookup_insert``.
         """
         raise NotImplementedError(f"{type(self).__name__} has no lookup_insert")
 
@@ -262,6 +275,19 @@ class Backend(abc.ABC):
             self.put(keys, recs)
             n += len(keys)
         return n
+
+    def partitions(self) -> list[Backend]:
+        """The independent parts rows are split across (shards), each a backend holding
+        exactly the keys :meth:`partition_of` maps to it; ``[self]`` when not partitioned.
+
+        Sampling and top-k work per part. A layer that buffers writes makes them visible in
+        the parts before returning them.
+        """
+        return [self]
+
+    def partition_of(self, keys: np.ndarray) -> np.ndarray:
+        """Index into :meth:`partitions` of each key's part (int64)."""
+        return np.zeros(len(keys), dtype=np.int64)
 
     def prefetch(self, keys: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Hint that ``keys`` are needed soon; a cache layer loads them in the background.

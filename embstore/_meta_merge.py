@@ -73,3 +73,30 @@ def merge_tombstones(key_type: str, a: dict, b: dict, version: int) -> dict:
     if len(keys):
         out._keys, out._versions, out._n = [keys], [vers.astype(np.int64)], len(keys)
     return out.to_json()
+
+
+def mark_meta_synced(store: Any) -> None:
+    """Remember the store's step and expiry counter as read from / written to the backend."""
+    store._step_synced = store.step
+    store._expire_synced = store._policy.updates_since_expire
+
+
+def sync_meta(store: Any) -> None:
+    """Write ``store``'s metadata merged with the stored one (``Backend.modify_meta``), then
+    adopt the merged step: other writers' steps, versions and tombstones are kept."""
+    policy = store._policy
+    step_now, expire_now = store.step, policy.updates_since_expire
+    mine = store._meta()
+    steps = step_now - store._step_synced
+    expire = (expire_now - store._expire_synced if expire_now >= store._expire_synced
+              else None)
+    merged = store._backend.modify_meta(lambda stored: merge_meta(stored, mine, steps, expire))
+    # Updates made by other threads while this ran are kept on top of the merged count.
+    store.step = int(merged.get("step", step_now)) + (store.step - step_now)
+    store._version = max(store._version, int(merged.get("version", 0)))
+    store._step_synced = int(merged.get("step", step_now))
+    pol = (merged.get("extra") or {}).get("policies") or {}
+    if "updates_since_expire" in pol:
+        policy.updates_since_expire = int(pol["updates_since_expire"]) + (
+            policy.updates_since_expire - expire_now)
+        store._expire_synced = int(pol["updates_since_expire"])

@@ -19,6 +19,7 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
+from ._meta_merge import mark_meta_synced, sync_meta
 from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .engine.batch import (
@@ -121,38 +122,12 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._backend.bind(self.layout, self.key_type)
             self._policy.restore({}, self.key_type, 0, created=True)
             self._backend.write_meta(self._meta())
-            self._mark_meta_synced()
+            mark_meta_synced(self)
             return
         self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
-        self._mark_meta_synced()
-
-    def _mark_meta_synced(self) -> None:
-        self._step_synced = self.step
-        self._expire_synced = self._policy.updates_since_expire
-
-    def _sync_meta(self) -> None:
-        """Write the metadata merged with the stored one (other writers' steps, versions and
-        tombstones are kept; see ``embstore._meta_merge``), then adopt the merged step."""
-        from ._meta_merge import merge_meta
-
-        step_now, expire_now = self.step, self._policy.updates_since_expire
-        mine = self._meta()
-        steps = step_now - self._step_synced
-        expire = (expire_now - self._expire_synced if expire_now >= self._expire_synced
-                  else None)
-        merged = self._backend.modify_meta(lambda stored: merge_meta(stored, mine, steps,
-                                                                     expire))
-        # Updates made by other threads while this ran are kept on top of the merged count.
-        self.step = int(merged.get("step", step_now)) + (self.step - step_now)
-        self._version = max(self._version, int(merged.get("version", 0)))
-        self._step_synced = int(merged.get("step", step_now))
-        pol = (merged.get("extra") or {}).get("policies") or {}
-        if "updates_since_expire" in pol:
-            self._policy.updates_since_expire = int(pol["updates_since_expire"]) + (
-                self._policy.updates_since_expire - expire_now)
-            self._expire_synced = int(pol["updates_since_expire"])
+        mark_meta_synced(self)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
         stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
@@ -487,7 +462,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Persist metadata (step, version) and make acknowledged writes durable."""
         self._check_open()
         if not self.read_only:
-            self._sync_meta()
+            sync_meta(self)
             self._backend.flush()
 
     def close(self) -> None:
@@ -496,7 +471,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             return
         try:
             if not self.read_only:
-                self._sync_meta()
+                sync_meta(self)
                 self._backend.flush()
         finally:
             self._closed = True

@@ -35,7 +35,8 @@ from ..errors import (
     SchemaMismatchError,
 )
 from ..layout import Layout
-from .base import Backend, serialized
+from ._txn import write_plan
+from .base import Backend, ModifyFn, serialized
 
 try:
     import sqlalchemy as sa
@@ -458,6 +459,96 @@ class SQLBackend(Backend):
         raw = self._raw_records(records)
         with self._ops.txn():  # one transaction per batch: all of it or nothing
             self._ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
+
+    @_wrap_errors
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        """Insert-if-absent: a row another writer created since the caller's read is kept.
+        Returns which keys were written."""
+        if len(keys) == 0:
+            return np.zeros(0, bool)
+        records = np.repeat(template[:1], len(keys))
+        records["vector"] = vectors
+        with self._ops.txn():
+            done = self._ops.insert_absent(keys, self._raw_records(records),
+                                           np.ascontiguousarray(records["version"]))
+        return self._mask(keys, done)
+
+    def _mask(self, keys: np.ndarray, subset: np.ndarray) -> np.ndarray:
+        if self.key_type == "int64":
+            return np.isin(keys, subset)
+        s = set(subset.tolist())
+        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+
+    @_wrap_errors
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        """Read, ``fn`` and write in one transaction: SQLite ``BEGIN IMMEDIATE`` (the database
+        write lock, across processes); PostgreSQL row locks on every key, existing or not (see
+        ``PostgresOps.lock_rows``), retried whole on a deadlock or serialization failure."""
+        if len(keys) == 0:
+            return np.zeros(0, bool)
+        if not isinstance(self._ops, _sql_ops.PostgresOps):
+            with self._ops.txn():
+                recs, found = self._records(keys)
+                self._write_back(keys, recs, found, fn(recs, found.copy()))
+            return found
+        for attempt in range(8):
+            try:
+                with self._ops.txn():
+                    fkeys, raw, placeholders = self._ops.lock_rows(keys)
+                    recs, found = self._aligned(keys, fkeys, raw)
+                    keep = fn(recs, found.copy())
+                    self._write_back(keys, recs, found, keep)
+                    write = write_plan(keep, found)[0]
+                    if len(placeholders) and not write.all():
+                        # missing rows fn did not keep: their placeholders go again
+                        gone = keys[~write & ~found]
+                        if len(gone):
+                            self._ops.delete(gone)
+                return found
+            except self._driver_errors as e:
+                if getattr(e, "sqlstate", None) not in ("40P01", "40001") or attempt == 7:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _records(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        fkeys, raw = self._ops.fetch(keys)
+        return self._aligned(keys, fkeys, raw)
+
+    def _aligned(self, keys: np.ndarray, fkeys: np.ndarray,
+                 raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Writable records of ``keys`` (zero rows where missing) from fetched rows."""
+        rows, found = self._align(keys, fkeys)
+        recs = np.zeros(len(keys), dtype=self.layout.dtype)
+        if len(fkeys):
+            got = np.take(raw, rows[found], axis=0)
+            recs[found] = got.view(self.layout.dtype).reshape(-1)
+        return recs, found
+
+    def _write_back(self, keys: np.ndarray, recs: np.ndarray, found: np.ndarray,
+                    keep: np.ndarray | None) -> None:
+        write, drop = write_plan(keep, found)
+        if drop.any():
+            self._ops.delete(keys[drop])
+        if write.all():
+            self._ops.upsert(keys, self._raw_records(recs),
+                             np.ascontiguousarray(recs["version"]))
+        elif write.any():
+            w = recs[write]
+            self._ops.upsert(keys[write], self._raw_records(w),
+                             np.ascontiguousarray(w["version"]))
+
+    @_wrap_errors
+    def modify_meta(self, fn) -> dict:
+        """Read, ``fn`` and write the metadata in one transaction (the metadata row locked)."""
+        if self.read_only or self._missing:
+            return super().modify_meta(fn)
+        with self._ops.txn():
+            get = getattr(self._ops, "meta_get_for_update", self._ops.meta_get)
+            text = get()
+            meta = fn(json.loads(text) if text is not None else None)
+            self._ops.meta_put(json.dumps(meta, sort_keys=True))
+        return meta
 
     @_wrap_errors
     def delete(self, keys: np.ndarray) -> np.ndarray:

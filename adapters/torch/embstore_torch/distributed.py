@@ -1,0 +1,404 @@
+"""Distributed training over torch.distributed: every key has exactly one owning rank.
+
+>>> import torch.distributed as dist, embstore_torch.distributed as ed
+>>> dist.init_process_group("gloo")                        # torchrun sets the environment
+>>> store = ed.open("lmdb:///data/emb/shard-{rank}-of-{world}", dim=64, optimizer="adagrad")
+>>> emb = embstore_torch.DynamicEmbedding(store)           # unchanged module, on top
+
+Rank ``r`` owns the keys with ``key_hash64(k) % world == r`` (the routing of ``sharded://``)
+and is the only process that reads or writes them, in its own store. A ``lookup`` deduplicates
+its keys, sends each to its owner with one ``all_to_all`` (sizes first, then payloads) and
+gets the vectors back with a second; an ``update`` sends gradients and counts to the owners,
+who sum what every rank sent for a key and apply the store's optimizer once per key per global
+step (divided by the world size by default, as DDP does). Every method is a *collective*: all
+ranks call it, in the same order (see :mod:`embstore_torch.distributed_comm` for the checks,
+timeouts and errors).
+
+With ``{rank}`` in the URL every rank has a store of its own, recorded as shard ``rank`` of
+``world`` exactly as ``sharded://`` records shards, so the set reopens offline as
+``sharded://?shard=...`` (:attr:`DistributedStore.url`) and ``embstore copy --shards N``
+reshards it. Without ``{rank}`` every rank opens the same store (e.g. one Bigtable table, with
+``cache="memory://"`` as a per-rank write-back cache): ownership then keeps writers apart.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from embstore import errors as _errors
+from embstore._batch import check_counts, coalesce, sum_counts
+from embstore.errors import SchemaMismatchError
+from embstore.layers.sharded import sharded_url
+
+from .distributed_comm import (
+    CollectiveError,
+    CollectiveMismatchError,
+    Comm,
+    RankFailureError,
+)
+from .distributed_ops import CollectiveOps
+from .distributed_wire import dedupe, pack_keys, route, split_rows, unpack_keys
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "DistributedStore",
+    "RankFailureError",
+    "open",
+]
+
+_ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed", "admission", "expiry",
+                   "capacity")
+
+
+def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float = 300.0,  # noqa: A001
+         average: bool = True, **options: Any) -> DistributedStore:
+    """Open this rank's part of a distributed store (a collective: every rank calls it).
+
+    Parameters
+    ----------
+    url : str
+        A store URL. ``{rank}`` and ``{world}`` are replaced by this rank and the world size
+        (``lmdb:///d/shard-{rank}-of-{world}``): one store per rank, recorded as a shard.
+        Without ``{rank}`` all ranks open the same store (a shared remote such as Bigtable);
+        rank 0 creates it first.
+    dim : int, optional
+        Required to create; checked on reopen (every rank must agree).
+    group : torch.distributed.ProcessGroup, optional
+        A gloo group for the store's traffic. Default: a new gloo group over all ranks, so
+        the training may use NCCL for its own collectives.
+    timeout : float
+        Seconds a collective waits for the other ranks before raising ``RankFailureError``.
+    average : bool
+        Divide the summed gradient of a key by the world size (the default, as DDP and
+        TorchRec do: each rank's loss is a mean over its own batch). False applies the plain
+        sum.
+    **options
+        Everything :func:`embstore.open` takes (optimizer, initializer, cache, map_size...).
+    """
+    comm = Comm(group, timeout)
+    return DistributedStore(comm, url, dim, average=average, options=options)
+
+
+def _open_local(url: str, dim: int | None, options: dict[str, Any], sharding: tuple | None):
+    """``embstore.open`` of one rank's store, wrapped as a shard when ``sharding`` is given."""
+    from embstore.layers import LAYER_OPTIONS, build_backend
+    from embstore.registry import backend_class
+    from embstore.store import EmbeddingStore
+
+    from .distributed_shard import ShardView
+
+    options = dict(options)
+    engine = {k: options.pop(k) for k in _ENGINE_OPTIONS if k in options}
+    if "eviction" in options and ("capacity" in engine or "cache" not in options):
+        engine["eviction"] = options.pop("eviction")
+    read_only = bool(options.pop("read_only", False))
+    layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
+    if layer:
+        backend = build_backend(url, read_only=read_only, layer=layer, options=options)
+    else:
+        backend = backend_class(url)(url, read_only=read_only, **options)
+    reopen = dict(backend.reopen_options())
+    existed = True
+    if sharding is not None:
+        backend = ShardView(backend, *sharding)
+        try:
+            existed = backend.inner.read_meta() is not None
+        except BaseException:
+            backend.close()
+            raise
+    store = EmbeddingStore(backend, dim=dim, read_only=read_only, reopen_options=reopen,
+                           **engine)
+    return store, existed
+
+
+class DistributedStore(CollectiveOps):
+    """This rank's handle on a store whose keys are split over the ranks by ownership.
+
+    Offers the store interface the torch modules use (``lookup``, ``update`` with
+    ``counts``, ``dim``, ``url``, ``read_only``), so ``DynamicEmbedding`` /
+    ``DynamicEmbeddingBag`` / ``store_rows`` work unchanged on top. Create with :func:`open`.
+
+    Attributes
+    ----------
+    rank, world_size : int
+    local : embstore.EmbeddingStore
+        The keys this rank owns (use it only for inspection: writes to it bypass routing).
+    step : int
+        The global step (one per ``update`` call), the same on every rank and shard.
+    """
+
+    def __init__(self, comm: Comm, url: str, dim: int | None, *, average: bool,
+                 options: dict[str, Any]) -> None:
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world
+        self.average = bool(average)
+        self.sharded = "{rank}" in url
+        local_url = url.replace("{rank}", str(self.rank)).replace("{world}",
+                                                                   str(self.world_size))
+        self.local: Any = None
+        existed = True
+        if self.sharded:
+            self.local, existed, err = self._try_open(local_url, dim, options)
+            self._agree("open", err)
+        else:
+            # One shared store: rank 0 creates it (metadata) before the others open it.
+            err = None
+            if self.rank == 0:
+                self.local, existed, err = self._try_open(local_url, dim, options)
+            self._agree("open", err)
+            if self.rank != 0:
+                self.local, existed, err = self._try_open(local_url, dim, options)
+            self._agree("open", err)
+        self._check_schema(existed)
+        self.read_only = self.local.read_only
+        self.key_type = self.local.key_type
+        self.layout = self.local.layout
+        self.dim = int(self.local.dim)
+        self.gather_url()
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _try_open(self, url: str, dim: int | None, options: dict[str, Any]):
+        sharding = (self.rank, self.world_size) if self.sharded else None
+        try:
+            store, existed = _open_local(url, dim, options, sharding)
+            return store, existed, None
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+            return None, True, e
+
+    def _agree(self, op: str, err: BaseException | None, items: int = 0) -> int:
+        """Exchange success; raise on every rank when one failed (its own error there, the
+        same error class with the failing rank's message on the others). Returns the sum of
+        ``items`` over the ranks."""
+        msg = b"" if err is None else f"{type(err).__name__}\n{err}".encode()
+        blobs, counts, flags = self.comm.allgather(op, np.frombuffer(msg, np.uint8),
+                                                   items=items, flag=int(err is not None))
+        if err is not None:
+            if self.local is not None:
+                self._close_quietly()
+            raise err
+        failed = np.flatnonzero(flags)
+        if len(failed):
+            r = int(failed[0])
+            name, _, text = blobs[r].tobytes().decode(errors="replace").partition("\n")
+            cls = getattr(_errors, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, _errors.EmbstoreError)):
+                cls = CollectiveError
+            self._close_quietly()
+            raise cls(f"rank {r} failed in {op}: {text}")
+        return int(counts.sum())
+
+    def _close_quietly(self) -> None:
+        if self.local is not None:
+            try:
+                self.local.close()
+            except Exception:  # noqa: BLE001, S110 - the first error is the one reported
+                pass
+            self.local = None
+
+    def _check_schema(self, existed: bool) -> None:
+        st = self.local
+        mine = {"dim": st.dim, "key_type": st.key_type, "layout": st.layout.to_json(),
+                "optimizer": st.optimizer.config(), "initializer": st.initializer.config(),
+                "seed": st.seed}
+        blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
+        blobs, steps, flags = self.comm.allgather("open", blob, items=st.step,
+                                                  flag=int(existed))
+        problem = None
+        for r, b in enumerate(blobs):
+            if b.tobytes() != blobs[0].tobytes():
+                problem = (f"rank {r}'s store has other metadata (dim, key type, optimizer...) "
+                           f"than rank 0's: {b.tobytes().decode()} vs "
+                           f"{blobs[0].tobytes().decode()}")
+                break
+        if problem is None and self.sharded and len(set(flags.tolist())) > 1:
+            problem = (f"shards {np.flatnonzero(flags == 0).tolist()} are new while the others "
+                       "hold data; open every shard of the original run")
+        if problem is not None:
+            self._close_quietly()
+            raise SchemaMismatchError(problem)
+        self.step = int(steps.max())
+        self.local.step = self.step
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """``sharded://?shard=...`` naming every rank's store (reopens offline), or the shared
+        store's URL."""
+        return self._url
+
+    def gather_url(self) -> str:
+        """Collective (run by :func:`open`): learn every rank's store URL."""
+        if not self.sharded:
+            self._url = self.local.url
+            return self._url
+        blobs, _, _ = self.comm.allgather("open", np.frombuffer(self.local.url.encode(),
+                                                                np.uint8))
+        self._url = sharded_url([b.tobytes().decode() for b in blobs])
+        return self._url
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent to the others (headers and payloads) since open."""
+        return self.comm.bytes_sent
+
+    # -- key routing -------------------------------------------------------------------------------
+    def _keys(self, keys: Any) -> np.ndarray:
+        return self.local._keys(keys)
+
+    def _ask_owners(self, op: str, keys: np.ndarray, flag: int, answer: Any,
+                    row_dtype: np.dtype, row_shape: tuple[int, ...]) -> np.ndarray:
+        """Send distinct ``keys`` to their owners; return one answer row per key.
+
+        ``answer(keys_by_source, flags)`` runs on the owner and returns the rows for each
+        source's keys (arrays of ``row_dtype`` / ``row_shape``).
+        """
+        w = self.world_size
+        order, bounds = route(keys, w)
+        counts = np.diff(bounds)
+        parts = [pack_keys(keys[order[bounds[d]:bounds[d + 1]]]) for d in range(w)]
+        items_in, nbytes_in, flags = self.comm.begin(op, counts, [len(p) for p in parts],
+                                                     flag)
+        got = self.comm.exchange(parts, nbytes_in, op)
+        asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] for s in range(w)]
+        rows = answer(asked, flags)
+        row_bytes = int(np.dtype(row_dtype).itemsize * np.prod(row_shape, dtype=np.int64))
+        back = self.comm.exchange(rows, counts * row_bytes, op)
+        out = np.empty((len(keys), *row_shape), dtype=row_dtype)
+        out[order] = split_rows(np.concatenate(back), np.dtype(row_dtype), row_shape)
+        return out
+
+    # -- the training interface --------------------------------------------------------------------
+    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
+        """Collective: vectors of ``keys`` (``(n, dim)`` float32, request order), read from
+        (and, with ``insert``, created on) their owners."""
+        k = self._keys(keys)
+        uniq, inv = dedupe(k)
+        vec = self._ask_owners("lookup", uniq, int(insert), self._answer_lookup, np.float32,
+                               (self.dim,))
+        return vec if inv is None else np.take(vec, inv, axis=0)
+
+    def _answer_lookup(self, asked: list[np.ndarray], flags: np.ndarray) -> list[np.ndarray]:
+        out = [np.empty((len(a), self.dim), np.float32) for a in asked]
+        for ins in (True, False):  # ranks in training (insert) and in eval mode
+            srcs = [s for s in range(len(asked)) if bool(flags[s]) == ins and len(asked[s])]
+            if not srcs:
+                continue
+            allk = np.concatenate([asked[s] for s in srcs])
+            uniq, inv = dedupe(allk)
+            vec = self.local.lookup(uniq, insert=ins and not self.read_only)
+            if inv is not None:
+                vec = np.take(vec, inv, axis=0)
+            start = 0
+            for s in srcs:
+                out[s] = vec[start:start + len(asked[s])]
+                start += len(asked[s])
+        return out
+
+    def contains(self, keys: Any) -> np.ndarray:
+        """Collective: which keys have a stored record on their owner."""
+        k = self._keys(keys)
+        uniq, inv = dedupe(k)
+        found = self._ask_owners(
+            "contains", uniq, 0,
+            lambda asked, _: [self.local.contains(a) if len(a) else np.zeros(0, bool)
+                              for a in asked], np.bool_, ())
+        return found if inv is None else found[inv]
+
+    def update(self, keys: Any, grads: Any, *, counts: Any = None) -> None:
+        """Collective: one global optimizer step.
+
+        Every rank's gradient rows of a key are summed on its owner (divided by the world
+        size when ``average``) and the store's optimizer is applied once per key; ``count``
+        grows by the occurrences (or ``counts``) summed over ranks. A rank with no keys still
+        calls (with empty arrays).
+        """
+        self.local._check_writable()
+        k = self._keys(keys)
+        g = self.local._rows(grads, len(k), "gradients")
+        c = (np.ones(len(k), np.int64) if counts is None else check_counts(counts, len(k)))
+        uniq, summed, _ = coalesce(k, g) if len(k) else (k, g, c)
+        mult = sum_counts(k, uniq, c) if len(k) else c
+        w = self.world_size
+        order, bounds = route(uniq, w)
+        parts, items = [], []
+        for d in range(w):
+            sel = order[bounds[d]:bounds[d + 1]]
+            parts.append(np.concatenate((pack_keys(uniq[sel]), mult[sel].view(np.uint8),
+                                         np.ascontiguousarray(summed[sel]).reshape(-1)
+                                         .view(np.uint8))))
+            items.append(len(sel))
+        items_in, nbytes_in, _ = self.comm.begin("update", items, [len(p) for p in parts])
+        got = self.comm.exchange(parts, nbytes_in, "update")
+        ks, cs, gs = [], [], []
+        for s in range(w):
+            n = int(items_in[s])
+            if n == 0:
+                continue
+            kk, used = unpack_keys(got[s], n, self.key_type)
+            ks.append(kk)
+            cs.append(got[s][used:used + 8 * n].view(np.int64))
+            gs.append(split_rows(got[s][used + 8 * n:], np.dtype(np.float32), (self.dim,)))
+        self.local.step = self.step
+        if ks:
+            allk = np.concatenate(ks)
+            u, total, _ = coalesce(allk, np.concatenate(gs))
+            cnt = sum_counts(allk, u, np.concatenate(cs))
+            if self.average and w > 1:
+                total = total / np.float32(w)
+            self.local.update(u, total, counts=cnt)
+        self.step += 1
+        self.local.step = self.step  # shards without keys this step keep the global step too
+
+    # -- whole-store collectives -----------------------------------------------------------------
+    def __len__(self) -> int:
+        items, _, _ = self.comm.begin("len", len(self.local))
+        return int(items.sum())
+
+    def flush(self) -> None:
+        """Collective: every rank makes its writes durable; returns on a rank only when all
+        ranks did (the acknowledgment point: those writes survive a later rank failure)."""
+        err = None
+        try:
+            self.local.flush()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+            err = e
+        self._agree("flush", err)
+
+    def close(self) -> None:
+        """Collective: flush and close every rank's store. Safe to call twice."""
+        if self.local is None:
+            return
+        err = None
+        try:
+            self.local.close()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+            err = e
+        self.local = None
+        self._agree("close", err)
+
+    def __enter__(self) -> DistributedStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # another rank may be gone: do not wait for it, keep what is flushed
+            self.comm.broken = self.comm.broken or "left by an exception"
+            self._close_quietly()
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's local store stats plus ``bytes_sent`` and the global ``step``
+        (not a collective)."""
+        out = self.local.stats()
+        out["bytes_sent"] = self.comm.bytes_sent
+        out["step"] = self.step
+        out["rank"], out["world_size"] = self.rank, self.world_size
+        return out
+
+    def __repr__(self) -> str:
+        return (f"<DistributedStore rank {self.rank}/{self.world_size} "
+                f"local={self.local!r}>")

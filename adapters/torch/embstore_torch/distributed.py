@@ -64,7 +64,7 @@ def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float 
         A store URL. ``{rank}`` and ``{world}`` are replaced by this rank and the world size
         (``lmdb:///d/shard-{rank}-of-{world}``): one store per rank, recorded as a shard.
         Without ``{rank}`` all ranks open the same store (a shared remote such as Bigtable);
-        rank 0 creates it first.
+        rank 0 creates it first (``memory://`` is always one store per rank).
     dim : int, optional
         Required to create; checked on reopen (every rank must agree).
     group : torch.distributed.ProcessGroup, optional
@@ -136,7 +136,8 @@ class DistributedStore(CollectiveOps):
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world
         self.average = bool(average)
-        self.sharded = "{rank}" in url
+        # memory:// lives in each process: always one store per rank
+        self.sharded = "{rank}" in url or url.lower().startswith("memory:")
         local_url = url.replace("{rank}", str(self.rank)).replace("{world}",
                                                                    str(self.world_size))
         self.local: Any = None
@@ -354,8 +355,22 @@ class DistributedStore(CollectiveOps):
         self.local.step = self.step  # shards without keys this step keep the global step too
 
     # -- whole-store collectives -----------------------------------------------------------------
+    @property
+    def _answers(self) -> bool:
+        """Whether this rank answers whole-store queries (len, export, top_k): every rank
+        for per-rank stores; rank 0 alone for one shared store (it sees the whole table)."""
+        return self.sharded or self.rank == 0
+
+    def _sync_shared(self) -> None:
+        # A shared store holds other ranks' rows in their write-back caches: flush them all
+        # before rank 0 reads the whole table.
+        if not self.sharded:
+            self.flush()
+
     def __len__(self) -> int:
-        items, _, _ = self.comm.begin("len", len(self.local))
+        """Collective: rows over all ranks."""
+        self._sync_shared()
+        items, _, _ = self.comm.begin("len", len(self.local) if self._answers else 0)
         return int(items.sum())
 
     def flush(self) -> None:

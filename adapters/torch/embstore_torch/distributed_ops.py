@@ -33,6 +33,11 @@ class CollectiveOps:
     dim: int
     key_type: str
     step: int
+    sharded: bool
+    _answers: bool
+    _sync_shared: Any
+    _agree: Any
+    _ask_owners: Any
 
     # -- export ------------------------------------------------------------------------------
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
@@ -55,6 +60,7 @@ class CollectiveOps:
             except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
                 err = e
             return self._agree("export", err, items=n)
+        self._sync_shared()
         versions, _, _ = self.comm.begin("export", self.local.version)
         header = self.local.meta
         header.update(step=self.step, version=int(versions.max()), since=since)
@@ -66,7 +72,7 @@ class CollectiveOps:
         err, total = None, 0
         with writer if writer is not None else contextlib.nullcontext():
             while True:
-                batch = next(src, None)
+                batch = next(src, None) if self._answers else None
                 payload = np.zeros(0, np.uint8)
                 n = 0
                 if batch is not None:
@@ -113,7 +119,9 @@ class CollectiveOps:
             raise InvalidInputError("distributed top_k takes one exclude key array for all "
                                     "queries, not one per query")
         q = _queries(self.local, queries)
-        blobs, rows, _ = self.comm.allgather("top_k", q.view(np.uint8), items=len(self.local))
+        self._sync_shared()
+        blobs, rows, _ = self.comm.allgather("top_k", q.view(np.uint8),
+                                             items=len(self.local) if self._answers else 0)
         nq = [len(b) // (4 * self.dim) for b in blobs]
         allq = np.concatenate([split_rows(b, np.dtype(np.float32), (self.dim,)) for b in blobs])
         width = int(min(int(k), int(rows.sum())))
@@ -121,7 +129,7 @@ class CollectiveOps:
         if keys.dtype == object:
             keys[:] = b""
         scores = np.full((len(allq), width), -np.inf, dtype=np.float32)
-        if width and len(allq) and len(self.local):
+        if width and len(allq) and self._answers and len(self.local):
             kk, ss = self.local.top_k(allq, width, exclude)
             keys[:, :kk.shape[1]], scores[:, :ss.shape[1]] = kk, ss
         bounds = np.concatenate(([0], np.cumsum(nq)))
@@ -161,6 +169,11 @@ class CollectiveOps:
         from embstore.sampling.candidate import _positives, expected_count, sampling_index
         from embstore.sampling.samplers import SampledResult, resolve_sampler
 
+        if not self.sharded:
+            raise InvalidInputError(
+                "distributed sample needs a store per rank ({rank} in the URL): over one "
+                "shared store a rank's sampling index does not see the other ranks' writes"
+            )
         sampler = resolve_sampler(sampler)
         if isinstance(num_sampled, bool) or not isinstance(num_sampled, (int, np.integer)):
             raise InvalidInputError(f"num_sampled must be an int, got {num_sampled!r}")

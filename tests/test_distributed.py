@@ -297,10 +297,21 @@ def test_shards_reopen_as_sharded_store_and_reshard(trained, tmp_path):
         embstore.open(sharded_url(shards[:1]), read_only=True)
     with pytest.raises(SchemaMismatchError):
         embstore.open(shards[0], read_only=True)  # one shard alone is not a store
-    dst = f"lmdb://{tmp_path}/re-{{i}}"
+    # reshard to 3, named as a 3-rank run would open them
+    dst = f"lmdb://{tmp_path}/re-{{rank}}-of-{{world}}"
     assert main(["copy", url, dst, "--shards", "3", "-q"]) == 0
-    with embstore.open(sharded_url([dst.format(i=i) for i in range(3)]), read_only=True) as s:
+    three = [dst.format(rank=i, world=3) for i in range(3)]
+    with embstore.open(sharded_url(three), read_only=True) as s:
         _assert_same(_records(s.records()), want, 1e-5)
+    # what rank 1 of a 3-rank run opens; a 2-rank run is refused
+    from embstore.registry import backend_class
+    from embstore.store import EmbeddingStore
+    from embstore_torch.distributed_shard import ShardView
+
+    with EmbeddingStore(ShardView(backend_class(three[1])(three[1]), 1, 3)) as s:
+        assert len(s) and (s.backend.inner.url == three[1]) and s.step == STEPS
+    with pytest.raises(SchemaMismatchError, match="original world size"):
+        EmbeddingStore(ShardView(backend_class(three[1])(three[1]), 1, 2))
 
 
 def test_top_k_sample_contains_and_empty_batches(trained):

@@ -9,9 +9,8 @@ as a world of one. The model is a small click-through-rate model: a ``DynamicEmb
 per example (user id + item ids, hashed into one int64 key space, no vocabulary) and a dense
 MLP wrapped in ``DistributedDataParallel``. DDP averages the dense gradients; the store
 averages the embedding gradients on each key's owner and applies Adagrad there, once per key
-per step. Afterwards the shards reopen offline as one store::
-
-    python -c "import embstore; s = embstore.open('<the sharded:// URL printed at the end>'); print(len(s))"
+per step. Afterwards the shards reopen offline as one store (the ``sharded://`` URL printed
+at the end): ``embstore info '<that URL>'``.
 """
 
 from __future__ import annotations
@@ -76,7 +75,9 @@ def main() -> None:
     store.flush()  # collective: returns once every rank's writes are durable
     rows = len(store)  # collective
     if rank == 0:
-        print(f"{rows} embeddings in {world} shard(s); reopen offline with:\n  {store.url}")
+        print(f"{rows} embeddings in {world} shard(s)")
+        if store.local.backend.persistent:
+            print(f"reopen offline with embstore.open({store.url!r})")
     store.close()
     dist.destroy_process_group()
 

@@ -243,7 +243,7 @@ class DistributedStore(CollectiveOps):
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes this rank sent to the others (headers and payloads) since open."""
+        """Bytes this rank sent to the other ranks (headers and payloads) since open."""
         return self.comm.bytes_sent
 
     # -- key routing -------------------------------------------------------------------------------
@@ -410,6 +410,8 @@ class DistributedStore(CollectiveOps):
         (not a collective)."""
         out = self.local.stats()
         out["bytes_sent"] = self.comm.bytes_sent
+        out["exchanges"] = self.comm.exchanges
+        out["exchange_seconds"] = self.comm.seconds
         out["step"] = self.step
         out["rank"], out["world_size"] = self.rank, self.world_size
         return out

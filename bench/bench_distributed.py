@@ -15,7 +15,7 @@ includes waiting for the slower rank). On a 2-core machine shared with other wor
 ranks compete for the cores, so the x2 throughput is a floor, not the N-machine scaling; the
 bytes per step are exact and machine independent (see docs/distributed.md for the model).
 
-Usage: ``python bench/bench_distributed.py [--steps N] [--dim D] [--batch B]``
+Usage: ``python bench/bench_distributed.py [--steps N] [--rounds R] [--dim D] [--batch B]``
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def _rank(rank: int, world: int, port: int, out: str, args: dict) -> None:
     warm = _batches(rank + 50, 5, args["batch"])
     _train(store, warm)
     sent0, ex0, sec0 = store.bytes_sent, store.comm.exchanges, store.comm.seconds
-    wall, cpu = _train(store, _batches(rank, args["steps"], args["batch"]))
-    n = args["steps"]
+    times = [_train(store, _batches(rank + 10 * i, args["steps"], args["batch"]))
+             for i in range(args["rounds"])]
+    wall, cpu = sorted(times)[len(times) // 2]  # the median round (the machine is shared)
+    n = args["steps"] * args["rounds"]
     res = {"wall": wall, "cpu": cpu, "bytes": (store.bytes_sent - sent0) / n,
            "exchanges": (store.comm.exchanges - ex0) / n,
            "comm": (store.comm.seconds - sec0) / n}
@@ -92,17 +94,20 @@ def _plain(args: dict) -> dict:
 
     store = embstore.open("memory://", dim=args["dim"], optimizer={"name": "sgd", "lr": 0.1})
     _train(store, _batches(50, 5, args["batch"]))
-    wall, cpu = _train(store, _batches(0, args["steps"], args["batch"]))
+    times = [_train(store, _batches(10 * i, args["steps"], args["batch"]))
+             for i in range(args["rounds"])]
+    wall, cpu = sorted(times)[len(times) // 2]
     return {"wall": wall, "cpu": cpu, "bytes": 0.0, "exchanges": 0.0, "comm": 0.0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=30, help="steps per timed round")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4096)
     a = ap.parse_args()
-    args = {"steps": a.steps, "dim": a.dim, "batch": a.batch}
+    args = {"steps": a.steps, "dim": a.dim, "batch": a.batch, "rounds": a.rounds}
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it
     rows = {}
     with tempfile.TemporaryDirectory() as out:
@@ -111,7 +116,8 @@ def main() -> None:
         rows["dist x2"] = _run_world(2, args, out)
     steps = args["steps"]
     print(f"DynamicEmbedding fwd+bwd+SGD, {args['batch']} Zipf ids/rank/step over {ID_SPACE} "
-          f"ids, dim {args['dim']}, {steps} steps; {os.cpu_count()} cores")
+          f"ids, dim {args['dim']}; median of {args['rounds']} rounds of {steps} steps; "
+          f"{os.cpu_count()} cores")
     print(f"{'':8} {'steps/s/rank':>12} {'examples/s':>11} {'CPU ms/step':>12} "
           f"{'bytes sent/step/rank':>21} {'exchanges/step':>15} {'ms in exchange/step':>20}")
     rate = {}

@@ -45,12 +45,14 @@ def _batch(rank: int, t: int, dyadic: bool) -> tuple[np.ndarray, np.ndarray]:
     return keys, w.astype(np.float32)
 
 
-def _loss(module, keys: np.ndarray, w: np.ndarray, bag: bool, rows: int):
+def _loss(module, keys, w: np.ndarray, bag: bool, rows: int):
     """A mean over the examples (as each rank's loss in DDP)."""
+    if isinstance(keys, np.ndarray):
+        keys = torch.from_numpy(keys)
     if bag:
-        out = module(torch.from_numpy(keys))                       # (rows, dim)
+        out = module(keys)                                          # (rows, dim)
         return (out * torch.from_numpy(w[:, 0])).sum() / rows
-    return (module(torch.from_numpy(keys)) * torch.from_numpy(w)).sum() / rows
+    return (module(keys) * torch.from_numpy(w)).sum() / rows
 
 
 def _module(store, bag: bool):
@@ -167,8 +169,27 @@ def _train_ranks(rank: int, outdir: str, cfg: dict) -> None:
             _mismatch(store, rank, report)
         else:
             store.close()
+    _bytes_case(rank, outdir, report)
     with open(os.path.join(outdir, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+def _words(keys: np.ndarray) -> list:
+    return [[f"w{k}" for k in row] for row in keys.tolist()]
+
+
+def _bytes_case(rank: int, outdir: str, report: dict) -> None:
+    """bytes keys travel as lengths + data."""
+    import embstore_torch.distributed as ed
+
+    store = ed.open("memory://", dim=DIM, key_type="bytes", optimizer=SGD, timeout=60)
+    module = _module(store, False)
+    for t in range(2):
+        keys, w = _batch(rank, t, True)
+        _loss(module, _words(keys), w, False, ROWS).backward()
+    report["bytes"] = {"len": len(store)}
+    store.export(os.path.join(outdir, "bytes.emb"))
+    store.close()
 
 
 def _collective_checks(store, rank: int, outdir: str) -> None:
@@ -213,7 +234,7 @@ def _failing_ranks(rank: int, outdir: str, cfg: dict) -> None:
     store = ed.open("memory://", dim=DIM, timeout=cfg["timeout"])
     store.lookup(np.arange(10))
     if rank == 1:
-        time.sleep(cfg["timeout"] + 4)  # "raised" in user code, never calls again
+        time.sleep(1)  # "raised" in user code: never calls this store again
     else:
         t0 = time.monotonic()
         try:
@@ -276,6 +297,21 @@ def test_training_matches_one_process(trained, name):
     _assert_same(got, want, 0 if dyadic else 1e-5)
     assert [rep[name]["len"] for rep in reports] == [len(want)] * WORLD
     assert [rep[name]["step"] for rep in reports] == [STEPS] * WORLD
+
+
+def test_bytes_keys_match_one_process(trained):
+    outdir, _, reports = trained
+    store = embstore.open("memory://", dim=DIM, key_type="bytes", optimizer=SGD)
+    module = _module(store, False)
+    for t in range(2):
+        parts = [_batch(r, t, True) for r in range(WORLD)]
+        keys = np.concatenate([p[0] for p in parts])
+        w = np.concatenate([p[1] for p in parts])
+        _loss(module, _words(keys), w, False, ROWS * WORLD).backward()
+    want = _records(store.records())
+    with NativeReader(os.path.join(outdir, "bytes.emb")) as r:
+        _assert_same(_records(r), want, 0)
+    assert [rep["bytes"]["len"] for rep in reports] == [len(want)] * WORLD
 
 
 def test_shards_reopen_as_sharded_store_and_reshard(trained, tmp_path):

@@ -416,6 +416,15 @@ class DistributedStore(CollectiveOps):
         out["rank"], out["world_size"] = self.rank, self.world_size
         return out
 
+    def __reduce__(self):
+        import pickle
+
+        raise pickle.PicklingError(
+            "a DistributedStore is one rank's part of a collective and does not pickle; "
+            "open it in each process with embstore_torch.distributed.open (for DataLoader "
+            "workers, keep the store in the main process)"
+        )
+
     def __repr__(self) -> str:
         return (f"<DistributedStore rank {self.rank}/{self.world_size} "
                 f"local={self.local!r}>")

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import embstore  # noqa: E402
-from embstore.errors import SchemaMismatchError  # noqa: E402
+from embstore.errors import SchemaMismatchError, StoreNotFoundError  # noqa: E402
 from embstore.io.native import NativeReader  # noqa: E402
 from embstore.layers.sharded import sharded_url  # noqa: E402
 
@@ -228,8 +228,20 @@ def _failing_ranks(rank: int, outdir: str, cfg: dict) -> None:
     import time
 
     import embstore_torch.distributed as ed
+    from embstore.registry import backend_class
+    from embstore.store import EmbeddingStore
     from embstore_torch.distributed import RankFailureError
+    from embstore_torch.distributed_shard import ShardView
 
+    # 0. a run that finds only some of its shards refuses to start, creating nothing
+    partial = cfg["partial"]
+    if rank == 0:
+        one = partial.format(rank=0, world=WORLD)
+        EmbeddingStore(ShardView(backend_class(one)(one), 0, WORLD), dim=DIM).close()
+    try:
+        ed.open(partial, dim=DIM, timeout=cfg["timeout"] * 10)
+    except SchemaMismatchError as e:
+        _note(outdir, f"partial-{rank}", {"error": str(e)})
     # 1. a rank that raised and stays alive (does not call): the other times out
     store = ed.open("memory://", dim=DIM, timeout=cfg["timeout"])
     store.lookup(np.arange(10))
@@ -392,8 +404,15 @@ def test_rank_failure_raises_on_survivor_and_keeps_flushed_writes(tmp_path):
     outdir = str(tmp_path / "out")
     os.makedirs(outdir)
     tmpl = f"lmdb://{tmp_path}/f-{{rank}}-of-{{world}}"
-    codes = _spawn("_failing_ranks", outdir, {"timeout": 3.0, "url": tmpl}, timeout=120)
+    partial = f"lmdb://{tmp_path}/p-{{rank}}-of-{{world}}"
+    codes = _spawn("_failing_ranks", outdir, {"timeout": 3.0, "url": tmpl, "partial": partial},
+                   timeout=120)
     assert codes == [0, 3], _errors(outdir)
+    for r in range(WORLD):
+        note = json.load(open(os.path.join(outdir, f"partial-{r}.json")))
+        assert "ranks [1] hold no store" in note["error"]
+    with pytest.raises(StoreNotFoundError):  # rank 1's shard was not created
+        embstore.open(partial.format(rank=1, world=WORLD), read_only=True)
     hang = json.load(open(os.path.join(outdir, "hang.json")))
     assert "lookup" in hang["error"] and hang["seconds"] < 60
     died = json.load(open(os.path.join(outdir, "died.json")))

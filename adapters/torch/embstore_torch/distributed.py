@@ -83,11 +83,11 @@ def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float 
     return DistributedStore(comm, url, dim, average=average, options=options)
 
 
-def _open_local(url: str, dim: int | None, options: dict[str, Any], sharding: tuple | None):
-    """``embstore.open`` of one rank's store, wrapped as a shard when ``sharding`` is given."""
+def _open_backend(url: str, options: dict[str, Any], sharding: tuple | None):
+    """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
+    shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
     from embstore.layers import LAYER_OPTIONS, build_backend
     from embstore.registry import backend_class
-    from embstore.store import EmbeddingStore
 
     from .distributed_shard import ShardView
 
@@ -95,24 +95,22 @@ def _open_local(url: str, dim: int | None, options: dict[str, Any], sharding: tu
     engine = {k: options.pop(k) for k in _ENGINE_OPTIONS if k in options}
     if "eviction" in options and ("capacity" in engine or "cache" not in options):
         engine["eviction"] = options.pop("eviction")
-    read_only = bool(options.pop("read_only", False))
+    engine["read_only"] = bool(options.pop("read_only", False))
     layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
     if layer:
-        backend = build_backend(url, read_only=read_only, layer=layer, options=options)
+        backend = build_backend(url, read_only=engine["read_only"], layer=layer,
+                                options=options)
     else:
-        backend = backend_class(url)(url, read_only=read_only, **options)
-    reopen = dict(backend.reopen_options())
-    existed = True
-    if sharding is not None:
-        backend = ShardView(backend, *sharding)
-        try:
-            existed = backend.inner.read_meta() is not None
-        except BaseException:
-            backend.close()
-            raise
-    store = EmbeddingStore(backend, dim=dim, read_only=read_only, reopen_options=reopen,
-                           **engine)
-    return store, existed
+        backend = backend_class(url)(url, read_only=engine["read_only"], **options)
+    engine["reopen_options"] = dict(backend.reopen_options())
+    if sharding is None:
+        return backend, engine, True
+    try:
+        existed = backend.read_meta() is not None
+    except BaseException:
+        backend.close()
+        raise
+    return ShardView(backend, *sharding), engine, existed
 
 
 class DistributedStore(CollectiveOps):
@@ -141,20 +139,36 @@ class DistributedStore(CollectiveOps):
         local_url = url.replace("{rank}", str(self.rank)).replace("{world}",
                                                                    str(self.world_size))
         self.local: Any = None
-        existed = True
         if self.sharded:
-            self.local, existed, err = self._try_open(local_url, dim, options)
-            self._agree("open", err)
+            # Whether each shard holds data is agreed on before any rank writes: a run that
+            # finds some shards missing refuses to start instead of creating empty ones.
+            backend, engine, existed, err = self._try(
+                lambda: _open_backend(local_url, options, (self.rank, self.world_size)))
+            try:
+                self._agree("open", err)
+            except BaseException:
+                if backend is not None:
+                    backend.close()
+                raise
+            _, _, held = self.comm.allgather("open", np.zeros(0, np.uint8), flag=int(existed))
+            if len(set(held.tolist())) > 1:
+                backend.close()
+                raise SchemaMismatchError(
+                    f"the shards of ranks {np.flatnonzero(held == 0).tolist()} hold no store "
+                    f"while the others do ({local_url}); open every shard of the original run"
+                )
+            self._open_engine(backend, engine, dim)
         else:
             # One shared store: rank 0 creates it (metadata) before the others open it.
-            err = None
-            if self.rank == 0:
-                self.local, existed, err = self._try_open(local_url, dim, options)
-            self._agree("open", err)
-            if self.rank != 0:
-                self.local, existed, err = self._try_open(local_url, dim, options)
-            self._agree("open", err)
-        self._check_schema(existed)
+            for turn in (self.rank == 0, self.rank != 0):
+                err = None
+                if turn:
+                    backend, engine, _, err = self._try(
+                        lambda: _open_backend(local_url, options, None))
+                    if err is None:
+                        err = self._open_engine(backend, engine, dim, agree=False)
+                self._agree("open", err)
+        self._check_schema()
         self.read_only = self.local.read_only
         self.key_type = self.local.key_type
         self.layout = self.local.layout
@@ -162,13 +176,26 @@ class DistributedStore(CollectiveOps):
         self.gather_url()
 
     # -- opening ---------------------------------------------------------------------------------
-    def _try_open(self, url: str, dim: int | None, options: dict[str, Any]):
-        sharding = (self.rank, self.world_size) if self.sharded else None
+    @staticmethod
+    def _try(fn: Any) -> tuple:
         try:
-            store, existed = _open_local(url, dim, options, sharding)
-            return store, existed, None
+            return (*fn(), None)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            return None, True, e
+            return None, None, True, e
+
+    def _open_engine(self, backend: Any, engine: dict[str, Any], dim: int | None,
+                     agree: bool = True) -> BaseException | None:
+        """The engine over this rank's backend; its error is agreed on (or returned)."""
+        from embstore.store import EmbeddingStore
+
+        err = None
+        try:
+            self.local = EmbeddingStore(backend, dim=dim, **engine)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+            err = e
+        if agree:
+            self._agree("open", err)
+        return err
 
     def _agree(self, op: str, err: BaseException | None, items: int = 0) -> int:
         """Exchange success; raise on every rank when one failed (its own error there, the
@@ -200,14 +227,13 @@ class DistributedStore(CollectiveOps):
                 pass
             self.local = None
 
-    def _check_schema(self, existed: bool) -> None:
+    def _check_schema(self) -> None:
         st = self.local
         mine = {"dim": st.dim, "key_type": st.key_type, "layout": st.layout.to_json(),
                 "optimizer": st.optimizer.config(), "initializer": st.initializer.config(),
                 "seed": st.seed}
         blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
-        blobs, steps, flags = self.comm.allgather("open", blob, items=st.step,
-                                                  flag=int(existed))
+        blobs, steps, _ = self.comm.allgather("open", blob, items=st.step)
         problem = None
         for r, b in enumerate(blobs):
             if b.tobytes() != blobs[0].tobytes():
@@ -215,9 +241,6 @@ class DistributedStore(CollectiveOps):
                            f"than rank 0's: {b.tobytes().decode()} vs "
                            f"{blobs[0].tobytes().decode()}")
                 break
-        if problem is None and self.sharded and len(set(flags.tolist())) > 1:
-            problem = (f"shards {np.flatnonzero(flags == 0).tolist()} are new while the others "
-                       "hold data; open every shard of the original run")
         if problem is not None:
             self._close_quietly()
             raise SchemaMismatchError(problem)

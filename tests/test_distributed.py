@@ -67,6 +67,9 @@ CASES = {
     "lmdb": ("lmdb://{tmp}/lm-{{rank}}-of-{{world}}", {}, ADAGRAD, False, True),
     "bigtable": ("{bigtable}", {"cache": "memory://", "write_policy": "back",
                                 "cache_capacity": 16}, SGD, True, False),
+    "bigtable_shards": ("{bigtable}-{{rank}}-of-{{world}}", {"cache": "memory://",
+                                                            "cache_capacity": 16},
+                        ADAGRAD, False, True),
 }
 
 
@@ -282,10 +285,11 @@ def trained(tmp_path_factory, request):
     outdir = str(tmp_path_factory.mktemp("dist"))
     urls = {"memory": "memory://",
             "lmdb": f"lmdb://{outdir}/lm-{{rank}}-of-{{world}}",
-            "bigtable": None}
+            "bigtable": None, "bigtable_shards": None}
     try:
         request.getfixturevalue("bigtable_emulator")  # sets BIGTABLE_EMULATOR_HOST
         urls["bigtable"] = f"bigtable://test-project/test-instance/dist{os.getpid()}"
+        urls["bigtable_shards"] = urls["bigtable"] + "-{rank}-of-{world}"  # a table per rank
     except pytest.skip.Exception:
         pass
     codes = _spawn("_train_ranks", outdir, {"urls": urls})
@@ -309,6 +313,9 @@ def test_training_matches_one_process(trained, name):
     _assert_same(got, want, 0 if dyadic else 1e-5)
     assert [rep[name]["len"] for rep in reports] == [len(want)] * WORLD
     assert [rep[name]["step"] for rep in reports] == [STEPS] * WORLD
+    # one store per rank reopens as sharded://; a shared store under its own URL
+    assert reports[0][name]["url"].startswith("sharded://") == ("{rank}" in urls[name]
+                                                               or name == "memory")
 
 
 def test_bytes_keys_match_one_process(trained):

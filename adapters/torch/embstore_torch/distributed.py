@@ -280,19 +280,32 @@ class DistributedStore(CollectiveOps):
         ``answer(keys_by_source, flags)`` runs on the owner and returns the rows for each
         source's keys (arrays of ``row_dtype`` / ``row_shape``).
         """
-        w = self.world_size
+        w, me = self.world_size, self.rank
         order, bounds = route(keys, w)
         counts = np.diff(bounds)
-        parts = [pack_keys(keys[order[bounds[d]:bounds[d + 1]]]) for d in range(w)]
+        # This rank's own keys never go through the exchange (no pack, copy or unpack).
+        mine = order[bounds[me]:bounds[me + 1]]
+        parts = [pack_keys(keys[order[bounds[d]:bounds[d + 1]]]) if d != me
+                 else np.zeros(0, np.uint8) for d in range(w)]
         items_in, nbytes_in, flags = self.comm.begin(op, counts, [len(p) for p in parts],
                                                      flag)
         got = self.comm.exchange(parts, nbytes_in, op)
-        asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] for s in range(w)]
+        asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] if s != me
+                 else keys[mine] for s in range(w)]
         rows = answer(asked, flags)
+        if w == 1:  # a world of one: the local answer is the result
+            return rows[0]
         row_bytes = int(np.dtype(row_dtype).itemsize * np.prod(row_shape, dtype=np.int64))
-        back = self.comm.exchange(rows, counts * row_bytes, op)
+        sizes = counts * row_bytes
+        sizes[me] = 0
+        back = self.comm.exchange([r if s != me else r[:0] for s, r in enumerate(rows)],
+                                  sizes, op)
         out = np.empty((len(keys), *row_shape), dtype=row_dtype)
-        out[order] = split_rows(np.concatenate(back), np.dtype(row_dtype), row_shape)
+        for d in range(w):
+            if counts[d]:
+                out[order[bounds[d]:bounds[d + 1]]] = (
+                    rows[me] if d == me
+                    else split_rows(back[d], np.dtype(row_dtype), row_shape))
         return out
 
     # -- the training interface --------------------------------------------------------------------
@@ -348,19 +361,33 @@ class DistributedStore(CollectiveOps):
         mult = sum_counts(k, uniq, c) if len(k) else c
         w = self.world_size
         order, bounds = route(uniq, w)
+        # Gradient rows in destination order, gathered into a reused buffer (fresh memory
+        # of this size costs page faults every step); each destination's part is a slice.
+        stage = self.comm.scratch("_grads", len(uniq) * self.dim * 4).view(np.float32)
+        rows = np.take(summed, order, axis=0, out=stage.reshape(len(uniq), self.dim),
+                       mode="clip")
+        keys_by, mult_by = uniq[order], mult[order]
+        me = self.rank
         parts, items = [], []
         for d in range(w):
-            sel = order[bounds[d]:bounds[d + 1]]
-            parts.append(np.concatenate((pack_keys(uniq[sel]), mult[sel].view(np.uint8),
-                                         np.ascontiguousarray(summed[sel]).reshape(-1)
-                                         .view(np.uint8))))
-            items.append(len(sel))
-        items_in, nbytes_in, _ = self.comm.begin("update", items, [len(p) for p in parts])
+            lo, hi = int(bounds[d]), int(bounds[d + 1])
+            # this rank's own part stays here (see below), the rest is packed for its owner
+            parts.append((pack_keys(keys_by[lo:hi]), mult_by[lo:hi], rows[lo:hi]) if d != me
+                         else ())
+            items.append(hi - lo)
+        nbytes = [sum(a.nbytes for a in p) for p in parts]
+        items_in, nbytes_in, _ = self.comm.begin("update", items, nbytes)
         got = self.comm.exchange(parts, nbytes_in, "update")
         ks, cs, gs = [], [], []
         for s in range(w):
             n = int(items_in[s])
             if n == 0:
+                continue
+            if s == me:
+                lo, hi = int(bounds[me]), int(bounds[me + 1])
+                ks.append(keys_by[lo:hi])
+                cs.append(mult_by[lo:hi])
+                gs.append(rows[lo:hi])
                 continue
             kk, used = unpack_keys(got[s], n, self.key_type)
             ks.append(kk)

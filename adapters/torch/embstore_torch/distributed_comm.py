@@ -85,6 +85,7 @@ class Comm:
         self.seq = 0
         self.bytes_sent = 0
         self.exchanges = 0
+        self._buffers: dict[str, np.ndarray] = {}
         self.seconds = 0.0  # wall time inside exchanges (waiting for peers included)
         self.broken: str | None = None
 
@@ -126,17 +127,40 @@ class Comm:
             )
         return got[:, 3].copy(), got[:, 4].copy(), got[:, 5].copy()
 
-    def exchange(self, send: Sequence[np.ndarray], recv_nbytes: np.ndarray,
-                 op: str) -> list[np.ndarray]:
-        """Send ``send[d]`` (bytes, any dtype) to rank ``d``; return what each rank sent here
-        (``uint8`` arrays of the sizes announced in the headers)."""
-        parts = [np.ascontiguousarray(s).reshape(-1).view(np.uint8) for s in send]
-        sizes = [len(p) for p in parts]
-        buf = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+    def exchange(self, send: Sequence[np.ndarray | Sequence[np.ndarray]],
+                 recv_nbytes: np.ndarray, op: str, *, keep: bool = False) -> list[np.ndarray]:
+        """Send ``send[d]`` (an array, or a list of arrays sent back to back; any dtype) to
+        rank ``d``; return what each rank sent here (``uint8`` arrays of the sizes announced
+        in the headers).
+
+        The returned arrays are views of a buffer the next exchange reuses (fresh memory
+        costs page faults on every step); ``keep=True`` returns memory of their own.
+        """
+        segs: list[np.ndarray] = []
+        sizes = []
+        for part in send:
+            n = 0
+            for seg in ([part] if isinstance(part, np.ndarray) else part):
+                raw = np.ascontiguousarray(seg).reshape(-1).view(np.uint8)
+                segs.append(raw)
+                n += len(raw)
+            sizes.append(n)
+        buf = self.scratch("_send", sum(sizes))
+        if segs:
+            np.concatenate(segs, out=buf)
         recv = [int(n) for n in recv_nbytes]
-        out = self._all_to_all(buf, sizes, recv, op)
+        out = self._all_to_all(buf, sizes, recv, op, keep)
         bounds = np.concatenate(([0], np.cumsum(recv)))
         return [out[bounds[i]:bounds[i + 1]] for i in range(self.world)]
+
+    def scratch(self, name: str, nbytes: int) -> np.ndarray:
+        """A reusable ``uint8`` buffer of ``nbytes`` (grown geometrically, never shrunk)."""
+        buf = self._buffers.get(name)
+        if buf is None or len(buf) < nbytes:
+            buf = np.empty(max(int(nbytes), 2 * (0 if buf is None else len(buf)), 1 << 16),
+                           dtype=np.uint8)
+            self._buffers[name] = buf
+        return buf[:nbytes]
 
     def allgather(self, op: str, blob: np.ndarray, items: int = 0,
                   flag: int = 0) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
@@ -146,11 +170,12 @@ class Comm:
         return self.exchange([raw] * self.world, nbytes_in, op), items_in, flags
 
     def _all_to_all(self, buf: np.ndarray, send_sizes: list[int], recv_sizes: list[int],
-                    op: str) -> np.ndarray:
+                    op: str, keep: bool = True) -> np.ndarray:
         if self.world == 1:  # nothing to exchange: gloo would only copy (measured ~0.5 ms)
             self.exchanges += 1
-            return buf.copy()
-        out = np.empty(sum(recv_sizes), dtype=np.uint8)
+            return buf.copy() if keep else buf
+        n = sum(recv_sizes)
+        out = np.empty(n, dtype=np.uint8) if keep else self.scratch("_recv", n)
         t0 = time.perf_counter()
         try:
             dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(buf), recv_sizes,

@@ -83,9 +83,10 @@ class CollectiveOps:
                 items, nbytes, more = self.comm.begin("export", n, sizes, int(batch is not None))
                 if not more.any():
                     break
+                # keep=True: the file writer works on the rows in the background
                 got = self.comm.exchange(
                     [payload if d == 0 else payload[:0] for d in range(self.world_size)],
-                    nbytes, "export")
+                    nbytes, "export", keep=True)
                 total += int(items.sum())
                 if writer is None or err is not None:
                     continue

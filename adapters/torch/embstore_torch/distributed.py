@@ -363,10 +363,13 @@ class DistributedStore(CollectiveOps):
         order, bounds = route(uniq, w)
         # Gradient rows in destination order, gathered into a reused buffer (fresh memory
         # of this size costs page faults every step); each destination's part is a slice.
-        stage = self.comm.scratch("_grads", len(uniq) * self.dim * 4).view(np.float32)
-        rows = np.take(summed, order, axis=0, out=stage.reshape(len(uniq), self.dim),
-                       mode="clip")
-        keys_by, mult_by = uniq[order], mult[order]
+        if w == 1:  # nothing to reorder
+            rows, keys_by, mult_by = summed, uniq, mult
+        else:
+            stage = self.comm.scratch("_grads", len(uniq) * self.dim * 4).view(np.float32)
+            rows = np.take(summed, order, axis=0, out=stage.reshape(len(uniq), self.dim),
+                           mode="clip")
+            keys_by, mult_by = uniq[order], mult[order]
         me = self.rank
         parts, items = [], []
         for d in range(w):
@@ -395,9 +398,11 @@ class DistributedStore(CollectiveOps):
             gs.append(split_rows(got[s][used + 8 * n:], np.dtype(np.float32), (self.dim,)))
         self.local.step = self.step
         if ks:
+            # keys are copied out of the reused receive buffer (a store may keep them);
+            # gradient rows and counts are only read by the update
             allk = np.concatenate(ks)
-            u, total, _ = coalesce(allk, np.concatenate(gs))
-            cnt = sum_counts(allk, u, np.concatenate(cs))
+            u, total, _ = coalesce(allk, gs[0] if len(gs) == 1 else np.concatenate(gs))
+            cnt = sum_counts(allk, u, cs[0] if len(cs) == 1 else np.concatenate(cs))
             if self.average and w > 1:
                 total = total / np.float32(w)
             self.local.update(u, total, counts=cnt)

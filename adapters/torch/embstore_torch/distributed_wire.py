@@ -21,6 +21,8 @@ def owner_of(keys: np.ndarray, world: int) -> np.ndarray:
 
 def route(keys: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
     """``(order, bounds)``: ``keys[order[bounds[d]:bounds[d+1]]]`` go to rank ``d``."""
+    if world == 1:
+        return np.arange(len(keys)), np.array([0, len(keys)])
     own = owner_of(keys, world)
     order = np.argsort(own, kind="stable")
     bounds = np.searchsorted(own[order], np.arange(world + 1))

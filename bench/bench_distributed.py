@@ -2,11 +2,10 @@
 
 Each rank trains ``DynamicEmbedding`` (memory://, SGD, dim 64) on its own batches of 4096
 Zipf-distributed ids over a 1M id space (weak scaling: the global batch grows with the ranks).
-Contenders, measured in the same run:
-
-- ``plain``: the ordinary single-process store (no torch.distributed at all);
-- ``dist x1``: the distributed store with a world of one (the wrapper's own cost);
-- ``dist x2``: two ranks on gloo over loopback (processes on this machine).
+Measured in the same run, for a world of 1 and of 2 ranks (gloo over loopback, processes on
+this machine): in every rank process, rounds of the distributed store alternate with rounds
+of a plain ``memory://`` store on the same batches (``plain xN``: the cost without routing,
+in the same process, under the same load).
 
 Per contender: steps/s per rank, examples/s over all ranks, bytes each rank sends to the
 others per step (lookup keys + update keys/counts/gradients + headers; the returned vectors
@@ -54,19 +53,28 @@ def _train(store, batches) -> tuple[float, float]:
 def _rank(rank: int, world: int, port: int, out: str, args: dict) -> None:
     import torch.distributed as dist
 
+    import embstore
     import embstore_torch.distributed as ed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
-    store = ed.open("memory://", dim=args["dim"], optimizer={"name": "sgd", "lr": 0.1})
+    opt = {"name": "sgd", "lr": 0.1}
+    store = ed.open("memory://", dim=args["dim"], optimizer=opt)
+    # the plain store in the same process, same batches, rounds alternating with the
+    # distributed ones (process start, memory and neighbours' load affect both alike)
+    plain = embstore.open("memory://", dim=args["dim"], optimizer=opt)
     warm = _batches(rank + 50, 5, args["batch"])
     _train(store, warm)
+    _train(plain, warm)
     sent0, ex0, sec0 = store.bytes_sent, store.comm.exchanges, store.comm.seconds
-    times = [_train(store, _batches(rank + 10 * i, args["steps"], args["batch"]))
-             for i in range(args["rounds"])]
-    wall, cpu = sorted(times)[len(times) // 2]  # the median round (the machine is shared)
+    times, ptimes = [], []
+    for i in range(args["rounds"]):
+        batches = _batches(rank + 10 * i, args["steps"], args["batch"])
+        ptimes.append(_train(plain, batches))
+        times.append(_train(store, batches))
     n = args["steps"] * args["rounds"]
-    res = {"wall": wall, "cpu": cpu, "bytes": (store.bytes_sent - sent0) / n,
+    res = {"dist": sorted(times)[len(times) // 2], "plain": sorted(ptimes)[len(ptimes) // 2],
+           "bytes": (store.bytes_sent - sent0) / n,
            "exchanges": (store.comm.exchanges - ex0) / n,
            "comm": (store.comm.seconds - sec0) / n}
     store.close()
@@ -89,17 +97,6 @@ def _run_world(world: int, args: dict, out: str) -> list[dict]:
     return [json.load(open(os.path.join(out, f"{world}-{r}.json"))) for r in range(world)]
 
 
-def _plain(args: dict) -> dict:
-    import embstore
-
-    store = embstore.open("memory://", dim=args["dim"], optimizer={"name": "sgd", "lr": 0.1})
-    _train(store, _batches(50, 5, args["batch"]))
-    times = [_train(store, _batches(10 * i, args["steps"], args["batch"]))
-             for i in range(args["rounds"])]
-    wall, cpu = sorted(times)[len(times) // 2]
-    return {"wall": wall, "cpu": cpu, "bytes": 0.0, "exchanges": 0.0, "comm": 0.0}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=30, help="steps per timed round")
@@ -109,30 +106,32 @@ def main() -> None:
     a = ap.parse_args()
     args = {"steps": a.steps, "dim": a.dim, "batch": a.batch, "rounds": a.rounds}
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it
-    rows = {}
     with tempfile.TemporaryDirectory() as out:
-        rows["plain"] = [_plain(args)]
-        rows["dist x1"] = _run_world(1, args, out)
-        rows["dist x2"] = _run_world(2, args, out)
+        worlds = {w: _run_world(w, args, out) for w in (1, 2)}
     steps = args["steps"]
     print(f"DynamicEmbedding fwd+bwd+SGD, {args['batch']} Zipf ids/rank/step over {ID_SPACE} "
           f"ids, dim {args['dim']}; median of {args['rounds']} rounds of {steps} steps; "
           f"{os.cpu_count()} cores")
-    print(f"{'':8} {'steps/s/rank':>12} {'examples/s':>11} {'CPU ms/step':>12} "
+    print(f"{'':16} {'steps/s/rank':>12} {'examples/s':>11} {'CPU ms/step':>12} "
           f"{'bytes sent/step/rank':>21} {'exchanges/step':>15} {'ms in exchange/step':>20}")
     rate = {}
-    for name, rs in rows.items():
-        sps = np.mean([steps / r["wall"] for r in rs])
-        ex = sum(steps * args["batch"] / r["wall"] for r in rs)
-        rate[name] = (sps, ex)
-        cpu_ms = np.mean([r["cpu"] for r in rs]) / steps * 1e3
-        print(f"{name:8} {sps:12.1f} {ex:11.0f} {cpu_ms:12.2f}"
-              f" {np.mean([r['bytes'] for r in rs]):21.0f} "
-              f"{np.mean([r['exchanges'] for r in rs]):15.1f} "
-              f"{np.mean([r['comm'] for r in rs]) * 1e3:20.2f}")
-    print(f"ratios: dist x1 / plain steps/s = {rate['dist x1'][0] / rate['plain'][0]:.2f}x; "
-          f"dist x2 / dist x1 examples/s = {rate['dist x2'][1] / rate['dist x1'][1]:.2f}x "
-          f"(2 ranks on {os.cpu_count()} shared cores)")
+    for w, rs in worlds.items():
+        for kind in ("plain", "dist"):
+            sps = float(np.mean([steps / r[kind][0] for r in rs]))
+            ex = sum(steps * args["batch"] / r[kind][0] for r in rs)
+            cpu_ms = np.mean([r[kind][1] for r in rs]) / steps * 1e3
+            rate[w, kind] = (sps, ex)
+            dist_only = kind == "dist"
+            name = f"{'dist' if dist_only else 'plain'} x{w}"
+            print(f"{name:16} {sps:12.1f} {ex:11.0f} {cpu_ms:12.2f} "
+                  f"{np.mean([r['bytes'] for r in rs]) if dist_only else 0:21.0f} "
+                  f"{np.mean([r['exchanges'] for r in rs]) if dist_only else 0:15.1f} "
+                  f"{np.mean([r['comm'] for r in rs]) * 1e3 if dist_only else 0:20.2f}")
+    print(f"ratios: dist/plain steps/s in the same processes: x1 "
+          f"{rate[1, 'dist'][0] / rate[1, 'plain'][0]:.2f}x, x2 "
+          f"{rate[2, 'dist'][0] / rate[2, 'plain'][0]:.2f}x; dist x2 / dist x1 examples/s = "
+          f"{rate[2, 'dist'][1] / rate[1, 'dist'][1]:.2f}x (2 ranks on {os.cpu_count()} "
+          "shared cores; plain x2 is two independent stores, no shared table)")
     sys.stdout.flush()
 
 

@@ -431,3 +431,36 @@ def test_rank_failure_raises_on_survivor_and_keeps_flushed_writes(tmp_path):
         init = s.initial_vectors(np.arange(20))
         got = s.lookup(np.arange(20), insert=False)
         np.testing.assert_array_equal(got, init - np.float32(0.5))  # (1 + 1) / 2 * lr
+
+
+def test_world_of_one_in_process_equals_plain_store(tmp_path):
+    """A world of one (no spawn): the same records as the plain store, shard-recorded."""
+    import torch.distributed as dist
+
+    import embstore_torch.distributed as ed
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        url = f"lmdb://{tmp_path}/one-{{rank}}-of-{{world}}"
+        store = ed.open(url, dim=DIM, optimizer=ADAGRAD, timeout=30)
+        plain = embstore.open("memory://", dim=DIM, optimizer=ADAGRAD)
+        for s in (store, plain):
+            module = _module(s, True)
+            for t in range(STEPS):
+                keys, w = _batch(0, t, False)
+                _loss(module, keys, w, True, ROWS).backward()
+        assert len(store) == len(plain) and store.step == plain.step == STEPS
+        _assert_same(_records(store.local.records()), _records(plain.records()), 0)
+        assert store.url == sharded_url([f"lmdb://{tmp_path}/one-0-of-1"])
+        keys, scores = store.top_k(np.ones((2, DIM), np.float32), 3)
+        want = plain.top_k(np.ones((2, DIM), np.float32), 3)
+        assert (keys == want[0]).all() and (scores == want[1]).all()
+        store.close()
+        with embstore.open(sharded_url([f"lmdb://{tmp_path}/one-0-of-1"]),
+                           read_only=True) as s:
+            assert len(s) == len(plain)
+    finally:
+        dist.destroy_process_group()

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from embstore import errors as _errors
-from embstore._batch import check_counts, coalesce, sum_counts
+from embstore.engine.batch import check_counts, coalesce, sum_counts
 from embstore.errors import SchemaMismatchError
 from embstore.layers.sharded import sharded_url
 
@@ -49,10 +49,6 @@ __all__ = [
     "RankFailureError",
     "open",
 ]
-
-_ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed", "admission", "expiry",
-                   "capacity")
-
 
 def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float = 300.0,  # noqa: A001
          average: bool = True, **options: Any) -> DistributedStore:
@@ -86,22 +82,13 @@ def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float 
 def _open_backend(url: str, options: dict[str, Any], sharding: tuple | None):
     """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
     shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
-    from embstore.layers import LAYER_OPTIONS, build_backend
-    from embstore.registry import backend_class
+    from embstore.engine.opening import open_backend, split_options
 
     from .distributed_shard import ShardView
 
-    options = dict(options)
-    engine = {k: options.pop(k) for k in _ENGINE_OPTIONS if k in options}
-    if "eviction" in options and ("capacity" in engine or "cache" not in options):
-        engine["eviction"] = options.pop("eviction")
-    engine["read_only"] = bool(options.pop("read_only", False))
-    layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
-    if layer:
-        backend = build_backend(url, read_only=engine["read_only"], layer=layer,
-                                options=options)
-    else:
-        backend = backend_class(url)(url, read_only=engine["read_only"], **options)
+    engine, read_only, layer, backend_opts = split_options(options)
+    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_opts)
+    engine["read_only"] = read_only
     engine["reopen_options"] = dict(backend.reopen_options())
     if sharding is None:
         return backend, engine, True
@@ -271,7 +258,7 @@ class DistributedStore(CollectiveOps):
 
     # -- key routing -------------------------------------------------------------------------------
     def _keys(self, keys: Any) -> np.ndarray:
-        return self.local._keys(keys)
+        return self.local.normalize_keys(keys)
 
     def _ask_owners(self, op: str, keys: np.ndarray, flag: int, answer: Any,
                     row_dtype: np.dtype, row_shape: tuple[int, ...]) -> np.ndarray:
@@ -353,7 +340,7 @@ class DistributedStore(CollectiveOps):
         grows by the occurrences (or ``counts``) summed over ranks. A rank with no keys still
         calls (with empty arrays).
         """
-        self.local._check_writable()
+        self.local.check_writable()
         k = self._keys(keys)
         g = self.local._rows(grads, len(k), "gradients")
         c = (np.ones(len(k), np.int64) if counts is None else check_counts(counts, len(k)))

@@ -183,7 +183,7 @@ class CollectiveOps:
             raise InvalidInputError(f"num_sampled must be >= 0, got {m}")
         batch, positives = _positives(self.local, positive_keys, offsets)
         flat_pos = (np.concatenate(positives) if len(positives) > 1
-                    else positives[0] if positives else self.local._keys([]))
+                    else positives[0] if positives else self.local.normalize_keys([]))
         idx = sampling_index(self.local)
         snap = idx.snapshot(sampler)
         mine = np.array([snap.total, snap.support - snap.dead_support], dtype=np.float64)
@@ -233,7 +233,7 @@ class CollectiveOps:
         every rank takes part in every round (serving the others) until all are done."""
         w = self.world_size
         total = float(shard_w.sum())
-        keys = self.local._keys([])
+        keys = self.local.normalize_keys([])
         wts = np.zeros(0, np.float64)
         need = m if not unique else int(m * 1.03) + 16 if m else 0
         tries, done = 0, m == 0

@@ -256,7 +256,24 @@ def _failing_ranks(rank: int, outdir: str, cfg: dict) -> None:
             store.lookup(np.arange(10))
         except RankFailureError as e:
             _note(outdir, "hang", {"error": str(e), "seconds": time.monotonic() - t0})
-    # 2. a rank that dies after an acknowledged (flushed) update: the survivor raises at once
+    # 2. a rank whose own part fails (its store raises; an injected fault) tells the others:
+    #    their next collective raises at once, not after the timeout
+    for what in ("update", "lookup"):
+        store = ed.open("memory://", dim=DIM, timeout=120)
+        store.lookup(np.arange(20))
+        if rank == 1:
+            def broken(*a, **k):
+                raise OSError("injected store failure")
+            setattr(store.local, what, broken)
+        try:
+            if what == "update":
+                store.update(np.arange(20), np.ones((20, DIM), np.float32))
+            else:
+                store.lookup(np.arange(20))
+            len(store)
+        except (OSError, RankFailureError) as e:
+            _note(outdir, f"{what}-{rank}", {"error": f"{type(e).__name__}: {e}"})
+    # 3. a rank that dies after an acknowledged (flushed) update: the survivor raises at once
     store = ed.open(cfg["url"], dim=DIM, optimizer=SGD, timeout=cfg["timeout"] * 10)
     store.update(np.arange(20), np.ones((20, DIM), np.float32))
     store.flush()
@@ -422,6 +439,10 @@ def test_rank_failure_raises_on_survivor_and_keeps_flushed_writes(tmp_path):
         embstore.open(partial.format(rank=1, world=WORLD), read_only=True)
     hang = json.load(open(os.path.join(outdir, "hang.json")))
     assert "lookup" in hang["error"] and hang["seconds"] < 60
+    for what in ("update", "lookup"):
+        assert "injected" in json.load(open(os.path.join(outdir, f"{what}-1.json")))["error"]
+        survivor = json.load(open(os.path.join(outdir, f"{what}-0.json")))["error"]
+        assert "RankFailureError" in survivor and "rank 1" in survivor and "aborted" in survivor
     died = json.load(open(os.path.join(outdir, "died.json")))
     assert "update" in died["error"]
     assert "unusable" in json.load(open(os.path.join(outdir, "after.json")))["error"]

@@ -279,10 +279,22 @@ class DistributedStore(CollectiveOps):
         got = self.comm.exchange(parts, nbytes_in, op)
         asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] if s != me
                  else keys[mine] for s in range(w)]
-        rows = answer(asked, flags)
+        row_bytes = int(np.dtype(row_dtype).itemsize * np.prod(row_shape, dtype=np.int64))
+        try:
+            rows = answer(asked, flags)
+        except Exception as e:
+            if w > 1:
+                # Unblock the askers (zero rows, never used: their next collective raises)
+                # and tell them this rank failed, instead of leaving them to time out.
+                filler = [np.zeros(int(items_in[s]) * row_bytes, np.uint8) if s != me
+                          else np.zeros(0, np.uint8) for s in range(w)]
+                sizes = counts * row_bytes
+                sizes[me] = 0
+                self.comm.exchange(filler, sizes, op)
+            self.comm.abort(f"rank {me}'s {op} failed: {e}")
+            raise
         if w == 1:  # a world of one: the local answer is the result
             return rows[0]
-        row_bytes = int(np.dtype(row_dtype).itemsize * np.prod(row_shape, dtype=np.int64))
         sizes = counts * row_bytes
         sizes[me] = 0
         back = self.comm.exchange([r if s != me else r[:0] for s, r in enumerate(rows)],
@@ -392,7 +404,12 @@ class DistributedStore(CollectiveOps):
             cnt = sum_counts(allk, u, cs[0] if len(cs) == 1 else np.concatenate(cs))
             if self.average and w > 1:
                 total = total / np.float32(w)
-            self.local.update(u, total, counts=cnt)
+            try:
+                self.local.update(u, total, counts=cnt)
+            except Exception as e:
+                # The other ranks believe the step applied: make their next collective fail.
+                self.comm.abort(f"rank {me}'s update failed: {e}")
+                raise
         self.step += 1
         self.local.step = self.step  # shards without keys this step keep the global step too
 

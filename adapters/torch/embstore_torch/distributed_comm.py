@@ -39,7 +39,7 @@ _HEADER = 6
 #: op tags carried by every header
 OPS = {name: i + 1 for i, name in enumerate((
     "open", "lookup", "update", "len", "flush", "export", "close", "sample", "sample_round",
-    "sample_prob", "top_k", "contains", "stats", "step",
+    "sample_prob", "top_k", "contains", "stats", "step", "abort",
 ))}
 _NAMES = {v: k for k, v in OPS.items()}
 
@@ -113,6 +113,13 @@ class Comm:
         got = self._all_to_all(head.reshape(-1).view(np.uint8), [_HEADER * 8] * w,
                                [_HEADER * 8] * w, op).view(np.int64).reshape(w, _HEADER)
         bad = (got[:, 0] != _MAGIC) | (got[:, 1] != OPS[op]) | (got[:, 2] != self.seq)
+        aborted = np.flatnonzero(got[:, 1] == OPS["abort"])
+        if len(aborted) and op != "abort":
+            self.broken = f"rank {int(aborted[0])} aborted"
+            raise RankFailureError(
+                f"rank {int(aborted[0])} failed in its own part of a collective and aborted "
+                f"(its error says why); rank {self.rank} stops at {op} #{self.seq}"
+            )
         if bad.any():
             seen = ", ".join(
                 f"rank {r}: {_NAMES.get(int(got[r, 1]), '?')} #{int(got[r, 2])}"
@@ -126,6 +133,18 @@ class Comm:
                 "must still call)"
             )
         return got[:, 3].copy(), got[:, 4].copy(), got[:, 5].copy()
+
+    def abort(self, reason: str) -> None:
+        """Tell the other ranks that this rank failed in its own part of a collective: their
+        next collective raises ``RankFailureError`` at once instead of waiting for the
+        timeout. Waits (at most the timeout) for them to get there; never raises."""
+        if self.broken is not None:
+            return
+        try:
+            self.begin("abort")
+        except CollectiveError:
+            pass
+        self.broken = reason
 
     def exchange(self, send: Sequence[np.ndarray | Sequence[np.ndarray]],
                  recv_nbytes: np.ndarray, op: str, *, keep: bool = False) -> list[np.ndarray]:

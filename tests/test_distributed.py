@@ -164,6 +164,8 @@ def _train_ranks(rank: int, outdir: str, cfg: dict) -> None:
         for t in range(STEPS):
             keys, w = _batch(rank, t, dyadic)
             _loss(module, keys, w, bag, ROWS).backward()
+            if "cache" in options:  # the owners' caches load the next batch's rows
+                store.prefetch(_batch(rank, t + 1, dyadic)[0].reshape(-1))
         store.flush()
         report[name] = {"url": store.url, "len": len(store), "step": store.step}
         store.export(os.path.join(outdir, f"{name}.emb"))
@@ -202,6 +204,7 @@ def _collective_checks(store, rank: int, outdir: str) -> None:
     keys, scores = store.top_k(queries, 5)
     probe = np.arange(NKEYS + 4)
     found = store.contains(probe)
+    store.prefetch(probe[::-1])  # a collective hint; memory:// has nothing to load
     uni = store.sample(np.array([1, 2]), 6, "uniform", seed=rank)
     gram = store.sample(np.array([3]), 5, UnigramSampler(0.75), unique=False, seed=rank,
                         remove_accidental_hits=False)

@@ -334,6 +334,21 @@ class DistributedStore(CollectiveOps):
                 start += len(asked[s])
         return out
 
+    def prefetch(self, keys: Any) -> None:
+        """Collective: the owners start loading the rows of ``keys`` in the background (a
+        cache layer's prefetch; other backends ignore it). Call it with the next batch."""
+        uniq, _ = dedupe(self._keys(keys))
+        w = self.world_size
+        order, bounds = route(uniq, w)
+        parts = [pack_keys(uniq[order[bounds[d]:bounds[d + 1]]]) for d in range(w)]
+        items_in, nbytes_in, _ = self.comm.begin("prefetch", np.diff(bounds),
+                                                 [len(p) for p in parts])
+        got = self.comm.exchange(parts, nbytes_in, "prefetch")
+        asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] for s in range(w)]
+        mine = np.concatenate(asked)  # a copy: a background prefetch keeps its keys
+        if len(mine):
+            self.local.prefetch(dedupe(mine)[0])
+
     def contains(self, keys: Any) -> np.ndarray:
         """Collective: which keys have a stored record on their owner."""
         k = self._keys(keys)

@@ -40,6 +40,7 @@ from .distributed_comm import (
     RankFailureError,
 )
 from .distributed_ops import CollectiveOps
+from .distributed_shard import open_rank_backend
 from .distributed_wire import dedupe, pack_keys, route, split_rows, unpack_keys
 
 __all__ = [
@@ -79,27 +80,6 @@ def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float 
     return DistributedStore(comm, url, dim, average=average, options=options)
 
 
-def _open_backend(url: str, options: dict[str, Any], sharding: tuple | None):
-    """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
-    shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
-    from embstore.engine.opening import open_backend, split_options
-
-    from .distributed_shard import ShardView
-
-    engine, read_only, layer, backend_opts = split_options(options)
-    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_opts)
-    engine["read_only"] = read_only
-    engine["reopen_options"] = dict(backend.reopen_options())
-    if sharding is None:
-        return backend, engine, True
-    try:
-        existed = backend.read_meta() is not None
-    except BaseException:
-        backend.close()
-        raise
-    return ShardView(backend, *sharding), engine, existed
-
-
 class DistributedStore(CollectiveOps):
     """This rank's handle on a store whose keys are split over the ranks by ownership.
 
@@ -130,7 +110,7 @@ class DistributedStore(CollectiveOps):
             # Whether each shard holds data is agreed on before any rank writes: a run that
             # finds some shards missing refuses to start instead of creating empty ones.
             backend, engine, existed, err = self._try(
-                lambda: _open_backend(local_url, options, (self.rank, self.world_size)))
+                lambda: open_rank_backend(local_url, options, (self.rank, self.world_size)))
             try:
                 self._agree("open", err)
             except BaseException:
@@ -151,7 +131,7 @@ class DistributedStore(CollectiveOps):
                 err = None
                 if turn:
                     backend, engine, _, err = self._try(
-                        lambda: _open_backend(local_url, options, None))
+                        lambda: open_rank_backend(local_url, options, None))
                     if err is None:
                         err = self._open_engine(backend, engine, dim, agree=False)
                 self._agree("open", err)

@@ -14,12 +14,14 @@ forwarded explicitly); only the metadata is translated.
 
 from __future__ import annotations
 
+from typing import Any
+
 from embstore.backends.base import Backend
 from embstore.errors import SchemaMismatchError
 from embstore.layers.sharded import SHARD_FORMAT
 from embstore.layers.wrapper import WrapperBackend
 
-__all__ = ["ShardView"]
+__all__ = ["ShardView", "open_rank_backend"]
 
 
 class ShardView(WrapperBackend):
@@ -58,3 +60,22 @@ class ShardView(WrapperBackend):
 
     def write_meta(self, meta: dict) -> None:
         self.inner.write_meta({**meta, "format": SHARD_FORMAT, "sharding": dict(self.sharding)})
+
+
+def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None):
+    """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
+    shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
+    from embstore.engine.opening import open_backend, split_options
+
+    engine, read_only, layer, backend_opts = split_options(options)
+    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_opts)
+    engine["read_only"] = read_only
+    engine["reopen_options"] = dict(backend.reopen_options())
+    if sharding is None:
+        return backend, engine, True
+    try:
+        existed = backend.read_meta() is not None
+    except BaseException:
+        backend.close()
+        raise
+    return ShardView(backend, *sharding), engine, existed

@@ -210,6 +210,12 @@ def _collective_checks(store, rank: int, outdir: str) -> None:
                         remove_accidental_hits=False)
     # A rank with nothing to look up still takes part in the collective.
     empty = store.lookup(np.zeros(0, np.int64) if rank else np.array([5, 5, 7]), insert=False)
+    # ... and in an update (last: it changes key 5)
+    before = store.lookup(np.array([5]), insert=False)
+    store.update(np.zeros(0, np.int64) if rank else np.array([5, 5]),
+                 np.ones((0 if rank else 2, DIM), np.float32))
+    after = store.lookup(np.array([5]), insert=False)
+    assert (after == before - np.float32(0.5)).all()  # 2 rows summed, / 2 ranks, lr 0.5
     np.savez(os.path.join(outdir, f"checks-{rank}.npz"), queries=queries, keys=keys,
              scores=scores, found=found, uni_keys=uni.keys, uni_prob=uni.prob,
              uni_tries=uni.num_tries, uni_pos=uni.is_positive, gram_keys=gram.keys,

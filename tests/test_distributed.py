@@ -216,6 +216,14 @@ def _collective_checks(store, rank: int, outdir: str) -> None:
                  np.ones((0 if rank else 2, DIM), np.float32))
     after = store.lookup(np.array([5]), insert=False)
     assert (after == before - np.float32(0.5)).all()  # 2 rows summed, / 2 ranks, lr 0.5
+    # SampledSoftmaxLoss unchanged on top (sample + store_rows + update, all collectives)
+    from embstore_torch import SampledSoftmaxLoss
+
+    hidden = torch.ones(3, DIM, requires_grad=True)
+    loss = SampledSoftmaxLoss(store, num_sampled=4, sampler="uniform")(
+        hidden, torch.tensor([1, 2, 3]) + rank)
+    loss.backward()
+    assert torch.isfinite(loss) and hidden.grad is not None
     np.savez(os.path.join(outdir, f"checks-{rank}.npz"), queries=queries, keys=keys,
              scores=scores, found=found, uni_keys=uni.keys, uni_prob=uni.prob,
              uni_tries=uni.num_tries, uni_pos=uni.is_positive, gram_keys=gram.keys,

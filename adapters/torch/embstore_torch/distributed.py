@@ -51,6 +51,7 @@ __all__ = [
     "open",
 ]
 
+
 def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float = 300.0,  # noqa: A001
          average: bool = True, **options: Any) -> DistributedStore:
     """Open this rank's part of a distributed store (a collective: every rank calls it).

@@ -197,11 +197,17 @@ def _bytes_case(rank: int, outdir: str, report: dict) -> None:
     store.close()
 
 
+_EXCLUDE = [np.array([0, 1, 2]), np.array([3, 4])]
+
+
 def _collective_checks(store, rank: int, outdir: str) -> None:
     from embstore.sampling import UnigramSampler
 
     queries = np.random.default_rng(rank).normal(size=(rank + 1, DIM)).astype(np.float32)
     keys, scores = store.top_k(queries, 5)
+    # more than there are rows, each rank excluding its own keys (every shard applies the
+    # asking rank's exclusions): the width is what is left, as one store gives
+    padded = store.top_k(queries, NKEYS + 10, exclude=_EXCLUDE[rank])
     probe = np.arange(NKEYS + 4)
     found = store.contains(probe)
     store.prefetch(probe[::-1])  # a collective hint; memory:// has nothing to load
@@ -225,7 +231,8 @@ def _collective_checks(store, rank: int, outdir: str) -> None:
     loss.backward()
     assert torch.isfinite(loss) and hidden.grad is not None
     np.savez(os.path.join(outdir, f"checks-{rank}.npz"), queries=queries, keys=keys,
-             scores=scores, found=found, uni_keys=uni.keys, uni_prob=uni.prob,
+             scores=scores, pad_keys=padded.keys, pad_scores=padded.scores,
+             pad_valid=padded.valid, found=found, uni_keys=uni.keys, uni_prob=uni.prob,
              uni_tries=uni.num_tries, uni_pos=uni.is_positive, gram_keys=gram.keys,
              gram_prob=gram.prob, gram_tries=gram.num_tries, empty=empty)
 
@@ -414,6 +421,11 @@ def test_top_k_sample_contains_and_empty_batches(trained):
         keys, scores = ref.top_k(c["queries"], 5)
         assert (c["keys"] == keys).all()
         np.testing.assert_allclose(c["scores"], scores, rtol=1e-6)
+        want = ref.top_k(c["queries"], NKEYS + 10, exclude=_EXCLUDE[rank])
+        assert c["pad_keys"].shape == want.keys.shape
+        assert (c["pad_valid"] == want.valid).all() and (c["pad_keys"] == want.keys).all()
+        assert not set(c["pad_keys"].reshape(-1).tolist()) & set(_EXCLUDE[rank].tolist())
+        np.testing.assert_allclose(c["pad_scores"], want.scores, rtol=1e-6)
         assert (c["found"] == np.isin(np.arange(NKEYS + 4), list(counts))).all()
         # uniform unique sampling: distinct stored negatives, TF's expected-count formula
         neg = c["uni_keys"][~c["uni_pos"]]

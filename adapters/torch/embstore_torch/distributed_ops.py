@@ -106,12 +106,13 @@ class CollectiveOps:
     def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Collective: exact top-``k`` keys by dot product for this rank's queries.
 
-        Every shard scores the queries of every rank; the asking rank merges the
-        ``world x k`` candidates of each query. Same result as
-        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (``exclude``:
-        one key array for all queries).
+        Every shard scores the queries of every rank (with that rank's ``exclude``); the
+        asking rank merges the up to ``world x k`` candidates of each query. Same result as
+        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (a
+        :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
+        rank's queries).
         """
-        from embstore.retrieval import _queries
+        from embstore.retrieval import TopKResult, _queries
 
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise InvalidInputError(f"k must be a positive int, got {k!r}")
@@ -120,39 +121,52 @@ class CollectiveOps:
             raise InvalidInputError("distributed top_k takes one exclude key array for all "
                                     "queries, not one per query")
         q = _queries(self.local, queries)
+        ex = self.local.normalize_keys([] if exclude is None else exclude)
         self._sync_shared()
-        blobs, rows, _ = self.comm.allgather("top_k", q.view(np.uint8),
-                                             items=len(self.local) if self._answers else 0)
-        nq = [len(b) // (4 * self.dim) for b in blobs]
-        allq = np.concatenate([split_rows(b, np.dtype(np.float32), (self.dim,)) for b in blobs])
-        width = int(min(int(k), int(rows.sum())))
-        keys = np.zeros((len(allq), width), dtype=np.int64 if self.key_type == "int64" else object)
-        if keys.dtype == object:
-            keys[:] = b""
-        scores = np.full((len(allq), width), -np.inf, dtype=np.float32)
-        if width and len(allq) and self._answers and len(self.local):
-            kk, ss = self.local.top_k(allq, width, exclude)
-            keys[:, :kk.shape[1]], scores[:, :ss.shape[1]] = kk, ss
-        bounds = np.concatenate(([0], np.cumsum(nq)))
-        parts = [np.concatenate((pack_keys(keys[bounds[s]:bounds[s + 1]].reshape(-1)),
-                                 scores[bounds[s]:bounds[s + 1]].reshape(-1).view(np.uint8)))
-                 for s in range(self.world_size)]
-        items, nbytes, _ = self.comm.begin("top_k", 0, [len(p) for p in parts])
+        # every rank's queries and exclusions, to every shard
+        blob = np.concatenate((np.array([len(q), len(ex)], np.int64).view(np.uint8),
+                               q.reshape(-1).view(np.uint8), pack_keys(ex)))
+        blobs, _, _ = self.comm.allgather("top_k", blob)
+        key_dtype = np.int64 if self.key_type == "int64" else object
+        parts, widths = [], []
+        for b in blobs:  # this shard's candidates for each rank's queries
+            nq, nex = (int(x) for x in b[:16].view(np.int64))
+            qs = split_rows(b[16:16 + 4 * self.dim * nq], np.dtype(np.float32), (self.dim,))
+            exs = unpack_keys(b[16 + 4 * self.dim * nq:], nex, self.key_type)[0]
+            if nq and self._answers and len(self.local):
+                res = self.local.top_k(qs, int(k), exs if nex else None)
+                kk, ss = res
+                vv = np.asarray(getattr(res, "valid", np.ones(kk.shape, bool)))
+            else:
+                kk = np.zeros((nq, 0), key_dtype)
+                ss, vv = np.zeros((nq, 0), np.float32), np.zeros((nq, 0), bool)
+            widths.append(kk.shape[1])
+            parts.append((pack_keys(kk.reshape(-1)), np.ascontiguousarray(ss),
+                          np.ascontiguousarray(vv)))
+        cols, nbytes, _ = self.comm.begin("top_k", widths,
+                                          [sum(a.nbytes for a in p) for p in parts])
         got = self.comm.exchange(parts, nbytes, "top_k")
         mine = len(q)
-        ck, cs = [], []
+        ck, cs, cv = [], [], []
         for s in range(self.world_size):
-            kk, used = unpack_keys(got[s], mine * width, self.key_type)
-            ck.append(kk.reshape(mine, width))
-            cs.append(got[s][used:].view(np.float32).reshape(mine, width))
-        ck, cs = np.concatenate(ck, axis=1), np.concatenate(cs, axis=1)
+            cells = mine * int(cols[s])
+            kk, used = unpack_keys(got[s], cells, self.key_type)
+            ck.append(kk.reshape(mine, -1))
+            cs.append(got[s][used:used + 4 * cells].view(np.float32).reshape(mine, -1))
+            cv.append(got[s][used + 4 * cells:].view(bool).reshape(mine, -1))
+        ck, cs, cv = (np.concatenate(ck, axis=1), np.concatenate(cs, axis=1),
+                      np.concatenate(cv, axis=1))
+        width = min(int(k), ck.shape[1])
+        # As one store orders them: real items first, score descending (NaN after every
+        # number), ties by key ascending.
         if ck.dtype == object:
-            order = np.argsort(-cs, axis=1, kind="stable")
-        else:  # score descending, ties by key ascending (as the single store)
-            order = np.lexsort((ck, -cs), axis=1)
+            order = np.lexsort((-cs, ~cv), axis=1)
+        else:
+            order = np.lexsort((ck, -cs, ~cv), axis=1)
         order = order[:, :width]
-        return (np.take_along_axis(ck, order, axis=1),
-                np.take_along_axis(cs, order, axis=1))
+        return TopKResult(np.take_along_axis(ck, order, axis=1),
+                          np.take_along_axis(cs, order, axis=1),
+                          np.take_along_axis(cv, order, axis=1))
 
     # -- sample ------------------------------------------------------------------------------
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,

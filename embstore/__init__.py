@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from . import errors, init, optim
+from ._pickling import writable_unpickling
 from .api import open
 from .backends.base import Backend
 from .layout import Layout
@@ -24,6 +25,7 @@ __all__ = [
     "Layout",
     "register_backend",
     "known_schemes",
+    "writable_unpickling",
     "errors",
     "init",
     "optim",

@@ -288,7 +288,7 @@ class _StoreModule(nn.Module):
 
     # -- checkpoints: the rows travel in the state_dict (see _checkpoint.py) -------------------
     def get_extra_state(self) -> dict[str, Any]:
-        """The store's rows, optimizer slots, counts and step (``state_dict()['..._extra_state']``)."""
+        """The store's rows, optimizer slots, counts and step (the ``_extra_state`` entry)."""
         return store_state(self.store)
 
     def set_extra_state(self, state: Any) -> None:

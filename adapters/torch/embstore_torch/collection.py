@@ -113,6 +113,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if missing or extra:
             raise InvalidInputError(f"input features {keys} do not match the collection's "
                                     f"{list(self.features)} (missing {missing}, unknown {extra})")
+        bad = [f for f in self.features if weights is not None and self.pooling[f] != "sum"]
+        if bad:  # checked before any table is read: bad input writes nothing
+            raise InvalidInputError(f"weighted features need sum pooling: {bad}")
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         where = {k: i for i, k in enumerate(keys)}  # feature -> its block of bags
         pooled: dict[str, torch.Tensor] = {}
@@ -138,9 +141,6 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if weights is not None:
             w = torch.as_tensor(weights, dtype=torch.float32).reshape(-1).cpu()
             psw = torch.cat([w[a:b] for a, b in spans])
-            bad = [f for f in feats if self.pooling[f] != "sum"]
-            if bad:
-                raise InvalidInputError(f"weighted features need sum pooling: {bad}")
         batch, offs, _, psw = table._drop_padding(batch, offs, 0, psw)
         if len(batch.uniq):
             rows = table.rows(batch)

@@ -98,6 +98,69 @@ def test_compiled_training_step_matches_eager_exactly(bag):
         assert torch.equal(p, q)
 
 
+def test_embedding_compiles_into_one_graph_with_the_store_as_a_custom_op():
+    # fullgraph=True: no graph break at all (the store call is the embstore::lookup op and its
+    # backward embstore::update); with a padding key, and the same result as eager
+    runs = []
+    for compiled in (False, True):
+        store = embstore.open("memory://", dim=DIM, optimizer="adagrad")
+        model = _Model(store)
+        model.emb.padding_key = 0
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        runs.append((_train(model, 3, forward=fn), _snapshot(store), store.step))
+        assert not store.contains([0])[0]
+        model.eval()
+        with torch.no_grad():  # eval + no_grad compiled: reads, writes nothing
+            n = len(store)
+            fn(torch.tensor([[1000, 1001, 2]]))
+            assert len(store) == n and store.step == 3
+    (la, (ka, ra), sa), (lb, (kb, rb), sb) = runs
+    assert la == lb and sa == sb
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(ra["vector"], rb["vector"])
+    np.testing.assert_array_equal(ra["count"], rb["count"])
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_bags_compile_into_one_graph_and_match_eager(mode):
+    runs = []
+    for compiled in (False, True):
+        store = embstore.open("memory://", dim=DIM, optimizer="adagrad")
+        bag = DynamicEmbeddingBag(store, mode)
+        torch.manual_seed(0)
+        head = nn.Linear(DIM, 1)
+        weights = torch.ones(7, requires_grad=True)
+
+        def step(ids, offsets, bag=bag, head=head, weights=weights):
+            psw = weights * 0.5 if mode == "sum" else None
+            return head(bag(ids, offsets, per_sample_weights=psw)).pow(2).sum()
+
+        fn = torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step
+        rng = np.random.default_rng(1)
+        losses = []
+        for _ in range(3):
+            ids = torch.from_numpy(rng.integers(0, 9, 7))
+            loss = fn(ids, torch.tensor([0, 2, 2, 5]))  # an empty bag too
+            loss.backward()
+            losses.append(loss.item())
+        runs.append((losses, store.lookup(np.arange(9), insert=False), weights.grad))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    if mode == "sum":  # the weights' gradient: a dot product per id, summed in another order
+        torch.testing.assert_close(runs[0][2], runs[1][2], rtol=1e-6, atol=1e-9)
+
+
+def test_string_keys_under_compile_run_as_a_graph_break():
+    store = embstore.open("memory://", dim=DIM, key_type="bytes", optimizer="sgd")
+    emb = DynamicEmbedding(store)
+    head = nn.Linear(DIM, 1)
+    fn = torch.compile(lambda words: head(emb(words)).sum(), backend="aot_eager")
+    before = store.lookup(["a", "b"]).copy()
+    fn([["a", "b"]]).backward()
+    assert store.step == 1
+    assert not np.array_equal(store.lookup(["a", "b"]), before)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
 def test_jit_trace_refuses_with_what_to_use_instead():
     emb = DynamicEmbedding(embstore.open("memory://", dim=DIM))

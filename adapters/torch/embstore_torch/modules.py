@@ -24,6 +24,7 @@ from torch import nn
 from embstore._keys import normalize_keys
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
 
+from . import _compiled
 from ._checkpoint import restore_store, store_state
 from ._keys import KeyBatch, _int_batch, factorize, prepare, prepare_bags
 
@@ -222,6 +223,14 @@ class _StoreModule(nn.Module):
         self._counts = _supports_counts(store)
         # Moves with module.to(device): outputs are placed where the rest of the model lives.
         self.register_buffer("_anchor", torch.empty(0), persistent=False)
+        # Under torch.compile the store call is a custom op (see _compiled.py): the handle names
+        # this module in it, the trigger is the grad-requiring graph input its backward uses.
+        self.register_buffer("_trigger", torch.zeros(0, requires_grad=True), persistent=False)
+        self._handle = _compiled.register(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._handle = _compiled.register(self)  # copies (pickle, deepcopy) are other modules
 
     def _pad_row(self, uniq: Any) -> int | None:
         """Row of the padding key among a batch's distinct keys, or None."""
@@ -244,23 +253,31 @@ class _StoreModule(nn.Module):
         """
         if torch.jit.is_tracing():
             raise TracingUnsupportedError(_TRACE_MESSAGE)
+        vectors, keys, pad = self._vectors(batch, self.training)
+        if not (self.trainable and torch.is_grad_enabled()):
+            return vectors, None
+        return vectors, self._sink(batch, keys, pad)
+
+    def _vectors(self, batch: KeyBatch, insert: bool) -> tuple[np.ndarray, Any, int | None]:
+        """``(vectors of batch.uniq, the keys looked up, padding row or None)``."""
         pad = self._pad_row(batch.uniq)
         keys = batch.uniq
         if pad is not None:
             keys = (np.delete(keys, pad) if isinstance(keys, np.ndarray)
                     else keys[:pad] + keys[pad + 1:])
-        vectors = self.store.lookup(keys, insert=self.training)
+        vectors = self.store.lookup(keys, insert=insert)
         if pad is not None:
             vectors = np.insert(vectors, pad, 0.0, axis=0)
-        if not (self.trainable and torch.is_grad_enabled()):
-            return vectors, None
+        return vectors, keys, pad
+
+    def _sink(self, batch: KeyBatch, keys: Any, pad: int | None) -> _Sink:
         counts = None
         if self._counts:
             counts = (batch.group()[2] if self.count
                       else np.zeros(len(batch.uniq), dtype=np.int64))
             if pad is not None:
                 counts = np.delete(counts, pad)
-        return vectors, _Sink(self.store, keys, counts, pad)
+        return _Sink(self.store, keys, counts, pad)
 
     def _drop_padding(self, batch: KeyBatch, offs: torch.Tensor, size: int,
                       psw: torch.Tensor | None) -> tuple:
@@ -338,16 +355,23 @@ class DynamicEmbedding(_StoreModule):
     - Pickling (DataLoader workers, ``torch.save(model)``) carries the store's URL, not its
       rows; the copy reopens the store read-only unless unpickled inside
       ``embstore.writable_unpickling()``. A ``memory://`` store refuses to pickle.
-    - ``torch.compile``: ``forward`` is a graph break (``torch.compiler.disable``); the layers
-      around it compile. ``torch.jit.trace`` raises :class:`TracingUnsupportedError`.
+    - ``torch.compile``: with an integer tensor input the store call is a custom op
+      (``embstore::lookup``, backward ``embstore::update``), so the model compiles into one
+      graph (``fullgraph=True`` works); string inputs run as a graph break.
+      ``torch.jit.trace`` raises :class:`TracingUnsupportedError`.
     """
 
     def __init__(self, store: Any, *, trainable: bool | None = None, count: bool = True,
                  padding_key: Any = None, padding_idx: Any = None) -> None:
         super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx))
 
-    @torch.compiler.disable  # the store call: a graph break, the model around it compiles
     def forward(self, input: Any) -> torch.Tensor:
+        if torch.compiler.is_compiling() and _compiled.traceable(self, input):
+            return _compiled.lookup(self, input).to(self._anchor.device)
+        return self._forward(input)
+
+    @torch.compiler.disable  # inputs the custom op cannot take (strings): a graph break
+    def _forward(self, input: Any) -> torch.Tensor:
         batch = prepare(input)
         if len(batch.uniq) == 0:
             return torch.zeros(*batch.shape, self.embedding_dim, device=self._anchor.device,
@@ -388,9 +412,19 @@ class DynamicEmbeddingBag(_StoreModule):
         super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx))
         self.mode = mode
 
-    @torch.compiler.disable  # the store call: a graph break, the model around it compiles
     def forward(self, input: Any, offsets: Any = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if (torch.compiler.is_compiling() and self.padding_key is None
+                and _compiled.traceable(self, input)
+                and (input.dim(), offsets is None) in ((2, True), (1, False))
+                and (per_sample_weights is None or self.mode == "sum")):
+            out = _compiled.bag(self, input, offsets, per_sample_weights)
+            return out.to(self._anchor.device)
+        return self._forward(input, offsets, per_sample_weights)
+
+    @torch.compiler.disable  # inputs the custom op path does not take: a graph break
+    def _forward(self, input: Any, offsets: Any = None,
+                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         batch, offs, size = prepare_bags(input, offsets)
         if per_sample_weights is not None and self.mode != "sum":
             raise InvalidInputError("per_sample_weights only work with mode='sum'")

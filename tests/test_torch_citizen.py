@@ -214,6 +214,18 @@ def test_state_dict_works_with_torch_distributed_checkpoint(tmp_path):
     assert other.step == store.step == 3
 
 
+def test_checkpoint_rows_off_keeps_a_reference_only():
+    store = embstore.open("memory://", dim=DIM)
+    emb = DynamicEmbedding(store)
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.checkpoint_rows = False
+    state = emb.state_dict()["_extra_state"]
+    assert state["rows"] is None and state["step"] == 1 and state["url"] == store.url
+    emb(torch.tensor([3])).sum().backward()
+    emb.load_state_dict({"_extra_state": state})  # nothing to restore: the store is as it is
+    assert len(store) == 3 and store.step == 2
+
+
 def test_bad_checkpoint_leaves_the_store_untouched():
     store = embstore.open("memory://", dim=DIM)
     emb = DynamicEmbedding(store)

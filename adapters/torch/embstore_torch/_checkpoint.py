@@ -21,12 +21,16 @@ from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError, Sch
 FORMAT = "embstore.rows/1"
 
 
-def store_state(store: Any) -> dict[str, Any]:
-    """A snapshot of every record of ``store`` and its step, as plain Python values."""
-    buf = io.BytesIO()
-    store.export(buf)
+def store_state(store: Any, rows: bool = True) -> dict[str, Any]:
+    """A snapshot of every record of ``store`` and its step, as plain Python values (with
+    ``rows=False`` a reference only: ``"rows"`` is None)."""
+    blob = None
+    if rows:
+        buf = io.BytesIO()
+        store.export(buf)
+        blob = buf.getvalue()
     return {"format": FORMAT, "url": store.url, "dim": int(store.dim),
-            "key_type": store.key_type, "step": int(store.step), "rows": buf.getvalue()}
+            "key_type": store.key_type, "step": int(store.step), "rows": blob}
 
 
 def restore_store(store: Any, state: Any, where: str = "") -> None:
@@ -40,6 +44,8 @@ def restore_store(store: Any, state: Any, where: str = "") -> None:
         raise SchemaMismatchError(
             f"{what}: the snapshot has dim={state['dim']}, key_type={state['key_type']!r}; "
             f"the store has dim={store.dim}, key_type={store.key_type!r}")
+    if state["rows"] is None:  # a reference-only entry (checkpoint_rows=False): nothing to load
+        return
     if store.read_only:
         raise ReadOnlyError(f"{what}: the store is open read-only; load_state_dict writes it")
     rows = state["rows"]

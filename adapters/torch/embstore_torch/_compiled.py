@@ -1,7 +1,8 @@
 """The store call as ``torch.library`` custom ops, so ``torch.compile`` keeps one whole graph.
 
 Eagerly the modules use their ``torch.autograd.Function`` bridges (no dispatcher overhead).
-While Dynamo traces, ``DynamicEmbedding`` over an int64 store calls :func:`lookup` instead:
+While Dynamo traces, ``DynamicEmbedding`` and ``DynamicEmbeddingBag`` over an int64 store with
+an integer tensor input call :func:`lookup` / :func:`bag` instead:
 
 - ``embstore::lookup(ids, trigger, handle, dim, insert)`` returns the ``(*ids.shape, dim)``
   vectors; its fake kernel gives the shape without touching the store.

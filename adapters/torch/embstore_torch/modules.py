@@ -207,6 +207,10 @@ def _padding_key(store: Any, padding_key: Any, padding_idx: Any) -> Any:
 
 
 class _StoreModule(nn.Module):
+    #: Whether ``state_dict()`` carries the store's rows (True) or only a reference to the
+    #: store (url, dim, key type, step) for tables too large to snapshot per checkpoint.
+    checkpoint_rows: bool = True
+
     def __init__(self, store: Any, trainable: bool | None, count: bool = True,
                  padding_key: Any = None) -> None:
         super().__init__()
@@ -306,7 +310,7 @@ class _StoreModule(nn.Module):
     # -- checkpoints: the rows travel in the state_dict (see _checkpoint.py) -------------------
     def get_extra_state(self) -> dict[str, Any]:
         """The store's rows, optimizer slots, counts and step (the ``_extra_state`` entry)."""
-        return store_state(self.store)
+        return store_state(self.store, rows=self.checkpoint_rows)
 
     def set_extra_state(self, state: Any) -> None:
         """Restore the snapshot of :meth:`get_extra_state` into this module's store, exactly."""

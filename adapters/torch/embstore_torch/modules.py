@@ -38,8 +38,8 @@ class TracingUnsupportedError(EmbstoreError, RuntimeError):
 _TRACE_MESSAGE = (
     "torch.jit.trace cannot record a store lookup: the keys and rows would be baked into the "
     "trace as constants and no update would ever reach the store. Use torch.compile(model) "
-    "(the store call runs as a graph break, the rest is compiled), or trace/export only the "
-    "dense part and feed it the embedding output."
+    "(the store call is a custom op there), or trace/export only the dense part and feed it "
+    "the embedding output."
 )
 
 
@@ -59,10 +59,11 @@ class _Sink:
             g = np.delete(g, self.skip, axis=0)
         if self.store.read_only:  # a module unpickled over its writer's store (see __reduce__)
             raise ReadOnlyError(
-                f"{self.store.url} was reopened read-only when this module was unpickled "
-                "(torch.load, a DataLoader worker), so the copy cannot write the store behind "
-                "its writer's back. Unpickle inside `with embstore.writable_unpickling():` to "
-                "keep training that store, or load_state_dict into a module over a writable one."
+                f"{self.store.url} is open read-only, so this backward cannot update it. A "
+                "module unpickled from a writable one (torch.load, a DataLoader worker) reopens "
+                "its store read-only on purpose, so a copy never writes behind the writer's "
+                "back: unpickle inside `with embstore.writable_unpickling():` to keep training "
+                "that store, or load_state_dict into a module over a writable one."
             )
         if self.counts is not None:
             self.store.update(self.keys, g, counts=self.counts)
@@ -235,6 +236,11 @@ class _StoreModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._handle = _compiled.register(self)  # copies (pickle, deepcopy) are other modules
+        # modules pickled before padding keys and compiled ops existed
+        self.__dict__.setdefault("padding_key", None)
+        if "_trigger" not in self._buffers:
+            self.register_buffer("_trigger", torch.zeros(0, requires_grad=True),
+                                 persistent=False)
 
     def _pad_row(self, uniq: Any) -> int | None:
         """Row of the padding key among a batch's distinct keys, or None."""

@@ -52,6 +52,9 @@ def _lookup_op(ids: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,
                insert: bool) -> torch.Tensor:
     module = _module(handle)
     batch = prepare(ids)
+    # The backward gets the same ids again: keep their grouping (a sort) for it, checked by
+    # equality there, so a call between forward and backward only costs a regrouping.
+    module._compiled_batch = (ids.detach().reshape(-1).clone(), batch)
     if len(batch.uniq) == 0:
         return torch.zeros(*ids.shape, dim, device=ids.device)
     vectors, _, _ = module._vectors(batch, insert)
@@ -68,7 +71,7 @@ def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tens
     from .modules import _per_key_sum
 
     module = _module(handle)
-    batch = prepare(ids)
+    batch = _grouped(module, ids)
     if len(batch.uniq):
         pad = module._pad_row(batch.uniq)  # int64 keys only on this path
         keys = batch.uniq if pad is None else np.delete(batch.uniq, pad)
@@ -76,6 +79,15 @@ def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tens
         order, starts, _ = batch.group()
         module._sink(batch, keys, pad).apply(_per_key_sum(g, order, starts))
     return grad.new_zeros(0)
+
+
+def _grouped(module: Any, ids: torch.Tensor) -> Any:
+    cached = module.__dict__.pop("_compiled_batch", None)
+    flat = ids.detach().reshape(-1)
+    if (cached is not None and cached[0].dtype == flat.dtype and cached[0].shape == flat.shape
+            and torch.equal(cached[0], flat.to(cached[0].device))):
+        return cached[1]
+    return prepare(ids)
 
 
 @_update_op.register_fake
@@ -116,6 +128,9 @@ def bag(module: Any, input: torch.Tensor, offsets: Any,
     vectors of every element, pooled by position with the same ``embedding_bag`` kernel as the
     eager bridge (its backward hands the op per-element rows, summed per key as eagerly)."""
     rows = lookup(module, input.reshape(-1))
+    if input.dim() == 2 and module.mode in ("sum", "mean") and per_sample_weights is None:
+        pooled = rows.reshape(*input.shape, -1)
+        return pooled.sum(1) if module.mode == "sum" else pooled.mean(1)
     positions = torch.arange(rows.shape[0]).reshape(input.shape)
     psw = (None if per_sample_weights is None
            else per_sample_weights.reshape(-1).to("cpu", torch.float32))

@@ -233,6 +233,11 @@ class _StoreModule(nn.Module):
         self.register_buffer("_trigger", torch.zeros(0, requires_grad=True), persistent=False)
         self._handle = _compiled.register(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_compiled_batch", None)  # a forward's grouping kept for its backward
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._handle = _compiled.register(self)  # copies (pickle, deepcopy) are other modules

@@ -367,7 +367,13 @@ def test_import_without_torch_names_the_extra():
         except ImportError as e:
             print("ERR", e)
     """)
+    import embstore_torch
+
+    # wherever the packages come from here (an install or PYTHONPATH), the child finds them too
+    roots = [os.path.dirname(os.path.dirname(m.__file__)) for m in (embstore, embstore_torch)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [*roots, *filter(None, [os.environ.get("PYTHONPATH")])])}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=os.environ.copy())
+                         timeout=120, env=env)
     assert "ERR" in res.stdout, res.stderr
     assert "pip install 'embstore[torch]'" in res.stdout

@@ -19,11 +19,13 @@ from typing import Any
 
 __all__ = ["writable_unpickling", "reopen_pickled"]
 
-_state = threading.local()
+# Process-wide, not per thread: multiprocessing.Pool pickles its tasks in a handler thread.
+_lock = threading.Lock()
+_depth = 0
 
 
 def _requested() -> bool:
-    return bool(getattr(_state, "depth", 0))
+    return _depth > 0
 
 
 @contextlib.contextmanager
@@ -32,17 +34,22 @@ def writable_unpickling() -> Iterator[None]:
 
     Without it a store pickled from a writable handle reopens read-only, so a copy (a
     ``torch.load``-ed model, a worker) never writes the store behind the original writer's back.
+    The request holds for the whole process while the block runs (``multiprocessing.Pool``
+    pickles tasks in a thread of its own).
 
     Examples
     --------
     >>> with embstore.writable_unpickling():          # doctest: +SKIP
     ...     model = torch.load("model.pt", weights_only=False)   # keeps training the store
     """
-    _state.depth = getattr(_state, "depth", 0) + 1
+    global _depth
+    with _lock:
+        _depth += 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        with _lock:
+            _depth -= 1
 
 
 def pickle_args(url: str, options: dict[str, Any], read_only: bool) -> tuple:

@@ -11,8 +11,8 @@ import math
 import os
 import pickle
 import time
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from .engine.seams import StoreSeams
 from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
+
+if TYPE_CHECKING:
+    from ._unpickle import UnopenedStore
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
@@ -490,7 +493,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if not self._backend.persistent:
             raise pickle.PicklingError(
                 f"a {self.url} store lives in this process's memory and is not pickled: a copy "
@@ -506,7 +509,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 pickle_args(self._backend.url, dict(self._reopen_options), self.read_only))
 
 
-def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
+def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore:
     from ._unpickle import UnopenedStore
     from .engine.opening import open_backend, split_options
 
@@ -516,4 +519,4 @@ def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
         return EmbeddingStore(backend, read_only=read_only,
                               reopen_options=dict(backend.reopen_options()), **engine)
     except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
-        return UnopenedStore(url, e)  # type: ignore[return-value]
+        return UnopenedStore(url, e)

@@ -106,7 +106,7 @@ def _cas_rows(b: Any, requests: list[tuple[int, bytes, bool]]) -> np.ndarray:
     return np.array([r for part in results for r in part], dtype=np.intp)
 
 
-def _requests(b: Any, rows: np.ndarray, rk: list[bytes], old: list[bytes], new: list[bytes],
+def _requests(b: Any, rows: np.ndarray, rk: list[bytes], old: list[bytes], new: dict[int, bytes],
               write: np.ndarray, drop: np.ndarray, ts: int) -> list[tuple[int, bytes, bool]]:
     fam, fam_b, head = b.column_family, b._family_b, b._cam_head
     out = []

@@ -289,9 +289,6 @@ class RocksDBBackend(FetchedRecords, Backend):
             raise BackendError(f"{self.path}: RocksDB is not open for writing")
         return self._shared
 
-    def _writer(self) -> rd.Rdict:
-        return self._writable().db
-
     def _commit(self, wb: rd.WriteBatch) -> None:
         try:
             shared = self._writable()
@@ -336,13 +333,16 @@ class RocksDBBackend(FetchedRecords, Backend):
         RocksDB refuses a second writing process, so the lock serializes every writer."""
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        db = self._writer()
+        shared = self._writable()
+        db = shared.db
         enc = self._encode(keys)
-        with self._shared.lock:
+        with shared.lock:
             try:
-                vals = db.get(enc, b"")
+                # rocksdict's stub takes a List[Union[str, int, ...]] (invariant), not list[bytes]
+                vals = db.get(enc, b"")  # type: ignore[arg-type]
             except Exception as e:
                 raise BackendError(f"{self.path}: RocksDB read failed: {e}") from e
+            assert vals is not None  # a list of keys gets a list (b"" for missing ones)
             recs, found = records_from_values(vals, self.layout.dtype, self._itemsize,
                                               self.url)
             write, drop = write_plan(fn(recs, found.copy()), found)
@@ -366,8 +366,8 @@ class RocksDBBackend(FetchedRecords, Backend):
         written."""
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        self._writer()
-        with self._shared.lock:
+        shared = self._writable()
+        with shared.lock:
             new = ~self._fetch(keys)[1]
             if new.any():
                 records = np.repeat(template[:1], int(new.sum()))
@@ -390,8 +390,8 @@ class RocksDBBackend(FetchedRecords, Backend):
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        self._writer()
-        with self._shared.lock:  # not between another thread's read and write of a row
+        shared = self._writable()
+        with shared.lock:  # not between another thread's read and write of a row
             present = self._fetch(keys)[1]
             if present.any():
                 wb = rd.WriteBatch(raw_mode=True)

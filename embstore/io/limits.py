@@ -233,10 +233,10 @@ def output_mode(path: str) -> str:
     mode = st.st_mode
     if stat.S_ISLNK(mode):
         try:
-            mode = os.stat(path).st_mode
+            target: int | None = os.stat(path).st_mode
         except OSError:
-            mode = None
-        if mode is None or not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+            target = None
+        if target is None or not (stat.S_ISFIFO(target) or stat.S_ISCHR(target)):
             raise InvalidInputError(
                 f"{path}: is a symbolic link; export does not replace or write through links "
                 "to files (export to the file it points at instead)")

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, Literal, overload
 
 import numpy as np
 
@@ -114,6 +114,7 @@ class NativeWriter:
     def _write_chunk(self, keys: np.ndarray, records: np.ndarray) -> None:
         n = len(keys)
         recs = np.ascontiguousarray(records, dtype=self.layout.dtype).view(np.uint8)
+        parts: list[np.ndarray | bytes]
         if self.key_type == "int64":
             parts = [np.ascontiguousarray(keys, dtype="<i8").view(np.uint8), recs]
         else:
@@ -122,6 +123,7 @@ class NativeWriter:
         if self._pool is None:
             self._emit(n, parts)
         else:
+            assert self._crc_pool is not None  # invariant: made with _pool
             crc = self._crc_pool.submit(_crc_of, parts)  # overlaps the previous chunk's write
             self._wait()
             self._pending = self._pool.submit(self._emit, n, parts, crc)
@@ -156,6 +158,7 @@ class NativeWriter:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
+            assert self._final is not None  # invariant: a path destination has both
             deliver(self._tmp, self._final)
 
     def abort(self) -> None:
@@ -174,6 +177,7 @@ class NativeWriter:
 
     def _shutdown(self) -> None:
         if self._pool is not None:
+            assert self._crc_pool is not None  # invariant: made with _pool
             self._pool.shutdown(wait=True)
             self._crc_pool.shutdown(wait=True)
             self._pool = self._crc_pool = None
@@ -226,7 +230,7 @@ class NativeReader:
         if self.layout.dim > MAX_DIM or self.layout.itemsize > 16 * 4 * MAX_DIM:
             raise CorruptFileError(f"{self.name}: header declares an absurd record layout "
                                    f"(dim {self.layout.dim}, {self.layout.itemsize} bytes)")
-        self.key_type = self.header.get("key_type")
+        self.key_type: str = self.header.get("key_type", "")  # checked just below
         if self.key_type not in ("int64", "bytes"):
             raise CorruptFileError(f"{self.name}: header has an unknown key_type")
         self._body = self._f.tell()
@@ -272,6 +276,11 @@ class NativeReader:
             raise CorruptFileError(f"{self.name}: header lacks a layout")
         return header
 
+    @overload
+    def _chunks(self, decode: Literal[True], reuse: bool = False
+                ) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    @overload
+    def _chunks(self, decode: Literal[False], reuse: bool = False) -> Iterator[int]: ...
     def _chunks(self, decode: bool, reuse: bool = False
                 ) -> Iterator[tuple[np.ndarray, np.ndarray] | int]:
         self._stop_read_ahead()  # of an earlier iteration left suspended: it shares the file
@@ -377,7 +386,7 @@ class NativeReader:
         state["total"] = total + n
         return payload, n, pcrc, total
 
-    def _decode(self, payload: bytes | bytearray | memoryview, n: int
+    def _decode(self, payload: bytes | bytearray | memoryview | np.ndarray, n: int
                 ) -> tuple[np.ndarray, np.ndarray]:
         itemsize = self.layout.itemsize
         if self.key_type == "int64":
@@ -398,16 +407,16 @@ class NativeReader:
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys, records)`` chunks; raises ``CorruptFileError`` where damage starts."""
-        return self._chunks(decode=True)  # type: ignore[return-value]
+        return self._chunks(decode=True)
 
     def verify(self) -> int:
         """Check every checksum and the trailer; return the row count."""
-        return sum(self._chunks(decode=False, reuse=True))  # type: ignore[arg-type]
+        return sum(self._chunks(decode=False, reuse=True))
 
     def iter_transient(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Like iteration, but each chunk's arrays are only valid until the next one is read
         (one buffer is reused): for checking passes that keep nothing."""
-        return self._chunks(decode=True, reuse=True)  # type: ignore[return-value]
+        return self._chunks(decode=True, reuse=True)
 
     def close(self) -> None:
         self._stop_read_ahead()

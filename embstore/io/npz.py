@@ -103,6 +103,7 @@ class _RowStream:
         with _member_errors(m.name):
             self.f = m._opener()
             np.lib.format.read_magic(self.f)
+            assert m.offset is not None  # members open seekable (a file, a zip member of one)
             self.f.seek(m.offset)
 
     def read(self, n: int) -> np.ndarray:
@@ -128,6 +129,8 @@ class _RowStream:
 class NpzReader(FormatReader):
     """Read keys and vectors from an ``.npz`` archive or an ``.npy`` directory."""
 
+    declared_rows: int  # always known: the vectors' shape says it
+
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
         self._zip: zipfile.ZipFile | None = None
@@ -136,13 +139,13 @@ class NpzReader(FormatReader):
             names = {n: os.path.join(self.path, n) for n in os.listdir(self.path)
                      if n.endswith(".npy")}
 
-            def member(p: str) -> _NpyMember:
-                check_input_path(p)  # a FIFO member would block the reader forever
-                return _NpyMember(lambda: open(p, "rb"), os.path.getsize(p), p)
+            def member(n: str) -> _NpyMember:
+                check_input_path(n)  # a FIFO member would block the reader forever
+                return _NpyMember(lambda: open(n, "rb"), os.path.getsize(n), n)
         else:
             self.format = "npz"
             try:
-                self._zip = zipfile.ZipFile(self.path)
+                self._zip = archive = zipfile.ZipFile(self.path)
             except (zipfile.BadZipFile, OSError) as e:
                 raise CorruptFileError(f"{self.name}: not an .npz archive: {e}") from e
             infos = {i.filename: i for i in self._zip.infolist()}
@@ -157,7 +160,7 @@ class NpzReader(FormatReader):
                     raise CorruptFileError(
                         f"{where}: unsupported compression method {info.compress_type}")
                 check_inflation(where, "the member", info.compress_size, info.file_size)
-                return _NpyMember(lambda: self._zip.open(info), info.file_size, where)
+                return _NpyMember(lambda: archive.open(info), info.file_size, where)
         try:
             self._setup(names, lambda n: member(names[n]))
         except BaseException:
@@ -206,6 +209,7 @@ class NpzReader(FormatReader):
             if self._keys is not None:
                 streams.append(self._keys.reader())
             else:
+                assert self._offsets is not None and self._blob is not None  # the other layout
                 streams += [self._offsets.reader(), self._blob.reader()]
             yield from self._chunks(streams, batch_size)
         finally:
@@ -214,6 +218,7 @@ class NpzReader(FormatReader):
 
     def _chunks(self, streams: list[_RowStream], batch_size: int) -> Iterator[Chunk]:
         n = self.declared_rows
+        blob_bytes = self._blob.shape[0] if self._blob is not None else 0
         vec_s = streams[0]
         prev_end = 0
         if self._offsets is not None:
@@ -238,7 +243,7 @@ class NpzReader(FormatReader):
                 ends = streams[1].read(m).astype(np.int64)
                 bounds = np.concatenate(([prev_end], ends))
                 if m and (np.diff(bounds) < 0).any() or (
-                        m and ends[-1] > self._blob.shape[0]):
+                        m and ends[-1] > blob_bytes):
                     raise CorruptFileError(f"{self.name}: key_offsets are not increasing "
                                            "within the blob")
                 blob = streams[2].read_bytes(int(bounds[-1] - bounds[0]))
@@ -252,7 +257,7 @@ class NpzReader(FormatReader):
                 bad = [(int(r), "a value is beyond the float32 range") for r in rows[lost]]
                 keys, vectors, rows = keys[~lost], vectors[~lost], rows[~lost]
             yield Chunk(keys, np.ascontiguousarray(vectors), rows, None, bad)
-        if self._offsets is not None and prev_end != self._blob.shape[0]:
+        if self._offsets is not None and prev_end != blob_bytes:
             raise CorruptFileError(f"{self.name}: key_blob has bytes no key refers to")
 
     def close(self) -> None:

@@ -176,7 +176,8 @@ class ParquetReader(FormatReader):
         if not self._records:
             self.layout = None
         self._cols = [self._kcol] + (record_cols if self._records else [self._vcol])
-        widths = self.dim + (sum(w for _, w in self.layout.slots) if self._records else 0)
+        layout = self.layout if self._records else None  # (not None when _records)
+        widths = self.dim + (sum(w for _, w in layout.slots) if layout is not None else 0)
         self._row_bytes = 8 + 4 * widths + (8 * len(META_FIELDS) if self._records else 0)
 
     def _decoded_group_bytes(self) -> list[int]:
@@ -235,7 +236,8 @@ class ParquetReader(FormatReader):
     def _chunks(self, batch_size: int, validate: bool) -> Iterator[Chunk]:
         start = 0
         # records also in a checking pass: their stamps are range-checked before any write
-        with_records = self._records
+        layout = self.layout if self._records else None  # (not None when _records)
+        with_records = layout is not None
         for batch in self._iter(batch_size, self._cols if with_records else self._cols[:2]):
             n = batch.num_rows
             rows = np.arange(start, start + n, dtype=np.int64)
@@ -263,13 +265,13 @@ class ParquetReader(FormatReader):
             vectors = _floats(vcol, m, self.dim)
             keys = _keys(kcol, self.key_kind)
             records = None
-            if with_records:
-                records = self.layout.empty(m)
+            if layout is not None:
+                records = layout.empty(m)
                 records["vector"] = vectors
-                for j, (name, w) in enumerate(self.layout.slots):
+                for j, (name, w) in enumerate(layout.slots):
                     records[name] = _floats(batch.column(2 + j), m, w)
                 for j, (name, _) in enumerate(META_FIELDS):
-                    col = batch.column(2 + len(self.layout.slots) + j)
+                    col = batch.column(2 + len(layout.slots) + j)
                     records[name] = col.to_numpy(zero_copy_only=False)
             yield Chunk(keys, vectors, rows, records, bad)
 

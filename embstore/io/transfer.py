@@ -56,7 +56,8 @@ def _projection(kind: str, src_dim: int, dst_dim: int, seed: int) -> np.ndarray 
     return (rng.standard_normal((src_dim, dst_dim)) / np.sqrt(dst_dim)).astype(np.float32)
 
 
-def _project(vectors: np.ndarray, kind: str, dst_dim: int, mat: np.ndarray | None) -> np.ndarray:
+def _project(vectors: np.ndarray, kind: str | None, dst_dim: int,
+             mat: np.ndarray | None) -> np.ndarray:
     if mat is not None:
         return np.ascontiguousarray(vectors @ mat, dtype=np.float32)
     out = np.zeros((len(vectors), dst_dim), dtype=np.float32)
@@ -214,7 +215,7 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
                         and reader.key_kind == store.key_type and reader.dim == store.dim)
         report.mode = "records" if records_mode else "vectors"
         mat = (_projection(project, reader.dim, store.dim, seed)
-               if reader.dim != store.dim else None)
+               if reader.dim != store.dim and project is not None else None)
         # header, deletions and policy state now; stamps and key lengths per chunk in pass 1
         checks = ImportChecks(reader.name, reader.header, store, records=records_mode,
                               apply_deletes=apply_deletes, row_word=reader.row_word,

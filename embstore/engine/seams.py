@@ -28,13 +28,13 @@ class StoreSeams:
     read_only: bool
     _closed: bool
     _backend: Backend
+    _observers: list[StoreObserver]
+    _stats: dict[str, int]
 
     @property
     def url(self) -> str:
         """The store's URL, password redacted (defined by the store)."""
         raise NotImplementedError
-    _observers: list[StoreObserver]
-    _stats: dict[str, int]
 
     def check_open(self) -> None:
         """Raise :class:`~embstore.errors.StoreClosedError` when the store is closed."""

@@ -127,7 +127,10 @@ class DistributedStore(CollectiveOps):
                 )
             self._open_engine(backend, engine, dim)
         else:
-            # One shared store: rank 0 creates it (metadata) before the others open it.
+            # One shared store: rank 0 creates it (metadata) before the others open it. A
+            # per-rank cache writes only the keys its rank owns, and its writer lease says so.
+            if options.get("cache") and options.get("writer_keys") is None:
+                options = {**options, "writer_keys": (self.rank, self.world_size)}
             for turn in (self.rank == 0, self.rank != 0):
                 err = None
                 if turn:

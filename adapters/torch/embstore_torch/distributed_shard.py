@@ -14,6 +14,7 @@ forwarded explicitly); only the metadata is translated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from embstore.backends.base import Backend
@@ -41,8 +42,21 @@ class ShardView(WrapperBackend):
 
     def read_meta(self) -> dict | None:
         meta = self.inner.read_meta()
-        if meta is None:
-            return None
+        return None if meta is None else self._plain(meta)
+
+    def write_meta(self, meta: dict) -> None:
+        self.inner.write_meta(self._as_shard(meta))
+
+    def modify_meta(self, fn: Callable[[dict | None], dict]) -> dict:
+        # the merge of several writers' metadata sees and returns plain store metadata too
+        return self._plain(self.inner.modify_meta(
+            lambda stored: self._as_shard(fn(None if stored is None else self._plain(stored)))))
+
+    def _as_shard(self, meta: dict) -> dict:
+        return {**meta, "format": SHARD_FORMAT, "sharding": dict(self.sharding)}
+
+    def _plain(self, meta: dict) -> dict:
+        """Stored shard metadata, checked to be this shard's, as the engine's metadata."""
         if meta.get("format") != SHARD_FORMAT:
             raise SchemaMismatchError(
                 f"{self.url} holds a plain store, not a shard of a distributed/sharded store; "
@@ -57,9 +71,6 @@ class ShardView(WrapperBackend):
         out = {k: v for k, v in meta.items() if k != "sharding"}
         out["format"] = "embstore"
         return out
-
-    def write_meta(self, meta: dict) -> None:
-        self.inner.write_meta({**meta, "format": SHARD_FORMAT, "sharding": dict(self.sharding)})
 
 
 def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None):

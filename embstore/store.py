@@ -397,7 +397,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         yield from self._backend.scan(batch_size)
 
 
-    def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
+    def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False) -> int:
         """Write every record (or those changed after ``since``) to a native file.
 
@@ -409,7 +409,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._check_open()
         return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
 
-    def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
+    def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False) -> int:
         """Load records from a native file; return the number of rows imported.
 

@@ -1,10 +1,10 @@
 """``memory://`` — records in process memory, indexed by a compiled cuckoo hash table.
 
-int64 keys go through :class:`embstore._cython.cuckoo.CuckooTable` (key -> arena slot).
-bytes keys are kept collisionless by a Python ``dict`` mapping each distinct key (compared
-byte for byte) to its arena slot: hashing variable-length bytes into the int64 cuckoo table
-would need a fingerprint plus a full-key check anyway, and the dict already is exactly that.
-Records of both key types live in one chunked arena (:class:`RecordArena`).
+int64 keys go through :class:`embstore._cython.cuckoo.CuckooTable` (key -> arena slot), bytes
+keys through :class:`embstore._cython.bytestable.BytesTable` (hash fingerprint plus full-key
+compare: collisionless). Both offer the same find / find_or_insert / erase / items calls, so
+the code below treats them alike. Records of both key types live in one chunked arena
+(:class:`RecordArena`).
 
 The data lives and dies with the process: a ``memory://`` store refuses to pickle. Calls are
 serialized by a lock, so threads may share one store.
@@ -23,8 +23,10 @@ from ..layout import Layout
 from .base import Backend, RowUpdate, serialized
 
 try:
+    from .._cython import bytestable, cuckoo
     from .._cython.arena import RecordArena
-    from .._cython.cuckoo import CuckooTable, find_or_insert
+    from .._cython.bytestable import BytesTable
+    from .._cython.cuckoo import CuckooTable
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "
@@ -79,9 +81,9 @@ class MemoryBackend(Backend):
         self._lock = threading.RLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
-        self._table: CuckooTable | None = None
+        self._table: CuckooTable | BytesTable | None = None
         self._arena: RecordArena | None = None
-        self._bytes_slots: dict[bytes, int] = {}
+        self._find_or_insert = cuckoo.find_or_insert
         # The engine's update is get(keys) -> optimizer -> put(same keys array): remembering the
         # slots of the last get saves put a second probe per key. Valid only while no key was
         # inserted or removed in between (tracked by _epoch) and for the very same array object.
@@ -93,11 +95,14 @@ class MemoryBackend(Backend):
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
-        self.supports_lookup_insert = key_type == "int64"
+        self.supports_lookup_insert = True
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
-            self._table = (CuckooTable(self._capacity, self._prefault)
-                           if key_type == "int64" else None)
+            if key_type == "int64":
+                self._table = CuckooTable(self._capacity, self._prefault)
+            else:
+                self._table = BytesTable(self._capacity)
+                self._find_or_insert = bytestable.find_or_insert
 
     def read_meta(self) -> dict | None:
         return None if self._meta is None else dict(self._meta)
@@ -110,16 +115,11 @@ class MemoryBackend(Backend):
         # Dropping the references frees the C memory now, not at interpreter exit.
         self._table = None
         self._arena = None
-        self._bytes_slots = {}
 
     # -- slot resolution ------------------------------------------------------------------------
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)
-        if self.key_type == "int64":
-            self._table.find(keys, out)
-        else:
-            get = self._bytes_slots.get
-            out[:] = [get(k, 0xFFFFFFFF) for k in keys]
+        self._table.find(keys, out)
         return out
 
     @serialized
@@ -133,8 +133,7 @@ class MemoryBackend(Backend):
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
-        if self.key_type == "int64":
-            self._last_find = (keys.copy(), slots, self._epoch)
+        self._last_find = (keys.copy(), slots, self._epoch)
         dt = self.layout.dtype
         fdt, offset = dt.fields[field][:2]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
@@ -152,19 +151,10 @@ class MemoryBackend(Backend):
         if last is not None and last[0] is keys and last[2] == self._epoch and \
                 bool((last[1] != _EMPTY).all()):
             slots = last[1]
-        elif self.key_type == "int64":
-            slots = np.empty(len(keys), dtype=np.uint32)
-            if find_or_insert(self._table, self._arena, keys, slots):
-                self._epoch += 1
         else:
-            slots = self._slots(keys)
-            new = slots == _EMPTY
-            if new.any():
+            slots = np.empty(len(keys), dtype=np.uint32)
+            if self._find_or_insert(self._table, self._arena, keys, slots):
                 self._epoch += 1
-                new_slots = np.empty(int(new.sum()), dtype=np.uint32)
-                self._arena.alloc(new_slots)
-                self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
-                slots[new] = new_slots
         src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
         self._arena.scatter(slots, src)
 
@@ -175,7 +165,7 @@ class MemoryBackend(Backend):
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         new = np.empty(n, dtype=np.uint8)
-        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        n_new = int(self._find_or_insert(self._table, self._arena, keys, slots, new))
         fields = self.layout.dtype.fields
         offset = fields["vector"][1]
         if n_new:
@@ -197,11 +187,9 @@ class MemoryBackend(Backend):
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
-        if self.key_type != "int64":
-            return super().insert_rows(keys, vectors, template)
         self._last_get = None
         slots = np.empty(len(keys), dtype=np.uint32)
-        if find_or_insert(self._table, self._arena, keys, slots):
+        if self._find_or_insert(self._table, self._arena, keys, slots):
             self._epoch += 1
         fields = self.layout.dtype.fields
         self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
@@ -210,8 +198,6 @@ class MemoryBackend(Backend):
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
-        if self.key_type != "int64":
-            return super().update_rows(keys, update)
         last = self._last_find
         if last is not None and last[2] == self._epoch and np.array_equal(last[0], keys):
             slots = last[1]
@@ -242,12 +228,8 @@ class MemoryBackend(Backend):
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._epoch += 1
         self._last_get = None
-        if self.key_type == "int64":
-            removed = np.empty(len(keys), dtype=np.uint32)
-            self._table.erase(keys, removed)
-        else:
-            pop = self._bytes_slots.pop
-            removed = np.array([pop(k, 0xFFFFFFFF) for k in keys], dtype=np.uint32)
+        removed = np.empty(len(keys), dtype=np.uint32)
+        self._table.erase(keys, removed)
         self._arena.release(removed)
         return removed != _EMPTY
 
@@ -255,7 +237,7 @@ class MemoryBackend(Backend):
     def __len__(self) -> int:
         if self._arena is None:
             return 0
-        return len(self._table) if self.key_type == "int64" else len(self._bytes_slots)
+        return len(self._table)
 
     def _all_slots(self) -> tuple[np.ndarray, np.ndarray]:
         n = len(self)
@@ -264,9 +246,7 @@ class MemoryBackend(Backend):
             slots = np.empty(n, dtype=np.uint32)
             self._table.items(keys, slots)
         else:
-            keys = np.empty(n, dtype=object)
-            keys[:] = list(self._bytes_slots.keys())
-            slots = np.fromiter(self._bytes_slots.values(), dtype=np.uint32, count=n)
+            keys, slots = self._table.items()
         return keys, slots
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -293,7 +273,6 @@ class MemoryBackend(Backend):
         self._arena.clear()
         if self._table is not None:
             self._table.clear()
-        self._bytes_slots.clear()
 
     @serialized
     def size_bytes(self) -> int:

@@ -122,6 +122,20 @@ def _normalize_bytes_keys(keys: Any) -> np.ndarray:
         raise _bad_key_error(keys, e) from None
 
 
+def factorize_keys(keys: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Dedupe a batch of string keys in compiled code: ``(first, inverse)`` (int64 arrays).
+
+    ``keys`` is a list, tuple or 1-D object array of ``bytes``/``str`` (a str and its UTF-8
+    bytes are one key). ``first`` holds the position of each distinct key's first occurrence,
+    in first-seen order, and ``inverse`` the distinct-key number of every element, so
+    ``keys[first]`` are the distinct keys and ``keys[first][inverse]`` equals ``keys``.
+    """
+    try:
+        return strkeys.factorize(keys)
+    except TypeError as e:
+        raise _bad_key_error(keys, e) from None
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finalizer over a uint64 array (wrapping arithmetic)."""
     z = x.astype(np.uint64, copy=True)

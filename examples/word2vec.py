@@ -144,7 +144,9 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
     bar = (tqdm(total=total, unit="w", unit_scale=True, desc="embstore skip-gram",
                 dynamic_ncols=True, disable=args.no_progress) if tqdm else None)
     t0 = time.perf_counter()
+    epoch_wps = []
     for epoch in range(args.epochs):
+        t_epoch = time.perf_counter()
         for group in chunks(docs, args.chunk_words):
             alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
             flat = [w.encode() for d in group for w in d]
@@ -181,13 +183,14 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
                                 words_s=f"{done / el:,.0f}", lr=f"{alpha:.4f}")
                 bar.update(len(tokens))
                 loss_sum, loss_n = 0.0, 0
+        epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
     if bar is not None:
         bar.close()
     inp.flush()
     out.flush()
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "words": total, "pairs": pairs_done,
-            "words_per_s": total / seconds}
+            "words_per_s": total / seconds, "epoch_words_per_s": epoch_wps}
 
 
 def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.ndarray,
@@ -322,6 +325,7 @@ def main(argv=None) -> dict:
     print(f"embstore: {len(inp):,} words learned, {len(out):,} counted (no vocabulary given), "
           f"{ours['pairs']:,} pairs in {ours['seconds']:.1f}s, "
           f"{ours['words_per_s']:,.0f} words/s")
+    print("  words/s per epoch: " + ", ".join(f"{w:,.0f}" for w in ours["epoch_words_per_s"]))
 
     # Evaluate on the WordSim-353 pairs whose words occur >= 5 times (gensim's default
     # min_count), the same pairs for both models.

@@ -276,6 +276,21 @@ cdef class BytesTable:
         free(v)
         return hits
 
+    def insert_new(self, object keys, const uint32_t[::1] vals):
+        """Insert keys the caller knows are absent and unique, with their slots."""
+        cdef Py_ssize_t n, j
+        cdef KeyView* v = key_views(keys, &n)
+        cdef uint64_t* hs = NULL
+        try:
+            if vals.shape[0] < n:
+                raise ValueError("insert_new: fewer values than keys")
+            hs = self._hashes(v, n)
+            for j in range(n):
+                self._insert(v[j].p, v[j].n, hs[j], vals[j])
+        finally:
+            free(hs)
+            free(v)
+
     def erase(self, object keys, uint32_t[::1] out):
         """Remove keys; ``out`` receives each removed key's slot or 0xFFFFFFFF."""
         cdef Py_ssize_t n, j

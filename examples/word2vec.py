@@ -215,6 +215,71 @@ def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.n
     return float(loss.detach())
 
 
+# -- the baseline: what a user would write instead, with a vocabulary built first ------------
+def train_baseline(args: argparse.Namespace, docs: list[list[str]]) -> tuple[dict, dict]:
+    """The same skip-gram model in plain PyTorch: a counting pass builds the vocabulary
+    (``min_count``), the corpus is encoded to ids once, and two ``nn.Embedding(sparse=True)``
+    tables train with ``torch.optim.SGD`` under the same learning-rate schedule, subsampling,
+    windows, negatives and loss. Returns the timings and ``{word: input vector}``."""
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    freq = Counter(w for d in docs for w in d)
+    vocab = [w for w, c in freq.items() if c >= args.min_count]
+    index = {w: i for i, w in enumerate(vocab)}
+    counts = np.array([freq[w] for w in vocab], dtype=np.float64)
+    thr = args.sample * counts.sum()
+    keep_p = np.minimum((np.sqrt(counts / thr) + 1) * thr / counts, 1.0)
+    cdf = np.cumsum(counts ** 0.75)
+    cdf /= cdf[-1]
+    encoded = [np.array([index.get(w, -1) for w in d], dtype=np.int64) for d in docs]
+    in_emb = torch.nn.Embedding(len(vocab), args.dim, sparse=True)
+    out_emb = torch.nn.Embedding(len(vocab), args.dim, sparse=True)
+    with torch.no_grad():
+        in_emb.weight.uniform_(-0.5 / args.dim, 0.5 / args.dim)
+        out_emb.weight.zero_()
+    opt = torch.optim.SGD([in_emb.weight, out_emb.weight], lr=args.alpha)
+    corpus_words = sum(len(d) for d in docs)
+    total = corpus_words * args.epochs
+    done, k = 0, args.negatives
+    epoch_wps = []
+    sign = torch.ones(k + 1)
+    sign[1:] = -1.0
+    for _ in range(args.epochs):
+        t_epoch = time.perf_counter()
+        for group in chunks(encoded, args.chunk_words):
+            alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
+            ids = np.concatenate(group)
+            doc = np.repeat(np.arange(len(group)), [len(d) for d in group])
+            known = ids >= 0
+            keep = known & (rng.random(len(ids)) < keep_p[np.where(known, ids, 0)])
+            centers, contexts = skipgram_pairs(ids[keep], doc[keep], args.window, rng)
+            perm = rng.permutation(len(centers))
+            centers, contexts = centers[perm], contexts[perm]
+            for group_ in opt.param_groups:
+                group_["lr"] = alpha
+            for s in range(0, len(centers), args.batch):
+                c, x = centers[s:s + args.batch], contexts[s:s + args.batch]
+                b = len(c)
+                negs = np.searchsorted(cdf, rng.random(b * k)).reshape(b, k)
+                targets = np.concatenate((x[:, None], negs), axis=1)
+                v = in_emb(torch.from_numpy(c))
+                u = out_emb(torch.from_numpy(targets))
+                scores = (u * v.unsqueeze(1)).sum(2)
+                weight = np.ones((b, k + 1), dtype=np.float32)
+                weight[:, 1:] = negs != x[:, None]
+                loss = -(F.logsigmoid(scores * sign) * torch.from_numpy(weight)).sum()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            done += len(ids)
+        epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
+    seconds = time.perf_counter() - t0
+    vectors = dict(zip(vocab, in_emb.weight.detach().numpy()))
+    return ({"seconds": seconds, "words_per_s": total / seconds,
+             "epoch_words_per_s": epoch_wps}, vectors)
+
+
 # -- evaluation ------------------------------------------------------------------------------
 def wordsim_pairs(path: Path) -> list[tuple[str, str, float]]:
     """WordSim-353, with words Porter-stemmed as the corpus is."""
@@ -299,6 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="60 articles, 1 epoch: a smoke run")
     p.add_argument("--no-gensim", action="store_true", help="skip the gensim comparison")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the plain-PyTorch (prebuilt vocabulary) comparison")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -306,6 +373,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         args.max_docs = None
     return args
+
+
+def print_table(result: dict) -> None:
+    """Quality and speed side by side, with embstore's ratios to the other two."""
+    ours = result["embstore"]
+    rows = [("embstore", "no vocabulary: raw words are store keys", ours)]
+    if "baseline" in result:
+        rows.append(("pytorch", "nn.Embedding(sparse) + SGD, vocabulary built", result["baseline"]))
+    if "gensim" in result:
+        rows.append(("gensim", "Word2Vec, C inner loop", result["gensim"]))
+    print(f"\nWordSim-353 Spearman on {result['pairs']} pairs (both words seen >= 5 times):")
+    print(f"  {'':9s} {'spearman':>8s} {'words/s':>9s} {'seconds':>8s} {'last/first epoch':>16s}")
+    for name, what, r in rows:
+        ep = r.get("epoch_words_per_s")
+        flat = f"{ep[-1] / ep[0]:.2f}x" if ep else ""
+        print(f"  {name:9s} {r['spearman']:8.3f} {r['words_per_s']:9,.0f} {r['seconds']:8.1f} "
+              f"{flat:>16s}   {what}")
+    for name, _, r in rows[1:]:
+        print(f"  embstore vs {name}: speed {ours['words_per_s'] / r['words_per_s']:.2f}x, "
+              f"Spearman {ours['spearman'] - r['spearman']:+.3f}")
 
 
 def main(argv=None) -> dict:
@@ -342,20 +429,15 @@ def main(argv=None) -> dict:
     for w, ns in neighbours(unit, shown):
         print(f"  {w:>8s}: {', '.join(ns)}")
     result = {"embstore": ours, "pairs": len(pairs)}
+    if not args.no_baseline:
+        base, base_vec = train_baseline(args, docs)
+        base["spearman"] = spearman(base_vec, pairs) if len(pairs) > 2 else float("nan")
+        result["baseline"] = base
     if not args.no_gensim:
         model, gs = run_gensim(args, docs)
         gs["spearman"] = spearman({w: model.wv[w] for w in eval_words}, pairs)
         result["gensim"] = gs
-    print(f"\nWordSim-353 Spearman on {len(pairs)} pairs (both words seen >= 5 times):")
-    print(f"  {'':10s} {'spearman':>9s} {'words/s':>10s} {'seconds':>8s}")
-    print(f"  {'embstore':10s} {ours['spearman']:9.3f} {ours['words_per_s']:10,.0f} "
-          f"{ours['seconds']:8.1f}")
-    if "gensim" in result:
-        gs = result["gensim"]
-        print(f"  {'gensim':10s} {gs['spearman']:9.3f} {gs['words_per_s']:10,.0f} "
-              f"{gs['seconds']:8.1f}")
-        print(f"  difference (embstore - gensim): {ours['spearman'] - gs['spearman']:+.3f}; "
-              f"speed ratio {ours['words_per_s'] / gs['words_per_s']:.2f}x")
+    print_table(result)
     inp.close()
     out.close()
     return result

@@ -31,6 +31,9 @@ import numpy as np
 cdef extern from "es_xxh.h":
     uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
 
+cdef extern from "es_prefetch.h":
+    void ES_PREFETCH(const void* p) nogil
+
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
     object PyUnicode_AsUTF8String(object s)
@@ -70,6 +73,9 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
         raise MemoryError("cannot allocate key views")
     try:
         for i in range(n):
+            # The key objects lie scattered over the heap: fetch ahead, or each costs a miss.
+            if i + 8 < n:
+                ES_PREFETCH(items[i + 8])
             o = <object> items[i]
             if PyBytes_Check(o):
                 v[i].p = PyBytes_AS_STRING(o)
@@ -136,6 +142,32 @@ def hash64(object keys, uint64_t seed=0):
 ctypedef struct _Slot:
     uint64_t h
     int64_t id      # distinct key number, -1 when free
+
+
+def same_keys(object a, object b):
+    """True when the two key sequences hold equal keys in the same order (byte compare; the
+    usual case, the very same objects, costs no compare)."""
+    cdef Py_ssize_t na, nb, i
+    cdef KeyView* va = key_views(a, &na)
+    cdef KeyView* vb
+    cdef bint same = True
+    try:
+        vb = key_views(b, &nb)
+    except BaseException:
+        free(va)
+        raise
+    if na != nb:
+        same = False
+    else:
+        with nogil:
+            for i in range(na):
+                if va[i].p != vb[i].p and (va[i].n != vb[i].n or
+                                           memcmp(va[i].p, vb[i].p, <size_t> va[i].n) != 0):
+                    same = False
+                    break
+    free(va)
+    free(vb)
+    return same
 
 
 def factorize(object keys):

@@ -27,6 +27,7 @@ try:
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
+    from .._cython.strkeys import same_keys
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "
@@ -122,6 +123,12 @@ class MemoryBackend(Backend):
         self._table.find(keys, out)
         return out
 
+    @staticmethod
+    def _same_keys(a: np.ndarray, b: np.ndarray) -> bool:
+        if a.dtype == object:
+            return b.dtype == object and same_keys(a, b)  # numpy would compare in Python
+        return np.array_equal(a, b)
+
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
@@ -199,7 +206,7 @@ class MemoryBackend(Backend):
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         last = self._last_find
-        if last is not None and last[2] == self._epoch and np.array_equal(last[0], keys):
+        if last is not None and last[2] == self._epoch and self._same_keys(last[0], keys):
             slots = last[1]
         else:
             slots = self._slots(keys)

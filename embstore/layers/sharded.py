@@ -4,8 +4,8 @@ The hash is embstore's fixed 64-bit key hash (:func:`embstore._keys.key_hash64`:
 int64 keys, XXH3-64 for bytes), never Python's per-process salted ``hash()``, so every process
 routes a key to the same shard. Shard metadata records the bytes-key hash; a bytes-key set
 written by an embstore that placed keys by blake2b-8 (no ``hash`` recorded) is refused rather
-than read with keys looked for on the wrong shards. A batch is partitioned with one stable argsort, each shard gets
-one call, and results are stitched back in request order.
+than read with keys looked for on the wrong shards. A batch is partitioned with one stable
+argsort, each shard gets one call, and results are stitched back in request order.
 
 The shard list is part of the data: every shard's metadata carries ``{"count": n, "index": i}``
 and reopening with another number or order of shards raises ``SchemaMismatchError`` (rows would

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import embstore
 from embstore.init import Uniform
+from embstore.keys import factorize
 from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
@@ -149,12 +150,12 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
         t_epoch = time.perf_counter()
         for group in chunks(docs, args.chunk_words):
             alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
-            flat = [w.encode() for d in group for w in d]
-            tokens = np.empty(len(flat), dtype=object)
-            tokens[:] = flat
             doc = np.repeat(np.arange(len(group)), [len(d) for d in group])
             # 1. Record the sightings: the only "vocabulary" is the store's per-key count.
-            words, inverse = np.unique(tokens, return_inverse=True)
+            # factorize: the chunk's distinct words (UTF-8 bytes) and each token's index among
+            # them, hashed and compared in compiled code.
+            words, inverse = factorize([w for d in group for w in d])
+            tokens = words[inverse]
             occ = np.bincount(inverse, minlength=len(words))
             out.update(words, np.zeros((len(words), args.dim), np.float32), counts=occ)
             # 2. Frequency subsampling, then (center, context) pairs over what is kept.

@@ -73,15 +73,21 @@ cdef class BytesTable:
     cdef uint64_t data_cap
     cdef uint64_t data_dead
     cdef readonly uint64_t seed
+    cdef uint64_t fp_mask
     cdef public uint64_t size
     cdef public uint64_t rehashes
 
-    def __cinit__(self, uint64_t capacity=1024, seed=None):
+    def __cinit__(self, uint64_t capacity=1024, seed=None, int fingerprint_bits=64):
+        """``fingerprint_bits`` < 64 keeps only that many hash bits: tests use it to force
+        fingerprint collisions, which the full-key compare must resolve."""
         cdef uint64_t ne = 16
         while ne * MAX_LOAD < capacity:
             ne *= 2
         self.seed = (int.from_bytes(os.urandom(8), "little") if seed is None
                      else int(seed) & 0xFFFFFFFFFFFFFFFF)
+        if not 1 <= fingerprint_bits <= 64:
+            raise ValueError("fingerprint_bits must be in 1..64")
+        self.fp_mask = 0xFFFFFFFFFFFFFFFF >> (64 - fingerprint_bits)
         self.entries = self._new_entries(ne)
         if self.entries == NULL:
             raise _capacity_error(f"bytes table: cannot allocate {ne} entries")
@@ -259,7 +265,7 @@ cdef class BytesTable:
             raise MemoryError("bytes table: cannot allocate hashes")
         with nogil:
             for j in range(n):
-                hs[j] = hash_view(v[j], self.seed)
+                hs[j] = hash_view(v[j], self.seed) & self.fp_mask
         return hs
 
     def find(self, object keys, uint32_t[::1] out):

@@ -224,6 +224,10 @@ def train_baseline(args: argparse.Namespace, docs: list[list[str]]) -> tuple[dic
     windows, negatives and loss. Returns the timings and ``{word: input vector}``."""
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
+    # torch.optim imports its compiler helpers on a first step (seconds): not part of the run.
+    warm = torch.nn.Parameter(torch.zeros(1))
+    warm.grad = torch.zeros(1)
+    torch.optim.SGD([warm], lr=0.1).step()
     t0 = time.perf_counter()
     freq = Counter(w for d in docs for w in d)
     vocab = [w for w, c in freq.items() if c >= args.min_count]

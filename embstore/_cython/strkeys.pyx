@@ -22,7 +22,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_Check
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 
 import os
 
@@ -142,6 +142,43 @@ def hash64(object keys, uint64_t seed=0):
 ctypedef struct _Slot:
     uint64_t h
     int64_t id      # distinct key number, -1 when free
+
+
+def prefixed(object keys, bytes prefix):
+    """A list of ``prefix + key`` for every key (bytes or str), built in C: the form key-value
+    drivers such as LMDB take (they need a list of bytes objects anyway)."""
+    cdef Py_ssize_t n, i, m = len(prefix)
+    cdef KeyView* v = key_views(keys, &n)
+    cdef list out = [None] * n
+    cdef object b
+    cdef char* dst
+    try:
+        for i in range(n):
+            b = PyBytes_FromStringAndSize(NULL, m + v[i].n)
+            dst = PyBytes_AS_STRING(b)
+            memcpy(dst, <const char*> prefix, <size_t> m)
+            memcpy(dst + m, v[i].p, <size_t> v[i].n)
+            out[i] = b
+    finally:
+        free(v)
+    return out
+
+
+def strip_prefix(object raw, Py_ssize_t m):
+    """An object array of the ``bytes`` of every item (bytes-like: bytes, memoryview...)
+    without its first ``m`` bytes: the inverse of :func:`prefixed`."""
+    cdef Py_ssize_t n = len(raw), i
+    out = np.empty(n, dtype=object)
+    cdef object k
+    cdef const unsigned char[::1] mv
+    for i in range(n):
+        k = raw[i]
+        if PyBytes_Check(k):
+            out[i] = PyBytes_FromStringAndSize(PyBytes_AS_STRING(k) + m,
+                                               PyBytes_GET_SIZE(k) - m)
+        else:
+            out[i] = bytes(k[m:])
+    return out
 
 
 def same_keys(object a, object b):

@@ -2,10 +2,10 @@
 """Hash table for bytes keys (bytes key -> uint32 arena slot), the ``memory://`` index of
 bytes-key stores.
 
-Open addressing with linear probing over 24-byte entries: the key's 64-bit hash (XXH3-64
+Open addressing with linear probing over 32-byte entries (two per cache line): the key's 64-bit hash (XXH3-64
 seeded per table, so crafted keys cannot be aimed at one store's probe chains), the key's
-length and offset in the table's key buffer (keys of up to 8 bytes are kept in place of the
-offset, which saves short keys a second memory access), and the slot. A probe compares the stored hash
+length and offset in the table's key buffer (keys of up to 16 bytes -- words, most ids -- are
+kept in the entry itself, which saves them a second memory access), and the slot. A probe compares the stored hash
 first and the full key bytes (``memcmp``) only on a hash match: two keys are one key only
 when every byte agrees, so the table is collisionless, and it never drops a key -- it grows
 instead. Deletion shifts the following entries back (no tombstones), so probe chains stay as
@@ -35,22 +35,24 @@ cdef extern from "es_prefetch.h":
 
 cdef enum:
     PREFETCH_AHEAD = 16
-    INLINE = 8          # keys this short are kept in the entry itself, not the key buffer
+    INLINE = 16         # keys this short are kept in the entry itself, not the key buffer
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 cdef double MAX_LOAD = 0.75
 # Compaction of the key buffer starts once erased bytes are over half of it and this large.
 cdef uint64_t COMPACT_MIN = 1 << 20
 
-cdef inline uint64_t _inline(const char* p, Py_ssize_t n) noexcept nogil:
-    """A key of at most INLINE bytes packed (zero-padded) into the entry's offset field."""
+cdef inline uint64_t _word(const char* p, Py_ssize_t n) noexcept nogil:
+    """Up to 8 bytes of a key as one zero-padded word (n <= 0: zero)."""
     cdef uint64_t x = 0
-    memcpy(&x, p, <size_t> n)
+    if n > 0:
+        memcpy(&x, p, <size_t> (n if n < 8 else 8))
     return x
 
 
 ctypedef struct Entry:
     uint64_t h
-    uint64_t off
+    uint64_t off        # offset in the key buffer; for an inline key, its bytes 0..7
+    uint64_t off2       # for an inline key, its bytes 8..15 (zero-padded)
     uint32_t len
     uint32_t val        # arena slot; EMPTY marks a free entry
 
@@ -129,7 +131,7 @@ cdef class BytesTable:
         if e.len != <uint32_t> n:
             return False
         if n <= INLINE:
-            return e.off == _inline(p, n)
+            return e.off == _word(p, n) and e.off2 == _word(p + 8, n - 8)
         return memcmp(self.data + e.off, p, <size_t> n) == 0
 
     cdef inline uint32_t _find(self, const char* p, Py_ssize_t n, uint64_t h) noexcept nogil:
@@ -191,7 +193,8 @@ cdef class BytesTable:
         self.entries[j].len = <uint32_t> n
         self.entries[j].val = val
         if n <= INLINE:
-            self.entries[j].off = _inline(p, n)
+            self.entries[j].off = _word(p, n)
+            self.entries[j].off2 = _word(p + 8, n - 8)
         else:
             memcpy(self.data + self.data_len, p, <size_t> n)
             self.entries[j].off = self.data_len

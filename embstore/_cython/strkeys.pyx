@@ -109,6 +109,8 @@ def encode_keys(object keys):
     cdef PyObject** dst = <PyObject**> <size_t> out.__array_interface__["data"][0]
     cdef object o, b
     for i in range(n):
+        if i + 8 < n:
+            ES_PREFETCH(items[i + 8])   # scattered objects: fetch ahead
         o = <object> items[i]
         if PyBytes_CheckExact(o):
             b = o

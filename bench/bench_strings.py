@@ -7,8 +7,8 @@
 For each store kind (``memory://``, ``lmdb://`` with ``durable=False``) one int64-key store and
 one bytes-key store get the same 1M rows; then lookup of existing keys and an SGD ``update`` of
 existing keys run over the same random batches, and the bytes-key rate is printed as a ratio of
-the int64-key rate (targets: >= 0.5x). Keys are 12-byte strings (``item-0000042``), longer than
-the 8 bytes the memory:// table keeps in place, so the key-buffer path is what is measured.
+the int64-key rate (targets: >= 0.5x). Keys are 12-byte strings (``item-0000042``), the size
+of typical ids and words (the memory:// table keeps keys of up to 16 bytes in its entries).
 
 Also key hashing (``key_hash64`` over an object array: XXH3-64 in a compiled loop) against the
 ``hashlib.blake2b`` per-key loop it replaced (target >= 20M keys/s), key normalization of the

@@ -19,6 +19,7 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
+from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .engine.batch import (
     check_counts,
@@ -30,19 +31,20 @@ from .engine.batch import (
     unique_first,
     unique_last,
 )
+from .engine.history import HistoryAPI
 from .engine.protocols import StoreObserver
 from .engine.records import RecordWrites
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
-from .errors import CapabilityError, InvalidInputError, StoreNotFoundError
+from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
 
-class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
+class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     """A dynamic embedding table: one float32 vector (plus optimizer state) per key.
 
     Use :func:`embstore.open` rather than constructing this directly.
@@ -105,9 +107,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
-                raise StoreNotFoundError(f"{self._backend.url}: no store here to open read-only")
+                raise StoreNotFoundError(f"{self.url}: no store here to open read-only")
             if dim is None:
-                raise InvalidInputError(f"{self._backend.url}: dim is required to create a store")
+                raise InvalidInputError(f"{self.url}: dim is required to create a store")
             self.key_type = check_key_type(key_type or "int64")
             self.optimizer = optimizer or _optim.SGD(lr=0.01)
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
@@ -125,7 +127,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
-        stored = check_stored_meta(self._backend.url, meta, dim=dim, key_type=key_type,
+        stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
                                    initializer=initializer, optimizer=optimizer, seed=seed)
         self.key_type = stored.key_type
         self.layout = stored.layout
@@ -164,8 +166,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
 
     @property
     def url(self) -> str:
-        """A URL that reopens the same data (``embstore.open(store.url)``)."""
-        return self._backend.url
+        """A URL that reopens the same data (``embstore.open(store.url)``), with any password
+        shown as ``***`` (pickling keeps the real one; give the password to a reopen through
+        the driver's own means, e.g. ``PGPASSWORD`` or ``~/.pgpass``)."""
+        return redact_url(self._backend.url)
 
     @property
     def backend(self) -> Backend:
@@ -208,7 +212,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         return len(self._backend)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._backend)} rows"
+        try:
+            state = "closed" if self._closed else f"{len(self._backend)} rows"
+        except BackendError:  # a repr must not fail while the remote is down
+            state = "unreachable"
         return (f"<EmbeddingStore {self.url!r} dim={self.layout.dim} key_type={self.key_type} "
                 f"optimizer={self.optimizer!r} {state}>")
 
@@ -381,52 +388,6 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         self._require_scan("iterating the records")
         yield from self._backend.scan(batch_size)
 
-    def _require_scan(self, what: str) -> None:
-        if not self._backend.supports_scan:
-            raise CapabilityError(f"{self.url}: {what} needs a backend that can scan its rows "
-                                  "(supports_scan)")
-
-    def expire(self, *, ttl_seconds: float | None = None, ttl_steps: int | None = None,
-               now: float | None = None, batch_size: int = 65536) -> int:
-        """Delete rows past their time to live; return how many (also ``stats()["expired"]``).
-
-        Without arguments the store's :class:`~embstore.policies.Expiry` applies. A row
-        expires when ``last_seen`` is older than ``ttl_seconds`` (wall time) or ``last_step``
-        is more than ``ttl_steps`` updates behind the store's step. ``now`` (default: the
-        current wall time) is the reference for ``ttl_seconds``. Scans the table.
-        """
-        from .policies.expiry import Expiry
-
-        self._check_writable()
-        if ttl_seconds is None and ttl_steps is None:
-            if self._policy.expiry is None:
-                raise InvalidInputError("no expiry configured: pass ttl_seconds or ttl_steps")
-            ttl = self._policy.expiry
-        else:
-            ttl = Expiry(ttl_seconds, ttl_steps)
-        return self._policy.expire(self, ttl.ttl_seconds, ttl.ttl_steps, batch_size, now)
-
-    def deletions_since(self, version: int) -> tuple[np.ndarray, bool]:
-        """Keys deleted after ``version`` by this store's writers, and whether that list is
-        complete (the tombstone log is bounded; see ``docs/training.md``)."""
-        self._check_open()
-        return self._policy.tombstones.since(int(version))
-
-    def changes_since(self, version: int,
-                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Iterate ``(keys, records)`` written after ``version`` (see :attr:`version`).
-
-        Uses the backend's change index where it has one (``supports_changes``), else
-        filters a scan of the whole table."""
-        self._check_open()
-        if self._backend.supports_changes:
-            yield from self._backend.changes_since(int(version), batch_size)
-            return
-        self._require_scan("changes_since without a change index")
-        for keys, recs in self._backend.scan(batch_size):
-            sel = recs["version"] > version
-            if sel.any():
-                yield keys[sel], recs[sel]
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False) -> int:
@@ -469,10 +430,15 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters since open: rows looked up, hits, misses, inserts, updates, ...; plus
-        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known."""
+        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known.
+        While a remote backend is unreachable ``rows`` is None and ``backend_error`` says why."""
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
-        out["rows"] = len(self._backend)
+        try:
+            out["rows"] = len(self._backend)
+        except BackendError as e:  # a remote that is down: report it, the counters still count
+            out["rows"] = None
+            out["backend_error"] = str(e)
         looked = out["lookups"]
         out["hit_rate"] = out["hits"] / looked if looked else math.nan
         out["step"] = self.step
@@ -481,7 +447,11 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         out.update(self._backend.stats())
         for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
             out.update(obs.stats())
-        size = self._backend.size_bytes()
+        try:
+            size = self._backend.size_bytes()
+        except BackendError as e:
+            size = None
+            out.setdefault("backend_error", str(e))
         if size is not None:
             out["size_bytes"] = int(size)
         return out
@@ -520,13 +490,17 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
             )
         opts = dict(self._reopen_options)
         opts["read_only"] = self.read_only
-        return (_reopen, (self.url, opts))
+        return (_reopen, (self._backend.url, opts))  # the real URL, password included
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
+    from ._unpickle import UnopenedStore
     from .engine.opening import open_backend, split_options
 
-    engine, read_only, layer, backend_options = split_options(options)
-    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
-    return EmbeddingStore(backend, read_only=read_only,
-                          reopen_options=dict(backend.reopen_options()), **engine)
+    try:
+        engine, read_only, layer, backend_options = split_options(options)
+        backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
+        return EmbeddingStore(backend, read_only=read_only,
+                              reopen_options=dict(backend.reopen_options()), **engine)
+    except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
+        return UnopenedStore(url, e)  # type: ignore[return-value]

@@ -364,13 +364,16 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
                    uint8_t[::1] inserted_out=None):
     """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
     table in the same pass. ``inserted_out`` (optional) gets 1 where the key was inserted.
-    Returns how many were. A repeated new key within ``keys`` is inserted once."""
-    cdef Py_ssize_t n, j
+    Returns how many were. A repeated new key within ``keys`` is inserted once. When the table
+    cannot grow (CapacityError) the keys this call inserted are removed again: the table is
+    as it was before the call."""
+    cdef Py_ssize_t n, j, i
     cdef KeyView* v = key_views(keys, &n)
     cdef uint64_t inserted = 0
     cdef uint64_t* hs = NULL
     cdef uint32_t r
     cdef bint mark = inserted_out is not None
+    new_at = []     # positions inserted by this call: undone if a later one fails
     try:
         if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
             raise ValueError("find_or_insert: output has too few rows")
@@ -383,8 +386,13 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
                 try:
                     table._insert(v[j].p, v[j].n, hs[j], r)
                 except BaseException:
-                    arena.release(np.array([r], dtype=np.uint32))
+                    # All or nothing: the keys this call inserted leave again with their slots.
+                    gone = [r]
+                    for i in new_at:
+                        gone.append(table._erase(v[i].p, v[i].n, hs[i]))
+                    arena.release(np.array(gone, dtype=np.uint32))
                     raise
+                new_at.append(j)
                 inserted += 1
                 if mark:
                     inserted_out[j] = 1

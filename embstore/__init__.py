@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from . import errors, init, optim
+from ._pickling import writable_unpickling
 from ._version import __version__
 from .api import open
 from .backends.base import Backend
@@ -23,6 +24,7 @@ __all__ = [
     "Layout",
     "register_backend",
     "known_schemes",
+    "writable_unpickling",
     "errors",
     "init",
     "optim",

@@ -19,6 +19,7 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
+from ._meta_merge import mark_meta_synced, sync_meta
 from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .engine.batch import (
@@ -121,10 +122,12 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._backend.bind(self.layout, self.key_type)
             self._policy.restore({}, self.key_type, 0, created=True)
             self._backend.write_meta(self._meta())
+            mark_meta_synced(self)
             return
         self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
+        mark_meta_synced(self)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
         stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
@@ -288,8 +291,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 ok = self._policy.admit_lookup(uniq, seen)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
-                self._insert(uniq, new_vecs)
-                self._stats["inserts"] += len(uniq)
+                self._stats["inserts"] += self._insert(uniq, new_vecs)
                 self._policy.maybe_evict(self)
         return vectors
 
@@ -402,17 +404,21 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
-                progress: bool = False) -> int:
+                progress: bool = False, apply_deletes: bool = False) -> int:
         """Load records from a native file; return the number of rows imported.
 
         The file's layout and key type must equal the store's. The whole file is verified
         (checksums, trailer) before the first row is written, so a corrupt or truncated file
-        imports nothing; with ``partial=True`` rows before the damage are kept.
+        imports nothing; with ``partial=True`` rows before the damage are kept. Stamps,
+        counts and keys are range-checked first (``docs/cli.md``, "Import limits"). A full
+        export listing deleted keys is refused unless ``apply_deletes=True``; a delta's
+        deletions always apply.
         """
         from .engine.transfer import import_native
 
         self._check_writable()
-        return import_native(self, src, partial=partial, progress=progress)
+        return import_native(self, src, partial=partial, progress=progress,
+                             apply_deletes=apply_deletes)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
@@ -460,7 +466,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Persist metadata (step, version) and make acknowledged writes durable."""
         self._check_open()
         if not self.read_only:
-            self._backend.write_meta(self._meta())
+            sync_meta(self)
             self._backend.flush()
 
     def close(self) -> None:
@@ -469,7 +475,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             return
         try:
             if not self.read_only:
-                self._backend.write_meta(self._meta())
+                sync_meta(self)
                 self._backend.flush()
         finally:
             self._closed = True
@@ -488,9 +494,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 "would silently diverge. Use a persistent backend (lmdb://, rocksdb://, sql, "
                 "bigtable://) to share a store with DataLoader workers, or export/import it."
             )
-        opts = dict(self._reopen_options)
-        opts["read_only"] = self.read_only
-        return (_reopen, (self._backend.url, opts))  # the real URL, password included
+        # Reopens read-only unless a writer is asked for (embstore.writable_unpickling): a
+        # silent second writer would overwrite the stored step/version from its stale copy.
+        from ._pickling import pickle_args, reopen_pickled
+
+        # the real URL, password included
+        return (reopen_pickled,
+                pickle_args(self._backend.url, dict(self._reopen_options), self.read_only))
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:

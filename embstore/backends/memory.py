@@ -306,9 +306,10 @@ class MemoryBackend(Backend):
         return out, n_new
 
     @serialized
-    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
         # Insert-if-absent: a key another thread created since the caller saw it missing
-        # keeps its record.
+        # keeps its record. Returns which keys were written.
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         new = np.empty(n, dtype=np.uint8)
@@ -322,6 +323,7 @@ class MemoryBackend(Backend):
         self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
                                fields["vector"][1],
                                np.ascontiguousarray(vectors, dtype=np.float32))
+        return new.view(bool)
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
@@ -11,6 +12,7 @@ from .arena import RecordArena
 
 _Keys = npt.NDArray[np.object_] | Sequence[bytes | str]
 
+@final  # a final cdef class: not subclassable at runtime
 class BytesTable:
     """bytes -> uint32 map (values are arena slots): fingerprint + full-key compare."""
 

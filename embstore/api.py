@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._options import ENGINE_OPTIONS, check_backend_options
 from .registry import backend_class
 from .store import EmbeddingStore
 
@@ -44,6 +45,9 @@ def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  #
     from .layers import LAYER_OPTIONS, build_backend
 
     layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
+    # a misspelt option must raise, never be dropped (see embstore/_options.py)
+    check_backend_options(url, options, layer.get("shards"),
+                          also_known=(*ENGINE_OPTIONS, *LAYER_OPTIONS))
     if layer:
         backend = build_backend(url, read_only=read_only, layer=layer, options=options)
     else:

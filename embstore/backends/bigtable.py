@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._options import accepted_options, unknown_option_error
 from ..errors import (
     BackendError,
     BackendUnavailableError,
@@ -104,7 +105,9 @@ class BigtableBackend(Backend):
                 raise InvalidInputError(f"{name} must be positive, got {val!r}")
         if float(retry_deadline) <= 0 or float(rpc_timeout) <= 0:
             raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
-        super().__init__(url, read_only=read_only, **options)
+        if options:
+            raise unknown_option_error("bigtable://", options, accepted_options(type(self)) or ())
+        super().__init__(url, read_only=read_only)
         self.emulator_host = emulator_host or os.environ.get("BIGTABLE_EMULATOR_HOST") or None
         self.create = (self.emulator_host is not None) if create is None else bool(create)
         self.column_family = str(column_family)

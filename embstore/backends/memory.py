@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._options import check_options
 from ..errors import InvalidInputError, InvalidURLError
 from ..layout import Layout
 from .base import Backend, RowUpdate, serialized
@@ -72,7 +73,8 @@ class MemoryBackend(Backend):
                  **options: Any) -> None:
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
-        super().__init__(url, read_only=read_only, **options)
+        check_options("memory://", options, ("initial_capacity", "prefault"))
+        super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.

@@ -445,28 +445,49 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         yield from self._backend.changes_since(int(version), batch_size)
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
-               batch_size: int = 65536, progress: bool = False) -> int:
-        """Write every record (or those changed after ``since``) to a native file.
+               batch_size: int = 65536, progress: bool = False,
+               format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+        """Write every record (or those changed after ``since``) to ``dest``.
 
-        A delta (``since=``) also carries the keys deleted after that version. Returns the
-        number of rows written. A path is written atomically.
+        The format comes from ``format`` or else from the file name, as in the CLI
+        (``.emb`` native, ``.parquet``, ``.npz``, ``.tsv``, ``.txt``/``.vec`` word2vec, a path
+        ending in ``/`` npy; no suffix or a file object: native); an unknown suffix is
+        refused. Only the native format keeps whole records and, for a delta (``since=``),
+        the keys deleted after that version. Returns the number of rows written; a path is
+        written atomically.
         """
         from ._transfer import export_native
+        from .io.api_format import file_format
 
         self._check_open()
+        name = file_format(dest, format, for_write=True)
+        if name != "native":
+            from .io.transfer import export_file
+
+            return export_file(self, dest, fmt=name, since=since, batch_size=batch_size,
+                               progress=progress)
         return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
-                progress: bool = False) -> int:
-        """Load records from a native file; return the number of rows imported.
+                progress: bool = False, format: str | None = None) -> int:  # noqa: A002
+        """Load records from ``src``; return the number of rows imported.
 
-        The file's layout and key type must equal the store's. The whole file is verified
-        (checksums, trailer) before the first row is written, so a corrupt or truncated file
-        imports nothing; with ``partial=True`` rows before the damage are kept.
+        The format comes from ``format`` or else, as in the CLI, from the file's content and
+        name (bytes and file objects: native). A native file's layout and key type must
+        equal the store's; the whole file is verified (checksums, trailer) before the first
+        row is written, so a corrupt or truncated file imports nothing; with
+        ``partial=True`` rows before the damage are kept. Other formats load vectors (whole
+        records from embstore's own Parquet) through ``embstore.io.transfer.import_file``.
         """
         from ._transfer import import_native
+        from .io.api_format import file_format
 
         self._check_writable()
+        name = file_format(src, format, for_write=False)
+        if name != "native":
+            from .io.transfer import import_file
+
+            return import_file(self, src, fmt=name, progress=progress).rows
         return import_native(self, src, partial=partial, progress=progress)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from . import errors, init, optim
+from ._log import set_metrics_hook
 from .api import open
 from .backends.base import Backend
 from .layout import Layout
@@ -23,6 +24,7 @@ __all__ = [
     "Backend",
     "Layout",
     "register_backend",
+    "set_metrics_hook",
     "known_schemes",
     "errors",
     "init",

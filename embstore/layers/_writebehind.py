@@ -9,10 +9,15 @@ them in the foreground (that is what ``flush()`` does).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 import numpy as np
+
+from .._log import event
+
+log = logging.getLogger(__name__)
 
 
 class WriteBehind:
@@ -118,11 +123,16 @@ class WriteBehind:
             try:
                 self._put(keys, recs)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised to the foreground
+                event(log, logging.WARNING, "write_behind.failed", "write-behind of %d evicted "
+                      "rows failed (%s); kept pending for the next flush()", len(keys), e,
+                      rows=len(keys))
                 with self._cond:
                     self._error = e
                     self._busy = False
                     self._cond.notify_all()
                 continue
+            event(log, logging.DEBUG, "write_behind.flushed",
+                  "write-behind wrote %d evicted rows", len(keys), rows=len(keys))
             with self._cond:
                 del self._pending[:n]
                 self._busy = False
@@ -143,6 +153,9 @@ class WriteBehind:
             self._put(keys, recs)                      # raises: the rest stay pending
             with self._cond:
                 self._pending.pop(0)
+        event(log, logging.INFO, "write_behind.recovered", "write-behind: %d pending rows "
+              "written in the foreground after a failure", sum(len(k) for k, _ in batches),
+              rows=sum(len(k) for k, _ in batches))
         with self._cond:
             self._error = None
             self._cond.notify_all()

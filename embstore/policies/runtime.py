@@ -8,15 +8,19 @@ and persists. It never imports the engine: the store is passed in where rows mus
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from typing import Any
 
 import numpy as np
 
+from .._log import event
 from ..errors import InvalidInputError
 from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
 from .expiry import Eviction, Expiry, eviction_victims, expired_keys
 from .tombstones import TombstoneLog
+
+log = logging.getLogger(__name__)
 
 COUNTER_NAMES = ("admission_rejected", "gradients_dropped", "expired", "evictions", "pruned")
 
@@ -144,6 +148,9 @@ class PolicyRuntime:
         n = sum(store._delete(k) for k in batches)
         self.counters["expired"] += n
         self.updates_since_expire = 0
+        if n:
+            event(log, logging.INFO, "store.expired", "%s: expired %d rows", store.url, n,
+                  rows=n)
         return n
 
     def rows_estimate(self, store: Any) -> int:
@@ -174,6 +181,8 @@ class PolicyRuntime:
         for i in range(0, len(victims), batch_size):
             n += store._delete(victims[i:i + batch_size])
         self.counters["evictions"] += n
+        event(log, logging.INFO, "store.evicted", "%s: evicted %d rows over capacity %d",
+              store.url, n, ev.capacity, rows=n)
         return n
 
     def after_update(self, store: Any) -> None:

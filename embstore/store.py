@@ -504,12 +504,20 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         return load_records(self, batches, header=header)
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, count_rows: bool | None = None) -> dict[str, Any]:
         """Counters since open: rows looked up, hits, misses, inserts, updates, ...; plus
-        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known."""
+        ``hit_rate``, the backend's own counters and ``size_bytes`` where known.
+
+        ``rows`` (the stored row count) is included when counting reads no rows (memory://,
+        lmdb://, layers over them) or with ``count_rows=True``; on Bigtable, RocksDB and SQL
+        it costs a scan, so by default it is left out there (``count_rows=False``: never).
+        """
+        from ._rowcount import count_is_cheap
+
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
-        out["rows"] = len(self._backend)
+        if count_rows if count_rows is not None else count_is_cheap(self._backend):
+            out["rows"] = len(self._backend)
         looked = out["lookups"]
         out["hit_rate"] = out["hits"] / looked if looked else math.nan
         out["step"] = self.step

@@ -118,6 +118,7 @@ class LmdbBackend(FetchedRecords, Backend):
 
     persistent = True
     supports_scan = True
+    cheap_len = True  # the B-tree keeps its entry count (stats() reads it without a scan)
     scheme = "lmdb"
 
     def __init__(self, url: str, *, read_only: bool = False, map_size: int = 1 << 30,

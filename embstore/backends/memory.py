@@ -66,6 +66,7 @@ class MemoryBackend(Backend):
     persistent = False
     supports_scan = True
     supports_row_update = True
+    cheap_len = True  # the table's own size (stats() reads it without a scan)
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,

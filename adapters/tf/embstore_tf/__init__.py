@@ -20,8 +20,9 @@ except ImportError as e:  # exercised in a subprocess that hides TF
     if e.name != "tensorflow":
         raise
     raise ImportError(
-        "embstore_tf needs TensorFlow, which is not installed; install it with "
-        "pip install 'embstore[tf]' (or any tensorflow / tensorflow-cpu >= 2.16)"
+        "embstore_tf needs TensorFlow >= 2.16, which is not installed; install it with "
+        "pip install 'embstore[tf]' (tensorflow) or pip install 'embstore[tf-cpu]' "
+        "(tensorflow-cpu)"
     ) from e
 
 from .layers import DynamicEmbedding, load_model, loading_stores

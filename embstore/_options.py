@@ -31,7 +31,7 @@ def accepted_options(cls: type) -> frozenset[str] | None:
     declared = getattr(cls, "accepted_options", None)
     if declared is not None:
         return frozenset(declared)
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
     named = frozenset(p.name for p in params
                       if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
                       and p.name not in _NOT_OPTIONS)
@@ -82,8 +82,9 @@ def check_backend_options(url: str, options: dict[str, Any], shards: Any = None,
     if shards is not None and not isinstance(shards, str):
         from .layers.sharded import ShardedBackend
 
-        sets = [accepted_options(backend_class(s)) for s in shards if isinstance(s, str)]
-        if any(s is None for s in sets) or not sets:
+        found_sets = [accepted_options(backend_class(s)) for s in shards if isinstance(s, str)]
+        sets = [s for s in found_sets if s is not None]
+        if not sets or len(sets) < len(found_sets):
             return
         accepted = frozenset.intersection(*sets) | (accepted_options(ShardedBackend) or set())
     else:

@@ -464,6 +464,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if name != "native":
             from .io.transfer import export_file
 
+            assert isinstance(dest, (str, os.PathLike))  # file_format: non-native needs a path
             return export_file(self, dest, fmt=name, since=since, batch_size=batch_size,
                                progress=progress)
         return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
@@ -487,6 +488,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if name != "native":
             from .io.transfer import import_file
 
+            assert isinstance(src, (str, os.PathLike))  # file_format: non-native needs a path
             return import_file(self, src, fmt=name, progress=progress).rows
         return import_native(self, src, partial=partial, progress=progress)
 

@@ -513,8 +513,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         ``rows`` (the stored row count) is included when counting reads no rows (memory://,
         lmdb://, layers over them) or with ``count_rows=True``; on Bigtable, RocksDB and SQL
         it costs a scan, so by default it is left out there (``count_rows=False``: never).
+        ``size_bytes`` follows the same rule where measuring it reads the table (SQLite).
         """
-        from ._rowcount import count_is_cheap
+        from ._rowcount import count_is_cheap, size_is_cheap
 
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
@@ -528,7 +529,8 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         out.update(self._backend.stats())
         if "_sampling_index" in self.__dict__:  # rows, scans, snapshot rebuilds, bytes
             out.update(self.__dict__["_sampling_index"].stats())
-        size = self._backend.size_bytes()
+        measure = bool(count_rows) or size_is_cheap(self._backend)
+        size = self._backend.size_bytes() if measure else None
         if size is not None:
             out["size_bytes"] = int(size)
         return out

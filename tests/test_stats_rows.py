@@ -46,10 +46,14 @@ def test_local_scanning_backends_leave_rows_out(tmp_path, monkeypatch, kind):
     url = f"rocksdb://{tmp_path}/r" if kind == "rocksdb" else f"sqlite:///{tmp_path}/s.db"
     s = embstore.open(url, dim=DIM)
     _fill(s)
-    calls = _count_calls(monkeypatch, type(s.backend), ["scan", "__len__"])
-    assert "rows" not in s.stats()
-    assert calls == {"scan": 0, "__len__": 0}
-    assert s.stats(count_rows=True)["rows"] == 300 == len(s)
+    calls = _count_calls(monkeypatch, type(s.backend), ["scan", "__len__", "size_bytes"])
+    st = s.stats()
+    assert "rows" not in st
+    if kind == "sqlite":  # dbstat reads every page: left out too
+        assert "size_bytes" not in st and calls["size_bytes"] == 0
+    assert calls["scan"] == 0 and calls["__len__"] == 0
+    full = s.stats(count_rows=True)
+    assert full["rows"] == 300 == len(s) and full["size_bytes"] > 0
     s.close()
 
 
@@ -76,4 +80,18 @@ def test_cache_over_bigtable_does_not_scan(bigtable_url_factory, monkeypatch):
     _fill(s, 50)
     calls = _count_calls(monkeypatch, BigtableBackend, ["_scan_rows"])
     assert "rows" not in s.stats() and calls["_scan_rows"] == 0
+    s.close()
+
+
+def test_sharded_over_bigtable_does_not_scan(bigtable_url_factory, monkeypatch):
+    from embstore.backends.bigtable import BigtableBackend
+
+    shards = [bigtable_url_factory(), bigtable_url_factory()]
+    s = embstore.open("sharded://", dim=DIM, shards=shards)
+    _fill(s, 40)
+    calls = _count_calls(monkeypatch, BigtableBackend, ["_scan_rows"])
+    st = s.stats()
+    assert "rows" not in st and "shard_rows" not in st and calls["_scan_rows"] == 0
+    full = s.stats(count_rows=True)
+    assert full["rows"] == 40
     s.close()

@@ -182,3 +182,28 @@ def test_import_without_tensorflow_names_the_extra():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert "pip install 'embstore[tf]'" in run.stdout, run.stdout + run.stderr
+
+
+def test_shared_and_separate_stores_after_loading(tmp_path):
+    shared = embstore.open(f"lmdb://{tmp_path}/shared", dim=DIM, durable=False)
+    users = embstore.open("memory://", dim=DIM, seed=1)
+    items = embstore.open("memory://", dim=DIM, seed=2)
+    a, b = keras.Input(shape=(2,), dtype="int64"), keras.Input(shape=(2,), dtype="int64")
+    layers = [DynamicEmbedding(shared, name="q"), DynamicEmbedding(shared, name="d"),
+              DynamicEmbedding(users, name="u"), DynamicEmbedding(items, name="i")]
+    pooled = [keras.ops.sum(layer(inp), 1) for layer, inp in zip(layers, [a, b, a, b])]
+    model = keras.Model([a, b], keras.layers.Concatenate()(pooled))
+    x = [np.array([[1, 2]]), np.array([[3, 4]])]
+    for s in (shared, users, items):
+        s.lookup([1, 2, 3, 4])  # stored rows (predict inserts nothing)
+    want = model.predict(x, verbose=0)
+    model.save(tmp_path / "m.keras")
+    shared.close()
+    mine = embstore.open("memory://", dim=DIM, seed=9)
+    loaded = load_model(tmp_path / "m.keras", stores={"i": items, "u": mine})
+    q, d = loaded.get_layer("q").store, loaded.get_layer("d").store
+    assert q is d and q.read_only  # one handle for the layers that shared a store
+    assert loaded.get_layer("i").store is items
+    assert loaded.get_layer("u").store is mine and len(mine) == 4  # filled from the file
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), want, rtol=1e-6)
+    q.close()

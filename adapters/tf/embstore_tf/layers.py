@@ -23,9 +23,10 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["DynamicEmbedding", "load_model", "loading_stores"]
 
-#: (writable, {url: open store}) for layers being rebuilt by ``load_model``
-_LOADING: contextvars.ContextVar[tuple[bool, Mapping[str, Any]]] = contextvars.ContextVar(
-    "embstore_tf_loading", default=(False, {}))
+#: (writable, {layer name or url: store}, {url: store opened by this load}) for layers
+#: being rebuilt inside ``loading_stores`` / ``load_model``
+_LOADING: contextvars.ContextVar[tuple[bool, Mapping[str, Any], dict[str, Any] | None]] = (
+    contextvars.ContextVar("embstore_tf_loading", default=(False, {}, None)))
 _ROWS_KEY = "embstore_native"  # the rows of a non-persistent store inside a .keras file
 
 
@@ -96,7 +97,7 @@ class DynamicEmbedding(keras.layers.Layer):
         if spec is None:  # a config written before the store spec existed
             spec = {"url": config.pop("store_url"), "persistent": True, "options": {}}
         config.pop("store_url", None)
-        store = open_store(spec)
+        store = open_store(spec, config.get("name"))
         if store.read_only:
             config["trainable"] = False
         return cls(store, **config)
@@ -143,22 +144,28 @@ def store_spec(store: Any) -> dict[str, Any]:
     }
 
 
-def open_store(spec: Mapping[str, Any]) -> Any:
+def open_store(spec: Mapping[str, Any], layer_name: str | None = None) -> Any:
     """Open the store a saved layer names (see :func:`load_model` for the rules)."""
     import embstore
 
-    writable, stores = _LOADING.get()
+    writable, stores, opened = _LOADING.get()
     url = spec["url"]
-    if url in stores:
-        return stores[url]
+    for name in (layer_name, url):
+        if name is not None and name in stores:
+            return stores[name]
     options = dict(spec.get("options") or {})
     if not spec.get("persistent", True):
         # rebuilt from the rows in the .keras file, as the loaded model's own copy
         return embstore.open(url, dim=spec["dim"], key_type=spec["key_type"],
                              optimizer=spec["optimizer"], initializer=spec["initializer"],
                              seed=spec["seed"], **options)
+    if opened is not None and url in opened:  # layers that shared a store share it again
+        return opened[url]
     checks = {k: spec[k] for k in ("dim", "key_type") if k in spec}
-    return embstore.open(url, read_only=not writable, **checks, **options)
+    store = embstore.open(url, read_only=not writable, **checks, **options)
+    if opened is not None:
+        opened[url] = store
+    return store
 
 
 @contextlib.contextmanager
@@ -170,10 +177,13 @@ def loading_stores(*, writable: bool = False,
     ----------
     writable : bool
         Reopen persistent stores writable (the loaded layers train them). Default: read-only.
-    stores : mapping of URL -> EmbeddingStore, optional
-        Open stores to use instead of opening the URL again (no second handle).
+    stores : mapping of layer name or URL -> EmbeddingStore, optional
+        Open stores to use instead of opening the URL again (no second handle). A layer
+        name wins over a URL (several ``memory://`` stores share one URL).
+
+    Layers that shared a persistent store share one reopened handle.
     """
-    token = _LOADING.set((bool(writable), dict(stores or {})))
+    token = _LOADING.set((bool(writable), dict(stores or {}), {}))
     try:
         yield
     finally:
@@ -191,8 +201,9 @@ def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] |
     writable : bool
         Reopen persistent stores writable, so the loaded model trains the same store
         (default False: read-only, the layers are not trainable).
-    stores : mapping of URL -> EmbeddingStore, optional
-        Stores already open in this process, used as they are.
+    stores : mapping of layer name or URL -> EmbeddingStore, optional
+        Stores already open in this process, used as they are (a layer name wins over a
+        URL).
     **kwargs
         Passed to ``keras.models.load_model``.
     """

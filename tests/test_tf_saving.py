@@ -110,8 +110,17 @@ def test_unknown_keys_and_jit_compile_of_the_snapshot(tmp_path):
     np.testing.assert_array_equal(eager[0, 0], store.lookup([2**40])[0])
     np.testing.assert_array_equal(eager[0, 1], np.full(DIM, 7.0))  # a miss: the default
     np.testing.assert_array_equal(eager[1], store.lookup([-3, 5]))
-    compiled = tf.function(table.call, jit_compile=True)
-    np.testing.assert_array_equal(compiled(q).numpy(), eager)
+    xla = StaticEmbedding.from_store(store, default=np.full(DIM, 7.0), jit_compile=True)
+    np.testing.assert_array_equal(tf.function(xla.call, jit_compile=True)(q).numpy(), eager)
+    np.testing.assert_array_equal(xla(q).numpy(), eager)
+    np.testing.assert_array_equal(tf.function(table.call)(q).numpy(), eager)
+    # every position of the XLA search: keys below, between, equal to and above the stored ones
+    many = np.sort(np.random.default_rng(1).choice(10**6, 1000, replace=False)) * 2
+    big = StaticEmbedding(many, np.arange(1000, dtype=np.float32)[:, None] * np.ones(DIM),
+                          default=np.full(DIM, -1.0), jit_compile=True)
+    probe = np.concatenate([many, many + 1, [-5, many[-1] + 10]])
+    got = tf.function(big.call, jit_compile=True)(tf.constant(probe)).numpy()[:, 0]
+    np.testing.assert_array_equal(got, np.r_[np.arange(1000), np.full(1002, -1.0)])
     empty = StaticEmbedding.from_store(embstore.open("memory://", dim=DIM))
     np.testing.assert_array_equal(empty(tf.constant([1, 2])).numpy(), np.zeros((2, DIM)))
 

@@ -4,8 +4,11 @@
 no Python, so such a model loads elsewhere but fails when called (``Could not find callback
 with key=pyfunc_N``). The serving path copies the store's vectors into the graph's own state:
 
-- int64 keys: the keys sorted into a variable and looked up with ``tf.searchsorted``
-  (pure TF ops, so the serving function also compiles with ``jit_compile=True``);
+- int64 keys: the keys sorted into a variable and looked up with ``tf.searchsorted`` (one
+  native op). For XLA (``jit_compile=True``) the layer is built with ``jit_compile=True``
+  and searches with ``log2(n)`` unrolled gather/compare steps instead: XLA lowers
+  ``tf.searchsorted`` to a compare against every key (~1000x slower at 100k keys), while the
+  unrolled steps cost O(log n) per key in and out of XLA;
 - bytes keys: a ``tf.lookup.StaticHashTable`` (key -> row) built from a string variable when
   the SavedModel loads (string ops do not compile with XLA);
 - one ``(n + 1, dim)`` float32 matrix variable whose last row is the *default vector*
@@ -59,6 +62,9 @@ class StaticEmbedding(keras.layers.Layer):
     vectors : (n, dim) float32
     default : (dim,) array, optional
         The vector of keys not in ``keys`` (default zeros).
+    jit_compile : bool
+        Search int64 keys with XLA-friendly steps (for a caller that compiles the lookup
+        with ``jit_compile=True``; slower than ``tf.searchsorted`` without XLA).
 
     Notes
     -----
@@ -67,9 +73,11 @@ class StaticEmbedding(keras.layers.Layer):
     the store's data, not the model's form).
     """
 
-    def __init__(self, keys: Any, vectors: Any, *, default: Any = None, **kwargs: Any) -> None:
+    def __init__(self, keys: Any, vectors: Any, *, default: Any = None,
+                 jit_compile: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
+        self.xla_search = bool(jit_compile)
         vectors = np.asarray(vectors, dtype=np.float32)
         if vectors.ndim != 2 or len(vectors) != len(keys):
             raise InvalidInputError(
@@ -118,7 +126,10 @@ class StaticEmbedding(keras.layers.Layer):
             if self.size == 0:
                 idx = tf.zeros_like(flat)
             else:
-                pos = tf.searchsorted(self.table_keys, flat, side="left", out_type=tf.int64)
+                if self.xla_search:
+                    pos = _lower_bound(self.table_keys, self.size, flat)
+                else:
+                    pos = tf.searchsorted(self.table_keys, flat, side="left", out_type=tf.int64)
                 pos = tf.minimum(pos, self.size - 1)
                 hit = tf.equal(tf.gather(self.table_keys, pos), flat)
                 idx = tf.where(hit, pos, tf.constant(self.size, tf.int64))
@@ -135,17 +146,33 @@ class StaticEmbedding(keras.layers.Layer):
             "save the training model (with its DynamicEmbedding) as .keras instead")
 
 
-def serving_model(model: Any, *, default: Any = None) -> Any:
+def _lower_bound(sorted_keys: tf.Tensor, n: int, queries: tf.Tensor) -> tf.Tensor:
+    """``searchsorted(sorted_keys, queries, side="left")`` as ``n.bit_length()`` unrolled
+    steps of gather + compare: O(m log n) in and out of XLA (XLA's own lowering of
+    ``tf.searchsorted`` compares each query with every key)."""
+    lo = tf.zeros_like(queries)
+    hi = tf.fill(tf.shape(queries), tf.constant(n, tf.int64))
+    for _ in range(int(n).bit_length()):
+        mid = (lo + hi) // 2
+        right = tf.gather(sorted_keys, tf.minimum(mid, n - 1)) < queries
+        lo = tf.where(right, mid + 1, lo)
+        hi = tf.where(right, hi, mid)
+    return lo
+
+
+def serving_model(model: Any, *, default: Any = None, jit_compile: bool = False) -> Any:
     """A copy of a functional or Sequential ``model`` for serving: every
     :class:`DynamicEmbedding` replaced by a :class:`StaticEmbedding` snapshot of its store.
 
     Other layers are shared with ``model`` (same weights). ``default``: the vector for keys
-    missing from the snapshot (zeros). For a subclassed model, build the serving model
-    yourself with ``StaticEmbedding.from_store(layer.store)``.
+    missing from the snapshot (zeros). ``jit_compile``: build the snapshots for XLA. For a
+    subclassed model, build the serving model yourself with
+    ``StaticEmbedding.from_store(layer.store)``.
     """
     def clone(layer: Any) -> Any:
         if isinstance(layer, DynamicEmbedding):
             return StaticEmbedding.from_store(layer.store, default=default,
+                                              jit_compile=jit_compile,
                                               name=f"{layer.name}_snapshot")
         return layer
 
@@ -164,7 +191,7 @@ def export_serving(model: Any, path: str | os.PathLike, *, default: Any = None,
     Same as ``serving_model(model, default=default).export(path)``; with int64 keys the
     serving function may be XLA-compiled (``jit_compile=True``). Returns the serving model.
     """
-    served = serving_model(model, default=default)
+    served = serving_model(model, default=default, jit_compile=bool(jit_compile))
     served.export(os.fspath(path), format="tf_saved_model", verbose=False,
                   **({} if jit_compile is None else {"jit_compile": jit_compile}))
     return served

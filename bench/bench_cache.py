@@ -186,7 +186,7 @@ def main() -> None:
             populate(url_u, n, args.dim, host)
             with embstore.open(url_u, emulator_host=host, read_batch=args.read_batch) as su, \
                     embstore.open(url, cache="memory://", cache_capacity=capacity,
-                                  eviction=eviction, emulator_host=host,
+                                  cache_eviction=eviction, emulator_host=host,
                                   read_batch=args.read_batch) as s:
                 train(s, warm, grads, prefetch, compute)       # fill the cache
                 c = s.backend

@@ -6,6 +6,11 @@ sampler never reads vectors, so the stores use dim=8 to keep a 10M-key table in 
 
     python bench/bench_sampling.py            # 1M and 10M keys
     python bench/bench_sampling.py --quick    # 100k and 1M keys
+    python bench/bench_sampling.py --step     # a training step before / after sample()
+
+``--step`` times a steady ``lookup`` + ``update`` of 20k keys (dim 64, memory://) on a store
+that never sampled and on one that did (its sampling index then follows every write), steps
+interleaved: sampling must not take the step off its fast paths.
 """
 
 from __future__ import annotations
@@ -87,11 +92,48 @@ def measure(envs: list[dict], repeat: int) -> None:
         assert sampling_index(e["store"]).scans == 1
 
 
+def step_after_sample(n: int = 20_000, dim: int = 64, repeat: int = 300) -> None:
+    """Median ms of one lookup + update step of ``n`` keys, without and with a sampler."""
+    rng = np.random.default_rng(0)
+    keys = rng.choice(2**62, n, replace=False).astype(np.int64)
+    grads = rng.standard_normal((n, dim)).astype(np.float32) * 1e-3
+    stores = {}
+    for name in ("never sampled", "after sample()"):
+        s = embstore.open("memory://", dim=dim, initial_capacity=2 * n)
+        s.lookup(keys)
+        s.update(keys, grads)
+        if name == "after sample()":
+            s.sample(keys[:64], 1024, UnigramSampler(0.75), seed=0)
+        stores[name] = s
+    times: dict[str, list[float]] = {name: [] for name in stores}
+    for _ in range(repeat):
+        for name, s in stores.items():
+            t = time.perf_counter()
+            s.lookup(keys)
+            s.update(keys, grads)
+            times[name].append(time.perf_counter() - t)
+    base = statistics.median(times["never sampled"])
+    print(f"lookup + update step, {n:,} keys, dim {dim}, memory://, {repeat} steps interleaved")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:<16} {med * 1e3:7.2f} ms  (best {min(ts) * 1e3:.2f} ms)  "
+              f"{med / base:.2f}x")
+    idx = sampling_index(stores["after sample()"])
+    assert idx.scans == 1 and len(idx) == n  # the index followed every write, no rescans
+    for s in stores.values():
+        s.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100k and 1M keys")
     ap.add_argument("--repeat", type=int, default=200, help="calls per case and size")
+    ap.add_argument("--step", action="store_true",
+                    help="only: a lookup + update step before / after the first sample()")
     args = ap.parse_args()
+    if args.step:
+        step_after_sample()
+        return
     sizes = (100_000, 1_000_000) if args.quick else (1_000_000, 10_000_000)
     rows = [prepare(n) for n in sizes]
     measure(rows, args.repeat)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._log import set_metrics_hook
+from ._version import __version__
 from .api import open
 from .backends.base import Backend
 from .layout import Layout
 from .registry import known_schemes, register_backend
 from .store import EmbeddingStore
-
-__version__ = "0.1.0"
 
 __all__ = [
     "open",

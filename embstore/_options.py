@@ -18,10 +18,6 @@ from typing import Any
 
 from .errors import InvalidInputError
 
-#: options ``embstore.open`` hands to the engine (``EmbeddingStore``)
-ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed", "admission", "expiry",
-                  "capacity", "eviction", "read_only")
-
 _NOT_OPTIONS = frozenset({"self", "url", "read_only", "shards"})
 
 

@@ -7,7 +7,7 @@ code that logs ``stats()`` every step must not scan the store every step.
 
 A backend declares an O(1) ``len`` with the class attribute ``cheap_len = True`` (memory://:
 the table's size; lmdb://: the B-tree's entry count). A shard layer is cheap when every
-shard is, a cache layer when its remote is.
+shard is, a cache layer (any wrapper) when its remote (inner backend) is.
 
 ``size_bytes`` is cheap almost everywhere (a file size, a RocksDB property, PostgreSQL's
 ``pg_total_relation_size``); SQLite's walks every page of the table (``dbstat``), so the SQL
@@ -17,6 +17,8 @@ backend declares ``cheap_size = False`` there and ``stats()`` leaves ``size_byte
 from __future__ import annotations
 
 from typing import Any
+
+from .backends.base import Backend
 
 
 def count_is_cheap(backend: Any) -> bool:
@@ -36,7 +38,8 @@ def _declared(backend: Any, flag: str, default: bool) -> bool:
     shards = getattr(backend, "shards", None)
     if isinstance(shards, (list, tuple)) and shards:
         return all(_declared(s, flag, default) for s in shards)
-    remote = getattr(backend, "remote", None)
-    if remote is not None and remote is not backend:
-        return _declared(remote, flag, default)
+    for name in ("remote", "inner"):  # a cache layer's remote, a WrapperBackend's inner
+        wrapped = getattr(backend, name, None)
+        if isinstance(wrapped, Backend) and wrapped is not backend:
+            return _declared(wrapped, flag, default)
     return default

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._options import ENGINE_OPTIONS, check_backend_options
-from .registry import backend_class
+from ._options import check_backend_options
+from .engine.opening import ENGINE_OPTIONS, open_backend, split_options
 from .store import EmbeddingStore
-
-_ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed", "admission", "expiry",
-                   "capacity")
 
 
 def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  # noqa: A001
@@ -27,30 +24,23 @@ def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  #
         Engine options: ``key_type``, ``initializer``, ``optimizer``, ``seed``,
         ``read_only``, ``admission``, ``expiry``, ``capacity`` + ``eviction`` (store bound;
         see ``docs/training.md``); layer options ``cache`` (local URL, e.g. ``"memory://"``),
-        ``cache_capacity``, ``write_policy`` (``"back"``/``"through"``), ``eviction``
-        (``"lru"``/``"lfu"``) and ``shards`` (list of URLs; see ``docs/cache-and-shards.md``);
-        everything else goes to the backend (e.g. ``map_size`` for LMDB, ``table`` for SQL).
+        ``cache_capacity``, ``write_policy`` (``"back"``/``"through"``), ``cache_eviction``
+        (``"lfu"``/``"lru"``; ``eviction=`` next to ``cache=`` without ``capacity=`` still
+        means it, with a ``DeprecationWarning``) and ``shards`` (list of URLs; see
+        ``docs/cache-and-shards.md``); everything else goes to the backend (e.g.
+        ``map_size`` for LMDB, ``table`` for SQL).
 
     Returns
     -------
     EmbeddingStore
         Also a context manager that closes the store.
     """
-    engine = {k: options.pop(k) for k in _ENGINE_OPTIONS if k in options}
-    if "eviction" in options and ("capacity" in engine or not isinstance(options["eviction"], str)
-                                  or "cache" not in options):
-        # eviction= belongs to the store's capacity bound unless it configures a cache layer.
-        engine["eviction"] = options.pop("eviction")
-    read_only = bool(options.pop("read_only", False))
-    from .layers import LAYER_OPTIONS, build_backend
+    engine, read_only, layer, backend_options = split_options(options)
+    from .layers import LAYER_OPTIONS
 
-    layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
     # a misspelt option must raise, never be dropped (see embstore/_options.py)
-    check_backend_options(url, options, layer.get("shards"),
-                          also_known=(*ENGINE_OPTIONS, *LAYER_OPTIONS))
-    if layer:
-        backend = build_backend(url, read_only=read_only, layer=layer, options=options)
-    else:
-        backend = backend_class(url)(url, read_only=read_only, **options)
+    check_backend_options(url, backend_options, layer.get("shards"),
+                          also_known=(*ENGINE_OPTIONS, "read_only", *LAYER_OPTIONS))
+    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
     reopen = dict(backend.reopen_options())
     return EmbeddingStore(backend, dim=dim, read_only=read_only, reopen_options=reopen, **engine)

@@ -75,3 +75,8 @@ class CorruptFileError(EmbstoreError, ValueError):
 
 class StoreNotFoundError(EmbstoreError, FileNotFoundError):
     """A store was opened read-only (or without ``dim``) but holds no data yet."""
+
+
+class CapabilityError(EmbstoreError, NotImplementedError):
+    """The backend does not declare the capability an operation needs (e.g. ``supports_scan``
+    for a whole-table scan)."""

@@ -12,7 +12,12 @@ import importlib
 from importlib.metadata import entry_points
 from urllib.parse import urlsplit
 
-from .errors import BackendUnavailableError, InvalidURLError, UnknownSchemeError
+from .errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    InvalidURLError,
+    UnknownSchemeError,
+)
 
 # scheme -> (target, extra that provides its dependency)
 _BUILTIN: dict[str, tuple[str, str | None]] = {
@@ -30,7 +35,8 @@ _registry: dict[str, tuple[str | type, str | None]] = dict(_BUILTIN)
 _entry_points_loaded = False
 
 
-def register_backend(scheme: str, target: str | type, extra: str | None = None) -> None:
+def register_backend(scheme: str, target: str | type, extra: str | None = None, *,
+                     replace: bool = False) -> None:
     """Register a backend class (or a ``"module:Class"`` string) for a URL scheme.
 
     Parameters
@@ -41,10 +47,36 @@ def register_backend(scheme: str, target: str | type, extra: str | None = None) 
         A :class:`embstore.backends.base.Backend` subclass or its import path.
     extra : str, optional
         The ``embstore[extra]`` to name when the import fails.
+    replace : bool
+        Allow replacing the backend of a scheme that is already registered (a built-in, an
+        entry point or an earlier call). Without it that raises ``InvalidInputError``;
+        registering the same target again is always allowed.
+
+    Raises
+    ------
+    InvalidURLError
+        ``scheme`` is not a valid scheme name.
+    InvalidInputError
+        ``scheme`` already has another backend and ``replace`` is False.
     """
-    if not scheme or not scheme.replace("-", "").replace("_", "").isalnum():
+    if not isinstance(scheme, str) or not scheme \
+            or not scheme.replace("-", "").replace("_", "").isalnum():
         raise InvalidURLError(f"invalid scheme name {scheme!r}")
-    _registry[scheme.lower()] = (target, extra)
+    key = scheme.lower()
+    _load_entry_points()
+    if key in _registry and not replace and not _same_target(_registry[key][0], target):
+        raise InvalidInputError(
+            f"scheme {key!r} is already registered to {_target_name(_registry[key][0])}; "
+            f"pass replace=True to register_backend to replace it")
+    _registry[key] = (target, extra)
+
+
+def _target_name(target: str | type) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def _same_target(a: str | type, b: str | type) -> bool:
+    return a is b or _target_name(a) == _target_name(b)
 
 
 def _load_entry_points() -> None:

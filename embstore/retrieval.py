@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import CapabilityError, InvalidInputError
 from .sampling.keyindex import KeyIndex
 
 _ATTR = "_dense_vectors"
@@ -163,37 +163,53 @@ def _exclusions(store: Any, exclude: Any, nq: int) -> tuple[np.ndarray | None, l
     if isinstance(exclude, (list, tuple)) and len(exclude) == nq and nq and all(
         isinstance(e, (list, tuple, np.ndarray)) for e in exclude
     ):
-        return None, [store._keys(e) for e in exclude]
-    return store._keys(exclude), None
+        return None, [store.normalize_keys(e) for e in exclude]
+    return store.normalize_keys(exclude), None
 
 
 def _dense(store: Any) -> KeyIndex:
-    """The memory store's dense (keys, vectors) copy, kept current by observers."""
-    idx = store.__dict__.get(_ATTR)
-    if idx is None or idx.stale:
+    """The memory store's dense (keys, vectors) copy, kept current as an observer."""
+    idx = next((o for o in store.observers if isinstance(o, _DenseVectors)), None)
+    if idx is None or idx.stale or idx.backend is not store.backend:
         if idx is not None:
-            store._observers.remove(idx)
-        idx = _DenseVectors(store.key_type, store.dim, len(store.backend))
+            store.remove_observer(idx)
+        idx = _DenseVectors(store.backend, store.key_type, store.dim, len(store.backend))
         for keys, recs in store.backend.scan(65536):
             idx.upsert(keys, {"vector": recs["vector"]})
-        store._observers.append(idx)
-        setattr(store, _ATTR, idx)
+        store.add_observer(idx)
     return idx
 
 
 class _DenseVectors(KeyIndex):
-    def __init__(self, key_type: str, dim: int, capacity: int) -> None:
+    """Keys and vectors of a memory store as dense arrays (a ``StoreObserver``)."""
+
+    def __init__(self, backend: Any, key_type: str, dim: int, capacity: int) -> None:
         super().__init__(key_type, {"vector": (np.float32, (dim,))}, capacity)
+        self.backend = backend
         self.stale = False
 
     def on_write(self, keys: np.ndarray, recs: np.ndarray) -> None:
         self.upsert(keys, {"vector": recs["vector"]})
+
+    def on_insert(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        self.upsert(keys, {"vector": vectors})
+
+    def on_row_update(self, keys: np.ndarray, update: Any, found: np.ndarray) -> None:
+        if update.axpy[0] != "vector":
+            return
+        k = keys if found.all() else keys[found]
+        # read back, not recomputed: the copy must equal the stored bits exactly
+        vectors, _ = self.backend.get_field(k, "vector")
+        self.upsert(k, {"vector": vectors})
 
     def on_delete(self, keys: np.ndarray) -> None:
         self.remove(keys)
 
     def on_bulk_load(self) -> None:
         self.stale = True
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
 
 def _blocks(source: Iterable[tuple[np.ndarray, np.ndarray]], rows: int,
@@ -235,7 +251,7 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
           batch_size: int | None = None, dense: bool | None = None,
           ) -> tuple[np.ndarray, np.ndarray]:
     """See :meth:`embstore.EmbeddingStore.top_k`."""
-    store._check_open()
+    store.check_open()
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
         raise InvalidInputError(f"k must be a positive int, got {k!r}")
     q = _queries(store, queries)
@@ -249,8 +265,12 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
             raise InvalidInputError(f"batch_size must be positive, got {batch_size}")
         rows = int(batch_size)
     backend = store.backend
+    if not backend.supports_scan:
+        raise CapabilityError(f"{backend.url}: top_k needs a backend that can scan its rows "
+                              "(supports_scan)")
+    shards = backend.partitions()
     if dense is None:
-        dense = not backend.persistent and not hasattr(backend, "shards")
+        dense = not backend.persistent and len(shards) == 1
     parts = []
     # Very large query batches go in chunks so a block of scores stays bounded (streaming
     # backends are then scanned once per chunk).
@@ -260,10 +280,10 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
         elif dense:
             idx = _dense(store)
             acc = _run(qc, k_eff, key_dtype, [(idx.live_keys, idx.col("vector"))], rows, glob)
-        elif hasattr(backend, "shards") and hasattr(backend, "shard_of"):
+        elif len(shards) > 1:
             # Per-shard top-k (what each shard server would compute), merged by the caller.
             acc = TopK(len(qc), k_eff, key_dtype)
-            for shard in backend.shards:
+            for shard in shards:
                 acc.merge(_run(qc, k_eff, key_dtype, _scan_vectors(shard, min(rows, 65536)),
                                rows, glob))
         else:

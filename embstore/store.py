@@ -18,8 +18,11 @@ import numpy as np
 
 from . import init as _init
 from . import optim as _optim
-from ._batch import (
+from ._keys import check_key_type
+from .backends.base import Backend, RowUpdate
+from .engine.batch import (
     check_counts,
+    check_rows,
     coalesce,
     distinct,
     occurrences,
@@ -27,25 +30,19 @@ from ._batch import (
     unique_first,
     unique_last,
 )
-from ._cython.rowops import all_finite
-from ._keys import check_key_type, normalize_keys
-from ._records import RecordWrites
-from ._sampling_api import SamplingAPI
-from ._schema import FORMAT, FORMAT_VERSION, check_stored_meta
-from .backends.base import Backend, RowUpdate
-from .errors import (
-    InvalidInputError,
-    ReadOnlyError,
-    StoreClosedError,
-    StoreNotFoundError,
-)
+from .engine.protocols import StoreObserver
+from .engine.records import RecordWrites
+from .engine.sampling_api import SamplingAPI
+from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
+from .engine.seams import StoreSeams
+from .errors import CapabilityError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
 
-class EmbeddingStore(SamplingAPI, RecordWrites):
+class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
     """A dynamic embedding table: one float32 vector (plus optimizer state) per key.
 
     Use :func:`embstore.open` rather than constructing this directly.
@@ -92,9 +89,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         # admission, expiry, capacity eviction, tombstones (``embstore.policies``)
         self._policy = PolicyRuntime(admission, expiry, capacity, eviction)
-        #: objects told about every write and delete (sampling index, touched-key tracking,
-        #: eviction bookkeeping): ``on_write(keys, records)`` / ``on_delete(keys)``
-        self._observers: list[Any] = []
+        #: told about every row write and delete (sampling index, dense top-k copy): see
+        #: ``add_observer`` and ``embstore.engine.protocols.StoreObserver``
+        self._observers: list[StoreObserver] = []
         try:
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
                         seed)
@@ -216,39 +213,8 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
                 f"optimizer={self.optimizer!r} {state}>")
 
     # -- validation --------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("operation on a closed store")
-
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self.read_only:
-            raise ReadOnlyError(f"{self.url} is open read-only")
-
-    def _keys(self, keys: Any) -> np.ndarray:
-        return normalize_keys(keys, self.key_type)
-
     def _rows(self, values: Any, n: int, what: str) -> np.ndarray:
-        if (type(values) is np.ndarray and values.dtype == np.float32
-                and values.shape == (n, self.layout.dim) and values.flags.c_contiguous):
-            if not all_finite(values):  # the common case, without the conversions
-                raise InvalidInputError(f"{what} contain NaN or inf")
-            return values
-        if hasattr(values, "detach") and hasattr(values, "cpu"):
-            values = values.detach().cpu().numpy()
-        elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):
-            values = values.numpy()
-        arr = np.asarray(values)
-        if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
-            raise InvalidInputError(f"{what} must be numeric, got dtype {arr.dtype}")
-        if arr.shape != (n, self.layout.dim):
-            raise InvalidInputError(
-                f"{what} must have shape ({n}, {self.layout.dim}) for {n} keys, got {arr.shape}"
-            )
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not all_finite(arr):
-            raise InvalidInputError(f"{what} contain NaN or inf")
-        return arr
+        return check_rows(values, n, self.layout.dim, what)
 
     def initial_vectors(self, keys: Any) -> np.ndarray:
         """The vector each key gets on first sight (pure function of seed and key)."""
@@ -274,15 +240,20 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if n == 0:
             return np.empty((0, self.layout.dim), dtype=np.float32)
         if (insert and not self.read_only and self._backend.supports_lookup_insert
-                and self._policy.admission is None and not self._observers and distinct(k)):
-            # No policy to ask and nobody to tell: the backend places the new keys as it
-            # finds them missing (one pass instead of a read and then a write).
-            vectors, n_new = self._backend.lookup_insert(k, self._initial, self._template)
-            self._stats["hits"] += n - n_new
+                and self._policy.admission is None):
+            # No policy to ask: the backend places the new keys as it finds them missing (one
+            # pass instead of a read and then a write); observers learn which keys were new.
+            vectors, new = self._lookup_insert(k)
+            n_new = int(np.count_nonzero(new))
             if n_new:
-                self._stats["misses"] += n_new
+                # every occurrence of a new key missed (a repeated one is inserted once)
+                misses = n if n_new == n else int(np.count_nonzero(np.isin(k, k[new])))
+                self._stats["hits"] += n - misses
+                self._stats["misses"] += misses
                 self._stats["inserts"] += n_new
                 self._policy.maybe_evict(self)
+            else:
+                self._stats["hits"] += n
             return vectors
         vectors, found = self._backend.get_field(k, "vector")
         nfound = int(np.count_nonzero(found))
@@ -352,12 +323,16 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         self.step += 1
         self._stats["updates"] += len(k)
         axpy = self.optimizer.axpy_step(summed)
-        if axpy is not None and self._backend.supports_row_update and not self._observers:
+        if axpy is not None and self._backend.supports_row_update:
             # The step is plain field arithmetic: the backend applies it where the records
-            # live; only keys without a record yet go the general way below.
-            found = self._backend.update_rows(uniq, RowUpdate(
-                axpy, {"count": mult}, {"last_seen": time.time(), "last_step": self.step,
-                                         "version": self._next_version()}))
+            # live (observers are told the same arithmetic); only keys without a record yet
+            # go the general way below.
+            row_update = RowUpdate(axpy, {"count": mult}, {
+                "last_seen": time.time(), "last_step": self.step,
+                "version": self._next_version()})
+            found = self._backend.update_rows(uniq, row_update)
+            for obs in self._observers:
+                obs.on_row_update(uniq, row_update, found)
             if found.all():
                 self._policy.after_update(self)
                 return
@@ -375,14 +350,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         if len(k) == 0:
             return
         uniq, last = unique_last(k)
-        recs, found = self._backend.get(uniq)
-        if not found.all():
-            recs[~found] = self._new_records(uniq[~found])
-            self._stats["inserts"] += int(len(uniq) - np.count_nonzero(found))
-        recs["vector"] = v[last]
-        self._stamp(recs)
-        self._put(uniq, recs)
-        self._stats["assigns"] += len(uniq)
+        self._assign_records(uniq, v[last])
 
     def delete(self, keys: Any) -> int:
         """Delete keys; return how many were present."""
@@ -410,7 +378,13 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         self._check_open()
         if batch_size <= 0:
             raise InvalidInputError(f"batch_size must be positive, got {batch_size}")
+        self._require_scan("iterating the records")
         yield from self._backend.scan(batch_size)
+
+    def _require_scan(self, what: str) -> None:
+        if not self._backend.supports_scan:
+            raise CapabilityError(f"{self.url}: {what} needs a backend that can scan its rows "
+                                  "(supports_scan)")
 
     def expire(self, *, ttl_seconds: float | None = None, ttl_steps: int | None = None,
                now: float | None = None, batch_size: int = 65536) -> int:
@@ -440,9 +414,19 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Iterate ``(keys, records)`` written after ``version`` (see :attr:`version`)."""
+        """Iterate ``(keys, records)`` written after ``version`` (see :attr:`version`).
+
+        Uses the backend's change index where it has one (``supports_changes``), else
+        filters a scan of the whole table."""
         self._check_open()
-        yield from self._backend.changes_since(int(version), batch_size)
+        if self._backend.supports_changes:
+            yield from self._backend.changes_since(int(version), batch_size)
+            return
+        self._require_scan("changes_since without a change index")
+        for keys, recs in self._backend.scan(batch_size):
+            sel = recs["version"] > version
+            if sel.any():
+                yield keys[sel], recs[sel]
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False,
@@ -456,7 +440,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         the keys deleted after that version. Returns the number of rows written; a path is
         written atomically.
         """
-        from ._transfer import export_native
+        from .engine.transfer import export_native
         from .io.api_format import file_format
 
         self._check_open()
@@ -480,7 +464,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         ``partial=True`` rows before the damage are kept. Other formats load vectors (whole
         records from embstore's own Parquet) through ``embstore.io.transfer.import_file``.
         """
-        from ._transfer import import_native
+        from .engine.transfer import import_native
         from .io.api_format import file_format
 
         self._check_writable()
@@ -500,7 +484,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         store's version (and, from ``header``, step and policy state) moves forward to cover
         the rows.
         """
-        from ._transfer import load_records
+        from .engine.transfer import load_records
 
         self._check_writable()
         return load_records(self, batches, header=header)
@@ -527,8 +511,8 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
         out["version"] = self._version
         out.update(self._policy.counters)
         out.update(self._backend.stats())
-        if "_sampling_index" in self.__dict__:  # rows, scans, snapshot rebuilds, bytes
-            out.update(self.__dict__["_sampling_index"].stats())
+        for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
+            out.update(obs.stats())
         measure = bool(count_rows) or size_is_cheap(self._backend)
         size = self._backend.size_bytes() if measure else None
         if size is not None:
@@ -573,6 +557,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites):
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
-    from .api import open as _open
+    from .engine.opening import open_backend, split_options
 
-    return _open(url, **options)
+    engine, read_only, layer, backend_options = split_options(options)
+    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
+    return EmbeddingStore(backend, read_only=read_only,
+                          reopen_options=dict(backend.reopen_options()), **engine)

@@ -49,7 +49,7 @@ class TestCachedLmdb(StoreConformance):
 
 
 class TestCachedLmdbLru(StoreConformance):
-    open_options = {"cache": "memory://", "cache_capacity": 50, "eviction": "lru"}
+    open_options = {"cache": "memory://", "cache_capacity": 50, "cache_eviction": "lru"}
 
     @pytest.fixture
     def url_factory(self, lmdb_url):
@@ -130,7 +130,7 @@ def test_batch_larger_than_capacity_goes_to_remote():
 
 
 def test_lru_evicts_least_recently_used():
-    s = cached(cache_capacity=3, eviction="lru")
+    s = cached(cache_capacity=3, cache_eviction="lru")
     for k in (1, 2, 3):
         s.lookup([k])
     s.lookup([1])      # 2 is now the least recently used
@@ -142,7 +142,7 @@ def test_lru_evicts_least_recently_used():
 
 
 def test_lfu_evicts_least_frequently_used():
-    s = cached(cache_capacity=3, eviction="lfu")
+    s = cached(cache_capacity=3, cache_eviction="lfu")
     s.lookup([1, 2, 3])
     for _ in range(3):
         s.lookup([1, 3])
@@ -231,7 +231,7 @@ def test_bad_options_raise():
     with pytest.raises(InvalidInputError):
         cached(cache_capacity=0)
     with pytest.raises(InvalidInputError):
-        cached(eviction="random")
+        cached(cache_eviction="random")
     with pytest.raises(InvalidInputError):
         embstore.open("memory://", dim=4, cache_capacity=10)  # without cache=
 

@@ -239,9 +239,9 @@ def test_import_checks_whole_file_first_on_every_path(lmdb_url, tmp_path, monkey
                                                       as_stream):
     # Files that fit the cache are read once, bigger ones twice (the first pass keeps
     # nothing): either way a damaged file, NaN in its last chunk included, imports nothing.
-    from embstore import _transfer
+    from embstore.io import transfer
 
-    monkeypatch.setattr(_transfer, "_CACHE_BYTES", cap)
+    monkeypatch.setattr(transfer, "DEFAULT_CACHE_BYTES", cap)
     t = embstore.open(lmdb_url(), dim=DIM)
     t.assign([-1, 5], np.full((2, DIM), 3.0))
     before = table_of(t)

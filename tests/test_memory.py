@@ -266,3 +266,60 @@ def test_threads_sharing_one_store_lose_nothing():
     assert len(store) == len(keys)
     np.testing.assert_array_equal(store.lookup(keys, insert=False),
                                   store.initial_vectors(keys) - 0.5)
+
+
+def test_lookup_fast_path_with_repeated_keys_counts_every_occurrence():
+    s = embstore.open("memory://", dim=4)
+    v = s.lookup([5, 5, 6, 7, 7])
+    np.testing.assert_array_equal(v[0], v[1])
+    np.testing.assert_array_equal(v[3], v[4])
+    st = s.stats()
+    assert (st["hits"], st["misses"], st["inserts"], st["rows"]) == (0, 5, 3, 3)
+    s.lookup([5, 8, 8, 9])
+    st = s.stats()
+    assert (st["hits"], st["misses"], st["inserts"], st["rows"]) == (1, 8, 5, 5)
+    np.testing.assert_array_equal(s.lookup([8], insert=False), s.initial_vectors([8]))
+
+
+def test_fast_paths_stay_on_after_sample_and_keep_the_sampling_index_exact(monkeypatch):
+    from embstore.backends.memory import MemoryBackend
+    from embstore.sampling import sampling_index
+
+    calls = {"update_rows": 0, "lookup_insert": 0}
+    for name in calls:
+        orig = getattr(MemoryBackend, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **kw):
+            calls[_name] += 1
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(MemoryBackend, name, spy)
+    s = embstore.open("memory://", dim=4)
+    rng = np.random.default_rng(3)
+    s.lookup(np.arange(100))
+    s.sample([1], 10, "uniform", seed=0)  # the sampling index now observes every write
+    calls.update(update_rows=0, lookup_insert=0)
+    for _ in range(5):
+        b = rng.integers(0, 150, 64)  # repeats, known and new keys
+        s.lookup(b)
+        s.update(b, np.ones((64, 4), np.float32))
+    assert calls["update_rows"] == 5 and calls["lookup_insert"] == 5
+    idx = sampling_index(s)
+    keys = np.concatenate([k for k, _ in s.records()])
+    recs, _ = s.get_records(keys)
+    np.testing.assert_array_equal(idx.counts_of(keys), recs["count"])
+    assert idx.total_count == int(recs["count"].sum()) and len(idx) == len(s)
+    assert idx.scans == 1
+
+
+@pytest.mark.parametrize("key_type", ["int64", "bytes"])
+def test_insert_rows_never_overwrites_an_existing_record(key_type):
+    # Another writer may have created a key since the engine saw it missing.
+    s = embstore.open("memory://", dim=4, key_type=key_type)
+    k = [b"a", b"b"] if key_type == "bytes" else [1, 2]
+    s.assign(k[:1], np.full((1, 4), 7.0, np.float32))
+    keys = s.normalize_keys(k)
+    s.backend.insert_rows(keys, np.zeros((2, 4), np.float32), s.layout.empty(1))
+    recs, found = s.backend.get(keys)
+    assert found.all()
+    np.testing.assert_array_equal(recs["vector"], [[7.0] * 4, [0.0] * 4])

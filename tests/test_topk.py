@@ -191,3 +191,26 @@ def test_query_batches_are_chunked(monkeypatch):
         want = brute(s, queries, 7)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_dense_copy_follows_the_fast_paths_exactly():
+    # lookup-insert and in-place row updates keep the memory store's dense copy bit-exact
+    keys, vecs, queries = int_data(300, seed=4)
+    s = embstore.open("memory://", dim=8, optimizer=embstore.optim.SGD(lr=0.37))
+    s.assign(keys, vecs)
+    s.top_k(queries, 5)                                 # builds the dense copy
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        b = np.concatenate([rng.choice(keys, 40), np.arange(5) + 10**13])
+        s.lookup(b)
+        s.update(b, rng.standard_normal((len(b), 8)).astype(np.float32))
+    got = s.top_k(queries, 20)
+    want = brute(s, queries, 20)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)  # matmul vs dot: last-ulp rounding
+    from embstore.retrieval import _dense
+
+    dkeys, dvecs = _dense(s).items("vector")
+    recs, found = s.get_records(dkeys)
+    assert found.all() and len(dkeys) == len(s)
+    np.testing.assert_array_equal(dvecs, recs["vector"])

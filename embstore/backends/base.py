@@ -11,6 +11,8 @@ Contract for implementers
 - ``put`` of one batch is atomic where the engine can offer it (one transaction/write batch):
   after a crash either the whole batch is visible or none of it.
 - ``get`` returns records in request order; rows for missing keys are zero and ``found`` is False.
+- ``modify`` is the one read-modify-write primitive (the engine's ``update`` and ``assign``):
+  a backend that can resolve each key once, or that is shared by several writers, overrides it.
 - Native driver errors are wrapped in ``embstore.errors.BackendError`` (``raise ... from e``).
 """
 
@@ -27,6 +29,9 @@ import numpy as np
 from ..layout import Layout
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: ``fn(records, found) -> keep`` of :meth:`Backend.modify`
+ModifyFn = Callable[[np.ndarray, np.ndarray], "np.ndarray | None"]
 
 
 def serialized(method: _F) -> _F:
@@ -80,6 +85,14 @@ class Backend(abc.ABC):
         to a ``get`` + ``put`` round trip).
     supports_lookup_insert : bool
         ``lookup_insert`` reads vectors and creates the missing records in one pass.
+    thread_safe : bool
+        Calls from several threads may run at once and overlap (own connection pool,
+        per-call transactions): layers then read and write it from helper threads.
+    scheme : str
+        The URL scheme it serves.
+
+    The engine reads these flags; a layer forwards its inner backend's (see
+    :class:`embstore.layers.WrapperBackend`).
     """
 
     persistent: bool = False
@@ -87,6 +100,7 @@ class Backend(abc.ABC):
     supports_changes: bool = False
     supports_row_update: bool = False
     supports_lookup_insert: bool = False
+    thread_safe: bool = False
     scheme: str = ""
 
     #: set by the engine once the store's layout is known (after metadata is read/written)
@@ -153,10 +167,14 @@ class Backend(abc.ABC):
         self.put(keys, records)
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:
-        """Vectors of distinct ``keys``; keys without a record get one on the way, made of
+                      template: Callable[[], np.ndarray],
+                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """Vectors of ``keys``; keys without a record get one on the way, made of
         ``template()`` (a 1-row record array) with ``initial(new_keys)`` as vectors.
-        Returns ``(vectors, number_inserted)``. Only called when ``supports_lookup_insert``.
+        A key may repeat: a new one is inserted once, at its first occurrence, and every
+        occurrence reads the same vector. Returns ``(vectors, number_inserted)``; ``new`` (a
+        bool array, one per key), when given, is set True exactly where a key was inserted.
+        Only called when ``supports_lookup_insert``.
         """
         raise NotImplementedError(f"{type(self).__name__} has no lookup_insert")
 
@@ -172,6 +190,35 @@ class Backend(abc.ABC):
             rows = records[found]
             update.apply(rows, found)
             self.put(keys[found], rows)
+        return found
+
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        """Read-modify-write the records of unique ``keys`` as one unit; return ``found``.
+
+        ``fn(records, found)`` gets the current records in key order (zero rows where not
+        found) and the found mask, edits ``records`` in place and returns ``keep``: None
+        (write every row) or a bool array: rows with keep=True are written (inserted when
+        new), found rows with keep=False are deleted, missing rows with keep=False stay absent.
+
+        Backends shared by several writers run the read, ``fn`` and the write in one
+        transaction (or retry optimistically); ``fn`` may therefore run more than once and must
+        have no effects outside ``records`` except ones it resets on each call.
+
+        The default is ``get`` -> ``fn`` -> ``put`` / ``delete``: one writer at a time.
+        """
+        records, found = self.get(keys)
+        keep = fn(records, found.copy())
+        if keep is None:
+            self.put(keys, records)
+            return found
+        keep = np.asarray(keep, dtype=bool)
+        gone = found & ~keep
+        if gone.any():
+            self.delete(keys[gone])
+        if keep.all():
+            self.put(keys, records)
+        elif keep.any():
+            self.put(keys[keep], records[keep])
         return found
 
     @abc.abstractmethod
@@ -212,6 +259,19 @@ class Backend(abc.ABC):
             self.put(keys, recs)
             n += len(keys)
         return n
+
+    def partitions(self) -> list[Backend]:
+        """The independent parts rows are split across (shards), each a backend holding
+        exactly the keys :meth:`partition_of` maps to it; ``[self]`` when not partitioned.
+
+        Sampling and top-k work per part. A layer that buffers writes makes them visible in
+        the parts before returning them.
+        """
+        return [self]
+
+    def partition_of(self, keys: np.ndarray) -> np.ndarray:
+        """Index into :meth:`partitions` of each key's part (int64)."""
+        return np.zeros(len(keys), dtype=np.int64)
 
     def prefetch(self, keys: np.ndarray) -> None:  # noqa: B027 - optional hook
         """Hint that ``keys`` are needed soon; a cache layer loads them in the background.

@@ -92,6 +92,7 @@ class BigtableBackend(Backend):
 
     persistent = True
     supports_scan = True
+    thread_safe = True  # a gRPC channel pool; calls from several threads overlap
     scheme = "bigtable"
 
     def __init__(self, url: str, *, read_only: bool = False, emulator_host: str | None = None,

@@ -13,7 +13,7 @@ serialized by a lock, so threads may share one store.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from .._options import check_options
 from ..errors import InvalidInputError, InvalidURLError
 from ..layout import Layout
-from .base import Backend, RowUpdate, serialized
+from .base import Backend, ModifyFn, RowUpdate, serialized
 
 try:
     from .._cython.arena import RecordArena
@@ -49,6 +49,9 @@ def _flag(name: str, value: Any) -> bool:
 
 class MemoryBackend(Backend):
     """In-process row store on a cuckoo hash table; not persistent.
+
+    Calls are serialized by a lock: ``modify`` is one unit, and ``insert_rows`` /
+    ``lookup_insert`` never overwrite a record another thread created (insert-if-absent).
 
     Options
     -------
@@ -85,11 +88,9 @@ class MemoryBackend(Backend):
         self._table: CuckooTable | None = None
         self._arena: RecordArena | None = None
         self._bytes_slots: dict[bytes, int] = {}
-        # The engine's update is get(keys) -> optimizer -> put(same keys array): remembering the
-        # slots of the last get saves put a second probe per key. Valid only while no key was
-        # inserted or removed in between (tracked by _epoch) and for the very same array object.
+        # Bumped whenever a key is inserted or removed: slots remembered across calls are
+        # valid only while it is unchanged.
         self._epoch = 0
-        self._last_get: tuple[np.ndarray, np.ndarray, int] | None = None
         # A training step reads its keys (lookup -> get_field) and then updates the same keys:
         # the slots of the last get_field, with a copy of its keys to prove the match.
         self._last_find: tuple[np.ndarray, np.ndarray, int] | None = None
@@ -125,13 +126,83 @@ class MemoryBackend(Backend):
             out[:] = [get(k, 0xFFFFFFFF) for k in keys]
         return out
 
+    def _place(self, keys: np.ndarray) -> np.ndarray:
+        """Slots of ``keys`` (unique), new keys placed in the table: for a write."""
+        if self.key_type == "int64":
+            slots = np.empty(len(keys), dtype=np.uint32)
+            if find_or_insert(self._table, self._arena, keys, slots):
+                self._epoch += 1
+            return slots
+        slots = self._slots(keys)
+        new = slots == _EMPTY
+        if new.any():
+            self._epoch += 1
+            new_slots = np.empty(int(new.sum()), dtype=np.uint32)
+            self._arena.alloc(new_slots)
+            self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
+            slots[new] = new_slots
+        return slots
+
+    def _gather(self, slots: np.ndarray) -> np.ndarray:
+        recs = np.empty(len(slots), dtype=self.layout.dtype)
+        self._arena.gather(slots, recs.view(np.uint8).reshape(len(slots), -1))
+        return recs
+
+    def _scatter(self, slots: np.ndarray, records: np.ndarray) -> None:
+        src = np.ascontiguousarray(records).view(np.uint8).reshape(len(slots), -1)
+        self._arena.scatter(slots, src)
+
+    # -- slot-addressed access (the cache layer keeps its bookkeeping per slot) ---------------
+    @serialized
+    def find_slots(self, keys: np.ndarray) -> np.ndarray:
+        """The arena slot of each key (uint32), ``0xFFFFFFFF`` where absent. Slots stay valid
+        until the key is deleted."""
+        return self._slots(keys)
+
+    @serialized
+    def read_slots(self, slots: np.ndarray, field: str | None = None) -> np.ndarray:
+        """Records (or one field) stored at ``slots``; zero rows for empty slots."""
+        if field is None:
+            return self._gather(slots)
+        n = len(slots)
+        fdt, offset = self.layout.dtype.fields[field][:2]
+        out = np.empty((n,) + fdt.shape, dtype=fdt.base)
+        self._arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
+        return out
+
+    @serialized
+    def write_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
+        """Overwrite the records at occupied ``slots`` (their keys do not change)."""
+        self._scatter(slots, records)
+
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
-        self._last_get = (keys, slots, self._epoch)
-        recs = np.empty(len(keys), dtype=self.layout.dtype)
-        self._arena.gather(slots, recs.view(np.uint8).reshape(len(keys), -1))
-        return recs, slots != _EMPTY
+        return self._gather(slots), slots != _EMPTY
+
+    @serialized
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        # One probe per key: the slots found for the read are the ones written back; only
+        # rows new to the table are placed. The lock makes the whole step one unit.
+        slots = self._slots(keys)
+        found = slots != _EMPTY
+        recs = self._gather(slots)
+        keep = fn(recs, found.copy())
+        if keep is None:
+            write = None
+        else:
+            write = np.asarray(keep, dtype=bool)
+            gone = found & ~write
+            if gone.any():
+                self.delete(keys[gone])
+        new = ~found if write is None else ~found & write
+        if new.any():
+            slots[new] = self._place(keys[new])
+        if write is None:
+            self._scatter(slots, recs)
+        elif write.any():
+            self._scatter(slots[write], recs[write])
+        return found
 
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
@@ -151,34 +222,17 @@ class MemoryBackend(Backend):
 
     @serialized
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
-        last, self._last_get = self._last_get, None
-        if last is not None and last[0] is keys and last[2] == self._epoch and \
-                bool((last[1] != _EMPTY).all()):
-            slots = last[1]
-        elif self.key_type == "int64":
-            slots = np.empty(len(keys), dtype=np.uint32)
-            if find_or_insert(self._table, self._arena, keys, slots):
-                self._epoch += 1
-        else:
-            slots = self._slots(keys)
-            new = slots == _EMPTY
-            if new.any():
-                self._epoch += 1
-                new_slots = np.empty(int(new.sum()), dtype=np.uint32)
-                self._arena.alloc(new_slots)
-                self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
-                slots[new] = new_slots
-        src = np.ascontiguousarray(records).view(np.uint8).reshape(len(keys), -1)
-        self._arena.scatter(slots, src)
+        self._scatter(self._place(keys), records)
 
     @serialized
-    def lookup_insert(self, keys, initial, template):
+    def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                      template: Callable[[], np.ndarray],
+                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         # One probe per key: a missing key is placed in the table as it is found missing.
-        self._last_get = None
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
-        new = np.empty(n, dtype=np.uint8)
-        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
+        n_new = int(find_or_insert(self._table, self._arena, keys, slots, flags))
         fields = self.layout.dtype.fields
         offset = fields["vector"][1]
         if n_new:
@@ -189,7 +243,7 @@ class MemoryBackend(Backend):
             self._arena.write_rows(slots, tmpl, offset, out)
         else:
             if n_new:
-                m = new.view(bool)
+                m = flags.view(bool)
                 self._arena.write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
                     initial(keys[m]), dtype=np.float32))
             out = np.empty((n, self.layout.dim), dtype=np.float32)
@@ -200,12 +254,22 @@ class MemoryBackend(Backend):
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        # Insert-if-absent: a key another thread created since the caller saw it missing
+        # keeps its record.
         if self.key_type != "int64":
+            new = self._slots(keys) == _EMPTY
+            if not new.all():
+                keys, vectors = keys[new], vectors[new]
             return super().insert_rows(keys, vectors, template)
-        self._last_get = None
-        slots = np.empty(len(keys), dtype=np.uint32)
-        if find_or_insert(self._table, self._arena, keys, slots):
+        n = len(keys)
+        slots = np.empty(n, dtype=np.uint32)
+        new = np.empty(n, dtype=np.uint8)
+        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        if n_new:
             self._epoch += 1
+        if n_new < n:
+            m = new.view(bool)
+            slots, vectors = slots[m], vectors[m]
         fields = self.layout.dtype.fields
         self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
                                fields["vector"][1],
@@ -244,7 +308,6 @@ class MemoryBackend(Backend):
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._epoch += 1
-        self._last_get = None
         if self.key_type == "int64":
             removed = np.empty(len(keys), dtype=np.uint32)
             self._table.erase(keys, removed)
@@ -290,7 +353,6 @@ class MemoryBackend(Backend):
     @serialized
     def clear(self) -> None:
         self._epoch += 1
-        self._last_get = None
         if self._arena is None:
             return
         self._arena.clear()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -85,27 +85,33 @@ def detect_format(path: str | os.PathLike, fmt: str | None = None, *,
 
 
 class NativeFormatReader(FormatReader):
-    """The native format as a :class:`FormatReader` (records, metadata, checksums)."""
+    """The native format as a :class:`FormatReader` (records, metadata, checksums).
+
+    ``src`` may also be a seekable binary stream or the file's bytes (``store.import_``).
+    """
 
     format = "native"
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        with NativeReader(self.path) as r:
-            self.header = r.header
-            self.layout = r.layout
-            self.key_kind = r.key_type
+    def __init__(self, src: str | os.PathLike | BinaryIO | bytes) -> None:
+        self._reader = NativeReader(src)
+        super().__init__(self._reader.name)
+        self.header = self._reader.header
+        self.layout = self._reader.layout
+        self.key_kind = self._reader.key_type
         self.dim = self.layout.dim
 
     def chunks(self, batch_size: int = CHUNK_ROWS, *, validate: bool = False
                ) -> Iterator[Chunk]:
         # Chunks are as the writer made them (bounded by its chunk size), not batch_size.
         start = 0
-        with NativeReader(self.path) as r:
-            for keys, recs in (r.iter_transient() if validate else r):
-                n = len(keys)
-                yield Chunk(keys, recs["vector"], _arange(start, n), recs)
-                start += n
+        r = self._reader
+        for keys, recs in (r.iter_transient() if validate else r):
+            n = len(keys)
+            yield Chunk(keys, recs["vector"], _arange(start, n), recs)
+            start += n
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 def _arange(start: int, n: int) -> np.ndarray:
@@ -130,9 +136,16 @@ class NativeFormatWriter(FormatWriter):
         self._w.abort()
 
 
-def open_reader(path: str | os.PathLike, fmt: str | None = None, *,
-                dim: int | None = None) -> FormatReader:
-    """Open ``path`` for reading in ``fmt`` (detected when None)."""
+def open_reader(path: str | os.PathLike | BinaryIO | bytes | FormatReader,
+                fmt: str | None = None, *, dim: int | None = None) -> FormatReader:
+    """Open ``path`` for reading in ``fmt`` (detected when None). A binary stream or bytes
+    are read as the native format; an open reader is returned as it is."""
+    if isinstance(path, FormatReader):
+        return path
+    if not isinstance(path, (str, os.PathLike)):
+        if fmt is not None and format_name(fmt) != "native":
+            raise InvalidInputError(f"only the native format is read from a stream, not {fmt!r}")
+        return NativeFormatReader(path)
     path = os.fspath(path)
     name = detect_format(path, fmt)
     if name == "npy" and os.path.basename(path) == "vectors.npy" and not os.path.isdir(path):

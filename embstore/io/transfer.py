@@ -10,9 +10,10 @@ mismatch, a lying header) always refuses the file.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -154,17 +155,18 @@ def creation_options(reader: FormatReader, *, dim: int | None = None,
     return opts
 
 
-def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
-                skip_bad: bool = False, project: str | None = None, seed: int = 0,
-                batch_size: int = CHUNK_ROWS, progress: bool = False,
-                cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImportReport:
+def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatReader, *,
+                fmt: str | None = None, skip_bad: bool = False, project: str | None = None,
+                seed: int = 0, batch_size: int = CHUNK_ROWS, progress: bool = False,
+                cache_bytes: int = DEFAULT_CACHE_BYTES, partial: bool = False) -> ImportReport:
     """Import a file of any supported format into ``store``.
 
     Parameters
     ----------
     store : EmbeddingStore or NewStore
         The target; must be writable. A :class:`NewStore` is created after validation.
-    src : path
+    src : path, binary stream, bytes or FormatReader
+        Streams and bytes are read as the native format (``store.import_``).
     fmt : str, optional
         Format name (see :data:`embstore.io.formats.FORMATS`); detected when None.
     skip_bad : bool
@@ -177,6 +179,10 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
     cache_bytes : int
         Memory for keeping the first pass's decoded rows: a file whose rows fit is read
         once; a bigger one is read (and checked) again in the second pass. 0 disables.
+    partial : bool
+        One pass, writing each chunk once it is checked: on damage the rows before it stay
+        imported (and the error is raised). Default: nothing is written unless the whole
+        file is sound.
 
     Returns
     -------
@@ -194,19 +200,16 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
 
         # Pass 1: read everything, write nothing. Clean chunks are kept (up to cache_bytes)
         # so that a file that fits is not read and parsed a second time.
-        total = 0
+        total: int | None = 0
         cache: list[Chunk] | None = [] if cache_bytes > 0 else None
         cached = 0
-        with progress_bar(total=reader.declared_rows, enabled=progress,
+        if partial:  # no pass 1: pass 2 checks each chunk before writing it
+            total, cache = None, None
+        with progress_bar(total=reader.declared_rows, enabled=progress and not partial,
                           desc="validate") as bar:
-            for chunk in reader.chunks(batch_size, validate=cache is None):
-                clean, bad = _clean(chunk, reader, store.key_type)
-                if bad and not skip_bad:
-                    more = "" if len(bad) == 1 else f" (and {len(bad) - 1} more in this chunk)"
-                    raise CorruptFileError(
-                        f"{bad[0]}{more}; nothing was imported (--skip-bad skips bad rows)")
-                report.skipped += len(bad)
-                report.bad += bad[:max(0, 20 - len(report.bad))]
+            for chunk in ([] if partial else reader.chunks(batch_size,
+                                                           validate=cache is None)):
+                clean = _checked(chunk, reader, store.key_type, skip_bad, report)
                 total += len(clean.keys)
                 bar.update(len(chunk.keys) + len(chunk.bad))
                 if cache is not None:
@@ -217,8 +220,8 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
                         cache.append(clean)
 
         # Pass 2: write. Re-read chunks need no second check unless keys must be converted.
-        recheck = report.skipped > 0 or (reader.key_kind == "text"
-                                         and store.key_type == "int64")
+        recheck = partial or report.skipped > 0 or (reader.key_kind == "text"
+                                                    and store.key_type == "int64")
         if isinstance(store, NewStore):
             store = store.open()
             report.url = store.url
@@ -233,12 +236,18 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
                     yield clean
                 return
             for chunk in reader.chunks(batch_size):
-                clean = _clean(chunk, reader, store.key_type)[0] if recheck else chunk
+                clean = (_checked(chunk, reader, store.key_type, skip_bad, report, True)
+                         if partial else _clean(chunk, reader, store.key_type)[0] if recheck
+                         else chunk)
                 bar.update(len(clean.keys))
                 yield clean
 
         with progress_bar(total=total, enabled=progress, desc="import") as bar:
             if records_mode:
+                if (reader.header or {}).get("deletions_complete") is False:
+                    warnings.warn(f"{reader.name}: this delta does not carry every deletion "
+                                  "since its base version; rows deleted at the source may "
+                                  "remain here (sync from a full export)", stacklevel=3)
                 deleted = (reader.header or {}).get("deleted")
                 if deleted:
                     _apply_deletions(store, deleted)
@@ -253,6 +262,20 @@ def import_file(store: Any, src: str | os.PathLike, *, fmt: str | None = None,
                         store.assign(c.keys, vecs)
                         report.rows += len(c.keys)
     return report
+
+
+def _checked(chunk: Chunk, reader: FormatReader, key_type: str, skip_bad: bool,
+             report: ImportReport, partial: bool = False) -> Chunk:
+    """The chunk's clean rows; bad rows are counted (``skip_bad``) or refuse the file."""
+    clean, bad = _clean(chunk, reader, key_type)
+    if bad and not skip_bad:
+        more = "" if len(bad) == 1 else f" (and {len(bad) - 1} more in this chunk)"
+        done = ("the rows before this chunk were imported" if partial
+                else "nothing was imported (--skip-bad skips bad rows)")
+        raise CorruptFileError(f"{bad[0]}{more}; {done}")
+    report.skipped += len(bad)
+    report.bad += bad[:max(0, 20 - len(report.bad))]
+    return clean
 
 
 def _nbytes(chunk: Chunk) -> int:
@@ -302,9 +325,7 @@ COPY_GROUP_BYTES = 32 << 20
 def _regroupable(dst: Any) -> bool:
     # Loading in several calls leaves the same table as one call, unless the destination
     # evicts (eviction would run per call) or has observers (each call resyncs them).
-    policy = getattr(dst, "_policy", None)
-    return (policy is not None and getattr(policy, "eviction", True) is None
-            and not getattr(dst, "_observers", True))
+    return dst.eviction is None and not dst.observers
 
 
 def _take_bytes(it: Iterator[tuple[np.ndarray, np.ndarray]], limit: int

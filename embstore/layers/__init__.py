@@ -1,7 +1,7 @@
 """Layers: Backends that wrap Backends (cache over remote, shards).
 
 :func:`build_backend` turns the layer options of :func:`embstore.open` (``cache=``,
-``cache_capacity=``, ``write_policy=``, ``eviction=``, ``write_behind=``, ``shards=``) into a
+``cache_capacity=``, ``write_policy=``, ``cache_eviction=``, ``write_behind=``, ``shards=``) into a
 backend stack.
 """
 
@@ -12,21 +12,10 @@ from typing import Any
 from ..backends.base import Backend
 from ..errors import InvalidInputError
 
-LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "eviction", "write_behind", "shards")
+LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "cache_eviction", "write_behind",
+                 "shards")
 
-__all__ = ["LAYER_OPTIONS", "build_backend", "thread_safe", "CachedBackend", "ShardedBackend"]
-
-# Backends whose methods may be called from several threads at once (own connection pool /
-# per-call transactions). A backend can declare it with a ``thread_safe = True`` attribute.
-_THREAD_SAFE_SCHEMES = frozenset({"bigtable"})
-
-
-def thread_safe(backend: Backend) -> bool:
-    """Whether the layers may call ``backend`` from several threads at once."""
-    flag = getattr(backend, "thread_safe", None)
-    if flag is not None:
-        return bool(flag)
-    return backend.scheme in _THREAD_SAFE_SCHEMES
+__all__ = ["LAYER_OPTIONS", "build_backend", "WrapperBackend", "CachedBackend", "ShardedBackend"]
 
 
 def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
@@ -41,7 +30,8 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
     read_only : bool
     layer : dict
         Layer options: ``shards`` (list of URLs), ``cache`` (local URL or True for
-        ``memory://``), ``cache_capacity``, ``write_policy``, ``eviction``, ``write_behind``.
+        ``memory://``), ``cache_capacity``, ``write_policy``, ``cache_eviction``,
+        ``write_behind``.
     options : dict
         Backend options, passed to the remote (every shard).
     """
@@ -76,6 +66,8 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
         cache = "memory://"
     try:
         capacity = layer.pop("cache_capacity", 100_000)
+        if "cache_eviction" in layer:
+            layer["eviction"] = layer.pop("cache_eviction")
         return CachedBackend(remote, cache, read_only=read_only, capacity=capacity, **layer)
     except BaseException:
         remote.close()
@@ -84,6 +76,10 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
 
 def __getattr__(name: str) -> Any:
     # Lazy, so importing embstore.layers does not import the cache/shard modules.
+    if name == "WrapperBackend":
+        from .wrapper import WrapperBackend
+
+        return WrapperBackend
     if name == "CachedBackend":
         from .cached import CachedBackend
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._keys import key_hash64
+from ..policies.eviction import EvictionPolicy, eviction_policy
 
 
 class SlotTable:
@@ -17,8 +18,9 @@ class SlotTable:
     Parameters
     ----------
     key_type : {"int64", "bytes"}
-    eviction : {"lru", "lfu"}
-        LRU picks the oldest stamps; LFU the fewest uses, ties broken by the oldest stamp.
+    eviction : {"lru", "lfu"} or EvictionPolicy
+        LRU picks the oldest stamps; LFU the fewest uses, ties broken by the oldest stamp
+        (:mod:`embstore.policies.eviction`, shared with the store's capacity bound).
     capacity : int
         The cache's capacity in rows (sizes the LFU history and its aging period).
 
@@ -32,11 +34,13 @@ class SlotTable:
     the policy follows a drifting distribution. None of this runs on the hit path.
     """
 
-    def __init__(self, key_type: str, eviction: str, capacity: int = 1024,
+    def __init__(self, key_type: str, eviction: str | EvictionPolicy, capacity: int = 1024,
                  size: int = 1024) -> None:
-        self.eviction = eviction
+        self.policy = eviction_policy(eviction)
+        self.eviction = self.policy.name
+        self._counts = self.policy.counts_uses
         self.capacity = int(capacity)
-        if eviction == "lfu":
+        if self._counts:
             self.history = np.zeros(1 << max(10, (4 * self.capacity - 1).bit_length()),
                                     dtype=np.int64)
             self._evicted_since_aging = 0
@@ -81,7 +85,7 @@ class SlotTable:
     def touch(self, slots: np.ndarray, count: bool = True) -> None:
         """Mark slots used in the current tick (``count=False``: without counting a use)."""
         self.stamp[slots] = self.tick
-        if count and self.eviction == "lfu":
+        if count and self._counts:
             self._uses.append(slots)
             if len(self._uses) >= 64:  # bounded memory on a run of hits with no eviction
                 self.count_uses()
@@ -97,11 +101,11 @@ class SlotTable:
         self.count_uses()
         self._grow(int(slots.max()))
         self.stamp[slots] = self.tick
-        self.freq[slots] = 1 if self.eviction == "lru" else self.history[self._hist(keys)] + 1
+        self.freq[slots] = self.history[self._hist(keys)] + 1 if self._counts else 1
         self.dirty[slots] = dirty
         self.keys[slots] = keys
         self.live += len(slots)
-        if self.eviction == "lfu" and self._pool is not None:
+        if self._counts and self._pool is not None:
             self._added.append(slots.astype(np.intp))
 
     def _hist(self, keys: np.ndarray) -> np.ndarray:
@@ -109,7 +113,7 @@ class SlotTable:
 
     def remember(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Keep the use counts of evicted keys (LFU), aging everything periodically."""
-        if self.eviction != "lfu" or not len(slots):
+        if not self._counts or not len(slots):
             return
         self.count_uses()
         self.history[self._hist(keys)] = self.freq[slots]
@@ -130,10 +134,9 @@ class SlotTable:
         self.live -= len(slots)
 
     def _score(self, slots: np.ndarray) -> np.ndarray:
-        if self.eviction == "lru":
-            return self.stamp[slots]
-        self.count_uses()
-        return (self.freq[slots] << 32) | (self.stamp[slots] & 0xFFFFFFFF)
+        if self._counts:
+            self.count_uses()
+        return self.policy.packed_score(self.stamp[slots], self.freq[slots])
 
     def _drop_pool(self) -> None:
         if self._pool is not None:

@@ -40,21 +40,21 @@ from typing import Any
 import numpy as np
 
 from .._log import event
-from ..backends.base import Backend
+from ..backends.base import Backend, ModifyFn
 from ..backends.memory import MemoryBackend
 from ..errors import BackendError, InvalidInputError, StoreClosedError
 from ..layout import Layout
-from . import thread_safe
+from ..policies.eviction import eviction_policy
 from ._prefetch import PrefetchMixin
 from ._slots import SlotTable
 from ._wholetable import WholeTableMixin
 from ._writebehind import WriteBehind
+from .wrapper import WrapperBackend
 
 log = logging.getLogger(__name__)
 
 _EMPTY = np.uint32(0xFFFFFFFF)
 WRITE_POLICIES = ("back", "through")
-EVICTIONS = ("lru", "lfu")
 _COUNTERS = ("cache_hits", "cache_misses", "remote_reads", "remote_read_calls",
              "remote_writes", "remote_write_calls", "evictions", "dirty_evictions",
              "prefetched_rows", "prefetch_errors", "flushes", "write_behind_waits")
@@ -68,7 +68,7 @@ def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Back
     return backend_class(target)(target, read_only=read_only, **options)
 
 
-class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
+class CachedBackend(WholeTableMixin, PrefetchMixin, WrapperBackend):
     """A capacity-bounded local cache over any remote backend.
 
     Parameters
@@ -82,9 +82,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     write_policy : {"back", "through"}
         ``"back"`` keeps written rows dirty in the cache until flushed; ``"through"`` writes
         the remote before returning.
-    eviction : {"lfu", "lru"}
-        Which rows leave a full cache: least frequently used (the default: ties broken by
-        recency, use counts of evicted keys remembered), or least recently used.
+    eviction : {"lfu", "lru"} or EvictionPolicy
+        Which rows leave a full cache (``cache_eviction=`` of :func:`embstore.open`): least
+        frequently used (the default: ties broken by recency, use counts of evicted keys
+        remembered), or least recently used.
     write_behind : bool, optional
         Write evicted dirty rows from a background thread while the caller goes on (default:
         when the remote is thread-safe, e.g. Bigtable). Off: evictions write synchronously.
@@ -96,6 +97,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         Options for the remote backend when it is given as a URL.
     """
 
+    # The cache reads and writes rows itself: no in-place row paths of the remote's.
+    supports_row_update = False
+    supports_lookup_insert = False
+
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
                  capacity: int = 100_000, write_policy: str = "back", eviction: str = "lfu",
                  write_behind: bool | None = None, flush_batch: int = 16384,
@@ -103,8 +108,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         if write_policy not in WRITE_POLICIES:
             raise InvalidInputError(f"write_policy must be one of {WRITE_POLICIES}, "
                                     f"got {write_policy!r}")
-        if eviction not in EVICTIONS:
-            raise InvalidInputError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        eviction = eviction_policy(eviction, "cache_eviction").name
         if isinstance(capacity, bool) or int(capacity) <= 0:
             raise InvalidInputError(f"cache_capacity must be a positive int, got {capacity!r}")
         if int(flush_batch) <= 0:
@@ -115,11 +119,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         except BaseException:
             self.remote.close()
             raise
-        super().__init__(self.remote.url, read_only=read_only or self.remote.read_only)
-        self.persistent = self.remote.persistent
-        self.supports_scan = self.remote.supports_scan
-        self.supports_changes = self.remote.supports_changes
-        self.scheme = self.remote.scheme
+        # persistent, supports_scan, supports_changes, thread_safe, scheme and partitions
+        # are the remote's (WrapperBackend); rows go through the cache (overridden below).
+        super().__init__(self.remote, read_only=read_only or self.remote.read_only)
         self.capacity = int(capacity)
         self.write_policy = write_policy
         self.eviction = eviction
@@ -129,7 +131,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
                                       else MemoryBackend("memory://"))
         self._rows_in_index = self._index is self.local
         self._lock = threading.RLock()          # guards every piece of cache state
-        concurrent = thread_safe(self.remote)
+        concurrent = self.remote.thread_safe
         # Remotes that are not thread-safe (memory://) see one call at a time.
         self._remote_lock = contextlib.nullcontext() if concurrent else threading.Lock()
         self._count_lock = threading.Lock()
@@ -148,14 +150,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         self._invalid: list[np.ndarray] = []    # keys written/evicted while a prefetch ran
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._st = SlotTable(self.key_type, eviction, self.capacity)
-        # The engine's update is get(keys) -> optimizer -> put(the same array): the slots of
-        # the last all-hit probe spare put a second probe, while no row came or went since.
-        self._epoch = 0
-        self._last_probe: tuple[np.ndarray, np.ndarray, int] | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        slots = self._index._slots(keys)
+        slots = self._index.find_slots(keys)
         return slots, slots != _EMPTY
 
     def _read_local(self, keys: np.ndarray, slots: np.ndarray,
@@ -165,16 +163,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             if field is None:
                 return self.local.get(keys)[0]
             return self.local.get_field(keys, field)[0]
-        n = len(slots)
-        arena = self._index._arena
-        if field is None:
-            recs = np.empty(n, dtype=self._dtype)
-            arena.gather(slots, recs.view(np.uint8).reshape(n, -1))
-            return recs
-        fdt, offset = self._dtype.fields[field][:2]
-        out = np.empty((n,) + fdt.shape, dtype=fdt.base)
-        arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
-        return out
+        return self._index.read_slots(slots, field)
 
     def _write_local(self, keys: np.ndarray, records: np.ndarray, slots: np.ndarray,
                      found: np.ndarray) -> None:
@@ -182,13 +171,12 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         if not self._rows_in_index:
             self.local.put(keys[found], records[found])
             return
-        # Same slots, new bytes: the key -> slot map does not change, so writing straight into
-        # the arena is what memory:// put would do after a second probe of every key.
+        # Same slots, new bytes: the key -> slot map does not change, so writing straight to
+        # the slots is what memory:// put would do after a second probe of every key.
         if found.all():
-            s, src = slots, np.ascontiguousarray(records)
+            self._index.write_slots(slots, records)
         else:
-            s, src = slots[found], records[found]
-        self._index._arena.scatter(s, src.view(np.uint8).reshape(len(s), -1))
+            self._index.write_slots(slots[found], records[found])
 
     def _log_invalid(self, keys: np.ndarray) -> None:
         # A running prefetch read the remote before these writes: its rows for them are stale.
@@ -268,7 +256,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
 
     def _drop(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Forget cached rows (no remote I/O)."""
-        self._epoch += 1
         self._log_invalid(keys)
         self._st.remove(slots)
         self.local.delete(keys)
@@ -279,23 +266,20 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
         """Cache rows of keys not cached yet (room was made by the caller)."""
         if not len(keys):
             return
-        self._epoch += 1
         self.local.put(keys, recs)
         if not self._rows_in_index:
             self._index.put(keys, self._index.layout.empty(len(keys)))
-        self._st.add(self._index._slots(keys), keys, dirty)
+        self._st.add(self._index.find_slots(keys), keys, dirty)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
-        super().bind(layout, key_type)
+        super().bind(layout, key_type)  # binds the remote too
         self._dtype = layout.dtype
-        self.remote.bind(layout, key_type)
         self.local.bind(layout, key_type)
         if not self._rows_in_index:
             self._index.bind(Layout(1), key_type)
         with self._lock:
             self._st = SlotTable(key_type, self.eviction, self.capacity)
-            self._epoch += 1
 
     def read_meta(self) -> dict | None:
         meta = self.remote.read_meta()
@@ -314,7 +298,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
         opts.update(cache=self.local.url, cache_capacity=self.capacity,
-                    write_policy=self.write_policy, eviction=self.eviction,
+                    write_policy=self.write_policy, cache_eviction=self.eviction,
                     write_behind=self._wb is not None)
         return opts
 
@@ -383,7 +367,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             self._check()
             slots, found = self._find(keys)
             if found.all():  # the hit path: one probe, one gather, one stamp scatter
-                self._last_probe = (keys, slots, self._epoch)
                 out = self._read_local(keys, slots, field)
                 self._st.next_tick()
                 self._st.touch(slots)
@@ -465,15 +448,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             through = self.write_policy == "through"
             if through:
                 self._remote_put(keys, records)
-            last, self._last_probe = self._last_probe, None
-            if last is not None and last[0] is keys and last[2] == self._epoch:
-                slots = last[1]
-                found = np.ones(len(keys), dtype=bool)
-            else:
-                slots, found = self._find(keys)
+            slots, found = self._find(keys)
             self._st.next_tick()
             m = len(keys) - int(np.count_nonzero(found))
-            if m == 0:  # the training step's case: every row is cached
+            if m == 0:  # every row is cached
                 self._st.touch(slots)
                 self._write_local(keys, records, slots, found)
                 self._st.dirty[slots] = not through
@@ -491,6 +469,50 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
                 self._write_local(keys, records, slots, found)
                 self._st.dirty[slots[found]] = not through
             self._insert(new_keys[:room], new_recs[:room], dirty=not through)
+
+    # Row paths the remote offers but the cache must not bypass: the generic ones, which go
+    # through this layer's get / put.
+    insert_rows = Backend.insert_rows
+    update_rows = Backend.update_rows
+    lookup_insert = Backend.lookup_insert
+
+    def partitions(self) -> list[Backend]:
+        parts = self.remote.partitions()
+        if len(parts) == 1:
+            return [self]
+        with self._lock:  # the parts are read directly: they must hold every cached write
+            self._check()
+            self._flush_rows()
+        return parts
+
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        with self._lock:
+            self._check()
+            slots, found = self._find(keys)
+            if found.all():
+                # The training step's case: every row is cached. One probe; the rows are
+                # stepped and written back into the slots they were read from.
+                recs = self._read_local(keys, slots)
+                self.counters["cache_hits"] += len(keys)
+                keep = fn(recs, found.copy())
+                if keep is not None and not np.asarray(keep, dtype=bool).all():
+                    keep = np.asarray(keep, dtype=bool)
+                    self.delete(keys[~keep])
+                    if keep.any():
+                        self.put(keys[keep], recs[keep])
+                    return found
+                self._log_invalid(keys)
+                through = self.write_policy == "through"
+                if through:
+                    self._remote_put(keys, recs)
+                self._st.next_tick()
+                self._st.touch(slots)
+                self._write_local(keys, recs, slots, found)
+                self._st.dirty[slots] = not through
+                return found
+        # Some rows come from the remote: read-through get, fn, put (outside the lock, as a
+        # get may wait for a running prefetch).
+        return Backend.modify(self, keys, fn)  # the generic get -> fn -> put, through the cache
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -514,4 +536,3 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, Backend):
             if not self._rows_in_index:
                 self._index.clear()
             self._st = SlotTable(self.key_type, self.eviction, self.capacity)
-            self._epoch += 1

@@ -110,9 +110,7 @@ class ShardedBackend(Backend):
         self.supports_scan = all(b.supports_scan for b in opened)
         self.supports_changes = all(b.supports_changes for b in opened)
         self.scheme = SCHEME
-        from . import thread_safe
-
-        self.thread_safe = all(thread_safe(b) for b in opened)
+        self.thread_safe = all(b.thread_safe for b in opened)
         if parallel is None:
             parallel = any(b.persistent for b in opened)
         self._pool = ThreadPoolExecutor(self.n, "embstore-shard") if parallel and self.n > 1 \
@@ -129,6 +127,12 @@ class ShardedBackend(Backend):
                 and (keys.dtype == np.int64 or keys.dtype == object)):
             keys = normalize_keys(keys, self.key_type)
         return (key_hash64(keys) % np.uint64(self.n)).astype(np.int64)
+
+    def partitions(self) -> list[Backend]:
+        return list(self.shards)
+
+    def partition_of(self, keys: np.ndarray) -> np.ndarray:
+        return self.shard_of(keys)
 
     def _partition(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """``(shard, positions)`` for every shard that receives keys, positions ascending."""

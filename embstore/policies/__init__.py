@@ -10,8 +10,10 @@ from .admission import (
     ProbabilisticAdmission,
     admission_from_config,
 )
+from .eviction import LFU, LRU, EvictionPolicy
 from .expiry import Eviction, Expiry
 from .sketch import CountMinSketch
 
 __all__ = ["AdmissionPolicy", "FrequencyCutoff", "BloomAdmission", "ProbabilisticAdmission",
-           "admission_from_config", "Expiry", "Eviction", "CountMinSketch"]
+           "admission_from_config", "Expiry", "Eviction", "EvictionPolicy", "LRU", "LFU",
+           "CountMinSketch"]

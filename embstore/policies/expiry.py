@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidInputError
+from .eviction import EvictionPolicy, eviction_policy
 
 __all__ = ["Expiry", "Eviction", "expired_keys", "eviction_victims"]
 
@@ -86,16 +87,15 @@ class Eviction:
     ----------
     capacity : int
         Maximum number of rows (> 0).
-    policy : {"lru", "lfu"}
+    policy : {"lru", "lfu"} or EvictionPolicy
+        The ranking (:mod:`embstore.policies.eviction`, shared with the cache layer).
     slack : float
         Fraction of ``capacity`` freed per eviction pass, in [0, 1) (amortizes the scan).
     """
 
     def __init__(self, capacity: int, policy: str = "lru", slack: float = 0.05) -> None:
         self.capacity = _positive("capacity", capacity, integer=True)
-        if policy not in ("lru", "lfu"):
-            raise InvalidInputError(f"eviction must be 'lru' or 'lfu', got {policy!r}")
-        self.policy = policy
+        self.policy = eviction_policy(policy).name
         slack = float(slack)
         if not 0 <= slack < 1:
             raise InvalidInputError(f"slack must be in [0, 1), got {slack!r}")
@@ -131,7 +131,7 @@ def expired_keys(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, now: float, s
 
 
 def eviction_victims(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, n_evict: int,
-                     policy: str, step: int) -> tuple[np.ndarray | None, int]:
+                     policy: str | EvictionPolicy, step: int) -> tuple[np.ndarray | None, int]:
     """The ``n_evict`` rows to evict and the exact row count seen by the scan."""
     keys_l, last_step_l, last_seen_l, count_l = [], [], [], []
     for keys, recs in scan:
@@ -149,10 +149,8 @@ def eviction_victims(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, n_evict: 
     last_step = np.concatenate(last_step_l)[by_key]
     last_seen = np.concatenate(last_seen_l)[by_key]
     current = last_step >= step
-    if policy == "lfu":
-        count = np.concatenate(count_l)[by_key]
-        order = np.lexsort((last_seen, last_step, count, current))
-    else:
-        order = np.lexsort((last_seen, last_step, current))
+    rank = eviction_policy(policy)
+    count = np.concatenate(count_l)[by_key] if rank.counts_uses else None
+    order = np.lexsort((*rank.lexsort_keys((last_seen, last_step), count), current))
     n_evict = min(int(n_evict), len(keys))
     return keys[order[:n_evict]], len(keys)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from ..errors import InvalidInputError
 from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
 from .expiry import Eviction, Expiry, eviction_victims, expired_keys
 from .tombstones import TombstoneLog
+
+if TYPE_CHECKING:
+    from ..engine.protocols import PolicyHost
 
 log = logging.getLogger(__name__)
 
@@ -140,52 +143,52 @@ class PolicyRuntime:
             self._pending = self._pending[:0]
 
     # -- expiry and eviction --------------------------------------------------------------------
-    def expire(self, store: Any, ttl_seconds: float | None, ttl_steps: int | None,
+    def expire(self, store: PolicyHost, ttl_seconds: float | None, ttl_steps: int | None,
                batch_size: int, now: float | None = None) -> int:
         now = time.time() if now is None else float(now)
-        batches = expired_keys(store._backend.scan(batch_size), now=now,
+        batches = expired_keys(store.records(batch_size), now=now,
                                step=store.step, ttl_seconds=ttl_seconds, ttl_steps=ttl_steps)
-        n = sum(store._delete(k) for k in batches)
+        n = sum(store.delete(k) for k in batches)
         self.counters["expired"] += n
         self.updates_since_expire = 0
         if n:
-            event(log, logging.INFO, "store.expired", "%s: expired %d rows", store.url, n,
+            event(log, logging.INFO, "store.expired", "%s: expired %d rows", store.backend.url, n,
                   rows=n)
         return n
 
-    def rows_estimate(self, store: Any) -> int:
+    def rows_estimate(self, store: PolicyHost) -> int:
         if self._rows_base is None:
-            self._rows_base = len(store._backend) - store._stats["inserts"] \
-                + store._stats["deletes"]
-        return self._rows_base + store._stats["inserts"] - store._stats["deletes"]
+            self._rows_base = len(store.backend) - store.counters["inserts"] \
+                + store.counters["deletes"]
+        return self._rows_base + store.counters["inserts"] - store.counters["deletes"]
 
-    def resync_rows(self, store: Any, exact: int | None = None) -> None:
-        rows = len(store._backend) if exact is None else exact
-        self._rows_base = rows - store._stats["inserts"] + store._stats["deletes"]
+    def resync_rows(self, store: PolicyHost, exact: int | None = None) -> None:
+        rows = len(store.backend) if exact is None else exact
+        self._rows_base = rows - store.counters["inserts"] + store.counters["deletes"]
 
-    def maybe_evict(self, store: Any, batch_size: int = 65536, force: bool = False) -> int:
+    def maybe_evict(self, store: PolicyHost, batch_size: int = 65536, force: bool = False) -> int:
         ev = self.eviction
         if ev is None or (not force and self.rows_estimate(store) <= ev.capacity):
             return 0
         # Cheap for local backends, a scan elsewhere; only reached when over capacity.
-        rows = len(store._backend)
+        rows = len(store.backend)
         self.resync_rows(store, rows)
         if rows <= ev.capacity:
             return 0
-        victims, _ = eviction_victims(store._backend.scan(batch_size),
+        victims, _ = eviction_victims(store.records(batch_size),
                                       n_evict=rows - ev.low_water, policy=ev.policy,
                                       step=store.step)
         if victims is None or not len(victims):
             return 0
         n = 0
         for i in range(0, len(victims), batch_size):
-            n += store._delete(victims[i:i + batch_size])
+            n += store.delete(victims[i:i + batch_size])
         self.counters["evictions"] += n
         event(log, logging.INFO, "store.evicted", "%s: evicted %d rows over capacity %d",
-              store.url, n, ev.capacity, rows=n)
+              store.backend.url, n, ev.capacity, rows=n)
         return n
 
-    def after_update(self, store: Any) -> None:
+    def after_update(self, store: PolicyHost) -> None:
         """Housekeeping after each ``update``: periodic expiry, capacity check."""
         self.end_update()
         if self.expiry is not None and self.expiry.every:

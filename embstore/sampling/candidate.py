@@ -6,7 +6,7 @@ the store's :class:`~embstore.sampling.index.SamplingIndex`, never the table its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,20 +14,21 @@ from ..errors import InvalidInputError
 from .index import SamplingIndex
 from .samplers import FixedCandidatesSampler, SampledResult, resolve_sampler
 
-_ATTR = "_sampling_index"
+if TYPE_CHECKING:
+    from ..engine.protocols import IndexHost
 
-
-def sampling_index(store: Any, *, staleness: float | None = None) -> SamplingIndex:
+def sampling_index(store: IndexHost, *, staleness: float | None = None) -> SamplingIndex:
     """The store's sampling index, built with one scan on first use and then kept current
-    by the engine's write/delete observers."""
-    store._check_open()
-    idx = store.__dict__.get(_ATTR)
+    as one of the store's observers."""
+    store.check_open()
+    idx = next((o for o in store.observers if isinstance(o, SamplingIndex)), None)
     if idx is None or idx.backend is not store.backend:
+        if idx is not None:
+            store.remove_observer(idx)
         idx = SamplingIndex(store.backend, store.key_type,
                             **({} if staleness is None else {"staleness": staleness}))
         idx.build()
-        store._observers.append(idx)
-        setattr(store, _ATTR, idx)
+        store.add_observer(idx)
     else:
         if staleness is not None:
             if not (isinstance(staleness, (int, float)) and 0.0 <= staleness < float("inf")):
@@ -49,7 +50,7 @@ def _rng(idx_rng: np.random.Generator | None, seed: Any) -> np.random.Generator:
 def _positives(store: Any, positive_keys: Any, offsets: Any) -> tuple[bool, list[np.ndarray]]:
     """Normalize positives to per-example key arrays; tell whether a batch was given."""
     if offsets is not None:
-        flat = store._keys(positive_keys)
+        flat = store.normalize_keys(positive_keys)
         off = np.asarray(offsets)
         if off.ndim != 1 or off.dtype.kind not in "iu" or len(off) < 1:
             raise InvalidInputError("offsets must be a 1-D integer array of row splits")
@@ -63,13 +64,13 @@ def _positives(store: Any, positive_keys: Any, offsets: Any) -> tuple[bool, list
     arr = positive_keys.numpy() if hasattr(positive_keys, "numpy") and not isinstance(
         positive_keys, np.ndarray) else positive_keys
     if isinstance(arr, np.ndarray) and arr.ndim == 2:  # TF's true_classes: (batch, num_true)
-        return True, [store._keys(row) for row in arr]
+        return True, [store.normalize_keys(row) for row in arr]
     if isinstance(positive_keys, (list, tuple)) and positive_keys and all(
         isinstance(p, (list, tuple, np.ndarray)) or hasattr(p, "numpy")
         for p in positive_keys
     ):
-        return True, [store._keys(p) for p in positive_keys]
-    return False, [store._keys(positive_keys)]
+        return True, [store.normalize_keys(p) for p in positive_keys]
+    return False, [store.normalize_keys(positive_keys)]
 
 
 def expected_count(p: np.ndarray, num_tries: int, unique: bool) -> np.ndarray:
@@ -123,7 +124,7 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
            offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
            seed: Any = None) -> SampledResult | list[SampledResult]:
     """See :meth:`embstore.EmbeddingStore.sample`."""
-    store._check_open()
+    store.check_open()
     sampler = resolve_sampler(sampler)
     if isinstance(num_sampled, bool) or not isinstance(num_sampled, (int, np.integer)):
         raise InvalidInputError(f"num_sampled must be an int, got {num_sampled!r}")
@@ -132,10 +133,10 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
         raise InvalidInputError(f"num_sampled must be >= 0, got {m}")
     batch, positives = _positives(store, positive_keys, offsets)
     flat_pos = (np.concatenate(positives) if len(positives) > 1
-                else positives[0] if positives else store._keys([]))
+                else positives[0] if positives else store.normalize_keys([]))
 
     if isinstance(sampler, FixedCandidatesSampler):
-        cand = store._keys(sampler.candidates)
+        cand = store.normalize_keys(sampler.candidates)
         if len(cand) < m:
             raise InvalidInputError(f"FixedCandidatesSampler has {len(cand)} candidates, "
                                     f"{m} requested")
@@ -151,7 +152,7 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
         rng = _rng(idx.rng, seed)
         snap = idx.snapshot(sampler)
         if m == 0:
-            neg, p, tries = store._keys([]), np.zeros(0), 0
+            neg, p, tries = store.normalize_keys([]), np.zeros(0), 0
         elif unique:
             neg, p, tries = _draw_unique(idx, snap, rng, m, hint=seed is None)
         else:
@@ -184,7 +185,7 @@ def keep_probability(store: Any, keys: Any, t: float = 1e-3) -> np.ndarray:
     of all counted sightings, ``min(1, (sqrt(f / t) + 1) * t / f)``; 1 for keys never counted."""
     if not (isinstance(t, (int, float, np.floating)) and np.isfinite(t) and t > 0):
         raise InvalidInputError(f"t must be a positive number, got {t!r}")
-    k = store._keys(keys)
+    k = store.normalize_keys(keys)
     idx = sampling_index(store)
     counts = idx.counts_of(k).astype(np.float64)
     out = np.ones(len(k), dtype=np.float64)

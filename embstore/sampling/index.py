@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInputError
+from ..errors import CapabilityError, InvalidInputError
 from .keyindex import KeyIndex
 from .samplers import LogUniformSampler, Sampler
 
@@ -73,8 +73,9 @@ class SamplingIndex:
     Parameters
     ----------
     backend : Backend
-        The store's backend. A backend with ``shards`` and ``shard_of`` (the sharded layer) is
-        indexed per shard, and draws are split across shards by their share of the weight.
+        The store's backend. A partitioned backend (``partitions()``: the sharded layer, also
+        behind a cache) is indexed per part, and draws are split across parts by their share
+        of the weight.
     key_type : {"int64", "bytes"}
     staleness : float
         Fraction of rows that may be written before a count-based snapshot is rebuilt
@@ -86,9 +87,9 @@ class SamplingIndex:
         if not (isinstance(staleness, (int, float)) and 0.0 <= staleness < float("inf")):
             raise InvalidInputError(f"staleness must be a number >= 0, got {staleness!r}")
         self.backend = backend
-        sharded = hasattr(backend, "shards") and hasattr(backend, "shard_of")
-        self._shards = list(backend.shards) if sharded else [backend]
-        self._shard_of = backend.shard_of if sharded else None
+        self._shards: list[Any] = [backend]
+        self._shard_of: Any = None
+        self._partition()
         self.key_type = key_type
         self.staleness = float(staleness)
         self.parts = [_part(key_type) for _ in self._shards]
@@ -121,8 +122,19 @@ class SamplingIndex:
         return sum(len(p) for p in self.parts)
 
     # -- building and maintenance ----------------------------------------------------------
+    def _partition(self) -> None:
+        # Read at every build: a layer in front of the shards (a cache) makes its buffered
+        # writes visible in them when asked.
+        parts = self.backend.partitions()
+        self._shards = list(parts)
+        self._shard_of = self.backend.partition_of if len(parts) > 1 else None
+
     def build(self) -> None:
         """(Re)read every key and count with one scan of the backend (per shard)."""
+        if not self.backend.supports_scan:
+            raise CapabilityError(f"{self.backend.url}: sampling needs a backend that can scan "
+                                  "its rows (supports_scan)")
+        self._partition()
         self.parts = [_part(self.key_type) for _ in self._shards]
         self.total_count = 0
         for part, shard in zip(self.parts, self._shards, strict=True):
@@ -142,8 +154,32 @@ class SamplingIndex:
         for s in np.unique(sid).tolist():
             yield s, sid == s
 
+    # -- the engine's observer protocol (embstore.engine.protocols.StoreObserver) -----------
     def on_write(self, keys: np.ndarray, recs: np.ndarray) -> None:
-        counts = np.ascontiguousarray(recs["count"], dtype=np.int64)
+        self._set_counts(keys, np.ascontiguousarray(recs["count"], dtype=np.int64))
+
+    def on_insert(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        self._set_counts(keys, np.full(len(keys), int(template["count"][0]), dtype=np.int64))
+
+    def on_row_update(self, keys: np.ndarray, update: Any, found: np.ndarray) -> None:
+        add = update.add.get("count")
+        if add is None:
+            return
+        if not found.all():
+            keys, add = keys[found], add[found]
+        add = np.asarray(add, dtype=np.int64)
+        for s, sel in self._route(keys):
+            part = self.parts[s]
+            k, a = (keys, add) if sel is None else (keys[sel], add[sel])
+            pos = part.positions(k)
+            hit = pos >= 0
+            if not hit.all():
+                pos, a = pos[hit], a[hit]
+            part.cols["count"][pos] += a
+            self.total_count += int(a.sum())
+        self.changes += len(keys)
+
+    def _set_counts(self, keys: np.ndarray, counts: np.ndarray) -> None:
         for s, sel in self._route(keys):
             part = self.parts[s]
             k, c = (keys, counts) if sel is None else (keys[sel], counts[sel])

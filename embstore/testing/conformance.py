@@ -229,6 +229,83 @@ class StoreConformance:
         assert recs["last_step"].tolist() == [3, 3, 3] and recs["version"].tolist() == [99] * 3
         assert s.backend.get(np.array([1], dtype=np.int64))[1].all()
 
+    def test_backend_modify_keeps_deletes_and_inserts(self):
+        s = self.open()
+        s.lookup([1, 2, 3])
+        backend = s.backend
+        keys = np.array([3, 1, 10, 2, 11], dtype=np.int64)
+        before, _ = backend.get(keys[[0, 1, 3]])
+        calls = []
+
+        def fn(recs: np.ndarray, found: np.ndarray) -> np.ndarray:
+            calls.append(found.copy())
+            assert recs.dtype == s.layout.dtype and len(recs) == len(keys)
+            # rows of missing keys arrive zeroed
+            assert not recs[~found].tobytes().strip(b"\0")
+            recs["count"] = [5, 6, 7, 8, 9]
+            recs["vector"][2] = 1.5
+            return np.array([True, False, True, False, False])
+
+        found = backend.modify(keys, fn)
+        assert calls and found.tolist() == [True, True, False, True, False]
+        assert all(c.tolist() == found.tolist() for c in calls)
+        recs, present = backend.get(keys)
+        # kept rows written (key 10 inserted), found rows not kept deleted, missing stay absent
+        assert present.tolist() == [True, False, True, False, False]
+        assert recs["count"][[0, 2]].tolist() == [5, 7]
+        np.testing.assert_array_equal(recs["vector"][0], before["vector"][0])
+        assert (recs["vector"][2] == 1.5).all()
+        assert len(backend) == 2
+
+    def test_backend_modify_without_keep_writes_every_row(self):
+        s = self.open()
+        s.lookup([4, 5])
+        backend = s.backend
+
+        def fn(recs: np.ndarray, found: np.ndarray) -> None:
+            recs["count"] += np.arange(1, len(recs) + 1)
+
+        found = backend.modify(np.array([5, 6, 4], dtype=np.int64), fn)
+        assert found.tolist() == [True, False, True]
+        recs, present = backend.get(np.array([4, 5, 6], dtype=np.int64))
+        assert present.all() and recs["count"].tolist() == [3, 1, 2]
+        # every row cached/found: a partial keep deletes the others
+        found = backend.modify(np.array([4, 5, 6], dtype=np.int64),
+                               lambda recs, found: np.array([False, True, True]))
+        assert found.all()
+        assert backend.contains(np.array([4, 5, 6], dtype=np.int64)).tolist() == [False, True,
+                                                                                   True]
+
+    def test_backend_modify_bytes_keys(self):
+        s = self.open(key_type="bytes")
+        s.lookup([b"a", b"b"])
+        keys = np.array([b"b", b"c", b"a"], dtype=object)
+
+        def fn(recs: np.ndarray, found: np.ndarray) -> np.ndarray:
+            recs["count"] = 4
+            return np.array([True, True, False])
+
+        assert s.backend.modify(keys, fn).tolist() == [True, False, True]
+        recs, present = s.backend.get(keys)
+        assert present.tolist() == [True, True, False]
+        assert recs["count"][:2].tolist() == [4, 4]
+
+    def test_update_and_assign_side_effects_follow_modify(self):
+        s = self.open()
+        s.lookup([1, 2])
+        s.sample([1], 1, "uniform", seed=0)  # an observer (the sampling index) is listening
+        s.update([2, 3], np.ones((2, DIM), dtype=np.float32))
+        s.assign([4, 1], np.full((2, DIM), 0.5, dtype=np.float32))
+        st = s.stats()
+        assert st["inserts"] == 4 and st["assigns"] == 2 and st["rows"] == 4
+        from embstore.sampling import sampling_index
+
+        idx = sampling_index(s)
+        counts = idx.counts_of(np.array([1, 2, 3, 4], dtype=np.int64))
+        recs, _ = s.get_records([1, 2, 3, 4])
+        assert counts.tolist() == recs["count"].tolist() == [0, 1, 1, 0]
+        np.testing.assert_array_equal(recs["vector"][[0, 3]], 0.5)
+
     def test_versions_increase_with_writes(self):
         s = self.open()
         s.lookup([1])

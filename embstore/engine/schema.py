@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import init as _init
-from . import optim as _optim
-from .errors import SchemaMismatchError
-from .layout import Layout
+from .. import init as _init
+from .. import optim as _optim
+from ..errors import SchemaMismatchError
+from ..layout import Layout
 
 FORMAT = "embstore"
 FORMAT_VERSION = 1

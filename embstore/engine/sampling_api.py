@@ -42,7 +42,7 @@ class SamplingAPI:
         SampledResult or list of SampledResult
             ``keys``, ``is_positive``, ``prob`` (expected count, for the logQ correction).
         """
-        from .sampling import sample as _sample
+        from ..sampling import sample as _sample
 
         return _sample(self, positive_keys, num_sampled, sampler, offsets=offsets,
                        remove_accidental_hits=remove_accidental_hits, unique=unique, seed=seed)
@@ -50,7 +50,7 @@ class SamplingAPI:
     def subsample_mask(self, keys: Any, t: float = 1e-3, seed: Any = None) -> np.ndarray:
         """word2vec's frequency subsampling: a bool mask keeping each occurrence of ``keys``
         with probability ``(sqrt(f / t) + 1) * t / f`` (``f``: the key's share of counts)."""
-        from .sampling import subsample_mask as _subsample_mask
+        from ..sampling import subsample_mask as _subsample_mask
 
         return _subsample_mask(self, keys, t, seed)
 
@@ -74,6 +74,6 @@ class SamplingAPI:
             Sorted by score descending, ties by key ascending. Rows that run out of keys
             after per-query exclusion are padded with score ``-inf``.
         """
-        from .retrieval import top_k as _top_k
+        from ..retrieval import top_k as _top_k
 
         return _top_k(self, queries, k, exclude, batch_size=batch_size)

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .._cython.rowops import all_finite
+from ..errors import InvalidInputError
 
 
 def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,3 +83,28 @@ def unique_last(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rev = keys[::-1]
     uniq, idx = np.unique(rev, return_index=True)
     return uniq, len(keys) - 1 - idx
+
+
+def check_rows(values: Any, n: int, dim: int, what: str) -> np.ndarray:
+    """``values`` as a C-contiguous ``(n, dim)`` float32 array of finite numbers (torch and
+    TensorFlow tensors are converted); ``InvalidInputError`` naming ``what`` otherwise."""
+    if (type(values) is np.ndarray and values.dtype == np.float32
+            and values.shape == (n, dim) and values.flags.c_contiguous):
+        if not all_finite(values):  # the common case, without the conversions
+            raise InvalidInputError(f"{what} contain NaN or inf")
+        return values
+    if hasattr(values, "detach") and hasattr(values, "cpu"):
+        values = values.detach().cpu().numpy()
+    elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+        raise InvalidInputError(f"{what} must be numeric, got dtype {arr.dtype}")
+    if arr.shape != (n, dim):
+        raise InvalidInputError(
+            f"{what} must have shape ({n}, {dim}) for {n} keys, got {arr.shape}"
+        )
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not all_finite(arr):
+        raise InvalidInputError(f"{what} contain NaN or inf")
+    return arr

@@ -1,0 +1,51 @@
+"""URL + options -> backend stack + engine options: what :func:`embstore.open` does.
+
+Kept below the store (it imports no engine code), so the store reopens itself from a pickle
+through here without importing :mod:`embstore.api`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..backends.base import Backend
+from ..registry import backend_class
+
+#: options of the engine (``EmbeddingStore``) rather than of the backend or a layer
+ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed", "admission", "expiry",
+                  "capacity", "eviction")
+
+
+def _cache_eviction_spelled_eviction(options: dict[str, Any]) -> bool:
+    # Before cache_eviction=, eviction="lru"/"lfu" next to cache= and without capacity= meant
+    # the cache's policy: that spelling still works, with a warning.
+    return ("eviction" in options and "cache" in options and "capacity" not in options
+            and "cache_eviction" not in options and isinstance(options["eviction"], str))
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], bool, dict[str, Any],
+                                                     dict[str, Any]]:
+    """``(engine, read_only, layer, backend)`` options from the keywords of ``open``."""
+    options = dict(options)
+    if _cache_eviction_spelled_eviction(options):
+        warnings.warn("eviction= for the cache layer is deprecated: pass cache_eviction= "
+                      "(eviction= with capacity= bounds the store itself)",
+                      DeprecationWarning, stacklevel=3)
+        options["cache_eviction"] = options.pop("eviction")
+    engine = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
+    read_only = bool(options.pop("read_only", False))
+    from ..layers import LAYER_OPTIONS
+
+    layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
+    return engine, read_only, layer, options
+
+
+def open_backend(url: str, *, read_only: bool, layer: dict[str, Any],
+                 options: dict[str, Any]) -> Backend:
+    """The backend of ``url`` with the requested layers around it."""
+    if layer:
+        from ..layers import build_backend
+
+        return build_backend(url, read_only=read_only, layer=layer, options=options)
+    return backend_class(url)(url, read_only=read_only, **options)

@@ -1,0 +1,101 @@
+"""Whole-table transfer for the engine: native export, native import, bulk record loads.
+
+Kept apart from ``store.py`` because none of it is on a training hot path; the engine's
+``export``/``import_``/``load_records`` methods validate state and delegate here. Imports of
+every format, the native one included, run through one pipeline,
+:func:`embstore.io.transfer.import_file` (check the whole file, then write).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+from ..errors import SchemaMismatchError
+from ..io.formats import NativeFormatReader
+from ..io.native import NativeWriter
+from ..policies.tombstones import encode_keys
+from ..progress import progress_bar
+from .batch import distinct, unique_last
+
+if TYPE_CHECKING:
+    from ..store import EmbeddingStore
+
+_MAX_HEADER_DELETIONS = 1 << 20  # keeps the JSON header within the native format's limit
+
+
+def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
+                  since: int | None, batch_size: int, progress: bool) -> int:
+    src = (store.records(batch_size) if since is None
+           else store.changes_since(since, batch_size))
+    header = store.meta
+    header["since"] = since
+    if since is not None:
+        gone, complete = store.deletions_since(since)
+        if len(gone) > _MAX_HEADER_DELETIONS:
+            gone, complete = gone[:0], False
+        header["deleted"] = encode_keys(gone, store.key_type)
+        header["deletions_complete"] = complete
+    # background: scans yield fresh arrays, so checksum+write can overlap the next scan
+    with NativeWriter(dest, header, background=True) as w, progress_bar(
+        total=len(store) if since is None else None, enabled=progress, desc="export"
+    ) as bar:
+        for keys, recs in src:
+            w.write(keys, recs)
+            bar.update(len(keys))
+    return w.rows
+
+
+def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | bytes, *,
+                  partial: bool, progress: bool) -> int:
+    """``store.import_``: the native file must hold exactly this store's records; it then
+    goes through the one import pipeline (:func:`embstore.io.transfer.import_file`)."""
+    from ..io import transfer
+
+    with NativeFormatReader(src) as reader:
+        if reader.key_kind != store.key_type:
+            raise SchemaMismatchError(
+                f"file has {reader.key_kind} keys, the store has {store.key_type} keys"
+            )
+        if reader.layout != store.layout:
+            raise SchemaMismatchError(
+                f"file layout {reader.layout} differs from the store's {store.layout}"
+            )
+        report = transfer.import_file(store, reader, partial=partial, progress=progress,
+                                      cache_bytes=transfer.DEFAULT_CACHE_BYTES)
+        return report.rows
+
+
+def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]], *,
+                 header: dict[str, Any] | None = None) -> int:
+    top = [store._version]
+
+    def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for keys, recs in batches:
+            keys = store.normalize_keys(keys)
+            if len(keys) == 0:
+                continue
+            if getattr(recs, "dtype", None) != store.layout.dtype or len(recs) != len(keys):
+                raise SchemaMismatchError(
+                    f"records do not match the store layout {store.layout}")
+            top[0] = max(top[0], int(recs["version"].max()))
+            if not distinct(keys):
+                uniq, last = unique_last(keys)
+                keys, recs = uniq, recs[last]
+            yield keys, recs
+
+    n = store.backend.bulk_load(clean())
+    for obs in store.observers:  # bulk loads bypass the engine's writes: let indexes resync
+        obs.on_bulk_load()
+    store._version = max(store._version, top[0])
+    policy = store._policy
+    if header:
+        store.step = max(store.step, int(header.get("step", 0)))
+        policy.load_from_header(header.get("extra") or {})
+    if policy.eviction is not None:
+        policy.resync_rows(store)
+        policy.maybe_evict(store)
+    return n

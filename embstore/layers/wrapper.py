@@ -1,0 +1,145 @@
+"""``WrapperBackend``: the base of layers that wrap one backend.
+
+Every method and every capability flag is forwarded to the wrapped backend explicitly (no
+``__getattr__``): a layer overrides what it changes and inherits an honest view of the rest,
+so a capability of the inner backend (scans, a change index, thread safety, partitions) is
+never hidden by the layer in front of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import Backend, ModifyFn, RowUpdate
+from ..layout import Layout
+
+
+class WrapperBackend(Backend):
+    """A backend that forwards to ``inner``.
+
+    Parameters
+    ----------
+    inner : Backend
+        The wrapped backend.
+    read_only : bool, optional
+        Default: the inner backend's.
+    """
+
+    def __init__(self, inner: Backend, *, read_only: bool | None = None) -> None:
+        super().__init__(inner.url, read_only=inner.read_only if read_only is None
+                         else bool(read_only))
+        self.inner = inner
+
+    # -- capabilities (read from the inner backend on every access) ---------------------------
+    @property  # type: ignore[override]
+    def persistent(self) -> bool:
+        return self.inner.persistent
+
+    @property  # type: ignore[override]
+    def supports_scan(self) -> bool:
+        return self.inner.supports_scan
+
+    @property  # type: ignore[override]
+    def supports_changes(self) -> bool:
+        return self.inner.supports_changes
+
+    @property  # type: ignore[override]
+    def supports_row_update(self) -> bool:
+        return self.inner.supports_row_update
+
+    @property  # type: ignore[override]
+    def supports_lookup_insert(self) -> bool:
+        return self.inner.supports_lookup_insert
+
+    @property  # type: ignore[override]
+    def thread_safe(self) -> bool:
+        return self.inner.thread_safe
+
+    @property  # type: ignore[override]
+    def scheme(self) -> str:
+        return self.inner.scheme
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def bind(self, layout: Layout, key_type: str) -> None:
+        super().bind(layout, key_type)
+        self.inner.bind(layout, key_type)
+
+    def read_meta(self) -> dict | None:
+        return self.inner.read_meta()
+
+    def write_meta(self, meta: dict) -> None:
+        self.inner.write_meta(meta)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def reopen_options(self) -> dict:
+        return self.inner.reopen_options()
+
+    # -- rows ---------------------------------------------------------------------------------
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.get(keys)
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.get_field(keys, field)
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        self.inner.put(keys, records)
+
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+        self.inner.insert_rows(keys, vectors, template)
+
+    def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                      template: Callable[[], np.ndarray],
+                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        return self.inner.lookup_insert(keys, initial, template, new=new)
+
+    def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
+        return self.inner.update_rows(keys, update)
+
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        return self.inner.modify(keys, fn)
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        return self.inner.delete(keys)
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self.inner.contains(keys)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.inner.scan(batch_size)
+
+    def changes_since(self, version: int,
+                      batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.inner.changes_since(version, batch_size)
+
+    def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
+        return self.inner.bulk_load(batches)
+
+    def partitions(self) -> list[Backend]:
+        parts = self.inner.partitions()
+        return [self] if len(parts) == 1 else parts
+
+    def partition_of(self, keys: np.ndarray) -> np.ndarray:
+        return self.inner.partition_of(keys)
+
+    def prefetch(self, keys: np.ndarray) -> None:
+        self.inner.prefetch(keys)
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def size_bytes(self) -> int | None:
+        return self.inner.size_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, **self.inner.stats()}

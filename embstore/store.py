@@ -441,7 +441,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         written atomically.
         """
         from .engine.transfer import export_native
-        from .io.api_format import file_format
+        from .io.format_choice import file_format
 
         self._check_open()
         name = file_format(dest, format, for_write=True)
@@ -465,7 +465,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         records from embstore's own Parquet) through ``embstore.io.transfer.import_file``.
         """
         from .engine.transfer import import_native
-        from .io.api_format import file_format
+        from .io.format_choice import file_format
 
         self._check_writable()
         name = file_format(src, format, for_write=False)

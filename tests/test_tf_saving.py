@@ -123,6 +123,8 @@ def test_unknown_keys_and_jit_compile_of_the_snapshot(tmp_path):
     np.testing.assert_array_equal(got, np.r_[np.arange(1000), np.full(1002, -1.0)])
     empty = StaticEmbedding.from_store(embstore.open("memory://", dim=DIM))
     np.testing.assert_array_equal(empty(tf.constant([1, 2])).numpy(), np.zeros((2, DIM)))
+    no_words = StaticEmbedding.from_store(embstore.open("memory://", dim=DIM, key_type="bytes"))
+    np.testing.assert_array_equal(no_words(tf.constant(["a"])).numpy(), np.zeros((1, DIM)))
 
 
 def test_savedmodels_serve_in_a_fresh_process(tmp_path):

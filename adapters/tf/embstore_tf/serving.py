@@ -62,6 +62,8 @@ class StaticEmbedding(keras.layers.Layer):
     vectors : (n, dim) float32
     default : (dim,) array, optional
         The vector of keys not in ``keys`` (default zeros).
+    key_type : {"int64", "bytes"}, optional
+        Default: from the keys' dtype (needed for an empty bytes table).
     jit_compile : bool
         Search int64 keys with XLA-friendly steps (for a caller that compiles the lookup
         with ``jit_compile=True``; slower than ``tf.searchsorted`` without XLA).
@@ -74,7 +76,8 @@ class StaticEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, keys: Any, vectors: Any, *, default: Any = None,
-                 jit_compile: bool = False, **kwargs: Any) -> None:
+                 key_type: str | None = None, jit_compile: bool = False,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
         self.xla_search = bool(jit_compile)
@@ -87,7 +90,9 @@ class StaticEmbedding(keras.layers.Layer):
         default = (np.zeros(self.output_dim, np.float32) if default is None
                    else np.asarray(default, np.float32).reshape(self.output_dim))
         keys = np.asarray(keys) if len(keys) else np.asarray(keys, dtype=np.int64)
-        self.key_type = "int64" if keys.dtype.kind in "iu" else "bytes"
+        if key_type not in (None, "int64", "bytes"):
+            raise InvalidInputError(f"key_type must be 'int64' or 'bytes', got {key_type!r}")
+        self.key_type = key_type or ("int64" if keys.dtype.kind in "iu" else "bytes")
         if self.key_type == "int64":
             order = np.argsort(keys, kind="stable")
             keys, vectors = keys[order].astype(np.int64), vectors[order]
@@ -98,11 +103,12 @@ class StaticEmbedding(keras.layers.Layer):
                             dtype=object)
         matrix = np.concatenate([vectors, default[None, :]])
         # Variables, not constants: a big table stays out of the GraphDef (2 GB limit).
-        self.table_keys = tf.Variable(keys if len(keys) else tf.zeros([0], tf.int64),
-                                      trainable=False, name="keys")
+        empty = tf.zeros([0], tf.int64 if self.key_type == "int64" else tf.string)
+        self.table_keys = tf.Variable(keys if len(keys) else empty, trainable=False,
+                                      name="keys")
         self.matrix = tf.Variable(matrix, trainable=False, name="vectors")
         self.index = None
-        if self.key_type == "bytes":
+        if self.key_type == "bytes" and self.size:  # TF refuses an empty table
             init = tf.lookup.KeyValueTensorInitializer(
                 self.table_keys, tf.range(self.size, dtype=tf.int64))
             self.index = tf.lookup.StaticHashTable(init, default_value=self.size)
@@ -111,14 +117,18 @@ class StaticEmbedding(keras.layers.Layer):
     def from_store(cls, store: Any, *, default: Any = None, **kwargs: Any) -> StaticEmbedding:
         """A snapshot of every row of ``store``."""
         keys, vectors = snapshot(store)
-        return cls(keys, vectors, default=default, **kwargs)
+        return cls(keys, vectors, default=default, key_type=store.key_type, **kwargs)
 
     def call(self, inputs: Any) -> tf.Tensor:
         k = tf.convert_to_tensor(inputs)
         if self.key_type == "bytes":
             if k.dtype != tf.string:
                 raise KeyTypeError(f"this table has bytes keys; got a {k.dtype.name} tensor")
-            idx = self.index.lookup(tf.reshape(k, [-1]))
+            flat = tf.reshape(k, [-1])
+            if self.size == 0:
+                idx = tf.zeros(tf.shape(flat), tf.int64)
+            else:
+                idx = self.index.lookup(flat)
         else:
             if not k.dtype.is_integer:
                 raise KeyTypeError(f"this table has int64 keys; got a {k.dtype.name} tensor")

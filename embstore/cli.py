@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._urls import redact_text
 from .errors import EmbstoreError, InvalidInputError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -406,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, OSError) and not isinstance(e, EmbstoreError) and e.filename:
             msg = f"{e.filename}: {e.strerror}"
-        print(f"embstore: error: {msg}", file=sys.stderr)
+        print(f"embstore: error: {redact_text(msg)}", file=sys.stderr)
         return EXIT_FAIL
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "CorruptFileError",
     "InvalidURLError",
     "StoreNotFoundError",
+    "ForkedProcessError",
 ]
 
 
@@ -80,3 +81,8 @@ class StoreNotFoundError(EmbstoreError, FileNotFoundError):
 class CapabilityError(EmbstoreError, NotImplementedError):
     """The backend does not declare the capability an operation needs (e.g. ``supports_scan``
     for a whole-table scan)."""
+
+
+class ForkedProcessError(EmbstoreError, RuntimeError):
+    """An in-process store (``memory://``) was used in a child forked from its process: the
+    child holds a private copy, so its writes would silently never reach the parent."""

@@ -12,6 +12,7 @@ import importlib
 from importlib.metadata import entry_points
 from urllib.parse import urlsplit
 
+from ._urls import redact_url
 from .errors import (
     BackendUnavailableError,
     InvalidInputError,
@@ -99,7 +100,7 @@ def scheme_of(url: str) -> str:
         raise InvalidURLError(f"store URL must look like 'scheme://...', got {url!r}")
     scheme = urlsplit(url).scheme.lower()
     if not scheme:
-        raise InvalidURLError(f"store URL has no scheme: {url!r}")
+        raise InvalidURLError(f"store URL has no scheme: {redact_url(url)!r}")
     return scheme.split("+", 1)[0]
 
 
@@ -109,7 +110,7 @@ def backend_class(url: str) -> type:
     _load_entry_points()
     if scheme not in _registry:
         raise UnknownSchemeError(
-            f"no backend for scheme {scheme!r} (in {url!r}); known schemes: "
+            f"no backend for scheme {scheme!r} (in {redact_url(url)!r}); known schemes: "
             + ", ".join(known_schemes())
         )
     target, extra = _registry[scheme]

@@ -4,7 +4,13 @@ Items stream through in blocks: one matrix product per block, then only the scor
 still enter a query's top k (``>=`` its current k-th best) are merged. The first block is cut to
 its k best per row with ``np.partition``; after that the running threshold usually lets very few
 scores through, so the cost is dominated by the matrix products. Ties are broken by key
-ascending, so the result is a pure function of the data (equal to a brute-force sort).
+ascending, so the result is a pure function of the data (equal to a brute-force sort). A NaN
+score (a dot product of inf - inf) ranks after every number, ``-inf`` included.
+
+The result is a :class:`TopKResult`: it unpacks as ``keys, scores`` and carries ``valid``, a
+mask that is False where a row ran out of items (after per-query exclusion); those places hold
+:data:`PAD_KEY` (``b""`` for bytes keys) and score ``-inf``. Any int64 can be a real key, so
+``valid``, not the key, tells padding apart.
 
 Sources: a persistent or remote backend is streamed with ``scan`` in constant memory; a sharded
 backend is streamed per shard and the per-shard top-k lists are merged (n x k -> k); a
@@ -22,9 +28,42 @@ import numpy as np
 from .errors import CapabilityError, InvalidInputError
 from .sampling.keyindex import KeyIndex
 
+#: Key in the padded places of a top-k result of an int64 store (see ``TopKResult.valid``).
+PAD_KEY = np.iinfo(np.int64).min
 _ATTR = "_dense_vectors"
 _SCORE_BUDGET = 1 << 23  # scores per block (32 MB of float32)
 _MAX_QUERIES = 8192
+
+
+class TopKResult(tuple):
+    """``(keys, scores)`` of :func:`top_k`, plus a ``valid`` mask of the same shape.
+
+    Unpacks as a 2-tuple (``keys, scores = store.top_k(q, k)``). Where ``valid`` is False the
+    row ran out of items: the key is :data:`PAD_KEY` (``b""`` for bytes keys) and the score
+    ``-inf``.
+    """
+
+    valid: np.ndarray
+
+    def __new__(cls, keys: np.ndarray, scores: np.ndarray, valid: np.ndarray) -> TopKResult:
+        obj = super().__new__(cls, (keys, scores))
+        obj.valid = valid
+        return obj
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self.valid)
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self[0]
+
+    @property
+    def scores(self) -> np.ndarray:
+        return self[1]
+
+
+def _pad_key(key_dtype: Any) -> Any:
+    return b"" if np.dtype(key_dtype).kind == "O" else PAD_KEY
 
 
 class TopK:
@@ -58,17 +97,24 @@ class TopK:
             return
         k = self.k
         thr = self._threshold()
-        flat = np.flatnonzero(scores >= thr[:, None])
+        # "not below" rather than ">=": NaN scores pass while a row is not full (they rank
+        # last but still count as items); a NaN threshold lets everything through.
+        flat = np.flatnonzero(~(scores < thr[:, None]))
         if b > k and len(flat) > 2 * self.nq * k and self._pending:
             self.flush()  # a fresher threshold may be all it takes
             thr = self._threshold()
-            flat = np.flatnonzero(scores >= thr[:, None])
+            flat = np.flatnonzero(~(scores < thr[:, None]))
         if b > k and len(flat) > 2 * self.nq * k:
-            kth = np.partition(scores, b - k, axis=1)[:, b - k]
-            flat = np.flatnonzero(scores >= np.maximum(thr, kth)[:, None])  # >= keeps ties
+            kth = np.partition(scores, b - k, axis=1)[:, b - k]  # NaN sorts last
+            flat = np.flatnonzero(~(scores < np.fmax(thr, kth)[:, None]))  # keeps ties
         rows, cols = np.divmod(flat, b)
         cand_s, cand_k = scores.ravel()[flat], keys[cols]
         if self.filled == k and len(flat):
+            # NaN ranks below every number: it cannot displace a full row's numeric k-th best
+            nan = np.isnan(cand_s)
+            if nan.any():
+                ok = ~nan | np.isnan(thr[rows])
+                rows, cand_s, cand_k = rows[ok], cand_s[ok], cand_k[ok]
             # A score equal to a row's k-th best only enters with a smaller key: this keeps
             # massive ties (e.g. a zero query) from flooding every merge.
             tie = cand_s == thr[rows]
@@ -121,18 +167,27 @@ class TopK:
         width = f + (int(counts.max()) if len(rows) else 0)
         mat_s = np.full((nq, width), -np.inf, dtype=np.float32)
         mat_k = np.zeros((nq, width), dtype=self.keys.dtype)
+        # rank class: 0 a number, 1 NaN (after every number), 2 an empty cell (after all)
+        rank = np.full((nq, width), 2, dtype=np.int8)
         mat_s[:, :f] = self.scores[:, :f]
         mat_k[:, :f] = self.keys[:, :f]
+        rank[:, :f] = 0
         starts = np.cumsum(counts) - counts
         cols = f + np.arange(len(rows)) - starts[rows]
         mat_s[rows, cols] = s
         mat_k[rows, cols] = keys
+        rank[rows, cols] = 0
+        neg = -mat_s
+        nan = np.isnan(neg)
+        if nan.any():
+            rank[nan] = 1
+            neg[nan] = np.inf
         if mat_k.dtype == object:  # lexsort needs numbers: rank bytes keys among candidates
-            mat_k[mat_s == -np.inf] = b""
+            mat_k[rank == 2] = b""
             tie = np.unique(mat_k, return_inverse=True)[1].reshape(mat_k.shape)
         else:
             tie = mat_k
-        order = np.lexsort((tie, -mat_s), axis=-1)[:, :newfill]
+        order = np.lexsort((tie, rank, neg), axis=-1)[:, :newfill]
         self.scores[:, :newfill] = np.take_along_axis(mat_s, order, axis=1)
         self.keys[:, :newfill] = np.take_along_axis(mat_k, order, axis=1)
         self.filled = newfill
@@ -241,7 +296,8 @@ def _run(q: np.ndarray, k: int, key_dtype: Any, source: Iterable, rows: int,
             if not keep.all():
                 keys, vecs = keys[keep], vecs[keep]
         scores = buf[:len(q) * len(keys)].reshape(len(q), len(keys))
-        np.matmul(q, np.asarray(vecs, dtype=np.float32).T, out=scores)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN scores are ranked
+            np.matmul(q, np.asarray(vecs, dtype=np.float32).T, out=scores)
         acc.add(scores, keys)
     acc.flush()
     return acc
@@ -249,8 +305,8 @@ def _run(q: np.ndarray, k: int, key_dtype: Any, source: Iterable, rows: int,
 
 def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
           batch_size: int | None = None, dense: bool | None = None,
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """See :meth:`embstore.EmbeddingStore.top_k`."""
+          ) -> TopKResult:
+    """See :meth:`embstore.EmbeddingStore.top_k`; returns a :class:`TopKResult`."""
     store.check_open()
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
         raise InvalidInputError(f"k must be a positive int, got {k!r}")
@@ -294,21 +350,21 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
     keys = np.concatenate([a.keys[:, :fill] for a in parts])
     scores = np.concatenate([a.scores[:, :fill] for a in parts])
     if per is None:
-        return keys.copy(), scores.copy()
+        return TopKResult(keys.copy(), scores.copy(), np.ones(keys.shape, dtype=bool))
     return _drop_per_query(keys, scores, per, int(k))
 
 
 def _drop_per_query(keys: np.ndarray, scores: np.ndarray, per: list[np.ndarray],
-                    k: int) -> tuple[np.ndarray, np.ndarray]:
+                    k: int) -> TopKResult:
     # A loop over queries (not keys): each row drops its own excluded keys, then pads.
     width = min(k, keys.shape[1])
-    out_k = np.zeros((len(keys), width), dtype=keys.dtype)
-    if keys.dtype == object:
-        out_k[:] = b""
+    out_k = np.full((len(keys), width), _pad_key(keys.dtype), dtype=keys.dtype)
     out_s = np.full((len(keys), width), -np.inf, dtype=np.float32)
+    valid = np.zeros((len(keys), width), dtype=bool)
     for i, ex in enumerate(per):
         keep = ~np.isin(keys[i], ex) if len(ex) else np.ones(keys.shape[1], dtype=bool)
         kk, ss = keys[i][keep][:width], scores[i][keep][:width]
         out_k[i, :len(kk)] = kk
         out_s[i, :len(ss)] = ss
-    return out_k, out_s
+        valid[i, :len(kk)] = True
+    return TopKResult(out_k, out_s, valid)

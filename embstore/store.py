@@ -19,6 +19,7 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
+from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .engine.batch import (
     check_counts,
@@ -35,7 +36,7 @@ from .engine.records import RecordWrites
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
-from .errors import CapabilityError, InvalidInputError, StoreNotFoundError
+from .errors import BackendError, CapabilityError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
 
@@ -105,9 +106,9 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
-                raise StoreNotFoundError(f"{self._backend.url}: no store here to open read-only")
+                raise StoreNotFoundError(f"{self.url}: no store here to open read-only")
             if dim is None:
-                raise InvalidInputError(f"{self._backend.url}: dim is required to create a store")
+                raise InvalidInputError(f"{self.url}: dim is required to create a store")
             self.key_type = check_key_type(key_type or "int64")
             self.optimizer = optimizer or _optim.SGD(lr=0.01)
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
@@ -125,7 +126,7 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
-        stored = check_stored_meta(self._backend.url, meta, dim=dim, key_type=key_type,
+        stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
                                    initializer=initializer, optimizer=optimizer, seed=seed)
         self.key_type = stored.key_type
         self.layout = stored.layout
@@ -164,8 +165,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
 
     @property
     def url(self) -> str:
-        """A URL that reopens the same data (``embstore.open(store.url)``)."""
-        return self._backend.url
+        """A URL that reopens the same data (``embstore.open(store.url)``), with any password
+        shown as ``***`` (pickling keeps the real one; give the password to a reopen through
+        the driver's own means, e.g. ``PGPASSWORD`` or ``~/.pgpass``)."""
+        return redact_url(self._backend.url)
 
     @property
     def backend(self) -> Backend:
@@ -208,7 +211,10 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         return len(self._backend)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._backend)} rows"
+        try:
+            state = "closed" if self._closed else f"{len(self._backend)} rows"
+        except BackendError:  # a repr must not fail while the remote is down
+            state = "unreachable"
         return (f"<EmbeddingStore {self.url!r} dim={self.layout.dim} key_type={self.key_type} "
                 f"optimizer={self.optimizer!r} {state}>")
 
@@ -498,13 +504,19 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         lmdb://, layers over them) or with ``count_rows=True``; on Bigtable, RocksDB and SQL
         it costs a scan, so by default it is left out there (``count_rows=False``: never).
         ``size_bytes`` follows the same rule where measuring it reads the table (SQLite).
+        While a remote backend is unreachable a counted ``rows`` is None and
+        ``backend_error`` says why.
         """
         from ._rowcount import count_is_cheap, size_is_cheap
 
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
         if count_rows if count_rows is not None else count_is_cheap(self._backend):
-            out["rows"] = len(self._backend)
+            try:
+                out["rows"] = len(self._backend)
+            except BackendError as e:  # a remote that is down: report it, counters still count
+                out["rows"] = None
+                out["backend_error"] = str(e)
         looked = out["lookups"]
         out["hit_rate"] = out["hits"] / looked if looked else math.nan
         out["step"] = self.step
@@ -513,8 +525,12 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
         out.update(self._backend.stats())
         for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
             out.update(obs.stats())
-        measure = bool(count_rows) or size_is_cheap(self._backend)
-        size = self._backend.size_bytes() if measure else None
+        size = None
+        if bool(count_rows) or size_is_cheap(self._backend):
+            try:
+                size = self._backend.size_bytes()
+            except BackendError as e:
+                out.setdefault("backend_error", str(e))
         if size is not None:
             out["size_bytes"] = int(size)
         return out
@@ -553,13 +569,17 @@ class EmbeddingStore(SamplingAPI, RecordWrites, StoreSeams):
             )
         opts = dict(self._reopen_options)
         opts["read_only"] = self.read_only
-        return (_reopen, (self.url, opts))
+        return (_reopen, (self._backend.url, opts))  # the real URL, password included
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:
+    from ._unpickle import UnopenedStore
     from .engine.opening import open_backend, split_options
 
-    engine, read_only, layer, backend_options = split_options(options)
-    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
-    return EmbeddingStore(backend, read_only=read_only,
-                          reopen_options=dict(backend.reopen_options()), **engine)
+    try:
+        engine, read_only, layer, backend_options = split_options(options)
+        backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
+        return EmbeddingStore(backend, read_only=read_only,
+                              reopen_options=dict(backend.reopen_options()), **engine)
+    except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
+        return UnopenedStore(url, e)  # type: ignore[return-value]

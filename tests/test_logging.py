@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import embstore
-from embstore.errors import InvalidInputError
+from embstore.errors import BackendError, InvalidInputError
 from embstore.layers._writebehind import WriteBehind
 
 DIM = 4
@@ -63,19 +64,26 @@ def test_write_behind_flush_and_failure_are_logged(caplog, events):
         if len(calls) == 1:
             raise ConnectionError("remote down")
 
-    wb = WriteBehind(put)
+    wb = WriteBehind(put, retry_min=0.01, retry_max=0.05)
     wb.submit(np.arange(3), np.zeros(3))
-    wb.drain()  # the writer failed; drain writes the rows in the foreground
+    for _ in range(200):  # the writer retries by itself; drain raises while it has not landed
+        try:
+            wb.drain()
+            break
+        except BackendError:
+            time.sleep(0.01)
     wb.submit(np.arange(3, 5), np.zeros(2))
     wb.drain()
     wb.close()
     assert calls == [3, 3, 2]
-    msgs = [r.getMessage() for r in _records(caplog, "embstore.layers._writebehind")]
+    recs = _records(caplog, "embstore.layers._writebehind")
+    msgs = [r.getMessage() for r in recs]
     assert any("failed (remote down)" in m for m in msgs)
-    assert any("3 pending rows written in the foreground" in m for m in msgs)
+    assert [r.levelno for r in recs if "failed (" in r.getMessage()] == [logging.WARNING]
+    assert any("the remote is back; 3 pending rows written after 1 failed" in m for m in msgs)
     assert any("wrote 2 evicted rows" in m for m in msgs)
-    assert [n for n, _ in events] == ["write_behind.failed", "write_behind.recovered",
-                                      "write_behind.flushed"]
+    assert [n for n, _ in events] == ["write_behind.failed", "write_behind.flushed",
+                                      "write_behind.recovered", "write_behind.flushed"]
 
 
 def test_store_eviction_is_logged(caplog, events):

@@ -9,6 +9,7 @@ import pytest
 import embstore
 import embstore.optim
 from embstore.errors import InvalidInputError
+from embstore.retrieval import PAD_KEY
 from embstore.retrieval import top_k as _top_k
 
 
@@ -150,8 +151,11 @@ def test_small_tables_and_padding():
     s.assign([1, 2], [[1, 0], [0, 1]])
     k, sc = s.top_k([[1, 0.5]], 5)
     assert k.tolist() == [[1, 2]] and sc.tolist() == [[1.0, 0.5]]
-    k, sc = s.top_k([[1, 0.5]], 2, exclude=[[1]])
-    assert k.tolist() == [[2, 0]] and sc[0, 1] == -np.inf
+    res = s.top_k([[1, 0.5]], 2, exclude=[[1]])
+    k, sc = res
+    # the exhausted place holds the documented sentinel, never a real key like 0
+    assert k.tolist() == [[2, PAD_KEY]] and sc[0, 1] == -np.inf
+    assert res.valid.tolist() == [[True, False]]
 
 
 def test_bad_input():

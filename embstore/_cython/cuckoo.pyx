@@ -6,8 +6,14 @@ padding) fills exactly one 64-byte cache line, so a lookup touches at most two l
 worst case is O(1). A new key goes to the emptier of its two buckets; when both are full, one
 occupant is moved to its other bucket (first a one-step search, then a random walk of at most
 MAX_KICKS). When the walk fails or the load factor passes MAX_LOAD the table doubles, each
-bucket splitting in place. No key is ever dropped: the key being displaced when a walk fails
-is carried into the grown table.
+bucket splitting in place. A failed walk is undone step by step before the table grows, so a
+doubling that runs out of memory (``MemoryError``) leaves the table exactly as it was; so does
+``find_or_insert``, which takes back the keys it inserted earlier in the same call.
+
+The hash is splitmix64 of ``key ^ seed`` with a per-table seed (random unless given): keys
+crafted to collide under one seed do not collide under another. As a second guard, a walk that
+fails while the table is less than 1/8 full (at 4096 buckets or more) raises ``MemoryError``
+instead of doubling again: only colliding keys do that.
 
 The buckets live in a reserved address range (``es_memory.h``), so a doubling keeps the
 table where it is and the half it grows into is faulted in on a background thread before
@@ -23,6 +29,9 @@ cimport cython
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
+
+import array
+import os
 
 from .arena cimport RecordArena
 
@@ -49,6 +58,19 @@ cdef enum:
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 
 cdef double MAX_LOAD = 0.85
+# A failed walk below this load (in tables of at least COLLISION_MIN_BUCKETS) means colliding
+# keys, not a full table: refuse to double instead of growing without bound.
+cdef double COLLISION_LOAD = 0.125
+cdef uint64_t COLLISION_MIN_BUCKETS = 4096
+# Test hook (``_fail_next_grows``): the next N doublings fail as if memory ran out.
+cdef Py_ssize_t _grow_failures_to_inject = 0
+
+
+def _fail_next_grows(Py_ssize_t n):
+    """Make the next ``n`` table doublings (of any table in this process) raise
+    ``MemoryError`` before changing anything, as when memory runs out. For tests."""
+    global _grow_failures_to_inject
+    _grow_failures_to_inject = n
 # The upper half a doubling will write into is committed and faulted in on a background
 # thread once the table is this far towards its next doubling, and only for halves of at
 # least PREPARE_MIN_BUCKETS (smaller ones fault in faster than a thread starts).
@@ -75,9 +97,13 @@ cdef class CuckooTable:
     cdef public uint64_t size
     cdef public uint64_t rehashes
     cdef uint64_t rng
+    cdef readonly uint64_t seed
 
-    def __cinit__(self, uint64_t capacity=1024, bint prefault=True):
+    def __cinit__(self, uint64_t capacity=1024, bint prefault=True, seed=None):
         cdef uint64_t nb = 16
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self.seed = <uint64_t> (int(seed) & 0xFFFFFFFFFFFFFFFF)
         while nb * BUCKET * MAX_LOAD < capacity:
             nb *= 2
         if es_region_init(&self.region, nb * sizeof(Bucket)) != 0:
@@ -125,6 +151,9 @@ cdef class CuckooTable:
         """Bytes of memory committed (the buckets, and the next doubling's once prepared)."""
         return self.region.committed
 
+    cdef inline uint64_t _hash(self, int64_t key) noexcept nogil:
+        return mix64(<uint64_t> key ^ self.seed)
+
     cdef inline uint64_t _b1(self, uint64_t h) noexcept nogil:
         return h & self.mask
 
@@ -170,7 +199,7 @@ cdef class CuckooTable:
         cdef int i
         cdef Bucket* b = &self.buckets[bi]
         for i in range(BUCKET):
-            h = mix64(<uint64_t> b.keys[i])
+            h = self._hash(b.keys[i])
             alt[i] = self._b2(h) if self._b1(h) == bi else self._b1(h)
             ES_PREFETCH(&self.buckets[alt[i]])
         for i in range(BUCKET):
@@ -178,19 +207,21 @@ cdef class CuckooTable:
                 return i
         return -1
 
-    cdef int _insert_new(self, int64_t key, uint32_t val, int64_t* lost_key,
-                         uint32_t* lost_val) noexcept nogil:
-        """Place a key known to be absent. Returns 1 on success; 0 means the walk failed and
-        (lost_key, lost_val) holds the entry left homeless, to be placed after a grow.
+    cdef int _insert_new(self, int64_t key, uint32_t val) noexcept nogil:
+        """Place a key known to be absent. Returns 1 on success; 0 means the walk failed, and
+        then every move it made has been undone: the table is exactly as before the call.
 
         The key goes to the emptier of its two buckets, which keeps buckets evenly filled
         and makes full pairs (and the walks they need) rare; a full pair first tries to
         move one occupant out in a single step, and only then starts a random walk."""
-        cdef uint64_t h = mix64(<uint64_t> key)
+        cdef uint64_t h = self._hash(key)
         cdef uint64_t bi = self._b1(h), bj = self._b2(h)
         cdef int kick, i, f1 = self._free_in(bi), f2 = self._free_in(bj)
         cdef int64_t k2
         cdef uint32_t v2
+        # the walk's path, to undo it when it fails
+        cdef uint64_t path_b[MAX_KICKS]
+        cdef int path_i[MAX_KICKS]
         if f1 or f2:
             self._try_place(bi if f1 >= f2 else bj, key, val)
             return 1
@@ -209,18 +240,39 @@ cdef class CuckooTable:
             self.rng ^= self.rng >> 7
             self.rng ^= self.rng << 17
             i = <int> (self.rng & (BUCKET - 1))
+            path_b[kick] = bi
+            path_i[kick] = i
             k2 = self.buckets[bi].keys[i]
             v2 = self.buckets[bi].vals[i]
             self.buckets[bi].keys[i] = key
             self.buckets[bi].vals[i] = val
             key = k2
             val = v2
-            h = mix64(<uint64_t> key)
+            h = self._hash(key)
             bi = self._b2(h) if self._b1(h) == bi else self._b1(h)
             if self._try_place(bi, key, val):
                 return 1
-        lost_key[0] = key
-        lost_val[0] = val
+        # Undo: put each displaced entry back where it was taken from, newest move first;
+        # what comes out last is the key this call was given.
+        for kick in range(MAX_KICKS - 1, -1, -1):
+            bi = path_b[kick]
+            i = path_i[kick]
+            k2 = self.buckets[bi].keys[i]
+            v2 = self.buckets[bi].vals[i]
+            self.buckets[bi].keys[i] = key
+            self.buckets[bi].vals[i] = val
+            key = k2
+            val = v2
+        return 0
+
+    cdef int _check_collisions(self) except -1:
+        """Called when a walk failed: refuse to double a table that is nearly empty."""
+        if (self.nbuckets >= COLLISION_MIN_BUCKETS
+                and self.size < self.nbuckets * BUCKET * COLLISION_LOAD):
+            raise MemoryError(
+                "cuckoo table: keys collide under both hash functions at %.1f%% load in %d "
+                "buckets (crafted keys?); refusing to grow further"
+                % (100.0 * self.size / (self.nbuckets * BUCKET), self.nbuckets))
         return 0
 
     cdef int _grow(self) except -1:
@@ -231,18 +283,24 @@ cdef class CuckooTable:
         two halves of its old bucket, chosen by the next bit of that hash, so the pass is
         sequential, branch-free per entry and never overflows a bucket; the rare entries
         placed by the tie rule (b2 == b1, so b1 ^ 1) are set aside and reinserted afterwards,
-        growing again if a walk fails. Never drops a key."""
+        growing again if a walk fails. Running out of memory raises ``MemoryError`` before
+        anything changed (see the stash loop below for the one exception)."""
         cdef uint64_t old_nb = self.nbuckets, old_mask = self.mask, j, h, a, b, nstash = 0, s
         cdef uint64_t occ, via1, nat, bit
         cdef int i, nlo, nhi, shift = 0
-        cdef int64_t k, lk
-        cdef uint32_t v, lv
+        cdef int64_t k
+        cdef uint32_t v
         cdef Bucket src
         cdef Bucket* lo
         cdef Bucket* hi
         cdef Bucket* grown
+        global _grow_failures_to_inject
         while (<uint64_t> 1 << shift) < old_nb:
             shift += 1
+        if _grow_failures_to_inject > 0:
+            _grow_failures_to_inject -= 1
+            raise MemoryError("cuckoo table: cannot grow to %d buckets (injected)"
+                              % (2 * old_nb))
         if es_region_commit(&self.region, 2 * old_nb * sizeof(Bucket)) != 0:
             raise MemoryError("cuckoo table: cannot grow to %d buckets" % (2 * old_nb))
         # Tie-rule entries, at most all of them (in practice a handful): int64 key + slot.
@@ -265,7 +323,7 @@ cdef class CuckooTable:
                 for i in range(BUCKET):
                     k = src.keys[i]
                     v = src.vals[i]
-                    h = mix64(<uint64_t> k)
+                    h = self._hash(k)
                     a = h & old_mask
                     b = (h >> 32) & old_mask
                     occ = v != EMPTY
@@ -287,37 +345,51 @@ cdef class CuckooTable:
                     lo.vals[i] = EMPTY
                 for i in range(nhi, BUCKET):
                     hi.vals[i] = EMPTY
+        # A walk failing here (at about 43% load: practically never with a seeded hash) needs
+        # one more doubling; should that one run out of memory, the entries not yet placed
+        # are lost. Everything else in this method fails before changing the table.
         try:
             for s in range(nstash):
-                if not self._insert_new(stash_k[s], stash_v[s], &lk, &lv):
-                    self._grow_with_pending(lk, lv)
+                while not self._insert_new(stash_k[s], stash_v[s]):
+                    self._grow()
         finally:
             free(stash_k)
             free(stash_v)
         self.rehashes += 1
         return 0
 
-    cdef int _grow_with_pending(self, int64_t pk, uint32_t pv) except -1:
-        self._grow()
-        cdef int64_t lk
-        cdef uint32_t lv
-        while not self._insert_new(pk, pv, &lk, &lv):
-            self._grow()
-            pk = lk
-            pv = lv
-        return 0
-
     cdef int _insert(self, int64_t key, uint32_t val) except -1:
-        cdef int64_t lk
-        cdef uint32_t lv
+        """Insert an absent key; on ``MemoryError`` the table is unchanged."""
         if self.size >= self.prepare_at:
             self._prepare_next()
         if self.size + 1 > self.grow_at:
             self._grow()
-        if not self._insert_new(key, val, &lk, &lv):
-            self._grow_with_pending(lk, lv)
+        while not self._insert_new(key, val):   # the failed walk was undone
+            self._check_collisions()
+            self._grow()
         self.size += 1
         return 0
+
+    cdef uint32_t _erase_one(self, int64_t key) noexcept nogil:
+        """Remove ``key``; return its slot or EMPTY."""
+        cdef uint64_t h = self._hash(key)
+        cdef Bucket* b = &self.buckets[self._b1(h)]
+        cdef int i
+        cdef uint32_t v
+        for i in range(BUCKET):
+            if b.vals[i] != EMPTY and b.keys[i] == key:
+                v = b.vals[i]
+                b.vals[i] = EMPTY
+                self.size -= 1
+                return v
+        b = &self.buckets[self._b2(h)]
+        for i in range(BUCKET):
+            if b.vals[i] != EMPTY and b.keys[i] == key:
+                v = b.vals[i]
+                b.vals[i] = EMPTY
+                self.size -= 1
+                return v
+        return EMPTY
 
     def find(self, const int64_t[::1] keys, uint32_t[::1] out):
         """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits."""
@@ -328,27 +400,33 @@ cdef class CuckooTable:
         with nogil:
             for j in range(n):
                 if j + PREFETCH_AHEAD < n:
-                    h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
+                    h = self._hash(keys[j + PREFETCH_AHEAD])
                     ES_PREFETCH(&self.buckets[self._b1(h)])
                     ES_PREFETCH(&self.buckets[self._b2(h)])
-                v = self._find(keys[j], mix64(<uint64_t> keys[j]))
+                v = self._find(keys[j], self._hash(keys[j]))
                 out[j] = v
                 if v != EMPTY:
                     hits += 1
         return hits
 
     def insert_new(self, const int64_t[::1] keys, const uint32_t[::1] vals):
-        """Insert keys the caller knows are absent and unique, with their slots."""
-        cdef Py_ssize_t n = keys.shape[0], j
+        """Insert keys the caller knows are absent and unique, with their slots. All or
+        nothing: on ``MemoryError`` the keys inserted so far are taken out again."""
+        cdef Py_ssize_t n = keys.shape[0], j = 0, t
         while self.size + n > self.grow_at:
             self._grow()
         cdef uint64_t h
-        for j in range(n):
-            if j + PREFETCH_AHEAD < n:
-                h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
-                ES_PREFETCH(&self.buckets[self._b1(h)])
-                ES_PREFETCH(&self.buckets[self._b2(h)])
-            self._insert(keys[j], vals[j])
+        try:
+            for j in range(n):
+                if j + PREFETCH_AHEAD < n:
+                    h = self._hash(keys[j + PREFETCH_AHEAD])
+                    ES_PREFETCH(&self.buckets[self._b1(h)])
+                    ES_PREFETCH(&self.buckets[self._b2(h)])
+                self._insert(keys[j], vals[j])
+        except BaseException:
+            for t in range(j - 1, -1, -1):
+                self._erase_one(keys[t])
+            raise
 
     def erase(self, const int64_t[::1] keys, uint32_t[::1] out):
         """Remove keys; ``out`` receives each removed key's slot or 0xFFFFFFFF."""
@@ -360,7 +438,7 @@ cdef class CuckooTable:
         with nogil:
             for j in range(n):
                 out[j] = EMPTY
-                h = mix64(<uint64_t> keys[j])
+                h = self._hash(keys[j])
                 done = 0
                 b = &self.buckets[self._b1(h)]
                 for i in range(BUCKET):
@@ -405,26 +483,60 @@ def find_or_insert(CuckooTable table, RecordArena arena, const int64_t[::1] keys
                    uint32_t[::1] out, uint8_t[::1] inserted_out=None):
     """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
     table in the same pass (one probe per key instead of a find and then an insert).
-    ``inserted_out`` (optional) gets 1 where the key was inserted. Returns how many were."""
+    ``inserted_out`` (optional) gets 1 where the key was inserted. Returns how many were.
+
+    All or nothing: when the table or the arena runs out of memory (``MemoryError``) the
+    keys this call inserted are taken out again and their slots returned to the arena."""
     cdef Py_ssize_t n = keys.shape[0], j
     cdef uint64_t h, inserted = 0
-    cdef uint32_t v
+    cdef uint32_t v, pending = EMPTY
     cdef bint mark = inserted_out is not None
+    cdef Py_ssize_t* new_at
     if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
         raise ValueError("find_or_insert: output has too few rows")
-    for j in range(n):
-        if j + PREFETCH_AHEAD < n:
-            h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD])
-            ES_PREFETCH(&table.buckets[table._b1(h)])
-            ES_PREFETCH(&table.buckets[table._b2(h)])
-        v = table._find(keys[j], mix64(<uint64_t> keys[j]))
-        if v == EMPTY:
-            v = arena._alloc_one()
-            table._insert(keys[j], v)
-            inserted += 1
-            if mark:
-                inserted_out[j] = 1
-        elif mark:
-            inserted_out[j] = 0
-        out[j] = v
+    new_at = <Py_ssize_t*> malloc(n * sizeof(Py_ssize_t) + 8)   # where the new keys are
+    if new_at == NULL:
+        raise MemoryError("find_or_insert: cannot allocate the undo list")
+    try:
+        for j in range(n):
+            if j + PREFETCH_AHEAD < n:
+                h = table._hash(keys[j + PREFETCH_AHEAD])
+                ES_PREFETCH(&table.buckets[table._b1(h)])
+                ES_PREFETCH(&table.buckets[table._b2(h)])
+            v = table._find(keys[j], table._hash(keys[j]))
+            if v == EMPTY:
+                v = arena._alloc_one()
+                pending = v
+                table._insert(keys[j], v)       # on MemoryError: not inserted, table as before
+                pending = EMPTY
+                out[j] = v
+                new_at[inserted] = j
+                inserted += 1
+                if mark:
+                    inserted_out[j] = 1
+            elif mark:
+                inserted_out[j] = 0
+            out[j] = v
+    except BaseException:
+        _undo_inserts(table, arena, keys, out, new_at, inserted, pending)
+        raise
+    finally:
+        free(new_at)
     return inserted
+
+
+cdef int _undo_inserts(CuckooTable table, RecordArena arena, const int64_t[::1] keys,
+                       uint32_t[::1] out, Py_ssize_t* new_at, uint64_t n,
+                       uint32_t pending) except -1:
+    """Take the ``n`` keys ``keys[new_at[:n]]`` out of the table again and return their slots
+    (and ``pending``, a slot handed out for a key that did not make it in) to the arena."""
+    cdef uint64_t t
+    slots = array.array("I", [pending] if pending != EMPTY else [])
+    for t in range(n):
+        table._erase_one(keys[new_at[t]])
+        slots.append(out[new_at[t]])
+    try:
+        arena.release(slots)
+    except MemoryError:
+        pass            # the slots stay unused: memory is leaked, no record is harmed
+    return 0

@@ -35,6 +35,7 @@ import numpy as np
 
 from .._log import event
 from .._options import accepted_options, unknown_option_error
+from .._urls import check_url_text
 from ..errors import (
     BackendError,
     BackendUnavailableError,
@@ -101,6 +102,7 @@ class BigtableBackend(Backend):
                  rpc_timeout: float = 20.0, read_batch: int = 1024, write_batch: int = 1024,
                  inflight: int = 4, interceptors: Sequence[Any] = (),
                  credentials: Any = None, **options: Any) -> None:
+        check_url_text(url)  # a newline would cut the table id short
         self.project, self.instance, self.table_id = wire.parse_url(url)
         if not _FAMILY.match(str(column_family)):
             raise InvalidInputError(f"invalid column family name {column_family!r}")
@@ -208,33 +210,65 @@ class BigtableBackend(Backend):
                 self._admin = BigtableTableAdminClient(credentials=self._credentials)
         return self._admin
 
-    def _ensure_table(self, initial: bool = False) -> None:
-        """Check the table (and family) exist; create them when allowed."""
+    def _ensure_table(self, initial: bool = False, deadline: float | None = None) -> None:
+        """Check the table (and family) exist; create them when allowed. Transient failures
+        are retried until ``deadline`` (default: ``retry_deadline`` from now)."""
         from google.api_core import exceptions as gexc
 
+        if deadline is None:
+            deadline = time.monotonic() + self.retry_deadline
         # One thread at a time: several in-flight requests see a vanished table together.
         with self._table_lock:
             try:
-                self._ensure_table_locked(initial, gexc)
-            except gexc.GoogleAPICallError as e:
+                self._ensure_table_locked(initial, gexc, deadline)
+            except (gexc.GoogleAPICallError, gexc.RetryError) as e:
                 raise BackendError(
                     f"{self.url}: Bigtable table administration failed: {e}") from e
 
-    def _ensure_table_locked(self, initial: bool, gexc: Any) -> None:
+    def _admin_call(self, fn: Callable[..., T], deadline: float, **kwargs: Any) -> T:
+        """One admin RPC under this backend's retry rules (transient errors retried until
+        ``deadline``, then ``BackendError``). The client library's own retry is off: it keeps
+        going for 60 s whatever ``retry_deadline`` says, and raises a ``RetryError`` that is
+        not a ``GoogleAPICallError``."""
+        from google.api_core import exceptions as gexc
+
+        transient = (gexc.ServiceUnavailable, gexc.DeadlineExceeded, gexc.Aborted,
+                     gexc.ResourceExhausted, gexc.RetryError)
+        delay = 0.05
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return fn(**kwargs, retry=None,
+                          timeout=max(min(self.rpc_timeout, remaining), 0.001))
+            except transient as e:
+                last = e
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BackendError(
+                    f"{self.url}: Bigtable table administration gave up after "
+                    f"{self.retry_deadline:g} s of retries; last error: {last}") from last
+            self.counters["retries"] += 1
+            event(log, logging.WARNING if delay == 0.05 else logging.DEBUG, "bigtable.retry",
+                  "%s: Bigtable table administration failed (%s); retrying, %.1f s left",
+                  self.url, last, remaining, op="admin")
+            time.sleep(min(delay * (0.5 + random.random()), remaining))
+            delay = min(delay * 2, 1.0)
+
+    def _ensure_table_locked(self, initial: bool, gexc: Any, deadline: float) -> None:
         admin = self._admin_client()
         parent = f"projects/{self.project}/instances/{self.instance}"
         gc = {"gc_rule": {"max_num_versions": 1}}
         try:
-            table = admin.get_table(name=self.table_name, timeout=self.rpc_timeout)
+            table = self._admin_call(admin.get_table, deadline, name=self.table_name)
         except gexc.NotFound:
             if not self.create or self.read_only:
                 raise StoreNotFoundError(
                     f"{self.url}: Bigtable table {self.table_name} does not exist "
                     "(pass create=True to create it)") from None
             try:
-                admin.create_table(parent=parent, table_id=self.table_id,
-                                   table={"column_families": {self.column_family: gc}},
-                                   timeout=self.rpc_timeout)
+                self._admin_call(admin.create_table, deadline, parent=parent,
+                                 table_id=self.table_id,
+                                 table={"column_families": {self.column_family: gc}})
             except gexc.AlreadyExists:  # another process won the race
                 pass
             if not initial:
@@ -248,10 +282,8 @@ class BigtableBackend(Backend):
             if not self.create or self.read_only:
                 raise StoreNotFoundError(
                     f"{self.url}: table has no column family {self.column_family!r}")
-            admin.modify_column_families(
-                name=self.table_name,
-                modifications=[{"id": self.column_family, "create": gc}],
-                timeout=self.rpc_timeout)
+            self._admin_call(admin.modify_column_families, deadline, name=self.table_name,
+                             modifications=[{"id": self.column_family, "create": gc}])
 
     # -- retry machinery --------------------------------------------------------------------------
     def _retry(self, op: str, attempt: Callable[[float], T], deadline: float) -> T:
@@ -274,7 +306,7 @@ class BigtableBackend(Backend):
                         and self.create and not recreated and not self.read_only):
                     # The table vanished (emulator restarted): recreate it once, then retry.
                     try:
-                        self._ensure_table()
+                        self._ensure_table(deadline=deadline)
                         recreated = True
                         continue
                     except BackendError as e2:  # admin not reachable yet: back off, try again
@@ -549,9 +581,10 @@ class BigtableBackend(Backend):
 
         self._check_writable()
         try:
-            self._admin_client().drop_row_range(
-                request={"name": self.table_name, "row_key_prefix": wire.DATA_PREFIX},
-                timeout=self.rpc_timeout)
+            self._admin_call(self._admin_client().drop_row_range,
+                             time.monotonic() + self.retry_deadline,
+                             request={"name": self.table_name,
+                                      "row_key_prefix": wire.DATA_PREFIX})
         except gexc.GoogleAPICallError:  # e.g. no admin rights: delete row by row instead
             super().clear()
 

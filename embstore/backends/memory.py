@@ -6,20 +6,24 @@ byte for byte) to its arena slot: hashing variable-length bytes into the int64 c
 would need a fingerprint plus a full-key check anyway, and the dict already is exactly that.
 Records of both key types live in one chunked arena (:class:`RecordArena`).
 
-The data lives and dies with the process: a ``memory://`` store refuses to pickle. Calls are
-serialized by a lock, so threads may share one store.
+The data lives and dies with the process: a ``memory://`` store refuses to pickle, and a
+child forked from the process (a fork-started DataLoader worker) that uses it gets
+:class:`~embstore.errors.ForkedProcessError` instead of silently training a private copy.
+Calls are serialized by a lock, so threads may share one store.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from .._options import check_options
-from ..errors import InvalidInputError, InvalidURLError
+from .._options import accepted_options, check_options
+from ..errors import CapacityError, ForkedProcessError, InvalidInputError, InvalidURLError
 from ..layout import Layout
 from .base import Backend, ModifyFn, RowUpdate, serialized
 
@@ -34,6 +38,44 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 _EMPTY = np.uint32(0xFFFFFFFF)
 
+# Bumped in every forked child: a store remembers the generation it was made in, so telling a
+# forked copy apart costs one comparison per call, no getpid() system call.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ProcessLock:
+    """The backend's re-entrant lock, refusing to be taken in a child forked after the store
+    was made (the child's copy of the lock may even be held by a thread that does not exist
+    there)."""
+
+    __slots__ = ("_lock", "_generation", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._generation = _fork_generation
+        self._pid = os.getpid()
+
+    def __enter__(self) -> bool:
+        if self._generation != _fork_generation:
+            raise ForkedProcessError(
+                f"a memory:// store made in process {self._pid} is used in forked child "
+                f"{os.getpid()}: the child only has a copy, its updates would never reach the "
+                "parent. Open the store in the child, use a persistent backend (lmdb://, "
+                "rocksdb://, sql, bigtable://) shared by URL, or start workers with 'spawn'")
+        return self._lock.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._lock.__exit__(exc_type, exc, tb)
+
 
 def _flag(name: str, value: Any) -> bool:
     # Options may come from a URL query string as well as from keyword arguments.
@@ -45,6 +87,16 @@ def _flag(name: str, value: Any) -> bool:
             return False
         raise InvalidInputError(f"{name} must be true or false, got {value!r}")
     return bool(value)
+
+
+def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
+                 new: np.ndarray | None = None) -> int:
+    """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``."""
+    try:
+        return find_or_insert(table, arena, keys, slots, new)
+    except MemoryError as e:
+        raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
+                            "is unchanged") from e
 
 
 class MemoryBackend(Backend):
@@ -64,6 +116,13 @@ class MemoryBackend(Backend):
         once the hash table has 16,384 buckets, the half it will grow into at its next
         doubling is prepared when it is 80% of the way there. ``False`` keeps every page
         fault on the calling thread.
+    hash_seed : int, optional
+        Seed of the int64 key hash (default: drawn at random per store, so keys crafted to
+        collide cannot make the table grow without bound). Give one only to reproduce a
+        table layout (scan order) exactly; nothing stored depends on it.
+
+    A table that cannot grow (memory exhausted, or keys that collide under the seed) raises
+    :class:`~embstore.errors.CapacityError` and leaves every stored key as it was.
     """
 
     persistent = False
@@ -74,17 +133,18 @@ class MemoryBackend(Backend):
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
                  initial_capacity: int = 1024, prefault: bool = True,
-                 **options: Any) -> None:
+                 hash_seed: int | None = None, **options: Any) -> None:
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
-        check_options("memory://", options, ("initial_capacity", "prefault"))
+        check_options("memory://", options, accepted_options(MemoryBackend) or ())
         super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.
-        self._lock = threading.RLock()
+        self._lock = _ProcessLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
+        self._hash_seed = None if hash_seed is None else int(hash_seed)
         self._table: CuckooTable | None = None
         self._arena: RecordArena | None = None
         self._bytes_slots: dict[bytes, int] = {}
@@ -100,7 +160,7 @@ class MemoryBackend(Backend):
         self.supports_lookup_insert = key_type == "int64"
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
-            self._table = (CuckooTable(self._capacity, self._prefault)
+            self._table = (CuckooTable(self._capacity, self._prefault, self._hash_seed)
                            if key_type == "int64" else None)
 
     def read_meta(self) -> dict | None:
@@ -130,7 +190,7 @@ class MemoryBackend(Backend):
         """Slots of ``keys`` (unique), new keys placed in the table: for a write."""
         if self.key_type == "int64":
             slots = np.empty(len(keys), dtype=np.uint32)
-            if find_or_insert(self._table, self._arena, keys, slots):
+            if _insert_keys(self._table, self._arena, keys, slots):
                 self._epoch += 1
             return slots
         slots = self._slots(keys)
@@ -232,7 +292,7 @@ class MemoryBackend(Backend):
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
-        n_new = int(find_or_insert(self._table, self._arena, keys, slots, flags))
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags))
         fields = self.layout.dtype.fields
         offset = fields["vector"][1]
         if n_new:
@@ -264,7 +324,7 @@ class MemoryBackend(Backend):
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         new = np.empty(n, dtype=np.uint8)
-        n_new = int(find_or_insert(self._table, self._arena, keys, slots, new))
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, new))
         if n_new:
             self._epoch += 1
         if n_new < n:

@@ -246,8 +246,15 @@ class RocksDBBackend(FetchedRecords, Backend):
             if shared.refs == 0:
                 if _POOL.get(self.path) is shared:
                     del _POOL[self.path]
-                shared.meta.close()
-                shared.db.close()
+                errors = []
+                for handle in (shared.meta, shared.db):  # both, even when the first fails
+                    try:
+                        handle.close()
+                    except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
+                        errors.append(e)
+                if errors:  # e.g. the disk is full and the last memtable cannot be written
+                    raise BackendError(f"{self.path}: RocksDB close failed: {errors[0]}") \
+                        from errors[0]
 
     def reopen_options(self) -> dict:
         return {"durable": self.durable, "block_cache_mb": self._cache_mb,

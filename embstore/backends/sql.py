@@ -21,9 +21,11 @@ import re
 import threading
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import parse_qsl
 
 import numpy as np
 
+from .._urls import check_url_text, redact_url
 from ..errors import (
     BackendError,
     BackendUnavailableError,
@@ -43,7 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
     ) from e
 
-from . import _sql_ops
+from . import _sql_conn, _sql_ops
 
 DEFAULT_TABLE = "embeddings"
 # Identifiers are validated, then always quoted: never interpolated unchecked. 50 characters
@@ -66,14 +68,19 @@ def validate_table_name(name: Any) -> str:
 
 def _parse(url: str, table: str | None):
     """Split a store URL into (SQLAlchemy URL without ``table``, table name, public URL)."""
+    check_url_text(url)
     try:
         u = make_url(url)
     except Exception as e:  # noqa: BLE001 - SQLAlchemy raises ArgumentError/ValueError
-        raise InvalidURLError(f"malformed SQL URL {url!r}: {e}") from e
+        raise InvalidURLError(f"malformed SQL URL {redact_url(url)!r}: {e}") from e
     q = dict(u.query)
     in_url = q.get("table")
     if isinstance(in_url, tuple):
-        raise InvalidURLError(f"{url!r}: 'table' given more than once")
+        raise InvalidURLError(f"{redact_url(url)!r}: 'table' given more than once")
+    if in_url is None and ("table", "") in parse_qsl(url.partition("?")[2],
+                                                     keep_blank_values=True):
+        # SQLAlchemy drops empty query values: "?table=" would silently mean the default table
+        raise InvalidURLError(f"{redact_url(url)!r}: empty table name in '?table='")
     if in_url is not None and table is not None and in_url != table:
         raise InvalidInputError(f"table={table!r} conflicts with table={in_url!r} in the URL")
     name = validate_table_name(table if table is not None else (in_url or DEFAULT_TABLE))
@@ -88,24 +95,42 @@ def _parse(url: str, table: str | None):
         db = u.database or ""
         if not db or db == ":memory:" or db.startswith("file:"):
             raise InvalidURLError(
-                f"{url!r}: a SQLite store needs a file path (sqlite:////abs/file.db); "
+                f"{redact_url(url)!r}: a SQLite store needs a file path (sqlite:////abs/file.db); "
                 "use memory:// for a store in process memory"
             )
         if not os.path.isabs(db):
             u = u.set(database=os.path.abspath(db))
     elif not u.host and backend != "sqlite" and not u.query.get("host"):
-        raise InvalidURLError(f"{url!r}: no host in the URL")
+        raise InvalidURLError(f"{redact_url(url)!r}: no host in the URL")
     public = u.update_query_dict({"table": name}).render_as_string(hide_password=False)
     return u, name, public
+
+
+# Seconds to wait for a PostgreSQL server to answer a new connection (libpq drivers); a URL's
+# own ``?connect_timeout=`` wins.
+DEFAULT_CONNECT_TIMEOUT = 10
 
 
 def _wrap_errors(fn):
     # One DBAPI connection per backend: threads take turns, so a batch's transaction never
     # interleaves with another thread's statements.
     locked = serialized(fn)
+    replayable = fn.__name__ in _sql_conn.REPLAYABLE
 
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
+        try:
+            return locked(self, *args, **kwargs)
+        except self._driver_errors as e:
+            # The server went away (restart, failover, idle-connection kill): connect again
+            # so the store recovers, and replay the call when that is harmless.
+            if not _sql_conn.recover_connection(self, e):
+                raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
+            if not replayable:
+                raise BackendError(
+                    f"{self._safe_url}: the connection was lost during {fn.__name__} "
+                    f"({type(e).__name__}: {e}); reconnected, but the call may or may not "
+                    "have taken effect") from e
         try:
             return locked(self, *args, **kwargs)
         except self._driver_errors as e:
@@ -159,6 +184,8 @@ class SQLBackend(Backend):
         self._raw = self._conn = self._engine = None
         self._closed = False
         self._missing = False
+        self._core = False
+        self._bound: tuple[str, int] | None = None
         self._lock = threading.RLock()
         self._driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
         try:
@@ -184,6 +211,10 @@ class SQLBackend(Backend):
                     raise BackendError(f"{self._safe_url}: directory {parent!r} is not writable")
             connect_args = {"check_same_thread": False, "timeout": 60.0,
                             "cached_statements": 256}
+        elif (kind == "postgresql" and self._sa_url.get_driver_name() in ("psycopg", "psycopg2")
+              and "connect_timeout" not in self._sa_url.query):
+            # libpq waits forever for a server that accepts and never answers
+            connect_args = {"connect_timeout": DEFAULT_CONNECT_TIMEOUT}
         try:
             self._engine = sa.create_engine(self._sa_url, poolclass=NullPool,
                                             connect_args=connect_args)
@@ -222,6 +253,7 @@ class SQLBackend(Backend):
             conn.execute("PRAGMA journal_mode = WAL")
         conn.execute(f"PRAGMA synchronous = {'FULL' if self.durable else 'NORMAL'}")
         conn.execute("PRAGMA busy_timeout = 60000")
+        _sql_conn.refuse_case_aliases(self, conn)
         self._ops = _sql_ops.SQLiteOps(conn, self.table_name, self.table_name + "_meta",
                                        self._quote, "int64", 0)
 
@@ -238,7 +270,10 @@ class SQLBackend(Backend):
                                          self._quote, "int64", 0, self._pg_upsert)
 
     def _open_core(self) -> None:
-        self._conn = self._engine.connect()
+        self._core = True
+        self._conn = conn = self._engine.connect()
+        if self._dialect_name == "sqlite":
+            _sql_conn.refuse_case_aliases(self, conn.connection.driver_connection)
         tables = self._tables("int64")
         self._ops = _sql_ops.CoreOps(self._conn, tables[0], tables[1], "int64", 0)
 
@@ -317,9 +352,15 @@ class SQLBackend(Backend):
             self._ops.execute_ddl(ddl)
         else:
             self._check_columns(cols, key_type)
-        self._ops.key_type, self._ops.itemsize = key_type, layout.itemsize
+        self._configure_ops(key_type, layout.itemsize)
+        self._bound = (key_type, layout.itemsize)
+
+    def _configure_ops(self, key_type: str, itemsize: int) -> None:
+        """Tell the statements object the bound key type and record size."""
+        self._ops.key_type, self._ops.itemsize = key_type, itemsize
         if isinstance(self._ops, _sql_ops.CoreOps):
-            self._ops.__init__(self._conn, data, meta, key_type, layout.itemsize)
+            data, meta, _ = self._tables(key_type)
+            self._ops.__init__(self._conn, data, meta, key_type, itemsize)
         elif isinstance(self._ops, _sql_ops.PostgresOps):
             self._ops._karr = "int8[]" if key_type == "int64" else "bytea[]"
 
@@ -418,8 +459,14 @@ class SQLBackend(Backend):
         after = None
         while True:
             try:
-                with self._lock:
-                    keys, raw = fetch_page(after)
+                try:
+                    with self._lock:
+                        keys, raw = fetch_page(after)
+                except self._driver_errors as e:
+                    if not _sql_conn.recover_connection(self, e):  # a page is a read: read it again
+                        raise
+                    with self._lock:
+                        keys, raw = fetch_page(after)
             except self._driver_errors as e:
                 raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}") from e
             if len(keys) == 0:
@@ -517,13 +564,8 @@ class SQLBackend(Backend):
             if self._closed:
                 return
             self._closed = True
-            for res in (self._raw, self._conn):
-                if res is not None:
-                    try:
-                        res.close()
-                    except Exception:  # noqa: BLE001 - a broken connection must not raise
-                        pass
-            self._raw = self._conn = self._ops = None
+            _sql_conn.release_connection(self)
+            self._ops = None
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None

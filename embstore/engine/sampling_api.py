@@ -71,8 +71,11 @@ class SamplingAPI:
         -------
         keys : np.ndarray, shape (n, min(k, rows))
         scores : np.ndarray of float32, same shape
-            Sorted by score descending, ties by key ascending. Rows that run out of keys
-            after per-query exclusion are padded with score ``-inf``.
+            Sorted by score descending, ties by key ascending; a NaN score (inf - inf) ranks
+            last. Rows that run out of keys after per-query exclusion are padded with key
+            ``embstore.retrieval.PAD_KEY`` (``b""`` for bytes keys) and score ``-inf``.
+            The result is a :class:`embstore.retrieval.TopKResult`: it unpacks as
+            ``(keys, scores)``, and its ``valid`` mask is False at padded places.
         """
         from ..retrieval import top_k as _top_k
 

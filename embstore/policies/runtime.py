@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._log import event
+from .._urls import redact_url
 from ..errors import InvalidInputError
 from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
 from .expiry import Eviction, Expiry, eviction_victims, expired_keys
@@ -152,8 +153,8 @@ class PolicyRuntime:
         self.counters["expired"] += n
         self.updates_since_expire = 0
         if n:
-            event(log, logging.INFO, "store.expired", "%s: expired %d rows", store.backend.url, n,
-                  rows=n)
+            event(log, logging.INFO, "store.expired", "%s: expired %d rows",
+                  redact_url(store.backend.url), n, rows=n)
         return n
 
     def rows_estimate(self, store: PolicyHost) -> int:
@@ -185,7 +186,7 @@ class PolicyRuntime:
             n += store.delete(victims[i:i + batch_size])
         self.counters["evictions"] += n
         event(log, logging.INFO, "store.evicted", "%s: evicted %d rows over capacity %d",
-              store.backend.url, n, ev.capacity, rows=n)
+              redact_url(store.backend.url), n, ev.capacity, rows=n)
         return n
 
     def after_update(self, store: PolicyHost) -> None:

@@ -172,7 +172,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from .io.formats import open_reader
-    from .io.transfer import NewStore, creation_options, import_file
+    from .io.transfer import DEFAULT_CACHE_BYTES, NewStore, creation_options, import_file
 
     opts = _options(args.option)
     store = _open_or_none(args.url, opts)
@@ -188,11 +188,13 @@ def cmd_import(args: argparse.Namespace) -> int:
                 raise InvalidInputError(
                     f"{store.url} already exists with dim {store.dim}, not --dim {args.dim}")
             target = store
-        if args.cache_mb < 0:
+        if args.cache_mb is not None and args.cache_mb < 0:
             raise InvalidInputError(f"--cache-mb must be non-negative, got {args.cache_mb}")
+        cache_bytes = (DEFAULT_CACHE_BYTES if args.cache_mb is None
+                       else int(args.cache_mb * (1 << 20)))
         rep = import_file(target, args.src, fmt=args.format, skip_bad=args.skip_bad,
                           project=args.project, seed=args.seed, batch_size=args.batch_size,
-                          progress=not args.quiet, cache_bytes=int(args.cache_mb * (1 << 20)))
+                          progress=not args.quiet, cache_bytes=cache_bytes)
         if rep.store is not None:
             store = rep.store
     finally:
@@ -348,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map vectors of another dim: seeded random projection or "
                         "truncate/zero-pad")
     s.add_argument("--seed", type=int, default=0, help="seed of --project random")
-    s.add_argument("--cache-mb", type=float, default=512,
+    s.add_argument("--cache-mb", type=float, default=None,
                    help="memory (MiB) for keeping checked rows between the checking and the "
                         "writing pass; a file that fits is read once (default 512, 0: off)")
     s.set_defaults(func=cmd_import)

@@ -217,3 +217,42 @@ def test_the_store_reopens_without_importing_the_api(tmp_path):
     np.testing.assert_array_equal(t.lookup([5], insert=False), s.lookup([5], insert=False))
     t.close()
     s.close()
+
+
+class _RetriedOnce(WrapperBackend):
+    """A backend whose first modify runs ``fn`` twice, as an optimistic backend retrying
+    after a conflict: between the two calls another writer creates ``keys[0]``."""
+
+    raced = False
+
+    def modify(self, keys, fn):
+        if self.raced:
+            return Backend.modify(self, keys, fn)
+        self.raced = True
+        recs, found = self.inner.get(keys)
+        fn(recs, found.copy())                    # this attempt loses the race: discarded
+        if not found[0]:
+            rec = self.layout.empty(1)
+            rec["count"] = 5
+            self.inner.put(keys[:1], rec)         # the other writer's row
+        return Backend.modify(self, keys, fn)
+
+
+def test_side_effects_follow_the_last_call_of_a_retried_modify():
+    from embstore.policies import FrequencyCutoff
+
+    s = embstore.EmbeddingStore(_RetriedOnce(MemoryBackend("memory://")), dim=DIM,
+                                admission=FrequencyCutoff(2))
+    idx = sampling_index(s)
+    s.update([10, 11], np.ones((2, DIM), np.float32))
+    st = s.stats()
+    # key 10 was created by the other writer: stepped, not inserted; key 11 stays rejected,
+    # counted once, and its sighting was counted once by the policy
+    assert st["inserts"] == 0 and st["gradients_dropped"] == 1
+    assert st["admission_rejected"] == 1
+    recs, found = s.get_records([10, 11])
+    assert found.tolist() == [True, False] and recs["count"][0] == 6
+    assert idx.counts_of(np.array([10], dtype=np.int64)).tolist() == [6]
+    s.update([11], np.ones((1, DIM), np.float32))  # second sighting: admitted now
+    assert s.stats()["inserts"] == 1 and s.contains([11]).all()
+    s.close()

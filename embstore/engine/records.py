@@ -10,9 +10,17 @@ them. The row-update fast path in ``EmbeddingStore.update`` tells observers itse
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..init import Initializer
+    from ..layout import Layout
+    from ..optim import Optimizer
+    from ..policies.runtime import PolicyRuntime
+    from .protocols import StoreObserver
 
 
 def _now_us() -> int:
@@ -21,6 +29,17 @@ def _now_us() -> int:
 
 class RecordWrites:
     """The write half of :class:`embstore.EmbeddingStore` (no public methods)."""
+
+    layout: Layout
+    initializer: Initializer
+    optimizer: Optimizer
+    seed: int
+    step: int
+    _version: int
+    _backend: Backend
+    _stats: dict[str, int]
+    _policy: PolicyRuntime
+    _observers: list[StoreObserver]
 
     def _next_version(self) -> int:
         # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep
@@ -41,9 +60,10 @@ class RecordWrites:
         policy = self._policy
         n = len(uniq)
         # Admission is asked once per key however often the backend runs ``step`` (a policy
-        # counts sightings): decisions are kept across calls.
+        # counts sightings): decisions are kept across calls, and counted after the last one.
         asked = np.zeros(n, dtype=bool)
         admitted = np.zeros(n, dtype=bool)
+        fresh = np.zeros(n, dtype=bool)
         last: list[Any] = [None]
 
         def step(recs: np.ndarray, found: np.ndarray) -> np.ndarray | None:
@@ -52,7 +72,7 @@ class RecordWrites:
                 if policy.admission is not None:
                     ask = ~found & ~asked
                     if ask.any():
-                        admitted[ask] = policy.admit_update(uniq[ask], mult[ask])
+                        admitted[ask], fresh[ask] = policy.decide_update(uniq[ask], mult[ask])
                         asked[ask] = True
                     ok = found | admitted
                 new = ~found if ok is None else ~found & ok
@@ -75,6 +95,9 @@ class RecordWrites:
 
         self._backend.modify(uniq, step)
         recs, found, keep, drop = last[0]
+        if policy.admission is not None and not found.all():
+            missing = ~found
+            policy.count_update(admitted[missing], fresh[missing])
         written = np.ones(n, dtype=bool) if keep is None else keep
         self._stats["inserts"] += int(np.count_nonzero(written & ~found))
         if drop is not None and drop.any():

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._keys import normalize_keys
-from ..errors import InvalidInputError, ReadOnlyError, StoreClosedError
+from ..errors import CapabilityError, InvalidInputError, ReadOnlyError, StoreClosedError
 from .protocols import StoreObserver
 
 
@@ -37,6 +37,12 @@ class StoreSeams:
         self.check_open()
         if self.read_only:
             raise ReadOnlyError(f"{self.url} is open read-only")  # type: ignore[attr-defined]
+
+    def _require_scan(self, what: str) -> None:
+        backend = self._backend  # type: ignore[attr-defined]
+        if not backend.supports_scan:
+            raise CapabilityError(f"{backend.url}: {what} needs a backend that can scan its "
+                                  "rows (supports_scan)")
 
     # the engine's own spelling, kept for its many call sites
     _check_open = check_open

@@ -200,11 +200,9 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
 
         # Pass 1: read everything, write nothing. Clean chunks are kept (up to cache_bytes)
         # so that a file that fits is not read and parsed a second time.
-        total: int | None = 0
-        cache: list[Chunk] | None = [] if cache_bytes > 0 else None
+        total = 0
+        cache: list[Chunk] | None = [] if cache_bytes > 0 and not partial else None
         cached = 0
-        if partial:  # no pass 1: pass 2 checks each chunk before writing it
-            total, cache = None, None
         with progress_bar(total=reader.declared_rows, enabled=progress and not partial,
                           desc="validate") as bar:
             for chunk in ([] if partial else reader.chunks(batch_size,
@@ -242,7 +240,9 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
                 bar.update(len(clean.keys))
                 yield clean
 
-        with progress_bar(total=total, enabled=progress, desc="import") as bar:
+        # partial: no pass 1 (pass 2 checks each chunk before writing it), no total
+        with progress_bar(total=None if partial else total, enabled=progress,
+                          desc="import") as bar:
             if records_mode:
                 if (reader.header or {}).get("deletions_complete") is False:
                     warnings.warn(f"{reader.name}: this delta does not carry every deletion "

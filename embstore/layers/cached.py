@@ -46,6 +46,7 @@ from ..errors import BackendError, InvalidInputError, StoreClosedError
 from ..layout import Layout
 from ..policies.eviction import eviction_policy
 from ._prefetch import PrefetchMixin
+from ._remote import RemoteIOMixin
 from ._slots import SlotTable
 from ._wholetable import WholeTableMixin
 from ._writebehind import WriteBehind
@@ -68,7 +69,7 @@ def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Back
     return backend_class(target)(target, read_only=read_only, **options)
 
 
-class CachedBackend(WholeTableMixin, PrefetchMixin, WrapperBackend):
+class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBackend):
     """A capacity-bounded local cache over any remote backend.
 
     Parameters
@@ -182,49 +183,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, WrapperBackend):
         # A running prefetch read the remote before these writes: its rows for them are stale.
         if self._pf_active and len(keys):
             self._invalid.append(np.asarray(keys))
-
-    def _count(self, **inc: int) -> None:
-        with self._count_lock:  # the write-behind and prefetch threads count too
-            for k, v in inc.items():
-                self.counters[k] += v
-
-    def _remote_get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        with self._remote_lock:
-            out = self.remote.get(keys)
-        self._count(remote_reads=len(keys), remote_read_calls=1)
-        return out
-
-    def _remote_put(self, keys: np.ndarray, recs: np.ndarray) -> None:
-        with self._remote_lock:
-            self.remote.put(keys, recs)
-        self._count(remote_writes=len(keys), remote_write_calls=1)
-
-    def _read_and_make_room(self, keys: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """``_remote_get(keys)``; with a thread-safe remote the read runs on the helper thread
-        while this one makes room for ``m`` rows (the caller inserts them afterwards)."""
-        if self._reader is None or len(keys) < 64:
-            return self._remote_get(keys)
-        fut = self._reader.submit(self._remote_get, keys)
-        err = None
-        try:
-            self._make_room(m)  # rows not found remotely leave room unused: harmless
-        except BaseException as e:  # noqa: BLE001 - re-raised once the read is done
-            err = e
-        out = fut.result()      # a failed read raises here, before anything is inserted
-        if err is not None:
-            raise err
-        return out
-
-    def _settle(self, keys: np.ndarray | None = None) -> None:
-        """Wait for the write-behind of evicted rows (of ``keys`` only, if given) to land."""
-        if self._wb is None:
-            return
-        pending = self._wb.keys()
-        if pending is None:
-            return
-        if keys is None or np.isin(keys, pending).any():
-            self._count(write_behind_waits=1)
-            self._wb.drain()
 
     # -- insertion and eviction -------------------------------------------------------------------
     def _make_room(self, m: int, before: int | None = None) -> int:

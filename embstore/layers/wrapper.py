@@ -34,32 +34,32 @@ class WrapperBackend(Backend):
         self.inner = inner
 
     # -- capabilities (read from the inner backend on every access) ---------------------------
-    @property  # type: ignore[override]
-    def persistent(self) -> bool:
+    @property
+    def persistent(self) -> bool:  # type: ignore[override]
         return self.inner.persistent
 
-    @property  # type: ignore[override]
-    def supports_scan(self) -> bool:
+    @property
+    def supports_scan(self) -> bool:  # type: ignore[override]
         return self.inner.supports_scan
 
-    @property  # type: ignore[override]
-    def supports_changes(self) -> bool:
+    @property
+    def supports_changes(self) -> bool:  # type: ignore[override]
         return self.inner.supports_changes
 
-    @property  # type: ignore[override]
-    def supports_row_update(self) -> bool:
+    @property
+    def supports_row_update(self) -> bool:  # type: ignore[override]
         return self.inner.supports_row_update
 
-    @property  # type: ignore[override]
-    def supports_lookup_insert(self) -> bool:
+    @property
+    def supports_lookup_insert(self) -> bool:  # type: ignore[override]
         return self.inner.supports_lookup_insert
 
-    @property  # type: ignore[override]
-    def thread_safe(self) -> bool:
+    @property
+    def thread_safe(self) -> bool:  # type: ignore[override]
         return self.inner.thread_safe
 
-    @property  # type: ignore[override]
-    def scheme(self) -> str:
+    @property
+    def scheme(self) -> str:  # type: ignore[override]
         return self.inner.scheme
 
     # -- lifecycle ----------------------------------------------------------------------------

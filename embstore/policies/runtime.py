@@ -126,18 +126,21 @@ class PolicyRuntime:
                 else rejected
         return ok
 
-    def admit_update(self, keys: np.ndarray, mult: np.ndarray) -> np.ndarray:
-        """Admission of unknown keys in ``update``; keys rejected by a lookup since the last
-        update were counted there and are not counted twice."""
+    def decide_update(self, keys: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(ok, fresh)`` for unknown keys of an ``update``, counting nothing: the policy is
+        asked about ``fresh`` keys only (not rejected by a lookup since the last update)."""
         ok = np.zeros(len(keys), dtype=bool)
         fresh = np.ones(len(keys), dtype=bool)
         if len(self._pending):
             fresh = ~np.isin(keys, self._pending)
         if fresh.any():
             ok[fresh] = np.asarray(self.admission.admit(keys[fresh], mult[fresh]), dtype=bool)
-            self.counters["admission_rejected"] += int(np.count_nonzero(~ok[fresh]))
+        return ok, fresh
+
+    def count_update(self, ok: np.ndarray, fresh: np.ndarray) -> None:
+        """Count the outcome of :meth:`decide_update` for the keys that stayed unknown."""
+        self.counters["admission_rejected"] += int(np.count_nonzero(~ok & fresh))
         self.counters["gradients_dropped"] += int(np.count_nonzero(~ok))
-        return ok
 
     def end_update(self) -> None:
         if len(self._pending):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .backends.base import Backend
+from .errors import BackendError
 
 
 def count_is_cheap(backend: Any) -> bool:
@@ -43,3 +44,28 @@ def _declared(backend: Any, flag: str, default: bool) -> bool:
         if isinstance(wrapped, Backend) and wrapped is not backend:
             return _declared(wrapped, flag, default)
     return default
+
+
+def measure_rows(backend: Backend, count_rows: bool | None, out: dict[str, Any]) -> None:
+    """Set ``out["rows"]`` when asked (``count_rows=True``) or cheap (``None``); a remote that
+    is down gives ``rows=None`` and ``backend_error``."""
+    if not (count_rows if count_rows is not None else count_is_cheap(backend)):
+        return
+    try:
+        out["rows"] = len(backend)
+    except BackendError as e:  # a remote that is down: report it, the counters still count
+        out["rows"] = None
+        out["backend_error"] = str(e)
+
+
+def measure_size(backend: Backend, count_rows: bool | None, out: dict[str, Any]) -> None:
+    """Set ``out["size_bytes"]`` where known, when asked or cheap."""
+    if not (count_rows or size_is_cheap(backend)):
+        return
+    try:
+        size = backend.size_bytes()
+    except BackendError as e:
+        out.setdefault("backend_error", str(e))
+        return
+    if size is not None:
+        out["size_bytes"] = int(size)

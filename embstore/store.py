@@ -392,50 +392,28 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False,
                format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
-        """Write every record (or those changed after ``since``) to ``dest``.
-
-        The format comes from ``format`` or else from the file name, as in the CLI
-        (``.emb`` native, ``.parquet``, ``.npz``, ``.tsv``, ``.txt``/``.vec`` word2vec, a path
-        ending in ``/`` npy; no suffix or a file object: native); an unknown suffix is
-        refused. Only the native format keeps whole records and, for a delta (``since=``),
-        the keys deleted after that version. Returns the number of rows written; a path is
-        written atomically.
-        """
-        from .engine.transfer import export_native
-        from .io.format_choice import file_format
+        """Write every record (or those changed after ``since``) to ``dest``; return the rows
+        written. The format is ``format`` or, as in the CLI, the file name's (no suffix or a
+        file object: native; an unknown suffix is refused; see ``embstore.io.format_choice``).
+        Only the native format keeps whole records and a delta's deletions. A path is written
+        atomically."""
+        from .io.format_choice import export_to
 
         self._check_open()
-        name = file_format(dest, format, for_write=True)
-        if name != "native":
-            from .io.transfer import export_file
-
-            assert isinstance(dest, (str, os.PathLike))  # file_format: non-native needs a path
-            return export_file(self, dest, fmt=name, since=since, batch_size=batch_size,
-                               progress=progress)
-        return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
+        return export_to(self, dest, format, since=since, batch_size=batch_size,
+                         progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, format: str | None = None) -> int:  # noqa: A002
-        """Load records from ``src``; return the number of rows imported.
-
-        The format comes from ``format`` or else, as in the CLI, from the file's content and
-        name (bytes and file objects: native). A native file's layout and key type must
-        equal the store's; the whole file is verified (checksums, trailer) before the first
-        row is written, so a corrupt or truncated file imports nothing; with
-        ``partial=True`` rows before the damage are kept. Other formats load vectors (whole
-        records from embstore's own Parquet) through ``embstore.io.transfer.import_file``.
-        """
-        from .engine.transfer import import_native
-        from .io.format_choice import file_format
+        """Load records from ``src``; return the rows imported. The format is ``format`` or, as
+        in the CLI, the file's content and name's (bytes, file objects: native). A native file
+        must match the store's layout and key type and is verified whole before the first row
+        is written (``partial=True`` keeps rows before damage); other formats go through
+        ``embstore.io.transfer.import_file``."""
+        from .io.format_choice import import_from
 
         self._check_writable()
-        name = file_format(src, format, for_write=False)
-        if name != "native":
-            from .io.transfer import import_file
-
-            assert isinstance(src, (str, os.PathLike))  # file_format: non-native needs a path
-            return import_file(self, src, fmt=name, progress=progress).rows
-        return import_native(self, src, partial=partial, progress=progress)
+        return import_from(self, src, format, partial=partial, progress=progress)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
@@ -452,26 +430,16 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self, *, count_rows: bool | None = None) -> dict[str, Any]:
-        """Counters since open: rows looked up, hits, misses, inserts, updates, ...; plus
-        ``hit_rate``, the backend's own counters and ``size_bytes`` where known.
-
-        ``rows`` (the stored row count) is included when counting reads no rows (memory://,
-        lmdb://, layers over them) or with ``count_rows=True``; on Bigtable, RocksDB and SQL
-        it costs a scan, so by default it is left out there (``count_rows=False``: never).
-        ``size_bytes`` follows the same rule where measuring it reads the table (SQLite).
-        While a remote backend is unreachable a counted ``rows`` is None and
-        ``backend_error`` says why.
-        """
-        from ._rowcount import count_is_cheap, size_is_cheap
+        """Counters since open (lookups, hits, misses, inserts, ...), ``hit_rate``, the
+        backend's counters; ``rows`` and ``size_bytes`` where they read no rows or with
+        ``count_rows=True`` (a scan on Bigtable, RocksDB, SQL; ``False``: never; see
+        ``embstore._rowcount``). A counted ``rows`` of an unreachable remote is None, with
+        ``backend_error``."""
+        from ._rowcount import measure_rows, measure_size
 
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
-        if count_rows if count_rows is not None else count_is_cheap(self._backend):
-            try:
-                out["rows"] = len(self._backend)
-            except BackendError as e:  # a remote that is down: report it, counters still count
-                out["rows"] = None
-                out["backend_error"] = str(e)
+        measure_rows(self._backend, count_rows, out)
         looked = out["lookups"]
         out["hit_rate"] = out["hits"] / looked if looked else math.nan
         out["step"] = self.step
@@ -480,14 +448,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         out.update(self._backend.stats())
         for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
             out.update(obs.stats())
-        size = None
-        if bool(count_rows) or size_is_cheap(self._backend):
-            try:
-                size = self._backend.size_bytes()
-            except BackendError as e:
-                out.setdefault("backend_error", str(e))
-        if size is not None:
-            out["size_bytes"] = int(size)
+        measure_size(self._backend, count_rows, out)
         return out
 
     def flush(self) -> None:

@@ -55,3 +55,32 @@ def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
             f"cannot tell the export format of {path!r} from its suffix {suffix!r}; known "
             f"suffixes: {', '.join(sorted(_EXTENSIONS))}; or pass format= "
             f"({', '.join(FORMATS)})") from None
+
+
+def export_to(store: Any, dest: Any, fmt: str | None, *, since: int | None, batch_size: int,
+              progress: bool) -> int:
+    """``store.export``: the native writer, or the format writer the name asks for."""
+    name = file_format(dest, fmt, for_write=True)
+    if name == "native":
+        from ..engine.transfer import export_native
+
+        return export_native(store, dest, since=since, batch_size=batch_size,
+                             progress=progress)
+    from .transfer import export_file
+
+    return export_file(store, dest, fmt=name, since=since, batch_size=batch_size,
+                       progress=progress)
+
+
+def import_from(store: Any, src: Any, fmt: str | None, *, partial: bool,
+                progress: bool) -> int:
+    """``store.import_``: the native reader (whole records, ``partial``), or
+    :func:`embstore.io.transfer.import_file` for the other formats."""
+    name = file_format(src, fmt, for_write=False)
+    if name == "native":
+        from ..engine.transfer import import_native
+
+        return import_native(store, src, partial=partial, progress=progress)
+    from .transfer import import_file
+
+    return import_file(store, src, fmt=name, progress=progress).rows

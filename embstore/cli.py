@@ -194,7 +194,8 @@ def cmd_import(args: argparse.Namespace) -> int:
                        else int(args.cache_mb * (1 << 20)))
         rep = import_file(target, args.src, fmt=args.format, skip_bad=args.skip_bad,
                           project=args.project, seed=args.seed, batch_size=args.batch_size,
-                          progress=not args.quiet, cache_bytes=cache_bytes)
+                          progress=not args.quiet, cache_bytes=cache_bytes,
+                          apply_deletes=args.apply_deletes)
         if rep.store is not None:
             store = rep.store
     finally:
@@ -202,6 +203,8 @@ def cmd_import(args: argparse.Namespace) -> int:
             store.close()
     what = "records" if rep.mode == "records" else "vectors (fresh optimizer state for new keys)"
     msg = f"imported {rep.rows} rows as {what} into {store.url}"
+    if rep.deleted:
+        msg += f"; deleted {rep.deleted} keys the file lists as deleted"
     if rep.skipped:
         msg += f"; skipped {rep.skipped} bad rows"
         for b in rep.bad[:5]:
@@ -350,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map vectors of another dim: seeded random projection or "
                         "truncate/zero-pad")
     s.add_argument("--seed", type=int, default=0, help="seed of --project random")
+    s.add_argument("--apply-deletes", action="store_true",
+                   help="let a native full export that lists deleted keys delete them "
+                        "(refused otherwise; a --since delta's deletions always apply)")
     s.add_argument("--cache-mb", type=float, default=None,
                    help="memory (MiB) for keeping checked rows between the checking and the "
                         "writing pass; a file that fits is read once (default 512, 0: off)")
@@ -403,14 +409,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
-    except (EmbstoreError, OSError, ValueError, TypeError, MemoryError) as e:
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback (EMBSTORE_DEBUG=1 shows it)
         if os.environ.get("EMBSTORE_DEBUG"):
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, OSError) and not isinstance(e, EmbstoreError) and e.filename:
-            msg = f"{e.filename}: {e.strerror}"
-        print(f"embstore: error: {redact_text(msg)}", file=sys.stderr)
+        print(f"embstore: error: {redact_text(error_line(e, args))}", file=sys.stderr)
         return EXIT_FAIL
+
+
+def error_line(e: BaseException, args: argparse.Namespace) -> str:
+    """The one-line message for a failed command: names the file (or store) it concerns.
+
+    Errors embstore raises on purpose say what went wrong; anything else (a bug, a library
+    error no reader translated) is shown with its type so it can be reported.
+    """
+    text = str(e).strip()
+    msg = text.splitlines()[0] if text else ""
+    if isinstance(e, OSError) and not isinstance(e, EmbstoreError) and e.filename:
+        msg = f"{e.filename}: {e.strerror}"
+    elif isinstance(e, RecursionError):
+        msg = "input nested too deeply to read"
+    elif isinstance(e, MemoryError) and not isinstance(e, EmbstoreError):
+        msg = "out of memory" + (f" ({msg})" if msg else "")
+    elif not isinstance(e, (EmbstoreError, OSError, ValueError, TypeError)):
+        msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    elif not msg:
+        msg = type(e).__name__
+    if len(msg) > 500:
+        msg = msg[:500] + "..."
+    subject = next((v for v in (getattr(args, n, None) for n in ("src", "target", "dest"))
+                    if isinstance(v, str) and v), None)
+    named = [v for v in (subject, getattr(args, "url", None)) if isinstance(v, str) and v]
+    if subject and not any(v in msg for v in named):
+        msg = f"{subject}: {msg}"
+    return msg
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
+from ._meta_merge import mark_meta_synced, sync_meta
 from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .engine.batch import (
@@ -121,10 +122,12 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._backend.bind(self.layout, self.key_type)
             self._policy.restore({}, self.key_type, 0, created=True)
             self._backend.write_meta(self._meta())
+            mark_meta_synced(self)
             return
         self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
+        mark_meta_synced(self)
 
     def _check_meta(self, meta, dim, key_type, initializer, optimizer, seed) -> None:
         stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
@@ -288,8 +291,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 ok = self._policy.admit_lookup(uniq, seen)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
-                self._insert(uniq, new_vecs)
-                self._stats["inserts"] += len(uniq)
+                self._stats["inserts"] += self._insert(uniq, new_vecs)
                 self._policy.maybe_evict(self)
         return vectors
 
@@ -404,16 +406,20 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                          progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
-                progress: bool = False, format: str | None = None) -> int:  # noqa: A002
+                progress: bool = False, apply_deletes: bool = False,
+                format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
         """Load records from ``src``; return the rows imported. The format is ``format`` or, as
         in the CLI, the file's content and name's (bytes, file objects: native). A native file
-        must match the store's layout and key type and is verified whole before the first row
-        is written (``partial=True`` keeps rows before damage); other formats go through
-        ``embstore.io.transfer.import_file``."""
+        must match the store's layout and key type and is verified whole (checksums, trailer,
+        ranges: ``docs/cli.md``, "Import limits") before the first row is written
+        (``partial=True`` keeps rows before damage); a full export listing deleted keys is
+        refused unless ``apply_deletes=True`` (a delta's deletions always apply). Other
+        formats go through ``embstore.io.transfer.import_file``."""
         from .io.format_choice import import_from
 
         self._check_writable()
-        return import_from(self, src, format, partial=partial, progress=progress)
+        return import_from(self, src, format, partial=partial, progress=progress,
+                           apply_deletes=apply_deletes)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
@@ -455,7 +461,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Persist metadata (step, version) and make acknowledged writes durable."""
         self._check_open()
         if not self.read_only:
-            self._backend.write_meta(self._meta())
+            sync_meta(self)
             self._backend.flush()
 
     def close(self) -> None:
@@ -464,7 +470,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             return
         try:
             if not self.read_only:
-                self._backend.write_meta(self._meta())
+                sync_meta(self)
                 self._backend.flush()
         finally:
             self._closed = True

@@ -101,7 +101,8 @@ def test_hand_encoded_requests_equal_the_official_protobuf():
 
 # -- latest cell, ordering, reserved rows ---------------------------------------------------------
 def test_reads_return_latest_cell_after_many_overwrites(bigtable_url_factory):
-    s = embstore.open(bigtable_url_factory(), dim=DIM)
+    # blind writes (compare-and-set writes delete the old versions of a cell they replace)
+    s = embstore.open(bigtable_url_factory(), dim=DIM, check_and_set=False)
     keys = np.arange(20)
     for i in range(25):
         s.assign(keys, _vals(20, base=i))
@@ -181,7 +182,9 @@ def test_delete_reports_presence_and_clear_keeps_meta(bigtable_url_factory):
 
 # -- retries (fault injection in front of the real emulator) --------------------------------------
 def _open_with(url, injector, **kw):
-    return embstore.open(url, dim=DIM, interceptors=[injector], retry_deadline=10.0, **kw)
+    # batched MutateRows writes (the compare-and-set path: tests/test_concurrent_writers.py)
+    return embstore.open(url, dim=DIM, interceptors=[injector], retry_deadline=10.0,
+                         check_and_set=False, **kw)
 
 
 @pytest.mark.parametrize("method", ["MutateRows", "ReadRows"])
@@ -270,7 +273,7 @@ def test_killed_emulator_fails_within_deadline_then_recovers_after_restart(
     armed = threading.Event()
     inj = FaultInjector(failures=0, on_call=kill_on_third_write)
     s = embstore.open(url, dim=DIM, emulator_host=emu.host, write_batch=64, inflight=2,
-                      interceptors=[inj])
+                      interceptors=[inj], check_and_set=False)
     s.assign(np.arange(64), _vals(64))
     s.backend.retry_deadline = 1.0  # short only while the emulator is down: no timing flakes
     armed.set()

@@ -99,9 +99,20 @@ def test_write_through_failure_leaves_cache_unchanged(bigtable_private_emulator)
 
 
 # -- two processes on one table --------------------------------------------------------------------
+def _owned_keys(rank: int) -> np.ndarray:
+    """300 keys owned by ``rank`` of 2 (``key_hash64(k) % 2 == rank``)."""
+    from embstore._keys import key_hash64
+
+    cand = np.arange(rank * 10_000, rank * 10_000 + 2_000, dtype=np.int64)
+    return cand[key_hash64(cand) % np.uint64(2) == np.uint64(rank)][:300]
+
+
 def _worker(url: str, host: str, lo: int, steps: int) -> None:
-    keys = np.arange(lo, lo + 300)
-    with embstore.open(url, cache="memory://", cache_capacity=120, emulator_host=host) as s:
+    rank = lo // 10_000
+    keys = _owned_keys(rank)
+    # each cache declares the keys it writes: their leases do not overlap
+    with embstore.open(url, cache="memory://", cache_capacity=120, emulator_host=host,
+                       writer_keys=(rank, 2)) as s:
         for t in range(steps):
             batch = keys[(np.arange(300) * 7 + t * 31) % 300][:100]
             s.lookup(batch)
@@ -122,7 +133,7 @@ def test_two_processes_disjoint_ranges_share_one_table(bigtable_emulator, bigtab
         assert p.exitcode == 0
     ref = embstore.open("memory://", dim=DIM)
     for lo in (0, 10_000):
-        keys = np.arange(lo, lo + 300)
+        keys = _owned_keys(lo // 10_000)
         for t in range(steps):
             batch = keys[(np.arange(300) * 7 + t * 31) % 300][:100]
             ref.lookup(batch)

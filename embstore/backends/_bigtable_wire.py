@@ -153,6 +153,38 @@ def delete_rows(head: bytes, row_keys: list[bytes]) -> bytes:
     return head + b"".join(field(2, field(1, k) + _DELETE_ROW) for k in row_keys)
 
 
+# -- CheckAndMutateRow (compare-and-set of one row) ---------------------------------------------
+# CheckAndMutateRowRequest table_name=1 app_profile_id=7 row_key=2 predicate_filter=6
+#   true_mutations=4 false_mutations=5; Mutation delete_from_column=2 (family_name=1,
+#   column_qualifier=2); RowFilter chain=1 value_range_filter=15; ValueRange
+#   start_value_closed=1 end_value_closed=3; CheckAndMutateRowResponse predicate_matched=1.
+def set_cell(family: bytes, ts: int, value: bytes) -> bytes:
+    """A ``Mutation`` setting the record cell (empty qualifier)."""
+    return field(1, field(1, family) + int_field(3, ts) + field(4, value))
+
+
+def delete_column(family: bytes) -> bytes:
+    """A ``Mutation`` deleting every version of the record cell."""
+    return field(2, field(1, family))
+
+
+DELETE_ROW = field(4, b"")  # Mutation{delete_from_row{}}
+
+
+def value_equals_filter(family: str, value: bytes) -> bytes:
+    """RowFilter: the latest record cell holds exactly ``value`` (a closed value range)."""
+    filters = [field(5, re.escape(family).encode()), int_field(12, 1),
+               field(15, field(1, value) + field(3, value))]
+    return field(1, b"".join(field(1, f) for f in filters))
+
+
+def check_and_mutate(head: bytes, row_key: bytes, predicate: bytes, if_true: list[bytes],
+                     if_false: list[bytes]) -> bytes:
+    """CheckAndMutateRowRequest (``head`` from :func:`request_head` with app field 7)."""
+    return (head + field(2, row_key) + field(6, predicate)
+            + b"".join(field(4, m) for m in if_true) + b"".join(field(5, m) for m in if_false))
+
+
 def read_rows_keys(head: bytes, row_keys: np.ndarray | list[bytes], filt: bytes) -> bytes:
     """ReadRowsRequest for explicit row keys (``(n, 9)`` uint8 array or list of bytes)."""
     if isinstance(row_keys, np.ndarray):

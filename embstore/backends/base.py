@@ -127,6 +127,18 @@ class Backend(abc.ABC):
     def write_meta(self, meta: dict) -> None:
         """Persist the metadata dict (replaces the previous one)."""
 
+    def modify_meta(self, fn: Callable[[dict[str, Any] | None], dict[str, Any]]
+                    ) -> dict[str, Any]:
+        """Replace the metadata by ``fn(stored)`` as one unit; return what was written.
+
+        Backends shared by several writers read, call ``fn`` and write in one transaction (or
+        retry a compare-and-set, so ``fn`` may run more than once). The default is
+        ``read_meta`` -> ``fn`` -> ``write_meta``: one writer at a time.
+        """
+        meta = fn(self.read_meta())
+        self.write_meta(meta)
+        return meta
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make every acknowledged write durable (where the backend buffers)."""
 
@@ -155,9 +167,12 @@ class Backend(abc.ABC):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         """Insert or overwrite whole records (unique keys)."""
 
-    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray | None:
         """Write new records (unique keys) made of ``template`` (a 1-row record array: slots,
-        counters, stamps) with each key's row of ``vectors`` as its vector.
+        counters, stamps) with each key's row of ``vectors`` as its vector; return which keys
+        were written (None: all of them). Backends shared by several writers write only keys
+        that still have no record (insert-if-absent).
 
         The default builds the records and calls ``put``; a backend that can write them
         straight into its storage overrides it.
@@ -165,6 +180,7 @@ class Backend(abc.ABC):
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
         self.put(keys, records)
+        return None
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                       template: Callable[[], np.ndarray],

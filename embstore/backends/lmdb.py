@@ -39,7 +39,8 @@ from ._localdir import (
     parse_dir_url,
     sorted_last_wins,
 )
-from .base import Backend
+from ._txn import records_from_values, write_plan
+from .base import Backend, ModifyFn
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class LmdbBackend(FetchedRecords, Backend):
     supports_scan = True
     cheap_len = True  # the B-tree keeps its entry count (stats() reads it without a scan)
     scheme = "lmdb"
+    #: longest bytes key: LMDB's 511-byte key limit minus the one-byte key prefix
+    max_key_bytes = 510
 
     def __init__(self, url: str, *, read_only: bool = False, map_size: int = 1 << 30,
                  durable: bool = True, writemap: bool = False, lock: bool = True,
@@ -273,6 +276,19 @@ class LmdbBackend(FetchedRecords, Backend):
         raw = json.dumps(meta, sort_keys=True).encode()
         self._write(lambda txn: txn.put(_META_KEY, raw, db=self._meta_db))
 
+    def modify_meta(self, fn) -> dict:
+        """Read, ``fn`` and write the metadata in one write transaction (writers merge)."""
+        if self.read_only or self._env is None or self._meta_db is None:
+            return super().modify_meta(fn)
+
+        def merge(txn):
+            raw = txn.get(_META_KEY, db=self._meta_db)
+            meta = fn(json.loads(raw) if raw is not None else None)
+            txn.put(_META_KEY, json.dumps(meta, sort_keys=True).encode(), db=self._meta_db)
+            return meta
+
+        return self._write(merge)
+
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         self._itemsize = layout.itemsize
@@ -364,6 +380,57 @@ class LmdbBackend(FetchedRecords, Backend):
         # putmulti loops in C: measurably faster than a txn.put loop in Python. A fresh zip
         # per attempt (a full map retries the batch), no list of pairs built.
         self._write(lambda txn: txn.cursor().putmulti(zip(enc, vals)))
+
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        """Read, ``fn`` and write in one LMDB write transaction: LMDB admits one writer at a
+        time across threads and processes, so no concurrent update is lost. A full map
+        aborts the transaction and runs it again (``fn`` included)."""
+        if len(keys) == 0:
+            return np.zeros(0, dtype=bool)
+        enc = self._encode(keys)
+        if self._too_long(enc) is not None:
+            raise InvalidInputError(
+                f"bytes keys longer than {self._require_env().max_key_size() - 1} bytes do not "
+                "fit an LMDB store"
+            )
+        dtype = self.layout.dtype
+
+        def read_modify_write(txn):
+            get = txn.get
+            recs, found = records_from_values([get(k, b"") for k in enc], dtype,
+                                              self._itemsize, self.url)
+            write, drop = write_plan(fn(recs, found.copy()), found)
+            vals = as_void(recs, dtype).tolist()
+            if write.all():
+                txn.cursor().putmulti(zip(enc, vals))
+            elif write.any():
+                w = write.tolist()
+                txn.cursor().putmulti([(k, v) for k, v, x in zip(enc, vals, w) if x])
+            for k, x in zip(enc, drop.tolist()):
+                if x:
+                    txn.delete(k)
+            return found
+
+        return self._write(read_modify_write)
+
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        """Write new records only where no record exists (``overwrite=False``), in one write
+        transaction: a row another writer created since the caller's read is kept. Returns
+        which keys were written."""
+        records = np.repeat(template[:1], len(keys))
+        records["vector"] = vectors
+        enc, vals = self._pairs(keys, records)
+
+        def write(txn):
+            _, added = txn.cursor().putmulti(zip(enc, vals), overwrite=False)
+            if added == len(enc):  # the usual case: nobody created any of them meanwhile
+                return np.ones(len(enc), dtype=bool)
+            # which ones: a row holding exactly our bytes is ours (records carry stamps)
+            get = txn.get
+            return np.array([get(k) == v for k, v in zip(enc, vals)], dtype=bool)
+
+        return self._write(write)
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0 or self._rec_db is None:

@@ -313,14 +313,16 @@ class MemoryBackend(Backend):
         return out, n_new
 
     @serialized
-    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
         # Insert-if-absent: a key another thread created since the caller saw it missing
-        # keeps its record.
+        # keeps its record. Returns which keys were written.
         if self.key_type != "int64":
             new = self._slots(keys) == _EMPTY
             if not new.all():
                 keys, vectors = keys[new], vectors[new]
-            return super().insert_rows(keys, vectors, template)
+            super().insert_rows(keys, vectors, template)
+            return new
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         new = np.empty(n, dtype=np.uint8)
@@ -334,6 +336,7 @@ class MemoryBackend(Backend):
         self._arena.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
                                fields["vector"][1],
                                np.ascontiguousarray(vectors, dtype=np.float32))
+        return new.view(bool)
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:

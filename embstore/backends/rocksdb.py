@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -36,7 +37,8 @@ from ._localdir import (
     parse_dir_url,
     sorted_last_wins,
 )
-from .base import Backend
+from ._txn import records_from_values, write_plan
+from .base import Backend, ModifyFn
 
 try:
     import rocksdict as rd
@@ -86,6 +88,9 @@ class _Shared:
         self.pid = os.getpid()
         self.refs = 0
         self.count: int | None = None  # exact row count, recomputed lazily after writes
+        # RocksDB admits one writing process (its LOCK file); within it, read-modify-writes
+        # of every backend on this path take turns here (rocksdict has no TransactionDB).
+        self.lock = threading.RLock()
 
 
 _POOL: dict[str, _Shared] = {}
@@ -175,8 +180,10 @@ class RocksDBBackend(FetchedRecords, Backend):
         except Exception as e:
             if top is not None:
                 shutil.rmtree(top, ignore_errors=True)
-            hint = ("; another process has it open for writing (RocksDB allows one writer) - "
-                    "open it with read_only=True" if "lock" in str(e).lower() else "")
+            hint = ("; another process has it open for writing (RocksDB allows one writer "
+                    "process; threads of that process may share it) - open it with "
+                    "read_only=True, or use LMDB / SQL for several writer processes"
+                    if "lock" in str(e).lower() else "")
             raise BackendError(f"cannot open RocksDB at {self.path} for writing: {e}{hint}") from e
         shared = _Shared(db, meta, self.durable)
         _POOL[self.path] = shared
@@ -315,15 +322,73 @@ class RocksDBBackend(FetchedRecords, Backend):
             put(k, v)
         self._commit(wb)
 
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        """Read, ``fn`` and one ``WriteBatch``, under the process's lock of this database:
+        RocksDB refuses a second writing process, so the lock serializes every writer."""
+        if len(keys) == 0:
+            return np.zeros(0, dtype=bool)
+        db = self._writer()
+        enc = self._encode(keys)
+        with self._shared.lock:
+            try:
+                vals = db.get(enc, b"")
+            except Exception as e:
+                raise BackendError(f"{self.path}: RocksDB read failed: {e}") from e
+            recs, found = records_from_values(vals, self.layout.dtype, self._itemsize,
+                                              self.url)
+            write, drop = write_plan(fn(recs, found.copy()), found)
+            if write.any() or drop.any():
+                wb = rd.WriteBatch(raw_mode=True)
+                put = wb.put
+                for k, v, w in zip(enc, as_void(recs, self.layout.dtype).tolist(),
+                                   write.tolist()):
+                    if w:
+                        put(k, v)
+                for k, d in zip(enc, drop.tolist()):
+                    if d:
+                        wb.delete(k)
+                self._commit(wb)
+        return found
+
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        """Write new records only where no record exists (checked under the writer lock): a
+        row another thread created since the caller's read is kept. Returns which keys were
+        written."""
+        if len(keys) == 0:
+            return np.zeros(0, dtype=bool)
+        self._writer()
+        with self._shared.lock:
+            new = ~self._fetch(keys)[1]
+            if new.any():
+                records = np.repeat(template[:1], int(new.sum()))
+                records["vector"] = vectors[new]
+                self.put(keys[new], records)
+        return new
+
+    def modify_meta(self, fn) -> dict:
+        if self.read_only or self._shared is None:
+            return super().modify_meta(fn)
+        with self._shared.lock:
+            try:
+                raw = self._shared.meta.get(_META_KEY)
+            except Exception as e:
+                raise BackendError(f"{self.path}: cannot read metadata: {e}") from e
+            meta = fn(json.loads(raw) if raw is not None else None)
+            self.write_meta(meta)
+        return meta
+
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        present = self._fetch(keys)[1]
-        if present.any():
-            wb = rd.WriteBatch(raw_mode=True)
-            for k in self._encode(keys[present]):
-                wb.delete(k)
-            self._commit(wb)
+        self._writer()
+        with self._shared.lock:  # not between another thread's read and write of a row
+            present = self._fetch(keys)[1]
+            if present.any():
+                wb = rd.WriteBatch(raw_mode=True)
+                for k in self._encode(keys[present]):
+                    wb.delete(k)
+                self._commit(wb)
         return present
 
     def __len__(self) -> int:

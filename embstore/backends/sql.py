@@ -14,6 +14,7 @@ The table name travels in the URL (``?table=name``) so ``store.url`` reopens the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -34,7 +35,8 @@ from ..errors import (
     SchemaMismatchError,
 )
 from ..layout import Layout
-from .base import Backend, serialized
+from ._txn import write_plan
+from .base import Backend, ModifyFn, serialized
 
 try:
     import sqlalchemy as sa
@@ -104,6 +106,17 @@ def _parse(url: str, table: str | None):
         raise InvalidURLError(f"{redact_url(url)!r}: no host in the URL")
     public = u.update_query_dict({"table": name}).render_as_string(hide_password=False)
     return u, name, public
+
+
+def _sqlite_empty(path: str) -> bool:
+    """True when the SQLite file holds no table (another writer may have made a store since)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=1.0)) as conn:
+            return conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+    except sqlite3.Error:
+        return False
 
 
 # Seconds to wait for a PostgreSQL server to answer a new connection (libpq drivers); a URL's
@@ -184,6 +197,7 @@ class SQLBackend(Backend):
         self._raw = self._conn = self._engine = None
         self._closed = False
         self._missing = False
+        self._created_file: str | None = None  # removed by close() if no store was written
         self._core = False
         self._bound: tuple[str, int] | None = None
         self._lock = threading.RLock()
@@ -193,6 +207,12 @@ class SQLBackend(Backend):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def max_key_bytes(self) -> int | None:
+        """Longest bytes key: PostgreSQL's B-tree index rows hold at most 2704 bytes (2684
+        of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
+        return {"postgresql": 2680, "mysql": 767}.get(self._dialect_name)
 
     # -- connection -------------------------------------------------------------------------------
     def _connect(self, fast_path: bool) -> None:
@@ -209,6 +229,7 @@ class SQLBackend(Backend):
                     raise BackendError(f"{self._safe_url}: directory {parent!r} does not exist")
                 if not os.access(parent, os.W_OK):
                     raise BackendError(f"{self._safe_url}: directory {parent!r} is not writable")
+                self._created_file = path
             connect_args = {"check_same_thread": False, "timeout": 60.0,
                             "cached_statements": 256}
         elif (kind == "postgresql" and self._sa_url.get_driver_name() in ("psycopg", "psycopg2")
@@ -328,6 +349,7 @@ class SQLBackend(Backend):
         text = json.dumps(meta, sort_keys=True)
         with self._ops.txn():
             self._ops.meta_put(text)
+        self._created_file = None  # a store lives here now
 
     @_wrap_errors
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -437,6 +459,96 @@ class SQLBackend(Backend):
         raw = self._raw_records(records)
         with self._ops.txn():  # one transaction per batch: all of it or nothing
             self._ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
+
+    @_wrap_errors
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        """Insert-if-absent: a row another writer created since the caller's read is kept.
+        Returns which keys were written."""
+        if len(keys) == 0:
+            return np.zeros(0, bool)
+        records = np.repeat(template[:1], len(keys))
+        records["vector"] = vectors
+        with self._ops.txn():
+            done = self._ops.insert_absent(keys, self._raw_records(records),
+                                           np.ascontiguousarray(records["version"]))
+        return self._mask(keys, done)
+
+    def _mask(self, keys: np.ndarray, subset: np.ndarray) -> np.ndarray:
+        if self.key_type == "int64":
+            return np.isin(keys, subset)
+        s = set(subset.tolist())
+        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+
+    @_wrap_errors
+    def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        """Read, ``fn`` and write in one transaction: SQLite ``BEGIN IMMEDIATE`` (the database
+        write lock, across processes); PostgreSQL row locks on every key, existing or not (see
+        ``PostgresOps.lock_rows``), retried whole on a deadlock or serialization failure."""
+        if len(keys) == 0:
+            return np.zeros(0, bool)
+        if not isinstance(self._ops, _sql_ops.PostgresOps):
+            with self._ops.txn():
+                recs, found = self._records(keys)
+                self._write_back(keys, recs, found, fn(recs, found.copy()))
+            return found
+        for attempt in range(8):
+            try:
+                with self._ops.txn():
+                    fkeys, raw, placeholders = self._ops.lock_rows(keys)
+                    recs, found = self._aligned(keys, fkeys, raw)
+                    keep = fn(recs, found.copy())
+                    self._write_back(keys, recs, found, keep)
+                    write = write_plan(keep, found)[0]
+                    if len(placeholders) and not write.all():
+                        # missing rows fn did not keep: their placeholders go again
+                        gone = keys[~write & ~found]
+                        if len(gone):
+                            self._ops.delete(gone)
+                return found
+            except self._driver_errors as e:
+                if getattr(e, "sqlstate", None) not in ("40P01", "40001") or attempt == 7:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _records(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        fkeys, raw = self._ops.fetch(keys)
+        return self._aligned(keys, fkeys, raw)
+
+    def _aligned(self, keys: np.ndarray, fkeys: np.ndarray,
+                 raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Writable records of ``keys`` (zero rows where missing) from fetched rows."""
+        rows, found = self._align(keys, fkeys)
+        recs = np.zeros(len(keys), dtype=self.layout.dtype)
+        if len(fkeys):
+            got = np.take(raw, rows[found], axis=0)
+            recs[found] = got.view(self.layout.dtype).reshape(-1)
+        return recs, found
+
+    def _write_back(self, keys: np.ndarray, recs: np.ndarray, found: np.ndarray,
+                    keep: np.ndarray | None) -> None:
+        write, drop = write_plan(keep, found)
+        if drop.any():
+            self._ops.delete(keys[drop])
+        if write.all():
+            self._ops.upsert(keys, self._raw_records(recs),
+                             np.ascontiguousarray(recs["version"]))
+        elif write.any():
+            w = recs[write]
+            self._ops.upsert(keys[write], self._raw_records(w),
+                             np.ascontiguousarray(w["version"]))
+
+    @_wrap_errors
+    def modify_meta(self, fn) -> dict:
+        """Read, ``fn`` and write the metadata in one transaction (the metadata row locked)."""
+        if self.read_only or self._missing:
+            return super().modify_meta(fn)
+        with self._ops.txn():
+            get = getattr(self._ops, "meta_get_for_update", self._ops.meta_get)
+            text = get()
+            meta = fn(json.loads(text) if text is not None else None)
+            self._ops.meta_put(json.dumps(meta, sort_keys=True))
+        return meta
 
     @_wrap_errors
     def delete(self, keys: np.ndarray) -> np.ndarray:
@@ -569,3 +681,8 @@ class SQLBackend(Backend):
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
+            if self._created_file is not None and _sqlite_empty(self._created_file):
+                # opened without dim (or failed before the store was made): no empty file left
+                for suffix in ("", "-wal", "-shm", "-journal"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._created_file + suffix)

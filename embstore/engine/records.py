@@ -152,12 +152,18 @@ class RecordWrites:
         self._stamp(template)
         return template
 
-    def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        """Write new records of ``keys`` with these vectors."""
+    def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> int:
+        """Write new records of ``keys`` with these vectors where no record exists by now
+        (another writer may have created one since the caller's read: insert-if-absent);
+        return how many were written."""
         template = self._template()
-        self._backend.insert_rows(keys, vectors, template)
-        for obs in self._observers:
-            obs.on_insert(keys, vectors, template)
+        done = self._backend.insert_rows(keys, vectors, template)
+        if done is not None and not done.all():
+            keys, vectors = keys[done], vectors[done]
+        if len(keys):
+            for obs in self._observers:
+                obs.on_insert(keys, vectors, template)
+        return len(keys)
 
     def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``Backend.lookup_insert``: vectors and which keys were inserted (the first

@@ -50,7 +50,7 @@ def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
 
 
 def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | bytes, *,
-                  partial: bool, progress: bool) -> int:
+                  partial: bool, progress: bool, apply_deletes: bool = False) -> int:
     """``store.import_``: the native file must hold exactly this store's records; it then
     goes through the one import pipeline (:func:`embstore.io.transfer.import_file`)."""
     from ..io import transfer
@@ -65,7 +65,8 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
                 f"file layout {reader.layout} differs from the store's {store.layout}"
             )
         report = transfer.import_file(store, reader, partial=partial, progress=progress,
-                                      cache_bytes=transfer.DEFAULT_CACHE_BYTES)
+                                      cache_bytes=transfer.DEFAULT_CACHE_BYTES,
+                                      apply_deletes=apply_deletes)
         return report.rows
 
 

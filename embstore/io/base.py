@@ -145,8 +145,15 @@ class FormatWriter(abc.ABC):
 
 # -- helpers ---------------------------------------------------------------------------------------
 def temp_beside(final: str, suffix: str = ".tmp") -> tuple[BinaryIO, str]:
-    """A temporary file in the directory of ``final`` (so ``os.replace`` is atomic)."""
-    d = os.path.dirname(os.path.abspath(final))
+    """A temporary file in the directory of ``final`` (so ``os.replace`` is atomic), or in
+    the system's temporary directory when ``final`` is a FIFO or device (see
+    :func:`~embstore.io.limits.output_mode`, which also refuses symlinks and the like)."""
+    from .limits import output_mode
+
+    if output_mode(final) == "stream":
+        d = tempfile.gettempdir()
+    else:
+        d = os.path.dirname(os.path.abspath(final))
     fd, tmp = tempfile.mkstemp(prefix=".embstore-", suffix=suffix, dir=d)
     # mkstemp makes the file private (0600); the finished file gets the usual permissions.
     os.fchmod(fd, 0o666 & ~current_umask())
@@ -160,11 +167,14 @@ def current_umask() -> int:
 
 
 def commit(f: BinaryIO, tmp: str, final: str) -> None:
-    """Flush, fsync and rename a temporary file into place."""
+    """Flush, fsync and rename a temporary file into place (or stream it into a FIFO or
+    character device destination)."""
+    from .limits import deliver
+
     f.flush()
     os.fsync(f.fileno())
     f.close()
-    os.replace(tmp, final)
+    deliver(tmp, final)
 
 
 def discard(f: BinaryIO | None, tmp: str | None) -> None:

@@ -72,15 +72,16 @@ def export_to(store: Any, dest: Any, fmt: str | None, *, since: int | None, batc
                        progress=progress)
 
 
-def import_from(store: Any, src: Any, fmt: str | None, *, partial: bool,
-                progress: bool) -> int:
-    """``store.import_``: the native reader (whole records, ``partial``), or
-    :func:`embstore.io.transfer.import_file` for the other formats."""
+def import_from(store: Any, src: Any, fmt: str | None, *, partial: bool, progress: bool,
+                apply_deletes: bool = False) -> int:
+    """``store.import_``: the native reader (whole records, ``partial``, ``apply_deletes``),
+    or :func:`embstore.io.transfer.import_file` for the other formats."""
     name = file_format(src, fmt, for_write=False)
     if name == "native":
         from ..engine.transfer import import_native
 
-        return import_native(store, src, partial=partial, progress=progress)
+        return import_native(store, src, partial=partial, progress=progress,
+                             apply_deletes=apply_deletes)
     from .transfer import import_file
 
     return import_file(store, src, fmt=name, progress=progress).rows

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import CorruptFileError, InvalidInputError
 from .base import CHUNK_ROWS, Chunk, FormatReader, FormatWriter
+from .limits import check_input_path
 from .native import MAGIC, NativeReader, NativeWriter
 
 FORMATS = ("native", "parquet", "npz", "npy", "word2vec", "word2vec-binary", "tsv")
@@ -65,6 +66,7 @@ def detect_format(path: str | os.PathLike, fmt: str | None = None, *,
             return "npy"
         if os.path.basename(path) == "vectors.npy":
             return "npy"
+        check_input_path(path)  # opening a FIFO to sniff it would block
         try:
             with open(path, "rb") as f:
                 head = f.read(8)
@@ -152,6 +154,7 @@ def open_reader(path: str | os.PathLike | BinaryIO | bytes | FormatReader,
         path = os.path.dirname(path) or "."
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
+    check_input_path(path)
     if name == "native":
         return NativeFormatReader(path)
     if name in ("word2vec", "word2vec-binary"):

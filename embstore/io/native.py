@@ -36,11 +36,15 @@ import numpy as np
 
 from ..errors import CorruptFileError
 from ..layout import Layout
+from .base import MAX_DIM
+from .limits import check_input_path, deliver, output_mode
 
 MAGIC = b"EMBSTNAT"
 FORMAT_VERSION = 1
 MAX_HEADER = 16 << 20
 MAX_CHUNK_ROWS = 1 << 22
+#: bytes of records per chunk a writer produces (readers accept any chunk the file can hold)
+MAX_CHUNK_BYTES = 64 << 20
 _CHUNK = struct.Struct("<4sIQI")
 _TRAILER = struct.Struct("<4sQI")
 
@@ -48,7 +52,9 @@ _TRAILER = struct.Struct("<4sQI")
 def _open_out(dest: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str | None, str | None]:
     if isinstance(dest, (str, os.PathLike)):
         final = os.fspath(dest)
-        d = os.path.dirname(os.path.abspath(final))
+        # a FIFO/device gets the finished file written into it; symlinks etc. are refused
+        d = (tempfile.gettempdir() if output_mode(final) == "stream"
+             else os.path.dirname(os.path.abspath(final)))
         fd, tmp = tempfile.mkstemp(prefix=".embstore-", suffix=".tmp", dir=d)
         mask = os.umask(0o022)
         os.umask(mask)
@@ -100,9 +106,10 @@ class NativeWriter:
         n = len(keys)
         if n == 0:
             return
-        for start in range(0, n, MAX_CHUNK_ROWS):
-            self._write_chunk(keys[start:start + MAX_CHUNK_ROWS],
-                              records[start:start + MAX_CHUNK_ROWS])
+        # chunks bounded in bytes too, so a reader of wide records holds little at a time
+        step = max(1, min(MAX_CHUNK_ROWS, MAX_CHUNK_BYTES // (self.layout.itemsize + 8)))
+        for start in range(0, n, step):
+            self._write_chunk(keys[start:start + step], records[start:start + step])
 
     def _write_chunk(self, keys: np.ndarray, records: np.ndarray) -> None:
         n = len(keys)
@@ -149,7 +156,7 @@ class NativeWriter:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
-            os.replace(self._tmp, self._final)
+            deliver(self._tmp, self._final)
 
     def abort(self) -> None:
         """Drop a partly written file (path destinations only)."""
@@ -192,6 +199,7 @@ class NativeReader:
             self._f: IO[bytes] = io.BytesIO(src)
             self._owns = True
         elif isinstance(src, (str, os.PathLike)):
+            check_input_path(os.fspath(src))
             try:
                 self._f = open(src, "rb")  # noqa: SIM115 - closed by close()
             except OSError as e:
@@ -202,9 +210,22 @@ class NativeReader:
             self._owns = False
         self.name = str(src) if isinstance(src, (str, os.PathLike)) else "<stream>"
         self._pools: tuple[ThreadPoolExecutor, ...] | None = None
+        try:
+            self._open_header()
+        except BaseException:
+            self.close()  # a refused file is not left open
+            raise
+
+    def _open_header(self) -> None:
         self._size = self._remaining_size()
         self.header = self._read_header()
-        self.layout = Layout.from_json(self.header.get("layout", {}))
+        try:
+            self.layout = Layout.from_json(self.header.get("layout", {}))
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptFileError(f"{self.name}: header has a bad layout: {e}") from e
+        if self.layout.dim > MAX_DIM or self.layout.itemsize > 16 * 4 * MAX_DIM:
+            raise CorruptFileError(f"{self.name}: header declares an absurd record layout "
+                                   f"(dim {self.layout.dim}, {self.layout.itemsize} bytes)")
         self.key_type = self.header.get("key_type")
         if self.key_type not in ("int64", "bytes"):
             raise CorruptFileError(f"{self.name}: header has an unknown key_type")
@@ -245,6 +266,8 @@ class NativeReader:
             header = json.loads(hb.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptFileError(f"{self.name}: header is not valid JSON: {e}") from e
+        except RecursionError:  # e.g. 200k nested brackets: no store header looks like that
+            raise CorruptFileError(f"{self.name}: header JSON is nested absurdly deep") from None
         if not isinstance(header, dict) or "layout" not in header:
             raise CorruptFileError(f"{self.name}: header lacks a layout")
         return header

@@ -22,9 +22,11 @@ checked against the member's real size before anything is allocated.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
@@ -41,8 +43,24 @@ from .base import (
     discard,
     temp_beside,
 )
+from .limits import check_inflation, check_input_path, chunk_rows, deliver, finite_float32
 
 _MAGIC = b"\x93NUMPY"
+#: what the zip module raises on damaged, encrypted or unsupported members
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplementedError,
+               OSError)
+_ZIP_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA)
+
+
+@contextlib.contextmanager
+def _member_errors(name: str):
+    """Report zip-level damage of a member (bad CRC, bad deflate data, ...) as a corrupt file."""
+    try:
+        yield
+    except CorruptFileError:
+        raise
+    except _ZIP_ERRORS as e:
+        raise CorruptFileError(f"{name}: damaged member: {e}") from e
 _HEADER_BYTES = 128  # fixed, so the header can be rewritten once the row count is known
 
 
@@ -52,7 +70,7 @@ class _NpyMember:
     def __init__(self, opener: Callable[[], IO[bytes]], size: int, name: str) -> None:
         self._opener = opener
         self.name = name
-        with opener() as f:
+        with _member_errors(name), opener() as f:
             try:
                 version = np.lib.format.read_magic(f)
                 if version == (1, 0):
@@ -82,20 +100,23 @@ class _NpyMember:
 class _RowStream:
     def __init__(self, m: _NpyMember) -> None:
         self.m = m
-        self.f = m._opener()
-        np.lib.format.read_magic(self.f)
-        self.f.seek(m.offset)
+        with _member_errors(m.name):
+            self.f = m._opener()
+            np.lib.format.read_magic(self.f)
+            self.f.seek(m.offset)
 
     def read(self, n: int) -> np.ndarray:
         want = n * self.m.row_bytes
-        b = self.f.read(want)
+        with _member_errors(self.m.name):
+            b = self.f.read(want)
         if len(b) != want:
             raise CorruptFileError(f"{self.m.name}: truncated data")
         arr = np.frombuffer(b, dtype=self.m.dtype).reshape((n,) + self.m.shape[1:])
         return arr
 
     def read_bytes(self, n: int) -> bytes:
-        b = self.f.read(n)
+        with _member_errors(self.m.name):
+            b = self.f.read(n)
         if len(b) != n:
             raise CorruptFileError(f"{self.m.name}: truncated data")
         return b
@@ -116,6 +137,7 @@ class NpzReader(FormatReader):
                      if n.endswith(".npy")}
 
             def member(p: str) -> _NpyMember:
+                check_input_path(p)  # a FIFO member would block the reader forever
                 return _NpyMember(lambda: open(p, "rb"), os.path.getsize(p), p)
         else:
             self.format = "npz"
@@ -128,8 +150,14 @@ class NpzReader(FormatReader):
 
             def member(n: str) -> _NpyMember:
                 info = infos[n]
-                return _NpyMember(lambda: self._zip.open(info), info.file_size,
-                                  f"{self.name}:{n}")
+                where = f"{self.name}:{n}"
+                if info.flag_bits & 0x1:
+                    raise CorruptFileError(f"{where}: encrypted members are not supported")
+                if info.compress_type not in _ZIP_METHODS:
+                    raise CorruptFileError(
+                        f"{where}: unsupported compression method {info.compress_type}")
+                check_inflation(where, "the member", info.compress_size, info.file_size)
+                return _NpyMember(lambda: self._zip.open(info), info.file_size, where)
         try:
             self._setup(names, lambda n: member(names[n]))
         except BaseException:
@@ -171,6 +199,8 @@ class NpzReader(FormatReader):
 
     def chunks(self, batch_size: int = CHUNK_ROWS, *, validate: bool = False
                ) -> Iterator[Chunk]:
+        key_bytes = self._keys.row_bytes if self._keys is not None else 16
+        batch_size = chunk_rows(self._vec.row_bytes + key_bytes, batch_size)
         streams = [self._vec.reader()]
         try:
             if self._keys is not None:
@@ -192,7 +222,8 @@ class NpzReader(FormatReader):
                 raise CorruptFileError(f"{self.name}: key_offsets must start at 0")
         for start in range(0, n, batch_size):
             m = min(batch_size, n - start)
-            vectors = vec_s.read(m).astype(np.float32)
+            # float64 values beyond float32's range would silently become inf: bad rows
+            vectors, lost = finite_float32(vec_s.read(m))
             if self._keys is not None:
                 raw = streams[1].read(m)
                 if raw.dtype.kind in "iu":
@@ -215,8 +246,12 @@ class NpzReader(FormatReader):
                 keys = np.empty(m, dtype=object)
                 keys[:] = [blob[rel[i]:rel[i + 1]] for i in range(m)]
                 prev_end = int(bounds[-1])
-            yield Chunk(keys, np.ascontiguousarray(vectors),
-                        np.arange(start, start + m, dtype=np.int64))
+            rows = np.arange(start, start + m, dtype=np.int64)
+            bad: list[tuple[int, str]] = []
+            if lost.any():
+                bad = [(int(r), "a value is beyond the float32 range") for r in rows[lost]]
+                keys, vectors, rows = keys[~lost], vectors[~lost], rows[~lost]
+            yield Chunk(keys, np.ascontiguousarray(vectors), rows, None, bad)
         if self._offsets is not None and prev_end != self._blob.shape[0]:
             raise CorruptFileError(f"{self.name}: key_blob has bytes no key refers to")
 
@@ -307,7 +342,7 @@ class NpzWriter(FormatWriter):
                 m.finish()
             if self._npy:
                 for m in self._members.values():
-                    os.replace(m.tmp, m.final)
+                    deliver(m.tmp, m.final)
                 return
             out, tmp = temp_beside(self.dest)
             try:

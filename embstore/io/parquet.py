@@ -40,6 +40,7 @@ from .base import (
     prefetch,
     temp_beside,
 )
+from .limits import CHUNK_BYTES, check_inflation, chunk_rows
 
 try:
     import pyarrow as pa
@@ -54,6 +55,10 @@ META_KEY = b"embstore"
 _KEY_NAMES = ("key", "keys", "id", "word")
 _VEC_NAMES = ("vector", "vectors", "embedding")
 _ARROW_META = {"<i8": pa.int64(), "<f8": pa.float64()}
+#: decoded bytes per value of the fixed-width Parquet physical types
+_PHYSICAL_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
+#: row groups decoding to more than this are read in batches, not whole
+_WHOLE_GROUP_BYTES = 4 * CHUNK_BYTES
 
 
 def _schema(layout: Layout, key_type: str, meta: dict[str, Any]) -> pa.Schema:
@@ -151,6 +156,11 @@ class ParquetReader(FormatReader):
                 self.layout = Layout.from_json(self.header["layout"])
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptFileError(f"{self.name}: unreadable embstore metadata: {e}") from e
+            except RecursionError:
+                raise CorruptFileError(
+                    f"{self.name}: embstore metadata JSON is nested absurdly deep") from None
+        # Before any data is decoded: no row group may decode to absurdly more than it stores.
+        self._group_bytes = self._decoded_group_bytes()
         if pa.types.is_fixed_size_list(vtype):
             self.dim = vtype.list_size
         elif self.layout is not None:
@@ -166,7 +176,27 @@ class ParquetReader(FormatReader):
         if not self._records:
             self.layout = None
         self._cols = [self._kcol] + (record_cols if self._records else [self._vcol])
+        widths = self.dim + (sum(w for _, w in self.layout.slots) if self._records else 0)
+        self._row_bytes = 8 + 4 * widths + (8 * len(META_FIELDS) if self._records else 0)
 
+    def _decoded_group_bytes(self) -> list[int]:
+        """Decoded size of each row group, from the value counts of its column chunks (a
+        count the decoder stops at, unlike the declared byte sizes, which run-length and
+        dictionary encodings make arbitrarily small); refuses compression bombs."""
+        md = self._pf.metadata
+        sizes = []
+        for i in range(md.num_row_groups):
+            rg = md.row_group(i)
+            stored = decoded = 0
+            for j in range(rg.num_columns):
+                col = rg.column(j)
+                stored += col.total_compressed_size
+                width = _PHYSICAL_BYTES.get(col.physical_type)
+                decoded += (col.num_values * width if width is not None
+                            else max(col.total_uncompressed_size, col.num_values))
+            check_inflation(self.name, f"row group {i}", stored, decoded)
+            sizes.append(decoded)
+        return sizes
     def _first_length(self) -> int:
         for batch in self._iter(1024, [self._vcol]):
             lens = pc.list_value_length(batch.column(0)).drop_null()
@@ -181,7 +211,12 @@ class ParquetReader(FormatReader):
         # converts and checks this one: at most three groups in memory.
         def groups() -> Iterator[pa.Table]:
             for i in range(self._pf.metadata.num_row_groups):
-                yield self._pf.read_row_group(i, columns=columns)
+                if self._group_bytes[i] <= _WHOLE_GROUP_BYTES:
+                    yield self._pf.read_row_group(i, columns=columns)
+                    continue
+                # a big row group (other tools write up to 1M rows) streams in bounded batches
+                for b in self._pf.iter_batches(batch_size, row_groups=[i], columns=columns):
+                    yield pa.Table.from_batches([b])
 
         try:
             for table in prefetch(groups(), depth=1, name="embstore-parquet"):
@@ -191,6 +226,7 @@ class ParquetReader(FormatReader):
 
     def chunks(self, batch_size: int = CHUNK_ROWS, *, validate: bool = False
                ) -> Iterator[Chunk]:
+        batch_size = chunk_rows(self._row_bytes, batch_size)
         try:
             yield from self._chunks(batch_size, validate)
         except pa.ArrowException as e:
@@ -198,8 +234,8 @@ class ParquetReader(FormatReader):
 
     def _chunks(self, batch_size: int, validate: bool) -> Iterator[Chunk]:
         start = 0
-        # a checking pass reads only keys and vectors: slots and metadata need no check
-        with_records = self._records and not validate
+        # records also in a checking pass: their stamps are range-checked before any write
+        with_records = self._records
         for batch in self._iter(batch_size, self._cols if with_records else self._cols[:2]):
             n = batch.num_rows
             rows = np.arange(start, start + n, dtype=np.int64)
@@ -241,7 +277,8 @@ class ParquetReader(FormatReader):
 def _floats(col: pa.Array, n: int, width: int) -> np.ndarray:
     # Null inner values come out as NaN and are rejected like NaN values.
     flat = col.flatten().to_numpy(zero_copy_only=False)
-    return np.ascontiguousarray(flat, dtype=np.float32).reshape(n, width)
+    with np.errstate(over="ignore"):  # float64 beyond float32 range -> inf -> a bad row
+        return np.ascontiguousarray(flat, dtype=np.float32).reshape(n, width)
 
 
 def _keys(col: pa.Array, kind: str) -> np.ndarray:

@@ -23,6 +23,8 @@ from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
 from ..progress import progress_bar
 from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
 from .formats import detect_format, open_reader, open_writer
+from .limits import check_header, check_stamps, chunk_rows
+from .validate import ImportChecks, local_store_paths, remove_created
 
 PROJECTIONS = ("random", "truncate")
 #: decoded rows kept between the checking and the writing pass (see ``import_file``)
@@ -41,6 +43,9 @@ class ImportReport:
     bad: list[str] = field(default_factory=list)
     url: str = ""
     store: Any = None
+    #: keys the file asked to delete (a delta's deletions, or a full export's with
+    #: ``apply_deletes``) and how many of them were in the store
+    deleted: int = 0
 
 
 def _projection(kind: str, src_dim: int, dst_dim: int, seed: int) -> np.ndarray | None:
@@ -138,7 +143,16 @@ class NewStore:
     def open(self) -> Any:
         from ..api import open as _open
 
+        # what does not exist yet is removed again when the import fails after this
+        self.created = [p for p in local_store_paths(self.url) if not os.path.lexists(p)]
         return _open(self.url, **self.options)
+
+    def discard(self, store: Any) -> None:
+        """Close and remove a store this import created and then failed to fill."""
+        try:
+            store.close()
+        finally:
+            remove_created(getattr(self, "created", []))
 
 
 def creation_options(reader: FormatReader, *, dim: int | None = None,
@@ -158,7 +172,8 @@ def creation_options(reader: FormatReader, *, dim: int | None = None,
 def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatReader, *,
                 fmt: str | None = None, skip_bad: bool = False, project: str | None = None,
                 seed: int = 0, batch_size: int = CHUNK_ROWS, progress: bool = False,
-                cache_bytes: int = DEFAULT_CACHE_BYTES, partial: bool = False) -> ImportReport:
+                cache_bytes: int = DEFAULT_CACHE_BYTES, partial: bool = False,
+                apply_deletes: bool = False) -> ImportReport:
     """Import a file of any supported format into ``store``.
 
     Parameters
@@ -183,6 +198,9 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
         One pass, writing each chunk once it is checked: on damage the rows before it stay
         imported (and the error is raised). Default: nothing is written unless the whole
         file is sound.
+    apply_deletes : bool
+        Let a native full export that lists deleted keys delete them (such a file is refused
+        otherwise; a delta's deletions always apply). ``ImportReport.deleted`` counts them.
 
     Returns
     -------
@@ -197,6 +215,12 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
         report.mode = "records" if records_mode else "vectors"
         mat = (_projection(project, reader.dim, store.dim, seed)
                if reader.dim != store.dim else None)
+        # header, deletions and policy state now; stamps and key lengths per chunk in pass 1
+        checks = ImportChecks(reader.name, reader.header, store, records=records_mode,
+                              apply_deletes=apply_deletes, row_word=reader.row_word,
+                              row_offset=reader.row_offset)
+        # chunks are bounded in bytes: a 2**20-dim vector is 4 MiB
+        batch_size = chunk_rows(4 * reader.dim + 64, batch_size)
 
         # Pass 1: read everything, write nothing. Clean chunks are kept (up to cache_bytes)
         # so that a file that fits is not read and parsed a second time.
@@ -208,6 +232,7 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
             for chunk in ([] if partial else reader.chunks(batch_size,
                                                            validate=cache is None)):
                 clean = _checked(chunk, reader, store.key_type, skip_bad, report)
+                checks.chunk(clean.keys, clean.records, clean.rows)
                 total += len(clean.keys)
                 bar.update(len(chunk.keys) + len(chunk.bad))
                 if cache is not None:
@@ -220,8 +245,9 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
         # Pass 2: write. Re-read chunks need no second check unless keys must be converted.
         recheck = partial or report.skipped > 0 or (reader.key_kind == "text"
                                                     and store.key_type == "int64")
-        if isinstance(store, NewStore):
-            store = store.open()
+        new = store if isinstance(store, NewStore) else None
+        if new is not None:
+            store = new.open()
             report.url = store.url
             report.store = store
 
@@ -234,34 +260,48 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
                     yield clean
                 return
             for chunk in reader.chunks(batch_size):
-                clean = (_checked(chunk, reader, store.key_type, skip_bad, report, True)
-                         if partial else _clean(chunk, reader, store.key_type)[0] if recheck
-                         else chunk)
+                if partial:  # no pass 1: every check before the chunk is written
+                    clean = _checked(chunk, reader, store.key_type, skip_bad, report, True)
+                    checks.chunk(clean.keys, clean.records, clean.rows)
+                else:
+                    clean = _clean(chunk, reader, store.key_type)[0] if recheck else chunk
                 bar.update(len(clean.keys))
                 yield clean
 
-        # partial: no pass 1 (pass 2 checks each chunk before writing it), no total
-        with progress_bar(total=None if partial else total, enabled=progress,
-                          desc="import") as bar:
-            if records_mode:
-                if (reader.header or {}).get("deletions_complete") is False:
-                    warnings.warn(f"{reader.name}: this delta does not carry every deletion "
-                                  "since its base version; rows deleted at the source may "
-                                  "remain here (sync from a full export)", stacklevel=3)
-                deleted = (reader.header or {}).get("deleted")
-                if deleted:
-                    _apply_deletions(store, deleted)
-                report.rows = store.load_records(
-                    ((c.keys, c.records) for c in cleaned()), header=reader.header)
-            else:
-                for c in cleaned():
-                    vecs = c.vectors
-                    if reader.dim != store.dim:
-                        vecs = _project(vecs, project, store.dim, mat)
-                    if len(c.keys):
-                        store.assign(c.keys, vecs)
-                        report.rows += len(c.keys)
+        try:
+            # partial: no pass 1 (pass 2 checks each chunk before writing it), no total
+            with progress_bar(total=None if partial else total, enabled=progress,
+                              desc="import") as bar:
+                _write(store, reader, report, cleaned(), checks.deleted, project, mat)
+        except BaseException:
+            if new is not None:  # a store created for this import goes again
+                report.store = None
+                new.discard(store)
+            raise
     return report
+
+
+def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Iterator[Chunk],
+           deleted: np.ndarray | None, project: str | None, mat: np.ndarray | None) -> None:
+    """Pass 2 of ``import_file``: deletions first (rows re-created after them survive),
+    then whole records or vectors."""
+    if report.mode == "records":
+        if (reader.header or {}).get("deletions_complete") is False:
+            warnings.warn(f"{reader.name}: this delta does not carry every deletion "
+                          "since its base version; rows deleted at the source may "
+                          "remain here (sync from a full export)", stacklevel=4)
+        if deleted is not None and len(deleted):
+            report.deleted = _apply_deletions(store, deleted)
+        report.rows = store.load_records(((c.keys, c.records) for c in chunks),
+                                         header=reader.header)
+        return
+    for c in chunks:
+        vecs = c.vectors
+        if reader.dim != store.dim:
+            vecs = _project(vecs, project, store.dim, mat)
+        if len(c.keys):
+            store.assign(c.keys, vecs)
+            report.rows += len(c.keys)
 
 
 def _checked(chunk: Chunk, reader: FormatReader, key_type: str, skip_bad: bool,
@@ -285,13 +325,12 @@ def _nbytes(chunk: Chunk) -> int:
     return n + chunk.keys.nbytes
 
 
-def _apply_deletions(store: Any, deleted: Any) -> None:
+def _apply_deletions(store: Any, gone: np.ndarray) -> int:
     # A native delta export lists the keys deleted since its base version.
-    from ..policies.tombstones import decode_keys
-
-    gone = decode_keys(deleted, store.key_type)
+    n = 0
     for i in range(0, len(gone), CHUNK_ROWS):
-        store.delete(gone[i:i + CHUNK_ROWS])
+        n += int(store.delete(gone[i:i + CHUNK_ROWS]) or 0)
+    return n
 
 
 def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
@@ -447,14 +486,28 @@ def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
     return rep
 
 
+def _verify_check(rep: VerifyReport, check: Any) -> bool:
+    try:
+        check()
+    except CorruptFileError as e:
+        rep.problems.append(str(e).replace("; nothing imported", ""))
+        return False
+    return True
+
+
 def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
                 batch_size: int = CHUNK_ROWS, progress: bool = False) -> VerifyReport:
     """Read every row of a file: structure and checksums (native), keys, values, counts."""
     with open_reader(path, fmt) as reader:
         rep = VerifyReport(dim=reader.dim, kind=f"{reader.format} ({reader.key_kind} keys)")
         kt = "int64" if reader.key_kind == "int64" else "bytes"
+        batch_size = chunk_rows(4 * reader.dim + 64, batch_size)
+        stamps_ok = _verify_check(rep, lambda: check_header(reader.name, reader.header))
         with progress_bar(total=reader.declared_rows, enabled=progress, desc="verify") as bar:
             for chunk in reader.chunks(batch_size, validate=True):
+                if stamps_ok:  # the first bad stamp is reported, as import would refuse it
+                    stamps_ok = _verify_check(rep, lambda c=chunk: check_stamps(
+                        reader.name, c.records, c.rows, reader.row_word, reader.row_offset))
                 clean, bad = _clean(chunk, reader, kt)
                 rep.bad += len(bad)
                 rep.problems += bad[:max(0, 20 - len(rep.problems))]

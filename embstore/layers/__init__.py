@@ -13,7 +13,7 @@ from ..backends.base import Backend
 from ..errors import InvalidInputError
 
 LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "cache_eviction", "write_behind",
-                 "shards")
+                 "shards", "writer_keys", "lease_seconds")
 
 __all__ = ["LAYER_OPTIONS", "build_backend", "WrapperBackend", "CachedBackend", "ShardedBackend"]
 

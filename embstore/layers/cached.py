@@ -13,8 +13,9 @@ costs one hash probe, as a plain ``memory://`` lookup does. Any other local back
 
 Consistency contract
 --------------------
-- One writer per key range: two processes may share a remote table through their own caches as
-  long as they write disjoint keys. A reader sees another writer's rows up to that writer's
+- One writer per key range, enforced by a lease in the remote's metadata (:mod:`._lease`):
+  two processes may share a remote table through their own caches as long as they declare
+  disjoint ``writer_keys``. A reader sees another writer's rows up to that writer's
   last flush (and only rows it does not hold in its own cache).
 - The remote holds the truth for metadata (read and written through) and, after ``flush()``,
   for every row. ``scan`` and ``changes_since`` flush dirty rows first, then ask the remote;
@@ -45,6 +46,7 @@ from ..backends.memory import MemoryBackend
 from ..errors import BackendError, InvalidInputError, StoreClosedError
 from ..layout import Layout
 from ..policies.eviction import eviction_policy
+from ._lease import WriterLease
 from ._prefetch import PrefetchMixin
 from ._remote import RemoteIOMixin
 from ._slots import SlotTable
@@ -94,6 +96,13 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         Rows per remote ``put`` when flushing.
     read_only : bool
         Passed to the remote when it is given as a URL.
+    writer_keys : (int, int), optional
+        ``(index, count)``: this cache writes only keys with ``key_hash64(k) % count ==
+        index``. A writable cache over a persistent remote holds a lease on its keys in the
+        remote's metadata: a second cache writing overlapping keys is refused
+        (``LeaseConflictError``, see :mod:`._lease`). Default: every key (one writer).
+    lease_seconds : float
+        How long a lease outlives a writer that died without closing (default 300).
     **remote_options
         Options for the remote backend when it is given as a URL.
     """
@@ -105,7 +114,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
                  capacity: int = 100_000, write_policy: str = "back", eviction: str = "lfu",
                  write_behind: bool | None = None, flush_batch: int = 16384,
-                 read_only: bool = False, **remote_options: Any) -> None:
+                 read_only: bool = False, writer_keys: Any = None,
+                 lease_seconds: float = 300.0, **remote_options: Any) -> None:
         if write_policy not in WRITE_POLICIES:
             raise InvalidInputError(f"write_policy must be one of {WRITE_POLICIES}, "
                                     f"got {write_policy!r}")
@@ -127,6 +137,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self.write_policy = write_policy
         self.eviction = eviction
         self.flush_batch = int(flush_batch)
+        # "one writer per key range", enforced: a lease in the remote's metadata
+        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds)
+                       if self.persistent and not self.read_only else None)
         # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
         self._index: MemoryBackend = (self.local if isinstance(self.local, MemoryBackend)
                                       else MemoryBackend("memory://"))
@@ -253,11 +266,27 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         if not self._rows_in_index:
             self.local.write_meta(meta)
 
+    def modify_meta(self, fn: Any) -> dict:
+        lease = self._lease
+        with self._remote_lock:
+            meta = self.remote.modify_meta(
+                fn if lease is None else (lambda stored: lease.keep(stored, fn(stored))))
+        self._meta = dict(meta)
+        return meta
+
+    def _claim(self, keys: np.ndarray) -> None:
+        """Before a write: the keys are this cache's, and its lease is held."""
+        if self._lease is not None:
+            self._lease.check_keys(keys)
+            self._lease.ensure()
+
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
         opts.update(cache=self.local.url, cache_capacity=self.capacity,
                     write_policy=self.write_policy, cache_eviction=self.eviction,
                     write_behind=self._wb is not None)
+        if self._lease is not None and self._lease.keys is not None:
+            opts["writer_keys"] = tuple(self._lease.keys)
         return opts
 
     def flush(self) -> None:
@@ -298,6 +327,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                         "is reachable"
                     ) from e
             self._closed = True
+            if self._lease is not None:
+                self._lease.release()
             if self._wb is not None:
                 self._wb.close()
             if self._reader is not None:
@@ -402,6 +433,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         with self._lock:
             self._check()
+            self._claim(keys)
             self._log_invalid(keys)
             through = self.write_policy == "through"
             if through:
@@ -430,9 +462,22 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
 
     # Row paths the remote offers but the cache must not bypass: the generic ones, which go
     # through this layer's get / put.
-    insert_rows = Backend.insert_rows
     update_rows = Backend.update_rows
     lookup_insert = Backend.lookup_insert
+
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray:
+        """Insert-if-absent against the cache: keys the caller's lookup found missing (here
+        and remotely) that another thread cached meanwhile are left alone. Other processes
+        cannot write these keys (the writer lease)."""
+        with self._lock:
+            self._check()
+            new = ~self._find(keys)[1]
+            if new.any():
+                records = np.repeat(template[:1], int(new.sum()))
+                records["vector"] = vectors[new]
+                self.put(keys[new], records)
+        return new
 
     def partitions(self) -> list[Backend]:
         parts = self.remote.partitions()
@@ -446,6 +491,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         with self._lock:
             self._check()
+            self._claim(keys)
             slots, found = self._find(keys)
             if found.all():
                 # The training step's case: every row is cached. One probe; the rows are
@@ -475,6 +521,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()
+            self._claim(keys)
             self._log_invalid(keys)
             self._settle(keys)  # a pending write-behind must not resurrect a deleted row
             with self._remote_lock:

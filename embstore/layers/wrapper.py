@@ -73,6 +73,9 @@ class WrapperBackend(Backend):
     def write_meta(self, meta: dict) -> None:
         self.inner.write_meta(meta)
 
+    def modify_meta(self, fn: Callable[[dict | None], dict]) -> dict:
+        return self.inner.modify_meta(fn)
+
     def flush(self) -> None:
         self.inner.flush()
 
@@ -92,8 +95,9 @@ class WrapperBackend(Backend):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         self.inner.put(keys, records)
 
-    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
-        self.inner.insert_rows(keys, vectors, template)
+    def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
+                    template: np.ndarray) -> np.ndarray | None:
+        return self.inner.insert_rows(keys, vectors, template)
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                       template: Callable[[], np.ndarray],

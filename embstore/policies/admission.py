@@ -36,8 +36,22 @@ def encode_state(raw: bytes) -> str:
     return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
-def decode_state(text: str) -> bytes:
-    return zlib.decompress(base64.b64decode(text))
+#: decoded state of a policy whose size its configuration does not fix (Bloom filters grow)
+MAX_STATE_BYTES = 256 << 20
+
+
+def decode_state(text: str, limit: int = MAX_STATE_BYTES) -> bytes:
+    """Inverse of :func:`encode_state`; refuses state decoding to more than ``limit`` bytes
+    (checked while decompressing, so a zlib bomb in a file header costs at most ``limit``)."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(base64.b64decode(text), limit + 1)
+    except (ValueError, TypeError, zlib.error) as e:
+        raise InvalidInputError(f"saved admission state is damaged: {e}") from e
+    if len(raw) > limit or d.unconsumed_tail or not d.eof:
+        raise InvalidInputError(f"saved admission state decodes to more than {limit} bytes "
+                                "(or is truncated); refused")
+    return raw
 
 
 class AdmissionPolicy:
@@ -53,6 +67,10 @@ class AdmissionPolicy:
 
     def load_state(self, raw: bytes) -> None:  # noqa: B027 - stateless policies ignore it
         pass
+
+    def max_state_bytes(self) -> int:
+        """Upper bound of ``len(self.state())``, enforced when saved state is decoded."""
+        return MAX_STATE_BYTES
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **self._params()}
@@ -114,6 +132,9 @@ class FrequencyCutoff(AdmissionPolicy):
 
     def load_state(self, raw: bytes) -> None:
         self.sketch.load_bytes(raw)
+
+    def max_state_bytes(self) -> int:
+        return self.sketch.nbytes
 
     def _params(self) -> dict[str, Any]:
         s = self.sketch
@@ -221,6 +242,9 @@ class ProbabilisticAdmission(AdmissionPolicy):
 
     def load_state(self, raw: bytes) -> None:
         self.draws = int.from_bytes(raw, "little")
+
+    def max_state_bytes(self) -> int:
+        return 64
 
     def _params(self) -> dict[str, Any]:
         return {"p": self.p, "seed": self.seed}

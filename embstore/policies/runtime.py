@@ -76,7 +76,8 @@ class PolicyRuntime:
             self.admission = admission_from_config(st_adm["config"])
         if st_adm and self.admission is not None \
                 and self.admission.config() == st_adm["config"] and st_adm.get("state"):
-            self.admission.load_state(decode_state(st_adm["state"]))
+            self.admission.load_state(decode_state(st_adm["state"],
+                                                     self.admission.max_state_bytes()))
         if exp is False:
             self.expiry = None
         else:
@@ -112,7 +113,8 @@ class PolicyRuntime:
         adm = st.get("admission")
         if adm and self.admission is not None and self.admission.config() == adm["config"] \
                 and adm.get("state"):
-            self.admission.load_state(decode_state(adm["state"]))
+            self.admission.load_state(decode_state(adm["state"],
+                                                     self.admission.max_state_bytes()))
         if "updates_since_expire" in st:
             self.updates_since_expire = int(st["updates_since_expire"])
 

@@ -113,7 +113,9 @@ def test_bigtable_retries_and_recovery_are_logged(bigtable_url_factory, caplog, 
     caplog.set_level(logging.DEBUG, logger="embstore")
     url = bigtable_url_factory()
     inj = FaultInjector(failures=0, methods=["MutateRows"])
-    s = embstore.open(url, dim=DIM, interceptors=[inj], retry_deadline=10.0)
+    # batched MutateRows writes (not the compare-and-set path)
+    s = embstore.open(url, dim=DIM, interceptors=[inj], retry_deadline=10.0,
+                      check_and_set=False)
     inj.failures = 3
     s.assign(np.arange(10), np.ones((10, DIM), np.float32))
     s.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._log import set_metrics_hook
+from ._pickling import writable_unpickling
 from ._version import __version__
 from .api import open
 from .backends.base import Backend
@@ -25,6 +26,7 @@ __all__ = [
     "register_backend",
     "set_metrics_hook",
     "known_schemes",
+    "writable_unpickling",
     "errors",
     "init",
     "optim",

@@ -49,10 +49,26 @@ def normalize_keys(keys: Any, key_type: str) -> np.ndarray:
     return _normalize_bytes_keys(keys)
 
 
+_U64_SPAN = 1 << 64
+
+
+def _python_ints_as_int64(keys: list | tuple) -> np.ndarray | None:
+    """Python ints in [-2**63, 2**64) as int64 (uint64 bits reinterpreted), or None when
+    ``keys`` are not all ints. numpy reads ``[2**63, 5]`` as float64 (lossy), hence this."""
+    if not all(isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
+               for k in keys):
+        return None
+    if any(not -(1 << 63) <= int(k) < _U64_SPAN for k in keys):
+        raise KeyTypeError("integer keys must lie in [-2**63, 2**64) to fit 64 bits")
+    return np.array([int(k) % _U64_SPAN for k in keys], dtype=np.uint64).view(np.int64)
+
+
 def _normalize_int_keys(keys: Any) -> np.ndarray:
     if isinstance(keys, (bytes, str)):
         raise KeyTypeError("this store has int64 keys; got a bytes/str key")
-    arr = np.asarray(keys)
+    if isinstance(keys, (int, np.integer)) and not isinstance(keys, (bool, np.bool_)):
+        keys = [keys]
+    arr = np.asarray(keys) if not isinstance(keys, (list, tuple)) else _list_keys(keys)
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.ndim != 1:
@@ -61,13 +77,24 @@ def _normalize_int_keys(keys: Any) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     if arr.dtype == np.int64:
         return np.ascontiguousarray(arr)
+    if arr.dtype == np.uint64:
+        # Hashed ids use all 64 bits: reinterpreted, not converted, so every uint64 maps to
+        # one distinct int64 (2**63 + x becomes -2**63 + x); ``keys.view(np.uint64)`` undoes it.
+        return np.ascontiguousarray(arr).view(np.int64)
     if arr.dtype.kind in "iu":
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            raise InvalidInputError("uint64 keys above 2**63-1 do not fit an int64 store")
         return np.ascontiguousarray(arr, dtype=np.int64)
     if arr.dtype.kind in "OUSb":
         raise KeyTypeError(f"this store has int64 keys; got keys of dtype {arr.dtype}")
     raise KeyTypeError(f"int64 keys required; got dtype {arr.dtype} (floats are not keys)")
+
+
+def _list_keys(keys: list | tuple) -> np.ndarray:
+    arr = np.asarray(keys) if keys else np.empty(0, dtype=np.int64)
+    if arr.dtype.kind in "fO" and arr.ndim == 1:  # ints beyond int64 became float or object
+        ints = _python_ints_as_int64(keys)
+        if ints is not None:
+            return ints
+    return arr
 
 
 def _encode(k: Any) -> bytes:

@@ -72,13 +72,15 @@ def _open_or_none(url: str, opts: dict[str, Any]):
 
 
 def shard_urls(url: str, n: int) -> list[str]:
-    """``n`` shard URLs from ``url``: ``{i}`` is replaced by the shard number, else ``-<i>``
-    is inserted before the extension of the last path segment (``/data/t.db`` ->
-    ``/data/t-0.db``)."""
+    """``n`` shard URLs from ``url``: ``{i}`` (or ``{rank}``, as in the URL templates of
+    ``embstore_torch.distributed``) is replaced by the shard number and ``{world}`` by ``n``,
+    else ``-<i>`` is inserted before the extension of the last path segment (``/data/t.db``
+    -> ``/data/t-0.db``)."""
     if n < 1:
         raise InvalidInputError(f"--shards must be at least 1, got {n}")
-    if "{i}" in url:
-        return [url.replace("{i}", str(i)) for i in range(n)]
+    if "{i}" in url or "{rank}" in url:
+        return [url.replace("{i}", str(i)).replace("{rank}", str(i)).replace("{world}", str(n))
+                for i in range(n)]
     head, sep, query = url.partition("?")
     cut = head.rfind("/")
     dot = head.rfind(".")
@@ -367,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--shards", type=int,
-                   help="write N shards: DST_URL with {i} replaced by 0..N-1 (else '-i' is "
+                   help="write N shards: DST_URL with {i} (or {rank}) replaced by 0..N-1 and "
+                        "{world} by N (else '-i' is "
                         "added to its last path segment)")
     s.add_argument("--src-option", action="append", metavar="KEY=VALUE",
                    help="option for the source store only")

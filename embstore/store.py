@@ -489,9 +489,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 "would silently diverge. Use a persistent backend (lmdb://, rocksdb://, sql, "
                 "bigtable://) to share a store with DataLoader workers, or export/import it."
             )
-        opts = dict(self._reopen_options)
-        opts["read_only"] = self.read_only
-        return (_reopen, (self._backend.url, opts))  # the real URL, password included
+        # Reopens read-only unless a writer is asked for (embstore.writable_unpickling): a
+        # silent second writer would overwrite the stored step/version from its stale copy.
+        from ._pickling import pickle_args, reopen_pickled
+
+        # the real URL, password included
+        return (reopen_pickled,
+                pickle_args(self._backend.url, dict(self._reopen_options), self.read_only))
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore:

@@ -182,7 +182,8 @@ def test_pickled_store_that_cannot_reopen_fails_the_pool_task_cleanly(tmp_path, 
     s = embstore.open(f"rocksdb://{tmp_path}/db", dim=DIM)   # read-write: holds the lock
     s.assign([1], np.ones((1, DIM)))
     s.flush()
-    with multiprocessing.get_context(method).Pool(1) as pool:
+    # a writer asked for (a copy reopens read-only otherwise, which RocksDB allows beside it)
+    with multiprocessing.get_context(method).Pool(1) as pool, embstore.writable_unpickling():
         res = pool.apply_async(_lookup_in_worker, (s,))
         # before: the worker died reading the task (an OSError while unpickling) and the
         # result never came

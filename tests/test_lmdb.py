@@ -202,7 +202,9 @@ def test_forked_workers_reopen_by_url(lmdb_url):
     s = embstore.open(lmdb_url(), dim=DIM)
     s.assign([1], np.ones((1, DIM)))
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_forked_writer, args=(pickle.dumps(s), k)) for k in (10, 11)]
+    with embstore.writable_unpickling():  # the workers write: a writer is asked for explicitly
+        blob = pickle.dumps(s)
+    procs = [ctx.Process(target=_forked_writer, args=(blob, k)) for k in (10, 11)]
     for p in procs:
         p.start()
     for p in procs:

@@ -10,13 +10,27 @@
 
 from __future__ import annotations
 
-from .modules import DynamicEmbedding, DynamicEmbeddingBag, store_rows
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # say which extra brings it, not just "No module named 'torch'"
+    raise ImportError(
+        "embstore_torch needs PyTorch, which is not installed here: "
+        "pip install 'embstore[torch]' (or install torch for your platform from pytorch.org)"
+    ) from e
+
+from .collection import DynamicEmbeddingBagCollection
+from .jagged import KeyedJagged, PooledFeatures
+from .modules import DynamicEmbedding, DynamicEmbeddingBag, TracingUnsupportedError, store_rows
 from .sampled import SampledSoftmaxLoss, sampled_logits
 
 __all__ = [
     "DynamicEmbedding",
     "DynamicEmbeddingBag",
+    "DynamicEmbeddingBagCollection",
+    "KeyedJagged",
+    "PooledFeatures",
     "SampledSoftmaxLoss",
+    "TracingUnsupportedError",
     "sampled_logits",
     "store_rows",
 ]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embstore._keys import normalize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
 
 _STR = (str, bytes)
@@ -144,14 +145,17 @@ def prepare(input: Any) -> KeyBatch:
             raise KeyTypeError(f"keys must be an integer tensor, got dtype {input.dtype}")
         if input.dtype == torch.int64 and input.device.type == "cpu":
             flat = input.detach().reshape(-1).numpy()
+        elif input.dtype == torch.uint64:  # the same 64 bits, as the store maps uint64 keys
+            flat = input.detach().reshape(-1).cpu().view(torch.int64).numpy()
         else:
             flat = input.detach().reshape(-1).to("cpu", torch.int64).numpy()
         return _int_batch(flat, tuple(input.shape))
     if isinstance(input, np.ndarray):
         if input.dtype.kind in "iu":
-            if input.dtype == np.uint64 and input.size and int(input.max()) >= 1 << 63:
-                raise KeyTypeError("uint64 keys >= 2**63 do not fit the int64 key space")
-            flat = np.ascontiguousarray(input, dtype=np.int64).reshape(-1)
+            if input.dtype == np.uint64:  # bits reinterpreted, like embstore's own keys
+                flat = np.ascontiguousarray(input).reshape(-1).view(np.int64)
+            else:
+                flat = np.ascontiguousarray(input, dtype=np.int64).reshape(-1)
             return _int_batch(flat, tuple(input.shape))
         if input.dtype.kind not in "USO":
             raise KeyTypeError(f"keys must be integers or strings, got dtype {input.dtype}")
@@ -160,7 +164,7 @@ def prepare(input: Any) -> KeyBatch:
     if isinstance(input, _STR):
         return KeyBatch([input], torch.zeros((), dtype=torch.long), ())
     if isinstance(input, (int, np.integer)) and not isinstance(input, bool):
-        return prepare(torch.tensor(int(input), dtype=torch.int64))
+        return prepare(np.array(normalize_keys([input], "int64")[0]))
     if not isinstance(input, Sequence):
         raise KeyTypeError(
             f"keys must be an int64 tensor, a numpy array or a (nested) list of str; "
@@ -174,7 +178,7 @@ def prepare(input: Any) -> KeyBatch:
         )
     if flat and isinstance(flat[0], (int, np.integer)) and not isinstance(flat[0], bool):
         try:
-            arr = np.asarray(flat, dtype=np.int64).reshape(shape)
+            arr = normalize_keys(flat, "int64").reshape(shape)
         except (TypeError, ValueError, OverflowError) as e:
             raise KeyTypeError(f"keys mix integers with other types: {e}") from e
         return prepare(torch.from_numpy(arr))
@@ -197,7 +201,7 @@ def prepare_bags(input: Any, offsets: Any) -> tuple[KeyBatch, torch.Tensor, int]
         flat = list(chain.from_iterable(input))
         offs = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)[:-1])))
         if flat and isinstance(flat[0], (int, np.integer)):
-            batch = prepare(torch.as_tensor(flat, dtype=torch.int64))
+            batch = prepare(torch.from_numpy(normalize_keys(flat, "int64")))
         else:
             uniq, inv_np = factorize(flat)
             batch = KeyBatch(uniq, torch.from_numpy(inv_np), (len(flat),))

@@ -1,0 +1,138 @@
+"""The store call as ``torch.library`` custom ops, so ``torch.compile`` keeps one whole graph.
+
+Eagerly the modules use their ``torch.autograd.Function`` bridges (no dispatcher overhead).
+While Dynamo traces, ``DynamicEmbedding`` and ``DynamicEmbeddingBag`` over an int64 store with
+an integer tensor input call :func:`lookup` / :func:`bag` instead:
+
+- ``embstore::lookup(ids, trigger, handle, dim, insert)`` returns the ``(*ids.shape, dim)``
+  vectors; its fake kernel gives the shape without touching the store.
+- its registered backward calls ``embstore::update(ids, grad, handle)``, which regroups the
+  ids (the same deterministic grouping as the forward, so the per-key gradient sums are
+  bit-identical to the eager bridge's) and hands them to ``store.update``.
+
+The store is a Python object, so the ops receive an integer *handle* naming the module
+(:func:`register`); the module's zero-size ``_trigger`` buffer, which requires grad, is the
+graph input the backward hangs on: the update op's result is that input's gradient, a graph
+output, so no compiler drops the side-effecting op as dead code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ._keys import prepare
+
+_MODULES: dict[int, weakref.ref] = {}
+_HANDLES = itertools.count(1)
+
+
+def register(module: Any) -> int:
+    """A fresh handle naming ``module`` in the ops (one per module object, copies included)."""
+    handle = next(_HANDLES)
+    _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None))
+    return handle
+
+
+def _module(handle: int) -> Any:
+    ref = _MODULES.get(handle)
+    module = ref() if ref is not None else None
+    if module is None:  # pragma: no cover - a compiled graph outliving its module
+        raise RuntimeError(f"embstore: the module of compiled handle {handle} no longer exists")
+    return module
+
+
+@torch.library.custom_op("embstore::lookup", mutates_args=())
+def _lookup_op(ids: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,
+               insert: bool) -> torch.Tensor:
+    module = _module(handle)
+    batch = prepare(ids)
+    # The backward gets the same ids again: keep their grouping (a sort) for it, checked by
+    # equality there, so a call between forward and backward only costs a regrouping.
+    module._compiled_batch = (ids.detach().reshape(-1).clone(), batch)
+    if len(batch.uniq) == 0:
+        return torch.zeros(*ids.shape, dim, device=ids.device)
+    vectors, _, _ = module._vectors(batch, insert)
+    return F.embedding(batch.inv, torch.from_numpy(vectors)).to(ids.device)
+
+
+@_lookup_op.register_fake
+def _(ids, trigger, handle, dim, insert):
+    return ids.new_empty((*ids.shape, dim), dtype=torch.float32)
+
+
+@torch.library.custom_op("embstore::update", mutates_args=())
+def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tensor:
+    from .modules import _per_key_sum
+
+    module = _module(handle)
+    batch = _grouped(module, ids)
+    if len(batch.uniq):
+        pad = module._pad_row(batch.uniq)  # int64 keys only on this path
+        keys = batch.uniq if pad is None else np.delete(batch.uniq, pad)
+        g = grad.to("cpu", torch.float32).reshape(-1, grad.shape[-1])
+        order, starts, _ = batch.group()
+        module._sink(batch, keys, pad).apply(_per_key_sum(g, order, starts))
+    return grad.new_zeros(0)
+
+
+def _grouped(module: Any, ids: torch.Tensor) -> Any:
+    cached = module.__dict__.pop("_compiled_batch", None)
+    flat = ids.detach().reshape(-1)
+    if (cached is not None and cached[0].dtype == flat.dtype and cached[0].shape == flat.shape
+            and torch.equal(cached[0], flat.to(cached[0].device))):
+        return cached[1]
+    return prepare(ids)
+
+
+@_update_op.register_fake
+def _(ids, grad, handle):
+    return grad.new_empty(0)
+
+
+def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ids, _, handle, _, _ = inputs
+    ctx.save_for_backward(ids)
+    ctx.handle = handle
+
+
+def _backward(ctx: Any, grad: torch.Tensor):
+    (ids,) = ctx.saved_tensors
+    return None, _update_op(ids, grad, ctx.handle), None, None, None
+
+
+_lookup_op.register_autograd(_backward, setup_context=_setup)
+
+
+def traceable(module: Any, input: Any) -> bool:
+    """Whether ``module(input)`` can run as the custom op (int keys in a tensor)."""
+    return (isinstance(input, torch.Tensor) and module.store.key_type == "int64"
+            and not input.dtype.is_floating_point and not input.dtype.is_complex
+            and input.dtype != torch.bool)
+
+
+def lookup(module: Any, input: torch.Tensor) -> torch.Tensor:
+    """``module(input)`` as the custom op (see the module docstring)."""
+    trigger = module._trigger if module.trainable else module._trigger.detach()
+    return _lookup_op(input, trigger, module._handle, module.embedding_dim, module.training)
+
+
+def bag(module: Any, input: torch.Tensor, offsets: Any,
+        per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+    """``DynamicEmbeddingBag(input, offsets, per_sample_weights)`` through the custom op: the
+    vectors of every element, pooled by position with the same ``embedding_bag`` kernel as the
+    eager bridge (its backward hands the op per-element rows, summed per key as eagerly)."""
+    rows = lookup(module, input.reshape(-1))
+    if input.dim() == 2 and module.mode in ("sum", "mean") and per_sample_weights is None:
+        pooled = rows.reshape(*input.shape, -1)
+        return pooled.sum(1) if module.mode == "sum" else pooled.mean(1)
+    positions = torch.arange(rows.shape[0]).reshape(input.shape)
+    psw = (None if per_sample_weights is None
+           else per_sample_weights.reshape(-1).to("cpu", torch.float32))
+    offs = None if offsets is None else torch.as_tensor(offsets).to("cpu", torch.long)
+    return F.embedding_bag(positions, rows, offs, mode=module.mode, per_sample_weights=psw)

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
-HDR    := $(wildcard embstore/_cython/*.h)
+HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
 .PHONY: demo test bench lint clean ext tfra-venv
 

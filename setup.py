@@ -3,7 +3,7 @@
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-_HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h
+_HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h
 
 extensions = [
     Extension("embstore._cython.arena", ["embstore/_cython/arena.pyx"], include_dirs=_HERE,
@@ -12,6 +12,10 @@ extensions = [
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
+    Extension("embstore._cython.strkeys", ["embstore/_cython/strkeys.pyx"], include_dirs=_HERE,
+              extra_compile_args=["-O3"]),
+    Extension("embstore._cython.bytestable", ["embstore/_cython/bytestable.pyx"],
+              include_dirs=_HERE, extra_compile_args=["-O3"]),
     Extension(
         "embstore._cython.rowops", ["embstore/_cython/rowops.pyx"], extra_compile_args=["-O3"]
     ),

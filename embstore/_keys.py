@@ -1,21 +1,29 @@
-"""Key normalization at the public edge, and the fixed 64-bit key mix.
+"""Key normalization at the public edge, and the fixed 64-bit key hash.
 
-Keys enter as numpy arrays, lists, torch/tf tensors (int64) or sequences of ``bytes``/``str``
-(``str`` is UTF-8 encoded here). Everything after this module sees either a contiguous 1-D
-``int64`` array or a 1-D numpy object array of ``bytes``.
+Keys enter as numpy arrays, lists, torch/tf tensors (int64) or string containers: lists or
+tuples of ``bytes``/``str``, numpy ``S``/``U``/``O``/``StringDType`` arrays, pyarrow string or
+binary arrays (chunked, large), tf.string tensors (``str`` is UTF-8 encoded). Everything after
+this module sees either a contiguous 1-D ``int64`` array or a 1-D numpy object array of
+``bytes``; the per-key work on the latter (encoding, hashing, table probes, batch dedupe) runs
+in compiled loops (``embstore._cython.strkeys``).
+
+A numpy ``S`` array cannot hold trailing NUL bytes (numpy strips them on read), so keys that
+end in ``b"\\0"`` must be given as bytes objects (a list or an object array).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from ._cython import strkeys
 from .errors import InvalidInputError, KeyTypeError
 
 KEY_TYPES = ("int64", "bytes")
+#: the hash of bytes keys (recorded by ``sharded://``, whose key placement depends on it)
+BYTES_KEY_HASH = "xxh3-64"
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -97,36 +105,62 @@ def _list_keys(keys: list | tuple) -> np.ndarray:
     return arr
 
 
-def _encode(k: Any) -> bytes:
-    if isinstance(k, bytes):
-        return k
-    if isinstance(k, str):
-        return k.encode("utf-8")
-    if isinstance(k, (bytearray, memoryview, np.bytes_)):
-        return bytes(k)
-    if isinstance(k, np.str_):
-        return str(k).encode("utf-8")
-    raise KeyTypeError(f"this store has bytes keys; got a key of type {type(k).__name__}")
+def _from_arrow(keys: Any) -> Any:
+    # pyarrow arrays without importing pyarrow: to_numpy gives an object array of str/bytes
+    # (None for nulls, refused below), built in C.
+    if type(keys).__module__.startswith("pyarrow") and hasattr(keys, "to_numpy"):
+        return keys.to_numpy(zero_copy_only=False)
+    return keys
+
+
+def _bad_key_error(keys: Any, e: TypeError) -> Exception:
+    """The error for a container that held something other than bytes/str keys."""
+    for k in keys:
+        if isinstance(k, (list, tuple, np.ndarray)):
+            return InvalidInputError(f"keys must be a flat sequence, got a {type(k).__name__} "
+                                     "among them")
+        if not isinstance(k, (bytes, str, bytearray, memoryview)):
+            return KeyTypeError(f"this store has bytes keys; got a key of type "
+                                f"{type(k).__name__}")
+    return KeyTypeError(f"this store has bytes keys: {e}")
 
 
 def _normalize_bytes_keys(keys: Any) -> np.ndarray:
-    if isinstance(keys, (bytes, str)):
+    if isinstance(keys, (bytes, str, bytearray, memoryview)):
         keys = [keys]
+    keys = _from_arrow(keys)
     if isinstance(keys, np.ndarray):
         if keys.ndim == 0:
             keys = keys.reshape(1)
         if keys.ndim != 1:
             raise InvalidInputError(f"keys must be 1-D, got shape {keys.shape}")
-        if keys.dtype.kind in "iuf":
+        if keys.dtype.kind in "SUT":  # T: numpy's StringDType
+            keys = keys.astype(object)
+        elif keys.dtype.kind != "O":
             raise KeyTypeError(f"this store has bytes keys; got keys of dtype {keys.dtype}")
-    elif not isinstance(keys, Iterable):
-        raise KeyTypeError(f"this store has bytes keys; got {type(keys).__name__}")
-    out = np.empty(len(keys), dtype=object)
+        keys = np.ascontiguousarray(keys)
+    elif not isinstance(keys, (list, tuple)):
+        if not isinstance(keys, Iterable):
+            raise KeyTypeError(f"this store has bytes keys; got {type(keys).__name__}")
+        keys = list(keys)
     try:
-        out[:] = [_encode(k) for k in keys]
-    except ValueError as e:  # nested sequences
-        raise InvalidInputError(f"keys must be a flat sequence: {e}") from e
-    return out
+        return strkeys.encode_keys(keys)
+    except TypeError as e:
+        raise _bad_key_error(keys, e) from None
+
+
+def factorize_keys(keys: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Dedupe a batch of string keys in compiled code: ``(first, inverse)`` (int64 arrays).
+
+    ``keys`` is a list, tuple or 1-D object array of ``bytes``/``str`` (a str and its UTF-8
+    bytes are one key). ``first`` holds the position of each distinct key's first occurrence,
+    in first-seen order, and ``inverse`` the distinct-key number of every element, so
+    ``keys[first]`` are the distinct keys and ``keys[first][inverse]`` equals ``keys``.
+    """
+    try:
+        return strkeys.factorize(keys)
+    except TypeError as e:
+        raise _bad_key_error(keys, e) from None
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -145,12 +179,12 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 def key_hash64(keys: np.ndarray) -> np.ndarray:
     """A fixed, process-independent 64-bit hash of each key (never Python's salted ``hash``).
 
-    int64 keys use splitmix64; bytes keys use an 8-byte blake2b digest.
+    int64 keys use splitmix64; bytes keys XXH3-64 with seed 0 (:data:`BYTES_KEY_HASH`), the
+    value ``xxhash.xxh3_64_intdigest(key)`` gives, computed in a compiled loop.
     """
     if keys.dtype == np.int64:
         return splitmix64(keys.view(np.uint64))
-    digests = b"".join(hashlib.blake2b(k, digest_size=8).digest() for k in keys)
-    return np.frombuffer(digests, dtype="<u8").copy()
+    return strkeys.hash64(keys)
 
 
 _SIGN = np.uint64(1 << 63)

@@ -1,15 +1,18 @@
-"""Dictionary-free skip-gram Word2Vec on an embedding store, side by side with gensim.
+"""Dictionary-free skip-gram Word2Vec on an embedding store, side by side with plain PyTorch
+(prebuilt vocabulary) and gensim.
 
 Raw words go straight from the text into the model: there is no vocabulary, no word -> index
 table, no counting pass. Each word is a key of two embedding stores (input and output vectors,
 embedded LMDB by default, any backend with ``--store``); the stores' optimizer (plain SGD with
 gensim's linearly decaying rate) applies the gradients that flow back through the PyTorch adapter
 (``embstore_torch.DynamicEmbedding``). Word frequencies are the output store's per-key
-``count``, recorded as the text streams by; a frequency-cutoff admission policy stands in for
-gensim's ``min_count`` (a word gets a row on its ``min_count``-th sighting), and frequency
-subsampling (``store.subsample_mask``) and the unigram^0.75 negative sampler (``store.sample``)
-read the counts. At the end: nearest neighbours via ``store.top_k``, the Spearman
-correlation on WordSim-353, and gensim's ``Word2Vec`` on the same corpus and settings.
+``count``, recorded as the text streams by on the first pass; a frequency-cutoff admission
+policy stands in for gensim's ``min_count`` (a word gets a row on its ``min_count``-th
+sighting), and frequency subsampling (``store.subsample_mask``) and the unigram^0.75 negative
+sampler (``store.sample``) read the counts. At the end: nearest neighbours via ``store.top_k``,
+the Spearman correlation on WordSim-353, and the same job as a user would write it without
+embstore (a vocabulary pass, ``nn.Embedding(sparse=True)`` + ``torch.optim.SGD``) and gensim's
+``Word2Vec``, on the same corpus and settings, with speed ratios.
 
 Run ``python examples/word2vec.py`` (``make demo``); ``--quick`` for a smoke run. By default
 the stores are LMDB environments under ``.demo/word2vec`` with a ``memory://`` cache in front
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 
 import embstore
 from embstore.init import Uniform
+from embstore.keys import factorize
 from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
@@ -143,18 +147,25 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
     done, pairs_done, loss_sum, loss_n = 0, 0, 0.0, 0
     bar = (tqdm(total=total, unit="w", unit_scale=True, desc="embstore skip-gram",
                 dynamic_ncols=True, disable=args.no_progress) if tqdm else None)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
+    epoch_wps = []
     for epoch in range(args.epochs):
+        t_epoch = time.perf_counter()
         for group in chunks(docs, args.chunk_words):
             alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
-            flat = [w.encode() for d in group for w in d]
-            tokens = np.empty(len(flat), dtype=object)
-            tokens[:] = flat
             doc = np.repeat(np.arange(len(group)), [len(d) for d in group])
             # 1. Record the sightings: the only "vocabulary" is the store's per-key count.
-            words, inverse = np.unique(tokens, return_inverse=True)
-            occ = np.bincount(inverse, minlength=len(words))
-            out.update(words, np.zeros((len(words), args.dim), np.float32), counts=occ)
+            # factorize: the chunk's distinct words (UTF-8 bytes) and each token's index among
+            # them, hashed and compared in compiled code.
+            words, inverse = factorize([w for d in group for w in d])
+            tokens = words[inverse]
+            if epoch == 0:
+                # Counted on the first pass only: the counts are then the corpus frequencies,
+                # which min_count, subsampling and the negative sampler mean. Counting every
+                # pass again would admit a word seen once per epoch in the 5th epoch, so the
+                # trained vocabulary (and the work per step) would keep growing epoch by epoch.
+                occ = np.bincount(inverse, minlength=len(words))
+                out.update(words, np.zeros((len(words), args.dim), np.float32), counts=occ)
             # 2. Frequency subsampling, then (center, context) pairs over what is kept.
             keep = out.subsample_mask(tokens, t=args.sample, seed=rng)
             if args.min_count > 1:
@@ -181,13 +192,15 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
                                 words_s=f"{done / el:,.0f}", lr=f"{alpha:.4f}")
                 bar.update(len(tokens))
                 loss_sum, loss_n = 0.0, 0
+        epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
     if bar is not None:
         bar.close()
     inp.flush()
     out.flush()
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "words": total, "pairs": pairs_done,
-            "words_per_s": total / seconds}
+            "words_per_s": total / seconds, "epoch_words_per_s": epoch_wps,
+            "words_per_cpu_s": total / (time.process_time() - c0)}
 
 
 def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.ndarray,
@@ -210,6 +223,76 @@ def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.n
     loss = -(F.logsigmoid(scores * sign) * torch.from_numpy(weight)).sum()
     (loss * scale).backward()  # both stores apply their SGD step here
     return float(loss.detach())
+
+
+# -- the baseline: what a user would write instead, with a vocabulary built first ------------
+def train_baseline(args: argparse.Namespace, docs: list[list[str]]) -> tuple[dict, dict]:
+    """The same skip-gram model in plain PyTorch: a counting pass builds the vocabulary
+    (``min_count``), the corpus is encoded to ids once, and two ``nn.Embedding(sparse=True)``
+    tables train with ``torch.optim.SGD`` under the same learning-rate schedule, subsampling,
+    windows, negatives and loss. Returns the timings and ``{word: input vector}``."""
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    # torch.optim imports its compiler helpers on a first step (seconds): not part of the run.
+    warm = torch.nn.Parameter(torch.zeros(1))
+    warm.grad = torch.zeros(1)
+    torch.optim.SGD([warm], lr=0.1).step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    freq = Counter(w for d in docs for w in d)
+    vocab = [w for w, c in freq.items() if c >= args.min_count]
+    index = {w: i for i, w in enumerate(vocab)}
+    counts = np.array([freq[w] for w in vocab], dtype=np.float64)
+    thr = args.sample * counts.sum()
+    keep_p = np.minimum((np.sqrt(counts / thr) + 1) * thr / counts, 1.0)
+    cdf = np.cumsum(counts ** 0.75)
+    cdf /= cdf[-1]
+    encoded = [np.array([index.get(w, -1) for w in d], dtype=np.int64) for d in docs]
+    in_emb = torch.nn.Embedding(len(vocab), args.dim, sparse=True)
+    out_emb = torch.nn.Embedding(len(vocab), args.dim, sparse=True)
+    with torch.no_grad():
+        in_emb.weight.uniform_(-0.5 / args.dim, 0.5 / args.dim)
+        out_emb.weight.zero_()
+    opt = torch.optim.SGD([in_emb.weight, out_emb.weight], lr=args.alpha)
+    corpus_words = sum(len(d) for d in docs)
+    total = corpus_words * args.epochs
+    done, k = 0, args.negatives
+    epoch_wps = []
+    sign = torch.ones(k + 1)
+    sign[1:] = -1.0
+    for _ in range(args.epochs):
+        t_epoch = time.perf_counter()
+        for group in chunks(encoded, args.chunk_words):
+            alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
+            ids = np.concatenate(group)
+            doc = np.repeat(np.arange(len(group)), [len(d) for d in group])
+            known = ids >= 0
+            keep = known & (rng.random(len(ids)) < keep_p[np.where(known, ids, 0)])
+            centers, contexts = skipgram_pairs(ids[keep], doc[keep], args.window, rng)
+            perm = rng.permutation(len(centers))
+            centers, contexts = centers[perm], contexts[perm]
+            for group_ in opt.param_groups:
+                group_["lr"] = alpha
+            for s in range(0, len(centers), args.batch):
+                c, x = centers[s:s + args.batch], contexts[s:s + args.batch]
+                b = len(c)
+                negs = np.searchsorted(cdf, rng.random(b * k)).reshape(b, k)
+                targets = np.concatenate((x[:, None], negs), axis=1)
+                v = in_emb(torch.from_numpy(c))
+                u = out_emb(torch.from_numpy(targets))
+                scores = (u * v.unsqueeze(1)).sum(2)
+                weight = np.ones((b, k + 1), dtype=np.float32)
+                weight[:, 1:] = negs != x[:, None]
+                loss = -(F.logsigmoid(scores * sign) * torch.from_numpy(weight)).sum()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            done += len(ids)
+        epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
+    seconds = time.perf_counter() - t0
+    vectors = dict(zip(vocab, in_emb.weight.detach().numpy()))
+    return ({"seconds": seconds, "words_per_s": total / seconds,
+             "epoch_words_per_s": epoch_wps,
+             "words_per_cpu_s": total / (time.process_time() - c0)}, vectors)
 
 
 # -- evaluation ------------------------------------------------------------------------------
@@ -258,14 +341,15 @@ def neighbours(unit, words: list[str], k: int = 6) -> list[tuple[str, list[str]]
 def run_gensim(args: argparse.Namespace, docs: list[list[str]]):
     from gensim.models import Word2Vec
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     model = Word2Vec(docs, vector_size=args.dim, window=args.window, negative=args.negatives,
                      sg=1, hs=0, sample=args.sample, alpha=args.alpha,
                      min_alpha=args.min_alpha, min_count=args.min_count, epochs=args.epochs,
                      workers=args.gensim_workers, seed=args.seed, ns_exponent=0.75)
     seconds = time.perf_counter() - t
     words = sum(len(d) for d in docs) * args.epochs
-    return model, {"seconds": seconds, "words_per_s": words / seconds}
+    return model, {"seconds": seconds, "words_per_s": words / seconds,
+                   "words_per_cpu_s": words / (time.process_time() - c)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -296,6 +380,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="60 articles, 1 epoch: a smoke run")
     p.add_argument("--no-gensim", action="store_true", help="skip the gensim comparison")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the plain-PyTorch (prebuilt vocabulary) comparison")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -303,6 +389,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         args.max_docs = None
     return args
+
+
+def print_table(result: dict) -> None:
+    """Quality and speed side by side, with embstore's ratios to the other two."""
+    ours = result["embstore"]
+    rows = [("embstore", "no vocabulary: raw words are store keys", ours)]
+    if "baseline" in result:
+        rows.append(("pytorch", "nn.Embedding(sparse) + SGD, vocabulary built", result["baseline"]))
+    if "gensim" in result:
+        rows.append(("gensim", "Word2Vec, C inner loop", result["gensim"]))
+    print(f"\nWordSim-353 Spearman on {result['pairs']} pairs (both words seen >= 5 times):")
+    # words per CPU second as well: on a shared machine wall-clock rates swing with the load
+    # of other processes, CPU time much less (gensim's counts its worker threads too).
+    print(f"  {'':9s} {'spearman':>8s} {'words/s':>9s} {'words/cpu-s':>11s} {'seconds':>8s} "
+          f"{'last/first epoch':>16s}")
+    for name, what, r in rows:
+        ep = r.get("epoch_words_per_s")
+        flat = f"{ep[-1] / ep[0]:.2f}x" if ep else ""
+        print(f"  {name:9s} {r['spearman']:8.3f} {r['words_per_s']:9,.0f} "
+              f"{r['words_per_cpu_s']:11,.0f} {r['seconds']:8.1f} {flat:>16s}   {what}")
+    for name, _, r in rows[1:]:
+        print(f"  embstore vs {name}: speed {ours['words_per_s'] / r['words_per_s']:.2f}x "
+              f"(per CPU second {ours['words_per_cpu_s'] / r['words_per_cpu_s']:.2f}x), "
+              f"Spearman {ours['spearman'] - r['spearman']:+.3f}")
 
 
 def main(argv=None) -> dict:
@@ -322,6 +432,7 @@ def main(argv=None) -> dict:
     print(f"embstore: {len(inp):,} words learned, {len(out):,} counted (no vocabulary given), "
           f"{ours['pairs']:,} pairs in {ours['seconds']:.1f}s, "
           f"{ours['words_per_s']:,.0f} words/s")
+    print("  words/s per epoch: " + ", ".join(f"{w:,.0f}" for w in ours["epoch_words_per_s"]))
 
     # Evaluate on the WordSim-353 pairs whose words occur >= 5 times (gensim's default
     # min_count), the same pairs for both models.
@@ -338,20 +449,15 @@ def main(argv=None) -> dict:
     for w, ns in neighbours(unit, shown):
         print(f"  {w:>8s}: {', '.join(ns)}")
     result = {"embstore": ours, "pairs": len(pairs)}
+    if not args.no_baseline:
+        base, base_vec = train_baseline(args, docs)
+        base["spearman"] = spearman(base_vec, pairs) if len(pairs) > 2 else float("nan")
+        result["baseline"] = base
     if not args.no_gensim:
         model, gs = run_gensim(args, docs)
         gs["spearman"] = spearman({w: model.wv[w] for w in eval_words}, pairs)
         result["gensim"] = gs
-    print(f"\nWordSim-353 Spearman on {len(pairs)} pairs (both words seen >= 5 times):")
-    print(f"  {'':10s} {'spearman':>9s} {'words/s':>10s} {'seconds':>8s}")
-    print(f"  {'embstore':10s} {ours['spearman']:9.3f} {ours['words_per_s']:10,.0f} "
-          f"{ours['seconds']:8.1f}")
-    if "gensim" in result:
-        gs = result["gensim"]
-        print(f"  {'gensim':10s} {gs['spearman']:9.3f} {gs['words_per_s']:10,.0f} "
-              f"{gs['seconds']:8.1f}")
-        print(f"  difference (embstore - gensim): {ours['spearman'] - gs['spearman']:+.3f}; "
-              f"speed ratio {ours['words_per_s'] / gs['words_per_s']:.2f}x")
+    print_table(result)
     inp.close()
     out.close()
     return result

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .._cython.strkeys import strip_prefix
 from ..errors import SchemaMismatchError
 
 _SQLITE_MAX_VARS = 32000  # SQLite >= 3.32 allows 32766 bound variables per statement
@@ -46,9 +47,7 @@ def _split_blobs(blobs: tuple[bytes, ...] | list[bytes], itemsize: int) -> np.nd
 def _keys_array(ks: tuple | list, key_type: str) -> np.ndarray:
     if key_type == "int64":
         return np.array(ks, dtype=np.int64)
-    out = np.empty(len(ks), dtype=object)
-    out[:] = [bytes(k) for k in ks]
-    return out
+    return strip_prefix(ks, 0)  # bytes of each bytes/memoryview key, built in C
 
 
 def _row_blobs(raw: np.ndarray) -> list[bytes]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cython.strkeys import prefixed, strip_prefix
 from .._keys import int64_from_ordered, ordered_int64_bytes
 from .._log import event
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
@@ -317,15 +318,13 @@ class LmdbBackend(FetchedRecords, Backend):
     def _encode(self, keys: np.ndarray) -> list[bytes]:
         if self.key_type == "int64":
             return ordered_int64_bytes(keys).view("V8").tolist()
-        return [_BYTES_PREFIX + k for k in keys]
+        return prefixed(keys, _BYTES_PREFIX)  # built in C
 
     def _decode(self, raw: list) -> np.ndarray:
         if self.key_type == "int64":
             buf = b"".join(raw)
             return int64_from_ordered(np.frombuffer(buf, dtype=">u8"))
-        out = np.empty(len(raw), dtype=object)
-        out[:] = [bytes(k[1:]) for k in raw]
-        return out
+        return strip_prefix(raw, len(_BYTES_PREFIX))
 
     def _decode_rows(self, rows: list[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """Keys and records of a scanned ``[(key, value), ...]`` list of bytes."""

@@ -1,10 +1,10 @@
 """``memory://`` — records in process memory, indexed by a compiled cuckoo hash table.
 
-int64 keys go through :class:`embstore._cython.cuckoo.CuckooTable` (key -> arena slot).
-bytes keys are kept collisionless by a Python ``dict`` mapping each distinct key (compared
-byte for byte) to its arena slot: hashing variable-length bytes into the int64 cuckoo table
-would need a fingerprint plus a full-key check anyway, and the dict already is exactly that.
-Records of both key types live in one chunked arena (:class:`RecordArena`).
+int64 keys go through :class:`embstore._cython.cuckoo.CuckooTable` (key -> arena slot), bytes
+keys through :class:`embstore._cython.bytestable.BytesTable` (hash fingerprint plus full-key
+compare: collisionless). Both offer the same find / find_or_insert / erase / items calls, so
+the code below treats them alike. Records of both key types live in one chunked arena
+(:class:`RecordArena`).
 
 The data lives and dies with the process: a ``memory://`` store refuses to pickle, and a
 child forked from the process (a fork-started DataLoader worker) that uses it gets
@@ -28,8 +28,11 @@ from ..layout import Layout
 from .base import Backend, ModifyFn, RowUpdate, serialized
 
 try:
+    from .._cython import bytestable, cuckoo
     from .._cython.arena import RecordArena
-    from .._cython.cuckoo import CuckooTable, find_or_insert
+    from .._cython.bytestable import BytesTable
+    from .._cython.cuckoo import CuckooTable
+    from .._cython.strkeys import same_keys
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "
@@ -93,7 +96,9 @@ def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
                  new: np.ndarray | None = None) -> int:
     """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``."""
     try:
-        return find_or_insert(table, arena, keys, slots, new)
+        insert = (bytestable.find_or_insert if isinstance(table, BytesTable)
+                  else cuckoo.find_or_insert)
+        return insert(table, arena, keys, slots, new)
     except MemoryError as e:
         raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
                             "is unchanged") from e
@@ -117,9 +122,9 @@ class MemoryBackend(Backend):
         doubling is prepared when it is 80% of the way there. ``False`` keeps every page
         fault on the calling thread.
     hash_seed : int, optional
-        Seed of the int64 key hash (default: drawn at random per store, so keys crafted to
-        collide cannot make the table grow without bound). Give one only to reproduce a
-        table layout (scan order) exactly; nothing stored depends on it.
+        Seed of the hash table's key hash, int64 or bytes keys (default: drawn at random per
+        store, so keys crafted to collide cannot make the table grow without bound). Give one
+        only to reproduce a table layout (scan order) exactly; nothing stored depends on it.
 
     A table that cannot grow (memory exhausted, or keys that collide under the seed) raises
     :class:`~embstore.errors.CapacityError` and leaves every stored key as it was.
@@ -145,9 +150,8 @@ class MemoryBackend(Backend):
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
         self._hash_seed = None if hash_seed is None else int(hash_seed)
-        self._table: CuckooTable | None = None
+        self._table: CuckooTable | BytesTable | None = None
         self._arena: RecordArena | None = None
-        self._bytes_slots: dict[bytes, int] = {}
         # Bumped whenever a key is inserted or removed: slots remembered across calls are
         # valid only while it is unchanged.
         self._epoch = 0
@@ -157,11 +161,13 @@ class MemoryBackend(Backend):
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
-        self.supports_lookup_insert = key_type == "int64"
+        self.supports_lookup_insert = True
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
-            self._table = (CuckooTable(self._capacity, self._prefault, self._hash_seed)
-                           if key_type == "int64" else None)
+            if key_type == "int64":
+                self._table = CuckooTable(self._capacity, self._prefault, self._hash_seed)
+            else:
+                self._table = BytesTable(self._capacity, self._hash_seed)
 
     def read_meta(self) -> dict | None:
         return None if self._meta is None else dict(self._meta)
@@ -174,33 +180,18 @@ class MemoryBackend(Backend):
         # Dropping the references frees the C memory now, not at interpreter exit.
         self._table = None
         self._arena = None
-        self._bytes_slots = {}
 
     # -- slot resolution ------------------------------------------------------------------------
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)
-        if self.key_type == "int64":
-            self._table.find(keys, out)
-        else:
-            get = self._bytes_slots.get
-            out[:] = [get(k, 0xFFFFFFFF) for k in keys]
+        self._table.find(keys, out)
         return out
 
     def _place(self, keys: np.ndarray) -> np.ndarray:
         """Slots of ``keys`` (unique), new keys placed in the table: for a write."""
-        if self.key_type == "int64":
-            slots = np.empty(len(keys), dtype=np.uint32)
-            if _insert_keys(self._table, self._arena, keys, slots):
-                self._epoch += 1
-            return slots
-        slots = self._slots(keys)
-        new = slots == _EMPTY
-        if new.any():
+        slots = np.empty(len(keys), dtype=np.uint32)
+        if _insert_keys(self._table, self._arena, keys, slots):
             self._epoch += 1
-            new_slots = np.empty(int(new.sum()), dtype=np.uint32)
-            self._arena.alloc(new_slots)
-            self._bytes_slots.update(zip(keys[new].tolist(), new_slots.tolist()))
-            slots[new] = new_slots
         return slots
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
@@ -235,6 +226,12 @@ class MemoryBackend(Backend):
         """Overwrite the records at occupied ``slots`` (their keys do not change)."""
         self._scatter(slots, records)
 
+    @staticmethod
+    def _same_keys(a: np.ndarray, b: np.ndarray) -> bool:
+        if a.dtype == object:
+            return b.dtype == object and same_keys(a, b)  # numpy would compare in Python
+        return np.array_equal(a, b)
+
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
@@ -267,8 +264,7 @@ class MemoryBackend(Backend):
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
-        if self.key_type == "int64":
-            self._last_find = (keys.copy(), slots, self._epoch)
+        self._last_find = (keys.copy(), slots, self._epoch)
         dt = self.layout.dtype
         fdt, offset = dt.fields[field][:2]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
@@ -317,12 +313,6 @@ class MemoryBackend(Backend):
                     template: np.ndarray) -> np.ndarray:
         # Insert-if-absent: a key another thread created since the caller saw it missing
         # keeps its record. Returns which keys were written.
-        if self.key_type != "int64":
-            new = self._slots(keys) == _EMPTY
-            if not new.all():
-                keys, vectors = keys[new], vectors[new]
-            super().insert_rows(keys, vectors, template)
-            return new
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         new = np.empty(n, dtype=np.uint8)
@@ -340,10 +330,8 @@ class MemoryBackend(Backend):
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
-        if self.key_type != "int64":
-            return super().update_rows(keys, update)
         last = self._last_find
-        if last is not None and last[2] == self._epoch and np.array_equal(last[0], keys):
+        if last is not None and last[2] == self._epoch and self._same_keys(last[0], keys):
             slots = last[1]
         else:
             slots = self._slots(keys)
@@ -371,12 +359,8 @@ class MemoryBackend(Backend):
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._epoch += 1
-        if self.key_type == "int64":
-            removed = np.empty(len(keys), dtype=np.uint32)
-            self._table.erase(keys, removed)
-        else:
-            pop = self._bytes_slots.pop
-            removed = np.array([pop(k, 0xFFFFFFFF) for k in keys], dtype=np.uint32)
+        removed = np.empty(len(keys), dtype=np.uint32)
+        self._table.erase(keys, removed)
         self._arena.release(removed)
         return removed != _EMPTY
 
@@ -384,7 +368,7 @@ class MemoryBackend(Backend):
     def __len__(self) -> int:
         if self._arena is None:
             return 0
-        return len(self._table) if self.key_type == "int64" else len(self._bytes_slots)
+        return len(self._table)
 
     def _all_slots(self) -> tuple[np.ndarray, np.ndarray]:
         n = len(self)
@@ -393,9 +377,7 @@ class MemoryBackend(Backend):
             slots = np.empty(n, dtype=np.uint32)
             self._table.items(keys, slots)
         else:
-            keys = np.empty(n, dtype=object)
-            keys[:] = list(self._bytes_slots.keys())
-            slots = np.fromiter(self._bytes_slots.values(), dtype=np.uint32, count=n)
+            keys, slots = self._table.items()
         return keys, slots
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -421,7 +403,6 @@ class MemoryBackend(Backend):
         self._arena.clear()
         if self._table is not None:
             self._table.clear()
-        self._bytes_slots.clear()
 
     @serialized
     def size_bytes(self) -> int:

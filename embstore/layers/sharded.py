@@ -1,9 +1,11 @@
 """``ShardedBackend``: ``hash(key) mod n`` routing of rows over n backends.
 
-The hash is embstore's fixed 64-bit key mix (:func:`embstore._keys.key_hash64`: splitmix64 for
-int64 keys, blake2b-8 for bytes), never Python's per-process salted ``hash()``, so every process
-routes a key to the same shard. A batch is partitioned with one stable argsort, each shard gets
-one call, and results are stitched back in request order.
+The hash is embstore's fixed 64-bit key hash (:func:`embstore._keys.key_hash64`: splitmix64 for
+int64 keys, XXH3-64 for bytes), never Python's per-process salted ``hash()``, so every process
+routes a key to the same shard. Shard metadata records the bytes-key hash; a bytes-key set
+written by an embstore that placed keys by blake2b-8 (no ``hash`` recorded) is refused rather
+than read with keys looked for on the wrong shards. A batch is partitioned with one stable
+argsort, each shard gets one call, and results are stitched back in request order.
 
 The shard list is part of the data: every shard's metadata carries ``{"count": n, "index": i}``
 and reopening with another number or order of shards raises ``SchemaMismatchError`` (rows would
@@ -24,7 +26,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
 
-from .._keys import key_hash64, normalize_keys
+from .._keys import BYTES_KEY_HASH, key_hash64, normalize_keys
 from .._rowcount import count_is_cheap
 from ..backends.base import Backend
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
@@ -168,11 +170,20 @@ class ShardedBackend(Backend):
                     f"{self.url}: shard {i} ({self.shards[i].url}) holds a store that is not "
                     "a shard of a sharded store"
                 )
-            if m.get("sharding") != {"count": self.n, "index": i}:
+            placed = {k: v for k, v in (m.get("sharding") or {}).items() if k != "hash"}
+            if placed != {"count": self.n, "index": i}:
                 raise SchemaMismatchError(
                     f"{self.url}: shard {i} ({self.shards[i].url}) was written as shard "
                     f"{m.get('sharding')} but is opened as shard {i} of {self.n}; open the "
                     "shards in their original number and order"
+                )
+            if m.get("key_type") == "bytes" and \
+                    (m.get("sharding") or {}).get("hash") != BYTES_KEY_HASH:
+                raise SchemaMismatchError(
+                    f"{self.url}: shard {i} ({self.shards[i].url}) placed its bytes keys by "
+                    f"blake2b-8 (an older embstore); this version places them by "
+                    f"{BYTES_KEY_HASH}, so keys would be looked for on the wrong shards. Export "
+                    "it with the embstore that wrote it and import the file into a new set"
                 )
             if {k: v for k, v in m.items() if k not in _VOLATILE} != schema:
                 raise SchemaMismatchError(
@@ -189,8 +200,10 @@ class ShardedBackend(Backend):
     def write_meta(self, meta: dict) -> None:
         def one(i: int) -> None:
             # A distinct format name: opening one shard alone as a plain store is refused.
-            self.shards[i].write_meta({**meta, "format": SHARD_FORMAT,
-                                       "sharding": {"count": self.n, "index": i}})
+            placed = {"count": self.n, "index": i}
+            if meta.get("key_type") == "bytes":
+                placed["hash"] = BYTES_KEY_HASH
+            self.shards[i].write_meta({**meta, "format": SHARD_FORMAT, "sharding": placed})
 
         self._map(one, range(self.n))
 

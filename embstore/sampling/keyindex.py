@@ -3,7 +3,7 @@
 Sampling and the in-memory top-k path both need "every key, as an array" without scanning the
 table per call. A ``KeyIndex`` holds the keys in a prefix ``keys[:n]`` plus optional per-key
 columns (``count``, ``vector``...) and a key -> position map: the compiled cuckoo table for int64
-keys, a ``dict`` for bytes keys. New keys are appended.
+keys, the compiled bytes table for bytes keys. New keys are appended.
 
 Deletes work in one of two ways:
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cython.bytestable import BytesTable
 from .._cython.cuckoo import CuckooTable
 
 _EMPTY = 0xFFFFFFFF
@@ -52,8 +53,7 @@ class KeyIndex:
         self.cols = {name: np.zeros((cap,) + tuple(shape), dtype=dt)
                      for name, (dt, shape) in columns.items()}
         self.alive = np.zeros(cap, dtype=bool)
-        self._table = CuckooTable(cap) if key_type == "int64" else None
-        self._dict: dict[bytes, int] = {}
+        self._table = CuckooTable(cap) if key_type == "int64" else BytesTable(cap)
         #: rows deleted since creation
         self.deletes = 0
         #: dead rows in ``[0, n)`` (tombstone mode)
@@ -91,14 +91,16 @@ class KeyIndex:
     # -- lookups ----------------------------------------------------------------------------
     def positions(self, keys: np.ndarray) -> np.ndarray:
         """Position of each live key (int64), -1 where absent."""
-        if self._table is not None:
-            out = np.empty(len(keys), dtype=np.uint32)
-            self._table.find(np.ascontiguousarray(keys, dtype=np.int64), out)
-            pos = out.astype(np.int64)
-            pos[out == _EMPTY] = -1
-            return pos
-        get = self._dict.get
-        return np.fromiter((get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        out = np.empty(len(keys), dtype=np.uint32)
+        self._table.find(self._contiguous(keys), out)
+        pos = out.astype(np.int64)
+        pos[out == _EMPTY] = -1
+        return pos
+
+    def _contiguous(self, keys: np.ndarray) -> np.ndarray:
+        if self.key_type == "int64":
+            return np.ascontiguousarray(keys, dtype=np.int64)
+        return np.ascontiguousarray(keys, dtype=object)
 
     # -- writes -----------------------------------------------------------------------------
     def _grow(self, need: int) -> None:
@@ -119,11 +121,7 @@ class KeyIndex:
             self.cols[name] = new
 
     def _map_insert(self, keys: np.ndarray, pos: np.ndarray) -> None:
-        if self._table is not None:
-            self._table.insert_new(np.ascontiguousarray(keys, dtype=np.int64),
-                                   pos.astype(np.uint32))
-        else:
-            self._dict.update(zip(keys.tolist(), pos.tolist(), strict=True))
+        self._table.insert_new(self._contiguous(keys), pos.astype(np.uint32))
 
     def upsert(self, keys: np.ndarray, values: dict[str, np.ndarray],
                pos: np.ndarray | None = None) -> np.ndarray:
@@ -155,14 +153,10 @@ class KeyIndex:
         Read column values at those positions *before* calling if you need them: without
         tombstones the rows are overwritten by moved-in tail rows.
         """
-        if self._table is not None:
-            out = np.empty(len(keys), dtype=np.uint32)
-            self._table.erase(np.ascontiguousarray(keys, dtype=np.int64), out)
-            pos = out.astype(np.int64)
-            pos[out == _EMPTY] = -1
-        else:
-            pop = self._dict.pop
-            pos = np.fromiter((pop(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        out = np.empty(len(keys), dtype=np.uint32)
+        self._table.erase(self._contiguous(keys), out)
+        pos = out.astype(np.int64)
+        pos[out == _EMPTY] = -1
         gone = pos[pos >= 0]
         if len(gone) == 0:
             return pos
@@ -197,9 +191,8 @@ class KeyIndex:
             for arr in self.cols.values():
                 arr[holes] = arr[movers]
             moved_keys = self.keys[holes]
-            if self._table is not None:
-                tmp = np.empty(len(moved_keys), dtype=np.uint32)
-                self._table.erase(moved_keys, tmp)
+            tmp = np.empty(len(moved_keys), dtype=np.uint32)
+            self._table.erase(self._contiguous(moved_keys), tmp)
             self._map_insert(moved_keys, holes)
         self.alive[n_after:self.n] = False
         if self.keys.dtype == object:
@@ -219,10 +212,7 @@ class KeyIndex:
         self.alive[:m] = True
         self.alive[m:self.n] = False
         self.n = m
-        if self._table is not None:
-            self._table.clear()
-        else:
-            self._dict.clear()
+        self._table.clear()
         self._map_insert(self.keys[:m], np.arange(m, dtype=np.int64))
         self.dead = 0
         self._ndead_log = 0
@@ -231,6 +221,5 @@ class KeyIndex:
     def nbytes(self) -> int:
         n = self.keys.nbytes + self.alive.nbytes + self._dead_log.nbytes
         n += sum(a.nbytes for a in self.cols.values())
-        if self._table is not None:
-            n += int(self._table.nbytes)
+        n += int(self._table.nbytes)
         return n

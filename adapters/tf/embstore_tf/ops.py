@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from embstore._keys import factorize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
 
 __all__ = ["dynamic_embedding_lookup", "sampled_logits", "trigger_variable"]
@@ -85,17 +86,24 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
 
 
 def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool):
-    """Dedupe int64 keys and read their rows in one ``numpy_function`` call: each such call
+    """Dedupe the keys and read their rows in one ``numpy_function`` call: each such call
     costs ~0.1 ms of TF/Python hand-over, and numpy's sort-based unique is cheaper than TF's
-    ``unique_with_counts`` plus the argsort that sorts its output. Keys come out sorted, the
-    form ``store.update`` takes without re-sorting."""
+    ``unique_with_counts`` plus the argsort that sorts its output. int64 keys come out sorted,
+    the form ``store.update`` takes without re-sorting; string keys (an object array of bytes
+    here) are deduplicated by embstore's compiled hash factorization, in first-seen order."""
     def run(k: np.ndarray):
-        uniq, inv, counts = np.unique(k, return_inverse=True, return_counts=True)
+        if k.dtype == object:
+            first, inv = factorize_keys(k)
+            uniq = k[first]
+            counts = np.bincount(inv, minlength=len(first))
+        else:
+            uniq, inv, counts = np.unique(k, return_inverse=True, return_counts=True)
         return (uniq, inv.reshape(-1).astype(np.int64, copy=False),
                 counts.astype(np.int64, copy=False), store.lookup(uniq, insert=insert))
 
+    key_dtype = tf.string if store.key_type == "bytes" else tf.int64
     uniq, idx, counts, vectors = tf.numpy_function(
-        run, [flat], [tf.int64, tf.int64, tf.int64, tf.float32], stateful=True,
+        run, [flat], [key_dtype, tf.int64, tf.int64, tf.float32], stateful=True,
         name="embstore_unique_lookup")
     return (tf.ensure_shape(uniq, [None]), tf.ensure_shape(idx, [None]),
             tf.ensure_shape(counts, [None]), vectors)
@@ -123,11 +131,7 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
     with tf.name_scope(name or "dynamic_embedding_lookup"):
         k = _key_tensor(keys, store)
         flat = tf.reshape(k, [-1])
-        if store.key_type == "int64":
-            uniq, idx, counts, vectors = _unique_lookup(flat, store, insert)
-        else:
-            uniq, idx, counts = tf.unique_with_counts(flat, out_idx=tf.int64)
-            vectors = None
+        uniq, idx, counts, vectors = _unique_lookup(flat, store, insert)
         rows = _store_rows(uniq, counts, store, trigger, insert, trainable, vectors)
         out = tf.gather(rows, idx)
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from embstore._keys import normalize_keys
+from embstore._keys import factorize_keys, normalize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
 
 _STR = (str, bytes)
@@ -122,12 +122,14 @@ def _flatten(x: Any, depth: int) -> list:
 
 
 def factorize(flat: Sequence) -> tuple[list, np.ndarray]:
-    """Distinct values in first-seen order and the index of each element among them."""
-    index: dict = {}
-    setdefault = index.setdefault
-    inverse = np.fromiter((setdefault(w, len(index)) for w in flat), dtype=np.int64,
-                          count=len(flat))
-    return list(index), inverse
+    """Distinct values in first-seen order and the index of each element among them.
+
+    str/bytes keys (a list or object array) are hashed and compared in compiled code
+    (:func:`embstore._keys.factorize_keys`); a str and its UTF-8 bytes are one key, as they
+    are in the store.
+    """
+    first, inverse = factorize_keys(flat)
+    return [flat[i] for i in first.tolist()], inverse
 
 
 def _int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
@@ -157,12 +159,14 @@ def prepare(input: Any) -> KeyBatch:
             else:
                 flat = np.ascontiguousarray(input, dtype=np.int64).reshape(-1)
             return _int_batch(flat, tuple(input.shape))
-        if input.dtype.kind not in "USO":
+        if input.dtype.kind not in "USOT":  # T: numpy's StringDType
             raise KeyTypeError(f"keys must be integers or strings, got dtype {input.dtype}")
         uniq, inv = factorize(input.reshape(-1).tolist())
         return KeyBatch(uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape))
     if isinstance(input, _STR):
         return KeyBatch([input], torch.zeros((), dtype=torch.long), ())
+    if type(input).__module__.startswith("pyarrow") and hasattr(input, "to_numpy"):
+        return prepare(input.to_numpy(zero_copy_only=False))  # string arrays, chunked too
     if isinstance(input, (int, np.integer)) and not isinstance(input, bool):
         return prepare(np.array(normalize_keys([input], "int64")[0]))
     if not isinstance(input, Sequence):

@@ -1,0 +1,36 @@
+"""Type stub of the compiled bytes-key hash table (``bytestable.pyx``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from .arena import RecordArena
+
+_Keys = npt.NDArray[np.object_] | Sequence[bytes | str]
+
+class BytesTable:
+    """bytes -> uint32 map (values are arena slots): fingerprint + full-key compare."""
+
+    size: int
+    rehashes: int
+    @property
+    def seed(self) -> int: ...
+    def __init__(self, capacity: int = 1024, seed: int | None = None,
+                 fingerprint_bits: int = 64) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def find(self, keys: _Keys, out: npt.NDArray[np.uint32]) -> int: ...
+    def insert_new(self, keys: _Keys, vals: npt.NDArray[np.uint32]) -> None: ...
+    def erase(self, keys: _Keys, out: npt.NDArray[np.uint32]) -> int: ...
+    def items(self) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.uint32]]: ...
+    def clear(self) -> None: ...
+
+def find_or_insert(table: BytesTable, arena: RecordArena, keys: _Keys,
+                   out: npt.NDArray[np.uint32],
+                   inserted_out: npt.NDArray[np.uint8] | None = None) -> int: ...

@@ -1,0 +1,405 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Hash table for bytes keys (bytes key -> uint32 arena slot), the ``memory://`` index of
+bytes-key stores.
+
+Open addressing with linear probing over 32-byte entries (two per cache line): the key's 64-bit hash (XXH3-64
+seeded per table, so crafted keys cannot be aimed at one store's probe chains), the key's
+length and offset in the table's key buffer (keys of up to 16 bytes -- words, most ids -- are
+kept in the entry itself, which saves them a second memory access), and the slot. A probe compares the stored hash
+first and the full key bytes (``memcmp``) only on a hash match: two keys are one key only
+when every byte agrees, so the table is collisionless, and it never drops a key -- it grows
+instead. Deletion shifts the following entries back (no tombstones), so probe chains stay as
+short as the load allows.
+
+Growth follows the int64 table's rules: the table doubles when an insert would pass
+MAX_LOAD (0.75 here: linear probing needs more headroom than 4-way buckets), and a grow that
+cannot get memory raises CapacityError with the table unchanged (the new entry array is
+built aside and swapped in). The key bytes live in one growing buffer; bytes of erased keys
+are reclaimed by compacting it once they are the larger part of it.
+"""
+
+cimport cython
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
+
+import os
+
+import numpy as np
+
+from .arena cimport RecordArena
+from .strkeys cimport KeyView, hash_view, key_views
+
+cdef extern from "es_prefetch.h":
+    void ES_PREFETCH(const void* p) nogil
+
+cdef enum:
+    PREFETCH_AHEAD = 16
+    INLINE = 16         # keys this short are kept in the entry itself, not the key buffer
+cdef uint32_t EMPTY = 0xFFFFFFFFu
+cdef double MAX_LOAD = 0.75
+# Compaction of the key buffer starts once erased bytes are over half of it and this large.
+cdef uint64_t COMPACT_MIN = 1 << 20
+
+cdef inline uint64_t _word(const char* p, Py_ssize_t n) noexcept nogil:
+    """Up to 8 bytes of a key as one zero-padded word (n <= 0: zero)."""
+    cdef uint64_t x = 0
+    if n > 0:
+        memcpy(&x, p, <size_t> (n if n < 8 else 8))
+    return x
+
+
+ctypedef struct Entry:
+    uint64_t h
+    uint64_t off        # offset in the key buffer; for an inline key, its bytes 0..7
+    uint64_t off2       # for an inline key, its bytes 8..15 (zero-padded)
+    uint32_t len
+    uint32_t val        # arena slot; EMPTY marks a free entry
+
+
+cdef object _capacity_error(str message):
+    from ..errors import CapacityError  # here, not at import: the module stays standalone
+    return CapacityError(message)
+
+
+@cython.final
+cdef class BytesTable:
+    """bytes -> uint32 map (values are arena slots); see the module docstring."""
+
+    cdef Entry* entries
+    cdef uint64_t nentries      # power of two
+    cdef uint64_t mask
+    cdef uint64_t grow_at
+    cdef char* data
+    cdef uint64_t data_len
+    cdef uint64_t data_cap
+    cdef uint64_t data_dead
+    cdef readonly uint64_t seed
+    cdef uint64_t fp_mask
+    cdef public uint64_t size
+    cdef public uint64_t rehashes
+
+    def __cinit__(self, uint64_t capacity=1024, seed=None, int fingerprint_bits=64):
+        """``fingerprint_bits`` < 64 keeps only that many hash bits: tests use it to force
+        fingerprint collisions, which the full-key compare must resolve."""
+        cdef uint64_t ne = 16
+        while ne * MAX_LOAD < capacity:
+            ne *= 2
+        self.seed = (int.from_bytes(os.urandom(8), "little") if seed is None
+                     else int(seed) & 0xFFFFFFFFFFFFFFFF)
+        if not 1 <= fingerprint_bits <= 64:
+            raise ValueError("fingerprint_bits must be in 1..64")
+        self.fp_mask = 0xFFFFFFFFFFFFFFFF >> (64 - fingerprint_bits)
+        self.entries = self._new_entries(ne)
+        if self.entries == NULL:
+            raise _capacity_error(f"bytes table: cannot allocate {ne} entries")
+        self._set_entries(self.entries, ne)
+        self.size = 0
+        self.rehashes = 0
+
+    def __dealloc__(self):
+        free(self.entries)
+        free(self.data)
+
+    cdef Entry* _new_entries(self, uint64_t ne) noexcept nogil:
+        cdef Entry* e = <Entry*> malloc(ne * sizeof(Entry))
+        cdef uint64_t j
+        if e != NULL:
+            for j in range(ne):
+                e[j].val = EMPTY
+        return e
+
+    cdef void _set_entries(self, Entry* e, uint64_t ne) noexcept nogil:
+        self.entries = e
+        self.nentries = ne
+        self.mask = ne - 1
+        self.grow_at = <uint64_t> (ne * MAX_LOAD)
+
+    def __len__(self):
+        return self.size
+
+    @property
+    def capacity(self):
+        return <uint64_t> (self.nentries * MAX_LOAD)
+
+    @property
+    def nbytes(self):
+        """Bytes of memory held: the entry array and the key buffer."""
+        return self.nentries * sizeof(Entry) + self.data_cap
+
+    cdef inline bint _same(self, Entry* e, const char* p, Py_ssize_t n) noexcept nogil:
+        if e.len != <uint32_t> n:
+            return False
+        if n <= INLINE:
+            return e.off == _word(p, n) and e.off2 == _word(p + 8, n - 8)
+        return memcmp(self.data + e.off, p, <size_t> n) == 0
+
+    cdef inline uint32_t _find(self, const char* p, Py_ssize_t n, uint64_t h) noexcept nogil:
+        cdef uint64_t j = h & self.mask
+        cdef Entry* e
+        while True:
+            e = &self.entries[j]
+            if e.val == EMPTY:
+                return EMPTY
+            if e.h == h and self._same(e, p, n):
+                return e.val
+            j = (j + 1) & self.mask
+
+    cdef int _grow(self) except -1:
+        """Double the entry array; on failure raise CapacityError and change nothing."""
+        cdef uint64_t ne = self.nentries * 2, j, k, nmask = ne - 1
+        cdef Entry* e = self._new_entries(ne)
+        if e == NULL:
+            raise _capacity_error(
+                f"bytes table: cannot grow to {ne} entries ({self.size} keys held)")
+        with nogil:
+            for j in range(self.nentries):
+                if self.entries[j].val != EMPTY:
+                    k = self.entries[j].h & nmask
+                    while e[k].val != EMPTY:
+                        k = (k + 1) & nmask
+                    e[k] = self.entries[j]
+        free(self.entries)
+        self._set_entries(e, ne)
+        self.rehashes += 1
+        return 0
+
+    cdef int _reserve_data(self, uint64_t more) except -1:
+        cdef uint64_t cap = self.data_cap
+        cdef char* d
+        if self.data_len + more <= cap:
+            return 0
+        cap = max(cap * 2, self.data_len + more, <uint64_t> 4096)
+        d = <char*> realloc(self.data, cap)
+        if d == NULL:
+            raise _capacity_error(f"bytes table: cannot grow its key buffer to {cap} bytes")
+        self.data = d
+        self.data_cap = cap
+        return 0
+
+    cdef int _insert(self, const char* p, Py_ssize_t n, uint64_t h, uint32_t val) except -1:
+        """Place a key known to be absent."""
+        cdef uint64_t j
+        if <uint64_t> n > 0xFFFFFFFFu:
+            raise _capacity_error("bytes table: a key longer than 4 GiB")
+        if self.size + 1 > self.grow_at:
+            self._grow()
+        if n > INLINE:
+            self._reserve_data(<uint64_t> n)
+        j = h & self.mask
+        while self.entries[j].val != EMPTY:
+            j = (j + 1) & self.mask
+        self.entries[j].h = h
+        self.entries[j].len = <uint32_t> n
+        self.entries[j].val = val
+        if n <= INLINE:
+            self.entries[j].off = _word(p, n)
+            self.entries[j].off2 = _word(p + 8, n - 8)
+        else:
+            memcpy(self.data + self.data_len, p, <size_t> n)
+            self.entries[j].off = self.data_len
+            self.data_len += <uint64_t> n
+        self.size += 1
+        return 0
+
+    cdef uint32_t _erase(self, const char* p, Py_ssize_t n, uint64_t h) noexcept nogil:
+        cdef uint64_t i = h & self.mask, j, home
+        cdef uint32_t val
+        cdef Entry* e
+        while True:
+            e = &self.entries[i]
+            if e.val == EMPTY:
+                return EMPTY
+            if e.h == h and self._same(e, p, n):
+                break
+            i = (i + 1) & self.mask
+        val = e.val
+        if e.len > INLINE:
+            self.data_dead += e.len
+        # Backward shift: move later entries of the chain into the hole when the hole lies
+        # between their home position and where they sit (cyclically).
+        j = i
+        while True:
+            j = (j + 1) & self.mask
+            if self.entries[j].val == EMPTY:
+                break
+            home = self.entries[j].h & self.mask
+            if ((j - home) & self.mask) >= ((j - i) & self.mask):
+                self.entries[i] = self.entries[j]
+                i = j
+        self.entries[i].val = EMPTY
+        self.size -= 1
+        return val
+
+    cdef void _compact(self) noexcept:
+        """Rewrite the key buffer without the bytes of erased keys (skipped if no memory)."""
+        cdef uint64_t live = self.data_len - self.data_dead, pos = 0, j
+        cdef uint64_t cap = max(live * 2, <uint64_t> 4096)
+        cdef char* d = <char*> malloc(cap)
+        if d == NULL:
+            return
+        for j in range(self.nentries):
+            if self.entries[j].val != EMPTY and self.entries[j].len > INLINE:
+                memcpy(d + pos, self.data + self.entries[j].off, self.entries[j].len)
+                self.entries[j].off = pos
+                pos += self.entries[j].len
+        free(self.data)
+        self.data = d
+        self.data_cap = cap
+        self.data_len = pos
+        self.data_dead = 0
+
+    cdef inline void _prefetch(self, uint64_t* hs, Py_ssize_t j, Py_ssize_t n) noexcept nogil:
+        """Two-stage prefetch: the home entry of the key PREFETCH_AHEAD on, and the key bytes
+        of the key half as far on (its entry has arrived by then), so that a probe of a key
+        longer than INLINE bytes does not wait for two memory accesses in a row."""
+        cdef Entry* e
+        if j + PREFETCH_AHEAD < n:
+            ES_PREFETCH(&self.entries[hs[j + PREFETCH_AHEAD] & self.mask])
+        if j + PREFETCH_AHEAD // 2 < n:
+            e = &self.entries[hs[j + PREFETCH_AHEAD // 2] & self.mask]
+            if e.val != EMPTY and e.len > INLINE:
+                ES_PREFETCH(self.data + e.off)
+
+    cdef uint64_t* _hashes(self, KeyView* v, Py_ssize_t n) except NULL:
+        cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
+        cdef Py_ssize_t j
+        if hs == NULL:
+            raise MemoryError("bytes table: cannot allocate hashes")
+        with nogil:
+            for j in range(n):
+                hs[j] = hash_view(v[j], self.seed) & self.fp_mask
+        return hs
+
+    def find(self, object keys, uint32_t[::1] out):
+        """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits."""
+        cdef Py_ssize_t n, j
+        cdef KeyView* v = key_views(keys, &n)
+        cdef uint64_t hits = 0
+        cdef uint64_t* hs
+        cdef uint32_t r
+        if out.shape[0] < n:
+            free(v)
+            raise ValueError("find: output has too few rows")
+        try:
+            hs = self._hashes(v, n)
+        except BaseException:
+            free(v)
+            raise
+        with nogil:
+            for j in range(n):
+                self._prefetch(hs, j, n)
+                r = self._find(v[j].p, v[j].n, hs[j])
+                out[j] = r
+                hits += r != EMPTY
+        free(hs)
+        free(v)
+        return hits
+
+    def insert_new(self, object keys, const uint32_t[::1] vals):
+        """Insert keys the caller knows are absent and unique, with their slots."""
+        cdef Py_ssize_t n, j
+        cdef KeyView* v = key_views(keys, &n)
+        cdef uint64_t* hs = NULL
+        try:
+            if vals.shape[0] < n:
+                raise ValueError("insert_new: fewer values than keys")
+            hs = self._hashes(v, n)
+            for j in range(n):
+                self._insert(v[j].p, v[j].n, hs[j], vals[j])
+        finally:
+            free(hs)
+            free(v)
+
+    def erase(self, object keys, uint32_t[::1] out):
+        """Remove keys; ``out`` receives each removed key's slot or 0xFFFFFFFF."""
+        cdef Py_ssize_t n, j
+        cdef KeyView* v = key_views(keys, &n)
+        cdef uint64_t removed = 0
+        cdef uint64_t* hs
+        if out.shape[0] < n:
+            free(v)
+            raise ValueError("erase: output has too few rows")
+        try:
+            hs = self._hashes(v, n)
+        except BaseException:
+            free(v)
+            raise
+        with nogil:
+            for j in range(n):
+                out[j] = self._erase(v[j].p, v[j].n, hs[j])
+                removed += out[j] != EMPTY
+        free(hs)
+        free(v)
+        if self.data_dead > COMPACT_MIN and self.data_dead * 2 > self.data_len:
+            self._compact()
+        return removed
+
+    def items(self):
+        """``(keys, slots)``: every key (object array of bytes) and its slot (uint32)."""
+        keys = np.empty(self.size, dtype=object)
+        vals = np.empty(self.size, dtype=np.uint32)
+        cdef uint32_t[::1] vo = vals
+        cdef uint64_t j, k = 0
+        cdef Entry* e
+        for j in range(self.nentries):
+            e = &self.entries[j]
+            if e.val != EMPTY:
+                keys[k] = ((<char*> &e.off)[:e.len] if e.len <= INLINE
+                           else self.data[e.off:e.off + e.len])
+                vo[k] = e.val
+                k += 1
+        return keys, vals
+
+    def clear(self):
+        cdef uint64_t j
+        for j in range(self.nentries):
+            self.entries[j].val = EMPTY
+        self.size = 0
+        self.data_len = 0
+        self.data_dead = 0
+
+
+def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::1] out,
+                   uint8_t[::1] inserted_out=None):
+    """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
+    table in the same pass. ``inserted_out`` (optional) gets 1 where the key was inserted.
+    Returns how many were. A repeated new key within ``keys`` is inserted once. When the table
+    cannot grow (CapacityError) the keys this call inserted are removed again: the table is
+    as it was before the call."""
+    cdef Py_ssize_t n, j, i
+    cdef KeyView* v = key_views(keys, &n)
+    cdef uint64_t inserted = 0
+    cdef uint64_t* hs = NULL
+    cdef uint32_t r
+    cdef bint mark = inserted_out is not None
+    new_at = []     # positions inserted by this call: undone if a later one fails
+    try:
+        if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
+            raise ValueError("find_or_insert: output has too few rows")
+        hs = table._hashes(v, n)
+        for j in range(n):
+            table._prefetch(hs, j, n)
+            r = table._find(v[j].p, v[j].n, hs[j])
+            if r == EMPTY:
+                r = arena._alloc_one()
+                try:
+                    table._insert(v[j].p, v[j].n, hs[j], r)
+                except BaseException:
+                    # All or nothing: the keys this call inserted leave again with their slots.
+                    gone = [r]
+                    for i in new_at:
+                        gone.append(table._erase(v[i].p, v[i].n, hs[i]))
+                    arena.release(np.array(gone, dtype=np.uint32))
+                    raise
+                new_at.append(j)
+                inserted += 1
+                if mark:
+                    inserted_out[j] = 1
+            elif mark:
+                inserted_out[j] = 0
+            out[j] = r
+    finally:
+        free(hs)
+        free(v)
+    return inserted

@@ -21,7 +21,7 @@ $(VENV)/.demo: $(VENV)/.created pyproject.toml setup.py
 
 # Everything the suite exercises: every backend's client, both adapters, test tools.
 $(VENV)/.test: $(VENV)/.demo
-	$(PIP) install -e '.[all,torch,tf,test]'
+	$(PIP) install -e '.[all,torch,tf-cpu,test]'
 	touch $@
 
 # Rebuild the compiled extension whenever a .pyx or a shared header changed since the last build.

@@ -51,7 +51,7 @@ def serialized(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Concatenat
     methods may call each other): for backends whose calls must not interleave across
     threads."""
     @functools.wraps(method)
-    def wrapper(self: _L, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def wrapper(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
     return wrapper

@@ -249,19 +249,15 @@ cdef class BytesTable:
         self.data_len = pos
         self.data_dead = 0
 
-    cdef inline void _prefetch(self, uint64_t* hs, KeyView* v, Py_ssize_t j,
-                               Py_ssize_t n) noexcept nogil:
+    cdef inline void _prefetch(self, uint64_t* hs, Py_ssize_t j, Py_ssize_t n) noexcept nogil:
         """Two-stage prefetch: the home entry of the key PREFETCH_AHEAD on, and the key bytes
         of the key half as far on (its entry has arrived by then), so that a probe of a key
-        longer than INLINE bytes does not wait for two memory accesses in a row. The second
-        stage reads the entry, so it runs only for a query key longer than INLINE: a shorter
-        key can only match an inline entry, and reading the entry early would stall on it."""
+        longer than INLINE bytes does not wait for two memory accesses in a row."""
         cdef Entry* e
-        cdef Py_ssize_t k = j + PREFETCH_AHEAD // 2
         if j + PREFETCH_AHEAD < n:
             ES_PREFETCH(&self.entries[hs[j + PREFETCH_AHEAD] & self.mask])
-        if k < n and v[k].n > INLINE:
-            e = &self.entries[hs[k] & self.mask]
+        if j + PREFETCH_AHEAD // 2 < n:
+            e = &self.entries[hs[j + PREFETCH_AHEAD // 2] & self.mask]
             if e.val != EMPTY and e.len > INLINE:
                 ES_PREFETCH(self.data + e.off)
 
@@ -292,7 +288,7 @@ cdef class BytesTable:
             raise
         with nogil:
             for j in range(n):
-                self._prefetch(hs, v, j, n)
+                self._prefetch(hs, j, n)
                 r = self._find(v[j].p, v[j].n, hs[j])
                 out[j] = r
                 hits += r != EMPTY
@@ -383,7 +379,7 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
             raise ValueError("find_or_insert: output has too few rows")
         hs = table._hashes(v, n)
         for j in range(n):
-            table._prefetch(hs, v, j, n)
+            table._prefetch(hs, j, n)
             r = table._find(v[j].p, v[j].n, hs[j])
             if r == EMPTY:
                 r = arena._alloc_one()

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
-HDR    := $(wildcard embstore/_cython/*.h)
+HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
 .PHONY: demo test bench lint clean ext tfra-venv
 
@@ -21,7 +21,7 @@ $(VENV)/.demo: $(VENV)/.created pyproject.toml setup.py
 
 # Everything the suite exercises: every backend's client, both adapters, test tools.
 $(VENV)/.test: $(VENV)/.demo
-	$(PIP) install -e '.[all,torch,tf,test]'
+	$(PIP) install -e '.[all,torch,tf-cpu,test]'
 	touch $@
 
 # Rebuild the compiled extension whenever a .pyx or a shared header changed since the last build.

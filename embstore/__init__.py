@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from . import errors, init, optim
+from ._log import set_metrics_hook
 from ._pickling import writable_unpickling
 from ._version import __version__
 from .api import open
@@ -23,6 +24,7 @@ __all__ = [
     "Backend",
     "Layout",
     "register_backend",
+    "set_metrics_hook",
     "known_schemes",
     "writable_unpickling",
     "errors",

@@ -135,14 +135,14 @@ def _jsonable(v: Any) -> Any:
 # -- commands --------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
     with _open_ro(args.url, _options(args.option)) as store:
-        stats = {k: _jsonable(v) for k, v in store.stats().items()}
+        stats = {k: _jsonable(v) for k, v in store.stats(count_rows=True).items()}
         info = {
             "url": store.url, "dim": store.dim, "key_type": store.key_type,
             "layout": {"fields": [[n, _field_type(store.layout.dtype.fields[n][0])]
                                   for n in store.layout.dtype.names],
                        "record_bytes": store.layout.itemsize},
             "optimizer": store.optimizer.config(), "initializer": store.initializer.config(),
-            "seed": store.seed, "rows": len(store), "size_bytes": stats.get("size_bytes"),
+            "seed": store.seed, "rows": stats["rows"], "size_bytes": stats.get("size_bytes"),
             "version": store.version, "step": store.step, "stats": stats,
         }
     if args.json:

@@ -392,33 +392,34 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
-               batch_size: int = 65536, progress: bool = False) -> int:
-        """Write every record (or those changed after ``since``) to a native file.
-
-        A delta (``since=``) also carries the keys deleted after that version. Returns the
-        number of rows written. A path is written atomically.
-        """
-        from .engine.transfer import export_native
+               batch_size: int = 65536, progress: bool = False,
+               format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+        """Write every record (or those changed after ``since``) to ``dest``; return the rows
+        written. The format is ``format`` or, as in the CLI, the file name's (no suffix or a
+        file object: native; an unknown suffix is refused; see ``embstore.io.format_choice``).
+        Only the native format keeps whole records and a delta's deletions. A path is written
+        atomically."""
+        from .io.format_choice import export_to
 
         self._check_open()
-        return export_native(self, dest, since=since, batch_size=batch_size, progress=progress)
+        return export_to(self, dest, format, since=since, batch_size=batch_size,
+                         progress=progress)
 
     def import_(self, src: str | os.PathLike | BinaryIO | bytes, *, partial: bool = False,
-                progress: bool = False, apply_deletes: bool = False) -> int:
-        """Load records from a native file; return the number of rows imported.
-
-        The file's layout and key type must equal the store's. The whole file is verified
-        (checksums, trailer) before the first row is written, so a corrupt or truncated file
-        imports nothing; with ``partial=True`` rows before the damage are kept. Stamps,
-        counts and keys are range-checked first (``docs/cli.md``, "Import limits"). A full
-        export listing deleted keys is refused unless ``apply_deletes=True``; a delta's
-        deletions always apply.
-        """
-        from .engine.transfer import import_native
+                progress: bool = False, apply_deletes: bool = False,
+                format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+        """Load records from ``src``; return the rows imported. The format is ``format`` or, as
+        in the CLI, the file's content and name's (bytes, file objects: native). A native file
+        must match the store's layout and key type and is verified whole (checksums, trailer,
+        ranges: ``docs/cli.md``, "Import limits") before the first row is written
+        (``partial=True`` keeps rows before damage); a full export listing deleted keys is
+        refused unless ``apply_deletes=True`` (a delta's deletions always apply). Other
+        formats go through ``embstore.io.transfer.import_file``."""
+        from .io.format_choice import import_from
 
         self._check_writable()
-        return import_native(self, src, partial=partial, progress=progress,
-                             apply_deletes=apply_deletes)
+        return import_from(self, src, format, partial=partial, progress=progress,
+                           apply_deletes=apply_deletes)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
@@ -434,17 +435,17 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         return load_records(self, batches, header=header)
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Counters since open: rows looked up, hits, misses, inserts, updates, ...; plus
-        ``rows``, ``hit_rate``, the backend's own counters and ``size_bytes`` where known.
-        While a remote backend is unreachable ``rows`` is None and ``backend_error`` says why."""
+    def stats(self, *, count_rows: bool | None = None) -> dict[str, Any]:
+        """Counters since open (lookups, hits, misses, inserts, ...), ``hit_rate``, the
+        backend's counters; ``rows`` and ``size_bytes`` where they read no rows or with
+        ``count_rows=True`` (a scan on Bigtable, RocksDB, SQL; ``False``: never; see
+        ``embstore._rowcount``). A counted ``rows`` of an unreachable remote is None, with
+        ``backend_error``."""
+        from ._rowcount import measure_rows, measure_size
+
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
-        try:
-            out["rows"] = len(self._backend)
-        except BackendError as e:  # a remote that is down: report it, the counters still count
-            out["rows"] = None
-            out["backend_error"] = str(e)
+        measure_rows(self._backend, count_rows, out)
         looked = out["lookups"]
         out["hit_rate"] = out["hits"] / looked if looked else math.nan
         out["step"] = self.step
@@ -453,13 +454,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         out.update(self._backend.stats())
         for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
             out.update(obs.stats())
-        try:
-            size = self._backend.size_bytes()
-        except BackendError as e:
-            size = None
-            out.setdefault("backend_error", str(e))
-        if size is not None:
-            out["size_bytes"] = int(size)
+        measure_size(self._backend, count_rows, out)
         return out
 
     def flush(self) -> None:

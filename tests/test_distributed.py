@@ -230,6 +230,14 @@ def _collective_checks(store, rank: int, outdir: str) -> None:
         hidden, torch.tensor([1, 2, 3]) + rank)
     loss.backward()
     assert torch.isfinite(loss) and hidden.grad is not None
+    # The modules take part with an empty batch too: forward looks up, backward updates.
+    from embstore_torch import DynamicEmbedding, DynamicEmbeddingBag
+
+    ids = torch.zeros(0, dtype=torch.int64) if rank else torch.tensor([9, 9, 11])
+    DynamicEmbedding(store)(ids).sum().backward()
+    bags = DynamicEmbeddingBag(store, mode="mean")(ids, torch.tensor([0]))
+    bags.sum().backward()
+    assert bags.shape == (1, DIM)
     np.savez(os.path.join(outdir, f"checks-{rank}.npz"), queries=queries, keys=keys,
              scores=scores, pad_keys=padded.keys, pad_scores=padded.scores,
              pad_valid=padded.valid, found=found, uni_keys=uni.keys, uni_prob=uni.prob,

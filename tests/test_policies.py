@@ -59,7 +59,7 @@ def test_frequency_cutoff_counts_match_exact_model(any_store_url_factory):
                     rows.add(k)
                 else:
                     rejected += 1
-        st = s.stats()
+        st = s.stats(count_rows=True)
         assert st["admission_rejected"] == rejected
         assert st["rows"] == len(rows) == len(s)
         np.testing.assert_array_equal(s.contains(np.array(sorted(rows))), True)

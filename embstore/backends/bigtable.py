@@ -21,6 +21,7 @@ call, so a replay writes the same cell again.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -32,6 +33,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._log import event
+from .._options import accepted_options, unknown_option_error
 from .._urls import check_url_text
 from ..errors import (
     BackendError,
@@ -43,6 +46,8 @@ from ..errors import (
 from . import _bigtable_cas as cas
 from . import _bigtable_wire as wire
 from .base import Backend, ModifyFn
+
+log = logging.getLogger(__name__)
 
 try:
     import grpc
@@ -117,7 +122,9 @@ class BigtableBackend(Backend):
                 raise InvalidInputError(f"{name} must be positive, got {val!r}")
         if float(retry_deadline) <= 0 or float(rpc_timeout) <= 0:
             raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
-        super().__init__(url, read_only=read_only, **options)
+        if options:
+            raise unknown_option_error("bigtable://", options, accepted_options(type(self)) or ())
+        super().__init__(url, read_only=read_only)
         self.emulator_host = emulator_host or os.environ.get("BIGTABLE_EMULATOR_HOST") or None
         self.create = (self.emulator_host is not None) if create is None else bool(create)
         self.column_family = str(column_family)
@@ -254,6 +261,9 @@ class BigtableBackend(Backend):
                     f"{self.url}: Bigtable table administration gave up after "
                     f"{self.retry_deadline:g} s of retries; last error: {last}") from last
             self.counters["retries"] += 1
+            event(log, logging.WARNING if delay == 0.05 else logging.DEBUG, "bigtable.retry",
+                  "%s: Bigtable table administration failed (%s); retrying, %.1f s left",
+                  self.url, last, remaining, op="admin")
             time.sleep(min(delay * (0.5 + random.random()), remaining))
             delay = min(delay * 2, 1.0)
 
@@ -276,6 +286,8 @@ class BigtableBackend(Backend):
                 pass
             if not initial:
                 self.counters["tables_recreated"] += 1
+                event(log, logging.WARNING, "bigtable.table_recreated",
+                      "%s: table vanished (emulator restart?); recreated it", self.url)
                 if self._meta_cache is not None:
                     self._write_meta_row(self._meta_cache)
             return
@@ -291,10 +303,16 @@ class BigtableBackend(Backend):
         """Run ``attempt(timeout)`` until it succeeds, a permanent error, or the deadline."""
         delay = 0.01
         recreated = False
+        tries = 0
         while True:
             remaining = deadline - time.monotonic()
             try:
-                return attempt(max(min(self.rpc_timeout, remaining), 0.001))
+                out = attempt(max(min(self.rpc_timeout, remaining), 0.001))
+                if tries:
+                    event(log, logging.INFO, "bigtable.recovered",
+                          "%s: Bigtable %s recovered after %d retries", self.url, op, tries,
+                          op=op, retries=tries)
+                return out
             except grpc.RpcError as e:
                 last: BaseException = e
                 if (hasattr(e, "code") and e.code() == grpc.StatusCode.NOT_FOUND
@@ -316,10 +334,17 @@ class BigtableBackend(Backend):
                                        f"rows: {e}") from e
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                event(log, logging.ERROR, "bigtable.gave_up",
+                      "%s: Bigtable %s gave up after %d retries: %s", self.url, op, tries,
+                      wire.describe(last), op=op, retries=tries)
                 raise BackendError(
                     f"{self.url}: Bigtable {op} gave up after {self.retry_deadline:g} s of "
                     f"retries; last error: {wire.describe(last)}") from last
             self.counters["retries"] += 1
+            tries += 1
+            event(log, logging.WARNING if tries == 1 else logging.DEBUG, "bigtable.retry",
+                  "%s: Bigtable %s failed (%s); retry %d, %.1f s left", self.url, op,
+                  wire.describe(last), tries, remaining, op=op, retry=tries)
             time.sleep(min(delay * (0.5 + random.random()), remaining))
             delay = min(delay * 2, 1.0)
 

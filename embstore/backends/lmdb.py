@@ -18,6 +18,7 @@ never fails for map space while the disk has room.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import numpy as np
 
 from .._cython.strkeys import prefixed, strip_prefix
 from .._keys import int64_from_ordered, ordered_int64_bytes
+from .._log import event
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
 from ._localdir import (
@@ -40,6 +42,8 @@ from ._localdir import (
 )
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
+
+log = logging.getLogger(__name__)
 
 try:
     import lmdb
@@ -116,6 +120,7 @@ class LmdbBackend(FetchedRecords, Backend):
 
     persistent = True
     supports_scan = True
+    cheap_len = True  # the B-tree keeps its entry count (stats() reads it without a scan)
     scheme = "lmdb"
     #: longest bytes key: LMDB's 511-byte key limit minus the one-byte key prefix
     max_key_bytes = 510
@@ -221,6 +226,8 @@ class LmdbBackend(FetchedRecords, Backend):
                     raise BackendError(f"{self.path}: LMDB map full at {size} bytes") from e
                 env.set_mapsize(size * 2)
                 self.counters["map_grows"] += 1
+                event(log, logging.INFO, "lmdb.map_grow", "%s: LMDB map full; grew it to %d "
+                      "bytes", self.path, size * 2, map_size=size * 2)
             except lmdb.Error as e:
                 raise BackendError(f"{self.path}: LMDB write failed: {e}") from e
 
@@ -520,6 +527,8 @@ class LmdbBackend(FetchedRecords, Backend):
         except lmdb.Error as e:
             raise BackendError(f"{self.path}: cannot grow the LMDB map: {e}") from e
         self.counters["map_grows"] += 1
+        event(log, logging.INFO, "lmdb.map_grow", "%s: grew the LMDB map to %d bytes ahead of "
+              "a bulk write", self.path, min(size, _GROW_LIMIT), map_size=min(size, _GROW_LIMIT))
 
     def clear(self) -> None:
         if self._rec_db is None:

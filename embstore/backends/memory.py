@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._options import accepted_options, check_options
 from ..errors import CapacityError, ForkedProcessError, InvalidInputError, InvalidURLError
 from ..layout import Layout
 from .base import Backend, ModifyFn, RowUpdate, serialized
@@ -132,6 +133,7 @@ class MemoryBackend(Backend):
     persistent = False
     supports_scan = True
     supports_row_update = True
+    cheap_len = True  # the table's own size (stats() reads it without a scan)
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
@@ -139,7 +141,8 @@ class MemoryBackend(Backend):
                  hash_seed: int | None = None, **options: Any) -> None:
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
-        super().__init__(url, read_only=read_only, **options)
+        check_options("memory://", options, accepted_options(MemoryBackend) or ())
+        super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.

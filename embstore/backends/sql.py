@@ -644,6 +644,11 @@ class SQLBackend(Backend):
                 self._ops.conn.execute("SET LOCAL synchronous_commit = on")
                 self._ops.conn.execute("SELECT txid_current()")
 
+    @property
+    def cheap_size(self) -> bool:
+        # SQLite measures a table with dbstat, which reads every page (see embstore/_rowcount.py)
+        return self._dialect_name != "sqlite"
+
     @_wrap_errors
     def size_bytes(self) -> int | None:
         if self._missing or self.layout is None:

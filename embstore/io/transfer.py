@@ -344,7 +344,8 @@ def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
     """
     name = detect_format(dest, fmt, for_write=True)
     if name == "native":
-        return store.export(dest, since=since, batch_size=batch_size, progress=progress)
+        return store.export(dest, since=since, batch_size=batch_size, progress=progress,
+                            format="native")
     meta = store.meta
     meta["since"] = since
     src = store.records(batch_size) if since is None else store.changes_since(since, batch_size)

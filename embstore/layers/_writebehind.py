@@ -12,11 +12,16 @@ and waits for its outcome.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+from .._log import event
+
+log = logging.getLogger(__name__)
 
 
 class WriteBehind:
@@ -142,6 +147,11 @@ class WriteBehind:
             try:
                 self._put(keys, recs)
             except BaseException as e:  # noqa: BLE001 - kept and re-raised to the foreground
+                # WARNING when an outage starts, DEBUG for the retries that follow
+                event(log, logging.WARNING if self._error is None else logging.DEBUG,
+                      "write_behind.failed", "write-behind of %d evicted rows failed (%s); "
+                      "kept pending, retried in %.1f s", len(keys), e, self._backoff,
+                      rows=len(keys))
                 with self._cond:
                     self._error = e
                     self._failures += 1
@@ -150,6 +160,12 @@ class WriteBehind:
                     self._busy = False
                     self._cond.notify_all()
                 continue
+            event(log, logging.DEBUG, "write_behind.flushed",
+                  "write-behind wrote %d evicted rows", len(keys), rows=len(keys))
+            if self._error is not None:
+                event(log, logging.INFO, "write_behind.recovered", "write-behind: the remote "
+                      "is back; %d pending rows written after %d failed attempts", len(keys),
+                      self._failures, rows=len(keys), failures=self._failures)
             with self._cond:
                 del self._pending[:n]
                 self._error = None          # the remote is back

@@ -33,12 +33,14 @@ Consistency contract
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from .._log import event
 from ..backends.base import Backend, ModifyFn
 from ..backends.memory import MemoryBackend
 from ..errors import BackendError, InvalidInputError, StoreClosedError
@@ -51,6 +53,8 @@ from ._slots import SlotTable
 from ._wholetable import WholeTableMixin
 from ._writebehind import WriteBehind
 from .wrapper import WrapperBackend
+
+log = logging.getLogger(__name__)
 
 _EMPTY = np.uint32(0xFFFFFFFF)
 WRITE_POLICIES = ("back", "through")
@@ -215,6 +219,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             self._st.remember(keys, victims)
             self._drop(keys, victims)
             self._count(evictions=len(victims), dirty_evictions=nd)
+            event(log, logging.DEBUG, "cache.evicted", "cache evicted %d rows (%d dirty)",
+                  len(victims), nd, rows=len(victims), dirty=nd)
             if nd and self._wb is not None:
                 self._wb.submit(dk, recs)  # queued even if it raises: never lost
         return min(m, self.capacity - self._st.live)

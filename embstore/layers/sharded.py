@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import numpy as np
 
 from .._keys import BYTES_KEY_HASH, key_hash64, normalize_keys
+from .._rowcount import count_is_cheap
 from ..backends.base import Backend
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from ..layout import Layout
@@ -299,12 +300,14 @@ class ShardedBackend(Backend):
         return None if any(s is None for s in sizes) else int(sum(sizes))
 
     def stats(self) -> dict[str, Any]:
-        """Numeric counters summed over shards, plus ``shard_rows`` (rows per shard)."""
+        """Numeric counters summed over shards, plus ``shard_rows`` (rows per shard) where
+        counting is free."""
         out: dict[str, Any] = dict(self.counters)
         for b in self.shards:
             for k, v in b.stats().items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     out[k] = out.get(k, 0) + v
         out["shards"] = self.n
-        out["shard_rows"] = [len(b) for b in self.shards]
+        if count_is_cheap(self):  # else a scan of every shard per stats() call
+            out["shard_rows"] = [len(b) for b in self.shards]
         return out

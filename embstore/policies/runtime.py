@@ -8,11 +8,14 @@ and persists. It never imports the engine: the store is passed in where rows mus
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._log import event
+from .._urls import redact_url
 from ..errors import InvalidInputError
 from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
 from .expiry import Eviction, Expiry, eviction_victims, expired_keys
@@ -20,6 +23,8 @@ from .tombstones import TombstoneLog
 
 if TYPE_CHECKING:
     from ..engine.protocols import PolicyHost
+
+log = logging.getLogger(__name__)
 
 COUNTER_NAMES = ("admission_rejected", "gradients_dropped", "expired", "evictions", "pruned")
 
@@ -152,6 +157,9 @@ class PolicyRuntime:
         n = sum(store.delete(k) for k in batches)
         self.counters["expired"] += n
         self.updates_since_expire = 0
+        if n:
+            event(log, logging.INFO, "store.expired", "%s: expired %d rows",
+                  redact_url(store.backend.url), n, rows=n)
         return n
 
     def rows_estimate(self, store: PolicyHost) -> int:
@@ -182,6 +190,8 @@ class PolicyRuntime:
         for i in range(0, len(victims), batch_size):
             n += store.delete(victims[i:i + batch_size])
         self.counters["evictions"] += n
+        event(log, logging.INFO, "store.evicted", "%s: evicted %d rows over capacity %d",
+              redact_url(store.backend.url), n, ev.capacity, rows=n)
         return n
 
     def after_update(self, store: PolicyHost) -> None:

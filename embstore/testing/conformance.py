@@ -296,7 +296,7 @@ class StoreConformance:
         s.sample([1], 1, "uniform", seed=0)  # an observer (the sampling index) is listening
         s.update([2, 3], np.ones((2, DIM), dtype=np.float32))
         s.assign([4, 1], np.full((2, DIM), 0.5, dtype=np.float32))
-        st = s.stats()
+        st = s.stats(count_rows=True)
         assert st["inserts"] == 4 and st["assigns"] == 2 and st["rows"] == 4
         from embstore.sampling import sampling_index
 
@@ -524,8 +524,10 @@ class StoreConformance:
         st = s.stats()
         assert st["lookups"] == 5 and st["hits"] == 1 and st["misses"] == 4
         assert st["inserts"] == 4 and st["updates"] == 2 and st["deletes"] == 1
-        assert st["rows"] == 3
         assert math.isclose(st["hit_rate"], 0.2)
+        # rows: only without a scan by default; always when asked
+        assert st.get("rows", 3) == 3 and s.stats(count_rows=True)["rows"] == 3
+        assert "rows" not in s.stats(count_rows=False)
 
     # -- model-based -------------------------------------------------------------------------------
     def test_state_machine_against_dict_model(self):

@@ -7,11 +7,37 @@
 ...     vecs = dynamic_embedding_lookup(tf.constant([["a", "b"]]), store)
 ...     loss = tf.reduce_sum(vecs)
 >>> _ = tape.gradient(loss, trigger_variable(store))   # store.update ran here
+
+Keras: :class:`DynamicEmbedding` (``model.save`` / :func:`load_model`); serving without
+Python: :func:`serving_model` / :func:`export_serving` (see ``docs/adapters.md``).
 """
 
 from __future__ import annotations
 
-from .layers import DynamicEmbedding
-from .ops import dynamic_embedding_lookup, sampled_logits, trigger_variable
+try:
+    import tensorflow  # noqa: F401
+except ImportError as e:  # exercised in a subprocess that hides TF
+    if e.name != "tensorflow":
+        raise
+    raise ImportError(
+        "embstore_tf needs TensorFlow >= 2.16, which is not installed; install it with "
+        "pip install 'embstore[tf]' (tensorflow) or pip install 'embstore[tf-cpu]' "
+        "(tensorflow-cpu)"
+    ) from e
 
-__all__ = ["DynamicEmbedding", "dynamic_embedding_lookup", "sampled_logits", "trigger_variable"]
+from .layers import DynamicEmbedding, load_model, loading_stores
+from .ops import dynamic_embedding_lookup, sampled_logits, trigger_variable
+from .serving import StaticEmbedding, export_serving, serving_model, snapshot
+
+__all__ = [
+    "DynamicEmbedding",
+    "StaticEmbedding",
+    "dynamic_embedding_lookup",
+    "export_serving",
+    "load_model",
+    "loading_stores",
+    "sampled_logits",
+    "serving_model",
+    "snapshot",
+    "trigger_variable",
+]

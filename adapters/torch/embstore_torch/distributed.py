@@ -97,6 +97,9 @@ class DistributedStore(CollectiveOps):
         The global step (one per ``update`` call), the same on every rank and shard.
     """
 
+    #: every rank calls each method in step; the torch modules call it for empty batches too
+    collective = True
+
     def __init__(self, comm: Comm, url: str, dim: int | None, *, average: bool,
                  options: dict[str, Any]) -> None:
         self.comm = comm

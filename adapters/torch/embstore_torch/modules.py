@@ -196,6 +196,12 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
     return _StoreRows.apply(trigger, vectors, _Sink(store, keys, counts))
 
 
+def _collective(store: Any) -> bool:
+    """Whether every rank must call ``store`` in step (``embstore_torch.distributed``): an
+    empty batch then still looks up, and its backward still updates, with no keys."""
+    return bool(getattr(store, "collective", False))
+
+
 def _padding_key(store: Any, padding_key: Any, padding_idx: Any) -> Any:
     """The padding key in the store's key form (int, or bytes), or None."""
     if padding_idx is not None:
@@ -388,7 +394,7 @@ class DynamicEmbedding(_StoreModule):
     @torch.compiler.disable  # inputs the custom op cannot take (strings): a graph break
     def _forward(self, input: Any) -> torch.Tensor:
         batch = prepare(input)
-        if len(batch.uniq) == 0:
+        if len(batch.uniq) == 0 and not _collective(self.store):
             return torch.zeros(*batch.shape, self.embedding_dim, device=self._anchor.device,
                                requires_grad=False)
         vectors, sink = self._lookup(batch)
@@ -451,7 +457,7 @@ class DynamicEmbeddingBag(_StoreModule):
                 raise InvalidInputError("per_sample_weights must have one weight per key")
         batch, offs, size, psw = self._drop_padding(batch, offs, size, psw)
         inv = batch.inv
-        if len(batch.uniq) == 0:
+        if len(batch.uniq) == 0 and not _collective(self.store):
             return torch.zeros(len(offs), self.embedding_dim, device=dev)
         vectors, sink = self._lookup(batch)
         if sink is None:

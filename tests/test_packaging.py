@@ -1,0 +1,50 @@
+"""Packaging: the license text, the wheel's contents (no generated C), the TF extras."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pyproject() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_license_file_is_the_apache_2_text():
+    with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+        text = f.read()
+    # the md5 of the canonical LICENSE-2.0.txt from apache.org
+    assert hashlib.md5(text).hexdigest() == "3b83ef96387f14655fc854ddc3c6bd57"
+    meta = _pyproject()["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    assert meta["classifiers"] and meta["keywords"]
+
+
+def test_tf_extras_do_not_force_one_tensorflow_distribution():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert extras["tf"] == ["tensorflow>=2.16"]
+    assert extras["tf-cpu"] == ["tensorflow-cpu>=2.16"]
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        assert ".[all,torch,tf-cpu,test]" in f.read()  # the dev venv keeps tensorflow-cpu
+
+
+def test_build_py_leaves_generated_c_out(tmp_path):
+    # build_py decides the wheel's pure files (package data); it compiles nothing
+    run = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    files = [os.path.relpath(os.path.join(d, f), tmp_path)
+             for d, _, fs in os.walk(tmp_path) for f in fs]
+    assert not [f for f in files if f.endswith(".c")]
+    assert "embstore/_cython/cuckoo.pyi" in files and "embstore/py.typed" in files
+    assert "embstore_tf/serving.py" in files

@@ -103,7 +103,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true", help="10 steps x 3 rounds (run_all --quick)")
     a = ap.parse_args()
+    if a.quick:
+        a.steps, a.rounds = min(a.steps, 10), min(a.rounds, 3)
     args = {"steps": a.steps, "dim": a.dim, "batch": a.batch, "rounds": a.rounds}
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it
     with tempfile.TemporaryDirectory() as out:

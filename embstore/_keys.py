@@ -139,6 +139,10 @@ def _normalize_bytes_keys(keys: Any) -> np.ndarray:
         elif keys.dtype.kind != "O":
             raise KeyTypeError(f"this store has bytes keys; got keys of dtype {keys.dtype}")
         keys = np.ascontiguousarray(keys)
+        if strkeys.all_plain_bytes(keys):
+            # Already the store's key form: used as it is, as an int64 array is for int64
+            # keys (a copy would cost a write to every scattered key object).
+            return keys
     elif not isinstance(keys, (list, tuple)):
         if not isinstance(keys, Iterable):
             raise KeyTypeError(f"this store has bytes keys; got {type(keys).__name__}")

@@ -49,6 +49,17 @@ def test_every_container_normalizes_to_the_same_keys(name):
     assert all(type(k) is bytes for k in keys)
 
 
+def test_object_array_of_plain_bytes_is_used_as_is_and_mixed_ones_are_converted():
+    plain = np.array([b"a", b"bc", b""], dtype=object)
+    assert normalize_keys(plain, "bytes") is plain  # no per-key copy, as for int64 arrays
+    mixed = np.array([b"a", "bc", np.bytes_(b"d")], dtype=object)
+    out = normalize_keys(mixed, "bytes")
+    assert out is not mixed
+    assert [type(k) for k in out] == [bytes, bytes, bytes]
+    assert out.tolist() == [b"a", b"bc", b"d"]
+    assert mixed[1] == "bc"  # the caller's array is left alone
+
+
 @pytest.mark.parametrize("name", list(containers()))
 def test_memory_store_round_trip_per_container(name):
     with embstore.open("memory://", dim=4, key_type="bytes") as store:

@@ -38,6 +38,7 @@ cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
     object PyUnicode_AsUTF8String(object s)
     PyObject** PySequence_Fast_ITEMS(object o)
+    bint _is_plain_bytes "PyBytes_CheckExact"(PyObject* o) nogil
 
 # factorize() only needs a hash no outsider can predict (its result does not depend on it):
 # a per-process seed keeps crafted batches from piling onto one probe chain.
@@ -126,6 +127,20 @@ def encode_keys(object keys):
         Py_DECREF(<object> dst[i])   # the None np.empty put there
         dst[i] = <PyObject*> b
     return out
+
+
+def all_plain_bytes(object keys):
+    """True when every item of a 1-D object array, list or tuple is exactly ``bytes``: such
+    an array is already in the store's key form, so it needs no copy. Only reads the items
+    (a copy would write each scattered object's reference count)."""
+    cdef Py_ssize_t n, i
+    cdef PyObject** items = _items(keys, &n)
+    for i in range(n):
+        if i + 8 < n:
+            ES_PREFETCH(items[i + 8])   # scattered objects: fetch ahead
+        if not _is_plain_bytes(items[i]):   # on the pointer: no reference count written
+            return False
+    return True
 
 
 def hash64(object keys, uint64_t seed=0):

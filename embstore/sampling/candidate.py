@@ -161,6 +161,17 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
         neg_prob = expected_count(p, tries, unique)
         pos_prob = expected_count(idx.prob_of(snap, flat_pos), tries, unique)
 
+    results = merge_candidates(positives, pos_prob, neg, neg_prob, tries,
+                               remove_accidental_hits)
+    return results if batch else results[0]
+
+
+def merge_candidates(positives: list[np.ndarray], pos_prob: np.ndarray, neg: np.ndarray,
+                     neg_prob: np.ndarray, tries: int,
+                     remove_accidental_hits: bool) -> list[SampledResult]:
+    """One :class:`SampledResult` per row of positives: its positives, then the shared
+    negatives (less the row's own positives with ``remove_accidental_hits``), with their
+    expected counts (``pos_prob`` holds the positives' of every row, in order)."""
     results = []
     start = 0
     for pos in positives:
@@ -177,7 +188,7 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
         results.append(SampledResult(keys=keys, is_positive=is_pos,
                                      prob=np.concatenate((pp, npb)).astype(np.float64),
                                      num_tries=tries))
-    return results if batch else results[0]
+    return results
 
 
 def keep_probability(store: Any, keys: Any, t: float = 1e-3) -> np.ndarray:

@@ -181,8 +181,13 @@ class CollectiveOps:
         count (uniform, unigram) this is the same distribution as one store holding every
         key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
         """
-        from embstore.sampling.candidate import _positives, expected_count, sampling_index
-        from embstore.sampling.samplers import SampledResult, resolve_sampler
+        from embstore.sampling.candidate import (
+            _positives,
+            expected_count,
+            merge_candidates,
+            sampling_index,
+        )
+        from embstore.sampling.samplers import resolve_sampler
 
         if not self.sharded:
             raise InvalidInputError(
@@ -224,21 +229,8 @@ class CollectiveOps:
             raise InvalidInputError(problem)
         pos_prob = expected_count((pw / total if total > 0 else pw)[inv.reshape(-1)], tries,
                                   unique)
-        results, start = [], 0
-        for pos in positives:
-            pp = pos_prob[start:start + len(pos)]
-            start += len(pos)
-            if remove_accidental_hits and len(pos) and len(neg):
-                keep = ~np.isin(neg, pos)
-                nk, npb = neg[keep], neg_prob[keep]
-            else:
-                nk, npb = neg, neg_prob
-            keys = np.concatenate((pos, nk)) if len(pos) else nk.copy()
-            is_pos = np.zeros(len(keys), dtype=bool)
-            is_pos[:len(pos)] = True
-            results.append(SampledResult(keys=keys, is_positive=is_pos,
-                                         prob=np.concatenate((pp, npb)).astype(np.float64),
-                                         num_tries=tries))
+        results = merge_candidates(positives, pos_prob, neg, neg_prob, tries,
+                                   remove_accidental_hits)
         return results if batch else results[0]
 
     def _draw_rounds(self, idx: Any, snap: Any, rng: np.random.Generator, m: int,

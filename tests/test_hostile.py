@@ -18,11 +18,9 @@ import pytest
 
 import embstore
 from embstore.errors import (
-    BackendUnavailableError,
     CorruptFileError,
     EmbstoreError,
     InvalidInputError,
-    UnknownSchemeError,
 )
 from embstore.io import limits
 from embstore.io.formats import open_reader
@@ -33,31 +31,9 @@ BACKENDS = ("memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable")
 
 
 @pytest.fixture
-def target(request, tmp_path):
+def target(new_store_url):
     """target(kind) -> a fresh store URL of that backend (skips when it is not available)."""
-    counter = iter(range(1000))
-
-    def make(kind: str) -> str:
-        i = next(counter)
-        if kind == "memory":
-            url = "memory://"
-        elif kind in ("lmdb", "rocksdb"):
-            url = f"{kind}://{tmp_path}/{kind}{i}"
-        elif kind == "sqlite":
-            url = f"sqlite:///{tmp_path}/db{i}.sqlite"
-        else:
-            fixture = {"postgres": "postgres_url_factory", "bigtable": "bigtable_url_factory"}
-            try:
-                url = request.getfixturevalue(fixture[kind])()
-            except pytest.FixtureLookupError:
-                pytest.skip(f"no {fixture[kind]} fixture in this checkout")
-        try:
-            embstore.registry.backend_class(url)
-        except (BackendUnavailableError, UnknownSchemeError) as e:
-            pytest.skip(f"{kind} backend not available: {e}")
-        return url
-
-    return make
+    return new_store_url
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,9 @@
 """Per-dialect statements of the SQL backend, on the raw DBAPI connection.
 
+This module holds the PostgreSQL statements and re-exports the others: ``SQLiteOps``
+(:mod:`._sql_sqlite`) and the portable ``CoreOps`` (:mod:`._sql_core`), sharing the row
+decoding of :mod:`._sql_rows`.
+
 Each ``*Ops`` class owns one DBAPI connection and speaks one dialect. The backend
 (:mod:`embstore.backends.sql`) only sees this small interface::
 

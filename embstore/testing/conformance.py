@@ -35,7 +35,7 @@ from embstore.errors import (
     StoreClosedError,
 )
 
-DIM = 8
+from .conformance_backend import DIM, BackendPrimitiveConformance
 
 
 def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -53,7 +53,7 @@ def table_of(store: embstore.EmbeddingStore) -> dict[Any, np.ndarray]:
     return out
 
 
-class StoreConformance:
+class StoreConformance(BackendPrimitiveConformance):
     """Shared behaviour tests; see the module docstring."""
 
     open_options: dict[str, Any] = {}
@@ -189,106 +189,6 @@ class StoreConformance:
         stepped = np.isin(keys, [1, 3, 7, 9])
         assert (recs["last_step"][stepped] == 1).all() and recs["last_step"][~stepped][0] == 0
         assert s.stats()["updates"] == 5 and s.stats()["inserts"] == 5
-
-    def test_backend_row_update_changes_found_rows_only(self):
-        from embstore.backends.base import RowUpdate
-
-        s = self.open()
-        s.lookup([4, 5, 6])
-        backend = s.backend
-        keys = np.array([4, 6, 8], dtype=np.int64)
-        before, _ = backend.get(keys)
-        x = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
-        found = backend.update_rows(keys, RowUpdate(
-            ("vector", -0.5, x), {"count": np.array([2, 3, 4])},
-            {"last_step": 9, "last_seen": 1.5, "version": 77}))
-        assert found.tolist() == [True, True, False]
-        after, present = backend.get(keys)
-        assert present.tolist() == [True, True, False]  # nothing created for key 8
-        np.testing.assert_array_equal(after["vector"][:2],
-                                      before["vector"][:2] + np.float32(-0.5) * x[:2])
-        assert after["count"][:2].tolist() == [2, 3]
-        assert after["last_step"][:2].tolist() == [9, 9]
-        assert after["last_seen"][:2].tolist() == [1.5, 1.5]
-        assert after["version"][:2].tolist() == [77, 77]
-        untouched, _ = backend.get(np.array([5], dtype=np.int64))
-        assert untouched["count"][0] == 0 and untouched["last_step"][0] == 0
-
-    def test_backend_insert_rows_fills_records_from_a_template(self):
-        s = self.open(optimizer=embstore.optim.Adagrad(initial_accumulator_value=0.5))
-        s.lookup([1])  # binds the layout; key 1 exists already
-        template = s.layout.empty(1)
-        template["accum"], template["last_step"], template["version"] = 0.5, 3, 99
-        keys = np.array([20, -7, 2**40], dtype=np.int64)
-        vecs = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
-        s.backend.insert_rows(keys, vecs, template)
-        recs, found = s.backend.get(keys)
-        assert found.all()
-        np.testing.assert_array_equal(recs["vector"], vecs)
-        assert (recs["accum"] == 0.5).all() and recs["count"].tolist() == [0, 0, 0]
-        assert recs["last_step"].tolist() == [3, 3, 3] and recs["version"].tolist() == [99] * 3
-        assert s.backend.get(np.array([1], dtype=np.int64))[1].all()
-
-    def test_backend_modify_keeps_deletes_and_inserts(self):
-        s = self.open()
-        s.lookup([1, 2, 3])
-        backend = s.backend
-        keys = np.array([3, 1, 10, 2, 11], dtype=np.int64)
-        before, _ = backend.get(keys[[0, 1, 3]])
-        calls = []
-
-        def fn(recs: np.ndarray, found: np.ndarray) -> np.ndarray:
-            calls.append(found.copy())
-            assert recs.dtype == s.layout.dtype and len(recs) == len(keys)
-            # rows of missing keys arrive zeroed
-            assert not recs[~found].tobytes().strip(b"\0")
-            recs["count"] = [5, 6, 7, 8, 9]
-            recs["vector"][2] = 1.5
-            return np.array([True, False, True, False, False])
-
-        found = backend.modify(keys, fn)
-        assert calls and found.tolist() == [True, True, False, True, False]
-        assert all(c.tolist() == found.tolist() for c in calls)
-        recs, present = backend.get(keys)
-        # kept rows written (key 10 inserted), found rows not kept deleted, missing stay absent
-        assert present.tolist() == [True, False, True, False, False]
-        assert recs["count"][[0, 2]].tolist() == [5, 7]
-        np.testing.assert_array_equal(recs["vector"][0], before["vector"][0])
-        assert (recs["vector"][2] == 1.5).all()
-        assert len(backend) == 2
-
-    def test_backend_modify_without_keep_writes_every_row(self):
-        s = self.open()
-        s.lookup([4, 5])
-        backend = s.backend
-
-        def fn(recs: np.ndarray, found: np.ndarray) -> None:
-            recs["count"] += np.arange(1, len(recs) + 1)
-
-        found = backend.modify(np.array([5, 6, 4], dtype=np.int64), fn)
-        assert found.tolist() == [True, False, True]
-        recs, present = backend.get(np.array([4, 5, 6], dtype=np.int64))
-        assert present.all() and recs["count"].tolist() == [3, 1, 2]
-        # every row cached/found: a partial keep deletes the others
-        found = backend.modify(np.array([4, 5, 6], dtype=np.int64),
-                               lambda recs, found: np.array([False, True, True]))
-        assert found.all()
-        assert backend.contains(np.array([4, 5, 6], dtype=np.int64)).tolist() == [False, True,
-                                                                                   True]
-
-    def test_backend_modify_bytes_keys(self):
-        s = self.open(key_type="bytes")
-        s.lookup([b"a", b"b"])
-        keys = np.array([b"b", b"c", b"a"], dtype=object)
-
-        def fn(recs: np.ndarray, found: np.ndarray) -> np.ndarray:
-            recs["count"] = 4
-            return np.array([True, True, False])
-
-        assert s.backend.modify(keys, fn).tolist() == [True, False, True]
-        recs, present = s.backend.get(keys)
-        assert present.tolist() == [True, True, False]
-        assert recs["count"][:2].tolist() == [4, 4]
 
     def test_update_and_assign_side_effects_follow_modify(self):
         s = self.open()

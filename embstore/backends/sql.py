@@ -18,15 +18,12 @@ import contextlib
 import functools
 import json
 import os
-import re
 import threading
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qsl
 
 import numpy as np
 
-from .._urls import check_url_text, redact_url
 from ..errors import (
     BackendError,
     BackendUnavailableError,
@@ -36,89 +33,21 @@ from ..errors import (
     StoreClosedError,
 )
 from ..layout import Layout
-from ._txn import write_plan
 from .base import Backend, ModifyFn, serialized
 
 try:
     import sqlalchemy as sa
-    from sqlalchemy.engine import make_url
     from sqlalchemy.pool import NullPool, PoolProxiedConnection
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
     ) from e
 
-from . import _sql_conn, _sql_ops
-
-DEFAULT_TABLE = "embeddings"
-# Identifiers are validated, then always quoted: never interpolated unchecked. 50 characters
-# leave room for the "_meta" / "_version_idx" suffixes within PostgreSQL's 63.
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,49}")
-_RESERVED_PREFIXES = ("sqlite_", "pg_")
-
-
-def validate_table_name(name: Any) -> str:
-    """Return ``name`` if it is a plain SQL identifier, else raise ``InvalidInputError``."""
-    if not isinstance(name, str) or not _IDENT.fullmatch(name):
-        raise InvalidInputError(
-            f"table name {name!r} is not a plain identifier: use letters, digits and "
-            "underscores, starting with a letter or underscore, at most 50 characters"
-        )
-    if name.lower().startswith(_RESERVED_PREFIXES):
-        raise InvalidInputError(f"table name {name!r} uses a prefix reserved by the database")
-    return name
-
-
-def _parse(url: str, table: str | None):
-    """Split a store URL into (SQLAlchemy URL without ``table``, table name, public URL)."""
-    check_url_text(url)
-    try:
-        u = make_url(url)
-    except Exception as e:  # noqa: BLE001 - SQLAlchemy raises ArgumentError/ValueError
-        raise InvalidURLError(f"malformed SQL URL {redact_url(url)!r}: {e}") from e
-    q = dict(u.query)
-    in_url = q.get("table")
-    if isinstance(in_url, tuple):
-        raise InvalidURLError(f"{redact_url(url)!r}: 'table' given more than once")
-    if in_url is None and ("table", "") in parse_qsl(url.partition("?")[2],
-                                                     keep_blank_values=True):
-        # SQLAlchemy drops empty query values: "?table=" would silently mean the default table
-        raise InvalidURLError(f"{redact_url(url)!r}: empty table name in '?table='")
-    if in_url is not None and table is not None and in_url != table:
-        raise InvalidInputError(f"table={table!r} conflicts with table={in_url!r} in the URL")
-    name = validate_table_name(table if table is not None else (in_url or DEFAULT_TABLE))
-    u = u.difference_update_query(["table"])
-    backend = u.get_backend_name()
-    if backend == "postgres":  # the libpq alias SQLAlchemy no longer accepts
-        u = u.set(drivername="postgresql" + u.drivername[len("postgres"):])
-        backend = "postgresql"
-    if backend == "postgresql" and "+" not in u.drivername:
-        u = u.set(drivername="postgresql+psycopg")
-    if backend == "sqlite":
-        db = u.database or ""
-        if not db or db == ":memory:" or db.startswith("file:"):
-            raise InvalidURLError(
-                f"{redact_url(url)!r}: a SQLite store needs a file path (sqlite:////abs/file.db); "
-                "use memory:// for a store in process memory"
-            )
-        if not os.path.isabs(db):
-            u = u.set(database=os.path.abspath(db))
-    elif not u.host and backend != "sqlite" and not u.query.get("host"):
-        raise InvalidURLError(f"{redact_url(url)!r}: no host in the URL")
-    public = u.update_query_dict({"table": name}).render_as_string(hide_password=False)
-    return u, name, public
-
-
-def _sqlite_empty(path: str) -> bool:
-    """True when the SQLite file holds no table (another writer may have made a store since)."""
-    import sqlite3
-
-    try:
-        with contextlib.closing(sqlite3.connect(path, timeout=1.0)) as conn:
-            return conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
-    except sqlite3.Error:
-        return False
-
+from . import _sql_conn, _sql_modify, _sql_ops, _sql_schema
+from ._sql_rows import align_rows
+from ._sql_url import DEFAULT_TABLE as DEFAULT_TABLE
+from ._sql_url import parse_store_url as _parse  # tests split URLs through this name
+from ._sql_url import validate_table_name as validate_table_name
 
 # Seconds to wait for a PostgreSQL server to answer a new connection (libpq drivers); a URL's
 # own ``?connect_timeout=`` wins.
@@ -255,11 +184,11 @@ class SQLBackend(Backend):
         driver = self._sa_url.get_driver_name()
         try:
             if fast_path and kind == "sqlite" and driver == "pysqlite":
-                self._open_sqlite()
+                _sql_conn.open_sqlite(self)
             elif fast_path and kind == "postgresql" and driver == "psycopg":
-                self._open_postgres()
+                _sql_conn.open_postgres(self)
             else:
-                self._open_core()
+                _sql_conn.open_core(self)
         except self._driver_errors as e:
             raise BackendError(f"{self._safe_url}: cannot connect: {e}") from e
 
@@ -273,89 +202,10 @@ class SQLBackend(Backend):
     def _quote(self, name: str) -> str:
         return self._db.dialect.identifier_preparer.quote_identifier(name)
 
-    def _open_sqlite(self) -> None:
-        self._raw = self._db.raw_connection()
-        conn = self._raw.driver_connection
-        assert conn is not None  # invariant: a connection just checked out is live
-        # autocommit at the driver level; batches use explicit BEGIN IMMEDIATE / COMMIT
-        conn.isolation_level = None
-        if self.read_only:
-            conn.execute("PRAGMA query_only = ON")
-        else:
-            conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {'FULL' if self.durable else 'NORMAL'}")
-        conn.execute("PRAGMA busy_timeout = 60000")
-        _sql_conn.refuse_case_aliases(self, conn)
-        self._ops = _sql_ops.SQLiteOps(conn, self.table_name, self.table_name + "_meta",
-                                       self._quote, "int64", 0)
-
-    def _open_postgres(self) -> None:
-        self._raw = self._db.raw_connection()
-        conn = self._raw.driver_connection
-        assert conn is not None  # invariant: a connection just checked out is live
-        if conn.info.transaction_status != 0:  # SQLAlchemy's first-connect probe left one
-            conn.rollback()
-        conn.autocommit = True
-        conn.execute(f"SET synchronous_commit = {'on' if self.durable else 'off'}")
-        if self.read_only:
-            conn.execute("SET default_transaction_read_only = on")
-        self._ops = _sql_ops.PostgresOps(conn, self.table_name, self.table_name + "_meta",
-                                         self._quote, "int64", 0, self._pg_upsert)
-
-    def _open_core(self) -> None:
-        self._core = True
-        self._conn = conn = self._db.connect()
-        if self._dialect_name == "sqlite":
-            _sql_conn.refuse_case_aliases(self, conn.connection.driver_connection)
-        tables = self._tables("int64")
-        self._ops = _sql_ops.CoreOps(self._conn, tables[0], tables[1], "int64", 0)
-
-    def _tables(self, key_type: str):
-        md = sa.MetaData()
-        if key_type == "int64":
-            # INTEGER PRIMARY KEY is SQLite's rowid alias: no second B-tree for the key.
-            ktype: sa.types.TypeEngine[Any] = sa.BigInteger().with_variant(sa.Integer(),
-                                                                             "sqlite")
-        else:
-            from sqlalchemy.dialects.mysql import VARBINARY  # a BLOB cannot be a MySQL key
-
-            ktype = sa.LargeBinary().with_variant(VARBINARY(767), "mysql")
-        data = sa.Table(self.table_name, md,
-                        sa.Column("k", ktype, primary_key=True, autoincrement=False),
-                        sa.Column("rec", sa.LargeBinary(), nullable=False),
-                        sa.Column("version", sa.BigInteger(), nullable=False))
-        meta = sa.Table(self.table_name + "_meta", md,
-                        sa.Column("name", sa.String(64), primary_key=True),
-                        sa.Column("value", sa.Text(), nullable=False))
-        index = sa.Index(self.table_name + "_version_idx", data.c.version, data.c.k)
-        return data, meta, index
-
     # -- metadata and schema ----------------------------------------------------------------------
     @_wrap_errors
     def read_meta(self) -> dict | None:
-        if self._missing:
-            return None
-        meta_cols = self._ops.columns(self.table_name + "_meta")
-        if meta_cols is None:
-            if self._ops.columns(self.table_name) is not None:
-                raise SchemaMismatchError(
-                    f"{self._safe_url}: table {self.table_name!r} exists but is not an embstore "
-                    f"store (no {self.table_name}_meta table); choose another table name"
-                )
-            return None
-        if set(meta_cols) != {"name", "value"}:
-            raise SchemaMismatchError(
-                f"{self._safe_url}: table {self.table_name}_meta is not embstore metadata")
-        text = self._ops.meta_get()
-        if text is None:
-            return None
-        try:
-            meta = json.loads(text)
-        except ValueError as e:
-            raise SchemaMismatchError(f"{self._safe_url}: unreadable metadata: {e}") from e
-        if not isinstance(meta, dict):
-            raise SchemaMismatchError(f"{self._safe_url}: metadata is not a JSON object")
-        return meta
+        return _sql_schema.read_store_meta(self)
 
     @_wrap_errors
     def write_meta(self, meta: dict) -> None:
@@ -367,7 +217,7 @@ class SQLBackend(Backend):
     @_wrap_errors
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
-        data, meta, index = self._tables(key_type)
+        data, meta, index = _sql_schema.table_definitions(self.table_name, key_type)
         self._index_name = index.name
         self._create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
                                      .compile(dialect=self._db.dialect))
@@ -386,7 +236,7 @@ class SQLBackend(Backend):
                 ddl.append(self._create_index_sql)
             self._ops.execute_ddl(ddl)
         else:
-            self._check_columns(cols, key_type)
+            _sql_schema.check_data_columns(self, cols, key_type)
         self._configure_ops(key_type, layout.itemsize)
         self._bound = (key_type, layout.itemsize)
 
@@ -394,44 +244,15 @@ class SQLBackend(Backend):
         """Tell the statements object the bound key type and record size."""
         self._ops.key_type, self._ops.itemsize = key_type, itemsize
         if isinstance(self._ops, _sql_ops.CoreOps):
-            data, meta, _ = self._tables(key_type)
+            data, meta, _ = _sql_schema.table_definitions(self.table_name, key_type)
             _sql_ops.CoreOps.__init__(self._ops, self._conn, data, meta, key_type, itemsize)
         elif isinstance(self._ops, _sql_ops.PostgresOps):
             self._ops._karr = "int8[]" if key_type == "int64" else "bytea[]"
 
-    def _check_columns(self, cols: dict[str, str], key_type: str) -> None:
-        if set(cols) != {"k", "rec", "version"}:
-            raise SchemaMismatchError(
-                f"{self._safe_url}: table {self.table_name!r} has columns {sorted(cols)}, not "
-                "an embstore table (k, rec, version)"
-            )
-        kt = cols["k"]
-        is_int = "INT" in kt
-        if is_int != (key_type == "int64"):
-            raise SchemaMismatchError(
-                f"{self._safe_url}: key column is {kt}, the store has {key_type} keys")
-
     # -- rows -------------------------------------------------------------------------------------
-    def _align(self, keys: np.ndarray, fkeys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Row index into the fetched rows for each requested key, and a found mask."""
-        m = len(fkeys)
-        if m == 0:
-            return np.zeros(len(keys), np.intp), np.zeros(len(keys), bool)
-        if self.key_type == "int64":
-            order = np.argsort(fkeys, kind="stable")
-            sk = fkeys[order]
-            idx = np.minimum(np.searchsorted(sk, keys), m - 1)
-            found = sk[idx] == keys
-            return order[idx], found
-        pos = {k: i for i, k in enumerate(fkeys.tolist())}
-        rows = np.fromiter((pos.get(k, -1) for k in keys.tolist()), dtype=np.intp,
-                           count=len(keys))
-        found = rows >= 0
-        return np.maximum(rows, 0), found
-
     def _gather(self, keys: np.ndarray, offset: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         fkeys, recbytes = self._ops.fetch(keys)
-        rows, found = self._align(keys, fkeys)
+        rows, found = align_rows(self.key_type, keys, fkeys)
         n = len(keys)
         if len(fkeys) == 0:
             return np.zeros((n, width), np.uint8), found
@@ -500,56 +321,7 @@ class SQLBackend(Backend):
         ``PostgresOps.lock_rows``), retried whole on a deadlock or serialization failure."""
         if len(keys) == 0:
             return np.zeros(0, bool)
-        if not isinstance(self._ops, _sql_ops.PostgresOps):
-            with self._ops.txn():
-                recs, found = self._records(keys)
-                self._write_back(keys, recs, found, fn(recs, found.copy()))
-            return found
-        for attempt in range(8):
-            try:
-                with self._ops.txn():
-                    fkeys, raw, placeholders = self._ops.lock_rows(keys)
-                    recs, found = self._aligned(keys, fkeys, raw)
-                    keep = fn(recs, found.copy())
-                    self._write_back(keys, recs, found, keep)
-                    write = write_plan(keep, found)[0]
-                    if len(placeholders) and not write.all():
-                        # missing rows fn did not keep: their placeholders go again
-                        gone = keys[~write & ~found]
-                        if len(gone):
-                            self._ops.delete(gone)
-                return found
-            except self._driver_errors as e:
-                if getattr(e, "sqlstate", None) not in ("40P01", "40001") or attempt == 7:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _records(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        fkeys, raw = self._ops.fetch(keys)
-        return self._aligned(keys, fkeys, raw)
-
-    def _aligned(self, keys: np.ndarray, fkeys: np.ndarray,
-                 raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Writable records of ``keys`` (zero rows where missing) from fetched rows."""
-        rows, found = self._align(keys, fkeys)
-        recs = np.zeros(len(keys), dtype=self.layout.dtype)
-        if len(fkeys):
-            got = np.take(raw, rows[found], axis=0)
-            recs[found] = got.view(self.layout.dtype).reshape(-1)
-        return recs, found
-
-    def _write_back(self, keys: np.ndarray, recs: np.ndarray, found: np.ndarray,
-                    keep: np.ndarray | None) -> None:
-        write, drop = write_plan(keep, found)
-        if drop.any():
-            self._ops.delete(keys[drop])
-        if write.all():
-            self._ops.upsert(keys, self._raw_records(recs),
-                             np.ascontiguousarray(recs["version"]))
-        elif write.any():
-            w = recs[write]
-            self._ops.upsert(keys[write], self._raw_records(w),
-                             np.ascontiguousarray(w["version"]))
+        return _sql_modify.modify_rows(self, keys, fn)
 
     @_wrap_errors
     def modify_meta(self, fn) -> dict:
@@ -580,28 +352,6 @@ class SQLBackend(Backend):
             return 0
         return self._ops.count()
 
-    def _pages(self, fetch_page, by_version: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        after = None
-        while True:
-            try:
-                try:
-                    with self._lock:
-                        keys, raw = fetch_page(after)
-                except self._driver_errors as e:
-                    if not _sql_conn.recover_connection(self, e):  # a page is a read: read it again
-                        raise
-                    with self._lock:
-                        keys, raw = fetch_page(after)
-            except self._driver_errors as e:
-                raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}") from e
-            if len(keys) == 0:
-                return
-            recs = raw.reshape(-1).view(self.layout.dtype).copy()
-            yield keys, recs
-            # keyset pagination: the next page starts after the last row of this one
-            last = keys[-1:].tolist()[0]  # a Python int/bytes: drivers do not bind numpy scalars
-            after = (int(recs["version"][-1]), last) if by_version else last
-
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._missing or not self.is_bound:
             return
@@ -609,7 +359,7 @@ class SQLBackend(Backend):
         def scan_page(after):
             return self._ops.page(after, batch_size)
 
-        yield from self._pages(scan_page, False)
+        yield from _sql_conn.read_pages(self, scan_page, False)
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -620,7 +370,7 @@ class SQLBackend(Backend):
         def changes_page(after):
             return self._ops.changes(int(version), after, batch_size)
 
-        yield from self._pages(changes_page, True)
+        yield from _sql_conn.read_pages(self, changes_page, True)
 
     @_wrap_errors
     def changes_plan(self, version: int = 0) -> str:
@@ -694,8 +444,9 @@ class SQLBackend(Backend):
             if self._engine is not None:
                 self._engine.dispose()
                 self._engine = None
-            if self._created_file is not None and _sqlite_empty(self._created_file):
+            created = self._created_file
+            if created is not None and _sql_conn.sqlite_file_is_empty(created):
                 # opened without dim (or failed before the store was made): no empty file left
                 for suffix in ("", "-wal", "-shm", "-journal"):
                     with contextlib.suppress(OSError):
-                        os.unlink(self._created_file + suffix)
+                        os.unlink(created + suffix)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ._sql_rows import _keys_array, _row_blobs, _split_blobs
+from ._sql_rows import _keys_array, _row_blobs, _split_blobs, absent
 
 
 class CoreOps:
@@ -73,8 +73,7 @@ class CoreOps:
 
     def insert_absent(self, keys: np.ndarray, raw: np.ndarray,
                       versions: np.ndarray) -> np.ndarray:
-        present = set(self.present(keys).tolist())
-        new = np.array([k not in present for k in keys.tolist()], dtype=bool)
+        new = absent(keys, self.present(keys), self.key_type)
         if new.any():
             self.upsert(keys[new], raw[new], versions[new])
         return keys[new]

@@ -85,3 +85,12 @@ def align_rows(key_type: str, keys: np.ndarray,
                        count=len(keys))
     found = rows >= 0
     return np.maximum(rows, 0), found
+
+
+def absent(keys: np.ndarray, present: np.ndarray, key_type: str) -> np.ndarray:
+    """Bool mask of ``keys`` not among ``present`` (bytes keys are compared as Python objects,
+    which ``np.isin`` cannot do for object arrays)."""
+    if key_type == "int64":
+        return ~np.isin(keys, present)
+    have = set(present.tolist())
+    return np.array([k not in have for k in keys.tolist()], dtype=bool)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ._sql_rows import _keys_array, _PagedReads, _row_blobs, _split_blobs
+from ._sql_rows import _keys_array, _PagedReads, _row_blobs, _split_blobs, absent
 
 _SQLITE_MAX_VARS = 32000  # SQLite >= 3.32 allows 32766 bound variables per statement
 
@@ -83,11 +83,7 @@ class SQLiteOps(_PagedReads):
         """Insert the rows whose key has no record; return the inserted keys. Inside
         ``txn()`` (``BEGIN IMMEDIATE`` holds the write lock, so nothing changes between the
         check and the insert)."""
-        if self.key_type == "int64":
-            new = ~np.isin(keys, self.present(keys))
-        else:
-            present = set(self.present(keys).tolist())
-            new = np.array([k not in present for k in keys.tolist()], dtype=bool)
+        new = absent(keys, self.present(keys), self.key_type)
         if new.any():
             self.upsert(keys[new], raw[new], versions[new])
         return keys[new]

@@ -120,17 +120,23 @@ def _draw_unique(idx: SamplingIndex, snap: Any, rng: np.random.Generator, m: int
                          np.concatenate((ps, p2)))
 
 
+def check_num_sampled(num_sampled: Any) -> int:
+    """``num_sampled`` as an int, or ``InvalidInputError`` (bools and negatives refused)."""
+    if isinstance(num_sampled, bool) or not isinstance(num_sampled, (int, np.integer)):
+        raise InvalidInputError(f"num_sampled must be an int, got {num_sampled!r}")
+    m = int(num_sampled)
+    if m < 0:
+        raise InvalidInputError(f"num_sampled must be >= 0, got {m}")
+    return m
+
+
 def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
            offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
            seed: Any = None) -> SampledResult | list[SampledResult]:
     """See :meth:`embstore.EmbeddingStore.sample`."""
     store.check_open()
     sampler = resolve_sampler(sampler)
-    if isinstance(num_sampled, bool) or not isinstance(num_sampled, (int, np.integer)):
-        raise InvalidInputError(f"num_sampled must be an int, got {num_sampled!r}")
-    m = int(num_sampled)
-    if m < 0:
-        raise InvalidInputError(f"num_sampled must be >= 0, got {m}")
+    m = check_num_sampled(num_sampled)
     batch, positives = _positives(store, positive_keys, offsets)
     flat_pos = (np.concatenate(positives) if len(positives) > 1
                 else positives[0] if positives else store.normalize_keys([]))

@@ -183,6 +183,7 @@ class CollectiveOps:
         """
         from embstore.sampling.candidate import (
             _positives,
+            check_num_sampled,
             expected_count,
             merge_candidates,
             sampling_index,
@@ -195,11 +196,7 @@ class CollectiveOps:
                 "shared store a rank's sampling index does not see the other ranks' writes"
             )
         sampler = resolve_sampler(sampler)
-        if isinstance(num_sampled, bool) or not isinstance(num_sampled, (int, np.integer)):
-            raise InvalidInputError(f"num_sampled must be an int, got {num_sampled!r}")
-        m = int(num_sampled)
-        if m < 0:
-            raise InvalidInputError(f"num_sampled must be >= 0, got {m}")
+        m = check_num_sampled(num_sampled)
         batch, positives = _positives(self.local, positive_keys, offsets)
         flat_pos = (np.concatenate(positives) if len(positives) > 1
                     else positives[0] if positives else self.local.normalize_keys([]))

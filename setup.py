@@ -3,7 +3,7 @@
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-_HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h
+_HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h, es_keyword.h
 
 extensions = [
     Extension("embstore._cython.arena", ["embstore/_cython/arena.pyx"], include_dirs=_HERE,

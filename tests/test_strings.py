@@ -143,6 +143,40 @@ def test_table_is_collisionless_with_forced_fingerprint_collisions(bits):
     assert table.find(missing, out) == 0 and (out == _EMPTY).all()
 
 
+def test_short_keys_differing_in_any_one_byte_are_distinct():
+    # Keys of up to 16 bytes are compared as two words loaded in registers (overlapping
+    # loads for 4..7-byte tails): every length and every byte position must count.
+    base = bytes(range(1, 25))
+    keys = [base[:n] for n in range(25)]
+    keys += [k[:i] + b"\xee" + k[i + 1:] for k in keys for i in range(len(k))]
+    keys += [k + b"\x00" for k in keys[:25]]       # a trailing zero byte is a different key
+    arr = np.empty(len(keys), dtype=object)
+    arr[:] = keys
+    assert len(set(keys)) == len(keys)
+    table, arena = BytesTable(16, fingerprint_bits=1), RecordArena(8)
+    slots = np.empty(len(keys), np.uint32)
+    assert find_or_insert(table, arena, arr, slots) == len(keys)
+    again = np.empty(len(keys), np.uint32)
+    assert table.find(arr, again) == len(keys) and again.tolist() == slots.tolist()
+    got_keys, got_slots = table.items()
+    assert dict(zip(got_keys.tolist(), got_slots.tolist(), strict=True)) == \
+        dict(zip(keys, slots.tolist(), strict=True))
+
+
+def test_update_after_lookup_follows_a_key_array_refilled_in_place():
+    # The memory store reuses the slots of the last looked-up batch for an update of the same
+    # keys; a caller that refills its array in between must update the new keys' rows.
+    with embstore.open("memory://", dim=2, key_type="bytes",
+                       optimizer=embstore.optim.SGD(lr=1.0)) as store:
+        store.assign([b"a", b"b", b"c", b"d"], np.zeros((4, 2), np.float32))
+        keys = np.array([b"a", b"b"], dtype=object)
+        store.lookup(keys)
+        keys[0], keys[1] = b"c", b"d"
+        store.update(keys, np.ones((2, 2), np.float32))
+        got = store.lookup([b"a", b"b", b"c", b"d"], insert=False)
+        assert got.tolist() == [[0, 0], [0, 0], [-1, -1], [-1, -1]]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["put", "del"]),
                           st.lists(st.binary(max_size=12), max_size=30)), max_size=25),

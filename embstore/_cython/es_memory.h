@@ -112,4 +112,18 @@ static inline void es_region_free(es_region* r) {
     if (r->base) munmap(r->base, r->reserved);
     r->base = NULL; r->committed = 0; r->reserved = 0;
 }
+/* Memory for an array probed at random places (free() releases it). From 2 MiB on it is
+   2 MiB aligned and advised onto huge pages: with 4 KiB pages nearly every probe of a large
+   table also misses the TLB. The advice is only advice: ignored where unsupported. */
+#define ES_HUGE_PAGE ((size_t)2 << 20)
+static inline void* es_alloc_probed(size_t n) {
+    void* p = NULL;
+    if (n < ES_HUGE_PAGE) return malloc(n);
+    if (posix_memalign(&p, ES_HUGE_PAGE, n) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, n, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
 #endif

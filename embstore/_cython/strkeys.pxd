@@ -9,4 +9,11 @@ ctypedef struct KeyView:
 
 
 cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL
-cdef uint64_t hash_view(KeyView k, uint64_t seed) noexcept nogil
+cdef extern from "es_xxh.h":
+    uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
+
+
+# Inline here, so each module that probes by hash compiles XXH3 into its own loop: called
+# through the cross-module function table it costs a call per key and cannot be inlined.
+cdef inline uint64_t hash_view(KeyView k, uint64_t seed) noexcept nogil:
+    return XXH3_64bits_withSeed(k.p, <size_t> k.n, seed)

@@ -28,9 +28,6 @@ import os
 
 import numpy as np
 
-cdef extern from "es_xxh.h":
-    uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
-
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
 
@@ -39,11 +36,20 @@ cdef extern from "Python.h":
     object PyUnicode_AsUTF8String(object s)
     PyObject** PySequence_Fast_ITEMS(object o)
     bint _is_plain_bytes "PyBytes_CheckExact"(PyObject* o) nogil
+    # The same checks and accessors on a borrowed pointer: going through an ``object``
+    # variable would write each scattered key object's reference count, twice.
+    bint _is_bytes "PyBytes_Check"(PyObject* o) nogil
+    char* _bytes_data "PyBytes_AS_STRING"(PyObject* o) nogil
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject* o) nogil
 
 # factorize() only needs a hash no outsider can predict (its result does not depend on it):
 # a per-process seed keeps crafted batches from piling onto one probe chain.
 cdef uint64_t _FACTORIZE_SEED = int.from_bytes(os.urandom(8), "little")
 cdef PyObject* _NO_ITEMS[1]
+# How many key objects ahead the loops over object arrays fetch: the objects lie scattered
+# over the heap, a miss costs ~100 ns and a loop step a few, so 8 ahead left most of it exposed.
+cdef enum:
+    OBJ_AHEAD = 32
 
 
 cdef PyObject** _items(object keys, Py_ssize_t* n) except NULL:
@@ -69,19 +75,22 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
     cdef Py_ssize_t n, i
     cdef PyObject** items = _items(keys, &n)
     cdef KeyView* v = <KeyView*> malloc((n + 1) * sizeof(KeyView))
+    cdef PyObject* p
     cdef object o
     if v == NULL:
         raise MemoryError("cannot allocate key views")
     try:
         for i in range(n):
             # The key objects lie scattered over the heap: fetch ahead, or each costs a miss.
-            if i + 8 < n:
-                ES_PREFETCH(items[i + 8])
-            o = <object> items[i]
-            if PyBytes_Check(o):
-                v[i].p = PyBytes_AS_STRING(o)
-                v[i].n = PyBytes_GET_SIZE(o)
-            elif PyUnicode_Check(o):
+            if i + OBJ_AHEAD < n:
+                ES_PREFETCH(items[i + OBJ_AHEAD])
+            p = items[i]
+            if _is_bytes(p):
+                v[i].p = _bytes_data(p)
+                v[i].n = _bytes_size(p)
+                continue
+            o = <object> p
+            if PyUnicode_Check(o):
                 v[i].p = PyUnicode_AsUTF8AndSize(o, &v[i].n)
             else:
                 raise TypeError(f"keys must be bytes or str, got {type(o).__name__}")
@@ -90,10 +99,6 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
         raise
     n_out[0] = n
     return v
-
-
-cdef inline uint64_t hash_view(KeyView k, uint64_t seed) noexcept nogil:
-    return XXH3_64bits_withSeed(k.p, <size_t> k.n, seed)
 
 
 def encode_keys(object keys):
@@ -110,8 +115,8 @@ def encode_keys(object keys):
     cdef PyObject** dst = <PyObject**> <size_t> out.__array_interface__["data"][0]
     cdef object o, b
     for i in range(n):
-        if i + 8 < n:
-            ES_PREFETCH(items[i + 8])   # scattered objects: fetch ahead
+        if i + OBJ_AHEAD < n:
+            ES_PREFETCH(items[i + OBJ_AHEAD])   # scattered objects: fetch ahead
         o = <object> items[i]
         if PyBytes_CheckExact(o):
             b = o
@@ -136,8 +141,8 @@ def all_plain_bytes(object keys):
     cdef Py_ssize_t n, i
     cdef PyObject** items = _items(keys, &n)
     for i in range(n):
-        if i + 8 < n:
-            ES_PREFETCH(items[i + 8])   # scattered objects: fetch ahead
+        if i + OBJ_AHEAD < n:
+            ES_PREFETCH(items[i + OBJ_AHEAD])   # scattered objects: fetch ahead
         if not _is_plain_bytes(items[i]):   # on the pointer: no reference count written
             return False
     return True
@@ -198,30 +203,59 @@ def strip_prefix(object raw, Py_ssize_t m):
     return out
 
 
-def same_keys(object a, object b):
-    """True when the two key sequences hold equal keys in the same order (byte compare; the
-    usual case, the very same objects, costs no compare)."""
-    cdef Py_ssize_t na, nb, i
-    cdef KeyView* va = key_views(a, &na)
-    cdef KeyView* vb
-    cdef bint same = True
-    try:
-        vb = key_views(b, &nb)
-    except BaseException:
-        free(va)
-        raise
-    if na != nb:
-        same = False
-    else:
-        with nogil:
-            for i in range(na):
-                if va[i].p != vb[i].p and (va[i].n != vb[i].n or
-                                           memcmp(va[i].p, vb[i].p, <size_t> va[i].n) != 0):
-                    same = False
-                    break
-    free(va)
-    free(vb)
-    return same
+@cython.final
+cdef class KeySnapshot:
+    """A private copy of a batch of keys (their lengths and bytes, packed), to tell later
+    whether another batch holds the same keys in the same order.
+
+    It holds no references to the key objects: copying an object array instead writes the
+    reference count of every scattered key object, twice with the release, which cost more
+    than the bytes-table probe of the batch. Being a copy, it is not fooled by a caller that
+    refills its key array in place."""
+
+    cdef char* data
+    cdef Py_ssize_t* lens
+    cdef Py_ssize_t n
+
+    def __cinit__(self, object keys):
+        cdef Py_ssize_t i, total = 0, pos = 0
+        cdef KeyView* v = key_views(keys, &self.n)
+        try:
+            for i in range(self.n):
+                total += v[i].n
+            self.lens = <Py_ssize_t*> malloc((self.n + 1) * sizeof(Py_ssize_t))
+            self.data = <char*> malloc(total + 1)
+            if self.lens == NULL or self.data == NULL:
+                raise MemoryError("cannot allocate a key snapshot")
+            for i in range(self.n):
+                self.lens[i] = v[i].n
+                memcpy(self.data + pos, v[i].p, <size_t> v[i].n)
+                pos += v[i].n
+        finally:
+            free(v)
+
+    def __dealloc__(self):
+        free(self.lens)
+        free(self.data)
+
+    def __len__(self):
+        return self.n
+
+    def same(self, object keys):
+        """True when ``keys`` holds the snapshot's keys, byte for byte, in the same order."""
+        cdef Py_ssize_t n, i, pos = 0
+        cdef KeyView* v = key_views(keys, &n)
+        cdef bint same = n == self.n
+        if same:
+            with nogil:
+                for i in range(n):
+                    if (v[i].n != self.lens[i]
+                            or memcmp(v[i].p, self.data + pos, <size_t> v[i].n) != 0):
+                        same = False
+                        break
+                    pos += v[i].n
+        free(v)
+        return same
 
 
 def factorize(object keys):

@@ -38,7 +38,7 @@ try:
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
-    from .._cython.strkeys import same_keys
+    from .._cython.strkeys import KeySnapshot
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "
@@ -163,7 +163,7 @@ class MemoryBackend(Backend):
         self._epoch = 0
         # A training step reads its keys (lookup -> get_field) and then updates the same keys:
         # the slots of the last get_field, with a copy of its keys to prove the match.
-        self._last_find: tuple[np.ndarray, np.ndarray, int] | None = None
+        self._last_find: tuple[np.ndarray | KeySnapshot, np.ndarray, int] | None = None
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
@@ -247,10 +247,15 @@ class MemoryBackend(Backend):
         self._scatter(slots, records)
 
     @staticmethod
-    def _same_keys(a: np.ndarray, b: np.ndarray) -> bool:
-        if a.dtype == object:
-            return b.dtype == object and same_keys(a, b)  # numpy would compare in Python
-        return np.array_equal(a, b)
+    def _snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:
+        """A copy of a looked-up batch, for :meth:`update_rows` to recognise it."""
+        return KeySnapshot(keys) if keys.dtype == object else keys.copy()
+
+    @staticmethod
+    def _same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
+        if isinstance(snapshot, KeySnapshot):
+            return keys.dtype == object and snapshot.same(keys)  # numpy compares in Python
+        return keys.dtype != object and np.array_equal(snapshot, keys)
 
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -284,7 +289,7 @@ class MemoryBackend(Backend):
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
-        self._last_find = (keys.copy(), slots, self._epoch)
+        self._last_find = (self._snapshot(keys), slots, self._epoch)
         fdt, offset = self.layout.fields[field]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
         self._records.gather(slots, out.view(np.uint8).reshape(len(keys), -1),
@@ -325,7 +330,7 @@ class MemoryBackend(Backend):
             out = np.empty((n, self.layout.dim), dtype=np.float32)
             self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
                                  out.shape[1] * 4)
-        self._last_find = (keys.copy(), slots, self._epoch)
+        self._last_find = (self._snapshot(keys), slots, self._epoch)
         return out, n_new
 
     @serialized

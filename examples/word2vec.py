@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import embstore
 from embstore.init import Uniform
-from embstore.keys import factorize
+from embstore.keys import factorize, hash64
 from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
@@ -217,9 +217,10 @@ def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.n
     scores = (u * v.unsqueeze(1)).sum(2)                    # elementwise: no tiny matmuls
     sign = torch.ones(k + 1)
     sign[1:] = -1.0
-    # word2vec skips a negative that happens to be the context word itself
+    # word2vec skips a negative that happens to be the context word itself. Compared by
+    # their 64-bit hashes: numpy would compare the bytes objects one by one in Python.
     weight = np.ones((b, k + 1), dtype=np.float32)
-    weight[:, 1:] = negs != contexts[:, None]
+    weight[:, 1:] = hash64(negs.reshape(-1)).reshape(b, k) != hash64(contexts)[:, None]
     loss = -(F.logsigmoid(scores * sign) * torch.from_numpy(weight)).sum()
     (loss * scale).backward()  # both stores apply their SGD step here
     return float(loss.detach())

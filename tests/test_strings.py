@@ -117,7 +117,7 @@ def test_torch_factorize_handles_str_and_bytes_alike():
     uniq, inv = torch_factorize(["a", b"a", "b", "a"])
     assert uniq == ["a", "b"] and inv.tolist() == [0, 0, 1, 0]
     batch = prepare(np.array([["x", "y"], ["y", "x"]], dtype=np.dtypes.StringDType()))
-    assert batch.uniq == ["x", "y"] and batch.inv.tolist() == [[0, 1], [1, 0]]
+    assert list(batch.uniq) == ["x", "y"] and batch.inv.tolist() == [[0, 1], [1, 0]]
 
 
 TRICKY = [b"", b"\x00", b"\x00\x00", b"a\x00", b"a", b"ab", b"abcdefgh", b"abcdefgh\x00",

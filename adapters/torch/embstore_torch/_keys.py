@@ -30,7 +30,7 @@ class KeyBatch:
 
     Attributes
     ----------
-    uniq : int64 array (sorted) or list of str/bytes (first-seen order)
+    uniq : int64 array (sorted), or list or object array of str/bytes (first-seen order)
         The distinct keys.
     inv : torch.long tensor of the input's shape
         Row in ``uniq`` of each input element.
@@ -138,7 +138,7 @@ def _flatten(x: Any, depth: int) -> list:
     return list(x)
 
 
-def factorize(flat: Sequence) -> tuple[list, np.ndarray]:
+def factorize(flat: Sequence) -> tuple[Any, np.ndarray]:
     """Distinct values in first-seen order and the index of each element among them.
 
     str/bytes keys (a list or object array) are hashed and compared in compiled code
@@ -146,6 +146,10 @@ def factorize(flat: Sequence) -> tuple[list, np.ndarray]:
     are in the store.
     """
     first, inverse = factorize_keys(flat)
+    if isinstance(flat, np.ndarray):
+        # An object array stays one: the store takes it as it is (no per-key list), and its
+        # lookup and update see the very same array.
+        return flat[first], inverse
     return [flat[i] for i in first.tolist()], inverse
 
 
@@ -178,7 +182,10 @@ def prepare(input: Any) -> KeyBatch:
             return _int_batch(flat, tuple(input.shape))
         if input.dtype.kind not in "USOT":  # T: numpy's StringDType
             raise KeyTypeError(f"keys must be integers or strings, got dtype {input.dtype}")
-        uniq, inv = factorize(input.reshape(-1).tolist())
+        flat = input.reshape(-1)
+        flat = (np.ascontiguousarray(flat) if flat.dtype == object
+                else flat.astype(object))   # numpy str/bytes dtypes: one object each, in C
+        uniq, inv = factorize(flat)
         return KeyBatch(uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape))
     if isinstance(input, _STR):
         return KeyBatch([input], torch.zeros((), dtype=torch.long), ())

@@ -258,7 +258,7 @@ class _StoreModule(nn.Module):
         pad = self.padding_key
         if pad is None or len(uniq) == 0:
             return None
-        if isinstance(uniq, np.ndarray):  # sorted int64
+        if isinstance(uniq, np.ndarray) and uniq.dtype != object:  # sorted int64
             i = int(np.searchsorted(uniq, pad))
             return i if i < len(uniq) and uniq[i] == pad else None
         for i, k in enumerate(uniq):  # str keys are UTF-8 encoded by the store
@@ -315,7 +315,7 @@ class _StoreModule(nn.Module):
                            minlength=len(offs))
         offs = torch.from_numpy(np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64))
         rows = inv[keep]
-        if isinstance(batch.uniq, np.ndarray):
+        if isinstance(batch.uniq, np.ndarray) and batch.uniq.dtype != object:
             batch = _int_batch(batch.uniq[rows], (len(rows),))
         else:
             uniq, new_inv = factorize([batch.uniq[i] for i in rows])

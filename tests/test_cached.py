@@ -461,3 +461,56 @@ def test_prefetch_makes_room_ahead_and_fills_the_cache_exactly(lmdb_url):
     st = c.stats()
     assert st["cache_rows"] == 100 and st["evictions"] == 30 and st["prefetched_rows"] == 30
     assert all(cached_keys(s, np.arange(200, 230))) and all(cached_keys(s, np.arange(50)))
+
+
+# -- in-place steps on cached rows --------------------------------------------------------------
+def test_sgd_steps_on_cached_rows_apply_in_place_and_match_an_uncached_store(lmdb_url):
+    # A write-back cache over a memory:// local store steps cached rows where they sit; a batch
+    # mixing cached rows, rows only in the remote and new keys ends as on an uncached store.
+    url = lmdb_url()
+    rng = np.random.default_rng(3)
+    start = rng.standard_normal((30, 4)).astype(np.float32)
+    with embstore.open(url, dim=4, optimizer=embstore.optim.SGD(lr=0.5)) as plain:
+        plain.assign(np.arange(30), start)
+    s = cached(url, cache_capacity=20, optimizer=embstore.optim.SGD(lr=0.5))
+    ref = embstore.open("memory://", dim=4, optimizer=embstore.optim.SGD(lr=0.5))
+    ref.assign(np.arange(30), start)
+    c = layer(s)
+    assert c.supports_row_update
+    s.lookup(np.arange(10), insert=False)                  # rows 0..9 now cached
+    grads = rng.standard_normal((10, 4)).astype(np.float32)
+    hits = c.counters["cache_hits"]
+    s.update(np.arange(10), grads)
+    ref.update(np.arange(10), grads)
+    assert c.counters["cache_hits"] == hits + 10
+    np.testing.assert_array_equal(remote_vectors(s, np.arange(10))[0], start[:10])  # not yet
+    assert s.stats()["dirty_rows"] == 10
+    mixed = np.array([3, 25, 40, 7, 41])                   # cached, remote only, new
+    g2 = rng.standard_normal((5, 4)).astype(np.float32)
+    s.update(mixed, g2, counts=[1, 2, 3, 4, 5])
+    ref.update(mixed, g2, counts=[1, 2, 3, 4, 5])
+    keys = np.arange(42)
+    np.testing.assert_array_equal(s.lookup(keys, insert=False), ref.lookup(keys, insert=False))
+    np.testing.assert_array_equal(s.get_records(keys)[0]["count"],
+                                  ref.get_records(keys)[0]["count"])
+    s.flush()
+    remote, found = remote_vectors(s, keys)
+    assert found.tolist() == ref.contains(keys).tolist()
+    np.testing.assert_array_equal(remote[found], ref.lookup(keys[found], insert=False))
+    s.close()
+    ref.close()
+
+
+def test_write_through_and_disk_caches_keep_the_general_step_path(lmdb_url, tmp_path):
+    through = cached(lmdb_url(), write_policy="through")
+    disk = cached(lmdb_url(), cache=f"lmdb://{tmp_path}/local")
+    for s in (through, disk):
+        assert not layer(s).supports_row_update
+        s.assign([1], np.ones((1, 4)))
+        s.update([1], np.ones((1, 4)))
+        np.testing.assert_allclose(s.lookup([1], insert=False), np.full((1, 4), 1 - 0.01),
+                                   rtol=1e-6)
+    np.testing.assert_allclose(remote_vectors(through, [1])[0], np.full((1, 4), 0.99),
+                               rtol=1e-6)                  # written before the call returned
+    through.close()
+    disk.close()

@@ -80,6 +80,12 @@ class RowUpdate:
         for f, v in self.assign.items():
             records[f] = v
 
+    def subset(self, rows: np.ndarray) -> RowUpdate:
+        """The same update for the keys selected by ``rows`` (a mask or an index array)."""
+        name, alpha, x = self.axpy
+        return RowUpdate((name, alpha, x[rows]), {f: v[rows] for f, v in self.add.items()},
+                         self.assign)
+
 
 class Backend(abc.ABC):
     """Abstract row store. Capability flags are class attributes.

@@ -361,17 +361,27 @@ class MemoryBackend(Backend):
         else:
             slots = self._slots(keys)
         found = slots != _EMPTY
+        self._update_slots(slots if found.all() else slots[found],
+                           update if found.all() else update.subset(found))
+        return found
+
+    @serialized
+    def update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
+        """Apply ``update`` (one row per slot) to the records at occupied ``slots``, in place."""
+        self._update_slots(slots, update)
+
+    def _update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
-        counts = [np.ascontiguousarray(v, dtype=np.int64) for v in update.add.values()]
-        if not found.all():
-            slots, x = slots[found], x[found]
-            counts = [c[found] for c in counts]
         fields = self.layout.fields
         name, alpha, _ = update.axpy
         if (fields[name][0].base != np.float32 or fields[name][0].shape != x.shape[1:]
                 or any(fields[f][0] != np.int64 for f in update.add)
                 or any(fields[f][0].itemsize != 8 for f in update.assign)):
-            return super().update_rows(keys, update)  # a layout the kernel was not built for
+            recs = self._gather(slots)  # a layout the kernel was not built for
+            update.apply(recs)
+            self._scatter(slots, recs)
+            return
+        counts = [np.ascontiguousarray(v, dtype=np.int64) for v in update.add.values()]
         bits = np.array([np.array(v, dtype=fields[f][0]).view(np.uint64)
                          for f, v in update.assign.items()], dtype=np.uint64)
         self._records.update_rows(
@@ -379,7 +389,6 @@ class MemoryBackend(Backend):
             np.array([fields[f][1] for f in update.add], dtype=np.intp),
             np.array(counts, dtype=np.int64).reshape(len(counts), len(slots)),
             np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
-        return found
 
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:

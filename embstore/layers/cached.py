@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .._log import event
-from ..backends.base import Backend, ModifyFn
+from ..backends.base import Backend, ModifyFn, RowUpdate
 from ..backends.memory import MemoryBackend
 from ..errors import BackendError, InvalidInputError, StoreClosedError
 from ..layout import Layout
@@ -107,8 +107,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         Options for the remote backend when it is given as a URL.
     """
 
-    # The cache reads and writes rows itself: no in-place row paths of the remote's.
-    supports_row_update = False
+    # The cache reads and writes rows itself: no in-place row paths of the remote's (its own
+    # update_rows works on the cached rows, see below).
     supports_lookup_insert = False
 
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
@@ -460,9 +460,37 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                 self._st.dirty[slots[found]] = not through
             self._insert(new_keys[:room], new_recs[:room], dirty=not through)
 
-    # Row paths the remote offers but the cache must not bypass: the generic ones, which go
+    @property
+    def supports_row_update(self) -> bool:  # type: ignore[override]
+        """Steps are applied in place when the cached rows live in a memory:// local store and
+        writes go back later (write-through must write the remote before the cache)."""
+        return self._rows_in_index and self.write_policy == "back"
+
+    def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
+        """The training step's case: a step on rows the cache holds is applied where they sit
+        (one probe, no record copies; they become dirty). Keys not cached are reported not
+        found and left alone: the engine then steps them through :meth:`modify`, which reads
+        them through from the remote."""
+        if not self.supports_row_update:
+            return Backend.update_rows(self, keys, update)
+        with self._lock:
+            self._check()
+            self._claim(keys)
+            slots, found = self._find(keys)
+            if not found.any():
+                return found
+            if not found.all():
+                keys, slots, update = keys[found], slots[found], update.subset(found)
+            self.counters["cache_hits"] += len(keys)
+            self._log_invalid(keys)
+            self._index.update_slots(slots, update)
+            self._st.next_tick()
+            self._st.touch(slots)
+            self._st.dirty[slots] = True
+            return found
+
+    # A row path the remote offers but the cache must not bypass: the generic one, which goes
     # through this layer's get / put.
-    update_rows = Backend.update_rows
     lookup_insert = Backend.lookup_insert
 
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,

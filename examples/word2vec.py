@@ -149,9 +149,9 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
     bar = (tqdm(total=total, unit="w", unit_scale=True, desc="embstore skip-gram",
                 dynamic_ncols=True, disable=args.no_progress) if tqdm else None)
     t0, c0 = time.perf_counter(), time.process_time()
-    epoch_wps = []
+    epoch_wps, epoch_pairs = [], []
     for epoch in range(args.epochs):
-        t_epoch = time.perf_counter()
+        t_epoch, pairs_before = time.perf_counter(), pairs_done
         for group in chunks(docs, args.chunk_words):
             alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
             doc = np.repeat(np.arange(len(group)), [len(d) for d in group])
@@ -194,6 +194,7 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
                 bar.update(len(tokens))
                 loss_sum, loss_n = 0.0, 0
         epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
+        epoch_pairs.append(pairs_done - pairs_before)
     if bar is not None:
         bar.close()
     inp.flush()
@@ -201,7 +202,7 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "words": total, "pairs": pairs_done,
             "words_per_s": total / seconds, "epoch_words_per_s": epoch_wps,
-            "words_per_cpu_s": total / (time.process_time() - c0)}
+            "epoch_pairs": epoch_pairs, "words_per_cpu_s": total / (time.process_time() - c0)}
 
 
 def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.ndarray,
@@ -444,6 +445,8 @@ def main(argv=None) -> dict:
           f"{ours['pairs']:,} pairs in {ours['seconds']:.1f}s, "
           f"{ours['words_per_s']:,.0f} words/s")
     print("  words/s per epoch: " + ", ".join(f"{w:,.0f}" for w in ours["epoch_words_per_s"]))
+    # Epoch 1 trains fewer pairs: a word's occurrences before its min_count-th are dropped.
+    print("  pairs per epoch:   " + ", ".join(f"{p:,}" for p in ours["epoch_pairs"]))
 
     # Evaluate on the WordSim-353 pairs whose words occur >= 5 times (gensim's default
     # min_count), the same pairs for both models.

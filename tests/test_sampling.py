@@ -231,6 +231,23 @@ def test_snapshot_staleness_bounds_rebuilds():
                                c / c.sum(), rtol=1e-9)
 
 
+def test_steps_that_count_nothing_never_stale_the_snapshot():
+    # An adapter with count=False steps rows with zero counts: the sampling weights do not
+    # move, so no such step may count towards a rebuild.
+    s = embstore.open("memory://", dim=2)
+    fill(s, np.arange(100), np.ones(100, int))
+    idx = sampling_index(s, staleness=0.05)
+    s.sample([1], 8, "unigram", seed=0)
+    r0 = idx.rebuilds
+    for _ in range(20):
+        s.update(np.arange(100), np.ones((100, 2), np.float32), counts=np.zeros(100, int))
+    s.sample([1], 8, "unigram", seed=0)
+    assert idx.rebuilds == r0
+    fill(s, np.arange(10), np.full(10, 3))                # 10% of rows counted: rebuilt
+    s.sample([1], 8, "unigram", seed=0)
+    assert idx.rebuilds == r0 + 1
+
+
 def test_bytes_keys():
     s = embstore.open("memory://", dim=2, key_type="bytes")
     words = [f"w{i}" for i in range(40)]

@@ -170,6 +170,8 @@ class SamplingIndex:
         if not found.all():
             keys, add = keys[found], add[found]
         add = np.asarray(add, dtype=np.int64)
+        if not add.any():  # a step that counts nothing (an adapter with count=False)
+            return
         for s, sel in self._route(keys):
             part = self.parts[s]
             k, a = (keys, add) if sel is None else (keys[sel], add[sel])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import embstore
 from embstore._cython.arena import RecordArena
 from embstore._cython.bytestable import BytesTable, find_or_insert
-from embstore._keys import key_hash64, normalize_keys
+from embstore._keys import factorize_keys, key_hash64, normalize_keys
 from embstore.errors import InvalidInputError, KeyTypeError, SchemaMismatchError
 from embstore.keys import factorize, hash64
 
@@ -107,6 +107,32 @@ def test_factorize_first_seen_order_and_inverse():
     assert uniq[inv].tolist() == ENCODED
     uniq, inv = factorize([])
     assert len(uniq) == 0 and len(inv) == 0
+
+
+@pytest.mark.parametrize("repeat", [True, False])
+def test_factorize_by_object_then_content_matches_a_dict(repeat):
+    # Long batches that repeat key objects are deduplicated by address first; equal keys held
+    # by different objects (copies, str vs its UTF-8 bytes) must still be one key.
+    rng = np.random.default_rng(5)
+    vocab = [b"w%d" % i for i in range(30 if repeat else 300)]  # 90 objects: they repeat
+    copies = [bytes(bytearray(w)) for w in vocab]          # equal content, other objects
+    texts = [w.decode() for w in vocab]
+    pool = vocab + copies + texts
+    picks = rng.integers(0, len(pool), 5000) if repeat else np.arange(len(pool))
+    keys = np.empty(len(picks), dtype=object)
+    keys[:] = [pool[i] for i in picks]
+    if not repeat:
+        keys = np.concatenate([keys, np.array([b"x%d" % i for i in range(2000)], object)])
+    first, inv = factorize_keys(keys)
+    model: dict[bytes, int] = {}
+    want_first, want_inv = [], []
+    for i, k in enumerate(keys.tolist()):
+        b = k.encode() if isinstance(k, str) else k
+        if b not in model:
+            model[b] = len(model)
+            want_first.append(i)
+        want_inv.append(model[b])
+    assert first.tolist() == want_first and inv.tolist() == want_inv
 
 
 def test_torch_factorize_handles_str_and_bytes_alike():

@@ -20,9 +20,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_CheckExact
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_Check
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 import os
 
@@ -46,6 +46,11 @@ cdef extern from "Python.h":
 # a per-process seed keeps crafted batches from piling onto one probe chain.
 cdef uint64_t _FACTORIZE_SEED = int.from_bytes(os.urandom(8), "little")
 cdef PyObject* _NO_ITEMS[1]
+# factorize() dedupes by object address first when a batch is this long and its first _PROBE
+# items repeat objects (see factorize).
+cdef enum:
+    _BY_OBJECT_MIN = 1024
+    _PROBE = 256
 # How many key objects ahead the loops over object arrays fetch: the objects lie scattered
 # over the heap, a miss costs ~100 ns and a loop step a few, so 8 ahead left most of it exposed.
 cdef enum:
@@ -264,7 +269,127 @@ def factorize(object keys):
 
     ``keys[first]`` are the distinct keys in first-seen order; ``first[inverse]`` maps every
     element to the position of its first occurrence. str and its UTF-8 bytes are one key.
+
+    Batches that repeat the same key *objects* (words gathered from one vocabulary array,
+    sampled keys) are first deduplicated by object address, which reads no key object and
+    hashes no bytes; only the distinct objects are then hashed and compared by content.
     """
+    cdef Py_ssize_t n
+    cdef PyObject** items = _items(keys, &n)
+    cdef int64_t[::1] oinv, cinv
+    cdef Py_ssize_t i
+    if n >= _BY_OBJECT_MIN and _objects_repeat(items, n):
+        obj_first, obj_inv = _factorize_objects(items, n)
+        first, inv = _factorize_content(_object_array(items, obj_first))
+        oinv, cinv = obj_inv, inv
+        with nogil:
+            for i in range(n):      # in place: no second element-sized array
+                oinv[i] = cinv[oinv[i]]
+        return obj_first[first], obj_inv
+    return _factorize_content(keys)
+
+
+cdef bint _objects_repeat(PyObject** items, Py_ssize_t n) noexcept:
+    """Whether the first _PROBE items hold a quarter or more repeated objects."""
+    cdef uintptr_t seen[2 * _PROBE]
+    cdef Py_ssize_t i, m = min(n, <Py_ssize_t> _PROBE), distinct = 0
+    cdef uintptr_t p
+    cdef uint64_t j
+    memset(seen, 0, sizeof(seen))
+    for i in range(m):
+        p = <uintptr_t> items[i]
+        j = _pointer_hash(p) & (2 * _PROBE - 1)
+        while seen[j] != 0 and seen[j] != p:
+            j = (j + 1) & (2 * _PROBE - 1)
+        if seen[j] == 0:
+            seen[j] = p
+            distinct += 1
+    return distinct * 4 <= m * 3
+
+
+cdef inline uint64_t _pointer_hash(uintptr_t p) noexcept nogil:
+    return (<uint64_t> p * 0x9E3779B97F4A7C15ULL) >> 17
+
+
+ctypedef struct _ObjSlot:
+    uintptr_t addr      # 0: free
+    int64_t id
+
+
+cdef _ObjSlot* _object_table(uint64_t cap) noexcept nogil:
+    cdef _ObjSlot* t = <_ObjSlot*> malloc(cap * sizeof(_ObjSlot))
+    cdef uint64_t j
+    if t != NULL:
+        for j in range(cap):
+            t[j].addr = 0
+    return t
+
+
+cdef tuple _factorize_objects(PyObject** items, Py_ssize_t n):
+    """``(first, inverse)`` of the items by object identity (int64 arrays). The table starts
+    small and doubles at half load: sized for the distinct objects, not for ``n`` (a table
+    for every element would be fresh memory to fault in on every call)."""
+    cdef uint64_t cap = 4096, mask = cap - 1, j, k
+    cdef _ObjSlot* table = _object_table(cap)
+    cdef _ObjSlot* bigger
+    if table == NULL:
+        raise MemoryError("factorize: cannot allocate its object table")
+    first_arr = np.empty(n, dtype=np.int64)
+    inv_arr = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] first = first_arr
+    cdef int64_t[::1] inv = inv_arr
+    cdef Py_ssize_t i, nu = 0
+    cdef uintptr_t p
+    cdef bint failed = False
+    with nogil:
+        for i in range(n):
+            p = <uintptr_t> items[i]
+            j = _pointer_hash(p) & mask
+            while table[j].addr != 0 and table[j].addr != p:
+                j = (j + 1) & mask
+            if table[j].addr == 0:
+                table[j].addr = p
+                table[j].id = nu
+                first[nu] = i
+                nu += 1
+                if <uint64_t> nu * 2 > cap:     # half full: double, re-placing every object
+                    bigger = _object_table(cap * 2)
+                    if bigger == NULL:
+                        failed = True
+                        break
+                    free(table)
+                    table, cap = bigger, cap * 2
+                    mask = cap - 1
+                    for k in range(<uint64_t> nu):
+                        p = <uintptr_t> items[first[k]]
+                        j = _pointer_hash(p) & mask
+                        while table[j].addr != 0:
+                            j = (j + 1) & mask
+                        table[j].addr = p
+                        table[j].id = <int64_t> k
+                    inv[i] = nu - 1
+                    continue
+            inv[i] = table[j].id
+    free(table)
+    if failed:
+        raise MemoryError("factorize: cannot grow its object table")
+    return first_arr[:nu], inv_arr
+
+
+cdef object _object_array(PyObject** items, int64_t[::1] at):
+    """A new object array of ``items[at]``."""
+    cdef Py_ssize_t m = at.shape[0], i
+    out = np.empty(m, dtype=object)
+    cdef PyObject** dst = <PyObject**> <size_t> out.__array_interface__["data"][0]
+    for i in range(m):
+        Py_INCREF(<object> items[at[i]])
+        Py_DECREF(<object> dst[i])   # the None np.empty put there
+        dst[i] = items[at[i]]
+    return out
+
+
+def _factorize_content(object keys):
+    """:func:`factorize` by hashing and comparing every key's bytes."""
     cdef Py_ssize_t n, i, nu = 0
     cdef KeyView* v = key_views(keys, &n)
     cdef uint64_t cap = 16, mask, j, h

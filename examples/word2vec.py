@@ -377,8 +377,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--demo-dir", default=".demo")
     p.add_argument("--corpus", default="head500.noblanks.cor",
                    help="file in gensim/test/test_data (or a path)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (the store work is single-threaded anyway)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for both PyTorch runs (default: torch's own choice, "
+                        "one per core)")
     p.add_argument("--gensim-workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="60 articles, 1 epoch: a smoke run")
@@ -422,7 +423,8 @@ def print_table(result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     # Every step allocates and frees the same large tensors; by default glibc hands that
     # memory back to the kernel and faults it in again each step. Kept in the process, all
     # three runs below (embstore, plain PyTorch, gensim) run 20-35% faster.
@@ -434,7 +436,7 @@ def main(argv=None) -> dict:
     print(f"corpus {corpus.name}: {len(docs)} articles, {n_words:,} words; "
           f"skip-gram dim={args.dim} window={args.window} negatives={args.negatives} "
           f"sample={args.sample} min_count={args.min_count} epochs={args.epochs} "
-          f"batch={args.batch} pairs")
+          f"batch={args.batch} pairs; torch threads {torch.get_num_threads()}")
     print("allocator: freed memory kept in the process for every run below "
           "(embstore.allocator.retain_freed_memory)" if retained
           else "allocator: glibc defaults")

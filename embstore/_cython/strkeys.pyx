@@ -388,7 +388,7 @@ cdef object _object_array(PyObject** items, int64_t[::1] at):
     return out
 
 
-def _factorize_content(object keys):
+cdef tuple _factorize_content(object keys):
     """:func:`factorize` by hashing and comparing every key's bytes."""
     cdef Py_ssize_t n, i, nu = 0
     cdef KeyView* v = key_views(keys, &n)

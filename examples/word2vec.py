@@ -135,7 +135,44 @@ def skipgram_pairs(ids: np.ndarray, doc: np.ndarray, window: int,
     return np.concatenate(cs), np.concatenate(xs)
 
 
-def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
+class Clock:
+    """Wall and CPU time of one training job that runs in segments: the jobs take turns
+    epoch by epoch (see :func:`alternate`), and each counts only its own turns."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self._t = (0.0, 0.0)
+
+    def start(self) -> None:
+        self._t = (time.perf_counter(), time.process_time())
+
+    def stop(self) -> None:
+        self.wall += time.perf_counter() - self._t[0]
+        self.cpu += time.process_time() - self._t[1]
+
+    def elapsed(self) -> float:
+        return self.wall + time.perf_counter() - self._t[0]
+
+
+def alternate(jobs: list) -> list:
+    """Run generator jobs in turns (each yields after an epoch) until all have returned; return
+    their return values. Taking turns, the jobs meet the same machine: a change in the load
+    of other processes slows them alike instead of skewing their ratio."""
+    results: list = [None] * len(jobs)
+    running = list(range(len(jobs)))
+    while running:
+        for i in list(running):
+            try:
+                next(jobs[i])
+            except StopIteration as done:
+                results[i] = done.value
+                running.remove(i)
+    return results
+
+
+def train(args: argparse.Namespace, docs: list[list[str]], inp, out):
+    """embstore's skip-gram training; a generator that yields after each epoch (see
+    :func:`alternate`) and returns the timings."""
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     in_emb = DynamicEmbedding(inp)
@@ -148,9 +185,10 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
     done, pairs_done, loss_sum, loss_n = 0, 0, 0.0, 0
     bar = (tqdm(total=total, unit="w", unit_scale=True, desc="embstore skip-gram",
                 dynamic_ncols=True, disable=args.no_progress) if tqdm else None)
-    t0, c0 = time.perf_counter(), time.process_time()
+    clock = Clock()
     epoch_wps, epoch_pairs = [], []
     for epoch in range(args.epochs):
+        clock.start()
         t_epoch, pairs_before = time.perf_counter(), pairs_done
         for group in chunks(docs, args.chunk_words):
             alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
@@ -188,21 +226,23 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out) -> dict:
             pairs_done += len(centers)
             done += len(tokens)
             if bar is not None:
-                el = time.perf_counter() - t0
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / max(loss_n, 1):.3f}",
-                                words_s=f"{done / el:,.0f}", lr=f"{alpha:.4f}")
+                                words_s=f"{done / clock.elapsed():,.0f}", lr=f"{alpha:.4f}")
                 bar.update(len(tokens))
                 loss_sum, loss_n = 0.0, 0
         epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
         epoch_pairs.append(pairs_done - pairs_before)
+        clock.stop()
+        yield
+    clock.start()
     if bar is not None:
         bar.close()
     inp.flush()
     out.flush()
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "words": total, "pairs": pairs_done,
-            "words_per_s": total / seconds, "epoch_words_per_s": epoch_wps,
-            "epoch_pairs": epoch_pairs, "words_per_cpu_s": total / (time.process_time() - c0)}
+    clock.stop()
+    return {"seconds": clock.wall, "words": total, "pairs": pairs_done,
+            "words_per_s": total / clock.wall, "epoch_words_per_s": epoch_wps,
+            "epoch_pairs": epoch_pairs, "words_per_cpu_s": total / clock.cpu}
 
 
 def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.ndarray,
@@ -229,18 +269,20 @@ def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.n
 
 
 # -- the baseline: what a user would write instead, with a vocabulary built first ------------
-def train_baseline(args: argparse.Namespace, docs: list[list[str]]) -> tuple[dict, dict]:
+def train_baseline(args: argparse.Namespace, docs: list[list[str]]):
     """The same skip-gram model in plain PyTorch: a counting pass builds the vocabulary
     (``min_count``), the corpus is encoded to ids once, and two ``nn.Embedding(sparse=True)``
     tables train with ``torch.optim.SGD`` under the same learning-rate schedule, subsampling,
-    windows, negatives and loss. Returns the timings and ``{word: input vector}``."""
+    windows, negatives and loss. A generator like :func:`train`; returns the timings and
+    ``{word: input vector}``."""
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     # torch.optim imports its compiler helpers on a first step (seconds): not part of the run.
     warm = torch.nn.Parameter(torch.zeros(1))
     warm.grad = torch.zeros(1)
     torch.optim.SGD([warm], lr=0.1).step()
-    t0, c0 = time.perf_counter(), time.process_time()
+    clock = Clock()
+    clock.start()   # the vocabulary pass is part of the baseline's run: counted in epoch 1
     freq = Counter(w for d in docs for w in d)
     vocab = [w for w, c in freq.items() if c >= args.min_count]
     index = {w: i for i, w in enumerate(vocab)}
@@ -262,7 +304,9 @@ def train_baseline(args: argparse.Namespace, docs: list[list[str]]) -> tuple[dic
     epoch_wps = []
     sign = torch.ones(k + 1)
     sign[1:] = -1.0
-    for _ in range(args.epochs):
+    for epoch in range(args.epochs):
+        if epoch:
+            clock.start()
         t_epoch = time.perf_counter()
         for group in chunks(encoded, args.chunk_words):
             alpha = args.alpha - (args.alpha - args.min_alpha) * done / total
@@ -291,11 +335,11 @@ def train_baseline(args: argparse.Namespace, docs: list[list[str]]) -> tuple[dic
                 opt.step()
             done += len(ids)
         epoch_wps.append(corpus_words / (time.perf_counter() - t_epoch))
-    seconds = time.perf_counter() - t0
+        clock.stop()
+        yield
     vectors = dict(zip(vocab, in_emb.weight.detach().numpy()))
-    return ({"seconds": seconds, "words_per_s": total / seconds,
-             "epoch_words_per_s": epoch_wps,
-             "words_per_cpu_s": total / (time.process_time() - c0)}, vectors)
+    return ({"seconds": clock.wall, "words_per_s": total / clock.wall,
+             "epoch_words_per_s": epoch_wps, "words_per_cpu_s": total / clock.cpu}, vectors)
 
 
 # -- evaluation ------------------------------------------------------------------------------
@@ -442,7 +486,12 @@ def main(argv=None) -> dict:
           else "allocator: glibc defaults")
     inp, out = open_stores(args)
     print(f"stores: {inp.url} (input vectors), {out.url} (output vectors)")
-    ours = train(args, docs, inp, out)
+    jobs = [train(args, docs, inp, out)]
+    if not args.no_baseline:
+        print("embstore and the PyTorch baseline train in turns, epoch by epoch")
+        jobs.append(train_baseline(args, docs))
+    trained = alternate(jobs)
+    ours = trained[0]
     print(f"embstore: {len(inp):,} words learned, {len(out):,} counted (no vocabulary given), "
           f"{ours['pairs']:,} pairs in {ours['seconds']:.1f}s, "
           f"{ours['words_per_s']:,.0f} words/s")
@@ -466,7 +515,7 @@ def main(argv=None) -> dict:
         print(f"  {w:>8s}: {', '.join(ns)}")
     result = {"embstore": ours, "pairs": len(pairs)}
     if not args.no_baseline:
-        base, base_vec = train_baseline(args, docs)
+        base, base_vec = trained[1]
         base["spearman"] = spearman(base_vec, pairs) if len(pairs) > 2 else float("nan")
         result["baseline"] = base
     if not args.no_gensim:

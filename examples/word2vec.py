@@ -480,10 +480,14 @@ def main(argv=None) -> dict:
     print(f"corpus {corpus.name}: {len(docs)} articles, {n_words:,} words; "
           f"skip-gram dim={args.dim} window={args.window} negatives={args.negatives} "
           f"sample={args.sample} min_count={args.min_count} epochs={args.epochs} "
-          f"batch={args.batch} pairs; torch threads {torch.get_num_threads()}")
+          f"batch={args.batch} pairs")
     print("allocator: freed memory kept in the process for every run below "
           "(embstore.allocator.retain_freed_memory)" if retained
           else "allocator: glibc defaults")
+    # gensim first, before torch starts its intra-op threads: once started, their idle
+    # threads cost gensim's workers about a quarter of their speed.
+    gensim_run = None if args.no_gensim else run_gensim(args, docs)
+    print(f"torch threads: {torch.get_num_threads()}")
     inp, out = open_stores(args)
     print(f"stores: {inp.url} (input vectors), {out.url} (output vectors)")
     jobs = [train(args, docs, inp, out)]
@@ -518,8 +522,8 @@ def main(argv=None) -> dict:
         base, base_vec = trained[1]
         base["spearman"] = spearman(base_vec, pairs) if len(pairs) > 2 else float("nan")
         result["baseline"] = base
-    if not args.no_gensim:
-        model, gs = run_gensim(args, docs)
+    if gensim_run is not None:
+        model, gs = gensim_run
         gs["spearman"] = spearman({w: model.wv[w] for w in eval_words}, pairs)
         result["gensim"] = gs
     print_table(result)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import embstore
 from embstore._cython.arena import RecordArena
 from embstore._cython.bytestable import BytesTable, find_or_insert
+from embstore._cython.strkeys import KeySnapshot
 from embstore._keys import factorize_keys, key_hash64, normalize_keys
 from embstore.errors import InvalidInputError, KeyTypeError, SchemaMismatchError
 from embstore.keys import factorize, hash64
@@ -201,6 +202,24 @@ def test_update_after_lookup_follows_a_key_array_refilled_in_place():
         store.update(keys, np.ones((2, 2), np.float32))
         got = store.lookup([b"a", b"b", b"c", b"d"], insert=False)
         assert got.tolist() == [[0, 0], [0, 0], [-1, -1], [-1, -1]]
+
+
+def test_probe_fills_a_key_snapshot_that_tells_same_keys_from_others():
+    # The memory store keeps the last looked-up keys as a snapshot the probe fills; it must
+    # hold exactly those keys, whatever their length, and be replaced by a later probe.
+    table, arena = BytesTable(16), RecordArena(8)
+    keys = np.array(TRICKY, dtype=object)
+    snap = KeySnapshot()
+    assert len(snap) == 0 and snap.same(np.empty(0, dtype=object))
+    slots = np.empty(len(keys), np.uint32)
+    find_or_insert(table, arena, keys, slots, None, snap)
+    assert len(snap) == len(keys) and snap.same(keys) and snap.same(list(TRICKY))
+    refilled = keys.copy()
+    refilled[3] = refilled[3] + b"!"
+    assert not snap.same(refilled) and not snap.same(keys[:-1]) and not snap.same(keys[::-1].copy())
+    table.find(keys[:4], slots, snap)
+    assert len(snap) == 4 and snap.same(keys[:4]) and not snap.same(keys)
+    assert KeySnapshot(keys).same(keys) and not KeySnapshot(keys[1:]).same(keys)
 
 
 @settings(max_examples=60, deadline=None)

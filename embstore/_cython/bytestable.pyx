@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from .arena cimport RecordArena
-from .strkeys cimport KeyView, hash_view, key_views
+from .strkeys cimport KeySnapshot, KeyView, hash_view, key_views
 
 cdef extern from "es_memory.h":
     void* es_alloc_probed(size_t n) nogil
@@ -276,8 +276,9 @@ cdef class BytesTable:
                 hs[j] = hash_view(v[j], self.seed) & self.fp_mask
         return hs
 
-    def find(self, object keys, uint32_t[::1] out):
-        """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits."""
+    def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None):
+        """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits.
+        ``snapshot``, when given, is filled with a copy of ``keys``."""
         cdef Py_ssize_t n, j
         cdef KeyView* v = key_views(keys, &n)
         cdef uint64_t hits = 0
@@ -291,6 +292,13 @@ cdef class BytesTable:
         except BaseException:
             free(v)
             raise
+        if snapshot is not None:
+            try:
+                snapshot.fill(v, n)     # the hashing just brought the keys into cache
+            except BaseException:
+                free(hs)
+                free(v)
+                raise
         with nogil:
             for j in range(n):
                 if j + PREFETCH_AHEAD < n:
@@ -368,12 +376,12 @@ cdef class BytesTable:
 
 
 def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::1] out,
-                   uint8_t[::1] inserted_out=None):
+                   uint8_t[::1] inserted_out=None, KeySnapshot snapshot=None):
     """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
     table in the same pass. ``inserted_out`` (optional) gets 1 where the key was inserted.
     Returns how many were. A repeated new key within ``keys`` is inserted once. When the table
     cannot grow (CapacityError) the keys this call inserted are removed again: the table is
-    as it was before the call."""
+    as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``."""
     cdef Py_ssize_t n, j, i
     cdef KeyView* v = key_views(keys, &n)
     cdef uint64_t inserted = 0
@@ -385,6 +393,8 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
         if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
             raise ValueError("find_or_insert: output has too few rows")
         hs = table._hashes(v, n)
+        if snapshot is not None:
+            snapshot.fill(v, n)
         for j in range(n):
             if j + PREFETCH_AHEAD < n:
                 ES_PREFETCH(&table.entries[hs[j + PREFETCH_AHEAD] & table.mask])

@@ -9,6 +9,13 @@ ctypedef struct KeyView:
 
 
 cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL
+
+
+cdef class KeySnapshot:
+    cdef char* data
+    cdef Py_ssize_t* lens
+    cdef Py_ssize_t n
+    cdef int fill(self, KeyView* v, Py_ssize_t n) except -1
 cdef extern from "es_xxh.h":
     uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
 

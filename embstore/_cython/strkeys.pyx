@@ -93,12 +93,17 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
             if _is_bytes(p):
                 v[i].p = _bytes_data(p)
                 v[i].n = _bytes_size(p)
-                continue
-            o = <object> p
-            if PyUnicode_Check(o):
-                v[i].p = PyUnicode_AsUTF8AndSize(o, &v[i].n)
             else:
-                raise TypeError(f"keys must be bytes or str, got {type(o).__name__}")
+                o = <object> p
+                if PyUnicode_Check(o):
+                    v[i].p = PyUnicode_AsUTF8AndSize(o, &v[i].n)
+                else:
+                    raise TypeError(f"keys must be bytes or str, got {type(o).__name__}")
+            # The key's last bytes can lie on the cache line after its header: fetch it now,
+            # for the hashing pass that follows, which otherwise waited on it (a fifth of the
+            # time of a 1M-key find).
+            if v[i].n:
+                ES_PREFETCH(v[i].p + v[i].n - 1)
     except BaseException:
         free(v)
         raise
@@ -216,28 +221,42 @@ cdef class KeySnapshot:
     It holds no references to the key objects: copying an object array instead writes the
     reference count of every scattered key object, twice with the release, which cost more
     than the bytes-table probe of the batch. Being a copy, it is not fooled by a caller that
-    refills its key array in place."""
+    refills its key array in place.
 
-    cdef char* data
-    cdef Py_ssize_t* lens
-    cdef Py_ssize_t n
+    ``KeySnapshot()`` is empty; the bytes table's ``find`` fills one from the key views it
+    already holds, while the keys are still in cache (a second walk over the scattered key
+    objects cost 8% of a lookup)."""
 
-    def __cinit__(self, object keys):
-        cdef Py_ssize_t i, total = 0, pos = 0
-        cdef KeyView* v = key_views(keys, &self.n)
+    def __cinit__(self, object keys=None):
+        cdef Py_ssize_t n
+        cdef KeyView* v
+        if keys is None:
+            return
+        v = key_views(keys, &n)
         try:
-            for i in range(self.n):
-                total += v[i].n
-            self.lens = <Py_ssize_t*> malloc((self.n + 1) * sizeof(Py_ssize_t))
-            self.data = <char*> malloc(total + 1)
-            if self.lens == NULL or self.data == NULL:
-                raise MemoryError("cannot allocate a key snapshot")
-            for i in range(self.n):
+            self.fill(v, n)
+        finally:
+            free(v)
+
+    cdef int fill(self, KeyView* v, Py_ssize_t n) except -1:
+        """Take the ``n`` keys of ``v`` (replacing any held before)."""
+        cdef Py_ssize_t i, total = 0, pos = 0
+        for i in range(n):
+            total += v[i].n
+        free(self.lens)
+        free(self.data)
+        self.n = 0
+        self.lens = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
+        self.data = <char*> malloc(total + 1)
+        if self.lens == NULL or self.data == NULL:
+            raise MemoryError("cannot allocate a key snapshot")
+        with nogil:
+            for i in range(n):
                 self.lens[i] = v[i].n
                 memcpy(self.data + pos, v[i].p, <size_t> v[i].n)
                 pos += v[i].n
-        finally:
-            free(v)
+        self.n = n
+        return 0
 
     def __dealloc__(self):
         free(self.lens)

@@ -99,12 +99,13 @@ def _flag(name: str, value: Any) -> bool:
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
-                 new: np.ndarray | None = None) -> int:
-    """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``."""
+                 new: np.ndarray | None = None, snapshot: KeySnapshot | None = None) -> int:
+    """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``.
+    ``snapshot`` (bytes tables only) is filled with a copy of ``keys``."""
     try:
-        insert = (bytestable.find_or_insert if isinstance(table, BytesTable)
-                  else cuckoo.find_or_insert)
-        return insert(table, arena, keys, slots, new)
+        if isinstance(table, BytesTable):
+            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot)
+        return cuckoo.find_or_insert(table, arena, keys, slots, new)
     except MemoryError as e:
         raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
                             "is unchanged") from e
@@ -207,6 +208,18 @@ class MemoryBackend(Backend):
         self._key_table.find(keys, out)
         return out
 
+    def _slots_kept(self, keys: np.ndarray) -> np.ndarray:
+        """:meth:`_slots`, remembered with a copy of ``keys`` for :meth:`update_rows`."""
+        out = np.empty(len(keys), dtype=np.uint32)
+        snapshot = self._new_snapshot(keys)
+        table = self._key_table
+        if isinstance(table, BytesTable) and isinstance(snapshot, KeySnapshot):
+            table.find(keys, out, snapshot)
+        else:
+            table.find(keys, out)
+        self._last_find = (snapshot, out, self._epoch)
+        return out
+
     def _place(self, keys: np.ndarray) -> np.ndarray:
         """Slots of ``keys`` (unique), new keys placed in the table: for a write."""
         slots = np.empty(len(keys), dtype=np.uint32)
@@ -247,9 +260,11 @@ class MemoryBackend(Backend):
         self._scatter(slots, records)
 
     @staticmethod
-    def _snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:
-        """A copy of a looked-up batch, for :meth:`update_rows` to recognise it."""
-        return KeySnapshot(keys) if keys.dtype == object else keys.copy()
+    def _new_snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:
+        """A copy of a looked-up batch, for :meth:`update_rows` to recognise it. String keys
+        get an empty :class:`KeySnapshot` that the table's probe fills from the keys it
+        reads anyway."""
+        return KeySnapshot() if keys.dtype == object else keys.copy()
 
     @staticmethod
     def _same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
@@ -288,8 +303,7 @@ class MemoryBackend(Backend):
 
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        slots = self._slots(keys)
-        self._last_find = (self._snapshot(keys), slots, self._epoch)
+        slots = self._slots_kept(keys)
         fdt, offset = self.layout.fields[field]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
         self._records.gather(slots, out.view(np.uint8).reshape(len(keys), -1),
@@ -312,7 +326,9 @@ class MemoryBackend(Backend):
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
-        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags))
+        snapshot = self._new_snapshot(keys)
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags,
+                                 snapshot if isinstance(snapshot, KeySnapshot) else None))
         fields = self.layout.fields
         offset = fields["vector"][1]
         if n_new:
@@ -330,7 +346,7 @@ class MemoryBackend(Backend):
             out = np.empty((n, self.layout.dim), dtype=np.float32)
             self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
                                  out.shape[1] * 4)
-        self._last_find = (self._snapshot(keys), slots, self._epoch)
+        self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
 
     @serialized

@@ -282,33 +282,25 @@ cdef class BytesTable:
         cdef Py_ssize_t n, j
         cdef KeyView* v = key_views(keys, &n)
         cdef uint64_t hits = 0
-        cdef uint64_t* hs
+        cdef uint64_t* hs = NULL
         cdef uint32_t r
-        if out.shape[0] < n:
-            free(v)
-            raise ValueError("find: output has too few rows")
         try:
+            if out.shape[0] < n:
+                raise ValueError("find: output has too few rows")
             hs = self._hashes(v, n)
-        except BaseException:
-            free(v)
-            raise
-        if snapshot is not None:
-            try:
+            if snapshot is not None:
                 snapshot.fill(v, n)     # the hashing just brought the keys into cache
-            except BaseException:
-                free(hs)
-                free(v)
-                raise
-        with nogil:
-            for j in range(n):
-                if j + PREFETCH_AHEAD < n:
-                    ES_PREFETCH(&self.entries[hs[j + PREFETCH_AHEAD] & self.mask])
-                ES_PREFETCH(self._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
-                r = self._find(v[j].p, v[j].n, hs[j])
-                out[j] = r
-                hits += r != EMPTY
-        free(hs)
-        free(v)
+            with nogil:
+                for j in range(n):
+                    if j + PREFETCH_AHEAD < n:
+                        ES_PREFETCH(&self.entries[hs[j + PREFETCH_AHEAD] & self.mask])
+                    ES_PREFETCH(self._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
+                    r = self._find(v[j].p, v[j].n, hs[j])
+                    out[j] = r
+                    hits += r != EMPTY
+        finally:
+            free(hs)
+            free(v)
         return hits
 
     def insert_new(self, object keys, const uint32_t[::1] vals):

@@ -377,8 +377,9 @@ class MemoryBackend(Backend):
         else:
             slots = self._slots(keys)
         found = slots != _EMPTY
-        self._update_slots(slots if found.all() else slots[found],
-                           update if found.all() else update.subset(found))
+        if not found.all():
+            slots, update = slots[found], update.subset(found)
+        self._update_slots(slots, update)
         return found
 
     @serialized

@@ -117,7 +117,7 @@ def run(emu, n_keys: int, n_reads: int, n_client: int, inflight: int) -> int:
     from google.cloud.bigtable_v2.types import bigtable as pb
 
     import embstore
-    from embstore.backends import _bigtable_wire as wire
+    from embstore.backends.bigtable import wire
 
     print(f"Bigtable emulator {emu.host}; {n_keys:,} keys, dim {DIM}, batches of {BATCH}, "
           f"inflight {inflight}; {n_reads:,} reads; client objects write {n_client:,} rows")

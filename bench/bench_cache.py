@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import embstore
-from embstore.layers.cached import CachedBackend
+from embstore.layers.cache import CachedBackend
 from embstore.testing.bigtable_emulator import start_emulator
 
 

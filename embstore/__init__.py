@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 from . import errors, init, optim
-from ._log import set_metrics_hook
-from ._pickling import writable_unpickling
 from ._version import __version__
 from .api import open
 from .backends.base import Backend
+from .engine.pickling import writable_unpickling
 from .layout import Layout
+from .log import set_metrics_hook
 from .registry import known_schemes, register_backend
 from .store import EmbeddingStore
 

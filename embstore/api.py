@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._options import check_backend_options
 from .engine.opening import ENGINE_OPTIONS, open_backend, split_options
+from .options import check_backend_options
 from .store import EmbeddingStore
 
 
@@ -38,7 +38,7 @@ def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  #
     engine, read_only, layer, backend_options = split_options(options)
     from .layers import LAYER_OPTIONS
 
-    # a misspelt option must raise, never be dropped (see embstore/_options.py)
+    # a misspelt option must raise, never be dropped (see embstore/options.py)
     check_backend_options(url, backend_options, layer.get("shards"),
                           also_known=(*ENGINE_OPTIONS, "read_only", *LAYER_OPTIONS))
     backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from ._urls import redact_text
 from .errors import EmbstoreError, InvalidInputError
+from .urls import redact_text
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -73,7 +73,7 @@ def _open_or_none(url: str, opts: dict[str, Any]):
 
 def shard_urls(url: str, n: int) -> list[str]:
     """``n`` shard URLs from ``url``: ``{i}`` (or ``{rank}``, as in the URL templates of
-    ``embstore_torch.distributed``) is replaced by the shard number and ``{world}`` by ``n``,
+    ``embstore_torch.distributed.store``) is replaced by the shard number and ``{world}`` by ``n``,
     else ``-<i>`` is inserted before the extension of the last path segment (``/data/t.db``
     -> ``/data/t-0.db``)."""
     if n < 1:

@@ -12,24 +12,24 @@ import importlib
 from importlib.metadata import entry_points
 from urllib.parse import urlsplit
 
-from ._urls import redact_url
 from .errors import (
     BackendUnavailableError,
     InvalidInputError,
     InvalidURLError,
     UnknownSchemeError,
 )
+from .urls import redact_url
 
 # scheme -> (target, extra that provides its dependency)
 _BUILTIN: dict[str, tuple[str, str | None]] = {
     "memory": ("embstore.backends.memory:MemoryBackend", None),
     "lmdb": ("embstore.backends.lmdb:LmdbBackend", "lmdb"),
     "rocksdb": ("embstore.backends.rocksdb:RocksDBBackend", "rocksdb"),
-    "sqlite": ("embstore.backends.sql:SQLBackend", "sql"),
-    "postgresql": ("embstore.backends.sql:SQLBackend", "postgres"),
-    "postgres": ("embstore.backends.sql:SQLBackend", "postgres"),
-    "mysql": ("embstore.backends.sql:SQLBackend", "sql"),
-    "bigtable": ("embstore.backends.bigtable:BigtableBackend", "bigtable"),
+    "sqlite": ("embstore.backends.sql.backend:SQLBackend", "sql"),
+    "postgresql": ("embstore.backends.sql.backend:SQLBackend", "postgres"),
+    "postgres": ("embstore.backends.sql.backend:SQLBackend", "postgres"),
+    "mysql": ("embstore.backends.sql.backend:SQLBackend", "sql"),
+    "bigtable": ("embstore.backends.bigtable.backend:BigtableBackend", "bigtable"),
     "sharded": ("embstore.layers.sharded:ShardedBackend", None),
 }
 _registry: dict[str, tuple[str | type, str | None]] = dict(_BUILTIN)

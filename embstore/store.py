@@ -19,8 +19,6 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
-from ._meta_merge import mark_meta_synced, sync_meta
-from ._urls import redact_url
 from .backends.base import Backend, RowUpdate
 from .engine.batch import (
     check_counts,
@@ -33,6 +31,7 @@ from .engine.batch import (
     unique_last,
 )
 from .engine.history import HistoryAPI
+from .engine.metadata_merge import mark_meta_synced, sync_meta
 from .engine.protocols import StoreObserver
 from .engine.records import RecordWrites
 from .engine.sampling_api import SamplingAPI
@@ -41,9 +40,10 @@ from .engine.seams import StoreSeams
 from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
+from .urls import redact_url
 
 if TYPE_CHECKING:
-    from ._unpickle import UnopenedStore
+    from .engine.unpickled import UnopenedStore
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
@@ -445,9 +445,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Counters since open (lookups, hits, misses, inserts, ...), ``hit_rate``, the
         backend's counters; ``rows`` and ``size_bytes`` where they read no rows or with
         ``count_rows=True`` (a scan on Bigtable, RocksDB, SQL; ``False``: never; see
-        ``embstore._rowcount``). A counted ``rows`` of an unreachable remote is None, with
+        ``embstore.engine.row_count``). A counted ``rows`` of an unreachable remote is None, with
         ``backend_error``."""
-        from ._rowcount import measure_rows, measure_size
+        from .engine.row_count import measure_rows, measure_size
 
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
@@ -497,7 +497,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             )
         # Reopens read-only unless a writer is asked for (embstore.writable_unpickling): a
         # silent second writer would overwrite the stored step/version from its stale copy.
-        from ._pickling import pickle_args, reopen_pickled
+        from .engine.pickling import pickle_args, reopen_pickled
 
         # the real URL, password included
         return (reopen_pickled,
@@ -505,8 +505,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
 
 def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore:
-    from ._unpickle import UnopenedStore
     from .engine.opening import open_backend, split_options
+    from .engine.unpickled import UnopenedStore
 
     try:
         engine, read_only, layer, backend_options = split_options(options)

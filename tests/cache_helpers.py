@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import embstore
-from embstore.layers.cached import CachedBackend
+from embstore.layers.cache import CachedBackend
 
 
 def cached(url: str = "memory://", **kw) -> embstore.EmbeddingStore:

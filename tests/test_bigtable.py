@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore.backends import _bigtable_wire as wire
+from embstore.backends.bigtable import wire
 from embstore.errors import BackendError, InvalidInputError, InvalidURLError, StoreNotFoundError
 from embstore.testing.bigtable_emulator import FaultInjector
 from embstore.testing.conformance import StoreConformance

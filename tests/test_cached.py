@@ -11,7 +11,7 @@ import pytest
 
 import embstore
 from embstore.errors import InvalidInputError
-from embstore.layers.cached import CachedBackend
+from embstore.layers.cache import CachedBackend
 from embstore.testing.conformance import DIM, StoreConformance, table_of
 from tests.cache_helpers import cached, cached_keys, cached_over_zeros, layer, remote_vectors
 
@@ -288,7 +288,7 @@ def test_training_with_prefetch_equals_plain_training(lmdb_url):
 
 # -- eviction bookkeeping, overlapped reads, write-behind batching ---------------------------------
 def test_lfu_history_survives_eviction():
-    from embstore.layers._slots import SlotTable
+    from embstore.layers.cache.slots import SlotTable
 
     st = SlotTable("int64", "lfu", capacity=4)
     slots, keys = np.array([0, 1], np.uint32), np.array([10, 11], np.int64)
@@ -328,7 +328,7 @@ def test_victim_pool_picks_what_a_full_scan_picks(eviction):
     """Victims come from a candidate pool refreshed every few calls; on a random workload of
     touches, evictions (some with an earlier cutoff, as the prefetch asks) and inserts, the
     chosen slots always score exactly like the ``need`` lowest of a full scan."""
-    from embstore.layers._slots import SlotTable
+    from embstore.layers.cache.slots import SlotTable
 
     rng = np.random.default_rng(7)
     cap = 2000
@@ -370,7 +370,7 @@ def test_victim_pool_picks_what_a_full_scan_picks(eviction):
 
 
 def test_lfu_counts_each_occurrence_off_the_hit_path():
-    from embstore.layers._slots import SlotTable
+    from embstore.layers.cache.slots import SlotTable
 
     st = SlotTable("int64", "lfu", capacity=8)
     st.next_tick()
@@ -393,7 +393,7 @@ def test_write_behind_sends_queued_batches_in_one_put():
     import threading
 
     from embstore.backends.memory import MemoryBackend
-    from embstore.layers._writebehind import WriteBehind
+    from embstore.layers.cache.write_behind import WriteBehind
     from embstore.layout import Layout
 
     lay = Layout(DIM)

@@ -306,7 +306,7 @@ def test_bigtable_compare_and_set_survives_lost_answers(bigtable_url_factory):
 # -- caches over a shared remote: one writer per key range, enforced --------------------------
 def test_second_write_back_cache_on_the_same_keys_is_refused(tmp_path):
     from embstore._keys import key_hash64
-    from embstore.layers._lease import LeaseConflictError
+    from embstore.layers.cache.lease import LeaseConflictError
 
     url = f"sqlite:///{tmp_path}/shared.db"
     embstore.open(url, **_options("sqlite")).close()
@@ -373,7 +373,7 @@ def test_insert_rows_never_overwrites_a_row_created_meanwhile(kind, store_url):
 def test_metadata_merge_keeps_every_writers_share():
     """Unit check of the metadata merge: step summed, version max, expiry counter summed,
     tombstone logs united."""
-    from embstore._meta_merge import merge_meta
+    from embstore.engine.metadata_merge import merge_meta
     from embstore.policies.tombstones import TombstoneLog
 
     def tomb(keys, version):

@@ -19,7 +19,7 @@ def _url(backend: str, tmp_path, request) -> str:
         return f"lmdb://{tmp_path}/store"
     if backend == "rocksdb":
         return f"rocksdb://{tmp_path}/store"
-    if importlib.util.find_spec("embstore.backends.sql") is None:
+    if importlib.util.find_spec("embstore.backends.sql.backend") is None:
         pytest.skip("the SQL backend (embstore/backends/sql.py) is not available")
     if backend == "sqlite":
         return f"sqlite:///{tmp_path}/store.db"

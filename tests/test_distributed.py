@@ -266,7 +266,7 @@ def _failing_ranks(rank: int, outdir: str, cfg: dict) -> None:
     from embstore.registry import backend_class
     from embstore.store import EmbeddingStore
     from embstore_torch.distributed import RankFailureError
-    from embstore_torch.distributed_shard import ShardView
+    from embstore_torch.distributed.shard import ShardView
 
     # 0. a run that finds only some of its shards refuses to start, creating nothing
     partial = cfg["partial"]
@@ -410,7 +410,7 @@ def test_shards_reopen_as_sharded_store_and_reshard(trained, tmp_path):
     # what rank 1 of a 3-rank run opens; a 2-rank run is refused
     from embstore.registry import backend_class
     from embstore.store import EmbeddingStore
-    from embstore_torch.distributed_shard import ShardView
+    from embstore_torch.distributed.shard import ShardView
 
     with EmbeddingStore(ShardView(backend_class(three[1])(three[1]), 1, 3)) as s:
         assert len(s) and (s.backend.inner.url == three[1]) and s.step == STEPS

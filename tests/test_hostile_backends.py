@@ -84,8 +84,8 @@ def test_password_is_redacted_in_url_repr_and_errors_but_kept_for_pickling(postg
 
 
 def test_redact_url_and_text():
-    from embstore._urls import redact_text, redact_url
     from embstore.layers.sharded import sharded_url
+    from embstore.urls import redact_text, redact_url
 
     assert redact_url("postgresql://u:p@ss@h/db?table=t") == "postgresql://u:***@h/db?table=t"
     assert redact_url("postgresql://u@h/db?password=zz") == "postgresql://u@h/db?password=***"
@@ -208,7 +208,7 @@ def test_pickled_store_in_a_pool_works_where_it_can_reopen(tmp_path, scheme):
 
 
 def test_unopened_store_stand_in():
-    from embstore._unpickle import UnopenedStore
+    from embstore.engine.unpickled import UnopenedStore
     from embstore.errors import BackendError
 
     u = UnopenedStore("postgresql://u:pw@h/db", BackendError("lock held"))
@@ -265,7 +265,7 @@ def _wait_until(cond, timeout=60.0):
 
 
 def test_write_behind_retries_in_the_background_until_the_put_lands():
-    from embstore.layers._writebehind import WriteBehind
+    from embstore.layers.cache.write_behind import WriteBehind
 
     landed, attempts = [], []
 
@@ -338,7 +338,7 @@ def test_postgres_open_against_a_silent_server_times_out(monkeypatch):
     import socket
     import threading
 
-    from embstore.backends import sql
+    from embstore.backends.sql import backend as sql
     from embstore.errors import BackendError
 
     monkeypatch.setattr(sql, "DEFAULT_CONNECT_TIMEOUT", 1)   # the default applies...

@@ -12,7 +12,7 @@ import pytest
 
 import embstore
 from embstore.errors import BackendError, InvalidInputError
-from embstore.layers._writebehind import WriteBehind
+from embstore.layers.cache.write_behind import WriteBehind
 
 DIM = 4
 
@@ -32,9 +32,9 @@ def _records(caplog, logger):
 def test_nothing_is_printed_by_default(tmp_path):
     # a warning from an embstore module with logging left unconfigured: no lastResort output
     code = ("import logging, embstore\n"
-            "from embstore._log import event\n"
+            "from embstore.log import event\n"
             "event(logging.getLogger('embstore.backends.bigtable'), logging.WARNING, 'x', 'boo')\n"
-            "logging.getLogger('embstore.layers.cached').error('boo')\n")
+            "logging.getLogger('embstore.layers.cache').error('boo')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, run.stderr
@@ -76,7 +76,7 @@ def test_write_behind_flush_and_failure_are_logged(caplog, events):
     wb.drain()
     wb.close()
     assert calls == [3, 3, 2]
-    recs = _records(caplog, "embstore.layers._writebehind")
+    recs = _records(caplog, "embstore.layers.cache.write_behind")
     msgs = [r.getMessage() for r in recs]
     assert any("failed (remote down)" in m for m in msgs)
     assert [r.levelno for r in recs if "failed (" in r.getMessage()] == [logging.WARNING]
@@ -104,7 +104,7 @@ def test_cache_evictions_are_debug_events(tmp_path, caplog, events):
         for i in range(10):
             s.lookup(np.arange(i * 50, (i + 1) * 50))
     assert any(n == "cache.evicted" for n, _ in events)
-    assert all(r.levelno == logging.DEBUG for r in _records(caplog, "embstore.layers.cached"))
+    assert all(r.levelno == logging.DEBUG for r in _records(caplog, "embstore.layers.cache"))
 
 
 def test_bigtable_retries_and_recovery_are_logged(bigtable_url_factory, caplog, events):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore._options import accepted_options
 from embstore.backends.memory import MemoryBackend
 from embstore.errors import InvalidInputError
+from embstore.options import accepted_options
 
 
 def test_misspelt_engine_option_raises_on_memory():
@@ -53,7 +53,7 @@ def test_backend_option_of_another_backend_is_refused():
 def test_backends_refuse_when_constructed_directly():
     with pytest.raises(InvalidInputError, match="did you mean 'prefault'"):
         MemoryBackend("memory://", prefaul=False)
-    from embstore.backends.bigtable import BigtableBackend
+    from embstore.backends.bigtable.backend import BigtableBackend
 
     with pytest.raises(InvalidInputError, match="did you mean 'inflight'"):
         BigtableBackend("bigtable://p/i/t", emulator_host="127.0.0.1:1", in_flight=2)

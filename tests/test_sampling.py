@@ -329,7 +329,7 @@ def any_url(request, tmp_path):
         pytest.importorskip("lmdb")
         pytest.importorskip("embstore.backends.lmdb")
         return lambda: f"lmdb://{tmp_path}/db"
-    pytest.importorskip("embstore.backends.bigtable")
+    pytest.importorskip("embstore.backends.bigtable.backend")
     try:
         return request.getfixturevalue("bigtable_url_factory")
     except pytest.FixtureLookupError:

@@ -17,8 +17,8 @@ from embstore.backends.base import Backend
 from embstore.backends.memory import MemoryBackend
 from embstore.errors import CapabilityError, InvalidInputError
 from embstore.layers import WrapperBackend
-from embstore.layers._slots import SlotTable
-from embstore.layers.cached import CachedBackend
+from embstore.layers.cache import CachedBackend
+from embstore.layers.cache.slots import SlotTable
 from embstore.layers.sharded import ShardedBackend, sharded_url
 from embstore.policies import LFU, LRU, Eviction
 from embstore.policies.expiry import eviction_victims
@@ -92,7 +92,7 @@ def test_the_cache_layer_overrides_every_row_path_of_the_wrapper():
 
 
 def test_thread_safe_is_a_declared_capability():
-    from embstore.backends.bigtable import BigtableBackend
+    from embstore.backends.bigtable.backend import BigtableBackend
 
     assert Backend.thread_safe is False and MemoryBackend.thread_safe is False
     assert BigtableBackend.thread_safe is True

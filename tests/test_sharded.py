@@ -14,7 +14,7 @@ import embstore
 from embstore._keys import key_hash64
 from embstore.backends.memory import MemoryBackend
 from embstore.errors import InvalidInputError, InvalidURLError, SchemaMismatchError
-from embstore.layers.cached import CachedBackend
+from embstore.layers.cache import CachedBackend
 from embstore.layers.sharded import ShardedBackend, parse_sharded_url, sharded_url
 from embstore.testing.conformance import StoreConformance, rows_equal, table_of
 

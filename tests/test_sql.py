@@ -287,7 +287,7 @@ def test_many_tables_in_one_database_are_independent(url_factory):
     if base.startswith("postgresql"):
         import psycopg
 
-        from embstore.backends.sql import _parse
+        from embstore.backends.sql.backend import _parse
 
         dsn = _parse(base, "x")[0].set(drivername="postgresql").render_as_string(False)
         with psycopg.connect(dsn, autocommit=True) as c:
@@ -416,7 +416,7 @@ def test_threads_share_one_store(url_factory):
 
 
 def test_postgres_lookup_above_one_fetch_chunk(postgres_url_factory, monkeypatch):
-    from embstore.backends import _sql_ops
+    from embstore.backends.sql import ops as _sql_ops
 
     monkeypatch.setattr(_sql_ops, "_PG_FETCH_CHUNK", 1000)
     keys = np.arange(3500, dtype=np.int64) * 7

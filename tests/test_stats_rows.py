@@ -28,7 +28,7 @@ def _fill(s, n=300):
 
 
 def test_bigtable_stats_do_not_scan(bigtable_url_factory, monkeypatch):
-    from embstore.backends.bigtable import BigtableBackend
+    from embstore.backends.bigtable.backend import BigtableBackend
 
     s = embstore.open(bigtable_url_factory(), dim=DIM)
     _fill(s)
@@ -74,7 +74,7 @@ def test_cheap_counts_stay_in_stats(tmp_path, monkeypatch, make):
 
 
 def test_cache_over_bigtable_does_not_scan(bigtable_url_factory, monkeypatch):
-    from embstore.backends.bigtable import BigtableBackend
+    from embstore.backends.bigtable.backend import BigtableBackend
 
     s = embstore.open(bigtable_url_factory(), dim=DIM, cache="memory://")
     _fill(s, 50)
@@ -84,7 +84,7 @@ def test_cache_over_bigtable_does_not_scan(bigtable_url_factory, monkeypatch):
 
 
 def test_sharded_over_bigtable_does_not_scan(bigtable_url_factory, monkeypatch):
-    from embstore.backends.bigtable import BigtableBackend
+    from embstore.backends.bigtable.backend import BigtableBackend
 
     shards = [bigtable_url_factory(), bigtable_url_factory()]
     s = embstore.open("sharded://", dim=DIM, shards=shards)

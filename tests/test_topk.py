@@ -55,7 +55,7 @@ def url(request, tmp_path):
     if request.param == "memory":
         return "memory://"
     if request.param == "bigtable":
-        pytest.importorskip("embstore.backends.bigtable")
+        pytest.importorskip("embstore.backends.bigtable.backend")
         try:
             return request.getfixturevalue("bigtable_url_factory")()
         except pytest.FixtureLookupError:

@@ -29,9 +29,9 @@ import numpy as np
 
 from .._cython.strkeys import prefixed, strip_prefix
 from .._keys import int64_from_ordered, ordered_int64_bytes
-from .._log import event
 from ..errors import BackendError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
+from ..log import event
 from ._localdir import (
     FetchedRecords,
     as_void,

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from .._options import accepted_options, check_options
 from ..errors import (
     CapacityError,
     ForkedProcessError,
@@ -31,6 +30,7 @@ from ..errors import (
     StoreClosedError,
 )
 from ..layout import Layout
+from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
 
 try:

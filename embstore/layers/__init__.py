@@ -36,7 +36,7 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
         Backend options, passed to the remote (every shard).
     """
     from ..registry import backend_class
-    from .cached import CachedBackend
+    from .cache.backend import CachedBackend
     from .sharded import ShardedBackend, sharded_url
 
     layer = dict(layer)
@@ -81,7 +81,7 @@ def __getattr__(name: str) -> Any:
 
         return WrapperBackend
     if name == "CachedBackend":
-        from .cached import CachedBackend
+        from .cache.backend import CachedBackend
 
         return CachedBackend
     if name == "ShardedBackend":

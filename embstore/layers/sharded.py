@@ -27,8 +27,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import numpy as np
 
 from .._keys import BYTES_KEY_HASH, key_hash64, normalize_keys
-from .._rowcount import count_is_cheap
 from ..backends.base import Backend
+from ..engine.row_count import count_is_cheap
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from ..layout import Layout
 

@@ -1,7 +1,7 @@
 """Which rows leave first: LRU and LFU as small policy objects, written once.
 
 Both users rank rows by the same rule: the cache layer (per cached slot: last-use tick, use
-count; :class:`embstore.layers._slots.SlotTable`) and the store's capacity bound (per stored
+count; :class:`embstore.layers.cache.slots.SlotTable`) and the store's capacity bound (per stored
 row: ``last_step``/``last_seen``, ``count``; :func:`embstore.policies.expiry.eviction_victims`).
 A policy turns *recency* (oldest first) and *uses* into sort keys, least valuable first.
 """

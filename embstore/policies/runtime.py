@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._log import event
-from .._urls import redact_url
 from ..errors import InvalidInputError
+from ..log import event
+from ..urls import redact_url
 from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
 from .expiry import Eviction, Expiry, eviction_victims, expired_keys
 from .tombstones import TombstoneLog

@@ -197,7 +197,7 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
 
 
 def _collective(store: Any) -> bool:
-    """Whether every rank must call ``store`` in step (``embstore_torch.distributed``): an
+    """Whether every rank must call ``store`` in step (``embstore_torch.distributed.store``): an
     empty batch then still looks up, and its backward still updates, with no keys."""
     return bool(getattr(store, "collective", False))
 

@@ -1,0 +1,212 @@
+"""The wire of :mod:`embstore_torch.distributed.store`: checked ``all_to_all`` exchanges of bytes.
+
+Every collective operation of a distributed store starts with the same call on every rank, an
+``all_to_all`` of a small int64 *header* per destination: ``(magic, op, sequence, items,
+payload bytes, flag)``. That one exchange does three jobs:
+
+- it carries the sizes of the payload exchange that follows (sizes first, then payloads, as
+  ``all_to_all`` with unequal splits needs);
+- every rank sees the op tag and sequence number of every other rank, so mismatched calls
+  (rank 0 in ``lookup`` while rank 1 is in ``export``) raise :class:`CollectiveMismatchError`
+  on all ranks instead of exchanging garbage or hanging;
+- ``flag`` lets a rank tell the others something small (e.g. "I still need samples").
+
+Payloads are byte buffers (numpy ``uint8`` views of keys, gradients, vectors), so one exchange
+moves keys, counts and gradients together. The exchanges run on a gloo process group of the
+store's own (CPU tensors, its own timeout) whatever the training's default backend is, so the
+design is the same under NCCL. A collective that fails or times out (a rank died, raised or
+hangs) raises :class:`RankFailureError`, and the store refuses further collectives: after a
+failure the ranks no longer agree on where they are.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from embstore.errors import EmbstoreError
+
+__all__ = ["CollectiveError", "CollectiveMismatchError", "Comm", "RankFailureError", "OPS"]
+
+_MAGIC = 0x656D6273  # "embs"
+_HEADER = 6
+
+#: op tags carried by every header
+OPS = {name: i + 1 for i, name in enumerate((
+    "open", "lookup", "update", "len", "flush", "export", "close", "sample", "sample_round",
+    "sample_prob", "top_k", "contains", "stats", "step", "abort", "prefetch",
+))}
+_NAMES = {v: k for k, v in OPS.items()}
+
+
+class CollectiveError(EmbstoreError, RuntimeError):
+    """A collective operation of a distributed store failed; the store is unusable after it."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks called different collective operations (or the same one a different number of
+    times): every rank must call the store's collectives in the same order."""
+
+
+class RankFailureError(CollectiveError):
+    """Another rank died, raised or hung: the exchange failed or timed out."""
+
+
+class Comm:
+    """Checked byte exchanges between the ranks of one process group.
+
+    Parameters
+    ----------
+    group : ProcessGroup or None
+        A gloo group; None creates one over all ranks (a collective call).
+    timeout : float
+        Seconds a collective may wait for the other ranks before it raises.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = 300.0) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise CollectiveError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
+            )
+        if group is None:
+            # The store's own gloo group: CPU tensors under any training backend (NCCL too),
+            # and a timeout of its own so a dead rank surfaces here, not as a hang.
+            group = dist.new_group(backend="gloo",
+                                   timeout=datetime.timedelta(seconds=float(timeout)))
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.seq = 0
+        self.bytes_sent = 0
+        self.exchanges = 0
+        self._buffers: dict[str, np.ndarray] = {}
+        self.seconds = 0.0  # wall time inside exchanges (waiting for peers included)
+        self.broken: str | None = None
+
+    # -- the two exchanges -------------------------------------------------------------------
+    def begin(self, op: str, items: Sequence[int] | np.ndarray | int = 0,
+              nbytes: Sequence[int] | np.ndarray | int = 0,
+              flag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Start collective ``op``: exchange headers, check that every rank is in ``op``.
+
+        ``items`` / ``nbytes`` are per destination (or one value for all). Returns, per
+        source rank, the ``items``, ``nbytes`` and ``flag`` it sent to this rank.
+        """
+        if self.broken is not None:
+            raise CollectiveError(f"the distributed store is unusable after an earlier "
+                                  f"failure ({self.broken}); restart the job")
+        self.seq += 1
+        w = self.world
+        head = np.empty((w, _HEADER), dtype=np.int64)
+        head[:, 0] = _MAGIC
+        head[:, 1] = OPS[op]
+        head[:, 2] = self.seq
+        head[:, 3] = items
+        head[:, 4] = nbytes
+        head[:, 5] = flag
+        got = self._all_to_all(head.reshape(-1).view(np.uint8), [_HEADER * 8] * w,
+                               [_HEADER * 8] * w, op).view(np.int64).reshape(w, _HEADER)
+        bad = (got[:, 0] != _MAGIC) | (got[:, 1] != OPS[op]) | (got[:, 2] != self.seq)
+        aborted = np.flatnonzero(got[:, 1] == OPS["abort"])
+        if len(aborted) and op != "abort":
+            self.broken = f"rank {int(aborted[0])} aborted"
+            raise RankFailureError(
+                f"rank {int(aborted[0])} failed in its own part of a collective and aborted "
+                f"(its error says why); rank {self.rank} stops at {op} #{self.seq}"
+            )
+        if bad.any():
+            seen = ", ".join(
+                f"rank {r}: {_NAMES.get(int(got[r, 1]), '?')} #{int(got[r, 2])}"
+                for r in range(w)
+            )
+            self.broken = "mismatched collective calls"
+            raise CollectiveMismatchError(
+                f"rank {self.rank} called {op} #{self.seq} but the ranks are in different "
+                f"collective calls ({seen}); every rank must call lookup/update/sample/"
+                "top_k/len/flush/export/close in the same order (a rank with an empty batch "
+                "must still call)"
+            )
+        return got[:, 3].copy(), got[:, 4].copy(), got[:, 5].copy()
+
+    def abort(self, reason: str) -> None:
+        """Tell the other ranks that this rank failed in its own part of a collective: their
+        next collective raises ``RankFailureError`` at once instead of waiting for the
+        timeout. Waits (at most the timeout) for them to get there; never raises."""
+        if self.broken is not None:
+            return
+        try:
+            self.begin("abort")
+        except CollectiveError:
+            pass
+        self.broken = reason
+
+    def exchange(self, send: Sequence[np.ndarray | Sequence[np.ndarray]],
+                 recv_nbytes: np.ndarray, op: str, *, keep: bool = False) -> list[np.ndarray]:
+        """Send ``send[d]`` (an array, or a list of arrays sent back to back; any dtype) to
+        rank ``d``; return what each rank sent here (``uint8`` arrays of the sizes announced
+        in the headers).
+
+        The returned arrays are views of a buffer the next exchange reuses (fresh memory
+        costs page faults on every step); ``keep=True`` returns memory of their own.
+        """
+        segs: list[np.ndarray] = []
+        sizes = []
+        for part in send:
+            n = 0
+            for seg in ([part] if isinstance(part, np.ndarray) else part):
+                raw = np.ascontiguousarray(seg).reshape(-1).view(np.uint8)
+                segs.append(raw)
+                n += len(raw)
+            sizes.append(n)
+        buf = self.scratch("_send", sum(sizes))
+        if segs:
+            np.concatenate(segs, out=buf)
+        recv = [int(n) for n in recv_nbytes]
+        out = self._all_to_all(buf, sizes, recv, op, keep)
+        bounds = np.concatenate(([0], np.cumsum(recv)))
+        return [out[bounds[i]:bounds[i + 1]] for i in range(self.world)]
+
+    def scratch(self, name: str, nbytes: int) -> np.ndarray:
+        """A reusable ``uint8`` buffer of ``nbytes`` (grown geometrically, never shrunk)."""
+        buf = self._buffers.get(name)
+        if buf is None or len(buf) < nbytes:
+            buf = np.empty(max(int(nbytes), 2 * (0 if buf is None else len(buf)), 1 << 16),
+                           dtype=np.uint8)
+            self._buffers[name] = buf
+        return buf[:nbytes]
+
+    def allgather(self, op: str, blob: np.ndarray, items: int = 0,
+                  flag: int = 0) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Give ``blob`` to every rank; return every rank's blob, items and flag."""
+        raw = np.ascontiguousarray(blob).reshape(-1).view(np.uint8)
+        items_in, nbytes_in, flags = self.begin(op, items, len(raw), flag)
+        return self.exchange([raw] * self.world, nbytes_in, op), items_in, flags
+
+    def _all_to_all(self, buf: np.ndarray, send_sizes: list[int], recv_sizes: list[int],
+                    op: str, keep: bool = True) -> np.ndarray:
+        if self.world == 1:  # nothing to exchange: gloo would only copy (measured ~0.5 ms)
+            self.exchanges += 1
+            return buf.copy() if keep else buf
+        n = sum(recv_sizes)
+        out = np.empty(n, dtype=np.uint8) if keep else self.scratch("_recv", n)
+        t0 = time.perf_counter()
+        try:
+            dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(buf), recv_sizes,
+                                   send_sizes, group=self.group)
+        except Exception as e:
+            self.broken = f"{op} failed: {e}"
+            raise RankFailureError(
+                f"rank {self.rank}: the {op} exchange with the other ranks failed or timed "
+                f"out (a rank died, raised or hangs): {e}"
+            ) from e
+        self.seconds += time.perf_counter() - t0
+        self.exchanges += 1
+        # what leaves this process: the part addressed to itself is a local copy
+        self.bytes_sent += sum(send_sizes) - send_sizes[self.rank]
+        return out

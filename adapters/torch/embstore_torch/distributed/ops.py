@@ -1,0 +1,283 @@
+"""``export``, ``top_k`` and ``sample`` of the distributed store (collectives).
+
+As in the DynamicEmbedding paper, the owners do the work on their own keys and the asking rank
+merges: ``top_k`` scores every rank's queries on every shard and merges the ``world x k``
+candidates per query; ``sample`` splits the draws over the shards by their share of the
+sampling weight, the owners draw, and the asking rank merges (and deduplicates, for unique
+sampling). ``export`` streams every shard's records to rank 0, which writes one native file
+(or, with ``{rank}`` in the destination, every rank writes its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from embstore.errors import InvalidInputError
+
+from .wire import pack_keys, split_rows, unpack_keys
+
+__all__ = ["CollectiveOps"]
+
+
+class CollectiveOps:
+    """The whole-store collectives of :class:`~embstore_torch.distributed.DistributedStore`."""
+
+    comm: Any
+    local: Any
+    rank: int
+    world_size: int
+    dim: int
+    key_type: str
+    step: int
+    sharded: bool
+    _answers: bool
+    _sync_shared: Any
+    _agree: Any
+    _ask_owners: Any
+
+    # -- export ------------------------------------------------------------------------------
+    def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
+               batch_size: int = 65536) -> int:
+        """Collective: write every record (or those changed after ``since``) to a native file.
+
+        ``dest`` with ``{rank}`` in it: every rank writes its own shard's file. Otherwise
+        rank 0 writes one file with the records of all ranks (the others' ``dest`` is
+        ignored), equal to what one store holding every key would export. Returns the number
+        of rows written over all ranks. Deletions are not carried by distributed deltas.
+        """
+        from embstore.io.native import NativeWriter
+
+        if isinstance(dest, (str, os.PathLike)) and "{rank}" in os.fspath(dest):
+            path = os.fspath(dest).replace("{rank}", str(self.rank)).replace(
+                "{world}", str(self.world_size))
+            err, n = None, 0
+            try:
+                n = self.local.export(path, since=since, batch_size=batch_size)
+            except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+                err = e
+            return self._agree("export", err, items=n)
+        self._sync_shared()
+        versions, _, _ = self.comm.begin("export", self.local.version)
+        header = self.local.meta
+        header.update(step=self.step, version=int(versions.max()), since=since)
+        if since is not None:
+            header["deletions_complete"] = False
+        src = (self.local.records(batch_size) if since is None
+               else self.local.changes_since(since, batch_size))
+        writer = NativeWriter(dest, header, background=True) if self.rank == 0 else None
+        err, total = None, 0
+        with writer if writer is not None else contextlib.nullcontext():
+            while True:
+                batch = next(src, None) if self._answers else None
+                payload = np.zeros(0, np.uint8)
+                n = 0
+                if batch is not None:
+                    keys, recs = batch
+                    n = len(keys)
+                    payload = np.concatenate((pack_keys(keys), recs.view(np.uint8)))
+                sizes = [len(payload) if d == 0 else 0 for d in range(self.world_size)]
+                items, nbytes, more = self.comm.begin("export", n, sizes, int(batch is not None))
+                if not more.any():
+                    break
+                # keep=True: the file writer works on the rows in the background
+                got = self.comm.exchange(
+                    [payload if d == 0 else payload[:0] for d in range(self.world_size)],
+                    nbytes, "export", keep=True)
+                total += int(items.sum())
+                if writer is None or err is not None:
+                    continue
+                try:
+                    for s in range(self.world_size):
+                        if items[s]:
+                            k, used = unpack_keys(got[s], int(items[s]), self.key_type)
+                            writer.write(k, got[s][used:].view(self.local.layout.dtype))
+                except Exception as e:  # noqa: BLE001 - finish the rounds, then report
+                    err = e
+            if err is not None and writer is not None:
+                writer.abort()
+        self._agree("export", err)
+        return total
+
+    # -- top_k -------------------------------------------------------------------------------
+    def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Collective: exact top-``k`` keys by dot product for this rank's queries.
+
+        Every shard scores the queries of every rank (with that rank's ``exclude``); the
+        asking rank merges the up to ``world x k`` candidates of each query. Same result as
+        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (a
+        :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
+        rank's queries).
+        """
+        from embstore.retrieval import TopKResult, _queries
+
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise InvalidInputError(f"k must be a positive int, got {k!r}")
+        if isinstance(exclude, (list, tuple)) and exclude and isinstance(
+                exclude[0], (list, tuple, np.ndarray)):
+            raise InvalidInputError("distributed top_k takes one exclude key array for all "
+                                    "queries, not one per query")
+        q = _queries(self.local, queries)
+        ex = self.local.normalize_keys([] if exclude is None else exclude)
+        self._sync_shared()
+        # every rank's queries and exclusions, to every shard
+        blob = np.concatenate((np.array([len(q), len(ex)], np.int64).view(np.uint8),
+                               q.reshape(-1).view(np.uint8), pack_keys(ex)))
+        blobs, _, _ = self.comm.allgather("top_k", blob)
+        key_dtype = np.int64 if self.key_type == "int64" else object
+        parts, widths = [], []
+        for b in blobs:  # this shard's candidates for each rank's queries
+            nq, nex = (int(x) for x in b[:16].view(np.int64))
+            qs = split_rows(b[16:16 + 4 * self.dim * nq], np.dtype(np.float32), (self.dim,))
+            exs = unpack_keys(b[16 + 4 * self.dim * nq:], nex, self.key_type)[0]
+            if nq and self._answers and len(self.local):
+                res = self.local.top_k(qs, int(k), exs if nex else None)
+                kk, ss = res
+                vv = np.asarray(getattr(res, "valid", np.ones(kk.shape, bool)))
+            else:
+                kk = np.zeros((nq, 0), key_dtype)
+                ss, vv = np.zeros((nq, 0), np.float32), np.zeros((nq, 0), bool)
+            widths.append(kk.shape[1])
+            parts.append((pack_keys(kk.reshape(-1)), np.ascontiguousarray(ss),
+                          np.ascontiguousarray(vv)))
+        cols, nbytes, _ = self.comm.begin("top_k", widths,
+                                          [sum(a.nbytes for a in p) for p in parts])
+        got = self.comm.exchange(parts, nbytes, "top_k")
+        mine = len(q)
+        ck, cs, cv = [], [], []
+        for s in range(self.world_size):
+            cells = mine * int(cols[s])
+            kk, used = unpack_keys(got[s], cells, self.key_type)
+            ck.append(kk.reshape(mine, -1))
+            cs.append(got[s][used:used + 4 * cells].view(np.float32).reshape(mine, -1))
+            cv.append(got[s][used + 4 * cells:].view(bool).reshape(mine, -1))
+        ck, cs, cv = (np.concatenate(ck, axis=1), np.concatenate(cs, axis=1),
+                      np.concatenate(cv, axis=1))
+        width = min(int(k), ck.shape[1])
+        # As one store orders them: real items first, score descending (NaN after every
+        # number), ties by key ascending.
+        if ck.dtype == object:
+            order = np.lexsort((-cs, ~cv), axis=1)
+        else:
+            order = np.lexsort((ck, -cs, ~cv), axis=1)
+        order = order[:, :width]
+        return TopKResult(np.take_along_axis(ck, order, axis=1),
+                          np.take_along_axis(cs, order, axis=1),
+                          np.take_along_axis(cv, order, axis=1))
+
+    # -- sample ------------------------------------------------------------------------------
+    def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
+               offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
+               seed: Any = None) -> Any:
+        """Collective candidate sampling over every shard's keys (see
+        :meth:`embstore.EmbeddingStore.sample` for the arguments and result).
+
+        The draws of a call are split over the shards by a multinomial on each shard's share
+        of the sampling weight; each owner draws its part from its own keys and the asking
+        rank shuffles and merges them. For samplers whose weight is a function of a key's
+        count (uniform, unigram) this is the same distribution as one store holding every
+        key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
+        """
+        from embstore.sampling.candidate import (
+            _positives,
+            check_num_sampled,
+            expected_count,
+            merge_candidates,
+            sampling_index,
+        )
+        from embstore.sampling.samplers import resolve_sampler
+
+        if not self.sharded:
+            raise InvalidInputError(
+                "distributed sample needs a store per rank ({rank} in the URL): over one "
+                "shared store a rank's sampling index does not see the other ranks' writes"
+            )
+        sampler = resolve_sampler(sampler)
+        m = check_num_sampled(num_sampled)
+        batch, positives = _positives(self.local, positive_keys, offsets)
+        flat_pos = (np.concatenate(positives) if len(positives) > 1
+                    else positives[0] if positives else self.local.normalize_keys([]))
+        idx = sampling_index(self.local)
+        snap = idx.snapshot(sampler)
+        mine = np.array([snap.total, snap.support - snap.dead_support], dtype=np.float64)
+        blobs, _, _ = self.comm.allgather("sample", mine.view(np.uint8))
+        shard_w = np.array([b.view(np.float64)[0] for b in blobs])
+        support = int(sum(b.view(np.float64)[1] for b in blobs))
+        total = float(shard_w.sum())
+        rng = (seed if isinstance(seed, np.random.Generator)
+               else np.random.default_rng(None if seed is None else (int(seed), self.rank)))
+        problem = None
+        if m and total <= 0:
+            problem = "the store has no key with a positive sampling weight"
+        elif m and unique and m > support:
+            problem = (f"unique sampling of {m} candidates needs at least {m} keys with a "
+                       f"positive weight; the store has {support}")
+        neg, weights, tries = self._draw_rounds(idx, snap, rng, m if not problem else 0,
+                                                shard_w, unique)
+        neg_prob = expected_count(weights / total if total > 0 else weights, tries, unique)
+        uniq_pos, inv = np.unique(flat_pos, return_inverse=True) if len(flat_pos) else (
+            flat_pos, np.zeros(0, np.int64))
+        pw = self._ask_owners("sample_prob", uniq_pos, 0, lambda asked, _: [
+            idx.prob_of(snap, a) * snap.total for a in asked], np.float64, ())
+        if problem:  # raised after the owners' last exchange, which every rank joins
+            raise InvalidInputError(problem)
+        pos_prob = expected_count((pw / total if total > 0 else pw)[inv.reshape(-1)], tries,
+                                  unique)
+        results = merge_candidates(positives, pos_prob, neg, neg_prob, tries,
+                                   remove_accidental_hits)
+        return results if batch else results[0]
+
+    def _draw_rounds(self, idx: Any, snap: Any, rng: np.random.Generator, m: int,
+                     shard_w: np.ndarray, unique: bool) -> tuple[np.ndarray, np.ndarray, int]:
+        """Rounds of draws until this rank has ``m`` (distinct, with ``unique``) candidates;
+        every rank takes part in every round (serving the others) until all are done."""
+        w = self.world_size
+        total = float(shard_w.sum())
+        keys = self.local.normalize_keys([])
+        wts = np.zeros(0, np.float64)
+        need = m if not unique else int(m * 1.03) + 16 if m else 0
+        tries, done = 0, m == 0
+        while True:
+            req = (rng.multinomial(need, shard_w / total) if not done and total > 0
+                   else np.zeros(w, np.int64))
+            asked, _, active = self.comm.begin("sample_round", req, 0, int(not done))
+            if not active.any():
+                break
+            answers = []
+            for s in range(w):
+                c = int(asked[s])
+                if c == 0:
+                    answers.append(np.zeros(0, np.uint8))
+                    continue
+                k, _, p = idx.draw(snap, rng, c)
+                answers.append(np.concatenate((pack_keys(k), (p * snap.total).view(np.uint8))))
+            n_in, nbytes, _ = self.comm.begin("sample_round", asked, [len(a) for a in answers])
+            got = self.comm.exchange(answers, nbytes, "sample_round")
+            if done:
+                continue
+            ks, ws = [keys], [wts]
+            for s in range(w):
+                if n_in[s]:
+                    k, used = unpack_keys(got[s], int(n_in[s]), self.key_type)
+                    ks.append(k)
+                    ws.append(got[s][used:].view(np.float64))
+            # Draws grouped by shard are not an i.i.d. sequence; a shuffle makes them one.
+            perm = len(keys) + rng.permutation(int(req.sum()))
+            allk, allw = np.concatenate(ks), np.concatenate(ws)
+            allk[len(keys):], allw[len(keys):] = allk[perm], allw[perm]
+            keys, wts = allk, allw
+            if not unique:
+                tries, done = len(keys), True
+                continue
+            _, first = np.unique(keys, return_index=True)
+            if len(first) >= m:
+                sel = np.sort(first)[:m]
+                tries = int(sel[-1]) + 1
+                keys, wts, done = keys[sel], wts[sel], True
+                continue
+            rate = len(first) / max(len(keys), 1)
+            need = int((m - len(first)) / max(rate, 1e-3) * 1.25) + 64
+        return keys, wts, tries

@@ -1,0 +1,92 @@
+"""One rank's shard, recorded exactly as ``sharded://`` records its shards.
+
+A rank of :mod:`embstore_torch.distributed.store` owns the keys with ``key_hash64(k) % world ==
+rank``: the routing of :class:`embstore.layers.sharded.ShardedBackend`. :class:`ShardView`
+wraps the rank's own backend so that its metadata carries what ``ShardedBackend`` writes
+into every shard (``format: "embstore-shard"``, ``sharding: {"count": world, "index":
+rank}``). The shards of a distributed run therefore reopen offline as one ordinary
+``sharded://`` store, and a run (or an offline open) with another number of shards is
+refused with ``SchemaMismatchError`` instead of looking for rows on the wrong shard.
+
+Built on :class:`embstore.layers.wrapper.WrapperBackend` (every method and capability
+forwarded explicitly); only the metadata is translated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from embstore.backends.base import Backend
+from embstore.errors import SchemaMismatchError
+from embstore.layers.sharded import SHARD_FORMAT
+from embstore.layers.wrapper import WrapperBackend
+
+__all__ = ["ShardView", "open_rank_backend"]
+
+
+class ShardView(WrapperBackend):
+    """``inner`` presented to the engine as shard ``index`` of ``count``.
+
+    Parameters
+    ----------
+    inner : Backend
+        The rank's own backend (any URL, with or without a cache layer).
+    index, count : int
+        This rank and the world size.
+    """
+
+    def __init__(self, inner: Backend, index: int, count: int) -> None:
+        super().__init__(inner)
+        self.sharding = {"count": int(count), "index": int(index)}
+
+    def read_meta(self) -> dict | None:
+        meta = self.inner.read_meta()
+        return None if meta is None else self._plain(meta)
+
+    def write_meta(self, meta: dict) -> None:
+        self.inner.write_meta(self._as_shard(meta))
+
+    def modify_meta(self, fn: Callable[[dict | None], dict]) -> dict:
+        # the merge of several writers' metadata sees and returns plain store metadata too
+        return self._plain(self.inner.modify_meta(
+            lambda stored: self._as_shard(fn(None if stored is None else self._plain(stored)))))
+
+    def _as_shard(self, meta: dict) -> dict:
+        return {**meta, "format": SHARD_FORMAT, "sharding": dict(self.sharding)}
+
+    def _plain(self, meta: dict) -> dict:
+        """Stored shard metadata, checked to be this shard's, as the engine's metadata."""
+        if meta.get("format") != SHARD_FORMAT:
+            raise SchemaMismatchError(
+                f"{self.url} holds a plain store, not a shard of a distributed/sharded store; "
+                "open it with embstore.open, or give every rank its own URL"
+            )
+        if meta.get("sharding") != self.sharding:
+            raise SchemaMismatchError(
+                f"{self.url} was written as shard {meta.get('sharding')} but is opened as "
+                f"shard {self.sharding}; run with the original world size or reshard with "
+                "`embstore copy SRC DST --shards N`"
+            )
+        out = {k: v for k, v in meta.items() if k != "sharding"}
+        out["format"] = "embstore"
+        return out
+
+
+def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None):
+    """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
+    shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
+    from embstore.engine.opening import open_backend, split_options
+
+    engine, read_only, layer, backend_opts = split_options(options)
+    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_opts)
+    engine["read_only"] = read_only
+    engine["reopen_options"] = dict(backend.reopen_options())
+    if sharding is None:
+        return backend, engine, True
+    try:
+        existed = backend.read_meta() is not None
+    except BaseException:
+        backend.close()
+        raise
+    return ShardView(backend, *sharding), engine, existed

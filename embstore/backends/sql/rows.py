@@ -1,0 +1,96 @@
+"""Row decoding shared by the DBAPI statement classes of the SQL backend: fetched keys and
+record blobs to numpy arrays, and key-ordered / version-ordered paging."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._cython.strkeys import strip_prefix
+from ...errors import SchemaMismatchError
+
+
+def _split_blobs(blobs: tuple[bytes, ...] | list[bytes], itemsize: int) -> np.ndarray:
+    """Join fetched record blobs into an ``(m, itemsize)`` uint8 array, checking sizes."""
+    joined = b"".join(blobs)
+    if len(joined) != len(blobs) * itemsize:
+        raise SchemaMismatchError(
+            f"stored records are not {itemsize} bytes each; the table holds data written with "
+            "another layout"
+        )
+    return np.frombuffer(joined, dtype=np.uint8).reshape(len(blobs), itemsize)
+
+
+def _keys_array(ks: tuple | list, key_type: str) -> np.ndarray:
+    if key_type == "int64":
+        return np.array(ks, dtype=np.int64)
+    return strip_prefix(ks, 0)  # bytes of each bytes/memoryview key, built in C
+
+
+def _row_blobs(raw: np.ndarray) -> list[bytes]:
+    """Per-row ``bytes`` of an ``(n, itemsize)`` uint8 array (what DBAPI drivers bind)."""
+    buf = raw.tobytes()
+    s = raw.shape[1]
+    return [buf[i:i + s] for i in range(0, len(buf), s)]
+
+
+class _PagedReads:
+    """Key-ordered pages and version-ordered change pages, for the DBAPI fast paths: the
+    statements differ between SQLite and PostgreSQL only in the ``param`` placeholder."""
+
+    param = "?"
+    t: str
+    key_type: str
+    itemsize: int
+
+    def _fetchall(self, sql: str, params: tuple) -> list:
+        raise NotImplementedError
+
+    def _rows(self, sql: str, params: tuple) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._fetchall(sql, params)
+        if not rows:
+            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+        ks, recs = zip(*rows)
+        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
+
+    def page(self, after, n: int) -> tuple[np.ndarray, np.ndarray]:
+        p = self.param
+        if after is None:
+            return self._rows(f"SELECT k, rec FROM {self.t} ORDER BY k LIMIT {p}", (n,))
+        return self._rows(f"SELECT k, rec FROM {self.t} WHERE k > {p} ORDER BY k LIMIT {p}",
+                          (after, n))
+
+    def changes(self, version: int, after, n: int) -> tuple[np.ndarray, np.ndarray]:
+        p = self.param
+        if after is None:
+            return self._rows(f"SELECT k, rec FROM {self.t} WHERE version > {p} "
+                              f"ORDER BY version, k LIMIT {p}", (version, n))
+        return self._rows(f"SELECT k, rec FROM {self.t} WHERE (version, k) > ({p}, {p}) "
+                          f"ORDER BY version, k LIMIT {p}", (after[0], after[1], n))
+
+
+def align_rows(key_type: str, keys: np.ndarray,
+               fkeys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row index into the fetched rows for each requested key, and a found mask."""
+    m = len(fkeys)
+    if m == 0:
+        return np.zeros(len(keys), np.intp), np.zeros(len(keys), bool)
+    if key_type == "int64":
+        order = np.argsort(fkeys, kind="stable")
+        sk = fkeys[order]
+        idx = np.minimum(np.searchsorted(sk, keys), m - 1)
+        found = sk[idx] == keys
+        return order[idx], found
+    pos = {k: i for i, k in enumerate(fkeys.tolist())}
+    rows = np.fromiter((pos.get(k, -1) for k in keys.tolist()), dtype=np.intp,
+                       count=len(keys))
+    found = rows >= 0
+    return np.maximum(rows, 0), found
+
+
+def absent(keys: np.ndarray, present: np.ndarray, key_type: str) -> np.ndarray:
+    """Bool mask of ``keys`` not among ``present`` (bytes keys are compared as Python objects,
+    which ``np.isin`` cannot do for object arrays)."""
+    if key_type == "int64":
+        return ~np.isin(keys, present)
+    have = set(present.tolist())
+    return np.array([k not in have for k in keys.tolist()], dtype=bool)

@@ -1,0 +1,73 @@
+"""Schema of the SQL backend (:mod:`embstore.backends.sql`): the table definitions of a store,
+and the checks that an existing table or metadata row really belongs to an embstore store."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import sqlalchemy as sa
+
+from ...errors import SchemaMismatchError
+
+
+def table_definitions(table_name: str, key_type: str) -> tuple[sa.Table, sa.Table, sa.Index]:
+    """The data table, the ``_meta`` table and the version index of one store."""
+    md = sa.MetaData()
+    if key_type == "int64":
+        # INTEGER PRIMARY KEY is SQLite's rowid alias: no second B-tree for the key.
+        ktype: sa.types.TypeEngine[Any] = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+    else:
+        from sqlalchemy.dialects.mysql import VARBINARY  # a BLOB cannot be a MySQL key
+
+        ktype = sa.LargeBinary().with_variant(VARBINARY(767), "mysql")
+    data = sa.Table(table_name, md,
+                    sa.Column("k", ktype, primary_key=True, autoincrement=False),
+                    sa.Column("rec", sa.LargeBinary(), nullable=False),
+                    sa.Column("version", sa.BigInteger(), nullable=False))
+    meta = sa.Table(table_name + "_meta", md,
+                    sa.Column("name", sa.String(64), primary_key=True),
+                    sa.Column("value", sa.Text(), nullable=False))
+    index = sa.Index(table_name + "_version_idx", data.c.version, data.c.k)
+    return data, meta, index
+
+
+def check_data_columns(b: Any, cols: dict[str, str], key_type: str) -> None:
+    """Refuse an existing table that is not an embstore data table of this key type."""
+    if set(cols) != {"k", "rec", "version"}:
+        raise SchemaMismatchError(
+            f"{b._safe_url}: table {b.table_name!r} has columns {sorted(cols)}, not "
+            "an embstore table (k, rec, version)"
+        )
+    kt = cols["k"]
+    is_int = "INT" in kt
+    if is_int != (key_type == "int64"):
+        raise SchemaMismatchError(
+            f"{b._safe_url}: key column is {kt}, the store has {key_type} keys")
+
+
+def read_store_meta(b: Any) -> dict | None:
+    """The store metadata of backend ``b``, ``None`` when no store exists in its table."""
+    if b._missing:
+        return None
+    meta_cols = b._ops.columns(b.table_name + "_meta")
+    if meta_cols is None:
+        if b._ops.columns(b.table_name) is not None:
+            raise SchemaMismatchError(
+                f"{b._safe_url}: table {b.table_name!r} exists but is not an embstore "
+                f"store (no {b.table_name}_meta table); choose another table name"
+            )
+        return None
+    if set(meta_cols) != {"name", "value"}:
+        raise SchemaMismatchError(
+            f"{b._safe_url}: table {b.table_name}_meta is not embstore metadata")
+    text = b._ops.meta_get()
+    if text is None:
+        return None
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise SchemaMismatchError(f"{b._safe_url}: unreadable metadata: {e}") from e
+    if not isinstance(meta, dict):
+        raise SchemaMismatchError(f"{b._safe_url}: metadata is not a JSON object")
+    return meta

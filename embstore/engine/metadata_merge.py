@@ -1,0 +1,102 @@
+"""Store metadata with several writers: merged with what is stored, never last-writer-wins.
+
+Each writer process (or store object) keeps its own ``step`` counter, version clock and policy
+counters, and persists them on ``flush``/``close``. With several writers, plain replacement
+would lose the other writers' share. The engine therefore writes metadata through
+``Backend.modify_meta`` (one transaction, or a compare-and-set, on shared backends) with
+:func:`merge_meta`:
+
+- ``step``: the stored step plus the updates *this* writer made since its last sync, so the
+  stored step counts every ``update`` call of every writer (the engine then adopts the merged
+  value, so its own later stamps and Adam's bias correction follow the global count);
+- ``version``: the maximum (a hybrid clock: every writer's stamps are monotonic);
+- ``updates_since_expire``: stored plus this writer's delta;
+- the tombstone log: the union of both logs (same bound as before);
+- everything else (layout, optimizer, policy configuration, admission state) is this writer's,
+  as before: admission sketches are per-writer approximations and the layout is checked on open.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..policies.tombstones import TombstoneLog
+
+
+def merge_meta(stored: dict | None, mine: dict[str, Any], steps: int,
+               expire_updates: int | None) -> dict[str, Any]:
+    """The metadata to store: ``mine`` merged with ``stored`` (see the module docstring).
+
+    ``steps`` / ``expire_updates``: this writer's ``update`` calls (and updates counted toward
+    expiry) since it last read or wrote the metadata; ``expire_updates`` is None when this
+    writer ran an expiry pass meanwhile (its own count then restarts the stored one).
+    """
+    if not stored:
+        return mine
+    out = dict(mine)
+    out["step"] = int(stored.get("step", 0)) + int(steps)
+    out["version"] = max(int(stored.get("version", 0)), int(mine.get("version", 0)))
+    st_pol = (stored.get("extra") or {}).get("policies") or {}
+    my_extra = dict(mine.get("extra") or {})
+    my_pol = dict(my_extra.get("policies") or {})
+    if st_pol or my_pol:
+        if expire_updates is not None:
+            my_pol["updates_since_expire"] = (int(st_pol.get("updates_since_expire", 0))
+                                              + int(expire_updates))
+        if st_pol.get("tombstones") and my_pol.get("tombstones"):
+            my_pol["tombstones"] = merge_tombstones(
+                str(mine.get("key_type", "int64")), st_pol["tombstones"], my_pol["tombstones"],
+                out["version"])
+        my_extra["policies"] = my_pol
+        out["extra"] = my_extra
+    return out
+
+
+def merge_tombstones(key_type: str, a: dict, b: dict, version: int) -> dict:
+    """Union of two persisted tombstone logs (each ``(key, version)`` pair once)."""
+    la = TombstoneLog.from_json(key_type, a, version)
+    lb = TombstoneLog.from_json(key_type, b, version)
+    ka, va = la._flat()
+    kb, vb = lb._flat()
+    keys, vers = np.concatenate([ka, kb]), np.concatenate([va, vb])
+    if key_type == "int64":
+        pairs = np.unique(np.stack([vers, keys], axis=1), axis=0)  # sorted by version
+        vers, keys = pairs[:, 0], pairs[:, 1]
+    else:
+        seen = sorted(set(zip(vers.tolist(), keys.tolist())))
+        vers = np.array([v for v, _ in seen], dtype=np.int64)
+        keys = np.empty(len(seen), dtype=object)
+        keys[:] = [k for _, k in seen]
+    out = TombstoneLog(key_type, floor=max(la.floor, lb.floor))
+    if len(keys):
+        out._keys, out._versions, out._n = [keys], [vers.astype(np.int64)], len(keys)
+    return out.to_json()
+
+
+def mark_meta_synced(store: Any) -> None:
+    """Remember the store's step and expiry counter as read from / written to the backend."""
+    store._step_synced = store.step
+    store._expire_synced = store._policy.updates_since_expire
+
+
+def sync_meta(store: Any) -> None:
+    """Write ``store``'s metadata merged with the stored one (``Backend.modify_meta``), then
+    adopt the merged step: other writers' steps, versions and tombstones are kept."""
+    policy = store._policy
+    step_now, expire_now = store.step, policy.updates_since_expire
+    mine = store._meta()
+    steps = step_now - store._step_synced
+    expire = (expire_now - store._expire_synced if expire_now >= store._expire_synced
+              else None)
+    merged = store._backend.modify_meta(lambda stored: merge_meta(stored, mine, steps, expire))
+    # Updates made by other threads while this ran are kept on top of the merged count.
+    store.step = int(merged.get("step", step_now)) + (store.step - step_now)
+    store._version = max(store._version, int(merged.get("version", 0)))
+    store._step_synced = int(merged.get("step", step_now))
+    pol = (merged.get("extra") or {}).get("policies") or {}
+    if "updates_since_expire" in pol:
+        policy.updates_since_expire = int(pol["updates_since_expire"]) + (
+            policy.updates_since_expire - expire_now)
+        store._expire_synced = int(pol["updates_since_expire"])

@@ -1,0 +1,67 @@
+"""How a pickled store comes back: never as a second writer unless someone asked for one.
+
+A persistent store pickles by URL (DataLoader workers, ``torch.save(model)``,
+``multiprocessing``). Reopening that URL read-write in the receiving process would make a second
+writer nobody asked for: it writes the store's metadata (step, version) from its own stale
+copy on close, e.g. a checkpoint loaded next to the training run reset Adam's step from 51 to
+0. So a store pickled from a writable handle reopens **read-only**, unless the writer is asked
+for explicitly with :func:`writable_unpickling`, around either the pickling (the receiving
+process then reopens it writable, e.g. DataLoader workers that must write) or the unpickling
+(``torch.load`` of a model that keeps training the same store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["writable_unpickling", "reopen_pickled"]
+
+# Process-wide, not per thread: multiprocessing.Pool pickles its tasks in a handler thread.
+_lock = threading.Lock()
+_depth = 0
+
+
+def _requested() -> bool:
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def writable_unpickling() -> Iterator[None]:
+    """Let stores pickled or unpickled inside this block reopen as writers.
+
+    Without it a store pickled from a writable handle reopens read-only, so a copy (a
+    ``torch.load``-ed model, a worker) never writes the store behind the original writer's back.
+    The request holds for the whole process while the block runs (``multiprocessing.Pool``
+    pickles tasks in a thread of its own).
+
+    Examples
+    --------
+    >>> with embstore.writable_unpickling():          # doctest: +SKIP
+    ...     model = torch.load("model.pt", weights_only=False)   # keeps training the store
+    """
+    global _depth
+    with _lock:
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+
+
+def pickle_args(url: str, options: dict[str, Any], read_only: bool) -> tuple:
+    """The arguments :func:`reopen_pickled` gets: the writer grant is decided when pickling
+    (inside :func:`writable_unpickling`) or again when unpickling."""
+    return (url, options, bool(read_only), (not read_only) and _requested())
+
+
+def reopen_pickled(url: str, options: dict[str, Any], read_only: bool,
+                   writer_granted: bool) -> Any:
+    """Reopen a pickled store: read-only unless it was a writer and a writer was asked for."""
+    from ..store import _reopen
+
+    writable = not read_only and (writer_granted or _requested())
+    return _reopen(url, {**options, "read_only": not writable})

@@ -1,0 +1,71 @@
+"""Whether a backend can count its rows / measure its size without reading them (``stats()``).
+
+Bigtable keeps no row count (``len`` streams every row key), RocksDB only estimates its key
+count (``len`` iterates the keys after each write) and SQL ``COUNT(*)`` reads the table, so
+``EmbeddingStore.stats()`` leaves ``rows`` out for them unless asked (``count_rows=True``):
+code that logs ``stats()`` every step must not scan the store every step.
+
+A backend declares an O(1) ``len`` with the class attribute ``cheap_len = True`` (memory://:
+the table's size; lmdb://: the B-tree's entry count). A shard layer is cheap when every
+shard is, a cache layer (any wrapper) when its remote (inner backend) is.
+
+``size_bytes`` is cheap almost everywhere (a file size, a RocksDB property, PostgreSQL's
+``pg_total_relation_size``); SQLite's walks every page of the table (``dbstat``), so the SQL
+backend declares ``cheap_size = False`` there and ``stats()`` leaves ``size_bytes`` out too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backends.base import Backend
+from ..errors import BackendError
+
+
+def count_is_cheap(backend: Any) -> bool:
+    """True when ``len(backend)`` reads no rows."""
+    return _declared(backend, "cheap_len", False)
+
+
+def size_is_cheap(backend: Any) -> bool:
+    """True when ``backend.size_bytes()`` reads no rows."""
+    return _declared(backend, "cheap_size", True)
+
+
+def _declared(backend: Any, flag: str, default: bool) -> bool:
+    declared = getattr(backend, flag, None)
+    if declared is not None:
+        return bool(declared)
+    shards = getattr(backend, "shards", None)
+    if isinstance(shards, (list, tuple)) and shards:
+        return all(_declared(s, flag, default) for s in shards)
+    for name in ("remote", "inner"):  # a cache layer's remote, a WrapperBackend's inner
+        wrapped = getattr(backend, name, None)
+        if isinstance(wrapped, Backend) and wrapped is not backend:
+            return _declared(wrapped, flag, default)
+    return default
+
+
+def measure_rows(backend: Backend, count_rows: bool | None, out: dict[str, Any]) -> None:
+    """Set ``out["rows"]`` when asked (``count_rows=True``) or cheap (``None``); a remote that
+    is down gives ``rows=None`` and ``backend_error``."""
+    if not (count_rows if count_rows is not None else count_is_cheap(backend)):
+        return
+    try:
+        out["rows"] = len(backend)
+    except BackendError as e:  # a remote that is down: report it, the counters still count
+        out["rows"] = None
+        out["backend_error"] = str(e)
+
+
+def measure_size(backend: Backend, count_rows: bool | None, out: dict[str, Any]) -> None:
+    """Set ``out["size_bytes"]`` where known, when asked or cheap."""
+    if not (count_rows or size_is_cheap(backend)):
+        return
+    try:
+        size = backend.size_bytes()
+    except BackendError as e:
+        out.setdefault("backend_error", str(e))
+        return
+    if size is not None:
+        out["size_bytes"] = int(size)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -40,6 +39,7 @@ from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
 from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
+from .policies.clock import resolve_clock
 from .policies.runtime import PolicyRuntime
 
 if TYPE_CHECKING:
@@ -70,6 +70,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     read_only : bool
         Serving ("sandbox") mode: every write raises ``ReadOnlyError``; lookups of unknown keys
         return their initial vector without inserting.
+    clock : callable, optional
+        Seconds for ``last_seen``, ``ttl_seconds`` and recency eviction (default the wall
+        clock); an :class:`embstore.policies.EventClock` replays a stream by event time. Not
+        saved: a reopened or unpickled store uses the wall clock unless given one again.
     """
 
     def __init__(
@@ -87,8 +91,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         expiry: Any = None,
         capacity: Any = None,
         eviction: Any = None,
+        clock: Any = None,
     ) -> None:
         self._backend = backend
+        #: seconds for ``last_seen``, TTL and recency eviction (wall clock unless given)
+        self._clock = resolve_clock(clock)
         self.read_only = bool(read_only)
         self._closed = False
         self._reopen_options = dict(reopen_options or {})
@@ -206,6 +213,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def eviction(self) -> Any:
         """The :class:`embstore.policies.Eviction` (capacity bound) of this store, or None."""
         return self._policy.eviction
+
+    def now(self) -> float:
+        """The store's current time in seconds (its ``clock``; wall time by default)."""
+        return float(self._clock())
 
     @property
     def closed(self) -> bool:
@@ -343,7 +354,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             # live (observers are told the same arithmetic); only keys without a record yet
             # go the general way below.
             row_update = RowUpdate(axpy, {"count": mult}, {
-                "last_seen": time.time(), "last_step": self.step,
+                "last_seen": self._clock(), "last_step": self.step,
                 "version": self._next_version()})
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:

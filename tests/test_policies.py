@@ -12,6 +12,7 @@ import embstore
 from embstore.errors import InvalidInputError
 from embstore.policies import (
     BloomAdmission,
+    EventClock,
     Eviction,
     Expiry,
     FrequencyCutoff,
@@ -206,10 +207,37 @@ def test_expiry_runs_every_n_updates():
     assert s.expire() == 0      # the configured TTL applies without arguments
 
 
+def test_event_time_clock_drives_last_seen_ttl_and_recency():
+    """A logged stream replayed by event time: rows are stamped with the batch's timestamp,
+    ``ttl_seconds`` counts stream time (the replay takes milliseconds of wall time), and LRU
+    ranks by it."""
+    clock = EventClock(start=1_000_000.0)
+    s = embstore.open("memory://", dim=DIM, clock=clock,
+                      expiry=Expiry(ttl_seconds=3600, every=1))
+    g = np.zeros((10, DIM), np.float32)
+    s.update(np.arange(10), g)                      # t0
+    assert (s.get_records(np.arange(10))[0]["last_seen"] == 1_000_000.0).all()
+    clock.set(1_000_000.0 + 1800)
+    s.update(np.arange(10, 20), g)                  # half an hour of stream later
+    assert s.contains(np.arange(20)).all()
+    clock.set(1_000_000.0 + 3601)
+    s.update(np.arange(20, 30), g)                  # keys 0..9 are now older than the TTL
+    assert not s.contains(np.arange(10)).any() and s.contains(np.arange(10, 30)).all()
+    assert s.stats()["expired"] == 10
+    clock.set(1.0)                                  # a late batch does not move time back
+    assert s.now() == 1_000_000.0 + 3601
+    with pytest.raises(InvalidInputError):
+        embstore.open("memory://", dim=DIM, clock=12.5)
+    with pytest.raises(InvalidInputError):
+        clock.set(float("nan"))
+
+
 # -- eviction ----------------------------------------------------------------------------------
 def _eviction_model(stream, capacity: int, policy: str):
+    """Capacity eviction as plain Python; LFU counts lose half per ``capacity`` evictions for
+    the rows not written since (the aging rule of ``embstore.policies.eviction``)."""
     rows: dict[int, list[int]] = {}  # key -> [last_step, count]
-    evicted = 0
+    evicted, since_halving, halvings = 0, 0, []
     for step, keys in enumerate(stream, start=1):
         uniq, mult = np.unique(keys, return_counts=True)
         for k, m in zip(uniq.tolist(), mult.tolist()):
@@ -219,12 +247,17 @@ def _eviction_model(stream, capacity: int, policy: str):
         if len(rows) > capacity:
             def order(k, step=step):
                 ls, c = rows[k]
-                return (ls >= step, c, ls, k) if policy == "lfu" else (ls >= step, ls, k)
+                aged = c >> sum(1 for h in halvings if h >= ls)
+                return (ls >= step, aged, ls, k) if policy == "lfu" else (ls >= step, ls, k)
 
             for k in sorted(rows, key=order)[:len(rows) - capacity]:
                 del rows[k]
                 evicted += 1
-    return set(rows), evicted
+                since_halving += 1
+                if since_halving == capacity:
+                    halvings.append(step)
+                    since_halving = 0
+    return set(rows), evicted, len(halvings)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -232,12 +265,12 @@ def test_capacity_eviction_matches_model(any_store_url_factory, policy):
     cap = 150
     s = embstore.open(any_store_url_factory(), dim=DIM, capacity=Eviction(cap, policy, slack=0.0))
     try:
-        stream = list(zipf_stream(3, 20, 40, a=1.2, vocab=2000))
+        stream = list(zipf_stream(3, 40, 40, a=1.2, vocab=2000))
         for keys in stream:
             s.update(keys, np.full((len(keys), DIM), 0.5, np.float32))
             assert len(s) <= cap
-        expected, evicted = _eviction_model(stream, cap, policy)
-        assert evicted > 0
+        expected, evicted, halvings = _eviction_model(stream, cap, policy)
+        assert evicted > 2 * cap and halvings >= 2
         assert s.stats()["evictions"] == evicted
         got = set()
         for keys, _ in s.items():
@@ -245,6 +278,30 @@ def test_capacity_eviction_matches_model(any_store_url_factory, policy):
         assert got == expected
     finally:
         s.close()
+
+
+def test_lfu_capacity_ages_stale_keys_out_on_a_drifting_stream():
+    """100 keys seen 5 times, then 200 fresh keys seen twice each (in batches of 10): without
+    aging the stale keys' counts of 5 outrank every fresh key forever and the table keeps
+    them (93 stale, 3 fresh); with aging they lose half per ``capacity`` evictions and the
+    fresh keys take over, as LRU would keep them."""
+    kept = {}
+    for policy in ("lfu", "lru"):
+        s = embstore.open("memory://", dim=DIM, capacity=Eviction(100, policy))
+        g = np.zeros((100, DIM), np.float32)
+        stale, fresh = np.arange(100), np.arange(1000, 1200)
+        for _ in range(5):
+            s.update(stale, g)
+        for batch in fresh.reshape(20, 10):
+            s.update(batch, g[:10])
+            s.update(batch, g[:10])
+        kept[policy] = (int(s.contains(stale).sum()), int(s.contains(fresh).sum()))
+        evictions = s.stats()["evictions"]
+        if policy == "lfu":
+            lfu_evictions = evictions
+    assert kept["lfu"][0] <= 10 and kept["lfu"][1] >= 85, kept
+    assert kept["lru"][0] == 0
+    assert lfu_evictions <= evictions + 10  # no churn of fresh keys against stale ones
 
 
 def test_eviction_with_slack_amortizes_and_lookup_inserts_respect_capacity():

@@ -457,7 +457,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         backend's counters; ``rows`` and ``size_bytes`` where they read no rows or with
         ``count_rows=True`` (a scan on Bigtable, RocksDB, SQL; ``False``: never; see
         ``embstore._rowcount``). A counted ``rows`` of an unreachable remote is None, with
-        ``backend_error``."""
+        ``backend_error``. ``admission_bytes`` is the memory of the admission policy's state,
+        included in ``size_bytes``."""
         from ._rowcount import measure_rows, measure_size
 
         self._check_open()
@@ -472,6 +473,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
             out.update(obs.stats())
         measure_size(self._backend, count_rows, out)
+        # admission state (sketch, Bloom filter) is memory the table costs too
+        adm_bytes = self._policy.admission_bytes()
+        out["admission_bytes"] = adm_bytes
+        if out.get("size_bytes") is not None:
+            out["size_bytes"] += adm_bytes
         return out
 
     def flush(self) -> None:

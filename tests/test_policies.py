@@ -358,3 +358,129 @@ def test_admission_with_bytes_keys(policy):
     s.update(["c"], np.ones((1, DIM)))
     s.update(["c"], np.ones((1, DIM)))
     assert s.contains(["c"])[0] and s.stats()["gradients_dropped"] == 1
+
+
+# -- admission state: batch Bloom hashing, sketch sizing --------------------------------------
+def _bloom_per_key(sbf, hashes):
+    """The per-key path: pybloom's ``ScalableBloomFilter.add`` logic one key at a time, on
+    the same bit positions as the batch path."""
+    from pybloom_live import BloomFilter
+
+    from embstore.policies.admission import bloom_positions
+
+    out = []
+    for h in hashes:
+        h = np.array([h], dtype=np.uint64)
+        present = False
+        for f in reversed(sbf.filters):
+            pos = bloom_positions(h, f.num_slices, f.bits_per_slice)[0]
+            if all(f.bitarray[int(p)] for p in pos):
+                present = True
+                break
+        out.append(present)
+        if present:
+            continue
+        if not sbf.filters:
+            sbf.filters.append(BloomFilter(sbf.initial_capacity, sbf.error_rate * sbf.ratio))
+        elif sbf.filters[-1].count >= sbf.filters[-1].capacity:
+            last = sbf.filters[-1]
+            sbf.filters.append(BloomFilter(last.capacity * sbf.scale,
+                                           last.error_rate * sbf.ratio))
+        f = sbf.filters[-1]
+        for p in bloom_positions(h, f.num_slices, f.bits_per_slice)[0]:
+            f.bitarray[int(p)] = True
+        f.count += 1
+    return np.array(out, dtype=bool)
+
+
+def test_bloom_batch_path_equals_the_per_key_path():
+    """Same decisions, same bits, same counts as adding keys one by one, across the filter's
+    growth inside a batch, with repeats across batches and false positives (a tiny, very
+    loose filter makes them common)."""
+    pytest.importorskip("pybloom_live")
+    from embstore._keys import key_hash64
+
+    rng = np.random.default_rng(5)
+    for cap, err in ((50, 0.3), (1000, 0.001)):
+        batch = BloomAdmission(initial_capacity=cap, error_rate=err)
+        ref = BloomAdmission(initial_capacity=cap, error_rate=err)
+        for size in (1, 7, 300, 64, 2000, 5):
+            keys = np.unique(rng.integers(0, 3000, size))
+            counts = rng.integers(1, 3, len(keys))
+            got = batch.admit(keys, counts)
+            want = _bloom_per_key(ref._bloom, key_hash64(keys)) | (counts >= 2)
+            np.testing.assert_array_equal(got, want)
+        assert len(batch._bloom.filters) == len(ref._bloom.filters)
+        assert len(batch._bloom.filters) >= (2 if cap == 50 else 1)  # grew inside a batch
+        for fa, fb in zip(batch._bloom.filters, ref._bloom.filters):
+            assert fa.bitarray == fb.bitarray and fa.count == fb.count
+        restored = BloomAdmission(initial_capacity=cap, error_rate=err)
+        restored.load_state(batch.state())  # pybloom's own file format
+        keys = np.arange(3000, 3100)
+        np.testing.assert_array_equal(restored.admit(keys, np.ones(100)),
+                                      batch.admit(keys, np.ones(100)))
+
+
+def test_bloom_saved_before_batch_hashing_keeps_its_filter():
+    pytest.importorskip("pybloom_live")
+    from embstore.policies import admission_from_config
+
+    old = admission_from_config({"name": "bloom", "initial_capacity": 100, "error_rate": 0.01})
+    assert old.hashing == "pybloom" and old.config() == {"name": "bloom",
+                                                         "initial_capacity": 100,
+                                                         "error_rate": 0.01}
+    keys = np.arange(10)
+    assert not old.admit(keys, np.ones(10)).any() and old.admit(keys, np.ones(10)).all()
+    assert BloomAdmission().config()["hashing"] == "key_hash64"
+
+
+def test_frequency_sketch_is_sized_by_keys_and_counted_in_stats():
+    """The sketch starts small and doubles with the distinct keys it counts (never losing a
+    count), up to its byte budget; stats() reports it and size_bytes includes it."""
+    small = FrequencyCutoff(3)
+    assert small.nbytes <= 4096  # not a fixed 4 MiB
+    keys = np.arange(20_000, dtype=np.int64)
+    small.admit(keys[:5000], np.ones(5000))
+    est_before = small.estimate(keys[:5000]).copy()
+    small.admit(keys[5000:], np.ones(15_000))
+    assert small.sketch.width >= 8 * 20_000 // 2 and small.nbytes <= 4 * small.sketch.width
+    assert (small.estimate(keys[:5000]) >= est_before).all()
+    assert (small.estimate(keys) >= 1).all()
+    # false early admissions at the sizing load stay rare
+    early = small.admit(np.arange(10**6, 10**6 + 20_000), np.ones(20_000))
+    assert early.mean() < 0.01
+    sized = FrequencyCutoff(3, expected_keys=100_000)
+    assert sized.sketch.width == 1 << 20
+    capped = FrequencyCutoff(3, max_bytes=64 << 10)
+    capped.admit(np.arange(200_000), np.ones(200_000))
+    assert capped.nbytes <= 64 << 10
+    with pytest.raises(InvalidInputError):
+        FrequencyCutoff(3, expected_keys=0)
+
+    s = embstore.open("memory://", dim=DIM, admission=FrequencyCutoff(2, expected_keys=1000))
+    st = s.stats()
+    assert st["admission_bytes"] == 4 * 8192
+    s.lookup(np.arange(100))
+    s.lookup(np.arange(100))  # admitted now
+    full = s.stats()
+    assert full["rows"] == 100
+    s.delete(np.arange(50))
+    after = s.stats()
+    assert after["size_bytes"] < full["size_bytes"]  # live rows, not the arena's high mark
+    assert after["size_bytes"] - after["admission_bytes"] \
+        == full["size_bytes"] - full["admission_bytes"] - 50 * s.layout.itemsize
+
+
+def test_frequency_sketch_growth_survives_reopen(tmp_path):
+    url = f"lmdb://{tmp_path}/s"
+    s = embstore.open(url, dim=DIM, admission=FrequencyCutoff(3))
+    s.lookup(np.arange(5000))
+    s.lookup(np.arange(5000))
+    width = s.admission.sketch.width
+    assert width > 1024 and len(s) == 0
+    s.close()
+    s = embstore.open(url, admission=FrequencyCutoff(3))
+    assert s.admission.sketch.width == width
+    s.lookup(np.arange(5000))
+    assert len(s) == 5000  # the two earlier sightings were kept
+    s.close()

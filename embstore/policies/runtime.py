@@ -137,6 +137,10 @@ class PolicyRuntime:
         if "updates_since_expire" in st:
             self.updates_since_expire = int(st["updates_since_expire"])
 
+    def admission_bytes(self) -> int:
+        """Memory of the admission policy's state (0 without one)."""
+        return 0 if self.admission is None else int(self.admission.nbytes)
+
     # -- admission ------------------------------------------------------------------------------
     def admit_lookup(self, keys: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
         assert self.admission is not None  # invariant: asked only with a policy configured

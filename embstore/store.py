@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -39,6 +38,7 @@ from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
 from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
+from .policies.clock import resolve_clock
 from .policies.runtime import PolicyRuntime
 from .urls import redact_url
 
@@ -70,6 +70,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     read_only : bool
         Serving ("sandbox") mode: every write raises ``ReadOnlyError``; lookups of unknown keys
         return their initial vector without inserting.
+    clock : callable, optional
+        Seconds for ``last_seen``, ``ttl_seconds`` and recency eviction (default the wall
+        clock); an :class:`embstore.policies.EventClock` replays a stream by event time. Not
+        saved: a reopened or unpickled store uses the wall clock unless given one again.
     """
 
     def __init__(
@@ -87,8 +91,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         expiry: Any = None,
         capacity: Any = None,
         eviction: Any = None,
+        clock: Any = None,
     ) -> None:
         self._backend = backend
+        #: seconds for ``last_seen``, TTL and recency eviction (wall clock unless given)
+        self._clock = resolve_clock(clock)
         self.read_only = bool(read_only)
         self._closed = False
         self._reopen_options = dict(reopen_options or {})
@@ -206,6 +213,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def eviction(self) -> Any:
         """The :class:`embstore.policies.Eviction` (capacity bound) of this store, or None."""
         return self._policy.eviction
+
+    def now(self) -> float:
+        """The store's current time in seconds (its ``clock``; wall time by default)."""
+        return float(self._clock())
 
     @property
     def closed(self) -> bool:
@@ -343,7 +354,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             # live (observers are told the same arithmetic); only keys without a record yet
             # go the general way below.
             row_update = RowUpdate(axpy, {"count": mult}, {
-                "last_seen": time.time(), "last_step": self.step,
+                "last_seen": self._clock(), "last_step": self.step,
                 "version": self._next_version()})
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
@@ -446,7 +457,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         backend's counters; ``rows`` and ``size_bytes`` where they read no rows or with
         ``count_rows=True`` (a scan on Bigtable, RocksDB, SQL; ``False``: never; see
         ``embstore.engine.row_count``). A counted ``rows`` of an unreachable remote is None, with
-        ``backend_error``."""
+        ``backend_error``. ``admission_bytes`` is the memory of the admission policy's state,
+        included in ``size_bytes``."""
         from .engine.row_count import measure_rows, measure_size
 
         self._check_open()
@@ -461,6 +473,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
             out.update(obs.stats())
         measure_size(self._backend, count_rows, out)
+        # admission state (sketch, Bloom filter) is memory the table costs too
+        adm_bytes = self._policy.admission_bytes()
+        out["admission_bytes"] = adm_bytes
+        if out.get("size_bytes") is not None:
+            out["size_bytes"] += adm_bytes
         return out
 
     def flush(self) -> None:

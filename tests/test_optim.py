@@ -124,21 +124,56 @@ def test_ftrl_l1_produces_exact_zeros_and_matches_reference():
     assert len(s) == 4  # prune is off without l21: zero coordinates, rows kept
 
 
-def test_ftrl_group_lasso_deletes_weak_rows():
+def test_ftrl_group_lasso_keeps_accumulating_below_the_threshold():
+    """A key whose per-step gradient is below the group threshold must still accumulate z
+    until it crosses it: the zero row keeps its z/n (deleting it each step kept w at 0)."""
+    dim = 4
+    s = embstore.open("memory://", dim=dim, initializer="zeros",
+                      optimizer=FTRL(alpha=0.1, beta=1.0, l21=0.1))
+    g = np.full((1, dim), -0.05, np.float32)
+    first = None
+    for step in range(10):
+        s.update([7], g)
+        if step == 0:
+            first = s.get_records([7])[0][0].copy()
+    assert first is not None and not first["vector"].any() and first["z"].any()
+    rec = s.get_records([7])[0][0]
+    # the same recursion in float64, one coordinate (all four are equal)
+    z = n = w_ref = 0.0
+    thresh = 0.1 * np.sqrt(dim)
+    for _ in range(10):
+        n_new = n + 0.05 ** 2
+        z += -0.05 - (np.sqrt(n_new) - np.sqrt(n)) / 0.1 * w_ref
+        n = n_new
+        norm = abs(z) * np.sqrt(dim)
+        scale = 1 - thresh / norm if norm > thresh else 0.0
+        w_ref = -z * scale / ((1.0 + np.sqrt(n)) / 0.1)
+    assert w_ref > 0.03
+    np.testing.assert_allclose(rec["vector"], w_ref, rtol=1e-4)
+    assert s.stats()["pruned"] == 0 and len(s) == 1
+
+
+def test_ftrl_prune_removes_only_idle_zero_rows():
     dim = 16
     s = embstore.open("memory://", dim=dim, initializer="zeros",
-                      optimizer=FTRL(alpha=0.1, beta=1.0, l1=0.0, l2=0.0, l21=0.2))
+                      optimizer=FTRL(alpha=0.1, beta=1.0, l21=0.2, prune=True,
+                                     prune_idle_steps=5))
     rng = np.random.default_rng(2)
-    strong, weak = np.arange(0, 10), np.arange(100, 110)
+    strong, weak, idle = np.arange(0, 10), np.arange(100, 110), np.arange(200, 210)
+    s.update(idle, rng.normal(0, 0.01, (10, dim)).astype(np.float32))  # zero, then idle
     for _ in range(30):
         g_strong = (rng.normal(0, 0.1, (10, dim)) + 2.0).astype(np.float32)
         g_weak = rng.normal(0, 0.01, (10, dim)).astype(np.float32)
         s.update(np.concatenate([strong, weak]), np.concatenate([g_strong, g_weak]))
     assert s.contains(strong).all()
-    assert not s.contains(weak).any()
-    st = s.stats()
-    assert st["pruned"] >= 10 and len(s) == 10
+    assert s.contains(weak).all()       # zero but still trained: state kept
+    assert not s.contains(idle).any()   # zero and idle for 5+ steps: pruned
+    assert s.stats()["pruned"] == 10 and len(s) == 20
     assert (s.lookup(strong, insert=False) != 0).all()
+    assert not s.lookup(weak, insert=False).any()
+    from embstore.optim.ftrl import nonzero_rows
+    nz = sum(int(nonzero_rows(r).sum()) for _, r in s.records())
+    assert nz == 10  # what a serving copy needs
 
 
 @pytest.mark.parametrize("make", [

@@ -12,6 +12,7 @@ import embstore
 from embstore.errors import InvalidInputError
 from embstore.policies import (
     BloomAdmission,
+    EventClock,
     Eviction,
     Expiry,
     FrequencyCutoff,
@@ -206,10 +207,37 @@ def test_expiry_runs_every_n_updates():
     assert s.expire() == 0      # the configured TTL applies without arguments
 
 
+def test_event_time_clock_drives_last_seen_ttl_and_recency():
+    """A logged stream replayed by event time: rows are stamped with the batch's timestamp,
+    ``ttl_seconds`` counts stream time (the replay takes milliseconds of wall time), and LRU
+    ranks by it."""
+    clock = EventClock(start=1_000_000.0)
+    s = embstore.open("memory://", dim=DIM, clock=clock,
+                      expiry=Expiry(ttl_seconds=3600, every=1))
+    g = np.zeros((10, DIM), np.float32)
+    s.update(np.arange(10), g)                      # t0
+    assert (s.get_records(np.arange(10))[0]["last_seen"] == 1_000_000.0).all()
+    clock.set(1_000_000.0 + 1800)
+    s.update(np.arange(10, 20), g)                  # half an hour of stream later
+    assert s.contains(np.arange(20)).all()
+    clock.set(1_000_000.0 + 3601)
+    s.update(np.arange(20, 30), g)                  # keys 0..9 are now older than the TTL
+    assert not s.contains(np.arange(10)).any() and s.contains(np.arange(10, 30)).all()
+    assert s.stats()["expired"] == 10
+    clock.set(1.0)                                  # a late batch does not move time back
+    assert s.now() == 1_000_000.0 + 3601
+    with pytest.raises(InvalidInputError):
+        embstore.open("memory://", dim=DIM, clock=12.5)
+    with pytest.raises(InvalidInputError):
+        clock.set(float("nan"))
+
+
 # -- eviction ----------------------------------------------------------------------------------
 def _eviction_model(stream, capacity: int, policy: str):
+    """Capacity eviction as plain Python; LFU counts lose half per ``capacity`` evictions for
+    the rows not written since (the aging rule of ``embstore.policies.eviction``)."""
     rows: dict[int, list[int]] = {}  # key -> [last_step, count]
-    evicted = 0
+    evicted, since_halving, halvings = 0, 0, []
     for step, keys in enumerate(stream, start=1):
         uniq, mult = np.unique(keys, return_counts=True)
         for k, m in zip(uniq.tolist(), mult.tolist()):
@@ -219,12 +247,17 @@ def _eviction_model(stream, capacity: int, policy: str):
         if len(rows) > capacity:
             def order(k, step=step):
                 ls, c = rows[k]
-                return (ls >= step, c, ls, k) if policy == "lfu" else (ls >= step, ls, k)
+                aged = c >> sum(1 for h in halvings if h >= ls)
+                return (ls >= step, aged, ls, k) if policy == "lfu" else (ls >= step, ls, k)
 
             for k in sorted(rows, key=order)[:len(rows) - capacity]:
                 del rows[k]
                 evicted += 1
-    return set(rows), evicted
+                since_halving += 1
+                if since_halving == capacity:
+                    halvings.append(step)
+                    since_halving = 0
+    return set(rows), evicted, len(halvings)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -232,12 +265,12 @@ def test_capacity_eviction_matches_model(any_store_url_factory, policy):
     cap = 150
     s = embstore.open(any_store_url_factory(), dim=DIM, capacity=Eviction(cap, policy, slack=0.0))
     try:
-        stream = list(zipf_stream(3, 20, 40, a=1.2, vocab=2000))
+        stream = list(zipf_stream(3, 40, 40, a=1.2, vocab=2000))
         for keys in stream:
             s.update(keys, np.full((len(keys), DIM), 0.5, np.float32))
             assert len(s) <= cap
-        expected, evicted = _eviction_model(stream, cap, policy)
-        assert evicted > 0
+        expected, evicted, halvings = _eviction_model(stream, cap, policy)
+        assert evicted > 2 * cap and halvings >= 2
         assert s.stats()["evictions"] == evicted
         got = set()
         for keys, _ in s.items():
@@ -245,6 +278,30 @@ def test_capacity_eviction_matches_model(any_store_url_factory, policy):
         assert got == expected
     finally:
         s.close()
+
+
+def test_lfu_capacity_ages_stale_keys_out_on_a_drifting_stream():
+    """100 keys seen 5 times, then 200 fresh keys seen twice each (in batches of 10): without
+    aging the stale keys' counts of 5 outrank every fresh key forever and the table keeps
+    them (93 stale, 3 fresh); with aging they lose half per ``capacity`` evictions and the
+    fresh keys take over, as LRU would keep them."""
+    kept = {}
+    for policy in ("lfu", "lru"):
+        s = embstore.open("memory://", dim=DIM, capacity=Eviction(100, policy))
+        g = np.zeros((100, DIM), np.float32)
+        stale, fresh = np.arange(100), np.arange(1000, 1200)
+        for _ in range(5):
+            s.update(stale, g)
+        for batch in fresh.reshape(20, 10):
+            s.update(batch, g[:10])
+            s.update(batch, g[:10])
+        kept[policy] = (int(s.contains(stale).sum()), int(s.contains(fresh).sum()))
+        evictions = s.stats()["evictions"]
+        if policy == "lfu":
+            lfu_evictions = evictions
+    assert kept["lfu"][0] <= 10 and kept["lfu"][1] >= 85, kept
+    assert kept["lru"][0] == 0
+    assert lfu_evictions <= evictions + 10  # no churn of fresh keys against stale ones
 
 
 def test_eviction_with_slack_amortizes_and_lookup_inserts_respect_capacity():
@@ -301,3 +358,129 @@ def test_admission_with_bytes_keys(policy):
     s.update(["c"], np.ones((1, DIM)))
     s.update(["c"], np.ones((1, DIM)))
     assert s.contains(["c"])[0] and s.stats()["gradients_dropped"] == 1
+
+
+# -- admission state: batch Bloom hashing, sketch sizing --------------------------------------
+def _bloom_per_key(sbf, hashes):
+    """The per-key path: pybloom's ``ScalableBloomFilter.add`` logic one key at a time, on
+    the same bit positions as the batch path."""
+    from pybloom_live import BloomFilter
+
+    from embstore.policies.admission import bloom_positions
+
+    out = []
+    for h in hashes:
+        h = np.array([h], dtype=np.uint64)
+        present = False
+        for f in reversed(sbf.filters):
+            pos = bloom_positions(h, f.num_slices, f.bits_per_slice)[0]
+            if all(f.bitarray[int(p)] for p in pos):
+                present = True
+                break
+        out.append(present)
+        if present:
+            continue
+        if not sbf.filters:
+            sbf.filters.append(BloomFilter(sbf.initial_capacity, sbf.error_rate * sbf.ratio))
+        elif sbf.filters[-1].count >= sbf.filters[-1].capacity:
+            last = sbf.filters[-1]
+            sbf.filters.append(BloomFilter(last.capacity * sbf.scale,
+                                           last.error_rate * sbf.ratio))
+        f = sbf.filters[-1]
+        for p in bloom_positions(h, f.num_slices, f.bits_per_slice)[0]:
+            f.bitarray[int(p)] = True
+        f.count += 1
+    return np.array(out, dtype=bool)
+
+
+def test_bloom_batch_path_equals_the_per_key_path():
+    """Same decisions, same bits, same counts as adding keys one by one, across the filter's
+    growth inside a batch, with repeats across batches and false positives (a tiny, very
+    loose filter makes them common)."""
+    pytest.importorskip("pybloom_live")
+    from embstore._keys import key_hash64
+
+    rng = np.random.default_rng(5)
+    for cap, err in ((50, 0.3), (1000, 0.001)):
+        batch = BloomAdmission(initial_capacity=cap, error_rate=err)
+        ref = BloomAdmission(initial_capacity=cap, error_rate=err)
+        for size in (1, 7, 300, 64, 2000, 5):
+            keys = np.unique(rng.integers(0, 3000, size))
+            counts = rng.integers(1, 3, len(keys))
+            got = batch.admit(keys, counts)
+            want = _bloom_per_key(ref._bloom, key_hash64(keys)) | (counts >= 2)
+            np.testing.assert_array_equal(got, want)
+        assert len(batch._bloom.filters) == len(ref._bloom.filters)
+        assert len(batch._bloom.filters) >= (2 if cap == 50 else 1)  # grew inside a batch
+        for fa, fb in zip(batch._bloom.filters, ref._bloom.filters):
+            assert fa.bitarray == fb.bitarray and fa.count == fb.count
+        restored = BloomAdmission(initial_capacity=cap, error_rate=err)
+        restored.load_state(batch.state())  # pybloom's own file format
+        keys = np.arange(3000, 3100)
+        np.testing.assert_array_equal(restored.admit(keys, np.ones(100)),
+                                      batch.admit(keys, np.ones(100)))
+
+
+def test_bloom_saved_before_batch_hashing_keeps_its_filter():
+    pytest.importorskip("pybloom_live")
+    from embstore.policies import admission_from_config
+
+    old = admission_from_config({"name": "bloom", "initial_capacity": 100, "error_rate": 0.01})
+    assert old.hashing == "pybloom" and old.config() == {"name": "bloom",
+                                                         "initial_capacity": 100,
+                                                         "error_rate": 0.01}
+    keys = np.arange(10)
+    assert not old.admit(keys, np.ones(10)).any() and old.admit(keys, np.ones(10)).all()
+    assert BloomAdmission().config()["hashing"] == "key_hash64"
+
+
+def test_frequency_sketch_is_sized_by_keys_and_counted_in_stats():
+    """The sketch starts small and doubles with the distinct keys it counts (never losing a
+    count), up to its byte budget; stats() reports it and size_bytes includes it."""
+    small = FrequencyCutoff(3)
+    assert small.nbytes <= 4096  # not a fixed 4 MiB
+    keys = np.arange(20_000, dtype=np.int64)
+    small.admit(keys[:5000], np.ones(5000))
+    est_before = small.estimate(keys[:5000]).copy()
+    small.admit(keys[5000:], np.ones(15_000))
+    assert small.sketch.width >= 8 * 20_000 // 2 and small.nbytes <= 4 * small.sketch.width
+    assert (small.estimate(keys[:5000]) >= est_before).all()
+    assert (small.estimate(keys) >= 1).all()
+    # false early admissions at the sizing load stay rare
+    early = small.admit(np.arange(10**6, 10**6 + 20_000), np.ones(20_000))
+    assert early.mean() < 0.01
+    sized = FrequencyCutoff(3, expected_keys=100_000)
+    assert sized.sketch.width == 1 << 20
+    capped = FrequencyCutoff(3, max_bytes=64 << 10)
+    capped.admit(np.arange(200_000), np.ones(200_000))
+    assert capped.nbytes <= 64 << 10
+    with pytest.raises(InvalidInputError):
+        FrequencyCutoff(3, expected_keys=0)
+
+    s = embstore.open("memory://", dim=DIM, admission=FrequencyCutoff(2, expected_keys=1000))
+    st = s.stats()
+    assert st["admission_bytes"] == 4 * 8192
+    s.lookup(np.arange(100))
+    s.lookup(np.arange(100))  # admitted now
+    full = s.stats()
+    assert full["rows"] == 100
+    s.delete(np.arange(50))
+    after = s.stats()
+    assert after["size_bytes"] < full["size_bytes"]  # live rows, not the arena's high mark
+    assert after["size_bytes"] - after["admission_bytes"] \
+        == full["size_bytes"] - full["admission_bytes"] - 50 * s.layout.itemsize
+
+
+def test_frequency_sketch_growth_survives_reopen(tmp_path):
+    url = f"lmdb://{tmp_path}/s"
+    s = embstore.open(url, dim=DIM, admission=FrequencyCutoff(3))
+    s.lookup(np.arange(5000))
+    s.lookup(np.arange(5000))
+    width = s.admission.sketch.width
+    assert width > 1024 and len(s) == 0
+    s.close()
+    s = embstore.open(url, admission=FrequencyCutoff(3))
+    assert s.admission.sketch.width == width
+    s.lookup(np.arange(5000))
+    assert len(s) == 5000  # the two earlier sightings were kept
+    s.close()

@@ -460,9 +460,11 @@ class MemoryBackend(Backend):
 
     @serialized
     def size_bytes(self) -> int:
+        """Bytes of the live records plus the key table: falls when rows are deleted (the
+        arena keeps freed slots for reuse; ``stats()["arena_bytes"]`` is what it holds)."""
         if self._arena is None:
             return 0
-        n = self._records.nbytes
+        n = self._records.live * self._records.itemsize
         if self._table is not None:
             n += self._key_table.nbytes
         return int(n)
@@ -473,4 +475,6 @@ class MemoryBackend(Backend):
         if self._table is not None:
             out["table_capacity"] = int(self._key_table.capacity)
             out["table_rehashes"] = int(self._key_table.rehashes)
+        if self._arena is not None:
+            out["arena_bytes"] = int(self._records.nbytes)
         return out

@@ -37,9 +37,10 @@ class HistoryAPI(StoreSeams):
         """Delete rows past their time to live; return how many (also ``stats()["expired"]``).
 
         Without arguments the store's :class:`~embstore.policies.Expiry` applies. A row
-        expires when ``last_seen`` is older than ``ttl_seconds`` (wall time) or ``last_step``
-        is more than ``ttl_steps`` updates behind the store's step. ``now`` (default: the
-        current wall time) is the reference for ``ttl_seconds``. Scans the table.
+        expires when ``last_seen`` is older than ``ttl_seconds`` (by the store's clock: wall
+        time, or event time with ``open(clock=...)``) or ``last_step`` is more than
+        ``ttl_steps`` updates behind the store's step. ``now`` (default: the store's clock)
+        is the reference for ``ttl_seconds``. Scans the table.
         """
         from ..policies.expiry import Expiry
 

@@ -78,9 +78,12 @@ class PolicyHost(Protocol):
     """What expiry and capacity eviction use of a store."""
 
     step: int
+    optimizer: Any
 
     @property
     def backend(self) -> Backend: ...
+
+    def now(self) -> float: ...
 
     @property
     def counters(self) -> Mapping[str, int]: ...

@@ -10,6 +10,7 @@ them. The row-update fast path in ``EmbeddingStore.update`` tells observers itse
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +41,7 @@ class RecordWrites:
     _stats: dict[str, int]
     _policy: PolicyRuntime
     _observers: list[StoreObserver]
+    _clock: Callable[[], float]
 
     def _next_version(self) -> int:
         # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep
@@ -197,6 +199,6 @@ class RecordWrites:
             obs.on_delete(gone)
 
     def _stamp(self, recs: np.ndarray) -> None:
-        recs["last_seen"] = time.time()
+        recs["last_seen"] = self._clock()
         recs["last_step"] = self.step
         recs["version"] = self._next_version()

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidInputError
 from .base import Optimizer, check_hyper
 
 
@@ -28,11 +29,17 @@ class FTRL(Optimizer):
     the exact proximal step when the row's per-coordinate rates are equal, the usual
     approximation otherwise).
 
-    Rows that are all zero after a step are returned for deletion when ``prune`` is on
-    (feature selection: the key's row, including its ``z``/``n`` state, leaves the table; if
-    the key comes back it starts afresh). ``prune`` defaults to on exactly when ``l21 > 0``.
-    Weights follow from ``z`` and ``n`` after the first step, so ``initializer="zeros"`` is the
-    natural choice.
+    A row whose weight is all zero **keeps its row and its ``z``/``n`` state**: a key whose
+    per-step gradient is below the threshold must still accumulate ``z`` until it crosses
+    it (deleting the row at every zero step, as earlier versions did with ``l21 > 0``,
+    restarts it from nothing and the key can never earn a weight). Zero rows cost table
+    memory but not serving memory: :func:`nonzero_rows` tells them apart, and a serving copy
+    can leave them out. They leave the training table only by a rule that cannot destroy
+    accumulation in progress: with ``prune=True`` a row is deleted when its weight is zero
+    **and** it has not been updated for ``prune_idle_steps`` steps (swept every
+    ``prune_idle_steps`` updates, counted in ``stats()["pruned"]``); a key that comes back
+    after that starts afresh, exactly as after a TTL expiry. Weights follow from ``z`` and
+    ``n`` after the first step, so ``initializer="zeros"`` is the natural choice.
 
     Parameters
     ----------
@@ -44,15 +51,17 @@ class FTRL(Optimizer):
         Penalties (>= 0).
     initial_accumulator_value : float
         Starting ``n`` of a new key (>= 0; Keras uses 0.1).
-    prune : bool, optional
-        Delete rows that became all zero.
+    prune : bool
+        Delete rows that are all zero *and* idle for ``prune_idle_steps`` steps (default off).
+    prune_idle_steps : int
+        Idle steps before a zero row may be pruned, and the sweep period (> 0).
     """
 
     name = "ftrl"
 
     def __init__(self, alpha: float = 0.05, beta: float = 1.0, l1: float = 0.0, l2: float = 0.0,
                  l21: float = 0.0, initial_accumulator_value: float = 0.0,
-                 prune: bool | None = None) -> None:
+                 prune: bool = False, prune_idle_steps: int = 1000) -> None:
         self.alpha = check_hyper("alpha", alpha, inclusive=False)
         self.beta = check_hyper("beta", beta)
         self.l1 = check_hyper("l1", l1)
@@ -60,7 +69,11 @@ class FTRL(Optimizer):
         self.l21 = check_hyper("l21", l21)
         self.initial_accumulator_value = check_hyper("initial_accumulator_value",
                                                      initial_accumulator_value)
-        self.prune = bool(self.l21 > 0) if prune is None else bool(prune)
+        self.prune = bool(prune)
+        idle = prune_idle_steps
+        if isinstance(idle, bool) or not isinstance(idle, (int, np.integer)) or idle < 1:
+            raise InvalidInputError(f"prune_idle_steps must be an int >= 1, got {idle!r}")
+        self.prune_idle_steps = int(idle)
 
     def slots(self, dim: int) -> list[tuple[str, int]]:
         return [("z", dim), ("n", dim)]
@@ -90,11 +103,17 @@ class FTRL(Optimizer):
         w_new[shrunk == 0] = 0.0  # no negative zeros: an exact zero is stored as +0.0
         w[...] = w_new
         n[...] = n_new
-        if not self.prune:
-            return None
-        return ~w_new.any(axis=1)
+        return None  # zero rows keep their z/n: see the class docstring
 
     def _params(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "beta": self.beta, "l1": self.l1, "l2": self.l2,
                 "l21": self.l21, "initial_accumulator_value": self.initial_accumulator_value,
-                "prune": self.prune}
+                "prune": self.prune, "prune_idle_steps": self.prune_idle_steps}
+
+
+def nonzero_rows(records: np.ndarray) -> np.ndarray:
+    """Bool mask of the records whose vector has a non-zero coordinate: the rows a serving
+    copy of an FTRL/group-lasso table needs (a zero row reads as zeros from the initializer
+    ``"zeros"`` anyway)."""
+    vec = records["vector"]
+    return np.asarray(vec.any(axis=1), dtype=bool)

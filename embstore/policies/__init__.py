@@ -10,10 +10,11 @@ from .admission import (
     ProbabilisticAdmission,
     admission_from_config,
 )
-from .eviction import LFU, LRU, EvictionPolicy
+from .clock import EventClock
+from .eviction import LFU, LRU, EvictionPolicy, LFUAging
 from .expiry import Eviction, Expiry
 from .sketch import CountMinSketch
 
 __all__ = ["AdmissionPolicy", "FrequencyCutoff", "BloomAdmission", "ProbabilisticAdmission",
            "admission_from_config", "Expiry", "Eviction", "EvictionPolicy", "LRU", "LFU",
-           "CountMinSketch"]
+           "LFUAging", "CountMinSketch", "EventClock"]

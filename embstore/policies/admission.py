@@ -72,6 +72,11 @@ class AdmissionPolicy:
         """Upper bound of ``len(self.state())``, enforced when saved state is decoded."""
         return MAX_STATE_BYTES
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the policy's state (sketch, filter), counted in ``stats()``."""
+        return 0
+
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **self._params()}
 
@@ -90,65 +95,136 @@ class FrequencyCutoff(AdmissionPolicy):
     """Admit a key once it has been seen ``min_count`` times (DynamicEmbedding's cutoff).
 
     Sightings of keys without a row are counted in a :class:`CountMinSketch` of
-    ``depth * width`` counters of one byte (for ``min_count <= 255``): memory is fixed
-    (4 MiB by default) whatever the number of distinct keys. The sketch only over-counts: a key
-    is never admitted late, and is admitted early (before ``min_count`` true sightings) only
-    if ``e * N / width >= 1`` for the ``N`` counted sightings, with probability at most
-    ``exp(-depth)`` per key — plus conservative updates keep it well below that in practice.
+    ``depth * width`` counters of one byte (for ``min_count <= 255``). The sketch only
+    over-counts: a key is never admitted late; it is admitted early only when each of its
+    ``depth`` counters is shared with other counted keys.
+
+    **Sizing.** The sketch grows with the keys it counts: it starts at
+    ``width = 8 * expected_keys`` (rounded up to a power of two; 1024 when not given) and
+    doubles its width whenever the distinct keys counted exceed ``width / 8``, up to
+    ``max_bytes``. Doubling keeps every count (each counter is copied to both of its
+    successors). At that load a counter is shared with probability about 1/8, so a key is
+    admitted early with probability at most about ``(1/8) ** depth`` (2.4e-4 at the default
+    depth 4; conservative updates keep it lower): about ``4 * depth * 8 = 32`` bytes per
+    distinct counted key until ``max_bytes`` is reached, after which the error grows with
+    the load. Its bytes are reported in ``stats()["admission_bytes"]`` and in
+    ``stats()["size_bytes"]``. Passing ``width`` fixes the size instead (the behaviour of
+    stores created before sizing existed).
 
     Parameters
     ----------
     min_count : int
-        Sightings needed (>= 1; 1 admits everything).
-    width, depth : int
-        Sketch shape (``width`` a power of two).
+        Sightings needed (>= 1; 1 admits everything and keeps no sketch).
+    expected_keys : int, optional
+        Distinct keys expected to be counted (sets the starting width).
+    max_bytes : int
+        Byte budget of the sketch (default 16 MiB).
+    width : int, optional
+        Fixed width (a power of two): no growth.
+    depth : int
+        Hashes (sketch rows).
     seed : int
         Seed of the sketch hashes.
     """
 
     name = "frequency"
+    #: distinct counted keys per counter of a row before the sketch doubles
+    LOAD = 1 / 8
 
-    def __init__(self, min_count: int, *, width: int = 1 << 20, depth: int = 4,
+    def __init__(self, min_count: int, *, expected_keys: int | None = None,
+                 max_bytes: int = 16 << 20, width: int | None = None, depth: int = 4,
                  seed: int = 0) -> None:
         if isinstance(min_count, bool) or not isinstance(min_count, (int, np.integer)) \
                 or min_count < 1:
             raise InvalidInputError(f"min_count must be an int >= 1, got {min_count!r}")
         self.min_count = int(min_count)
+        self.fixed = width is not None
+        if expected_keys is not None and (isinstance(expected_keys, bool)
+                                          or int(expected_keys) < 1):
+            raise InvalidInputError(f"expected_keys must be an int >= 1, got {expected_keys!r}")
+        self.expected_keys = None if expected_keys is None else int(expected_keys)
+        if isinstance(max_bytes, bool) or int(max_bytes) < 1024:
+            raise InvalidInputError(f"max_bytes must be an int >= 1024, got {max_bytes!r}")
+        self.max_bytes = int(max_bytes)
+        if width is None:
+            want = 1024 if expected_keys is None else int(expected_keys / self.LOAD)
+            width = 1 << max(10, (want - 1).bit_length())
+            while width > 1024 and self._bytes_at(width, depth) > self.max_bytes:
+                width //= 2
         self.sketch = CountMinSketch(int(width), int(depth), cap=max(self.min_count, 1),
                                      seed=int(seed))
+        self.distinct = 0  # keys counted for the first time (an estimate: collisions hide some)
+
+    def _bytes_at(self, width: int, depth: int) -> int:
+        itemsize = 1 if self.min_count <= 0xFF else 2 if self.min_count <= 0xFFFF else 4
+        return int(width) * int(depth) * itemsize
 
     def admit(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         counts = np.asarray(counts, dtype=np.int64)
         if self.min_count == 1:
             return np.ones(len(keys), dtype=bool)
+        if not self.fixed:
+            self.distinct += int(np.count_nonzero(self.sketch.estimate(keys) == 0))
+            sk = self.sketch
+            while self.distinct > sk.width * self.LOAD \
+                    and self._bytes_at(sk.width * 2, sk.depth) <= self.max_bytes:
+                sk.grow()
         return self.sketch.add(keys, counts) >= self.min_count
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """Sightings counted so far for keys without a row (an over-estimate at worst)."""
         return self.sketch.estimate(keys)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the sketch now (0 with ``min_count=1``: nothing is counted)."""
+        return 0 if self.min_count == 1 else self.sketch.nbytes
+
     def state(self) -> bytes:
-        return self.sketch.to_bytes()
+        if self.fixed:
+            return self.sketch.to_bytes()
+        return (np.array([self.sketch.width, self.distinct], dtype="<i8").tobytes()
+                + self.sketch.to_bytes())
 
     def load_state(self, raw: bytes) -> None:
+        if not self.fixed:
+            if len(raw) < 16:
+                raise InvalidInputError("stored sketch state is truncated")
+            width, distinct = (int(v) for v in np.frombuffer(raw[:16], dtype="<i8"))
+            if width < 1 or width & (width - 1) or width > 1 << 40:
+                raise InvalidInputError(f"stored sketch width {width} is not a power of two")
+            sk = self.sketch
+            self.sketch = CountMinSketch(width, sk.depth, cap=sk.cap, seed=sk.seed)
+            self.distinct = max(0, distinct)
+            raw = raw[16:]
         self.sketch.load_bytes(raw)
 
     def max_state_bytes(self) -> int:
-        return self.sketch.nbytes
+        if self.fixed:
+            return self.sketch.nbytes
+        return 16 + max(self.max_bytes, self.sketch.nbytes)
 
     def _params(self) -> dict[str, Any]:
         s = self.sketch
-        return {"min_count": self.min_count, "width": s.width, "depth": s.depth, "seed": s.seed}
+        if self.fixed:
+            return {"min_count": self.min_count, "width": s.width, "depth": s.depth,
+                    "seed": s.seed}
+        return {"min_count": self.min_count, "expected_keys": self.expected_keys,
+                "max_bytes": self.max_bytes, "depth": s.depth, "seed": s.seed}
 
 
 class BloomAdmission(AdmissionPolicy):
     """Admit a key on its second sighting, remembering first sightings in a Bloom filter.
 
-    Uses ``pybloom_live.ScalableBloomFilter`` (grows as needed; about 1.2 bytes per distinct
-    key at 0.1% error). A key that occurs twice in one call is admitted at once. A false
-    positive (probability ``error_rate``) admits a key on its first sighting. pybloom hashes
-    keys one by one in Python, so this policy costs ~µs per *unknown* key; known keys never
-    reach it.
+    The filter is a ``pybloom_live.ScalableBloomFilter`` (grows as needed; about 1.2 bytes
+    per distinct key at 0.1% error; saved with its own ``tofile`` format). A batch of keys is
+    hashed at once: the ``k`` bit positions of each key in each filter come from its
+    ``key_hash64`` by double hashing (``h1 + j * h2``), computed and tested with numpy, so
+    no Python code runs per key. The outcome is exactly that of adding the keys one by one
+    in order (a key whose bits were all set by earlier keys of the same batch is "seen"),
+    including when the filter grows inside a batch. A key that occurs twice in one call is
+    admitted at once. A false positive (probability ``error_rate``) admits a key on its
+    first sighting.
 
     Parameters
     ----------
@@ -156,16 +232,24 @@ class BloomAdmission(AdmissionPolicy):
         Expected distinct keys before the filter grows.
     error_rate : float
         False-positive rate, in (0, 1).
+    hashing : {"key_hash64", "pybloom"}
+        ``"pybloom"`` hashes each key through pybloom-live in Python (the behaviour of
+        stores created before batch hashing, ~20x slower); a saved filter is only read
+        back with the hashing that wrote it.
     """
 
     name = "bloom"
 
-    def __init__(self, initial_capacity: int = 1 << 20, error_rate: float = 0.001) -> None:
+    def __init__(self, initial_capacity: int = 1 << 20, error_rate: float = 0.001,
+                 hashing: str = "key_hash64") -> None:
         if not 0 < float(error_rate) < 1:
             raise InvalidInputError(f"error_rate must be in (0, 1), got {error_rate!r}")
         if int(initial_capacity) < 1:
             raise InvalidInputError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
+        if hashing not in ("key_hash64", "pybloom"):
+            raise InvalidInputError(f"hashing must be 'key_hash64' or 'pybloom', got {hashing!r}")
         self.initial_capacity, self.error_rate = int(initial_capacity), float(error_rate)
+        self.hashing = hashing
         self._bloom = self._new()
 
     def _new(self):
@@ -180,6 +264,13 @@ class BloomAdmission(AdmissionPolicy):
 
     def admit(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         counts = np.asarray(counts)
+        if self.hashing == "pybloom":
+            return self._admit_per_key(keys, counts)
+        seen = bloom_batch_add(self._bloom, key_hash64(keys)) if len(keys) else \
+            np.zeros(0, dtype=bool)
+        return seen | (counts >= 2)
+
+    def _admit_per_key(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         out = counts >= 2
         bloom = self._bloom
         items = keys.tolist()
@@ -189,6 +280,10 @@ class BloomAdmission(AdmissionPolicy):
         for i in np.flatnonzero(counts >= 2).tolist():
             bloom.add(items[i])
         return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum((f.num_bits + 7) // 8 for f in self._bloom.filters)
 
     def state(self) -> bytes:
         buf = io.BytesIO()
@@ -201,7 +296,111 @@ class BloomAdmission(AdmissionPolicy):
         self._bloom = ScalableBloomFilter.fromfile(io.BytesIO(raw))
 
     def _params(self) -> dict[str, Any]:
-        return {"initial_capacity": self.initial_capacity, "error_rate": self.error_rate}
+        out: dict[str, Any] = {"initial_capacity": self.initial_capacity,
+                               "error_rate": self.error_rate}
+        if self.hashing != "pybloom":  # configurations saved before the option lack it
+            out["hashing"] = self.hashing
+        return out
+
+
+_SALT1, _SALT2 = np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344)
+
+
+def bloom_positions(hashes: np.ndarray, num_slices: int, bits_per_slice: int) -> np.ndarray:
+    """``(n, num_slices)`` bit indexes of keys (by their ``key_hash64``) in one classic Bloom
+    filter of pybloom's layout (slice ``j`` owns bits ``[j*m, (j+1)*m)``, ``m < 2**32``)."""
+    m = np.uint64(bits_per_slice)
+    with np.errstate(over="ignore"):
+        h1 = splitmix64(hashes ^ _SALT1)
+        h2 = splitmix64(hashes ^ _SALT2) | np.uint64(1)
+        j = np.arange(num_slices, dtype=np.uint64)
+        x = h1[:, None] + j[None, :] * h2[:, None]
+        # Lemire's multiply-shift range reduction of the high 32 bits (no 64-bit modulo)
+        pos = ((x >> np.uint64(32)) * m) >> np.uint64(32)
+    return (pos + j[None, :] * m).astype(np.int64)
+
+
+def _bits(f: Any) -> np.ndarray:
+    """The filter's bitarray as a writable uint8 view (little-endian bit order)."""
+    return np.frombuffer(f.bitarray, dtype=np.uint8)
+
+
+def _test(bits: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    return ((bits[pos >> 3] >> (pos & 7).astype(np.uint8)) & 1).astype(bool)
+
+
+_BUCKET_MASK = (1 << 18) - 1
+
+
+def _seen_in_batch(flat: np.ndarray, pre: np.ndarray, cand: np.ndarray,
+                   maybe: np.ndarray) -> np.ndarray:
+    """For candidate keys (``flat``: their positions, in batch order; ``pre``: which were set
+    before the batch), which have every position set before the batch or by an earlier
+    candidate (the first key to set each position; keys found elsewhere set no new bit)."""
+    k = flat.shape[1]
+    order = np.repeat(cand, k)
+    hot = np.isin(flat.ravel(), flat[maybe].ravel())  # positions that matter
+    uniq, inv = np.unique(flat.ravel()[hot], return_inverse=True)
+    first = np.full(len(uniq), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, inv, order[hot])
+    by_earlier = np.zeros(flat.size, dtype=bool)
+    by_earlier[hot] = first[inv] < order[hot]
+    return (pre | by_earlier.reshape(flat.shape)).all(1) & maybe
+
+
+def bloom_batch_add(sbf: Any, hashes: np.ndarray) -> np.ndarray:
+    """Add keys (their ``key_hash64``, unique) to a ``ScalableBloomFilter`` in order; return
+    which were (probably) present — the result of ``[sbf.add(k) for k in keys]`` with these
+    bit positions, computed a batch at a time."""
+    from pybloom_live import BloomFilter
+
+    n = len(hashes)
+    seen = np.zeros(n, dtype=bool)
+    start = 0
+    while start < n:
+        h = hashes[start:]
+        found = np.zeros(len(h), dtype=bool)
+        for f in sbf.filters:
+            found |= _test(_bits(f), bloom_positions(h, f.num_slices, f.bits_per_slice)).all(1)
+        if not sbf.filters or sbf.filters[-1].count >= sbf.filters[-1].capacity:
+            if found.all():
+                seen[start:] = True
+                return seen
+            last = (BloomFilter(sbf.initial_capacity, sbf.error_rate * sbf.ratio)
+                    if not sbf.filters else
+                    BloomFilter(sbf.filters[-1].capacity * sbf.scale,
+                                sbf.filters[-1].error_rate * sbf.ratio))
+            sbf.filters.append(last)
+        last = sbf.filters[-1]
+        bits = _bits(last)
+        pos = bloom_positions(h, last.num_slices, last.bits_per_slice)
+        # A key also counts as seen when every one of its bits in the last filter is set by
+        # a key before it in the batch. That needs each of its positions to be set already
+        # or hit by another key of the batch: a bucketed count finds the (rare) keys where
+        # that can hold, and only they are resolved exactly.
+        cand = np.flatnonzero(~found)
+        if len(cand) > 1:
+            flat = pos[cand]
+            pre = _test(bits, flat)
+            bucket = (flat & _BUCKET_MASK).astype(np.intp)
+            multi = np.bincount(bucket.ravel(), minlength=_BUCKET_MASK + 1)[bucket] > 1
+            maybe = np.asarray((pre | multi).all(1), dtype=bool)
+            if maybe.any():
+                found[cand] |= _seen_in_batch(flat, pre, cand, maybe)
+        added = ~found
+        room = last.capacity - last.count
+        stop = len(h)
+        if int(np.count_nonzero(added)) > room:
+            stop = int(np.searchsorted(np.cumsum(added), room, "right"))
+        # keys [0, stop) go into this filter; the rest wait for the next (grown) filter
+        sel = np.flatnonzero(added[:stop])
+        if len(sel):
+            p = pos[sel].ravel()
+            np.bitwise_or.at(bits, p >> 3, (np.uint8(1) << (p & 7).astype(np.uint8)))
+            last.count += len(sel)
+        seen[start:start + stop] = found[:stop]
+        start += stop
+    return seen
 
 
 class ProbabilisticAdmission(AdmissionPolicy):
@@ -256,6 +455,8 @@ _BY_NAME = {c.name: c for c in (FrequencyCutoff, BloomAdmission, ProbabilisticAd
 def admission_from_config(cfg: dict[str, Any]) -> AdmissionPolicy:
     cfg = dict(cfg)
     name = cfg.pop("name", None)
+    if name == "bloom":  # saved before batch hashing: the filter's bits are pybloom's
+        cfg.setdefault("hashing", "pybloom")
     if name not in _BY_NAME:
         raise InvalidInputError(f"unknown admission policy {name!r}; known: {sorted(_BY_NAME)}")
     return _BY_NAME[name](**cfg)

@@ -17,7 +17,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from ..errors import InvalidInputError
-from .eviction import EvictionPolicy, eviction_policy
+from .eviction import LFU, EvictionPolicy, LFUAging, eviction_policy
 
 __all__ = ["Expiry", "Eviction", "expired_keys", "eviction_victims"]
 
@@ -48,7 +48,8 @@ def _positive(name: str, value: Any, *, integer: bool = False) -> float | int | 
 class Expiry:
     """Per-store time to live (Monolith's feature expiry).
 
-    A row expires when it was last written more than ``ttl_seconds`` ago (wall time,
+    A row expires when it was last written more than ``ttl_seconds`` ago (by the store's
+    clock: wall time unless ``open(clock=...)`` gives event time;
     ``last_seen``) or more than ``ttl_steps`` training steps ago (``last_step`` against the
     store's update counter). Give either or both (a row expires if either says so).
 
@@ -86,9 +87,11 @@ class Eviction:
     """Capacity bound: keep at most ``capacity`` rows, evicting by LRU or LFU.
 
     ``"lru"`` evicts the rows written longest ago (oldest ``last_step``, then ``last_seen``);
-    ``"lfu"`` the rows with the fewest training sightings (``count``), oldest first among
-    equals. Rows written in the current step go last in either order, so a batch never evicts
-    itself while older rows remain.
+    ``"lfu"`` the rows with the fewest training sightings (``count``), aged by
+    :class:`~embstore.policies.eviction.LFUAging` (halved once per ``halve_every * capacity``
+    evictions since the row's last write), oldest first among equals. Rows written in the
+    current step go last in either order, so a batch never evicts itself while older rows
+    remain.
 
     Parameters
     ----------
@@ -98,11 +101,20 @@ class Eviction:
         The ranking (:mod:`embstore.policies.eviction`, shared with the cache layer).
     slack : float
         Fraction of ``capacity`` freed per eviction pass, in [0, 1) (amortizes the scan).
+    halve_every : float, optional
+        LFU aging period in multiples of ``capacity`` (default: the policy's, 1.0).
     """
 
-    def __init__(self, capacity: int, policy: str = "lru", slack: float = 0.05) -> None:
+    def __init__(self, capacity: int, policy: str | EvictionPolicy = "lru", slack: float = 0.05,
+                 halve_every: float | None = None) -> None:
         self.capacity = _positive("capacity", capacity, integer=True)
-        self.policy = eviction_policy(policy).name
+        rank = eviction_policy(policy)
+        if halve_every is not None:
+            if not isinstance(rank, LFU):
+                raise InvalidInputError("halve_every applies to the 'lfu' policy only")
+            rank = LFU(halve_every)
+        self.rank = rank
+        self.policy = rank.name
         slack = float(slack)
         if not 0 <= slack < 1:
             raise InvalidInputError(f"slack must be in [0, 1), got {slack!r}")
@@ -113,7 +125,15 @@ class Eviction:
         return max(int(self.capacity * (1.0 - self.slack)), 0)
 
     def config(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "policy": self.policy, "slack": self.slack}
+        out: dict[str, Any] = {"capacity": self.capacity, "policy": self.policy,
+                               "slack": self.slack}
+        if isinstance(self.rank, LFU):
+            out["halve_every"] = self.rank.halve_every
+        return out
+
+    def aging(self) -> LFUAging | None:
+        """A fresh aging clock for this bound (LFU only)."""
+        return self.rank.aging(self.capacity) if isinstance(self.rank, LFU) else None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Eviction) and self.config() == other.config()
@@ -138,8 +158,10 @@ def expired_keys(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, now: float, s
 
 
 def eviction_victims(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, n_evict: int,
-                     policy: str | EvictionPolicy, step: int) -> tuple[np.ndarray | None, int]:
-    """The ``n_evict`` rows to evict and the exact row count seen by the scan."""
+                     policy: str | EvictionPolicy, step: int,
+                     aging: LFUAging | None = None) -> tuple[np.ndarray | None, int]:
+    """The ``n_evict`` rows to evict and the exact row count seen by the scan (LFU counts
+    aged by ``aging`` when given)."""
     keys_l, last_step_l, last_seen_l, count_l = [], [], [], []
     for keys, recs in scan:
         keys_l.append(keys)
@@ -158,6 +180,8 @@ def eviction_victims(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, n_evict: 
     current = last_step >= step
     rank = eviction_policy(policy)
     count = np.concatenate(count_l)[by_key] if rank.counts_uses else None
+    if count is not None and aging is not None:
+        count = aging.aged(count, last_step)
     order = np.lexsort((*rank.lexsort_keys((last_seen, last_step), count), current))
     n_evict = min(int(n_evict), len(keys))
     return keys[order[:n_evict]], len(keys)

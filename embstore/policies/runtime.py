@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from ..errors import InvalidInputError
 from ..log import event
 from ..urls import redact_url
 from .admission import AdmissionPolicy, admission_from_config, decode_state, encode_state
+from .eviction import LFUAging
 from .expiry import Eviction, Expiry, eviction_victims, expired_keys
 from .tombstones import TombstoneLog
 
@@ -61,6 +61,8 @@ class PolicyRuntime:
         self.eviction: Eviction | None = None
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.updates_since_expire = 0
+        self.updates_since_prune = 0
+        self.lfu_aging: LFUAging | None = None  # set by restore() for an LFU capacity bound
         self._tombstones: TombstoneLog | None = None  # set by restore()
         self._pending = np.zeros(0, dtype=np.int64)  # rejected in lookups since last update
         self._rows_base: int | None = None
@@ -86,6 +88,13 @@ class PolicyRuntime:
         self.eviction = ev if ev is not None else (
             Eviction(**stored["eviction"]) if stored.get("eviction") else None)
         self.updates_since_expire = int(stored.get("updates_since_expire", 0))
+        self.updates_since_prune = int(stored.get("updates_since_prune", 0))
+        self.lfu_aging = self.eviction.aging() if self.eviction is not None else None
+        st_aging = stored.get("lfu_aging")
+        if self.lfu_aging is not None and st_aging \
+                and int(st_aging.get("period", 0)) == self.lfu_aging.period:
+            self.lfu_aging = LFUAging(self.lfu_aging.period, int(st_aging.get("evicted", 0)),
+                                      st_aging.get("marks") or ())
         self._pending = np.zeros(0, dtype=np.int64 if key_type == "int64" else object)
         if created:
             self._tombstones = TombstoneLog(key_type, floor=0)
@@ -112,6 +121,8 @@ class PolicyRuntime:
             "expiry": self.expiry.config() if self.expiry else None,
             "eviction": self.eviction.config() if self.eviction else None,
             "updates_since_expire": self.updates_since_expire,
+            "updates_since_prune": self.updates_since_prune,
+            "lfu_aging": self.lfu_aging.to_json() if self.lfu_aging else None,
             "tombstones": self._tombstones.to_json() if self._tombstones else {},
         }
 
@@ -125,6 +136,10 @@ class PolicyRuntime:
                                                      self.admission.max_state_bytes()))
         if "updates_since_expire" in st:
             self.updates_since_expire = int(st["updates_since_expire"])
+
+    def admission_bytes(self) -> int:
+        """Memory of the admission policy's state (0 without one)."""
+        return 0 if self.admission is None else int(self.admission.nbytes)
 
     # -- admission ------------------------------------------------------------------------------
     def admit_lookup(self, keys: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
@@ -161,7 +176,7 @@ class PolicyRuntime:
     # -- expiry and eviction --------------------------------------------------------------------
     def expire(self, store: PolicyHost, ttl_seconds: float | None, ttl_steps: int | None,
                batch_size: int, now: float | None = None) -> int:
-        now = time.time() if now is None else float(now)
+        now = store.now() if now is None else float(now)
         batches = expired_keys(store.records(batch_size), now=now,
                                step=store.step, ttl_seconds=ttl_seconds, ttl_steps=ttl_steps)
         n = sum(store.delete(k) for k in batches)
@@ -192,14 +207,16 @@ class PolicyRuntime:
         if rows <= ev.capacity:
             return 0
         victims, _ = eviction_victims(store.records(batch_size),
-                                      n_evict=rows - ev.low_water, policy=ev.policy,
-                                      step=store.step)
+                                      n_evict=rows - ev.low_water, policy=ev.rank,
+                                      step=store.step, aging=self.lfu_aging)
         if victims is None or not len(victims):
             return 0
         n = 0
         for i in range(0, len(victims), batch_size):
             n += store.delete(victims[i:i + batch_size])
         self.counters["evictions"] += n
+        if self.lfu_aging is not None:
+            self.lfu_aging.note_evictions(n, store.step)
         event(log, logging.INFO, "store.evicted", "%s: evicted %d rows over capacity %d",
               redact_url(store.backend.url), n, ev.capacity, rows=n)
         return n
@@ -211,4 +228,23 @@ class PolicyRuntime:
             self.updates_since_expire += 1
             if self.updates_since_expire >= self.expiry.every:
                 self.expire(store, self.expiry.ttl_seconds, self.expiry.ttl_steps, 65536)
+        opt = store.optimizer
+        if getattr(opt, "prune", False):
+            self.updates_since_prune += 1
+            if self.updates_since_prune >= opt.prune_idle_steps:
+                self.prune_idle_zero_rows(store, opt.prune_idle_steps)
         self.maybe_evict(store)
+
+    def prune_idle_zero_rows(self, store: PolicyHost, idle_steps: int,
+                             batch_size: int = 65536) -> int:
+        """Delete rows whose vector is all zero and that were not updated for ``idle_steps``
+        steps (FTRL group lasso's ``prune``): a row still being updated keeps its state."""
+        self.updates_since_prune = 0
+        out = []
+        for keys, recs in store.records(batch_size):
+            dead = ~recs["vector"].any(axis=1) & (recs["last_step"] < store.step - idle_steps)
+            if dead.any():
+                out.append(keys[dead])
+        n = sum(store.delete(k) for k in out)
+        self.counters["pruned"] += n
+        return n

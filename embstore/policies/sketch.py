@@ -69,6 +69,12 @@ class CountMinSketch:
             np.maximum.at(self.table[r], idx[r], vals)
         return new
 
+    def grow(self) -> None:
+        """Double the width, keeping every estimate: a key's counter ``i`` in width ``W`` is
+        ``i`` or ``i + W`` in width ``2W`` (one more hash bit), and both start as copies."""
+        self.table = np.concatenate([self.table, self.table], axis=1)
+        self.width *= 2
+
     def to_bytes(self) -> bytes:
         return self.table.tobytes()
 

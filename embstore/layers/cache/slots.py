@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._keys import key_hash64
-from ...policies.eviction import EvictionPolicy, eviction_policy
+from ...policies.eviction import LFU, EvictionPolicy, eviction_policy
 
 
 class SlotTable:
@@ -30,8 +30,10 @@ class SlotTable:
     counters indexed by the key's 64-bit mix. An evicted key's count is stored there and a key
     entering the cache resumes from it, so a warm key that was evicted once is not treated as
     new (plain in-cache LFU would evict it again at once). Collisions only blur the estimate;
-    they never affect correctness. All counts are halved every ``8 * capacity`` evictions so
-    the policy follows a drifting distribution. None of this runs on the hit path.
+    they never affect correctness. All counts are halved by the LFU policy's aging rule
+    (:class:`embstore.policies.eviction.LFUAging`, shared with the store's capacity bound:
+    every ``halve_every * capacity`` evictions) so the policy follows a drifting
+    distribution. None of this runs on the hit path.
     """
 
     def __init__(self, key_type: str, eviction: str | EvictionPolicy, capacity: int = 1024,
@@ -43,7 +45,8 @@ class SlotTable:
         if self._counts:
             self.history = np.zeros(1 << max(10, (4 * self.capacity - 1).bit_length()),
                                     dtype=np.int64)
-            self._evicted_since_aging = 0
+            assert isinstance(self.policy, LFU)  # the only policy that counts uses
+            self.aging = self.policy.aging(self.capacity)
         self.key_dtype = np.dtype(np.int64 if key_type == "int64" else object)
         self.stamp = np.zeros(size, dtype=np.int64)   # 0 = free slot
         self.freq = np.zeros(size, dtype=np.int64)
@@ -117,11 +120,11 @@ class SlotTable:
             return
         self.count_uses()
         self.history[self._hist(keys)] = self.freq[slots]
-        self._evicted_since_aging += len(slots)
-        if self._evicted_since_aging > 8 * self.capacity:
-            self.history >>= 1
-            self.freq >>= 1
-            self._evicted_since_aging = 0
+        halvings = self.aging.note_evictions(len(slots), self.tick)
+        if halvings:
+            shift = min(halvings, 62)
+            self.history >>= shift
+            self.freq >>= shift
             self._drop_pool()  # scores went down: the pool's bound no longer holds
 
     def remove(self, slots: np.ndarray) -> None:

@@ -147,6 +147,8 @@ class DynamicEmbedding(keras.layers.Layer):
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero or isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
             return None
+        if isinstance(inputs, keras.KerasTensor):  # a functional model being built
+            return keras.ops.not_equal(inputs, self.padding_key)
         k = _key_tensor(inputs, self.store)
         return tf.not_equal(k, tf.constant(self.padding_key, k.dtype))
 

@@ -53,6 +53,15 @@ def _bags(ids: Any, weights: Any) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | Non
         f"ids must be a tf.SparseTensor or tf.RaggedTensor, got {type(ids).__name__}")
 
 
+def _check_weights(values: tf.Tensor, w: tf.Tensor | None) -> None:
+    if w is None:
+        return
+    a, b = values.shape.as_list(), w.shape.as_list()
+    if a[0] is not None and b[0] is not None and a != b:
+        raise InvalidInputError(f"weights must match the ids one to one: {b[0]} weights for "
+                                f"{a[0]} ids")
+
+
 def _combine(rows: tf.Tensor, seg: tf.Tensor, w: tf.Tensor | None, n: Any,
              combiner: str) -> tf.Tensor:
     if w is not None:
@@ -97,6 +106,7 @@ def embedding_lookup_sparse(store: Any, sp_ids: Any, sp_weights: Any = None,
         trainable = not store.read_only
     with tf.name_scope(name or "embedding_lookup_sparse"):
         values, seg, w, n = _bags(sp_ids, sp_weights)
+        _check_weights(values, w)
         keys = _key_tensor(values, store)
         rows = flat_rows(keys, store, trigger=trigger, trainable=trainable, insert=insert)
         if max_norm is not None:
@@ -115,7 +125,8 @@ def safe_embedding_lookup_sparse(store: Any, sparse_ids: Any, sparse_weights: An
     - ``sparse_ids`` may have rank > 2 (``(d0, ..., dn-1, n_ids)``): the output is
       ``(d0, ..., dn-1, dim)``;
     - int ids ``< 0`` are pruned (TF's "invalid id"; use :func:`embedding_lookup_sparse` to
-      keep negative hashed keys), and so are ids whose weight is ``<= 0``;
+      keep negative hashed keys), and with ``"mean"``/``"sqrtn"`` so are ids whose weight is
+      ``<= 0`` (``"sum"`` keeps them, as ``tf.nn`` does);
     - a row left with no ids reads the vector of ``default_id`` (looked up, never inserted,
       no gradient), or zeros without one.
     """
@@ -147,7 +158,8 @@ def safe_embedding_lookup_sparse(store: Any, sparse_ids: Any, sparse_weights: An
         if ids.values.dtype.is_integer:
             keep = ids.values >= 0
         if weights is not None:
-            keep = tf.logical_and(keep, weights.values > 0)
+            if combiner != "sum":  # as tf.nn: a sum keeps zero and negative weights
+                keep = tf.logical_and(keep, weights.values > 0)
             weights = tf.sparse.retain(weights, keep)
         ids = tf.sparse.retain(ids, keep)
         out = embedding_lookup_sparse(store, ids, weights, combiner, max_norm=max_norm,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from embstore.errors import CorruptFileError, InvalidInputError, ReadOnlyError
+from embstore.errors import CorruptFileError, EmbstoreError, InvalidInputError, ReadOnlyError
 
 from ._checkpoint import RowsCheckpoint, replace_rows
 from ._spec import LOADING, open_store, store_spec
@@ -25,6 +26,10 @@ except ImportError:  # pragma: no cover
 __all__ = ["DynamicEmbedding", "load_model", "loading_stores", "open_store", "store_spec"]
 
 _ROWS_KEY = "embstore_native"  # the rows of a non-persistent store inside a .keras file
+#: errors the layers' ``load_own_variables`` raised during ``load_model``: Keras gathers them
+#: into one ValueError of its own, so the load re-raises the first one from here
+_LOAD_ERRORS: contextvars.ContextVar[list[BaseException] | None] = contextvars.ContextVar(
+    "embstore_tf_load_errors", default=None)
 
 
 def _key_to_json(key: Any) -> Any:
@@ -200,9 +205,22 @@ class DynamicEmbedding(keras.layers.Layer):
             store[_ROWS_KEY] = np.frombuffer(buf.getvalue(), dtype=np.uint8)
 
     def load_own_variables(self, store: Any) -> None:
+        try:
+            self._load_own_variables(store)
+        except EmbstoreError as e:
+            errors = _LOAD_ERRORS.get()
+            if errors is not None:
+                errors.append(e)
+            raise
+
+    def _load_own_variables(self, store: Any) -> None:
         # The trigger (always zero) by position, as Keras saves it; the rows by name.
         for i, v in enumerate(self._trainable_variables + self._non_trainable_variables):
-            v.assign(store[f"{i}"])
+            try:
+                v.assign(store[f"{i}"])
+            except (KeyError, ValueError, TypeError) as e:
+                raise CorruptFileError(f"layer {self.name}: bad trigger variable ({e})"
+                                       .replace("\n", " ")) from e
         if _ROWS_KEY not in store.keys():
             return
         what = f"loading the rows of layer {self.name} into {self.store.url}"
@@ -283,17 +301,17 @@ def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] |
         The file is damaged or hostile (bad archive, config, store entry or rows), in one
         line; stores opened by the load are closed again and no store was written.
     """
-    from embstore.errors import EmbstoreError
-
     if str(path).endswith(".keras"):
         _check_archive(path)
+    errors: list[BaseException] = []
+    token = _LOAD_ERRORS.set(errors)
     with loading_stores(writable=writable, stores=stores) as opened:
         try:
             return keras.models.load_model(path, **kwargs)
         except Exception as e:
             for s in opened.values():
                 s.close()
-            cause: BaseException | None = e
+            cause: BaseException | None = errors[0] if errors else e
             while cause is not None:  # Keras wraps what from_config raised: find ours
                 if isinstance(cause, EmbstoreError):
                     if isinstance(cause, CorruptFileError):
@@ -304,3 +322,5 @@ def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] |
                 raise
             raise CorruptFileError(f"{path}: not a loadable model ({type(e).__name__}: "
                                    f"{_one_line(e)})") from e
+        finally:
+            _LOAD_ERRORS.reset(token)

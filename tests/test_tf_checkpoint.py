@@ -177,3 +177,17 @@ def test_checkpoint_without_rows_and_read_only_restore(tmp_path):
         tf.train.Checkpoint(model=served).restore(path)
     assert len(ro) == 2
     ro.close()
+
+
+def test_saved_model_of_the_training_model_carries_the_rows(tmp_path):
+    # tf.saved_model.save traces the save/restore functions in a graph: the rows are read
+    # when the save runs, and the SavedModel's variables restore them
+    store = embstore.open("memory://", dim=DIM)
+    model = _model(store)
+    _fit(model, X)
+    saved = _records(store)
+    tf.saved_model.save(model, str(tmp_path / "sm"))
+    store.lookup([50, 51])
+    tf.train.Checkpoint(model).read(str(tmp_path / "sm" / "variables" / "variables")
+                                    ).expect_partial()
+    assert _records(store) == saved

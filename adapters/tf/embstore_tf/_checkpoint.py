@@ -144,7 +144,7 @@ class RowsCheckpoint(tf.__internal__.tracking.Trackable):
     def __init__(self, layer: Any) -> None:
         self._layer_ref = layer
 
-    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+    def _snapshot(self) -> tuple[bytes, bytes]:
         store = self._layer_ref.store
         meta = snapshot_meta(store)
         rows = b""
@@ -152,13 +152,32 @@ class RowsCheckpoint(tf.__internal__.tracking.Trackable):
             rows = snapshot_rows(store)
         else:
             meta["rows"] = None
-        return {"meta": tf.constant(json.dumps(meta)), "rows": tf.constant(rows)}
+        return json.dumps(meta).encode(), rows
 
-    def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+    def _restore(self, meta_bytes: bytes, rows: bytes) -> None:
         store = self._layer_ref.store
         what = f"checkpoint restore of {self._layer_ref.name} ({store.url})"
-        meta = check_meta(store, restored_tensors["meta"].numpy(), what)
+        meta = check_meta(store, meta_bytes, what)
         if "rows" in meta and meta["rows"] is None:
+            return
+        replace_rows(store, rows, step=meta["step"], what=what)
+
+    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+        if tf.executing_eagerly():
+            meta, rows = self._snapshot()
+            return {"meta": tf.constant(meta), "rows": tf.constant(rows)}
+        # traced (tf.saved_model.save traces the save function): read the store when it runs
+        meta_t, rows_t = tf.py_function(lambda: self._snapshot(), [], [tf.string, tf.string])
+        return {"meta": tf.reshape(meta_t, []), "rows": tf.reshape(rows_t, [])}
+
+    def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+        meta, rows = restored_tensors["meta"], restored_tensors["rows"]
+        if tf.executing_eagerly():
+            self._restore(meta.numpy(), rows.numpy())
             return tf.no_op()
-        replace_rows(store, restored_tensors["rows"].numpy(), step=meta["step"], what=what)
-        return tf.no_op()
+
+        def run(m: tf.Tensor, r: tf.Tensor) -> bool:
+            self._restore(m.numpy(), r.numpy())
+            return True
+
+        return tf.group(tf.py_function(run, [meta, rows], tf.bool))

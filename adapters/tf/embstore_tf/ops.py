@@ -122,19 +122,23 @@ def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool, padding_key: Any =
             if keep.all():
                 keep = None
         kk = k if keep is None else k[keep]
+        admit_all = insert and store.admission is not None and len(kk) > 0
+        first = None
         if kk.dtype == object:
             first, inv = factorize_keys(kk)
             uniq = kk[first]
             counts = np.bincount(inv, minlength=len(first))
-        else:
+        elif admit_all:  # first positions needed; return_index makes numpy sort stably
             uniq, first, inv, counts = np.unique(kk, return_index=True, return_inverse=True,
                                                  return_counts=True)
+        else:
+            uniq, inv, counts = np.unique(kk, return_inverse=True, return_counts=True)
         inv = inv.reshape(-1).astype(np.int64, copy=False)
         if keep is not None:
             full = np.full(len(k), len(uniq), np.int64)
             full[keep] = inv
             inv = full
-        if insert and store.admission is not None and len(kk):
+        if admit_all:
             vectors = store.lookup(kk, insert=True)[first]
         else:
             vectors = store.lookup(uniq, insert=insert)

@@ -8,7 +8,9 @@
 ...     loss = tf.reduce_sum(vecs)
 >>> _ = tape.gradient(loss, trigger_variable(store))   # store.update ran here
 
-Keras: :class:`DynamicEmbedding` (``model.save`` / :func:`load_model`); serving without
+Combiner lookups over sparse/ragged ids: :func:`embedding_lookup_sparse`,
+:func:`safe_embedding_lookup_sparse`. Keras: :class:`DynamicEmbedding` (``model.save`` /
+:func:`load_model`, ``tf.train.Checkpoint``); serving without
 Python: :func:`serving_model` / :func:`export_serving` (see ``docs/adapters.md``).
 """
 
@@ -28,14 +30,17 @@ except ImportError as e:  # exercised in a subprocess that hides TF
 from .layers import DynamicEmbedding, load_model, loading_stores
 from .ops import dynamic_embedding_lookup, sampled_logits, trigger_variable
 from .serving import StaticEmbedding, export_serving, serving_model, snapshot
+from .sparse import embedding_lookup_sparse, safe_embedding_lookup_sparse
 
 __all__ = [
     "DynamicEmbedding",
     "StaticEmbedding",
     "dynamic_embedding_lookup",
+    "embedding_lookup_sparse",
     "export_serving",
     "load_model",
     "loading_stores",
+    "safe_embedding_lookup_sparse",
     "sampled_logits",
     "serving_model",
     "snapshot",

@@ -5,29 +5,48 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
-import json
+import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from embstore.errors import ReadOnlyError
+from embstore.errors import CorruptFileError, EmbstoreError, InvalidInputError, ReadOnlyError
 
-from .ops import dynamic_embedding_lookup
+from ._checkpoint import RowsCheckpoint, replace_rows
+from ._spec import LOADING, open_store, store_spec
+from .ops import _key_tensor, _pad_value, flat_rows
 
 try:  # Keras 3 ships with TF >= 2.16; tf.keras is the same object there
     import keras
 except ImportError:  # pragma: no cover
     keras = tf.keras
 
-__all__ = ["DynamicEmbedding", "load_model", "loading_stores"]
+__all__ = ["DynamicEmbedding", "load_model", "loading_stores", "open_store", "store_spec"]
 
-#: (writable, {layer name or url: store}, {url: store opened by this load}) for layers
-#: being rebuilt inside ``loading_stores`` / ``load_model``
-_LOADING: contextvars.ContextVar[tuple[bool, Mapping[str, Any], dict[str, Any] | None]] = (
-    contextvars.ContextVar("embstore_tf_loading", default=(False, {}, None)))
 _ROWS_KEY = "embstore_native"  # the rows of a non-persistent store inside a .keras file
+#: errors the layers' ``load_own_variables`` raised during ``load_model``: Keras gathers them
+#: into one ValueError of its own, so the load re-raises the first one from here
+_LOAD_ERRORS: contextvars.ContextVar[list[BaseException] | None] = contextvars.ContextVar(
+    "embstore_tf_load_errors", default=None)
+
+
+def _key_to_json(key: Any) -> Any:
+    if isinstance(key, bytes):
+        try:
+            return {"bytes": key.decode("utf-8")}
+        except UnicodeDecodeError:
+            return {"hex": key.hex()}
+    return None if key is None else int(key)
+
+
+def _key_from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "bytes" in value:
+            return str(value["bytes"]).encode("utf-8")
+        return bytes.fromhex(str(value["hex"]))
+    return value
 
 
 @keras.saving.register_keras_serializable(package="embstore")
@@ -38,48 +57,105 @@ class DynamicEmbedding(keras.layers.Layer):
     ----------
     store : embstore.EmbeddingStore
         Holds the vectors and applies their updates with its own optimizer.
+    mask_zero : bool
+        As ``keras.layers.Embedding``: :meth:`compute_mask` masks the positions holding the
+        padding key, so masking layers downstream (RNNs, attention, pooling) skip them. The
+        padding key is ``padding_key``, or 0 for an int64 store (a bytes store must declare
+        one).
+    padding_key : int, str or bytes, optional
+        A key that reads as a zero vector, gets no gradient and never gets a row (as
+        ``nn.Embedding(padding_idx=)`` in ``embstore_torch``).
     trainable : bool, optional
         Default: True unless the store is read-only (asking for a trainable layer over a
         read-only store raises ``ReadOnlyError``).
+    checkpoint_rows : bool
+        ``tf.train.Checkpoint`` saves the store's rows (default). False: only a reference, for
+        tables checkpointed by themselves.
 
     Notes
     -----
     The layer owns one zero ``(1,)`` trigger variable; its gradient carries the store update,
-    so train with ``tape.gradient(loss, model.trainable_variables)`` or ``model.fit``. In
-    ``training=False`` calls unknown keys are not inserted. Inputs: int tensors (int64 store)
-    or string tensors (bytes store) of any shape; output ``(*input.shape, dim)``.
+    so train with ``tape.gradient(loss, model.trainable_variables)`` or ``model.fit``. Only
+    ``training=True`` calls (``fit``, or yours) insert unknown keys: ``model(x)``,
+    ``predict`` and ``evaluate`` read them as their initial vector and write nothing. Inputs:
+    int tensors (int64 store) or string tensors (bytes store) of any shape, output
+    ``(*input.shape, dim)`` in the layer's compute dtype (``"mixed_float16"``: float16);
+    a ``tf.RaggedTensor`` gives a ragged output, a ``tf.SparseTensor`` a dense one whose
+    unset positions are zeros (as ``keras.layers.Embedding``).
 
     Saving (``model.save("m.keras")``): the config records the store's URL, its reopen
     options and its configuration (dim, key type, optimizer, initializer, seed). A persistent
     store's rows stay in the store; a ``memory://`` store's rows (whole records, in the
-    native format) are written into the ``.keras`` file. ``keras.models.load_model`` (after
-    ``import embstore_tf``) reopens a persistent store **read-only** (the loaded layer is not
-    trainable, so a loaded model never becomes a second writer by accident); use
-    :func:`load_model` with ``writable=True`` to train on, or ``stores={url: store}`` to reuse
-    an open store. A ``memory://`` store is rebuilt from the file as the model's own copy.
+    native format) are written into the ``.keras`` file, and ``load_weights`` puts them back,
+    replacing the rows the store holds. ``keras.models.load_model`` (after
+    ``import embstore_tf``) reopens a persistent store **read-only**; use :func:`load_model`
+    with ``writable=True`` to train on, or ``stores={url: store}`` to reuse an open store.
 
     The store is called through ``tf.numpy_function``, so the layer runs eagerly and in
-    ``tf.function`` but not under XLA (``supports_jit = False``: ``model.compile``'s
-    ``jit_compile="auto"`` leaves it off); for serving, see :func:`embstore_tf.serving_model`.
+    ``tf.function`` but not under XLA (``supports_jit = False``); for serving, see
+    :func:`embstore_tf.serving_model`.
     """
 
     supports_jit = False
 
-    def __init__(self, store: Any, *, trainable: bool | None = None, **kwargs: Any) -> None:
+    def __init__(self, store: Any, *, mask_zero: bool = False, padding_key: Any = None,
+                 trainable: bool | None = None, checkpoint_rows: bool = True,
+                 **kwargs: Any) -> None:
         if trainable and store.read_only:
             raise ReadOnlyError(f"{store.url} is open read-only; use trainable=False to serve")
         trainable = (not store.read_only) if trainable is None else bool(trainable)
         super().__init__(trainable=trainable, **kwargs)
         self.store = store
         self.output_dim = int(store.dim)
+        if mask_zero and padding_key is None:
+            if store.key_type == "bytes":
+                raise InvalidInputError(
+                    "mask_zero=True over a bytes store needs the padding key it masks: "
+                    "pass padding_key= (e.g. padding_key=b'')")
+            padding_key = 0
+        self.padding_key = None if padding_key is None else _pad_value(padding_key, store)
+        if isinstance(self.padding_key, np.integer):
+            self.padding_key = int(self.padding_key)
+        self.mask_zero = bool(mask_zero)
+        self.supports_masking = self.mask_zero
+        self.checkpoint_rows = bool(checkpoint_rows)
         self.trigger = self.add_weight(name="store_trigger", shape=(1,), initializer="zeros",
                                        trainable=trainable)
+        # tf.train.Checkpoint(model=...) reaches the rows through this dependency
+        self._track_rows = RowsCheckpoint(self)
+        self._rows_from_file_allowed = True
 
-    def call(self, inputs: Any, training: Any = None) -> tf.Tensor:
-        return dynamic_embedding_lookup(
-            inputs, self.store, trigger=tf.convert_to_tensor(self.trigger),
-            trainable=self.trainable, insert=training is not False,
-        )
+    def build(self, input_shape: Any = None) -> None:
+        """Nothing to create (the store is the table): ``build()`` needs no shape."""
+        self.built = True
+
+    def _rows(self, flat: tf.Tensor, training: Any) -> tf.Tensor:
+        insert = training is not None and bool(training)
+        keys = _key_tensor(flat, self.store)
+        rows = flat_rows(keys, self.store, trigger=tf.convert_to_tensor(self.trigger),
+                         trainable=self.trainable, insert=insert,
+                         padding_key=self.padding_key)
+        return tf.cast(rows, self.compute_dtype)
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        if isinstance(inputs, tf.RaggedTensor):
+            return inputs.with_flat_values(self._rows(inputs.flat_values, training))
+        if isinstance(inputs, tf.SparseTensor):
+            rows = self._rows(inputs.values, training)
+            shape = tf.concat([inputs.dense_shape, [self.output_dim]], 0)
+            return tf.scatter_nd(inputs.indices, rows, shape)
+        k = tf.convert_to_tensor(inputs)
+        rows = self._rows(tf.reshape(k, [-1]), training)
+        return tf.reshape(rows, tf.concat([tf.shape(k, out_type=tf.int64),
+                                           [self.output_dim]], 0))
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        if not self.mask_zero or isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
+            return None
+        if isinstance(inputs, keras.KerasTensor):  # a functional model being built
+            return keras.ops.not_equal(inputs, self.padding_key)
+        k = _key_tensor(inputs, self.store)
+        return tf.not_equal(k, tf.constant(self.padding_key, k.dtype))
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
         return (*tuple(input_shape), self.output_dim)
@@ -88,19 +164,38 @@ class DynamicEmbedding(keras.layers.Layer):
     def get_config(self) -> dict:
         cfg = super().get_config()
         cfg["store"] = store_spec(self.store)
+        cfg["mask_zero"] = self.mask_zero
+        cfg["padding_key"] = _key_to_json(self.padding_key)
+        cfg["checkpoint_rows"] = self.checkpoint_rows
         return cfg
 
     @classmethod
     def from_config(cls, config: dict) -> DynamicEmbedding:
+        if not isinstance(config, dict):
+            raise CorruptFileError(f"a DynamicEmbedding config must be a mapping, got "
+                                   f"{type(config).__name__}")
         config = dict(config)
         spec = config.pop("store", None)
         if spec is None:  # a config written before the store spec existed
-            spec = {"url": config.pop("store_url"), "persistent": True, "options": {}}
+            spec = {"url": config.pop("store_url", None), "persistent": True, "options": {}}
         config.pop("store_url", None)
-        store = open_store(spec, config.get("name"))
+        name = config.get("name")
+        try:
+            config["padding_key"] = _key_from_json(config.get("padding_key"))
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptFileError(f"saved layer {name}: bad padding_key ({e})") from e
+        store = open_store(spec, name if isinstance(name, str) else None)
         if store.read_only:
             config["trainable"] = False
-        return cls(store, **config)
+        try:
+            layer = cls(store, **config)
+        except (TypeError, ValueError) as e:
+            raise CorruptFileError(f"saved layer {name}: bad config ({e})".replace("\n", " ")
+                                   ) from e
+        # rows in a file may fill only the memory:// copy a load builds, never a store
+        # that lives elsewhere
+        layer._rows_from_file_allowed = not store.backend.persistent
+        return layer
 
     def save_own_variables(self, store: Any) -> None:
         super().save_own_variables(store)
@@ -110,84 +205,76 @@ class DynamicEmbedding(keras.layers.Layer):
             store[_ROWS_KEY] = np.frombuffer(buf.getvalue(), dtype=np.uint8)
 
     def load_own_variables(self, store: Any) -> None:
+        try:
+            self._load_own_variables(store)
+        except EmbstoreError as e:
+            errors = _LOAD_ERRORS.get()
+            if errors is not None:
+                errors.append(e)
+            raise
+
+    def _load_own_variables(self, store: Any) -> None:
         # The trigger (always zero) by position, as Keras saves it; the rows by name.
         for i, v in enumerate(self._trainable_variables + self._non_trainable_variables):
-            v.assign(store[f"{i}"])
-        if _ROWS_KEY in store.keys():
-            rows = np.asarray(store[_ROWS_KEY], dtype=np.uint8).tobytes()
-            if not self.store.backend.persistent and len(self.store) == 0:
-                self.store.import_(rows)
-
-
-def store_spec(store: Any) -> dict[str, Any]:
-    """What a saved layer records to reopen (or rebuild) ``store``: JSON only.
-
-    Reopen options that are not plain JSON values (gRPC interceptors, credentials) are left
-    out: pass the open store with ``load_model(..., stores={url: store})`` instead.
-    """
-    options: dict[str, Any] = {}
-    for k, v in dict(getattr(store, "_reopen_options", {}) or {}).items():
+            try:
+                v.assign(store[f"{i}"])
+            except (KeyError, ValueError, TypeError) as e:
+                raise CorruptFileError(f"layer {self.name}: bad trigger variable ({e})"
+                                       .replace("\n", " ")) from e
+        if _ROWS_KEY not in store.keys():
+            return
+        what = f"loading the rows of layer {self.name} into {self.store.url}"
+        if not self._rows_from_file_allowed:
+            raise CorruptFileError(f"{what}: the file holds rows for a persistent store, "
+                                   "which a load never overwrites")
         try:
-            json.dumps(v)
-        except TypeError:
-            continue
-        options[k] = v
-    return {
-        "url": store.url,
-        "persistent": bool(store.backend.persistent),
-        "options": options,
-        "dim": int(store.dim),
-        "key_type": store.key_type,
-        "optimizer": store.optimizer.config(),
-        "initializer": store.initializer.config(),
-        "seed": int(store.seed),
-    }
-
-
-def open_store(spec: Mapping[str, Any], layer_name: str | None = None) -> Any:
-    """Open the store a saved layer names (see :func:`load_model` for the rules)."""
-    import embstore
-
-    writable, stores, opened = _LOADING.get()
-    url = spec["url"]
-    for name in (layer_name, url):
-        if name is not None and name in stores:
-            return stores[name]
-    options = dict(spec.get("options") or {})
-    if not spec.get("persistent", True):
-        # rebuilt from the rows in the .keras file, as the loaded model's own copy
-        return embstore.open(url, dim=spec["dim"], key_type=spec["key_type"],
-                             optimizer=spec["optimizer"], initializer=spec["initializer"],
-                             seed=spec["seed"], **options)
-    if opened is not None and url in opened:  # layers that shared a store share it again
-        return opened[url]
-    checks = {k: spec[k] for k in ("dim", "key_type") if k in spec}
-    store = embstore.open(url, read_only=not writable, **checks, **options)
-    if opened is not None:
-        opened[url] = store
-    return store
+            rows = np.asarray(store[_ROWS_KEY], dtype=np.uint8).tobytes()
+        except (TypeError, ValueError) as e:
+            raise CorruptFileError(f"{what}: unreadable rows ({e})") from e
+        replace_rows(self.store, rows, what=what)
 
 
 @contextlib.contextmanager
 def loading_stores(*, writable: bool = False,
-                   stores: Mapping[str, Any] | None = None) -> Iterator[None]:
+                   stores: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Within the block, layers rebuilt from a config open their stores this way.
 
     Parameters
     ----------
     writable : bool
         Reopen persistent stores writable (the loaded layers train them). Default: read-only.
+        A store is only ever reopened: one that does not exist is an error, never created.
     stores : mapping of layer name or URL -> EmbeddingStore, optional
         Open stores to use instead of opening the URL again (no second handle). A layer
         name wins over a URL (several ``memory://`` stores share one URL).
 
-    Layers that shared a persistent store share one reopened handle.
+    Yields the ``{url: store}`` this block opened. Layers that shared a persistent store
+    share one reopened handle.
     """
-    token = _LOADING.set((bool(writable), dict(stores or {}), {}))
+    opened: dict[str, Any] = {}
+    token = LOADING.set((bool(writable), dict(stores or {}), opened))
     try:
-        yield
+        yield opened
     finally:
-        _LOADING.reset(token)
+        LOADING.reset(token)
+
+
+def _check_archive(path: Any) -> None:
+    """Refuse a ``.keras`` archive whose members would inflate absurdly (zip bombs)."""
+    from embstore.io.limits import check_inflation
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                check_inflation(str(path), f"member {info.filename!r}", info.compress_size,
+                                info.file_size)
+    except zipfile.BadZipFile as e:
+        raise CorruptFileError(f"{path}: not a .keras archive ({e})") from e
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
 
 
 def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] | None = None,
@@ -200,12 +287,40 @@ def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] |
         A ``.keras`` file written by ``model.save``.
     writable : bool
         Reopen persistent stores writable, so the loaded model trains the same store
-        (default False: read-only, the layers are not trainable).
+        (default False: read-only, the layers are not trainable). Stores are reopened,
+        never created: a file naming a store that does not exist fails.
     stores : mapping of layer name or URL -> EmbeddingStore, optional
         Stores already open in this process, used as they are (a layer name wins over a
         URL).
     **kwargs
         Passed to ``keras.models.load_model``.
+
+    Raises
+    ------
+    CorruptFileError
+        The file is damaged or hostile (bad archive, config, store entry or rows), in one
+        line; stores opened by the load are closed again and no store was written.
     """
-    with loading_stores(writable=writable, stores=stores):
-        return keras.models.load_model(path, **kwargs)
+    if str(path).endswith(".keras"):
+        _check_archive(path)
+    errors: list[BaseException] = []
+    token = _LOAD_ERRORS.set(errors)
+    with loading_stores(writable=writable, stores=stores) as opened:
+        try:
+            return keras.models.load_model(path, **kwargs)
+        except Exception as e:
+            for s in opened.values():
+                s.close()
+            cause: BaseException | None = errors[0] if errors else e
+            while cause is not None:  # Keras wraps what from_config raised: find ours
+                if isinstance(cause, EmbstoreError):
+                    if isinstance(cause, CorruptFileError):
+                        raise CorruptFileError(f"{path}: {_one_line(cause)}") from e
+                    raise cause from None  # its own message and traceback
+                cause = cause.__cause__ or cause.__context__
+            if isinstance(e, (OSError, ImportError)):  # a missing file, a missing module
+                raise
+            raise CorruptFileError(f"{path}: not a loadable model ({type(e).__name__}: "
+                                   f"{_one_line(e)})") from e
+        finally:
+            _LOAD_ERRORS.reset(token)

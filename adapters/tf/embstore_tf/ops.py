@@ -20,7 +20,7 @@ import tensorflow as tf
 from embstore._keys import factorize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
 
-__all__ = ["dynamic_embedding_lookup", "sampled_logits", "trigger_variable"]
+__all__ = ["dynamic_embedding_lookup", "flat_rows", "sampled_logits", "trigger_variable"]
 
 _TRIGGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -85,21 +85,64 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
     return rows(tf.convert_to_tensor(trig))
 
 
-def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool):
+def _pad_value(padding_key: Any, store: Any) -> Any:
+    """``padding_key`` as the numpy scalar the flat key array holds (None: no padding)."""
+    if padding_key is None:
+        return None
+    if store.key_type == "bytes":
+        if isinstance(padding_key, str):
+            return padding_key.encode()
+        if not isinstance(padding_key, bytes):
+            raise KeyTypeError(f"padding_key of a bytes store must be str or bytes, got "
+                               f"{type(padding_key).__name__}")
+        return padding_key
+    if isinstance(padding_key, bool) or not isinstance(padding_key, (int, np.integer)):
+        raise KeyTypeError(f"padding_key of an int64 store must be an int, got "
+                           f"{padding_key!r}")
+    return np.int64(padding_key)
+
+
+def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool, padding_key: Any = None):
     """Dedupe the keys and read their rows in one ``numpy_function`` call: each such call
     costs ~0.1 ms of TF/Python hand-over, and numpy's sort-based unique is cheaper than TF's
     ``unique_with_counts`` plus the argsort that sorts its output. int64 keys come out sorted,
     the form ``store.update`` takes without re-sorting; string keys (an object array of bytes
-    here) are deduplicated by embstore's compiled hash factorization, in first-seen order."""
+    here) are deduplicated by embstore's compiled hash factorization, in first-seen order.
+
+    Positions holding ``padding_key`` get index ``len(uniq)`` (the zero row the caller
+    appends): that key is never looked up, inserted or updated. With an admission policy the
+    store is asked with every occurrence (a key seen 3 times in the batch counts 3), as a
+    lookup of the raw batch would."""
+    pad = _pad_value(padding_key, store)
+
     def run(k: np.ndarray):
-        if k.dtype == object:
-            first, inv = factorize_keys(k)
-            uniq = k[first]
+        keep = None
+        if pad is not None:
+            keep = k != pad
+            if keep.all():
+                keep = None
+        kk = k if keep is None else k[keep]
+        admit_all = insert and store.admission is not None and len(kk) > 0
+        first = None
+        if kk.dtype == object:
+            first, inv = factorize_keys(kk)
+            uniq = kk[first]
             counts = np.bincount(inv, minlength=len(first))
+        elif admit_all:  # first positions needed; return_index makes numpy sort stably
+            uniq, first, inv, counts = np.unique(kk, return_index=True, return_inverse=True,
+                                                 return_counts=True)
         else:
-            uniq, inv, counts = np.unique(k, return_inverse=True, return_counts=True)
-        return (uniq, inv.reshape(-1).astype(np.int64, copy=False),
-                counts.astype(np.int64, copy=False), store.lookup(uniq, insert=insert))
+            uniq, inv, counts = np.unique(kk, return_inverse=True, return_counts=True)
+        inv = inv.reshape(-1).astype(np.int64, copy=False)
+        if keep is not None:
+            full = np.full(len(k), len(uniq), np.int64)
+            full[keep] = inv
+            inv = full
+        if admit_all:
+            vectors = store.lookup(kk, insert=True)[first]
+        else:
+            vectors = store.lookup(uniq, insert=insert)
+        return uniq, inv, counts.astype(np.int64, copy=False), vectors
 
     key_dtype = tf.string if store.key_type == "bytes" else tf.int64
     uniq, idx, counts, vectors = tf.numpy_function(
@@ -109,9 +152,20 @@ def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool):
             tf.ensure_shape(counts, [None]), vectors)
 
 
+def flat_rows(flat: tf.Tensor, store: Any, *, trigger: Any = None, trainable: bool,
+              insert: bool, padding_key: Any = None) -> tf.Tensor:
+    """``(n, dim)`` float32 rows of the flat key vector ``flat`` (padding rows zero), wired
+    to ``store.update`` through ``trigger``."""
+    uniq, idx, counts, vectors = _unique_lookup(flat, store, insert, padding_key)
+    rows = _store_rows(uniq, counts, store, trigger, insert, trainable, vectors)
+    if padding_key is not None:
+        rows = tf.concat([rows, tf.zeros([1, int(store.dim)], rows.dtype)], 0)
+    return tf.gather(rows, idx)
+
+
 def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
                              trainable: bool | None = None, insert: bool = True,
-                             name: str | None = None) -> tf.Tensor:
+                             padding_key: Any = None, name: str | None = None) -> tf.Tensor:
     """Look up ``keys`` (any shape) in ``store``; return ``(*keys.shape, dim)`` float32.
 
     Parameters
@@ -125,15 +179,16 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
         Default: True unless the store is read-only. False: no gradient path, nothing written.
     insert : bool
         Write unknown keys at lookup time (training) or not (serving).
+    padding_key : int, str or bytes, optional
+        A key that reads as a zero vector, gets no gradient and never gets a row.
     """
     if trainable is None:
         trainable = not store.read_only
     with tf.name_scope(name or "dynamic_embedding_lookup"):
         k = _key_tensor(keys, store)
         flat = tf.reshape(k, [-1])
-        uniq, idx, counts, vectors = _unique_lookup(flat, store, insert)
-        rows = _store_rows(uniq, counts, store, trigger, insert, trainable, vectors)
-        out = tf.gather(rows, idx)
+        out = flat_rows(flat, store, trigger=trigger, trainable=trainable, insert=insert,
+                        padding_key=padding_key)
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from embstore._keys import normalize_keys
 from embstore.errors import InvalidInputError
 
+from . import _compiled
 from ._keys import KeyBatch, _int_batch, factorize
 from .jagged import PooledFeatures, as_keyed_jagged
 from .modules import _padding_key, _StoreModule, _StoreRows
@@ -105,8 +106,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
     def embedding_dims(self) -> dict[str, int]:
         return {f: self.embedding_bags[t].embedding_dim for f, t in self.features.items()}
 
-    @torch.compiler.disable  # the store calls: a graph break, the model around it compiles
     def forward(self, features: Any) -> PooledFeatures:
+        if torch.compiler.is_compiling():  # the store calls: a graph break, the model compiles
+            return _compiled.graph_break(DynamicEmbeddingBagCollection._forward)(self, features)
+        return self._forward(features)
+
+    def _forward(self, features: Any) -> PooledFeatures:
         keys, values, lengths, stride, weights = as_keyed_jagged(features)
         missing = [f for f in self.features if f not in keys]
         extra = [k for k in keys if k not in self.features]

@@ -395,12 +395,14 @@ class _StoreModule(nn.Module):
         """``max_norm`` as ``nn.Embedding``: rows whose ``norm_type`` norm exceeds it are
         scaled to it (``max_norm / (norm + 1e-7)``) and written back where this forward may
         write; elsewhere only the output is renormalized."""
-        norms = np.linalg.norm(vectors, ord=self.norm_type, axis=1)
+        # in float64 as torch's kernel: the 1e-7 keeps a scaled row's norm at or below it
+        norms = np.linalg.norm(vectors.astype(np.float64), ord=self.norm_type, axis=1)
         over = norms > self.max_norm
         if not over.any():
             return vectors
         vectors = vectors.copy()
-        vectors[over] *= (self.max_norm / (norms[over] + 1e-7))[:, None].astype(np.float32)
+        scale = self.max_norm / (norms[over] + 1e-7)
+        vectors[over] = (vectors[over] * scale[:, None]).astype(np.float32)
         if write and not self.store.read_only:
             picked = (keys[over] if isinstance(keys, np.ndarray)
                       else [k for k, o in zip(keys, over.tolist(), strict=True) if o])

@@ -24,11 +24,12 @@ from embstore.errors import InvalidInputError
 from . import _compiled
 from ._keys import KeyBatch, _int_batch, factorize
 from .jagged import PooledFeatures, as_keyed_jagged
-from .modules import _padding_key, _StoreModule, _StoreRows
+from .modules import _padding_key, _StoreBag, _StoreModule, _StoreRows
 
 __all__ = ["DynamicEmbeddingBagCollection"]
 
 _MODES = ("sum", "mean", "max")
+_BLOCK = "\0block"  # _pool_table's (features, batch, dim) result, beside the per-feature views
 
 
 class _Table(_StoreModule):
@@ -112,6 +113,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
         self.pooling = modes
         self.namespaces = _namespaces(namespaces, features, tables)
         self._by_table = {t: [f for f, tt in features.items() if tt == t] for t in tables}
+        # the one table serving every feature (its features in output order), if there is one
+        self._single = [t for t, fs in self._by_table.items() if fs == list(features)]
 
     @property
     def embedding_dims(self) -> dict[str, int]:
@@ -135,13 +138,22 @@ class DynamicEmbeddingBagCollection(nn.Module):
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         where = {k: i for i, k in enumerate(keys)}  # feature -> its block of bags
         pooled: dict[str, torch.Tensor] = {}
+        block = None
         for table, feats in self._by_table.items():
             if feats:
-                pooled.update(self._pool_table(self.embedding_bags[table], feats, values,
-                                               lengths, bounds, where, stride, weights))
+                part = self._pool_table(self.embedding_bags[table], feats, values, lengths,
+                                        bounds, where, stride, weights)
+                block = part.pop(_BLOCK, None)
+                pooled.update(part)
         first = self.embedding_bags[next(iter(self.embedding_bags))]
         order = list(self.features)
-        out = torch.cat([pooled[f] for f in order], dim=1) if order else torch.zeros(stride, 0)
+        if block is not None and len(getattr(self, "_single", ())) == 1:
+            # one table pooled every feature, in output order, as (features, batch, dim):
+            # one transposing copy instead of a split and a concatenation
+            out = block.transpose(0, 1).reshape(stride, -1)
+        else:
+            out = (torch.cat([pooled[f] for f in order], dim=1) if order
+                   else torch.zeros(stride, 0))
         if (not out.requires_grad and torch.is_grad_enabled()
                 and any(t.trainable for t in self.embedding_bags.values())):
             out.requires_grad_(True)  # a batch without ids: backward runs, writes nothing
@@ -161,15 +173,29 @@ class DynamicEmbeddingBagCollection(nn.Module):
             w = torch.as_tensor(weights, dtype=torch.float32).reshape(-1).cpu()
             psw = torch.cat([w[a:b] for a, b in spans])
         batch, offs, _, psw = table._drop_padding(batch, offs, 0, psw)
+        modes = {self.pooling[f] for f in feats}
+        mode = modes.pop() if len(modes) == 1 else None
+        if mode in ("sum", "mean") and len(batch.uniq):
+            # One fused pooling + per-key gradient sum over every feature's bags (the
+            # grouping of the dedupe reused), as DynamicEmbeddingBag does.
+            vectors, sink = table._lookup(batch)
+            size = 1 if len(offs) == len(batch.inv) else 0  # single-id bags: a gather
+            if sink is None:
+                pooled = F.embedding_bag(batch.inv, torch.from_numpy(vectors), offs,
+                                         mode=mode, per_sample_weights=psw)
+            else:
+                pooled = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors,
+                                         batch, offs, size, mode, sink)
+            block = pooled.reshape(len(feats), stride, -1)
+            return {**dict(zip(feats, block, strict=True)), _BLOCK: block}
         if len(batch.uniq):
             rows = table.rows(batch)
         else:  # no ids: zeros that a backward still runs through (and writes nothing)
             rows = torch.zeros(0, table.embedding_dim,
                                requires_grad=table.trainable and torch.is_grad_enabled())
         inv = batch.inv.reshape(-1)
-        modes = {self.pooling[f] for f in feats}
-        if len(modes) == 1 and len(inv):  # one embedding_bag over every feature's bags
-            pooled = F.embedding_bag(inv, rows, offs, mode=modes.pop(), per_sample_weights=psw)
+        if mode is not None and len(inv):  # one embedding_bag over every feature's bags
+            pooled = F.embedding_bag(inv, rows, offs, mode=mode, per_sample_weights=psw)
             return dict(zip(feats, pooled.reshape(len(feats), stride, -1), strict=True))
         n = len(inv)
         out: dict[str, torch.Tensor] = {}
@@ -189,10 +215,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
         """The table's keys, feature after feature (namespaced where asked), deduplicated."""
         whole = len(spans) == 1 and spans[0] == (0, len(values))
         if table.store.key_type == "int64":
+            if whole and not self.namespaces and isinstance(values, (np.ndarray, torch.Tensor)):
+                flat = (normalize_keys(values, "int64") if isinstance(values, np.ndarray)
+                        else _int_tensor(values))
+                return _int_batch(flat, (len(flat),))
             if isinstance(values, torch.Tensor):
-                arr = values.detach().cpu()
-                arr = (arr.view(torch.int64) if arr.dtype == torch.uint64
-                       else arr.to(torch.int64)).numpy()
+                arr = _int_tensor(values)
                 parts = [arr[a:b] for a, b in spans]
             elif isinstance(values, np.ndarray):
                 parts = [normalize_keys(values[a:b], "int64") for a, b in spans]
@@ -214,6 +242,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"features={self.features}, pooling={self.pooling}"
+
+
+def _int_tensor(values: torch.Tensor) -> np.ndarray:
+    arr = values.detach().cpu()
+    return np.ascontiguousarray((arr.view(torch.int64) if arr.dtype == torch.uint64
+                                 else arr.to(torch.int64)).numpy())
 
 
 def _objects(values: Any) -> np.ndarray:

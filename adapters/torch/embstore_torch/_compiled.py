@@ -68,7 +68,7 @@ def _(ids, trigger, handle, dim, insert):
 
 @torch.library.custom_op("embstore::update", mutates_args=())
 def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tensor:
-    from .modules import _per_key_sum
+    from ._bridges import _per_key_sum
 
     module = _module(handle)
     batch = _grouped(module, ids)

@@ -10,15 +10,9 @@ import torch.nn.functional as F
 from embstore.errors import InvalidInputError
 
 from . import _compiled
+from ._bridges import _StoreBag, _StoreRows
 from ._keys import prepare_bags
-from .modules import (
-    _collective,
-    _empty_output,
-    _padding_key,
-    _StoreBag,
-    _StoreModule,
-    _StoreRows,
-)
+from .modules import _collective, _empty_output, _padding_key, _StoreModule
 
 __all__ = ["DynamicEmbeddingBag"]
 

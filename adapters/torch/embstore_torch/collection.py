@@ -22,9 +22,10 @@ from embstore._keys import normalize_keys
 from embstore.errors import InvalidInputError
 
 from . import _compiled
+from ._bridges import _StoreBag, _StoreRows
 from ._keys import KeyBatch, _int_batch, factorize
 from .jagged import PooledFeatures, as_keyed_jagged
-from .modules import _padding_key, _StoreBag, _StoreModule, _StoreRows
+from .modules import _padding_key, _StoreModule
 
 __all__ = ["DynamicEmbeddingBagCollection"]
 

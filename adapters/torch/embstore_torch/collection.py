@@ -22,7 +22,7 @@ from embstore._keys import normalize_keys
 from embstore.errors import InvalidInputError
 
 from . import _compiled
-from ._bridges import _StoreBag, _StoreRows
+from ._bridges import _StoreBag, _StoreGather, _StoreRows
 from ._keys import KeyBatch, _int_batch, factorize
 from .jagged import PooledFeatures, as_keyed_jagged
 from .modules import _padding_key, _StoreModule
@@ -184,6 +184,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
             if sink is None:
                 pooled = F.embedding_bag(batch.inv, torch.from_numpy(vectors), offs,
                                          mode=mode, per_sample_weights=psw)
+            elif size and psw is None:  # every bag one id: the fused gather
+                pooled = _StoreGather.apply(torch.empty(0, requires_grad=True), vectors,
+                                            batch, sink)
             else:
                 pooled = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors,
                                          batch, offs, size, mode, sink)

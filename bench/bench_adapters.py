@@ -139,6 +139,96 @@ def bench_torch(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
     return rows
 
 
+# The recommendation shape (an online CTR model, MovieLens-100k-like): batch 256, seven
+# single-id features, one shared table. Cardinalities of MovieLens-100k's fields.
+REC_BATCH = 256
+REC_DIM = 16
+REC_FIELDS = {"user": 943, "movie": 1682, "age": 61, "gender": 2, "occupation": 21,
+              "zip": 795, "genre": 19}
+
+
+def _rec_stream(n_steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Per step, each field's raw ids (Zipf-skewed over the field's cardinality)."""
+    rng = np.random.default_rng(seed)
+    return [{f: (rng.zipf(1.3, REC_BATCH) - 1) % n for f, n in REC_FIELDS.items()}
+            for _ in range(n_steps)]
+
+
+def bench_torch_rec(n_steps: int) -> list[tuple[str, float, float, float, float]]:
+    """DynamicEmbeddingBagCollection (one shared table, 7 features, store Adagrad) vs
+    ``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``, with the id -> row mapping inside
+    the timed step on both sides: a dict for the string keys, ``searchsorted`` over the sorted
+    vocabulary for the int64 keys."""
+    import torch
+    from torch import nn
+
+    import embstore
+    from embstore_torch import DynamicEmbeddingBagCollection, KeyedJagged
+
+    fields = list(REC_FIELDS)
+    raw = _rec_stream(n_steps)
+    # The raw events as a pipeline hands them over: per field, 256 keys.
+    str_batches = [[np.array([f"{f}={v}".encode() for v in b[f].tolist()], dtype=object)
+                    for f in fields] for b in raw]
+    int_batches = [[b[f] + (i << 32) for i, f in enumerate(fields)] for b in raw]
+    vocab_str = {f"{f}={v}".encode(): j for j, (f, v) in enumerate(
+        (f, v) for f, n in REC_FIELDS.items() for v in range(n))}
+    vocab_int = np.sort(np.concatenate([np.arange(n) + (i << 32)
+                                        for i, n in enumerate(REC_FIELDS.values())]))
+    n_rows = len(vocab_str)
+    labels = [torch.from_numpy((np.random.default_rng(s).random(REC_BATCH) < 0.3)
+                               .astype(np.float32))[:, None] for s in range(n_steps)]
+    width = len(fields) * REC_DIM
+    lengths = np.ones(len(fields) * REC_BATCH, dtype=np.int64)
+
+    def mlp():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    rows = []
+    for key_type, batches in (("bytes", str_batches), ("int64", int_batches)):
+        table = nn.Embedding(n_rows, REC_DIM, sparse=True)
+        head = mlp()
+        sparse_opt = torch.optim.Adagrad(table.parameters(), lr=0.05)
+        dense_opt = torch.optim.SGD(head.parameters(), lr=0.01)
+        loss_fn = nn.BCEWithLogitsLoss()
+
+        if key_type == "bytes":
+            def to_rows(parts, vocab=vocab_str):
+                return torch.tensor([[vocab[k] for k in p.tolist()] for p in parts])
+        else:
+            def to_rows(parts, vocab=vocab_int):
+                return torch.from_numpy(np.searchsorted(vocab, np.stack(parts)))
+
+        def ref_step(item, table=table, head=head, sparse_opt=sparse_opt,
+                     dense_opt=dense_opt, to_rows=to_rows, loss_fn=loss_fn):
+            parts, y = item
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            x = table(to_rows(parts).T).reshape(REC_BATCH, width)  # (batch, 7 * dim)
+            loss_fn(head(x), y).backward()
+            sparse_opt.step()
+            dense_opt.step()
+
+        store = embstore.open("memory://", dim=REC_DIM, key_type=key_type,
+                              optimizer=embstore.optim.Adagrad(lr=0.05))
+        ebc = DynamicEmbeddingBagCollection({"shared": store}, dict.fromkeys(fields, "shared"))
+        head2 = mlp()
+        dense_opt2 = torch.optim.SGD(head2.parameters(), lr=0.01)
+
+        def dyn_step(item, ebc=ebc, head=head2, dense_opt=dense_opt2, loss_fn=loss_fn):
+            parts, y = item
+            dense_opt.zero_grad()
+            kjt = KeyedJagged(fields, np.concatenate(parts), lengths=lengths)
+            loss_fn(head(ebc(kjt).values()), y).backward()  # the store's Adagrad runs here
+            dense_opt.step()
+
+        items = list(zip(batches, labels, strict=True))
+        rows.append((f"rec {key_type} adagrad: steps/s", *_race(ref_step, dyn_step, items)))
+        store.close()
+    return rows
+
+
 class _TFRAWorker:
     """The TFRA step in a subprocess (its own venv and TF version), timed one round per call."""
 
@@ -305,6 +395,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--no-tf", action="store_true")
+    p.add_argument("--rec-only", action="store_true",
+                   help="only the recommendation shape (batch 256, 7 features, Adagrad)")
     p.add_argument("--tfra-python", default=_default_tfra_python(),
                    help="python of a venv with TFRA 0.8.1 (default: $EMBSTORE_TFRA_PYTHON, "
                         "else .venv-tfra/bin/python if present)")
@@ -321,24 +413,32 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    if a.rec_only:
+        _print_rows(bench_torch_rec(max(steps, 40) * 4))
+        return
     print(f"batch {IDS_PER_BATCH} ids ({IDS_PER_BATCH // BAG} bags x {BAG}), dim {DIM}, "
           f"{id_space:,} ids, {steps} steps, 1 torch / 1 TF thread")
     rows = bench_torch(steps, id_space)
+    rows += bench_torch_rec(max(steps, 40) * 4)
     if not a.no_tf:
         try:
             rows += bench_tf(steps, id_space, a.tfra_python)
         except ImportError as e:
             print(f"(TensorFlow part skipped: {e})")
-    print(f"{'benchmark':30s} {'embstore':>9s} {'reference':>9s} {'ratio':>6s}   "
-          f"{'cpu: embstore':>13s} {'reference':>9s} {'ratio':>6s}")
-    for name, dw, rw, dc, rc in rows:
-        print(f"{name:30s} {dw:9.1f} {rw:9.1f} {dw / rw:5.2f}x   {dc:13.1f} {rc:9.1f} "
-              f"{dc / rc:5.2f}x")
+    _print_rows(rows)
     print("steps/s per wall-clock second, then per CPU second of the process running the step "
           "(medians of alternating rounds)")
     print("references: torch nn.EmbeddingBag(sparse=True) + torch.optim.SGD/Adagrad; "
           "tf.nn.embedding_lookup on a tf.Variable + scatter_sub; TFRA 0.8.1 de.embedding_lookup "
           "+ DynamicEmbeddingOptimizer(SGD) (TF 2.16, own venv)")
+
+
+def _print_rows(rows: list) -> None:
+    print(f"{'benchmark':30s} {'embstore':>9s} {'reference':>9s} {'ratio':>6s}   "
+          f"{'cpu: embstore':>13s} {'reference':>9s} {'ratio':>6s}")
+    for name, dw, rw, dc, rc in rows:
+        print(f"{name:30s} {dw:9.1f} {rw:9.1f} {dw / rw:5.2f}x   {dc:13.1f} {rc:9.1f} "
+              f"{dc / rc:5.2f}x")
 
 
 if __name__ == "__main__":

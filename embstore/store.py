@@ -24,6 +24,7 @@ from .engine.batch import (
     check_rows,
     coalesce,
     distinct,
+    nd_keys,
     occurrences,
     sum_counts,
     unique_first,
@@ -249,8 +250,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         return self.initializer(self._keys(keys), self.layout.dim, self.seed)
 
     # -- the interface -----------------------------------------------------------------------------
-    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
-        """Vectors of ``keys`` as a ``(n, dim)`` float32 array, rows in request order.
+    def lookup(self, keys: Any, *, insert: bool = True, counts: Any = None) -> np.ndarray:
+        """Vectors of ``keys`` as a ``(n, dim)`` float32 array, rows in request order; an N-D
+        key array gives ``(*keys.shape, dim)``.
 
         Parameters
         ----------
@@ -259,10 +261,19 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             Write unknown keys with their initial vector (training). With ``False`` (serving)
             unknown keys read as their initial vector and nothing is written. A read-only store
             always behaves as ``insert=False``.
+        counts : array of int64, optional
+            Occurrences each row of ``keys`` stands for (a caller that deduplicated its batch):
+            what an admission policy counts for an unknown key instead of one per row.
         """
         self._check_open()
+        keys, shape = nd_keys(keys)
+        if shape is not None:
+            cflat = None if counts is None else np.asarray(counts).reshape(-1)
+            return self.lookup(keys, insert=insert, counts=cflat).reshape(
+                *shape, self.layout.dim)
         k = self._keys(keys)
         n = len(k)
+        c = None if counts is None else check_counts(counts, n)
         self._stats["lookups"] += n
         if n == 0:
             return np.empty((0, self.layout.dim), dtype=np.float32)
@@ -297,11 +308,14 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
             vectors[miss] = new_vecs
         if insert and not self.read_only:
+            miss_counts = None if c is None else (c if nfound == 0 else c[~found])
             if distinct(miss_keys):
-                uniq, seen = miss_keys, None
+                uniq, seen = miss_keys, miss_counts
             else:
                 uniq, first = unique_first(miss_keys)
-                new_vecs, seen = new_vecs[first], occurrences(miss_keys, uniq)
+                new_vecs = new_vecs[first]
+                seen = (occurrences(miss_keys, uniq) if miss_counts is None
+                        else sum_counts(miss_keys, uniq, miss_counts))
             if self._policy.admission is not None:
                 if seen is None:
                     seen = np.ones(len(uniq), dtype=np.int64)
@@ -321,8 +335,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._backend.prefetch(k)
 
     def contains(self, keys: Any) -> np.ndarray:
-        """A ``(n,)`` bool array: which keys have a stored record."""
+        """A ``(n,)`` bool array (``keys.shape`` for N-D keys): which keys have a record."""
         self._check_open()
+        keys, shape = nd_keys(keys)
+        if shape is not None:
+            return self.contains(keys).reshape(shape)
         k = self._keys(keys)
         if len(k) == 0:
             return np.zeros(0, dtype=bool)
@@ -371,6 +388,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Set vectors directly (warm start). Optimizer slots and counts of existing keys are
         kept; new keys get fresh slots. With duplicate keys the last value wins."""
         self._check_writable()
+        keys, shape = nd_keys(keys)
+        if shape is not None:  # values (*shape, dim)
+            values = np.asarray(values)
+            if values.shape[:-1] != shape:
+                raise InvalidInputError(f"values of shape {values.shape} do not match keys of "
+                                        f"shape {shape} (expected (*keys.shape, dim))")
+            values = values.reshape(-1, values.shape[-1])
         k = self._keys(keys)
         v = self._rows(values, len(k), "values")
         if len(k) == 0:
@@ -379,13 +403,24 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._assign_records(uniq, v[last])
 
     def delete(self, keys: Any) -> int:
-        """Delete keys; return how many were present."""
+        """Delete keys (any shape); return how many were present."""
         self._check_writable()
-        k = self._keys(keys)
+        k = self._keys(nd_keys(keys)[0])
         if len(k) == 0:
             return 0
         uniq, _ = unique_first(k)
         return self._delete(uniq)
+
+    def clear(self, batch_size: int = 65536) -> int:
+        """Delete every row (as :meth:`delete` of all keys: policies and observers are told,
+        incremental exports see the deletions); return how many rows were deleted. The store's
+        step, options and layout stay."""
+        self._check_writable()
+        self._require_scan("clear()")
+        batches = [keys for keys, _ in self._backend.scan(batch_size)]
+        if not batches:
+            return 0
+        return self._delete(unique_first(np.concatenate(batches))[0])
 
     # -- whole-table access ------------------------------------------------------------------------
     def get_records(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:

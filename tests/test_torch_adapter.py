@@ -252,9 +252,16 @@ def test_eval_mode_and_no_grad_do_not_write():
     emb = DynamicEmbedding(store).eval()
     out = emb(torch.tensor([1, 2]))
     assert len(store) == 0 and out.requires_grad
-    with torch.no_grad():
+    with torch.no_grad():  # train mode, but no backward can follow: nothing written
         out = emb.train()(torch.tensor([3]))
-    assert not out.requires_grad and len(store) == 1  # training lookups insert
+    assert not out.requires_grad and len(store) == 0
+    with torch.inference_mode():
+        emb(torch.tensor([4]))
+    assert len(store) == 0
+    DynamicEmbedding(store, trainable=False)(torch.tensor([5]))  # frozen: no backward either
+    assert len(store) == 0
+    emb(torch.tensor([3]))  # a training forward inserts
+    assert store.contains([3, 4, 5]).tolist() == [True, False, False]
 
 
 def test_read_only_store_serves_and_never_writes(tmp_path):

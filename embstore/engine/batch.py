@@ -22,6 +22,20 @@ def _positions_in(uniq: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return inv[len(uniq):]  # uniq is distinct and comes first: its keys get ids 0..len-1
 
 
+def nd_keys(keys: Any) -> tuple[Any, tuple[int, ...] | None]:
+    """``(flat keys, shape)`` of an N-D key array (numpy, or a tensor with ``.numpy()``), or
+    ``(keys, None)`` for anything else (1-D arrays, lists: normalized as they are)."""
+    ndim = getattr(keys, "ndim", None)
+    if ndim is None or ndim < 2:
+        return keys, None
+    if hasattr(keys, "detach") and hasattr(keys, "cpu"):  # torch, without importing it
+        keys = keys.detach().cpu().numpy()
+    elif hasattr(keys, "numpy") and not isinstance(keys, np.ndarray):  # tf
+        keys = keys.numpy()
+    arr = np.asarray(keys)
+    return arr.reshape(-1), tuple(arr.shape)
+
+
 def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sum rows of duplicate keys: return ``(unique_keys, summed_rows, multiplicity)``.
 

@@ -231,6 +231,27 @@ class StoreConformance(BackendPrimitiveConformance):
         s.assign([2], np.ones((1, DIM)))
         np.testing.assert_array_equal(s.lookup([2]), np.ones((1, DIM), np.float32))
 
+    def test_nd_key_arrays(self):
+        s = self.open()
+        keys = np.arange(12, dtype=np.int64).reshape(2, 3, 2)
+        vals = np.arange(12 * DIM, dtype=np.float32).reshape(2, 3, 2, DIM)
+        s.assign(keys, vals)
+        np.testing.assert_array_equal(s.lookup(keys), vals)
+        np.testing.assert_array_equal(s.lookup(keys[:, :1], insert=False), vals[:, :1])
+        assert s.contains(keys[0]).shape == (3, 2) and s.contains(keys).all()
+        assert s.delete(keys[1]) == 6
+        assert s.contains(keys).tolist() == [[[True] * 2] * 3, [[False] * 2] * 3]
+
+    def test_clear(self):
+        s = self.open()
+        s.assign(np.arange(300), np.ones((300, DIM)))
+        v0 = s.version
+        assert s.clear() == 300
+        assert len(s) == 0 and not s.contains([0, 299]).any()
+        assert s.version > v0 and s.clear() == 0
+        s.lookup([5])  # the store stays usable
+        assert len(s) == 1
+
     def test_items_cover_table_once(self):
         s = self.open()
         keys = np.arange(-500, 500, 3, dtype=np.int64)
@@ -261,7 +282,8 @@ class StoreConformance(BackendPrimitiveConformance):
             (KeyTypeError, lambda: s.lookup([b"x"])),
             (KeyTypeError, lambda: s.lookup(["x", "y"])),
             (KeyTypeError, lambda: s.update([1.5], np.ones((1, DIM)))),
-            (InvalidInputError, lambda: s.lookup(np.ones((2, 2), dtype=np.int64))),
+            (InvalidInputError, lambda: s.assign(np.ones((2, 2), dtype=np.int64),
+                                                 np.ones((4, DIM)))),
         ]
         for err, call in bad_calls:
             with pytest.raises(err):

@@ -18,9 +18,10 @@ except ImportError as e:  # say which extra brings it, not just "No module named
         "pip install 'embstore[torch]' (or install torch for your platform from pytorch.org)"
     ) from e
 
+from .bag import DynamicEmbeddingBag
 from .collection import DynamicEmbeddingBagCollection
 from .jagged import KeyedJagged, PooledFeatures
-from .modules import DynamicEmbedding, DynamicEmbeddingBag, TracingUnsupportedError, store_rows
+from .modules import DynamicEmbedding, TracingUnsupportedError, store_rows
 from .sampled import SampledSoftmaxLoss, sampled_logits
 
 __all__ = [

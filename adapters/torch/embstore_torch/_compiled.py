@@ -68,7 +68,7 @@ def _(ids, trigger, handle, dim, insert):
 
 @torch.library.custom_op("embstore::update", mutates_args=())
 def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tensor:
-    from .modules import _per_key_sum
+    from ._bridges import _per_key_sum
 
     module = _module(handle)
     batch = _grouped(module, ids)
@@ -109,6 +109,19 @@ def _backward(ctx: Any, grad: torch.Tensor):
 _lookup_op.register_autograd(_backward, setup_context=_setup)
 
 
+_GRAPH_BREAKS: dict[Any, Any] = {}
+
+
+def graph_break(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)``, made on first use: called while Dynamo traces, so
+    ``import embstore_torch`` never imports ``torch._dynamo`` (it doubles ``import torch``).
+    The first trace breaks once more on the ``disable`` call itself; later ones find it here."""
+    disabled = _GRAPH_BREAKS.get(fn)
+    if disabled is None:
+        disabled = _GRAPH_BREAKS[fn] = torch.compiler.disable(fn)
+    return disabled
+
+
 def traceable(module: Any, input: Any) -> bool:
     """Whether ``module(input)`` can run as the custom op (int keys in a tensor)."""
     return (isinstance(input, torch.Tensor) and module.store.key_type == "int64"
@@ -119,7 +132,7 @@ def traceable(module: Any, input: Any) -> bool:
 def lookup(module: Any, input: torch.Tensor) -> torch.Tensor:
     """``module(input)`` as the custom op (see the module docstring)."""
     trigger = module._trigger if module.trainable else module._trigger.detach()
-    return _lookup_op(input, trigger, module._handle, module.embedding_dim, module.training)
+    return _lookup_op(input, trigger, module._handle, module.embedding_dim, module._writes())
 
 
 def bag(module: Any, input: torch.Tensor, offsets: Any,

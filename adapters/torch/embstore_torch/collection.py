@@ -21,13 +21,16 @@ from torch import nn
 from embstore._keys import normalize_keys
 from embstore.errors import InvalidInputError
 
+from . import _compiled
+from ._bridges import _StoreBag, _StoreGather, _StoreRows
 from ._keys import KeyBatch, _int_batch, factorize
 from .jagged import PooledFeatures, as_keyed_jagged
-from .modules import _padding_key, _StoreModule, _StoreRows
+from .modules import _padding_key, _StoreModule
 
 __all__ = ["DynamicEmbeddingBagCollection"]
 
 _MODES = ("sum", "mean", "max")
+_BLOCK = "\0block"  # _pool_table's (features, batch, dim) result, beside the per-feature views
 
 
 class _Table(_StoreModule):
@@ -60,6 +63,13 @@ class DynamicEmbeddingBagCollection(nn.Module):
         As in :class:`~embstore_torch.DynamicEmbedding`, for every table.
     padding_key : key or mapping of table to key, optional
         Ids left out of their bag (no row, no gradient), as ``DynamicEmbeddingBag``'s.
+    namespaces : mapping of feature to namespace, or True, optional
+        Per-feature key namespaces in a shared table (Monolith's feature slots): the same raw
+        id in two features gets two rows. In a bytes table a feature's key ``k`` is stored as
+        ``b"<namespace>=" + k`` (``True``: every feature of a bytes table uses its own name);
+        in an int64 table the namespace is an int in ``[0, 255]`` put in the key's top 8 bits
+        (``namespace << 56 | id``), so ids must lie in ``[0, 2**56)``. Features not named
+        keep their raw keys.
 
     Notes
     -----
@@ -68,12 +78,15 @@ class DynamicEmbeddingBagCollection(nn.Module):
     :meth:`KeyedJagged.from_dict`) and returns :class:`~embstore_torch.PooledFeatures`
     (``values()`` is ``(batch, sum of dims)``; ``to_dict()`` per feature). Per-id weights
     (weighted features) need "sum" pooling. ``state_dict()`` holds each table's rows under
-    ``embedding_bags.<table>._extra_state``.
+    ``embedding_bags.<table>._extra_state``. Tables may have different key types (an int64
+    table next to a bytes one); a feature's bags may be given as lists of lists (multi-hot),
+    a 2-D tensor (fixed-size bags), a 1-D tensor or flat list (one id per sample).
     """
 
     def __init__(self, tables: Mapping[str, Any], features: Mapping[str, str] | None = None,
                  pooling: str | Mapping[str, str] = "sum", *, trainable: bool | None = None,
-                 count: bool = True, padding_key: Any = None) -> None:
+                 count: bool = True, padding_key: Any = None,
+                 namespaces: Mapping[str, Any] | bool | None = None) -> None:
         super().__init__()
         if not tables:
             raise InvalidInputError("give at least one table")
@@ -99,14 +112,21 @@ class DynamicEmbeddingBagCollection(nn.Module):
             for name, store in tables.items()})
         self.features = features
         self.pooling = modes
+        self.namespaces = _namespaces(namespaces, features, tables)
         self._by_table = {t: [f for f, tt in features.items() if tt == t] for t in tables}
+        # the one table serving every feature (its features in output order), if there is one
+        self._single = [t for t, fs in self._by_table.items() if fs == list(features)]
 
     @property
     def embedding_dims(self) -> dict[str, int]:
         return {f: self.embedding_bags[t].embedding_dim for f, t in self.features.items()}
 
-    @torch.compiler.disable  # the store calls: a graph break, the model around it compiles
     def forward(self, features: Any) -> PooledFeatures:
+        if torch.compiler.is_compiling():  # the store calls: a graph break, the model compiles
+            return _compiled.graph_break(DynamicEmbeddingBagCollection._forward)(self, features)
+        return self._forward(features)
+
+    def _forward(self, features: Any) -> PooledFeatures:
         keys, values, lengths, stride, weights = as_keyed_jagged(features)
         missing = [f for f in self.features if f not in keys]
         extra = [k for k in keys if k not in self.features]
@@ -119,14 +139,26 @@ class DynamicEmbeddingBagCollection(nn.Module):
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         where = {k: i for i, k in enumerate(keys)}  # feature -> its block of bags
         pooled: dict[str, torch.Tensor] = {}
+        block = None
         for table, feats in self._by_table.items():
             if feats:
-                pooled.update(self._pool_table(self.embedding_bags[table], feats, values,
-                                               lengths, bounds, where, stride, weights))
-        dev = self.embedding_bags[next(iter(self.embedding_bags))]._anchor.device
+                part = self._pool_table(self.embedding_bags[table], feats, values, lengths,
+                                        bounds, where, stride, weights)
+                block = part.pop(_BLOCK, None)
+                pooled.update(part)
+        first = self.embedding_bags[next(iter(self.embedding_bags))]
         order = list(self.features)
-        out = torch.cat([pooled[f] for f in order], dim=1) if order else torch.zeros(stride, 0)
-        return PooledFeatures(order, [pooled[f].shape[1] for f in order], out.to(dev))
+        if block is not None and len(getattr(self, "_single", ())) == 1:
+            # one table pooled every feature, in output order, as (features, batch, dim):
+            # one transposing copy instead of a split and a concatenation
+            out = block.transpose(0, 1).reshape(stride, -1)
+        else:
+            out = (torch.cat([pooled[f] for f in order], dim=1) if order
+                   else torch.zeros(stride, 0))
+        if (not out.requires_grad and torch.is_grad_enabled()
+                and any(t.trainable for t in self.embedding_bags.values())):
+            out.requires_grad_(True)  # a batch without ids: backward runs, writes nothing
+        return PooledFeatures(order, [pooled[f].shape[1] for f in order], first._output(out))
 
     def _pool_table(self, table: _Table, feats: list[str], values: Any, lengths: np.ndarray,
                     bounds: np.ndarray, where: dict[str, int], stride: int,
@@ -135,18 +167,40 @@ class DynamicEmbeddingBagCollection(nn.Module):
         spans = [(bounds[where[f] * stride], bounds[(where[f] + 1) * stride]) for f in feats]
         bag_lens = np.concatenate([lengths[where[f] * stride:(where[f] + 1) * stride]
                                    for f in feats])
-        batch = self._key_batch(table, values, spans)
+        batch = self._key_batch(table, values, spans, feats)
         offs = torch.from_numpy(np.concatenate(([0], np.cumsum(bag_lens)[:-1])))
         psw = None
         if weights is not None:
             w = torch.as_tensor(weights, dtype=torch.float32).reshape(-1).cpu()
             psw = torch.cat([w[a:b] for a, b in spans])
         batch, offs, _, psw = table._drop_padding(batch, offs, 0, psw)
+        modes = {self.pooling[f] for f in feats}
+        mode = modes.pop() if len(modes) == 1 else None
+        if mode in ("sum", "mean") and len(batch.uniq):
+            # One fused pooling + per-key gradient sum over every feature's bags (the
+            # grouping of the dedupe reused), as DynamicEmbeddingBag does.
+            vectors, sink = table._lookup(batch)
+            size = 1 if len(offs) == len(batch.inv) else 0  # single-id bags: a gather
+            if sink is None:
+                pooled = F.embedding_bag(batch.inv, torch.from_numpy(vectors), offs,
+                                         mode=mode, per_sample_weights=psw)
+            elif size and psw is None:  # every bag one id: the fused gather
+                pooled = _StoreGather.apply(torch.empty(0, requires_grad=True), vectors,
+                                            batch, sink)
+            else:
+                pooled = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors,
+                                         batch, offs, size, mode, sink)
+            block = pooled.reshape(len(feats), stride, -1)
+            return {**dict(zip(feats, block, strict=True)), _BLOCK: block}
         if len(batch.uniq):
             rows = table.rows(batch)
-        else:
-            rows = torch.zeros(0, table.embedding_dim)
+        else:  # no ids: zeros that a backward still runs through (and writes nothing)
+            rows = torch.zeros(0, table.embedding_dim,
+                               requires_grad=table.trainable and torch.is_grad_enabled())
         inv = batch.inv.reshape(-1)
+        if mode is not None and len(inv):  # one embedding_bag over every feature's bags
+            pooled = F.embedding_bag(inv, rows, offs, mode=mode, per_sample_weights=psw)
+            return dict(zip(feats, pooled.reshape(len(feats), stride, -1), strict=True))
         n = len(inv)
         out: dict[str, torch.Tensor] = {}
         for i, f in enumerate(feats):
@@ -160,21 +214,96 @@ class DynamicEmbeddingBagCollection(nn.Module):
                                      per_sample_weights=None if psw is None else psw[lo:hi])
         return out
 
-    @staticmethod
-    def _key_batch(table: _Table, values: Any, spans: list[tuple[int, int]]) -> KeyBatch:
+    def _key_batch(self, table: _Table, values: Any, spans: list[tuple[int, int]],
+                   feats: list[str]) -> KeyBatch:
+        """The table's keys, feature after feature (namespaced where asked), deduplicated."""
+        whole = len(spans) == 1 and spans[0] == (0, len(values))
         if table.store.key_type == "int64":
+            if whole and not self.namespaces and isinstance(values, (np.ndarray, torch.Tensor)):
+                flat = (normalize_keys(values, "int64") if isinstance(values, np.ndarray)
+                        else _int_tensor(values))
+                return _int_batch(flat, (len(flat),))
             if isinstance(values, torch.Tensor):
-                flat = values.detach().cpu()
-                flat = (flat.view(torch.int64) if flat.dtype == torch.uint64
-                        else flat.to(torch.int64)).numpy()
-            else:
-                flat = normalize_keys(values if isinstance(values, np.ndarray)
-                                      else list(values), "int64")
-            flat = np.concatenate([flat[a:b] for a, b in spans])
-            return _int_batch(np.ascontiguousarray(flat), (len(flat),))
-        flat = [k for a, b in spans for k in values[a:b]]
+                arr = _int_tensor(values)
+                parts = [arr[a:b] for a, b in spans]
+            elif isinstance(values, np.ndarray):
+                parts = [normalize_keys(values[a:b], "int64") for a, b in spans]
+            else:  # a list, possibly mixing this table's ints with another table's strings
+                parts = [normalize_keys(list(values[a:b]), "int64") for a, b in spans]
+            parts = [_int_namespace(p, self.namespaces.get(f), f) for p, f in zip(
+                parts, feats, strict=True)]
+            flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            return _int_batch(np.ascontiguousarray(flat, dtype=np.int64), (len(flat),))
+        named = any(f in self.namespaces for f in feats)
+        if whole and not named:
+            flat = values if isinstance(values, np.ndarray) else _objects(values)
+        else:
+            flat = np.concatenate([_bytes_namespace(_objects(values[a:b]),
+                                                    self.namespaces.get(f))
+                                   for (a, b), f in zip(spans, feats, strict=True)])
         uniq, inv = factorize(flat)
         return KeyBatch(uniq, torch.from_numpy(inv), (len(flat),))
 
     def extra_repr(self) -> str:
         return f"features={self.features}, pooling={self.pooling}"
+
+
+def _int_tensor(values: torch.Tensor) -> np.ndarray:
+    arr = values.detach().cpu()
+    return np.ascontiguousarray((arr.view(torch.int64) if arr.dtype == torch.uint64
+                                 else arr.to(torch.int64)).numpy())
+
+
+def _objects(values: Any) -> np.ndarray:
+    """A 1-D object array of str/bytes keys (one C loop, no per-key Python list)."""
+    if isinstance(values, np.ndarray):
+        return values if values.dtype == object else values.astype(object)
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = values
+    return arr
+
+
+def _namespaces(spec: Any, features: Mapping[str, str],
+                tables: Mapping[str, Any]) -> dict[str, Any]:
+    """Validated ``{feature: namespace}``: bytes for bytes tables, an int for int64 ones."""
+    if spec is None or spec is False:
+        return {}
+    if spec is True:
+        spec = {f: f for f, t in features.items() if tables[t].key_type == "bytes"}
+    out: dict[str, Any] = {}
+    for f, ns in dict(spec).items():
+        if f not in features:
+            raise InvalidInputError(f"namespaces: unknown feature {f!r}")
+        if tables[features[f]].key_type == "int64":
+            if not isinstance(ns, (int, np.integer)) or isinstance(ns, bool) \
+                    or not 0 <= int(ns) < 256:
+                raise InvalidInputError(f"namespaces: feature {f!r} of an int64 table needs an "
+                                        f"int namespace in [0, 255], got {ns!r}")
+            out[f] = int(ns)
+        else:
+            b = ns.encode("utf-8") if isinstance(ns, str) else ns
+            if not isinstance(b, bytes) or b"=" in b:
+                raise InvalidInputError(f"namespaces: feature {f!r} needs a str/bytes "
+                                        f"namespace without '=', got {ns!r}")
+            out[f] = b + b"="
+    return out
+
+
+_ID_BITS = 56
+
+
+def _int_namespace(keys: np.ndarray, ns: int | None, feature: str) -> np.ndarray:
+    if ns is None or not len(keys):
+        return keys
+    if int(keys.min()) < 0 or int(keys.max()) >= 1 << _ID_BITS:
+        raise InvalidInputError(f"feature {feature!r} has a namespace: its ids must lie in "
+                                f"[0, 2**{_ID_BITS}) (the top 8 bits hold the namespace)")
+    return keys | np.int64(ns << _ID_BITS) if ns < 128 else \
+        keys | np.int64((ns << _ID_BITS) - (1 << 64))
+
+
+def _bytes_namespace(keys: np.ndarray, prefix: bytes | None) -> np.ndarray:
+    if prefix is None:
+        return keys
+    return np.array([prefix + (k.encode("utf-8") if isinstance(k, str) else bytes(k))
+                     for k in keys.tolist()], dtype=object)

@@ -83,8 +83,9 @@ class KeyedJagged:
 
     @classmethod
     def from_dict(cls, features: Mapping[str, Any]) -> KeyedJagged:
-        """Build from ``{name: bags}``; ``bags`` is a list of lists of ids (ragged), a 2-D
-        tensor/array (one bag per row), ``(values, lengths)`` or ``(values, lengths, weights)``.
+        """Build from ``{name: bags}``; ``bags`` is a list of lists of ids (ragged, multi-hot),
+        a 2-D tensor/array (one bag per row), a 1-D tensor/array or flat list (one id per
+        sample), ``(values, lengths)`` or ``(values, lengths, weights)``.
         Every feature must have the same number of bags (the batch size)."""
         names, vals, lens, wts = [], [], [], []
         for name, bags in features.items():
@@ -95,10 +96,17 @@ class KeyedJagged:
                 v, ln = bags[0], _int_array(bags[1], f"{name} lengths")
                 weights = bags[2] if len(bags) == 3 else None
             elif isinstance(bags, (torch.Tensor, np.ndarray)):
-                if bags.ndim != 2:
-                    raise InvalidInputError(f"{name}: a tensor of bags must be 2-D")
+                if bags.ndim not in (1, 2):
+                    raise InvalidInputError(f"{name}: a tensor of bags must be 1-D (one id per "
+                                            f"sample) or 2-D (one bag per row), got "
+                                            f"{bags.ndim}-D")
                 v = bags.reshape(-1)
-                ln = np.full(bags.shape[0], bags.shape[1], dtype=np.int64)
+                ln = np.full(bags.shape[0], bags.shape[1] if bags.ndim == 2 else 1,
+                             dtype=np.int64)
+            elif len(bags) and not isinstance(bags[0], Sequence) or (
+                    len(bags) and isinstance(bags[0], _STR)):  # one id per sample
+                v = list(bags)
+                ln = np.ones(len(bags), dtype=np.int64)
             else:
                 v = [k for bag in bags for k in bag]
                 ln = np.fromiter((len(b) for b in bags), dtype=np.int64, count=len(bags))

@@ -1,19 +1,17 @@
-"""``DynamicEmbedding`` / ``DynamicEmbeddingBag``: store-backed embedding layers for PyTorch.
+"""``DynamicEmbedding`` and what every store-backed module shares (``_StoreModule``).
 
 The store holds the vectors and applies their updates itself (its own optimizer), so these
-modules own no ``nn.Parameter``. The bridge is a ``torch.autograd.Function`` over the rows of a
-batch's distinct keys. Its first input is a fresh zero-size tensor that requires grad (the
-*trigger*): that makes the output part of the autograd graph even though no torch parameter is
-involved, so ``loss.backward()`` reaches the function's ``backward``, which sums the gradient per
-distinct key and sends it to ``store.update``. :class:`_StoreRows` is the generic form (rows
-out, row gradients in); :class:`_StoreGather` and :class:`_StoreBag` fuse the gather / bag
-pooling with it, so the per-key sum is one ``embedding_bag`` over the gradient. The user's
+modules own no ``nn.Parameter``; the autograd bridges that carry a backward's gradient into
+``store.update`` are in ``_bridges.py``, ``DynamicEmbeddingBag`` in ``bag.py``. The user's
 torch optimizer keeps driving the dense parameters as usual.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import os
+import pickle
 from typing import Any
 
 import numpy as np
@@ -25,10 +23,11 @@ from embstore._keys import normalize_keys
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
 
 from . import _compiled
+from ._bridges import _Sink, _StoreGather, _StoreRows
 from ._checkpoint import restore_store, store_state
-from ._keys import KeyBatch, _int_batch, factorize, prepare, prepare_bags
+from ._keys import KeyBatch, _int_batch, factorize, prepare
 
-__all__ = ["DynamicEmbedding", "DynamicEmbeddingBag", "TracingUnsupportedError", "store_rows"]
+__all__ = ["DynamicEmbedding", "TracingUnsupportedError", "store_rows"]
 
 
 class TracingUnsupportedError(EmbstoreError, RuntimeError):
@@ -43,128 +42,35 @@ _TRACE_MESSAGE = (
 )
 
 
-class _Sink:
-    """Where the gradient of one batch of rows goes: ``store.update`` of its distinct keys."""
-
-    __slots__ = ("store", "keys", "counts", "applied", "skip")
-
-    def __init__(self, store: Any, keys: Any, counts: np.ndarray | None,
-                 skip: int | None = None) -> None:
-        self.store, self.keys, self.counts, self.applied = store, keys, counts, 0
-        self.skip = skip  # row of the padding key: read as zeros, its gradient is dropped
-
-    def apply(self, grad: torch.Tensor) -> None:
-        g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
-        if self.skip is not None:
-            g = np.delete(g, self.skip, axis=0)
-        if self.store.read_only:  # a module unpickled over its writer's store (see __reduce__)
-            raise ReadOnlyError(
-                f"{self.store.url} is open read-only, so this backward cannot update it. A "
-                "module unpickled from a writable one (torch.load, a DataLoader worker) reopens "
-                "its store read-only on purpose, so a copy never writes behind the writer's "
-                "back: unpickle inside `with embstore.writable_unpickling():` to keep training "
-                "that store, or load_state_dict into a module over a writable one."
-            )
-        if self.counts is not None:
-            self.store.update(self.keys, g, counts=self.counts)
-        else:
-            self.store.update(self.keys, g)
-        self.applied += 1
+# Bumped in every forked child: a module notices it runs in a copy of its writer's process
+# (a DataLoader worker started by fork) with one integer compare per forward.
+_FORKS = [0]
 
 
-class _StoreRows(torch.autograd.Function):
-    """Rows of distinct keys; backward hands their gradient to the store."""
-
-    @staticmethod
-    def forward(ctx: Any, trigger: torch.Tensor, vectors: np.ndarray, sink: _Sink):
-        ctx.sink = sink
-        return torch.from_numpy(vectors)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        ctx.sink.apply(grad)
-        return None, None, None
+def _after_fork_in_child() -> None:
+    _FORKS[0] += 1
 
 
-def _per_key_sum(grad: torch.Tensor, order: np.ndarray, starts: np.ndarray,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of ``grad`` summed per key: key ``k`` is the bag ``order[starts[k]:starts[k+1]]``.
-
-    An ``embedding_bag`` over the gradient reads each gradient row once and writes each key's
-    row once; measured ~5x faster than ``index_add_`` of the per-element rows.
-    """
-    # torch.embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode (0: sum), sparse,
-    # per_sample_weights, include_last_offset): F.embedding_bag minus its Python-side checks
-    return torch.embedding_bag(grad.contiguous(), torch.from_numpy(order),
-                               torch.from_numpy(starts), False, 0, False, weights, False)[0]
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _StoreGather(torch.autograd.Function):
-    """``rows[inv]`` fused with the store update: the backward sums the gradient per key
-    with one :func:`_per_key_sum` (several times faster than the generic embedding backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, trigger: torch.Tensor, vectors: np.ndarray, batch: KeyBatch,
-                sink: _Sink):
-        ctx.sink, ctx.batch = sink, batch
-        return F.embedding(batch.inv, torch.from_numpy(vectors))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        g = grad.to("cpu", torch.float32).reshape(-1, grad.shape[-1])
-        order, starts, _ = ctx.batch.group()
-        ctx.sink.apply(_per_key_sum(g, order, starts))
-        return None, None, None, None
-
-
-class _StoreBag(torch.autograd.Function):
-    """Sum/mean bag pooling fused with the store update (see :class:`_StoreGather`)."""
-
-    @staticmethod
-    def forward(ctx: Any, trigger: torch.Tensor, psw: torch.Tensor | None, vectors: np.ndarray,
-                batch: KeyBatch, offs: torch.Tensor, size: int, mode: str, sink: _Sink):
-        rows = torch.from_numpy(vectors)
-        ctx.sink, ctx.batch, ctx.offs, ctx.size, ctx.mode = sink, batch, offs, size, mode
-        ctx.rows, ctx.psw = rows, psw
-        return F.embedding_bag(batch.inv, rows, offs, mode=mode, per_sample_weights=psw)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        grad = grad.to("cpu", torch.float32)
-        inv, offs, size = ctx.batch.inv, ctx.offs, ctx.size
-        order, starts, _ = ctx.batch.group()
-        n = len(inv)
-        # The bag of each element, in grouped order: each key sums the gradient rows of the
-        # bags it occurs in, so no per-element gradient row is ever materialized.
-        if size:  # fixed-size bags (a 2-D input)
-            bag_of = None
-            bag_sorted = order // size
-        else:
-            lengths = np.diff(offs.numpy(), append=n)
-            bag_of = np.repeat(np.arange(len(offs)), lengths)
-            bag_sorted = bag_of[order]
-        weights = psw_grad = None
-        if ctx.psw is not None:
-            w = ctx.psw.detach().to("cpu", torch.float32)
-            weights = w[torch.from_numpy(order)]
-            if ctx.needs_input_grad[1]:
-                bags = (torch.from_numpy(bag_of) if bag_of is not None
-                        else torch.arange(n) // size)
-                psw_grad = (ctx.rows.index_select(0, inv) * grad.index_select(0, bags)).sum(1)
-        elif ctx.mode == "mean":
-            if size:
-                grad = grad / float(size)
-            else:
-                grad = grad / torch.from_numpy(np.maximum(lengths, 1)).to(grad.dtype)[:, None]
-        ctx.sink.apply(_per_key_sum(grad, bag_sorted, starts, weights))
-        return None, psw_grad, None, None, None, None, None, None
-
-
-def _supports_counts(store: Any) -> bool:
+def _supports_counts(store: Any, method: str = "update") -> bool:
     try:
-        return "counts" in inspect.signature(store.update).parameters
-    except (TypeError, ValueError):  # pragma: no cover - exotic store objects
+        return "counts" in inspect.signature(getattr(store, method)).parameters
+    except (TypeError, ValueError, AttributeError):  # pragma: no cover - exotic store objects
         return False
+
+
+def _process_copy(store: Any) -> Any:
+    """The store a module uses in a forked child (a DataLoader worker started by fork): the
+    inherited handle is the parent's writer, so reopen it as an unpickled copy is reopened,
+    read-only (see ``embstore.writable_unpickling``). A store that refuses to pickle
+    (``memory://``) stays: its backend raises ``ForkedProcessError`` on first use."""
+    try:
+        blob = pickle.dumps(store)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return store
+    return pickle.loads(blob)
 
 
 def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = True,
@@ -181,7 +87,8 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
     keys : int64 array or list of str/bytes
         Distinct keys (duplicates work but are summed by the store).
     insert : bool
-        Write unknown keys on lookup (training) or not (serving).
+        Write unknown keys on lookup (training) or not (serving). Only where a backward can
+        follow: with ``trainable=False`` or under ``torch.no_grad`` nothing is inserted.
     trainable : bool
         With False (or under ``torch.no_grad``) the rows are a plain tensor and nothing is
         ever written back.
@@ -189,7 +96,7 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
         Occurrences of each key in the batch, forwarded to ``store.update`` where the store
         accepts them, so per-key frequency counts stay exact after deduplication.
     """
-    vectors = store.lookup(keys, insert=insert)
+    vectors = store.lookup(keys, insert=insert and trainable and torch.is_grad_enabled())
     if not (trainable and torch.is_grad_enabled()):
         return torch.from_numpy(vectors)
     trigger = torch.empty(0, requires_grad=True)
@@ -219,7 +126,8 @@ class _StoreModule(nn.Module):
     checkpoint_rows: bool = True
 
     def __init__(self, store: Any, trainable: bool | None, count: bool = True,
-                 padding_key: Any = None) -> None:
+                 padding_key: Any = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> None:
         super().__init__()
         if trainable and store.read_only:
             raise ReadOnlyError(
@@ -231,7 +139,12 @@ class _StoreModule(nn.Module):
         self.embedding_dim = int(store.dim)
         self.count = bool(count)
         self.padding_key = padding_key
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = float(norm_type)
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
         self._counts = _supports_counts(store)
+        self._lookup_counts = _supports_counts(store, "lookup")
+        self._forks = _FORKS[0]
         # Moves with module.to(device): outputs are placed where the rest of the model lives.
         self.register_buffer("_anchor", torch.empty(0), persistent=False)
         # Under torch.compile the store call is a custom op (see _compiled.py): the handle names
@@ -247,11 +160,56 @@ class _StoreModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._handle = _compiled.register(self)  # copies (pickle, deepcopy) are other modules
-        # modules pickled before padding keys and compiled ops existed
-        self.__dict__.setdefault("padding_key", None)
+        # modules pickled before these options and compiled ops existed
+        for name, default in (("padding_key", None), ("max_norm", None), ("norm_type", 2.0),
+                              ("scale_grad_by_freq", False), ("_lookup_counts", False)):
+            self.__dict__.setdefault(name, default)
+        self._forks = _FORKS[0]  # an unpickled store is already this process's own
         if "_trigger" not in self._buffers:
             self.register_buffer("_trigger", torch.zeros(0, requires_grad=True),
                                  persistent=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _StoreModule:
+        """A copy over the *same* store object (EMA, ``AveragedModel``): the store is a
+        database handle, not a tensor, so its rows are shared, never duplicated."""
+        memo.setdefault(id(self.store), self.store)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = self.__getstate__()
+        state.pop("_handle", None)
+        for name, value in state.items():
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        new._handle = _compiled.register(new)
+        return new
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        out = super()._apply(fn, recurse)
+        # .double() / .to(dtype) turns the trigger into a non-leaf: it must stay a leaf that
+        # requires grad (the compiled backward hangs on it; deepcopy copies only leaves)
+        trig = self._buffers.get("_trigger")
+        if trig is not None and not trig.is_leaf:
+            self._buffers["_trigger"] = trig.detach().requires_grad_(True)
+        return out
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The module's float dtype (``.double()``, ``.half()``, ``.to(torch.bfloat16)``)."""
+        return self._anchor.dtype
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The float32 rows in the module's device and dtype (autograd casts gradients back)."""
+        return out.to(self._anchor.device, self._anchor.dtype)
+
+    def _store_here(self) -> Any:
+        """``self.store``, reopened read-only first where this is a forked child."""
+        if self._forks != _FORKS[0]:
+            self._forks = _FORKS[0]
+            self.store = _process_copy(self.store)
+        return self.store
+
+    def _writes(self) -> bool:
+        """Whether this forward may write: a training step that a backward can follow."""
+        return self.training and self.trainable and torch.is_grad_enabled()
 
     def _pad_row(self, uniq: Any) -> int | None:
         """Row of the padding key among a batch's distinct keys, or None."""
@@ -269,27 +227,63 @@ class _StoreModule(nn.Module):
     def _lookup(self, batch: KeyBatch) -> tuple[np.ndarray, _Sink | None]:
         """Vectors of the distinct keys, and the sink of their gradient (None: frozen).
 
-        The padding key is never looked up (no row is created for it): it reads as zeros and
-        its gradient row is dropped before ``store.update``.
+        Unknown keys are inserted only by a training forward a backward can follow
+        (:meth:`_writes`). The padding key is never inserted: it reads what the store holds
+        for it (zeros unless assigned) and its gradient row is dropped before ``store.update``.
         """
         if torch.jit.is_tracing():
             raise TracingUnsupportedError(_TRACE_MESSAGE)
-        vectors, keys, pad = self._vectors(batch, self.training)
+        self._store_here()
+        vectors, keys, pad = self._vectors(batch, self._writes())
         if not (self.trainable and torch.is_grad_enabled()):
             return vectors, None
         return vectors, self._sink(batch, keys, pad)
 
     def _vectors(self, batch: KeyBatch, insert: bool) -> tuple[np.ndarray, Any, int | None]:
         """``(vectors of batch.uniq, the keys looked up, padding row or None)``."""
+        store = self._store_here()
         pad = self._pad_row(batch.uniq)
         keys = batch.uniq
+        counts = None
+        if insert and self._lookup_counts and getattr(store, "admission", None) is not None:
+            counts = batch.group()[2]  # admission counts occurrences, not distinct keys
         if pad is not None:
             keys = (np.delete(keys, pad) if isinstance(keys, np.ndarray)
                     else keys[:pad] + keys[pad + 1:])
-        vectors = self.store.lookup(keys, insert=insert)
+            counts = None if counts is None else np.delete(counts, pad)
+        if counts is not None:
+            vectors = store.lookup(keys, insert=insert, counts=counts)
+        else:
+            vectors = store.lookup(keys, insert=insert)
+        if self.max_norm is not None and len(keys):
+            vectors = self._renorm(keys, vectors, insert)
         if pad is not None:
-            vectors = np.insert(vectors, pad, 0.0, axis=0)
+            vectors = np.insert(vectors, pad, self._pad_vector(store), axis=0)
         return vectors, keys, pad
+
+    def _pad_vector(self, store: Any) -> np.ndarray:
+        """What the store holds for the padding key, zeros where it holds nothing."""
+        if bool(store.contains([self.padding_key])[0]):
+            return store.lookup([self.padding_key], insert=False)[0]
+        return np.zeros(self.embedding_dim, dtype=np.float32)
+
+    def _renorm(self, keys: Any, vectors: np.ndarray, write: bool) -> np.ndarray:
+        """``max_norm`` as ``nn.Embedding``: rows whose ``norm_type`` norm exceeds it are
+        scaled to it (``max_norm / (norm + 1e-7)``) and written back where this forward may
+        write; elsewhere only the output is renormalized."""
+        # in float64 as torch's kernel: the 1e-7 keeps a scaled row's norm at or below it
+        norms = np.linalg.norm(vectors.astype(np.float64), ord=self.norm_type, axis=1)
+        over = norms > self.max_norm
+        if not over.any():
+            return vectors
+        vectors = vectors.copy()
+        scale = self.max_norm / (norms[over] + 1e-7)
+        vectors[over] = (vectors[over] * scale[:, None]).astype(np.float32)
+        if write and not self.store.read_only:
+            picked = (keys[over] if isinstance(keys, np.ndarray)
+                      else [k for k, o in zip(keys, over.tolist(), strict=True) if o])
+            self.store.assign(picked, vectors[over])
+        return vectors
 
     def _sink(self, batch: KeyBatch, keys: Any, pad: int | None) -> _Sink:
         counts = None
@@ -298,7 +292,8 @@ class _StoreModule(nn.Module):
                       else np.zeros(len(batch.uniq), dtype=np.int64))
             if pad is not None:
                 counts = np.delete(counts, pad)
-        return _Sink(self.store, keys, counts, pad)
+        freq = batch.group()[2] if self.scale_grad_by_freq else None
+        return _Sink(self.store, keys, counts, pad, freq)
 
     def _drop_padding(self, batch: KeyBatch, offs: torch.Tensor, size: int,
                       psw: torch.Tensor | None) -> tuple:
@@ -339,6 +334,14 @@ class _StoreModule(nn.Module):
                 f"trainable={self.trainable}{pad}")
 
 
+def _empty_output(shape: tuple[int, ...], module: _StoreModule) -> torch.Tensor:
+    """The output of an empty batch: zeros in the module's dtype and device, requiring grad
+    where a trainable module's would, so ``loss.backward()`` runs (and writes nothing)."""
+    grad = module.trainable and torch.is_grad_enabled()
+    return torch.zeros(shape, device=module._anchor.device, dtype=module._anchor.dtype,
+                       requires_grad=grad)
+
+
 class DynamicEmbedding(_StoreModule):
     """An embedding layer over an :class:`embstore.EmbeddingStore`: no vocabulary, no size.
 
@@ -355,16 +358,26 @@ class DynamicEmbedding(_StoreModule):
         frequency that admission policies, unigram sampling and subsampling read). Use False
         when the frequencies are recorded separately (see ``examples/word2vec.py``).
     padding_key : int, str or bytes, optional
-        A key that reads as a zero vector, receives no gradient and is never stored (like
-        ``nn.Embedding(padding_idx=)``); ``padding_idx`` is an alias.
+        As ``nn.Embedding(padding_idx=)`` (``padding_idx`` is an alias): the key reads what the
+        store holds for it (zeros unless assigned), never receives a gradient and is never
+        inserted by a lookup.
+    max_norm, norm_type : float, optional
+        As ``nn.Embedding``: looked-up rows whose ``norm_type``-norm exceeds ``max_norm`` are
+        scaled down to it, and written back to the store by a training forward.
+    scale_grad_by_freq : bool
+        Divide each key's gradient by its number of occurrences in the batch (as torch).
 
     Notes
     -----
     - Input: an integer tensor / numpy array of any shape (int64 store) or a str/bytes,
       a list of them, or a rectangular nested list (bytes store). Output: float32
       ``(*input.shape, dim)``, requiring grad when trainable and grad mode is on.
-    - In ``train()`` mode unknown keys are inserted on lookup; in ``eval()`` mode they read as
-      their initial vector and nothing is written.
+    - Output dtype and device follow the module (``.double()``, ``.half()``,
+      ``.to(torch.bfloat16)``, ``.to("cuda")``); gradients reach the store as float32.
+    - Unknown keys are inserted on lookup only by a forward a backward can follow: ``train()``
+      mode, grad enabled, trainable. In ``eval()``, under ``torch.no_grad()`` /
+      ``torch.inference_mode()`` they read as their initial vector and nothing is written.
+    - ``copy.deepcopy`` gives a module over the same store object (rows shared).
     - The update happens *inside* ``loss.backward()``: gradient rows are summed per key and
       applied once per backward pass (no gradient accumulation across backward calls; a
       ``retain_graph`` second backward applies a second step). ``optimizer.zero_grad`` /
@@ -383,93 +396,27 @@ class DynamicEmbedding(_StoreModule):
     """
 
     def __init__(self, store: Any, *, trainable: bool | None = None, count: bool = True,
-                 padding_key: Any = None, padding_idx: Any = None) -> None:
-        super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx))
+                 padding_key: Any = None, padding_idx: Any = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False) -> None:
+        super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx),
+                         max_norm, norm_type, scale_grad_by_freq)
 
     def forward(self, input: Any) -> torch.Tensor:
-        if torch.compiler.is_compiling() and _compiled.traceable(self, input):
-            return _compiled.lookup(self, input).to(self._anchor.device)
+        if torch.compiler.is_compiling():
+            if _compiled.traceable(self, input) and self.max_norm is None:
+                return self._output(_compiled.lookup(self, input))
+            # inputs the custom op cannot take (strings): a graph break
+            return _compiled.graph_break(DynamicEmbedding._forward)(self, input)
         return self._forward(input)
 
-    @torch.compiler.disable  # inputs the custom op cannot take (strings): a graph break
     def _forward(self, input: Any) -> torch.Tensor:
         batch = prepare(input)
         if len(batch.uniq) == 0 and not _collective(self.store):
-            return torch.zeros(*batch.shape, self.embedding_dim, device=self._anchor.device,
-                               requires_grad=False)
+            return _empty_output((*batch.shape, self.embedding_dim), self)
         vectors, sink = self._lookup(batch)
         if sink is None:
             out = F.embedding(batch.inv, torch.from_numpy(vectors))
         else:
             out = _StoreGather.apply(torch.empty(0, requires_grad=True), vectors, batch, sink)
-        return out.to(self._anchor.device)
-
-
-class DynamicEmbeddingBag(_StoreModule):
-    """Pooled embeddings of multi-valued features, like ``nn.EmbeddingBag`` over a store.
-
-    Parameters
-    ----------
-    store : embstore.EmbeddingStore
-    mode : {"sum", "mean", "max"}
-        How the vectors of one bag are pooled (an empty bag gives zeros).
-    trainable, count : bool, optional
-        As in :class:`DynamicEmbedding`.
-    padding_key : int, str or bytes, optional
-        Elements equal to it are left out of their bag (as ``nn.EmbeddingBag(padding_idx=)``:
-        they count in no sum, mean or max), get no gradient and are never stored.
-
-    Notes
-    -----
-    ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input (one bag per
-    row), a 1-D input with ``offsets`` (start of each bag, as ``nn.EmbeddingBag``), or a list
-    of lists of keys (ragged bags); it returns ``(n_bags, dim)``.
-    """
-
-    def __init__(self, store: Any, mode: str = "sum", *, trainable: bool | None = None,
-                 count: bool = True, padding_key: Any = None, padding_idx: Any = None) -> None:
-        if mode not in ("sum", "mean", "max"):
-            raise InvalidInputError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx))
-        self.mode = mode
-
-    def forward(self, input: Any, offsets: Any = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        if (torch.compiler.is_compiling() and self.padding_key is None
-                and _compiled.traceable(self, input)
-                and (input.dim(), offsets is None) in ((2, True), (1, False))
-                and (per_sample_weights is None or self.mode == "sum")):
-            out = _compiled.bag(self, input, offsets, per_sample_weights)
-            return out.to(self._anchor.device)
-        return self._forward(input, offsets, per_sample_weights)
-
-    @torch.compiler.disable  # inputs the custom op path does not take: a graph break
-    def _forward(self, input: Any, offsets: Any = None,
-                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        batch, offs, size = prepare_bags(input, offsets)
-        if per_sample_weights is not None and self.mode != "sum":
-            raise InvalidInputError("per_sample_weights only work with mode='sum'")
-        dev = self._anchor.device
-        psw = per_sample_weights
-        if psw is not None:
-            psw = psw.reshape(-1).to("cpu", torch.float32)
-            if len(psw) != batch.inv.numel():
-                raise InvalidInputError("per_sample_weights must have one weight per key")
-        batch, offs, size, psw = self._drop_padding(batch, offs, size, psw)
-        inv = batch.inv
-        if len(batch.uniq) == 0 and not _collective(self.store):
-            return torch.zeros(len(offs), self.embedding_dim, device=dev)
-        vectors, sink = self._lookup(batch)
-        if sink is None:
-            out = F.embedding_bag(inv, torch.from_numpy(vectors), offs, mode=self.mode,
-                                  per_sample_weights=psw)
-        elif self.mode == "max":
-            rows = _StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
-            out = F.embedding_bag(inv, rows, offs, mode="max")
-        else:
-            out = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors, batch, offs,
-                                  size, self.mode, sink)
-        return out.to(dev)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", mode={self.mode!r}"
+        return self._output(out)

@@ -1,0 +1,134 @@
+"""``DynamicEmbeddingBag``: ``nn.EmbeddingBag`` over a store (the bridges are in ``modules``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from embstore.errors import InvalidInputError
+
+from . import _compiled
+from ._bridges import _StoreBag, _StoreRows
+from ._keys import prepare_bags
+from .modules import _collective, _empty_output, _padding_key, _StoreModule
+
+__all__ = ["DynamicEmbeddingBag"]
+
+
+class DynamicEmbeddingBag(_StoreModule):
+    """Pooled embeddings of multi-valued features, like ``nn.EmbeddingBag`` over a store.
+
+    Parameters
+    ----------
+    store : embstore.EmbeddingStore
+    mode : {"mean", "sum", "max"}
+        How the vectors of one bag are pooled (an empty bag gives zeros). The default is
+        ``"mean"``, as ``nn.EmbeddingBag``'s.
+    trainable, count : bool, optional
+        As in :class:`~embstore_torch.DynamicEmbedding`.
+    padding_key : int, str or bytes, optional
+        Elements equal to it are left out of their bag (as ``nn.EmbeddingBag(padding_idx=)``:
+        they count in no sum, mean or max), get no gradient and are never stored.
+    max_norm, norm_type, scale_grad_by_freq :
+        As ``nn.EmbeddingBag`` (see :class:`~embstore_torch.DynamicEmbedding`);
+        ``scale_grad_by_freq`` is refused with ``mode="max"``, as torch refuses it.
+    include_last_offset : bool
+        As ``nn.EmbeddingBag``: ``offsets`` has one more entry, ``len(input)``, closing the
+        last bag.
+
+    Notes
+    -----
+    ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input (one bag per
+    row), a 1-D input with ``offsets`` (start of each bag, as ``nn.EmbeddingBag``), or a list
+    of lists of keys (ragged bags); it returns ``(n_bags, dim)`` in the module's dtype.
+    Input checks follow torch's: ``offsets`` must be 1-D, ``per_sample_weights`` must have the
+    input's shape, need ``mode="sum"`` and the module's dtype.
+    """
+
+    def __init__(self, store: Any, mode: str = "mean", *, trainable: bool | None = None,
+                 count: bool = True, padding_key: Any = None, padding_idx: Any = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, include_last_offset: bool = False) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise InvalidInputError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        if scale_grad_by_freq and mode == "max":
+            raise InvalidInputError("mode='max' does not support scale_grad_by_freq (as torch)")
+        super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx),
+                         max_norm, norm_type, scale_grad_by_freq)
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("include_last_offset", False)
+
+    def forward(self, input: Any, offsets: Any = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            if (self.padding_key is None and self.max_norm is None
+                    and not self.include_last_offset and _compiled.traceable(self, input)
+                    and (input.dim(), offsets is None) in ((2, True), (1, False))
+                    and (per_sample_weights is None or self.mode == "sum")):
+                self._check_weights(input, offsets, per_sample_weights)
+                return self._output(_compiled.bag(self, input, offsets, per_sample_weights))
+            # inputs the custom op path does not take: a graph break
+            return _compiled.graph_break(DynamicEmbeddingBag._forward)(
+                self, input, offsets, per_sample_weights)
+        return self._forward(input, offsets, per_sample_weights)
+
+    def _check_weights(self, input: Any, offsets: Any, psw: torch.Tensor | None) -> None:
+        """torch's checks on ``offsets`` and ``per_sample_weights``, before any lookup."""
+        if isinstance(offsets, torch.Tensor) and offsets.dim() != 1:
+            raise InvalidInputError(f"offsets must be a 1-D tensor, got shape "
+                                    f"{tuple(offsets.shape)}")
+        if psw is None:
+            return
+        if self.mode != "sum":
+            raise InvalidInputError(f"per_sample_weights only work with mode='sum' (got "
+                                    f"mode={self.mode!r})")
+        if not isinstance(psw, torch.Tensor) or not psw.dtype.is_floating_point:
+            raise InvalidInputError("per_sample_weights must be a floating-point tensor")
+        if psw.dtype != self._dtype:
+            raise InvalidInputError(f"per_sample_weights are {psw.dtype}, the module is "
+                                    f"{self._dtype}: give them in the module's dtype")
+        if isinstance(input, torch.Tensor) and tuple(psw.shape) != tuple(input.shape):
+            raise InvalidInputError(f"per_sample_weights of shape {tuple(psw.shape)} must have "
+                                    f"the input's shape {tuple(input.shape)}")
+
+    def _forward(self, input: Any, offsets: Any = None,
+                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_weights(input, offsets, per_sample_weights)
+        if self.include_last_offset:
+            if offsets is None:
+                raise InvalidInputError("include_last_offset=True needs offsets")
+            offsets = torch.as_tensor(offsets)
+            if offsets.numel() < 1 or int(offsets[-1]) != len(input):
+                raise InvalidInputError("with include_last_offset=True the last offset must "
+                                        f"be len(input) = {len(input)}")
+            offsets = offsets[:-1]
+        batch, offs, size = prepare_bags(input, offsets)
+        psw = per_sample_weights
+        if psw is not None:
+            psw = psw.reshape(-1).to("cpu", torch.float32)
+            if len(psw) != batch.inv.numel():
+                raise InvalidInputError("per_sample_weights must have one weight per key")
+        batch, offs, size, psw = self._drop_padding(batch, offs, size, psw)
+        inv = batch.inv
+        if len(batch.uniq) == 0 and not _collective(self.store):
+            return _empty_output((len(offs), self.embedding_dim), self)
+        vectors, sink = self._lookup(batch)
+        if sink is None:
+            out = F.embedding_bag(inv, torch.from_numpy(vectors), offs, mode=self.mode,
+                                  per_sample_weights=psw)
+        elif self.mode == "max":
+            rows = _StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
+            out = F.embedding_bag(inv, rows, offs, mode="max")
+        else:
+            out = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors, batch, offs,
+                                  size, self.mode, sink)
+        return self._output(out)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mode={self.mode!r}"

@@ -271,7 +271,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         shown = 0
         for keys, recs in store.records(max(1, min(args.n, 4096))):
             for k, r in zip(keys[:args.n - shown], recs[:args.n - shown]):
-                vec = r["vector"]
+                vec = store.layout.vectors(r)
                 vals = " ".join(f"{x:.6g}" for x in vec[:args.values].tolist())
                 more = " ..." if len(vec) > args.values else ""
                 print(f"{_fmt_key(k)}\t{vals}{more}\tcount={int(r['count'])}")

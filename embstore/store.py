@@ -41,6 +41,7 @@ from .engine.seams import StoreSeams
 from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
 from .policies.runtime import PolicyRuntime
+from .valuetypes import check_value_dtype
 
 if TYPE_CHECKING:
     from ._unpickle import UnopenedStore
@@ -70,6 +71,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     read_only : bool
         Serving ("sandbox") mode: every write raises ``ReadOnlyError``; lookups of unknown keys
         return their initial vector without inserting.
+    value_dtype : {"float32", "float16", "bfloat16"}, optional
+        Storage dtype of the vectors, fixed at creation (default ``"float32"``; checked on
+        reopen). Lookups return float32 either way; updates compute in float32.
+    stochastic_rounding : bool
+        Round updated 16-bit values stochastically (default True; deterministic given
+        ``seed`` and the sequence of updates). ``False`` rounds to nearest, which loses steps
+        smaller than half the gap between neighbouring 16-bit values.
     """
 
     def __init__(
@@ -87,8 +95,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         expiry: Any = None,
         capacity: Any = None,
         eviction: Any = None,
+        value_dtype: str | None = None,
+        stochastic_rounding: bool = True,
     ) -> None:
         self._backend = backend
+        self.stochastic_rounding = bool(stochastic_rounding)
         self.read_only = bool(read_only)
         self._closed = False
         self._reopen_options = dict(reopen_options or {})
@@ -100,7 +111,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._observers: list[StoreObserver] = []
         try:
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
-                        seed)
+                        seed, None if value_dtype is None else check_value_dtype(value_dtype))
         except BaseException:
             backend.close()
             self._closed = True
@@ -108,7 +119,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _setup(self, dim: int | None, key_type: str | None, initializer: _init.Initializer | None,
-               optimizer: _optim.Optimizer | None, seed: int | None) -> None:
+               optimizer: _optim.Optimizer | None, seed: int | None,
+               value_dtype: str | None) -> None:
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
@@ -119,7 +131,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self.optimizer = optimizer or _optim.SGD(lr=0.01)
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
             self.seed = int(seed or 0)
-            self.layout = Layout(dim, tuple(self.optimizer.slots(int(dim))))
+            self.layout = Layout(dim, tuple(self.optimizer.slots(int(dim))),
+                                 value_dtype or "float32", self.optimizer.slot_dtype)
             self.step = 0
             self._version = 0
             self._extra_meta: dict[str, Any] = {}
@@ -128,16 +141,17 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._backend.write_meta(self._meta())
             mark_meta_synced(self)
             return
-        self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
+        self._check_meta(meta, dim, key_type, initializer, optimizer, seed, value_dtype)
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
         mark_meta_synced(self)
 
     def _check_meta(self, meta: dict[str, Any], dim: int | None, key_type: str | None,
                     initializer: _init.Initializer | None, optimizer: _optim.Optimizer | None,
-                    seed: int | None) -> None:
+                    seed: int | None, value_dtype: str | None = None) -> None:
         stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
-                                   initializer=initializer, optimizer=optimizer, seed=seed)
+                                   initializer=initializer, optimizer=optimizer, seed=seed,
+                                   value_dtype=value_dtype)
         self.key_type = stored.key_type
         self.layout = stored.layout
         self.optimizer = stored.optimizer
@@ -172,6 +186,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     @property
     def dim(self) -> int:
         return self.layout.dim
+
+    @property
+    def value_dtype(self) -> str:
+        """Storage dtype of the vectors: ``"float32"``, ``"float16"`` or ``"bfloat16"``."""
+        return self.layout.value_dtype
 
     @property
     def url(self) -> str:
@@ -235,7 +254,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def initial_vectors(self, keys: Any) -> np.ndarray:
         """The vector each key gets on first sight (pure function of seed and key)."""
         self._check_open()
-        return self.initializer(self._keys(keys), self.layout.dim, self.seed)
+        return self._initial(self._keys(keys))
 
     # -- the interface -----------------------------------------------------------------------------
     def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
@@ -272,6 +291,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 self._stats["hits"] += n
             return vectors
         vectors, found = self._backend.get_field(k, "vector")
+        vectors = self.layout.vectors(vectors)
         nfound = int(np.count_nonzero(found))
         self._stats["hits"] += nfound
         if nfound == n:
@@ -279,11 +299,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._stats["misses"] += n - nfound
         if nfound == 0:  # a batch of only new keys (a table being filled): no masking
             miss_keys = k
-            vectors = new_vecs = self.initializer(k, self.layout.dim, self.seed)
+            vectors = new_vecs = self._initial(k)
         else:
             miss = ~found
             miss_keys = k[miss]
-            new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
+            new_vecs = self._initial(miss_keys)
             vectors[miss] = new_vecs
         if insert and not self.read_only:
             if distinct(miss_keys):
@@ -337,7 +357,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             mult = sum_counts(k, uniq, c)
         self.step += 1
         self._stats["updates"] += len(k)
-        axpy = self.optimizer.axpy_step(summed)
+        axpy = self.optimizer.axpy_step(summed) if self.layout.is_wide else None
         if axpy is not None and self._backend.supports_row_update:
             # The step is plain field arithmetic: the backend applies it where the records
             # live (observers are told the same arithmetic); only keys without a record yet
@@ -378,7 +398,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     # -- whole-table access ------------------------------------------------------------------------
     def get_records(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Full records (vector, slots, metadata) and a found mask, for inspection."""
+        """Full records (vector, slots, metadata) and a found mask, for inspection; in the
+        stored layout (16-bit fields as stored: ``store.layout.vectors(recs)`` widens them)."""
         self._check_open()
         k = self._keys(keys)
         return self._backend.get(k)
@@ -386,7 +407,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def items(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Iterate ``(keys, vectors)`` batches over the whole table (order is the backend's)."""
         for keys, recs in self.records(batch_size):
-            yield keys, np.ascontiguousarray(recs["vector"])
+            yield keys, np.ascontiguousarray(self.layout.vectors(recs))
 
     def records(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Iterate ``(keys, records)`` batches with every field of the layout."""

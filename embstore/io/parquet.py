@@ -94,6 +94,9 @@ class ParquetWriter(FormatWriter):
     def write(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
             return
+        # 16-bit stores write their values widened to float32 (exact, and narrowed back to the
+        # same bits on import); the header's layout records the storage dtype
+        records = records if self.layout.is_wide else self.layout.widen(records)
         cols = [pa.array(keys, type=self.schema.field("key").type),
                 _fixed(records["vector"], self.layout.dim)]
         cols += [_fixed(records[n], w) for n, w in self.layout.slots]
@@ -266,13 +269,18 @@ class ParquetReader(FormatReader):
             keys = _keys(kcol, self.key_kind)
             records = None
             if layout is not None:
-                records = layout.empty(m)
-                records["vector"] = vectors
+                wide = layout.wide.empty(m)
+                wide["vector"] = vectors
                 for j, (name, w) in enumerate(layout.slots):
-                    records[name] = _floats(batch.column(2 + j), m, w)
+                    wide[name] = _floats(batch.column(2 + j), m, w)
                 for j, (name, _) in enumerate(META_FIELDS):
                     col = batch.column(2 + len(layout.slots) + j)
-                    records[name] = col.to_numpy(zero_copy_only=False)
+                    wide[name] = col.to_numpy(zero_copy_only=False)
+                if layout.is_wide:
+                    records = wide
+                else:
+                    records = layout.empty(m)
+                    layout.narrow_into(wide, records)
             yield Chunk(keys, vectors, rows, records, bad)
 
 

@@ -413,7 +413,7 @@ def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
             return n
         n = 0
         for keys, recs in batches():
-            dst.assign(keys, np.ascontiguousarray(recs["vector"]))
+            dst.assign(keys, np.ascontiguousarray(src.layout.vectors(recs)))
             n += len(keys)
         return n
 
@@ -473,7 +473,7 @@ def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
             if len(keys) != len(recs) or recs.dtype != store.layout.dtype:
                 rep.problems.append("a batch of records does not match the layout")
                 continue
-            vec = recs["vector"]
+            vec = store.layout.vectors(recs)
             fin = np.isfinite(vec).all(axis=1)
             if not fin.all():
                 rep.bad += int(np.count_nonzero(~fin))

@@ -8,6 +8,7 @@ and layer runs them; they use its ``open`` helper.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import embstore
 
@@ -22,6 +23,8 @@ class BackendPrimitiveConformance:
         from embstore.backends.base import RowUpdate
 
         s = self.open()
+        if not s.layout.is_wide:
+            pytest.skip("16-bit rows are stepped through modify (no float32 field to add to)")
         s.lookup([4, 5, 6])
         backend = s.backend
         keys = np.array([4, 6, 8], dtype=np.int64)
@@ -48,7 +51,8 @@ class BackendPrimitiveConformance:
         template = s.layout.empty(1)
         template["accum"], template["last_step"], template["version"] = 0.5, 3, 99
         keys = np.array([20, -7, 2**40], dtype=np.int64)
-        vecs = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+        # vectors reach a backend in the stored dtype
+        vecs = s.layout.encode_vectors(np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM))
         s.backend.insert_rows(keys, vecs, template)
         recs, found = s.backend.get(keys)
         assert found.all()
@@ -71,7 +75,7 @@ class BackendPrimitiveConformance:
             # rows of missing keys arrive zeroed
             assert not recs[~found].tobytes().strip(b"\0")
             recs["count"] = [5, 6, 7, 8, 9]
-            recs["vector"][2] = 1.5
+            recs["vector"][2] = s.layout.encode_vectors(np.full((1, DIM), 1.5, np.float32))[0]
             return np.array([True, False, True, False, False])
 
         found = backend.modify(keys, fn)
@@ -82,7 +86,7 @@ class BackendPrimitiveConformance:
         assert present.tolist() == [True, False, True, False, False]
         assert recs["count"][[0, 2]].tolist() == [5, 7]
         np.testing.assert_array_equal(recs["vector"][0], before["vector"][0])
-        assert (recs["vector"][2] == 1.5).all()
+        assert (s.layout.vectors(recs)[2] == 1.5).all()
         assert len(backend) == 2
 
     def test_backend_modify_without_keep_writes_every_row(self):

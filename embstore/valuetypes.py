@@ -1,0 +1,93 @@
+"""Storage dtypes of vectors and optimizer slots: float32, float16 and bfloat16.
+
+numpy has no bfloat16, so a bfloat16 value is stored as its 16-bit pattern in a ``uint16``
+(the upper half of the float32 with the same sign and exponent). Everything computes in
+float32: :func:`to_float32` widens stored values, :func:`from_float32` narrows results back,
+rounding to nearest (ties to even) or stochastically.
+
+Stochastic rounding rounds ``x`` up to the next representable value with probability equal to
+the fraction of the gap it covers, so the expected stored value is ``x`` itself. Without it an
+SGD step smaller than half a bfloat16 gap (about 0.4% of the weight) is lost every time: the
+weight never moves. With it the weight moves by the step on average, as FBGEMM does for its
+fp16 embedding weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidInputError
+
+#: storage dtype name -> numpy dtype of the stored field
+STORAGE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"),
+           "bfloat16": np.dtype("<u2")}
+
+
+def check_value_dtype(name: object, what: str = "value_dtype") -> str:
+    """``name`` if it is a known storage dtype, else ``InvalidInputError`` listing them."""
+    if isinstance(name, np.dtype):
+        name = name.name
+    if not isinstance(name, str) or name not in STORAGE:
+        raise InvalidInputError(f"{what} must be one of {sorted(STORAGE)}, got {name!r}")
+    return name
+
+
+def to_float32(stored: np.ndarray, kind: str) -> np.ndarray:
+    """Stored values of dtype ``kind`` as float32 (the same array when already float32)."""
+    if kind == "float32":
+        return stored
+    if kind == "float16":
+        return stored.astype(np.float32)
+    # bfloat16: the pattern is the upper 16 bits of the float32
+    wide = np.empty(stored.shape, dtype=np.uint32)
+    np.left_shift(stored, 16, out=wide, dtype=np.uint32)
+    return wide.view(np.float32)
+
+
+def from_float32(values: np.ndarray, kind: str,
+                 rng: np.random.Generator | None = None) -> np.ndarray:
+    """float32 ``values`` narrowed to dtype ``kind``: to nearest (ties to even) when ``rng``
+    is None, stochastically with the random bits of ``rng`` otherwise. NaN stays NaN."""
+    if kind == "float32":
+        return np.asarray(values, dtype=np.float32)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if kind == "float16":
+        return _to_float16(values, rng)
+    bits = values.view(np.uint32)
+    nan = np.isnan(values)
+    if rng is None:
+        # round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate
+        add = (bits >> 16) & np.uint32(1)
+        add += np.uint32(0x7FFF)
+    else:
+        # a uniform 16-bit amount: the kept part goes up with probability (dropped / 2**16)
+        add = rng.integers(0, 1 << 16, size=bits.shape, dtype=np.uint32)
+    # Values within one rounding of the largest finite bfloat16 may carry into the exponent
+    # and become inf: the same saturation as a float32 -> float16 cast.
+    out = ((bits + add) >> 16).astype(np.uint16)
+    if nan.any():
+        out[nan] = (bits[nan] >> 16).astype(np.uint16) | np.uint16(0x40)  # stay a quiet NaN
+    return out
+
+
+def _to_float16(values: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+    near = values.astype(np.float16)
+    if rng is None:
+        return near
+    # The two float16 neighbours of each value: ``near`` and the next one towards the value.
+    back = near.astype(np.float32)
+    toward = np.where(back < values, np.float16(np.inf), np.float16(-np.inf)).astype(np.float16)
+    other = np.nextafter(near, toward)
+    gap = other.astype(np.float32) - back
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = (values - back) / gap  # in [0, 0.5]: how far towards ``other`` the value is
+    u = rng.random(size=values.shape, dtype=np.float32)
+    take = (u < frac) & np.isfinite(frac)
+    return np.where(take, other, near)
+
+
+def round_trip(values: np.ndarray, kind: str) -> np.ndarray:
+    """``values`` as they read back after being stored to nearest (float32 unchanged)."""
+    if kind == "float32":
+        return values
+    return to_float32(from_float32(values, kind), kind)

@@ -10,6 +10,10 @@ A record is everything a store keeps per key, in one fixed-width row::
     last_step  int64           store step (number of ``update`` calls) at the last write
     version    int64           monotonic write stamp, for incremental export
 
+A *compact* layout keeps only the metadata fields its store's policies read, ``count`` as a
+saturating ``uint32`` (:func:`compact_meta`): 12 bytes instead of 32 when no expiry or
+capacity eviction is configured. ``version`` is always kept exactly (incremental export).
+
 Little-endian and packed, so the bytes are the same on every machine and backends can store a
 record as one opaque binary value. bfloat16 fields hold the 16-bit patterns as ``uint16``
 (:mod:`embstore.valuetypes`); :attr:`Layout.wide` is the same record with float32 vector and
@@ -34,6 +38,25 @@ META_FIELDS: tuple[tuple[str, str], ...] = (
     ("version", "<i8"),
 )
 RESERVED = {"vector"} | {name for name, _ in META_FIELDS}
+#: the widths each metadata field may be stored at
+_META_CHOICES = {"count": ("<i8", "<u4"), "last_seen": ("<f8",), "last_step": ("<i8",),
+                 "version": ("<i8",)}
+#: the largest count a saturating uint32 ``count`` holds
+COUNT_MAX_U32 = 0xFFFFFFFF
+
+
+def compact_meta(*, last_seen: bool = False, last_step: bool = False
+                 ) -> tuple[tuple[str, str], ...]:
+    """Metadata fields of a compact layout: ``count`` (uint32, saturating) and ``version``,
+    plus ``last_seen`` / ``last_step`` where a policy reads them (expiry by time / steps,
+    capacity eviction)."""
+    out: list[tuple[str, str]] = [("count", "<u4")]
+    if last_seen:
+        out.append(("last_seen", "<f8"))
+    if last_step:
+        out.append(("last_step", "<i8"))
+    out.append(("version", "<i8"))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -50,12 +73,16 @@ class Layout:
         Storage dtype of the vector.
     slot_dtype : {"float32", "float16", "bfloat16"}
         Storage dtype of every slot.
+    meta : sequence of (name, dtype string)
+        The metadata fields kept, in order (default all of :data:`META_FIELDS`; see
+        :func:`compact_meta`). ``version`` is required.
     """
 
     dim: int
     slots: tuple[tuple[str, int], ...] = ()
     value_dtype: str = "float32"
     slot_dtype: str = "float32"
+    meta: tuple[tuple[str, str], ...] = META_FIELDS
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool):
@@ -72,12 +99,30 @@ class Layout:
                 raise InvalidInputError(f"slot {n!r} must have a positive width, got {w}")
         object.__setattr__(self, "value_dtype", check_value_dtype(self.value_dtype))
         object.__setattr__(self, "slot_dtype", check_value_dtype(self.slot_dtype, "slot_dtype"))
+        meta = tuple((str(n), str(t)) for n, t in self.meta)
+        object.__setattr__(self, "meta", meta)
+        names = [n for n, _ in meta]
+        if (len(set(names)) != len(names) or "version" not in names
+                or any(_META_CHOICES.get(n, ()).count(t) != 1 for n, t in meta)):
+            raise InvalidInputError(
+                f"metadata fields {list(meta)} are not a layout's: each of {sorted(_META_CHOICES)}"
+                f" at most once at one of its widths {_META_CHOICES}, version required")
+
+    @property
+    def meta_names(self) -> tuple[str, ...]:
+        """Names of the metadata fields kept."""
+        return tuple(n for n, _ in self.meta)
+
+    @property
+    def is_compact(self) -> bool:
+        """Whether the metadata differs from the full set (:data:`META_FIELDS`)."""
+        return self.meta != META_FIELDS
 
     @functools.cached_property
     def dtype(self) -> np.dtype:
         fields: list[tuple] = [("vector", STORAGE[self.value_dtype], (self.dim,))]
         fields += [(n, STORAGE[self.slot_dtype], (w,)) for n, w in self.slots]
-        fields += list(META_FIELDS)
+        fields += list(self.meta)
         return np.dtype(fields)
 
     @property
@@ -90,7 +135,7 @@ class Layout:
         """This layout with float32 vector and slots: what optimizers compute on."""
         if self.is_wide:
             return self
-        return Layout(self.dim, self.slots)
+        return Layout(self.dim, self.slots, meta=self.meta)
 
     def vectors(self, stored: np.ndarray) -> np.ndarray:
         """Stored vectors (the ``vector`` field, or a record array) as float32."""
@@ -111,7 +156,7 @@ class Layout:
         out["vector"] = to_float32(records["vector"], self.value_dtype)
         for n, _ in self.slots:
             out[n] = to_float32(records[n], self.slot_dtype)
-        for n, _ in META_FIELDS:
+        for n, _ in self.meta:
             out[n] = records[n]
         return out
 
@@ -125,8 +170,21 @@ class Layout:
         records["vector"] = from_float32(wide["vector"], self.value_dtype, rng)
         for n, _ in self.slots:
             records[n] = from_float32(wide[n], self.slot_dtype, rng)
-        for n, _ in META_FIELDS:
+        for n, _ in self.meta:
             records[n] = wide[n]
+
+    def add_counts(self, records: np.ndarray, amounts: np.ndarray) -> None:
+        """``records["count"] += amounts`` in place, saturating a uint32 count at its
+        maximum instead of wrapping; nothing where the layout keeps no count."""
+        if "count" not in self.meta_names:
+            return
+        col = records["count"]
+        if col.dtype == np.int64:
+            col += amounts
+            return
+        total = col.astype(np.uint64) + np.maximum(np.asarray(amounts), 0).astype(np.uint64)
+        np.minimum(total, COUNT_MAX_U32, out=total)
+        records["count"] = total
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[np.dtype, int]]:
@@ -155,13 +213,17 @@ class Layout:
             out["value_dtype"] = self.value_dtype
         if self.slot_dtype != "float32":
             out["slot_dtype"] = self.slot_dtype
+        if self.is_compact:
+            out["meta"] = [[n, t] for n, t in self.meta]
         return out
 
     @classmethod
     def from_json(cls, obj: dict) -> Layout:
         try:
+            meta = obj.get("meta")
             return cls(int(obj["dim"]), tuple((n, int(w)) for n, w in obj["slots"]),
-                       obj.get("value_dtype", "float32"), obj.get("slot_dtype", "float32"))
+                       obj.get("value_dtype", "float32"), obj.get("slot_dtype", "float32"),
+                       META_FIELDS if meta is None else tuple((n, t) for n, t in meta))
         except (KeyError, TypeError, ValueError, AttributeError, InvalidInputError) as e:
             raise SchemaMismatchError(f"unreadable layout description {obj!r}: {e}") from e
 
@@ -180,5 +242,6 @@ class Layout:
 
 
 def make_layout(dim: int, slots: Sequence[tuple[str, int]] = (), value_dtype: str = "float32",
-                slot_dtype: str = "float32") -> Layout:
-    return Layout(dim, tuple(slots), value_dtype, slot_dtype)
+                slot_dtype: str = "float32",
+                meta: Sequence[tuple[str, str]] = META_FIELDS) -> Layout:
+    return Layout(dim, tuple(slots), value_dtype, slot_dtype, tuple(meta))

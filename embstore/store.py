@@ -38,8 +38,8 @@ from .engine.records import RecordWrites
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
-from .errors import BackendError, InvalidInputError, StoreNotFoundError
-from .layout import Layout
+from .errors import BackendError, InvalidInputError, SchemaMismatchError, StoreNotFoundError
+from .layout import META_FIELDS, Layout, compact_meta
 from .policies.runtime import PolicyRuntime
 from .valuetypes import check_value_dtype
 
@@ -74,6 +74,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     value_dtype : {"float32", "float16", "bfloat16"}, optional
         Storage dtype of the vectors, fixed at creation (default ``"float32"``; checked on
         reopen). Lookups return float32 either way; updates compute in float32.
+    metadata : {"full", "compact"}, optional
+        Bookkeeping fields kept per key, fixed at creation (default ``"full"``: ``count``,
+        ``last_seen``, ``last_step``, ``version``, 32 bytes). ``"compact"`` keeps a saturating
+        uint32 ``count`` and ``version``, plus ``last_seen`` / ``last_step`` only where the
+        store's expiry or capacity eviction reads them (12 bytes without either).
     stochastic_rounding : bool
         Round updated 16-bit values stochastically (default True; deterministic given
         ``seed`` and the sequence of updates). ``False`` rounds to nearest, which loses steps
@@ -97,6 +102,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         eviction: Any = None,
         value_dtype: str | None = None,
         stochastic_rounding: bool = True,
+        metadata: str | None = None,
     ) -> None:
         self._backend = backend
         self.stochastic_rounding = bool(stochastic_rounding)
@@ -111,7 +117,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._observers: list[StoreObserver] = []
         try:
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
-                        seed, None if value_dtype is None else check_value_dtype(value_dtype))
+                        seed, None if value_dtype is None else check_value_dtype(value_dtype),
+                        _check_metadata(metadata))
         except BaseException:
             backend.close()
             self._closed = True
@@ -120,7 +127,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     # -- metadata ---------------------------------------------------------------------------------
     def _setup(self, dim: int | None, key_type: str | None, initializer: _init.Initializer | None,
                optimizer: _optim.Optimizer | None, seed: int | None,
-               value_dtype: str | None) -> None:
+               value_dtype: str | None, metadata: str | None) -> None:
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
@@ -131,20 +138,55 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self.optimizer = optimizer or _optim.SGD(lr=0.01)
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
             self.seed = int(seed or 0)
+            self._policy.restore({}, self.key_type, 0, created=True)
             self.layout = Layout(dim, tuple(self.optimizer.slots(int(dim))),
-                                 value_dtype or "float32", self.optimizer.slot_dtype)
+                                 value_dtype or "float32", self.optimizer.slot_dtype,
+                                 self._meta_fields(metadata or "full"))
             self.step = 0
             self._version = 0
             self._extra_meta: dict[str, Any] = {}
             self._backend.bind(self.layout, self.key_type)
-            self._policy.restore({}, self.key_type, 0, created=True)
             self._backend.write_meta(self._meta())
             mark_meta_synced(self)
             return
         self._check_meta(meta, dim, key_type, initializer, optimizer, seed, value_dtype)
+        stored_kind = "compact" if self.layout.is_compact else "full"
+        if metadata is not None and metadata != stored_kind:
+            raise SchemaMismatchError(f"{self.url}: the store was created with "
+                                      f"metadata={stored_kind!r}, opened with {metadata!r}")
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
+        self._check_policy_fields()
         mark_meta_synced(self)
+
+    def _meta_fields(self, metadata: str) -> tuple[tuple[str, str], ...]:
+        """The metadata fields of a new store: all, or those its policies read."""
+        if metadata == "full":
+            return META_FIELDS
+        exp, ev = self._policy.expiry, self._policy.eviction
+        return compact_meta(
+            last_seen=ev is not None or (exp is not None and exp.ttl_seconds is not None),
+            last_step=ev is not None or (exp is not None and exp.ttl_steps is not None))
+
+    def _check_policy_fields(self) -> None:
+        """A compact store reopened with a policy that reads a field it does not keep."""
+        exp, ev = self._policy.expiry, self._policy.eviction
+        if exp is not None:
+            self._require_meta(exp.ttl_seconds, exp.ttl_steps, "expiry")
+        if ev is not None and not {"last_seen", "last_step"} <= set(self.layout.meta_names):
+            raise SchemaMismatchError(
+                f"{self.url}: capacity eviction reads last_seen and last_step, which this "
+                "store's compact layout does not keep (create it with the eviction configured)")
+
+    def _require_meta(self, ttl_seconds: float | None, ttl_steps: int | None,
+                      what: str) -> None:
+        names = self.layout.meta_names
+        for ttl, field in ((ttl_seconds, "last_seen"), (ttl_steps, "last_step")):
+            if ttl is not None and field not in names:
+                raise SchemaMismatchError(
+                    f"{self.url}: {what} by {'time' if field == 'last_seen' else 'steps'} "
+                    f"reads {field}, which this store's compact layout does not keep (create "
+                    "it with that expiry configured, or with metadata='full')")
 
     def _check_meta(self, meta: dict[str, Any], dim: int | None, key_type: str | None,
                     initializer: _init.Initializer | None, optimizer: _optim.Optimizer | None,
@@ -362,9 +404,12 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             # The step is plain field arithmetic: the backend applies it where the records
             # live (observers are told the same arithmetic); only keys without a record yet
             # go the general way below.
-            row_update = RowUpdate(axpy, {"count": mult}, {
-                "last_seen": time.time(), "last_step": self.step,
-                "version": self._next_version()})
+            stamps = {"last_seen": time.time(), "last_step": self.step,
+                      "version": self._next_version()}
+            names = self.layout.meta_names
+            row_update = RowUpdate(
+                axpy, {"count": mult} if "count" in names else {},
+                {f: v for f, v in stamps.items() if f in names})
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
                 obs.on_row_update(uniq, row_update, found)
@@ -536,3 +581,9 @@ def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore
                               reopen_options=dict(backend.reopen_options()), **engine)
     except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
         return UnopenedStore(url, e)
+
+
+def _check_metadata(metadata: str | None) -> str | None:
+    if metadata is not None and metadata not in ("full", "compact"):
+        raise InvalidInputError(f"metadata must be 'full' or 'compact', got {metadata!r}")
+    return metadata

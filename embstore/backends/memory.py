@@ -402,6 +402,8 @@ class MemoryBackend(Backend):
         self._update_slots(slots, update)
 
     def _update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
+        if not len(slots):
+            return
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
         fields = self.layout.fields
         name, alpha, _ = update.axpy

@@ -129,7 +129,7 @@ class RecordWrites:
             wide = layout.widen(recs)
             drop = self.optimizer.apply(wide, summed, self.step)
             layout.narrow_into(wide, recs, self._rounding())
-        recs["count"] += mult
+        layout.add_counts(recs, mult)
         self._stamp(recs)
         return drop
 
@@ -228,6 +228,9 @@ class RecordWrites:
             obs.on_delete(gone)
 
     def _stamp(self, recs: np.ndarray) -> None:
-        recs["last_seen"] = time.time()
-        recs["last_step"] = self.step
+        names = self.layout.meta_names
+        if "last_seen" in names:
+            recs["last_seen"] = time.time()
+        if "last_step" in names:
+            recs["last_step"] = self.step
         recs["version"] = self._next_version()

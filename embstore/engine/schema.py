@@ -62,7 +62,7 @@ def check_stored_meta(url: str, meta: dict[str, Any], *, dim: int | None, key_ty
     if seed is not None and int(seed) != int(meta["seed"]):
         raise mismatch("seed", meta["seed"], seed)
     expected = Layout(stored_layout.dim, tuple(stored_opt.slots(stored_layout.dim)),
-                      stored_layout.value_dtype, stored_opt.slot_dtype)
+                      stored_layout.value_dtype, stored_opt.slot_dtype, stored_layout.meta)
     if expected != stored_layout:
         raise SchemaMismatchError(
             f"{url}: stored layout {stored_layout} does not fit optimizer {stored_opt}"

@@ -168,7 +168,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with _open_ro(args.url, _options(args.option)) as store:
         n = export_file(store, args.dest, fmt=args.format, since=args.since,
-                        batch_size=args.batch_size, progress=not args.quiet)
+                        batch_size=args.batch_size, progress=not args.quiet,
+                        quantize=args.quantize)
     _note(args, f"exported {n} rows to {args.dest}")
     return EXIT_OK
 
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", "-f", help=fmt_help + " (from the file name)")
     s.add_argument("--since", type=int, metavar="VERSION",
                    help="only rows written after this store version (see `embstore info`)")
+    s.add_argument("--quantize", choices=("int8",),
+                   help="write a serving table (native format): vectors quantized row-wise "
+                   "to uint8 codes with a float32 scale and bias per row, no optimizer state")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("import", parents=[common], help="load a file into a store",

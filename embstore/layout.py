@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InvalidInputError, SchemaMismatchError
-from .valuetypes import STORAGE, check_value_dtype, from_float32, to_float32
+from .valuetypes import STORAGE, check_value_dtype, field_shape, from_float32, to_float32
 
 META_FIELDS: tuple[tuple[str, str], ...] = (
     ("count", "<i8"),
@@ -97,7 +97,11 @@ class Layout:
         for n, w in self.slots:
             if w <= 0:
                 raise InvalidInputError(f"slot {n!r} must have a positive width, got {w}")
-        object.__setattr__(self, "value_dtype", check_value_dtype(self.value_dtype))
+        object.__setattr__(self, "value_dtype", check_value_dtype(self.value_dtype,
+                                                                  serving=True))
+        if self.value_dtype == "int8" and self.slots:
+            raise InvalidInputError("an int8 layout serves vectors and keeps no optimizer "
+                                    f"slots, got {list(self.slots)}")
         object.__setattr__(self, "slot_dtype", check_value_dtype(self.slot_dtype, "slot_dtype"))
         meta = tuple((str(n), str(t)) for n, t in self.meta)
         object.__setattr__(self, "meta", meta)
@@ -120,7 +124,8 @@ class Layout:
 
     @functools.cached_property
     def dtype(self) -> np.dtype:
-        fields: list[tuple] = [("vector", STORAGE[self.value_dtype], (self.dim,))]
+        fields: list[tuple] = [("vector", STORAGE[self.value_dtype],
+                                field_shape(self.value_dtype, self.dim))]
         fields += [(n, STORAGE[self.slot_dtype], (w,)) for n, w in self.slots]
         fields += list(self.meta)
         return np.dtype(fields)
@@ -129,6 +134,16 @@ class Layout:
     def is_wide(self) -> bool:
         """Whether vector and slots are stored as float32 (no conversion on the way)."""
         return self.value_dtype == "float32" and self.slot_dtype == "float32"
+
+    @property
+    def trainable(self) -> bool:
+        """Whether ``update`` can step this layout (``int8`` serves only)."""
+        return self.value_dtype != "int8"
+
+    def quantized(self) -> Layout:
+        """The int8 serving layout of this one: row-wise quantized vectors, no slots, the same
+        metadata fields."""
+        return Layout(self.dim, (), "int8", "float32", self.meta)
 
     @functools.cached_property
     def wide(self) -> Layout:

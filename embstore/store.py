@@ -71,9 +71,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     read_only : bool
         Serving ("sandbox") mode: every write raises ``ReadOnlyError``; lookups of unknown keys
         return their initial vector without inserting.
-    value_dtype : {"float32", "float16", "bfloat16"}, optional
+    value_dtype : {"float32", "float16", "bfloat16", "int8"}, optional
         Storage dtype of the vectors, fixed at creation (default ``"float32"``; checked on
-        reopen). Lookups return float32 either way; updates compute in float32.
+        reopen). Lookups return float32 either way; updates compute in float32. ``"int8"``
+        (row-wise quantized, see ``export(quantize="int8")``) serves only: ``update`` raises.
     metadata : {"full", "compact"}, optional
         Bookkeeping fields kept per key, fixed at creation (default ``"full"``: ``count``,
         ``last_seen``, ``last_step``, ``version``, 32 bytes). ``"compact"`` keeps a saturating
@@ -117,7 +118,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._observers: list[StoreObserver] = []
         try:
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
-                        seed, None if value_dtype is None else check_value_dtype(value_dtype),
+                        seed, None if value_dtype is None
+                        else check_value_dtype(value_dtype, serving=True),
                         _check_metadata(metadata))
         except BaseException:
             backend.close()
@@ -139,8 +141,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
             self.seed = int(seed or 0)
             self._policy.restore({}, self.key_type, 0, created=True)
-            self.layout = Layout(dim, tuple(self.optimizer.slots(int(dim))),
-                                 value_dtype or "float32", self.optimizer.slot_dtype,
+            serving = value_dtype == "int8"  # a serving table keeps no optimizer state
+            self.layout = Layout(dim, () if serving else tuple(self.optimizer.slots(int(dim))),
+                                 value_dtype or "float32",
+                                 "float32" if serving else self.optimizer.slot_dtype,
                                  self._meta_fields(metadata or "full"))
             self.step = 0
             self._version = 0
@@ -389,6 +393,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         already summed duplicate rows (the framework adapters) keeps frequencies exact that way.
         """
         self._check_writable()
+        if not self.layout.trainable:
+            raise InvalidInputError(
+                f"{self.url}: an {self.layout.value_dtype} store serves vectors and is not "
+                "trained; train a float32/float16/bfloat16 store and export it with "
+                "quantize='int8'")
         k = self._keys(keys)
         g = self._rows(grads, len(k), "gradients")
         c = None if counts is None else check_counts(counts, len(k))
@@ -465,17 +474,20 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False,
-               format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+               format: str | None = None,  # noqa: A002 - the CLI's --format
+               quantize: str | None = None) -> int:
         """Write every record (or those changed after ``since``) to ``dest``; return the rows
         written. The format is ``format`` or, as in the CLI, the file name's (no suffix or a
         file object: native; an unknown suffix is refused; see ``embstore.io.format_choice``).
         Only the native format keeps whole records and a delta's deletions. A path is written
-        atomically."""
+        atomically. ``quantize="int8"`` (native format) writes a serving table: vectors
+        quantized row-wise (uint8 codes, float32 scale and bias per row), no optimizer slots;
+        a store imports it (``value_dtype="int8"``) and serves float32 lookups from it."""
         from .io.format_choice import export_to
 
         self._check_open()
         return export_to(self, dest, format, since=since, batch_size=batch_size,
-                         progress=progress)
+                         progress=progress, quantize=quantize)
 
     def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False,

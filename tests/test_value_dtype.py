@@ -72,7 +72,7 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(kind):
 
 def test_unknown_value_dtype_is_refused():
     with pytest.raises(InvalidInputError, match="value_dtype"):
-        embstore.open("memory://", dim=4, value_dtype="int8")
+        embstore.open("memory://", dim=4, value_dtype="int4")
 
 
 # -- the store ---------------------------------------------------------------------------------

@@ -61,8 +61,11 @@ def check_stored_meta(url: str, meta: dict[str, Any], *, dim: int | None, key_ty
         raise mismatch("initializer", stored_init, initializer)
     if seed is not None and int(seed) != int(meta["seed"]):
         raise mismatch("seed", meta["seed"], seed)
-    expected = Layout(stored_layout.dim, tuple(stored_opt.slots(stored_layout.dim)),
-                      stored_layout.value_dtype, stored_opt.slot_dtype, stored_layout.meta)
+    slots = () if not stored_layout.trainable else tuple(stored_opt.slots(stored_layout.dim))
+    expected = Layout(stored_layout.dim, slots,
+                      stored_layout.value_dtype,
+                      stored_opt.slot_dtype if stored_layout.trainable else "float32",
+                      stored_layout.meta)
     if expected != stored_layout:
         raise SchemaMismatchError(
             f"{url}: stored layout {stored_layout} does not fit optimizer {stored_opt}"

@@ -112,7 +112,7 @@ class Layout:
                 f"metadata fields {list(meta)} are not a layout's: each of {sorted(_META_CHOICES)}"
                 f" at most once at one of its widths {_META_CHOICES}, version required")
 
-    @property
+    @functools.cached_property
     def meta_names(self) -> tuple[str, ...]:
         """Names of the metadata fields kept."""
         return tuple(n for n, _ in self.meta)

@@ -141,7 +141,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             "url": store.url, "dim": store.dim, "key_type": store.key_type,
             "layout": {"fields": [[n, _field_type(store.layout.dtype.fields[n][0])]
                                   for n in store.layout.dtype.names],
-                       "record_bytes": store.layout.itemsize},
+                       "record_bytes": store.layout.itemsize,
+                       "value_dtype": store.layout.value_dtype,
+                       "metadata": "compact" if store.layout.is_compact else "full"},
             "optimizer": store.optimizer.config(), "initializer": store.initializer.config(),
             "seed": store.seed, "rows": stats["rows"], "size_bytes": stats.get("size_bytes"),
             "version": store.version, "step": store.step, "stats": stats,
@@ -153,7 +155,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"dim          {info['dim']}")
     print(f"key type     {info['key_type']}")
     fields = ", ".join(f"{n}:{t}" for n, t in info["layout"]["fields"])
-    print(f"layout       {info['layout']['record_bytes']} bytes/record ({fields})")
+    lay = info["layout"]
+    print(f"layout       {lay['record_bytes']} bytes/record ({fields}); vectors "
+          f"{lay['value_dtype']}, {lay['metadata']} metadata")
     print(f"optimizer    {json.dumps(info['optimizer'], sort_keys=True)}")
     print(f"initializer  {json.dumps(info['initializer'], sort_keys=True)}")
     print(f"rows         {info['rows']}")

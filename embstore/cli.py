@@ -141,7 +141,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             "url": store.url, "dim": store.dim, "key_type": store.key_type,
             "layout": {"fields": [[n, _field_type(store.layout.dtype.fields[n][0])]
                                   for n in store.layout.dtype.names],
-                       "record_bytes": store.layout.itemsize},
+                       "record_bytes": store.layout.itemsize,
+                       "value_dtype": store.layout.value_dtype,
+                       "metadata": "compact" if store.layout.is_compact else "full"},
             "optimizer": store.optimizer.config(), "initializer": store.initializer.config(),
             "seed": store.seed, "rows": stats["rows"], "size_bytes": stats.get("size_bytes"),
             "version": store.version, "step": store.step, "stats": stats,
@@ -153,7 +155,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"dim          {info['dim']}")
     print(f"key type     {info['key_type']}")
     fields = ", ".join(f"{n}:{t}" for n, t in info["layout"]["fields"])
-    print(f"layout       {info['layout']['record_bytes']} bytes/record ({fields})")
+    lay = info["layout"]
+    print(f"layout       {lay['record_bytes']} bytes/record ({fields}); vectors "
+          f"{lay['value_dtype']}, {lay['metadata']} metadata")
     print(f"optimizer    {json.dumps(info['optimizer'], sort_keys=True)}")
     print(f"initializer  {json.dumps(info['initializer'], sort_keys=True)}")
     print(f"rows         {info['rows']}")
@@ -168,7 +172,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with _open_ro(args.url, _options(args.option)) as store:
         n = export_file(store, args.dest, fmt=args.format, since=args.since,
-                        batch_size=args.batch_size, progress=not args.quiet)
+                        batch_size=args.batch_size, progress=not args.quiet,
+                        quantize=args.quantize)
     _note(args, f"exported {n} rows to {args.dest}")
     return EXIT_OK
 
@@ -271,7 +276,7 @@ def cmd_head(args: argparse.Namespace) -> int:
         shown = 0
         for keys, recs in store.records(max(1, min(args.n, 4096))):
             for k, r in zip(keys[:args.n - shown], recs[:args.n - shown]):
-                vec = r["vector"]
+                vec = store.layout.vectors(r)
                 vals = " ".join(f"{x:.6g}" for x in vec[:args.values].tolist())
                 more = " ..." if len(vec) > args.values else ""
                 print(f"{_fmt_key(k)}\t{vals}{more}\tcount={int(r['count'])}")
@@ -338,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", "-f", help=fmt_help + " (from the file name)")
     s.add_argument("--since", type=int, metavar="VERSION",
                    help="only rows written after this store version (see `embstore info`)")
+    s.add_argument("--quantize", choices=("int8",),
+                   help="write a serving table (native format): vectors quantized row-wise "
+                   "to uint8 codes with a float32 scale and bias per row, no optimizer state")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("import", parents=[common], help="load a file into a store",

@@ -231,7 +231,7 @@ def _dense(store: Any) -> KeyIndex:
             store.remove_observer(idx)
         idx = _DenseVectors(store.backend, store.key_type, store.dim, len(store.backend))
         for keys, recs in store.backend.scan(65536):
-            idx.upsert(keys, {"vector": recs["vector"]})
+            idx.upsert(keys, {"vector": store.layout.vectors(recs)})
         store.add_observer(idx)
     return idx
 
@@ -245,7 +245,7 @@ class _DenseVectors(KeyIndex):
         self.stale = False
 
     def on_write(self, keys: np.ndarray, recs: np.ndarray) -> None:
-        self.upsert(keys, {"vector": recs["vector"]})
+        self.upsert(keys, {"vector": self.backend.layout.vectors(recs)})
 
     def on_insert(self, keys: np.ndarray, vectors: np.ndarray, template: np.ndarray) -> None:
         self.upsert(keys, {"vector": vectors})
@@ -256,7 +256,7 @@ class _DenseVectors(KeyIndex):
         k = keys if found.all() else keys[found]
         # read back, not recomputed: the copy must equal the stored bits exactly
         vectors, _ = self.backend.get_field(k, "vector")
-        self.upsert(k, {"vector": vectors})
+        self.upsert(k, {"vector": self.backend.layout.vectors(vectors)})
 
     def on_delete(self, keys: np.ndarray) -> None:
         self.remove(keys)
@@ -284,7 +284,7 @@ def _blocks(source: Iterable[tuple[np.ndarray, np.ndarray]], rows: int,
 
 def _scan_vectors(backend: Any, batch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for keys, recs in backend.scan(batch):
-        yield keys, recs["vector"]
+        yield keys, backend.layout.vectors(recs)
 
 
 def _run(q: np.ndarray, k: int, key_dtype: Any, source: Iterable, rows: int,

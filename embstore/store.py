@@ -37,11 +37,13 @@ from .engine.records import RecordWrites
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
-from .errors import BackendError, InvalidInputError, StoreNotFoundError
-from .layout import Layout
+from .errors import BackendError, InvalidInputError, SchemaMismatchError, StoreNotFoundError
+from .layout import META_FIELDS, Layout, compact_meta
+from .optim.ftrl import FTRL
 from .policies.clock import resolve_clock
 from .policies.runtime import PolicyRuntime
 from .urls import redact_url
+from .valuetypes import check_value_dtype
 
 if TYPE_CHECKING:
     from .engine.unpickled import UnopenedStore
@@ -75,6 +77,19 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         Seconds for ``last_seen``, ``ttl_seconds`` and recency eviction (default the wall
         clock); an :class:`embstore.policies.EventClock` replays a stream by event time. Not
         saved: a reopened or unpickled store uses the wall clock unless given one again.
+    value_dtype : {"float32", "float16", "bfloat16", "int8"}, optional
+        Storage dtype of the vectors, fixed at creation (default ``"float32"``; checked on
+        reopen). Lookups return float32 either way; updates compute in float32. ``"int8"``
+        (row-wise quantized, see ``export(quantize="int8")``) serves only: ``update`` raises.
+    metadata : {"full", "compact"}, optional
+        Bookkeeping fields kept per key, fixed at creation (default ``"full"``: ``count``,
+        ``last_seen``, ``last_step``, ``version``, 32 bytes). ``"compact"`` keeps a saturating
+        uint32 ``count`` and ``version``, plus ``last_seen`` / ``last_step`` only where the
+        store's expiry or capacity eviction reads them (12 bytes without either).
+    stochastic_rounding : bool
+        Round updated 16-bit values stochastically (default True; deterministic given
+        ``seed`` and the sequence of updates). ``False`` rounds to nearest, which loses steps
+        smaller than half the gap between neighbouring 16-bit values.
     """
 
     def __init__(
@@ -93,10 +108,14 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         capacity: Any = None,
         eviction: Any = None,
         clock: Any = None,
+        value_dtype: str | None = None,
+        stochastic_rounding: bool = True,
+        metadata: str | None = None,
     ) -> None:
         self._backend = backend
         #: seconds for ``last_seen``, TTL and recency eviction (wall clock unless given)
         self._clock = resolve_clock(clock)
+        self.stochastic_rounding = bool(stochastic_rounding)
         self.read_only = bool(read_only)
         self._closed = False
         self._reopen_options = dict(reopen_options or {})
@@ -108,7 +127,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._observers: list[StoreObserver] = []
         try:
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
-                        seed)
+                        seed, None if value_dtype is None
+                        else check_value_dtype(value_dtype, serving=True),
+                        _check_metadata(metadata))
         except BaseException:
             backend.close()
             self._closed = True
@@ -116,7 +137,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _setup(self, dim: int | None, key_type: str | None, initializer: _init.Initializer | None,
-               optimizer: _optim.Optimizer | None, seed: int | None) -> None:
+               optimizer: _optim.Optimizer | None, seed: int | None,
+               value_dtype: str | None, metadata: str | None) -> None:
         meta = self._backend.read_meta()
         if meta is None:
             if self.read_only:
@@ -127,25 +149,73 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self.optimizer = optimizer or _optim.SGD(lr=0.01)
             self.initializer = initializer or _init.Uniform(-0.05, 0.05)
             self.seed = int(seed or 0)
-            self.layout = Layout(dim, tuple(self.optimizer.slots(int(dim))))
+            self._policy.restore({}, self.key_type, 0, created=True)
+            serving = value_dtype == "int8"  # a serving table keeps no optimizer state
+            self.layout = Layout(dim, () if serving else tuple(self.optimizer.slots(int(dim))),
+                                 value_dtype or "float32",
+                                 "float32" if serving else self.optimizer.slot_dtype,
+                                 self._meta_fields(metadata or "full"))
             self.step = 0
             self._version = 0
             self._extra_meta: dict[str, Any] = {}
             self._backend.bind(self.layout, self.key_type)
-            self._policy.restore({}, self.key_type, 0, created=True)
             self._backend.write_meta(self._meta())
             mark_meta_synced(self)
             return
-        self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
+        self._check_meta(meta, dim, key_type, initializer, optimizer, seed, value_dtype)
+        stored_kind = "compact" if self.layout.is_compact else "full"
+        if metadata is not None and metadata != stored_kind:
+            raise SchemaMismatchError(f"{self.url}: the store was created with "
+                                      f"metadata={stored_kind!r}, opened with {metadata!r}")
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
+        self._check_policy_fields()
         mark_meta_synced(self)
+
+    def _meta_fields(self, metadata: str) -> tuple[tuple[str, str], ...]:
+        """The metadata fields of a new store: all, or those its policies read."""
+        if metadata == "full":
+            return META_FIELDS
+        exp, ev = self._policy.expiry, self._policy.eviction
+        return compact_meta(
+            last_seen=ev is not None or (exp is not None and exp.ttl_seconds is not None),
+            last_step=(ev is not None or (exp is not None and exp.ttl_steps is not None)
+                       or self._prunes_idle_rows()))
+
+    def _prunes_idle_rows(self) -> bool:
+        """FTRL with ``prune=True`` deletes zero rows by their ``last_step``."""
+        return isinstance(self.optimizer, FTRL) and self.optimizer.prune
+
+    def _check_policy_fields(self) -> None:
+        """A compact store reopened with a policy that reads a field it does not keep."""
+        exp, ev = self._policy.expiry, self._policy.eviction
+        if exp is not None:
+            self._require_meta(exp.ttl_seconds, exp.ttl_steps, "expiry")
+        if self._prunes_idle_rows() and "last_step" not in self.layout.meta_names:
+            raise SchemaMismatchError(
+                f"{self.url}: FTRL(prune=True) reads last_step, which this store's compact "
+                "layout does not keep (create it with pruning configured)")
+        if ev is not None and not {"last_seen", "last_step"} <= set(self.layout.meta_names):
+            raise SchemaMismatchError(
+                f"{self.url}: capacity eviction reads last_seen and last_step, which this "
+                "store's compact layout does not keep (create it with the eviction configured)")
+
+    def _require_meta(self, ttl_seconds: float | None, ttl_steps: int | None,
+                      what: str) -> None:
+        names = self.layout.meta_names
+        for ttl, field in ((ttl_seconds, "last_seen"), (ttl_steps, "last_step")):
+            if ttl is not None and field not in names:
+                raise SchemaMismatchError(
+                    f"{self.url}: {what} by {'time' if field == 'last_seen' else 'steps'} "
+                    f"reads {field}, which this store's compact layout does not keep (create "
+                    "it with that expiry configured, or with metadata='full')")
 
     def _check_meta(self, meta: dict[str, Any], dim: int | None, key_type: str | None,
                     initializer: _init.Initializer | None, optimizer: _optim.Optimizer | None,
-                    seed: int | None) -> None:
+                    seed: int | None, value_dtype: str | None = None) -> None:
         stored = check_stored_meta(self.url, meta, dim=dim, key_type=key_type,
-                                   initializer=initializer, optimizer=optimizer, seed=seed)
+                                   initializer=initializer, optimizer=optimizer, seed=seed,
+                                   value_dtype=value_dtype)
         self.key_type = stored.key_type
         self.layout = stored.layout
         self.optimizer = stored.optimizer
@@ -180,6 +250,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     @property
     def dim(self) -> int:
         return self.layout.dim
+
+    @property
+    def value_dtype(self) -> str:
+        """Storage dtype of the vectors: ``"float32"``, ``"float16"`` or ``"bfloat16"``."""
+        return self.layout.value_dtype
 
     @property
     def url(self) -> str:
@@ -247,7 +322,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def initial_vectors(self, keys: Any) -> np.ndarray:
         """The vector each key gets on first sight (pure function of seed and key)."""
         self._check_open()
-        return self.initializer(self._keys(keys), self.layout.dim, self.seed)
+        return self._initial(self._keys(keys))
 
     # -- the interface -----------------------------------------------------------------------------
     def lookup(self, keys: Any, *, insert: bool = True, counts: Any = None) -> np.ndarray:
@@ -294,6 +369,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                 self._stats["hits"] += n
             return vectors
         vectors, found = self._backend.get_field(k, "vector")
+        vectors = self.layout.vectors(vectors)
         nfound = int(np.count_nonzero(found))
         self._stats["hits"] += nfound
         if nfound == n:
@@ -301,11 +377,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._stats["misses"] += n - nfound
         if nfound == 0:  # a batch of only new keys (a table being filled): no masking
             miss_keys = k
-            vectors = new_vecs = self.initializer(k, self.layout.dim, self.seed)
+            vectors = new_vecs = self._initial(k)
         else:
             miss = ~found
             miss_keys = k[miss]
-            new_vecs = self.initializer(miss_keys, self.layout.dim, self.seed)
+            new_vecs = self._initial(miss_keys)
             vectors[miss] = new_vecs
         if insert and not self.read_only:
             miss_counts = None if c is None else (c if nfound == 0 else c[~found])
@@ -355,6 +431,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         already summed duplicate rows (the framework adapters) keeps frequencies exact that way.
         """
         self._check_writable()
+        if not self.layout.trainable:
+            raise InvalidInputError(
+                f"{self.url}: an {self.layout.value_dtype} store serves vectors and is not "
+                "trained; train a float32/float16/bfloat16 store and export it with "
+                "quantize='int8'")
         k = self._keys(keys)
         g = self._rows(grads, len(k), "gradients")
         c = None if counts is None else check_counts(counts, len(k))
@@ -365,14 +446,17 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             mult = sum_counts(k, uniq, c)
         self.step += 1
         self._stats["updates"] += len(k)
-        axpy = self.optimizer.axpy_step(summed)
+        axpy = self.optimizer.axpy_step(summed) if self.layout.is_wide else None
         if axpy is not None and self._backend.supports_row_update:
             # The step is plain field arithmetic: the backend applies it where the records
             # live (observers are told the same arithmetic); only keys without a record yet
             # go the general way below.
-            row_update = RowUpdate(axpy, {"count": mult}, {
-                "last_seen": self._clock(), "last_step": self.step,
-                "version": self._next_version()})
+            stamps = {"last_seen": self._clock(), "last_step": self.step,
+                      "version": self._next_version()}
+            names = self.layout.meta_names
+            row_update = RowUpdate(
+                axpy, {"count": mult} if "count" in names else {},
+                {f: v for f, v in stamps.items() if f in names})
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
                 obs.on_row_update(uniq, row_update, found)
@@ -424,7 +508,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     # -- whole-table access ------------------------------------------------------------------------
     def get_records(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Full records (vector, slots, metadata) and a found mask, for inspection."""
+        """Full records (vector, slots, metadata) and a found mask, for inspection; in the
+        stored layout (16-bit fields as stored: ``store.layout.vectors(recs)`` widens them)."""
         self._check_open()
         k = self._keys(keys)
         return self._backend.get(k)
@@ -432,7 +517,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
     def items(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Iterate ``(keys, vectors)`` batches over the whole table (order is the backend's)."""
         for keys, recs in self.records(batch_size):
-            yield keys, np.ascontiguousarray(recs["vector"])
+            yield keys, np.ascontiguousarray(self.layout.vectors(recs))
 
     def records(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Iterate ``(keys, records)`` batches with every field of the layout."""
@@ -445,17 +530,20 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536, progress: bool = False,
-               format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+               format: str | None = None,  # noqa: A002 - the CLI's --format
+               quantize: str | None = None) -> int:
         """Write every record (or those changed after ``since``) to ``dest``; return the rows
         written. The format is ``format`` or, as in the CLI, the file name's (no suffix or a
         file object: native; an unknown suffix is refused; see ``embstore.io.format_choice``).
         Only the native format keeps whole records and a delta's deletions. A path is written
-        atomically."""
+        atomically. ``quantize="int8"`` (native format) writes a serving table: vectors
+        quantized row-wise (uint8 codes, float32 scale and bias per row), no optimizer slots;
+        a store imports it (``value_dtype="int8"``) and serves float32 lookups from it."""
         from .io.format_choice import export_to
 
         self._check_open()
         return export_to(self, dest, format, since=since, batch_size=batch_size,
-                         progress=progress)
+                         progress=progress, quantize=quantize)
 
     def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False,
@@ -567,3 +655,9 @@ def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore
                               reopen_options=dict(backend.reopen_options()), **engine)
     except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
         return UnopenedStore(url, e)
+
+
+def _check_metadata(metadata: str | None) -> str | None:
+    if metadata is not None and metadata not in ("full", "compact"):
+        raise InvalidInputError(f"metadata must be 'full' or 'compact', got {metadata!r}")
+    return metadata

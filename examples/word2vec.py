@@ -95,7 +95,8 @@ def open_stores(args: argparse.Namespace) -> tuple[embstore.EmbeddingStore, ...]
     if template.startswith("lmdb://"):
         # Training data is reproducible: trade crash durability for write speed.
         options.update(durable=False, writemap=True, map_size=1 << 30)
-    common = dict(dim=args.dim, key_type="bytes", optimizer=SGD(lr=args.alpha), seed=args.seed)
+    common = dict(dim=args.dim, key_type="bytes", optimizer=SGD(lr=args.alpha), seed=args.seed,
+                  value_dtype=args.value_dtype)
     # gensim's initialization: input vectors uniform in +-0.5/dim, output vectors zero.
     inp = embstore.open(store_url(template, "in"), initializer=Uniform(-0.5 / args.dim,
                                                                       0.5 / args.dim),
@@ -429,6 +430,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one per core)")
     p.add_argument("--gensim-workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--value-dtype", default="float32",
+                   choices=("float32", "float16", "bfloat16"),
+                   help="storage dtype of the vectors (16-bit: stochastic rounding)")
     p.add_argument("--quick", action="store_true", help="60 articles, 1 epoch: a smoke run")
     p.add_argument("--no-gensim", action="store_true", help="skip the gensim comparison")
     p.add_argument("--no-baseline", action="store_true",

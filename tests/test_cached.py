@@ -11,8 +11,8 @@ import pytest
 
 import embstore
 from embstore.errors import InvalidInputError
-from embstore.layers.cache import CachedBackend
-from embstore.testing.conformance import DIM, StoreConformance, table_of
+from embstore.layers.cache.backend import CachedBackend
+from embstore.testing.conformance import DIM, LayoutMatrix, StoreConformance, table_of
 from tests.cache_helpers import cached, cached_keys, cached_over_zeros, layer, remote_vectors
 
 
@@ -46,6 +46,10 @@ class TestCachedLmdb(StoreConformance):
     @pytest.fixture
     def url_factory(self, lmdb_url):
         return lmdb_url
+
+
+class TestCachedLmdbLayouts(LayoutMatrix, TestCachedLmdb):
+    """The suite over 16-bit layouts."""
 
 
 class TestCachedLmdbLru(StoreConformance):

@@ -20,7 +20,7 @@ from embstore.errors import (
     ReadOnlyError,
     StoreNotFoundError,
 )
-from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
 from tests.dir_store_suite import DirectoryStoreSuite
 
 DIM = 8
@@ -36,6 +36,10 @@ class TestLmdbConformance(StoreConformance):
     @pytest.fixture
     def url_factory(self, lmdb_url):
         return lmdb_url
+
+
+class TestLmdbLayouts(LayoutMatrix, TestLmdbConformance):
+    """The suite over 16-bit layouts."""
 
 
 class TestLmdbNonDurableConformance(StoreConformance):

@@ -12,7 +12,7 @@ import embstore
 from embstore._cython.arena import RecordArena, release_pool
 from embstore._cython.cuckoo import CuckooTable, find_or_insert
 from embstore.errors import InvalidInputError
-from embstore.testing.conformance import StoreConformance
+from embstore.testing.conformance import LayoutMatrix, StoreConformance
 from tests.stores import run_in_threads
 
 
@@ -20,6 +20,10 @@ class TestMemoryConformance(StoreConformance):
     @pytest.fixture
     def url_factory(self):
         return lambda: "memory://"
+
+
+class TestMemoryLayouts(LayoutMatrix, TestMemoryConformance):
+    """The suite over 16-bit layouts."""
 
 
 def test_memory_store_refuses_to_pickle():

@@ -19,7 +19,7 @@ from embstore.errors import (
     ReadOnlyError,
     StoreNotFoundError,
 )
-from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
 from tests.dir_store_suite import DirectoryStoreSuite
 
 DIM = 8
@@ -37,6 +37,10 @@ class TestRocksDBConformance(StoreConformance):
     @pytest.fixture
     def url_factory(self, rocks_url):
         return rocks_url
+
+
+class TestRocksDBLayouts(LayoutMatrix, TestRocksDBConformance):
+    """The suite over 16-bit layouts."""
 
 
 class TestRocksDBDirectory(DirectoryStoreSuite):

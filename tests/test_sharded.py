@@ -16,7 +16,7 @@ from embstore.backends.memory import MemoryBackend
 from embstore.errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from embstore.layers.cache import CachedBackend
 from embstore.layers.sharded import ShardedBackend, parse_sharded_url, sharded_url
-from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
 
 
 @pytest.fixture
@@ -29,6 +29,10 @@ class TestShardedMemory(StoreConformance):
     @pytest.fixture
     def url_factory(self):
         return lambda: sharded_url(["memory://"] * 3)
+
+
+class TestShardedMemoryLayouts(LayoutMatrix, TestShardedMemory):
+    """The suite over 16-bit layouts."""
 
 
 class TestShardedLmdb(StoreConformance):

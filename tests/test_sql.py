@@ -18,7 +18,7 @@ from embstore.errors import (
     SchemaMismatchError,
     StoreNotFoundError,
 )
-from embstore.testing.conformance import StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
 from tests.stores import run_in_threads
 
 DIM = 8
@@ -34,6 +34,10 @@ class TestSQLiteConformance(StoreConformance):
     @pytest.fixture
     def url_factory(self, sqlite_url_factory):
         return sqlite_url_factory
+
+
+class TestSQLiteLayouts(LayoutMatrix, TestSQLiteConformance):
+    """The suite over 16-bit layouts."""
 
 
 class TestSQLiteCoreConformance(StoreConformance):

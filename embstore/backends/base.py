@@ -76,7 +76,12 @@ class RowUpdate:
         sel = slice(None) if rows is None else rows
         records[name] += np.float32(alpha) * x[sel]
         for f, v in self.add.items():
-            records[f] += v[sel]
+            if records[f].dtype.kind == "u":  # a compact count saturates instead of wrapping
+                info = np.iinfo(records[f].dtype)
+                total = records[f].astype(np.uint64) + np.maximum(v[sel], 0).astype(np.uint64)
+                records[f] = np.minimum(total, info.max)
+            else:
+                records[f] += v[sel]
         for f, v in self.assign.items():
             records[f] = v
 

@@ -329,23 +329,22 @@ class MemoryBackend(Backend):
         snapshot = self._new_snapshot(keys)
         n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags,
                                  snapshot if isinstance(snapshot, KeySnapshot) else None))
-        fields = self.layout.fields
-        offset = fields["vector"][1]
+        vdt, offset = self.layout.fields["vector"]
         if n_new:
             self._epoch += 1
             tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
         out: np.ndarray
         if n_new == n:
-            out = np.ascontiguousarray(initial(keys), dtype=np.float32)
-            self._records.write_rows(slots, tmpl, offset, out)
+            out = np.ascontiguousarray(initial(keys), dtype=vdt.base)
+            self._write_rows(slots, tmpl, offset, out)
         else:
             if n_new:
                 m = flags.view(bool)
-                self._records.write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
-                    initial(keys[m]), dtype=np.float32))
-            out = np.empty((n, self.layout.dim), dtype=np.float32)
+                self._write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
+                    initial(keys[m]), dtype=vdt.base))
+            out = np.empty((n,) + vdt.shape, dtype=vdt.base)
             self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
-                                 out.shape[1] * 4)
+                                 vdt.itemsize)
         self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
 
@@ -363,11 +362,26 @@ class MemoryBackend(Backend):
         if n_new < n:
             m = new.view(bool)
             slots, vectors = slots[m], vectors[m]
-        fields = self.layout.fields
-        self._records.write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8),
-                                 fields["vector"][1],
-                                 np.ascontiguousarray(vectors, dtype=np.float32))
+        vdt, offset = self.layout.fields["vector"]
+        self._write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8), offset,
+                         np.ascontiguousarray(vectors, dtype=vdt.base))
         return new.view(bool)
+
+    def _write_rows(self, slots: np.ndarray, template: np.ndarray, offset: int,
+                    vectors: np.ndarray) -> None:
+        """New records at ``slots``: ``template`` with each row of ``vectors`` (the stored
+        dtype) as the vector. The compiled writer takes float32 rows; 16-bit rows of an even
+        width pass as float32 of half the width, bit for bit."""
+        n = len(slots)
+        if not n:
+            return
+        if vectors.dtype == np.float32 or vectors.shape[1] * vectors.itemsize % 4 == 0:
+            rows = vectors.reshape(n, -1).view(np.float32)
+            self._records.write_rows(slots, template, offset, rows)
+            return
+        recs = np.repeat(template.view(self.layout.dtype)[:1], n)
+        recs["vector"] = vectors
+        self._scatter(slots, recs)
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
@@ -388,6 +402,8 @@ class MemoryBackend(Backend):
         self._update_slots(slots, update)
 
     def _update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
+        if not len(slots):
+            return
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
         fields = self.layout.fields
         name, alpha, _ = update.axpy

@@ -25,6 +25,9 @@ class _ExpiryHost(PolicyHost, Protocol):
 
     def _check_writable(self) -> None: ...
 
+    def _require_meta(self, ttl_seconds: float | None, ttl_steps: int | None,
+                      what: str) -> None: ...
+
 
 class HistoryAPI(StoreSeams):
     """Rows leaving by age, and what changed since a version."""
@@ -51,6 +54,7 @@ class HistoryAPI(StoreSeams):
             ttl = self._policy.expiry
         else:
             ttl = Expiry(ttl_seconds, ttl_steps)
+        self._require_meta(ttl.ttl_seconds, ttl.ttl_steps, "expire()")
         return self._policy.expire(self, ttl.ttl_seconds, ttl.ttl_steps, batch_size, now)
 
     def deletions_since(self, version: int) -> tuple[np.ndarray, bool]:

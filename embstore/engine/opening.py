@@ -14,7 +14,8 @@ from ..registry import backend_class
 
 #: options of the engine (``EmbeddingStore``) rather than of the backend or a layer
 ENGINE_OPTIONS = ("dim", "key_type", "initializer", "optimizer", "seed", "admission", "expiry",
-                  "capacity", "eviction", "clock")
+                  "capacity", "eviction", "clock", "value_dtype", "stochastic_rounding",
+                  "metadata")
 
 
 def _cache_eviction_spelled_eviction(options: dict[str, Any]) -> bool:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..valuetypes import round_trip
+
 if TYPE_CHECKING:
     from ..backends.base import Backend
     from ..init import Initializer
@@ -49,12 +51,27 @@ class RecordWrites:
         self._version = max(self._version + 1, _now_us())
         return self._version
 
+    stochastic_rounding: bool
+
     def _new_records(self, keys: np.ndarray, vectors: np.ndarray | None = None) -> np.ndarray:
-        recs = self.layout.empty(len(keys))
-        recs["vector"] = (vectors if vectors is not None
-                          else self.initializer(keys, self.layout.dim, self.seed))
-        self.optimizer.init_slots(recs)
+        layout = self.layout
+        wide = layout.wide.empty(len(keys))
+        wide["vector"] = (vectors if vectors is not None
+                          else self.initializer(keys, layout.dim, self.seed))
+        self.optimizer.init_slots(wide)
+        if layout.is_wide:
+            return wide
+        recs = layout.empty(len(keys))
+        layout.narrow_into(wide, recs)  # to nearest: ``_initial`` rounds the same way
         return recs
+
+    def _rounding(self) -> np.random.Generator | None:
+        """The random source of stochastic rounding for this step (None: to nearest): seeded
+        by the store's seed and step, so a run replays exactly, and a backend that retries a
+        ``modify`` gets the same bits again."""
+        if not self.stochastic_rounding:
+            return None
+        return np.random.default_rng((self.seed & 0xFFFFFFFFFFFFFFFF, self.step, 0x5EED))
 
     def _update_records(self, uniq: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> None:
         """One optimizer step on the records of ``uniq``, read and written back by one
@@ -107,20 +124,27 @@ class RecordWrites:
         self._after_modify(uniq, recs, found, keep)
 
     def _step(self, recs: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> np.ndarray | None:
-        drop = self.optimizer.apply(recs, summed, self.step)
-        recs["count"] += mult
+        layout = self.layout
+        if layout.is_wide:
+            drop = self.optimizer.apply(recs, summed, self.step)
+        else:  # 16-bit storage: compute on a float32 copy, round the results back
+            wide = layout.widen(recs)
+            drop = self.optimizer.apply(wide, summed, self.step)
+            layout.narrow_into(wide, recs, self._rounding())
+        layout.add_counts(recs, mult)
         self._stamp(recs)
         return drop
 
     def _assign_records(self, uniq: np.ndarray, values: np.ndarray) -> None:
         """Set the vectors of ``uniq`` (new keys get fresh records) in one ``modify``."""
         last: list[Any] = [None]
+        stored = self.layout.encode_vectors(values)
 
         def assign(recs: np.ndarray, found: np.ndarray) -> None:
             if not found.all():
                 new = ~found
                 recs[new] = self._new_records(uniq[new], values[new])
-            recs["vector"] = values
+            recs["vector"] = stored
             self._stamp(recs)
             last[0] = (recs, found)
 
@@ -145,13 +169,19 @@ class RecordWrites:
                 obs.on_write(keys, recs)
 
     def _initial(self, keys: np.ndarray) -> np.ndarray:
-        return self.initializer(keys, self.layout.dim, self.seed)
+        """Initial vectors of ``keys`` as they read back once stored (float32)."""
+        return round_trip(self.initializer(keys, self.layout.dim, self.seed),
+                          self.layout.value_dtype)
+
+    def _initial_stored(self, keys: np.ndarray) -> np.ndarray:
+        """Initial vectors of ``keys`` in the stored dtype."""
+        return self.layout.encode_vectors(self.initializer(keys, self.layout.dim, self.seed))
 
     def _template(self) -> np.ndarray:
         """One fresh record (zero vector, initial slots, stamped): what new rows are made of."""
-        template = self.layout.empty(1)
-        self.optimizer.init_slots(template)  # slots are per-row constants
-        self._stamp(template)
+        template = self._new_records(np.zeros(1, dtype=np.int64),
+                                     np.zeros((1, self.layout.dim), dtype=np.float32))
+        self._stamp(template)  # slots are per-row constants
         return template
 
     def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> int:
@@ -159,7 +189,7 @@ class RecordWrites:
         (another writer may have created one since the caller's read: insert-if-absent);
         return how many were written."""
         template = self._template()
-        done = self._backend.insert_rows(keys, vectors, template)
+        done = self._backend.insert_rows(keys, self.layout.encode_vectors(vectors), template)
         if done is not None and not done.all():
             keys, vectors = keys[done], vectors[done]
         if len(keys):
@@ -177,7 +207,8 @@ class RecordWrites:
             return made[-1]
 
         new = np.zeros(len(keys), dtype=bool)
-        vectors, n_new = self._backend.lookup_insert(keys, self._initial, template, new=new)
+        vectors, n_new = self._backend.lookup_insert(keys, self._initial_stored, template, new=new)
+        vectors = self.layout.vectors(vectors)
         if n_new:
             for obs in self._observers:
                 obs.on_insert(keys[new], vectors[new], made[-1])
@@ -199,6 +230,9 @@ class RecordWrites:
             obs.on_delete(gone)
 
     def _stamp(self, recs: np.ndarray) -> None:
-        recs["last_seen"] = self._clock()
-        recs["last_step"] = self.step
+        names = self.layout.meta_names
+        if "last_seen" in names:
+            recs["last_seen"] = self._clock()
+        if "last_step" in names:
+            recs["last_step"] = self.step
         recs["version"] = self._next_version()

@@ -26,7 +26,8 @@ class StoredSchema:
 
 
 def check_stored_meta(url: str, meta: dict[str, Any], *, dim: int | None, key_type: str | None,
-                      initializer: Any, optimizer: Any, seed: int | None) -> StoredSchema:
+                      initializer: Any, optimizer: Any, seed: int | None,
+                      value_dtype: str | None = None) -> StoredSchema:
     """Parse stored metadata and compare it with what the caller asked for.
 
     Every option the caller gave must equal the stored one; options left out (None) are
@@ -48,6 +49,8 @@ def check_stored_meta(url: str, meta: dict[str, Any], *, dim: int | None, key_ty
 
     if dim is not None and int(dim) != stored_layout.dim:
         raise mismatch("dim", stored_layout.dim, dim)
+    if value_dtype is not None and value_dtype != stored_layout.value_dtype:
+        raise mismatch("value_dtype", stored_layout.value_dtype, value_dtype)
     if key_type is not None and key_type != meta["key_type"]:
         raise mismatch("key_type", meta["key_type"], key_type)
     stored_opt = _optim.from_config(meta["optimizer"])
@@ -58,7 +61,11 @@ def check_stored_meta(url: str, meta: dict[str, Any], *, dim: int | None, key_ty
         raise mismatch("initializer", stored_init, initializer)
     if seed is not None and int(seed) != int(meta["seed"]):
         raise mismatch("seed", meta["seed"], seed)
-    expected = Layout(stored_layout.dim, tuple(stored_opt.slots(stored_layout.dim)))
+    slots = () if not stored_layout.trainable else tuple(stored_opt.slots(stored_layout.dim))
+    expected = Layout(stored_layout.dim, slots,
+                      stored_layout.value_dtype,
+                      stored_opt.slot_dtype if stored_layout.trainable else "float32",
+                      stored_layout.meta)
     if expected != stored_layout:
         raise SchemaMismatchError(
             f"{url}: stored layout {stored_layout} does not fit optimizer {stored_opt}"

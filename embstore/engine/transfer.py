@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ..errors import SchemaMismatchError
+from ..errors import InvalidInputError, SchemaMismatchError
 from ..io.formats import NativeFormatReader
 from ..io.native import NativeWriter
 from ..policies.tombstones import encode_keys
@@ -22,17 +22,37 @@ from ..progress import progress_bar
 from .batch import distinct, unique_last
 
 if TYPE_CHECKING:
+    from ..layout import Layout
     from ..store import EmbeddingStore
 
 _MAX_HEADER_DELETIONS = 1 << 20  # keeps the JSON header within the native format's limit
 
 
+def quantize_records(layout: Layout, records: np.ndarray) -> np.ndarray:
+    """``records`` of ``layout`` in its int8 serving layout (:meth:`Layout.quantized`): each
+    vector quantized row-wise, slots dropped, metadata kept."""
+    q = layout.quantized()
+    out = q.empty(len(records))
+    out["vector"] = q.encode_vectors(layout.vectors(records))
+    for name in q.meta_names:
+        out[name] = records[name]
+    return out
+
+
 def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
-                  since: int | None, batch_size: int, progress: bool) -> int:
-    src = (store.records(batch_size) if since is None
-           else store.changes_since(since, batch_size))
+                  since: int | None, batch_size: int, progress: bool,
+                  quantize: str | None = None) -> int:
+    src: Iterable[tuple[np.ndarray, np.ndarray]] = (
+        store.records(batch_size) if since is None else store.changes_since(since, batch_size))
     header = store.meta
     header["since"] = since
+    if quantize is not None:
+        if quantize != "int8":
+            raise InvalidInputError(f"quantize must be 'int8', got {quantize!r}")
+        layout = store.layout
+        header["layout"] = layout.quantized().to_json()
+        header["record_size"] = layout.quantized().itemsize
+        src = ((keys, quantize_records(layout, recs)) for keys, recs in src)
     if since is not None:
         gone, complete = store.deletions_since(since)
         if len(gone) > _MAX_HEADER_DELETIONS:

@@ -58,14 +58,17 @@ def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
 
 
 def export_to(store: Any, dest: Any, fmt: str | None, *, since: int | None, batch_size: int,
-              progress: bool) -> int:
+              progress: bool, quantize: str | None = None) -> int:
     """``store.export``: the native writer, or the format writer the name asks for."""
     name = file_format(dest, fmt, for_write=True)
     if name == "native":
         from ..engine.transfer import export_native
 
         return export_native(store, dest, since=since, batch_size=batch_size,
-                             progress=progress)
+                             progress=progress, quantize=quantize)
+    if quantize is not None:
+        raise InvalidInputError(f"quantize={quantize!r} writes the native format (a serving "
+                                f"table a store imports), not {name}")
     from .transfer import export_file
 
     return export_file(store, dest, fmt=name, since=since, batch_size=batch_size,

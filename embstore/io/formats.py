@@ -107,9 +107,10 @@ class NativeFormatReader(FormatReader):
         # Chunks are as the writer made them (bounded by its chunk size), not batch_size.
         start = 0
         r = self._reader
+        layout = r.layout
         for keys, recs in (r.iter_transient() if validate else r):
             n = len(keys)
-            yield Chunk(keys, recs["vector"], _arange(start, n), recs)
+            yield Chunk(keys, layout.vectors(recs), _arange(start, n), recs)
             start += n
 
     def close(self) -> None:

@@ -315,7 +315,10 @@ class NpzWriter(FormatWriter):
             where = lambda n: self.dest  # noqa: E731 - temp files go beside the archive
         self._members: dict[str, _NpyOut] = {}
         try:
-            self._members["vectors.npy"] = _NpyOut(where("vectors.npy"), "<f4",
+            # the stored values: float16 as float16; bfloat16, which no .npy reader knows,
+            # as float32 (exact, and read back to the same bits)
+            vec_dtype = "<f2" if self.layout.value_dtype == "float16" else "<f4"
+            self._members["vectors.npy"] = _NpyOut(where("vectors.npy"), vec_dtype,
                                                    (self.layout.dim,))
             if self.key_type == "int64":
                 self._members["keys.npy"] = _NpyOut(where("keys.npy"), "<i8")
@@ -331,7 +334,10 @@ class NpzWriter(FormatWriter):
     def write(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
             return
-        self._members["vectors.npy"].write(records["vector"])
+        vectors = records["vector"]
+        if self.layout.value_dtype == "bfloat16":
+            vectors = self.layout.vectors(vectors)
+        self._members["vectors.npy"].write(vectors)
         if self.key_type == "int64":
             self._members["keys.npy"].write(keys)
         else:

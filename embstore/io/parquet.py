@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 META_KEY = b"embstore"
 _KEY_NAMES = ("key", "keys", "id", "word")
 _VEC_NAMES = ("vector", "vectors", "embedding")
-_ARROW_META = {"<i8": pa.int64(), "<f8": pa.float64()}
+_ARROW_META = {"<i8": pa.int64(), "<f8": pa.float64(), "<u4": pa.uint32()}
 #: decoded bytes per value of the fixed-width Parquet physical types
 _PHYSICAL_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
 #: row groups decoding to more than this are read in batches, not whole
@@ -65,7 +65,7 @@ def _schema(layout: Layout, key_type: str, meta: dict[str, Any]) -> pa.Schema:
     fields = [pa.field("key", pa.int64() if key_type == "int64" else pa.binary(), False),
               pa.field("vector", pa.list_(pa.float32(), layout.dim), False)]
     fields += [pa.field(f"slot.{n}", pa.list_(pa.float32(), w), False) for n, w in layout.slots]
-    fields += [pa.field(n, _ARROW_META[t], False) for n, t in META_FIELDS]
+    fields += [pa.field(n, _ARROW_META[t], False) for n, t in layout.meta]
     return pa.schema(fields, metadata={META_KEY: json.dumps(meta, sort_keys=True).encode()})
 
 
@@ -94,10 +94,13 @@ class ParquetWriter(FormatWriter):
     def write(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
             return
+        # 16-bit stores write their values widened to float32 (exact, and narrowed back to the
+        # same bits on import); the header's layout records the storage dtype
+        records = records if self.layout.is_wide else self.layout.widen(records)
         cols = [pa.array(keys, type=self.schema.field("key").type),
                 _fixed(records["vector"], self.layout.dim)]
         cols += [_fixed(records[n], w) for n, w in self.layout.slots]
-        cols += [pa.array(np.ascontiguousarray(records[n])) for n, _ in META_FIELDS]
+        cols += [pa.array(np.ascontiguousarray(records[n])) for n, _ in self.layout.meta]
         self._w.write_table(pa.Table.from_arrays(cols, schema=self.schema))
         self.rows += len(keys)
 
@@ -170,7 +173,7 @@ class ParquetReader(FormatReader):
         check_dim(self.dim, self.name)
         record_cols = ["vector"] + [f"slot.{n}" for n in (self.layout.slot_names
                                                          if self.layout else ())]
-        record_cols += [n for n, _ in META_FIELDS]
+        record_cols += [n for n, _ in (self.layout.meta if self.layout else META_FIELDS)]
         self._records = (self.layout is not None and self.layout.dim == self.dim
                          and self._vcol == "vector" and all(c in names for c in record_cols))
         if not self._records:
@@ -178,7 +181,7 @@ class ParquetReader(FormatReader):
         self._cols = [self._kcol] + (record_cols if self._records else [self._vcol])
         layout = self.layout if self._records else None  # (not None when _records)
         widths = self.dim + (sum(w for _, w in layout.slots) if layout is not None else 0)
-        self._row_bytes = 8 + 4 * widths + (8 * len(META_FIELDS) if self._records else 0)
+        self._row_bytes = 8 + 4 * widths + (8 * len(layout.meta) if layout is not None else 0)
 
     def _decoded_group_bytes(self) -> list[int]:
         """Decoded size of each row group, from the value counts of its column chunks (a
@@ -266,13 +269,18 @@ class ParquetReader(FormatReader):
             keys = _keys(kcol, self.key_kind)
             records = None
             if layout is not None:
-                records = layout.empty(m)
-                records["vector"] = vectors
+                wide = layout.wide.empty(m)
+                wide["vector"] = vectors
                 for j, (name, w) in enumerate(layout.slots):
-                    records[name] = _floats(batch.column(2 + j), m, w)
-                for j, (name, _) in enumerate(META_FIELDS):
+                    wide[name] = _floats(batch.column(2 + j), m, w)
+                for j, (name, _) in enumerate(layout.meta):
                     col = batch.column(2 + len(layout.slots) + j)
-                    records[name] = col.to_numpy(zero_copy_only=False)
+                    wide[name] = col.to_numpy(zero_copy_only=False)
+                if layout.is_wide:
+                    records = wide
+                else:
+                    records = layout.empty(m)
+                    layout.narrow_into(wide, records)
             yield Chunk(keys, vectors, rows, records, bad)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from .._cython.rowops import all_finite
 from .._keys import key_hash64, splitmix64
 from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
+from ..layout import Layout
 from ..progress import progress_bar
 from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
 from .formats import detect_format, open_reader, open_writer
@@ -165,6 +166,13 @@ def creation_options(reader: FormatReader, *, dim: int | None = None,
     for k in ("optimizer", "initializer", "seed"):
         if k in h:
             opts[k] = h[k]
+    layout = getattr(reader, "layout", None)
+    if isinstance(layout, Layout) and reader.header is not None:
+        # the storage the file's records were written in (16-bit, int8 serving, compact)
+        if layout.value_dtype != "float32":
+            opts["value_dtype"] = layout.value_dtype
+        if layout.is_compact:
+            opts["metadata"] = "compact"
     opts["dim"] = int(dim) if dim is not None else reader.dim
     opts["key_type"] = key_type or ("int64" if reader.key_kind == "int64" else "bytes")
     return opts
@@ -336,7 +344,7 @@ def _apply_deletions(store: Any, gone: np.ndarray) -> int:
 
 def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
                 since: int | None = None, batch_size: int = CHUNK_ROWS,
-                progress: bool = False) -> int:
+                progress: bool = False, quantize: str | None = None) -> int:
     """Write the store's rows (or those changed after ``since``) to ``dest`` in ``fmt``.
 
     The native format keeps everything (also deletions for ``since``); other formats keep
@@ -346,7 +354,10 @@ def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
     name = detect_format(dest, fmt, for_write=True)
     if name == "native":
         return store.export(dest, since=since, batch_size=batch_size, progress=progress,
-                            format="native")
+                            format="native", quantize=quantize)
+    if quantize is not None:
+        raise InvalidInputError(f"quantize={quantize!r} writes the native format (a serving "
+                                f"table a store imports), not {name}")
     meta = store.meta
     meta["since"] = since
     src = store.records(batch_size) if since is None else store.changes_since(since, batch_size)
@@ -413,7 +424,7 @@ def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
             return n
         n = 0
         for keys, recs in batches():
-            dst.assign(keys, np.ascontiguousarray(recs["vector"]))
+            dst.assign(keys, np.ascontiguousarray(src.layout.vectors(recs)))
             n += len(keys)
         return n
 
@@ -473,7 +484,7 @@ def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
             if len(keys) != len(recs) or recs.dtype != store.layout.dtype:
                 rep.problems.append("a batch of records does not match the layout")
                 continue
-            vec = recs["vector"]
+            vec = store.layout.vectors(recs)
             fin = np.isfinite(vec).all(axis=1)
             if not fin.all():
                 rep.bad += int(np.count_nonzero(~fin))

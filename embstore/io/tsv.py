@@ -111,7 +111,7 @@ class TsvWriter(FormatWriter):
         if len(keys) == 0:
             return
         names = text_keys(keys, self.key_type, "tsv", b"\t\n\r")
-        rows = format_vector_rows(np.ascontiguousarray(records["vector"]))
+        rows = format_vector_rows(np.ascontiguousarray(self.layout.vectors(records)))
         self._f.write("".join(f"{k}\t{r}\n" for k, r in zip(names, rows)).encode("utf-8"))
         self.rows += len(keys)
 

@@ -186,7 +186,7 @@ class Word2VecWriter(FormatWriter):
         if len(keys) == 0:
             return
         names = text_keys(keys, self.key_type, self.format, b" \n")
-        vectors = np.ascontiguousarray(records["vector"], dtype="<f4")
+        vectors = np.ascontiguousarray(self.layout.vectors(records), dtype="<f4")
         if self.binary:
             raw = vectors.tobytes()
             vb = 4 * self.layout.dim

@@ -20,6 +20,8 @@ class Optimizer:
     """
 
     name = "base"
+    #: storage dtype of the slots (``embstore.valuetypes``); the optimizer computes in float32
+    slot_dtype = "float32"
 
     def slots(self, dim: int) -> list[tuple[str, int]]:
         """``(name, width)`` of each float32 slot this optimizer keeps per key."""

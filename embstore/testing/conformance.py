@@ -10,8 +10,12 @@ returns a callable producing a *fresh, empty* store URL on each call::
             return lambda: f"lmdb://{tmp_path}/s{next(names)}"
 
 ``open_options`` (a class attribute) is passed to every ``embstore.open`` call, so layers reuse
-the suite: ``open_options = {"cache": "memory://"}``. Tests that need a capability the store
-lacks (persistence, scans) are skipped, never silently passed. ``StoreStateMachine`` checks a
+the suite: ``open_options = {"cache": "memory://"}``. ``layout_options`` does the same for the
+record layout (``{"value_dtype": "bfloat16"}``): the suite then expects values as that layout
+stores them (:meth:`StoreConformance.stored`, :attr:`StoreConformance.rtol`), and
+:data:`LAYOUT_MATRIX` lists the layouts a backend's test module runs the suite over
+(:class:`LayoutMatrix`). Tests that need a capability the store lacks (persistence, scans) are
+skipped, never silently passed. ``StoreStateMachine`` checks a
 store against a plain dict model with Hypothesis.
 """
 
@@ -35,7 +39,18 @@ from embstore.errors import (
     StoreClosedError,
 )
 
+from ..valuetypes import round_trip
 from .conformance_backend import DIM, BackendPrimitiveConformance
+
+#: layouts the suite runs over (``layout_options`` of a subclass), by a short test-id name
+LAYOUT_MATRIX: dict[str, dict[str, Any]] = {
+    "f16": {"value_dtype": "float16"},
+    "bf16": {"value_dtype": "bfloat16"},
+    "compact": {"metadata": "compact"},
+    "bf16-compact": {"value_dtype": "bfloat16", "metadata": "compact"},
+}
+#: relative tolerance of a value stored after one step: two units in the last place
+_RTOL = {"float32": 1e-6, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}
 
 
 def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -57,6 +72,7 @@ class StoreConformance(BackendPrimitiveConformance):
     """Shared behaviour tests; see the module docstring."""
 
     open_options: dict[str, Any] = {}
+    layout_options: dict[str, Any] = {}
 
     @pytest.fixture
     def url_factory(self):  # pragma: no cover - subclasses provide it
@@ -74,8 +90,21 @@ class StoreConformance(BackendPrimitiveConformance):
                 pass
 
     # -- helpers -----------------------------------------------------------------------------------
+    @property
+    def value_dtype(self) -> str:
+        return str(self.layout_options.get("value_dtype", "float32"))
+
+    @property
+    def rtol(self) -> float:
+        """Relative tolerance of a value computed by one update step."""
+        return _RTOL[self.value_dtype]
+
+    def stored(self, values: Any) -> np.ndarray:
+        """float32 ``values`` as the suite's layout stores (and reads back) them."""
+        return round_trip(np.asarray(values, dtype=np.float32), self.value_dtype)
+
     def open(self, url: str | None = None, **kw: Any) -> embstore.EmbeddingStore:
-        opts = {**self.open_options, **kw}
+        opts = {**self.layout_options, **self.open_options, **kw}
         if url is None:
             url = self.url_factory()
             opts.setdefault("dim", DIM)
@@ -143,7 +172,7 @@ class StoreConformance(BackendPrimitiveConformance):
         for i in range(0, len(keys), 4096):
             s.assign(keys[i:i + 4096], vals[i:i + 4096])
         assert len(s) == len(keys)
-        np.testing.assert_array_equal(s.lookup(keys, insert=False), vals)
+        np.testing.assert_array_equal(s.lookup(keys, insert=False), self.stored(vals))
 
     # -- update ------------------------------------------------------------------------------------
     def test_update_sums_duplicates_then_steps(self):
@@ -153,13 +182,15 @@ class StoreConformance(BackendPrimitiveConformance):
         g = np.arange(4 * DIM, dtype=np.float32).reshape(4, DIM) / 100
         s.update(keys, g)
         after = s.lookup([1, 2, 3])
-        np.testing.assert_allclose(after[0], before[0] - 0.5 * (g[0] + g[2]), rtol=1e-6)
-        np.testing.assert_allclose(after[1], before[1] - 0.5 * g[1], rtol=1e-6)
-        np.testing.assert_allclose(after[2], before[2] - 0.5 * g[3], rtol=1e-6)
+        tol = {"rtol": self.rtol, "atol": 1e-6}
+        np.testing.assert_allclose(after[0], before[0] - 0.5 * (g[0] + g[2]), **tol)
+        np.testing.assert_allclose(after[1], before[1] - 0.5 * g[1], **tol)
+        np.testing.assert_allclose(after[2], before[2] - 0.5 * g[3], **tol)
         recs, found = s.get_records([1, 2, 3])
         assert found.all()
-        assert recs["count"].tolist() == [2, 1, 1]
-        assert (recs["last_step"] == s.step).all() and s.step == 1
+        assert recs["count"].tolist() == [2, 1, 1] and s.step == 1
+        if "last_step" in s.layout.meta_names:  # a compact layout without expiry has none
+            assert (recs["last_step"] == s.step).all()
 
     def test_update_creates_unknown_keys(self):
         s = self.open(optimizer="sgd")
@@ -167,7 +198,7 @@ class StoreConformance(BackendPrimitiveConformance):
         s.update([10, 11], g)
         lr = s.optimizer.lr
         np.testing.assert_allclose(s.lookup([10, 11]), s.initial_vectors([10, 11]) - lr * g,
-                                   rtol=1e-6)
+                                   rtol=self.rtol, atol=1e-6)
 
     def test_update_of_known_and_new_keys_in_one_batch(self):
         # Known keys may be stepped where they are stored (Backend.update_rows), new ones go
@@ -182,12 +213,15 @@ class StoreConformance(BackendPrimitiveConformance):
                   9: s.initial_vectors([9])[0] - lr * g[4], 2: before[1]}
         keys = sorted(expect)
         np.testing.assert_allclose(s.lookup(keys, insert=False),
-                                   np.stack([expect[k] for k in keys]), rtol=1e-6)
+                                   np.stack([expect[k] for k in keys]), rtol=self.rtol,
+                                   atol=1e-6)
         recs, found = s.get_records(keys)
         assert found.all()
         assert dict(zip(keys, recs["count"].tolist())) == {1: 3, 2: 0, 3: 1, 7: 6, 9: 5}
         stepped = np.isin(keys, [1, 3, 7, 9])
-        assert (recs["last_step"][stepped] == 1).all() and recs["last_step"][~stepped][0] == 0
+        if "last_step" in s.layout.meta_names:
+            assert (recs["last_step"][stepped] == 1).all()
+            assert recs["last_step"][~stepped][0] == 0
         assert s.stats()["updates"] == 5 and s.stats()["inserts"] == 5
 
     def test_update_and_assign_side_effects_follow_modify(self):
@@ -204,7 +238,7 @@ class StoreConformance(BackendPrimitiveConformance):
         counts = idx.counts_of(np.array([1, 2, 3, 4], dtype=np.int64))
         recs, _ = s.get_records([1, 2, 3, 4])
         assert counts.tolist() == recs["count"].tolist() == [0, 1, 1, 0]
-        np.testing.assert_array_equal(recs["vector"][[0, 3]], 0.5)
+        np.testing.assert_array_equal(s.layout.vectors(recs)[[0, 3]], 0.5)
 
     def test_versions_increase_with_writes(self):
         s = self.open()
@@ -264,7 +298,7 @@ class StoreConformance(BackendPrimitiveConformance):
                 assert kk not in seen
                 seen[kk] = vv
         assert set(seen) == set(keys.tolist())
-        for kk, vv in zip(keys.tolist(), vals):
+        for kk, vv in zip(keys.tolist(), self.stored(vals)):
             np.testing.assert_array_equal(seen[kk], vv)
 
     # -- bad input ---------------------------------------------------------------------------------
@@ -457,25 +491,44 @@ class StoreConformance(BackendPrimitiveConformance):
         from hypothesis.stateful import run_state_machine_as_test
 
         run_state_machine_as_test(
-            make_state_machine(self.open),
+            make_state_machine(self.open, self.value_dtype),
             settings=settings(max_examples=12, stateful_step_count=15, deadline=None,
                               suppress_health_check=list(HealthCheck)),
         )
 
 
-def make_state_machine(open_store):
-    """A Hypothesis state machine comparing a store with a dict model (SGD, lr=0.5)."""
+class LayoutMatrix:
+    """Mix in before a :class:`StoreConformance` subclass to run its suite once per layout of
+    :data:`LAYOUT_MATRIX` (``class TestLmdbLayouts(LayoutMatrix, TestLmdbConformance)``)."""
+
+    layout_options: dict[str, Any]
+
+    @pytest.fixture(autouse=True, params=sorted(LAYOUT_MATRIX))
+    def _layout(self, request: Any) -> None:
+        self.layout_options = LAYOUT_MATRIX[request.param]
+
+
+def make_state_machine(open_store, value_dtype: str = "float32"):
+    """A Hypothesis state machine comparing a store with a dict model (SGD, lr=0.5).
+
+    With a 16-bit ``value_dtype`` the store rounds to nearest and so does the model, after
+    each step; values then agree within two units in the last place."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
     key_st = st.integers(min_value=-20, max_value=20)
     batch_st = st.lists(key_st, min_size=0, max_size=12)
     lr = 0.5
+    rtol = 1e-5 if value_dtype == "float32" else 2 * _RTOL[value_dtype]
+
+    def rounded(v: np.ndarray) -> np.ndarray:
+        return round_trip(np.asarray(v, dtype=np.float32), value_dtype).astype(np.float64)
 
     class StoreStateMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.store = open_store(optimizer=embstore.optim.SGD(lr=lr))
+            self.store = open_store(optimizer=embstore.optim.SGD(lr=lr),
+                                    stochastic_rounding=False)
             self.model: dict[int, np.ndarray] = {}
 
         def teardown(self) -> None:
@@ -488,7 +541,7 @@ def make_state_machine(open_store):
         def lookup(self, keys, insert):
             got = self.store.lookup(np.array(keys, dtype=np.int64), insert=insert)
             for k, v in zip(keys, got):
-                np.testing.assert_allclose(v, self._vec(k), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(v, self._vec(k), rtol=rtol, atol=1e-6)
             if insert:
                 for k in keys:
                     self.model.setdefault(k, self._vec(k))
@@ -501,14 +554,14 @@ def make_state_machine(open_store):
             for k, row in zip(keys, g.astype(np.float64)):
                 acc[k] = acc.get(k, 0) + row
             for k, total in acc.items():
-                self.model[k] = self._vec(k) - lr * total
+                self.model[k] = rounded(self._vec(k) - lr * total)
 
         @rule(keys=batch_st, value=st.floats(-3, 3, allow_nan=False))
         def assign(self, keys, value):
             vals = np.full((len(keys), DIM), value, np.float32)
             self.store.assign(np.array(keys, dtype=np.int64), vals)
             for k in keys:
-                self.model[k] = np.full(DIM, np.float32(value), np.float64)
+                self.model[k] = rounded(np.full(DIM, np.float32(value)))
 
         @rule(keys=batch_st)
         def delete(self, keys):
@@ -524,7 +577,7 @@ def make_state_machine(open_store):
                    for k, v in zip(ks.tolist(), vs)}
             assert set(got) == set(self.model)
             for k, v in got.items():
-                np.testing.assert_allclose(v, self.model[k], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(v, self.model[k], rtol=rtol, atol=1e-6)
 
         @invariant()
         def sizes_agree(self):

@@ -8,6 +8,7 @@ and layer runs them; they use its ``open`` helper.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import embstore
 
@@ -22,39 +23,43 @@ class BackendPrimitiveConformance:
         from embstore.backends.base import RowUpdate
 
         s = self.open()
+        if not s.layout.is_wide:
+            pytest.skip("16-bit rows are stepped through modify (no float32 field to add to)")
         s.lookup([4, 5, 6])
         backend = s.backend
         keys = np.array([4, 6, 8], dtype=np.int64)
         before, _ = backend.get(keys)
         x = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+        names = s.layout.meta_names
+        stamps = {f: v for f, v in {"last_step": 9, "last_seen": 1.5, "version": 77}.items()
+                  if f in names}
         found = backend.update_rows(keys, RowUpdate(
-            ("vector", -0.5, x), {"count": np.array([2, 3, 4])},
-            {"last_step": 9, "last_seen": 1.5, "version": 77}))
+            ("vector", -0.5, x), {"count": np.array([2, 3, 4])}, stamps))
         assert found.tolist() == [True, True, False]
         after, present = backend.get(keys)
         assert present.tolist() == [True, True, False]  # nothing created for key 8
         np.testing.assert_array_equal(after["vector"][:2],
                                       before["vector"][:2] + np.float32(-0.5) * x[:2])
         assert after["count"][:2].tolist() == [2, 3]
-        assert after["last_step"][:2].tolist() == [9, 9]
-        assert after["last_seen"][:2].tolist() == [1.5, 1.5]
-        assert after["version"][:2].tolist() == [77, 77]
+        for f, v in stamps.items():
+            assert after[f][:2].tolist() == [v, v]
         untouched, _ = backend.get(np.array([5], dtype=np.int64))
-        assert untouched["count"][0] == 0 and untouched["last_step"][0] == 0
+        assert untouched["count"][0] == 0 and untouched["version"][0] != 77
 
     def test_backend_insert_rows_fills_records_from_a_template(self):
         s = self.open(optimizer=embstore.optim.Adagrad(initial_accumulator_value=0.5))
         s.lookup([1])  # binds the layout; key 1 exists already
         template = s.layout.empty(1)
-        template["accum"], template["last_step"], template["version"] = 0.5, 3, 99
+        template["accum"], template["count"], template["version"] = 0.5, 3, 99
         keys = np.array([20, -7, 2**40], dtype=np.int64)
-        vecs = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+        # vectors reach a backend in the stored dtype
+        vecs = s.layout.encode_vectors(np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM))
         s.backend.insert_rows(keys, vecs, template)
         recs, found = s.backend.get(keys)
         assert found.all()
         np.testing.assert_array_equal(recs["vector"], vecs)
-        assert (recs["accum"] == 0.5).all() and recs["count"].tolist() == [0, 0, 0]
-        assert recs["last_step"].tolist() == [3, 3, 3] and recs["version"].tolist() == [99] * 3
+        assert (recs["accum"] == 0.5).all() and recs["count"].tolist() == [3, 3, 3]
+        assert recs["version"].tolist() == [99] * 3
         assert s.backend.get(np.array([1], dtype=np.int64))[1].all()
 
     def test_backend_modify_keeps_deletes_and_inserts(self):
@@ -71,7 +76,7 @@ class BackendPrimitiveConformance:
             # rows of missing keys arrive zeroed
             assert not recs[~found].tobytes().strip(b"\0")
             recs["count"] = [5, 6, 7, 8, 9]
-            recs["vector"][2] = 1.5
+            recs["vector"][2] = s.layout.encode_vectors(np.full((1, DIM), 1.5, np.float32))[0]
             return np.array([True, False, True, False, False])
 
         found = backend.modify(keys, fn)
@@ -82,7 +87,7 @@ class BackendPrimitiveConformance:
         assert present.tolist() == [True, False, True, False, False]
         assert recs["count"][[0, 2]].tolist() == [5, 7]
         np.testing.assert_array_equal(recs["vector"][0], before["vector"][0])
-        assert (recs["vector"][2] == 1.5).all()
+        assert (s.layout.vectors(recs)[2] == 1.5).all()
         assert len(backend) == 2
 
     def test_backend_modify_without_keep_writes_every_row(self):
@@ -91,7 +96,7 @@ class BackendPrimitiveConformance:
         backend = s.backend
 
         def fn(recs: np.ndarray, found: np.ndarray) -> None:
-            recs["count"] += np.arange(1, len(recs) + 1)
+            recs["count"] += np.arange(1, len(recs) + 1, dtype=recs["count"].dtype)
 
         found = backend.modify(np.array([5, 6, 4], dtype=np.int64), fn)
         assert found.tolist() == [True, False, True]

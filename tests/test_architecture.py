@@ -1,0 +1,48 @@
+"""The package's structure, measured with ``ast`` (``embstore.testing.architecture``)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from embstore.testing import architecture as arch
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "embstore" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return root
+
+
+def test_scanner_sees_a_cycle_through_a_function_level_import(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from . import b\n",
+        "b.py": "def f():\n    from .a import x\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+    })
+    modules = arch.load_modules(root)
+    assert arch.import_cycles(modules) == [["embstore.a", "embstore.b"]]
+    assert [(i.importer, i.target) for i in arch.function_level_imports(modules)] == [
+        ("embstore.b", "embstore.a")]
+
+
+def test_scanner_counts_private_reaches(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "_hidden.py": "def _f(): pass\n",
+        "pub/__init__.py": "",
+        "pub/m.py": """
+            from .._hidden import _f      # a private name of another module
+            class A:
+                def g(self, other):
+                    self._x = other._y    # other._y counts, self._x does not
+                    return super()._z, type(self)._w, other._replace()
+        """,
+    })
+    modules = arch.load_modules(root)
+    texts = sorted(r.text for r in arch.private_reaches(modules))
+    assert texts == ["from embstore._hidden import _f", "other._y"]
+    assert arch.top_level_private_modules(root) == ["_hidden"]

@@ -72,6 +72,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         return their initial vector without inserting.
     """
 
+    #: not a collective: each process uses its store on its own (see ``StoreProtocol``)
+    collective: bool = False
+
     def __init__(
         self,
         backend: Backend,

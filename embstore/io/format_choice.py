@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from ..errors import InvalidInputError
-from .formats import _EXTENSIONS, FORMATS, detect_format, format_name
+from .formats import EXTENSIONS, FORMATS, detect_format, format_name
 
 
 def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
@@ -53,7 +53,7 @@ def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
     except InvalidInputError:
         raise InvalidInputError(
             f"cannot tell the export format of {path!r} from its suffix {suffix!r}; known "
-            f"suffixes: {', '.join(sorted(_EXTENSIONS))}; or pass format= "
+            f"suffixes: {', '.join(sorted(EXTENSIONS))}; or pass format= "
             f"({', '.join(FORMATS)})") from None
 
 

@@ -32,7 +32,7 @@ from .native import MAGIC, NativeReader, NativeWriter
 FORMATS = ("native", "parquet", "npz", "npy", "word2vec", "word2vec-binary", "tsv")
 _ALIASES = {"w2v": "word2vec", "word2vec-text": "word2vec", "w2v-binary": "word2vec-binary",
             "word2vec-bin": "word2vec-binary", "emb": "native", "pq": "parquet"}
-_EXTENSIONS = {
+EXTENSIONS = {
     ".emb": "native", ".embstore": "native", ".parquet": "parquet", ".pq": "parquet",
     ".npz": "npz", ".npy": "npy", ".txt": "word2vec", ".vec": "word2vec", ".w2v": "word2vec",
     ".bin": "word2vec-binary", ".tsv": "tsv",
@@ -51,7 +51,7 @@ def _by_extension(path: str) -> str | None:
     p = path.rstrip("/\\")
     if path.endswith(("/", os.sep)):
         return "npy"
-    return _EXTENSIONS.get(os.path.splitext(p)[1].lower())
+    return EXTENSIONS.get(os.path.splitext(p)[1].lower())
 
 
 def detect_format(path: str | os.PathLike, fmt: str | None = None, *,

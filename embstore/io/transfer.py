@@ -138,8 +138,8 @@ class NewStore:
         self.key_type = self.options.get("key_type", "int64")
         self.layout = Layout(self.dim, tuple(opt.slots(self.dim)))
 
-    def _check_writable(self) -> None:
-        pass
+    def check_writable(self) -> None:
+        """A store still to be created accepts writes."""
 
     def open(self) -> Any:
         from ..api import open as _open
@@ -207,7 +207,7 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
     -------
     ImportReport
     """
-    store._check_writable()
+    store.check_writable()
     with open_reader(src, fmt) as reader:
         check_compatible(reader, store, project)
         report = ImportReport(format=reader.format)

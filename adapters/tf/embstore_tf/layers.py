@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from embstore import StoreProtocol
 from embstore.errors import ReadOnlyError
 
 from .ops import dynamic_embedding_lookup
@@ -65,7 +66,8 @@ class DynamicEmbedding(keras.layers.Layer):
 
     supports_jit = False
 
-    def __init__(self, store: Any, *, trainable: bool | None = None, **kwargs: Any) -> None:
+    def __init__(self, store: StoreProtocol, *, trainable: bool | None = None,
+                 **kwargs: Any) -> None:
         if trainable and store.read_only:
             raise ReadOnlyError(f"{store.url} is open read-only; use trainable=False to serve")
         trainable = (not store.read_only) if trainable is None else bool(trainable)
@@ -119,7 +121,7 @@ class DynamicEmbedding(keras.layers.Layer):
                 self.store.import_(rows)
 
 
-def store_spec(store: Any) -> dict[str, Any]:
+def store_spec(store: StoreProtocol) -> dict[str, Any]:
     """What a saved layer records to reopen (or rebuild) ``store``: JSON only.
 
     Reopen options that are not plain JSON values (gRPC interceptors, credentials) are left

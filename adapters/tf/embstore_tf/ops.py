@@ -17,15 +17,16 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from embstore._keys import factorize_keys
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError, KeyTypeError
+from embstore.keys import factorize_keys
 
 __all__ = ["dynamic_embedding_lookup", "sampled_logits", "trigger_variable"]
 
 _TRIGGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def trigger_variable(store: Any) -> tf.Variable:
+def trigger_variable(store: StoreProtocol) -> tf.Variable:
     """The default trigger variable of ``store`` (one per store object).
 
     Include it among the sources of ``tape.gradient`` so the store receives its update.
@@ -38,7 +39,7 @@ def trigger_variable(store: Any) -> tf.Variable:
     return var
 
 
-def _key_tensor(keys: Any, store: Any) -> tf.Tensor:
+def _key_tensor(keys: Any, store: StoreProtocol) -> tf.Tensor:
     keys = tf.convert_to_tensor(keys)
     if store.key_type == "bytes":
         if keys.dtype != tf.string:
@@ -49,7 +50,7 @@ def _key_tensor(keys: Any, store: Any) -> tf.Tensor:
     return tf.cast(keys, tf.int64)
 
 
-def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
+def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: StoreProtocol, trigger: Any,
                 insert: bool, trainable: bool, vectors: tf.Tensor | None = None) -> tf.Tensor:
     """Vectors of distinct keys ``uniq`` as ``(n, dim)``; the gradient goes to the store.
 
@@ -85,7 +86,7 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
     return rows(tf.convert_to_tensor(trig))
 
 
-def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool):
+def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool):
     """Dedupe the keys and read their rows in one ``numpy_function`` call: each such call
     costs ~0.1 ms of TF/Python hand-over, and numpy's sort-based unique is cheaper than TF's
     ``unique_with_counts`` plus the argsort that sorts its output. int64 keys come out sorted,
@@ -109,7 +110,7 @@ def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool):
             tf.ensure_shape(counts, [None]), vectors)
 
 
-def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
+def dynamic_embedding_lookup(keys: Any, store: StoreProtocol, *, trigger: Any = None,
                              trainable: bool | None = None, insert: bool = True,
                              name: str | None = None) -> tf.Tensor:
     """Look up ``keys`` (any shape) in ``store``; return ``(*keys.shape, dim)`` float32.
@@ -137,8 +138,9 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))
 
 
-def sampled_logits(hidden: Any, labels: Any, store: Any, num_sampled: int, sampler: Any = None,
-                   *, subtract_log_q: bool = True, unique: bool = True, trigger: Any = None,
+def sampled_logits(hidden: Any, labels: Any, store: StoreProtocol, num_sampled: int,
+                   sampler: Any = None, *, subtract_log_q: bool = True, unique: bool = True,
+                   trigger: Any = None,
                    trainable: bool | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Sampled-softmax logits over the batch's labels merged with sampled negatives.
 

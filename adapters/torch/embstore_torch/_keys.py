@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from embstore._keys import factorize_keys, normalize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
+from embstore.keys import factorize_keys, normalize_keys
 
 _STR = (str, bytes)
 
@@ -142,7 +142,7 @@ def factorize(flat: Sequence) -> tuple[Any, np.ndarray]:
     """Distinct values in first-seen order and the index of each element among them.
 
     str/bytes keys (a list or object array) are hashed and compared in compiled code
-    (:func:`embstore._keys.factorize_keys`); a str and its UTF-8 bytes are one key, as they
+    (:func:`embstore.keys.factorize_keys`); a str and its UTF-8 bytes are one key, as they
     are in the store.
     """
     first, inverse = factorize_keys(flat)

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embstore._keys import normalize_keys
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
+from embstore.keys import normalize_keys
 
 from ._keys import KeyBatch, _int_batch, factorize
 from .jagged import PooledFeatures, as_keyed_jagged
@@ -33,7 +34,7 @@ _MODES = ("sum", "mean", "max")
 class _Table(_StoreModule):
     """One table of the collection: its store, lookup, padding key and checkpoint entry."""
 
-    def __init__(self, store: Any, trainable: bool | None, count: bool,
+    def __init__(self, store: StoreProtocol, trainable: bool | None, count: bool,
                  padding_key: Any) -> None:
         super().__init__(store, trainable, count, padding_key)
 

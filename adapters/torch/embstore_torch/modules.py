@@ -13,7 +13,6 @@ torch optimizer keeps driving the dense parameters as usual.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embstore._keys import normalize_keys
+from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
+from embstore.keys import normalize_keys
 
 from . import _compiled
 from ._checkpoint import restore_store, store_state
@@ -48,7 +48,7 @@ class _Sink:
 
     __slots__ = ("store", "keys", "counts", "applied", "skip")
 
-    def __init__(self, store: Any, keys: Any, counts: np.ndarray | None,
+    def __init__(self, store: StoreProtocol, keys: Any, counts: np.ndarray | None,
                  skip: int | None = None) -> None:
         self.store, self.keys, self.counts, self.applied = store, keys, counts, 0
         self.skip = skip  # row of the padding key: read as zeros, its gradient is dropped
@@ -160,14 +160,7 @@ class _StoreBag(torch.autograd.Function):
         return None, psw_grad, None, None, None, None, None, None
 
 
-def _supports_counts(store: Any) -> bool:
-    try:
-        return "counts" in inspect.signature(store.update).parameters
-    except (TypeError, ValueError):  # pragma: no cover - exotic store objects
-        return False
-
-
-def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = True,
+def store_rows(store: StoreProtocol, keys: Any, *, insert: bool = True, trainable: bool = True,
                counts: np.ndarray | None = None) -> torch.Tensor:
     """Vectors of distinct ``keys`` as a ``(n, dim)`` float32 tensor wired to ``store.update``.
 
@@ -196,13 +189,13 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
     return _StoreRows.apply(trigger, vectors, _Sink(store, keys, counts))
 
 
-def _collective(store: Any) -> bool:
+def _collective(store: StoreProtocol) -> bool:
     """Whether every rank must call ``store`` in step (``embstore_torch.distributed.store``): an
     empty batch then still looks up, and its backward still updates, with no keys."""
-    return bool(getattr(store, "collective", False))
+    return bool(store.collective)
 
 
-def _padding_key(store: Any, padding_key: Any, padding_idx: Any) -> Any:
+def _padding_key(store: StoreProtocol, padding_key: Any, padding_idx: Any) -> Any:
     """The padding key in the store's key form (int, or bytes), or None."""
     if padding_idx is not None:
         if padding_key is not None:
@@ -218,7 +211,7 @@ class _StoreModule(nn.Module):
     #: store (url, dim, key type, step) for tables too large to snapshot per checkpoint.
     checkpoint_rows: bool = True
 
-    def __init__(self, store: Any, trainable: bool | None, count: bool = True,
+    def __init__(self, store: StoreProtocol, trainable: bool | None, count: bool = True,
                  padding_key: Any = None) -> None:
         super().__init__()
         if trainable and store.read_only:
@@ -231,7 +224,6 @@ class _StoreModule(nn.Module):
         self.embedding_dim = int(store.dim)
         self.count = bool(count)
         self.padding_key = padding_key
-        self._counts = _supports_counts(store)
         # Moves with module.to(device): outputs are placed where the rest of the model lives.
         self.register_buffer("_anchor", torch.empty(0), persistent=False)
         # Under torch.compile the store call is a custom op (see _compiled.py): the handle names
@@ -292,12 +284,10 @@ class _StoreModule(nn.Module):
         return vectors, keys, pad
 
     def _sink(self, batch: KeyBatch, keys: Any, pad: int | None) -> _Sink:
-        counts = None
-        if self._counts:
-            counts = (batch.group()[2] if self.count
-                      else np.zeros(len(batch.uniq), dtype=np.int64))
-            if pad is not None:
-                counts = np.delete(counts, pad)
+        counts = (batch.group()[2] if self.count
+                  else np.zeros(len(batch.uniq), dtype=np.int64))
+        if pad is not None:
+            counts = np.delete(counts, pad)
         return _Sink(self.store, keys, counts, pad)
 
     def _drop_padding(self, batch: KeyBatch, offs: torch.Tensor, size: int,
@@ -382,7 +372,7 @@ class DynamicEmbedding(_StoreModule):
       ``torch.jit.trace`` raises :class:`TracingUnsupportedError`.
     """
 
-    def __init__(self, store: Any, *, trainable: bool | None = None, count: bool = True,
+    def __init__(self, store: StoreProtocol, *, trainable: bool | None = None, count: bool = True,
                  padding_key: Any = None, padding_idx: Any = None) -> None:
         super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx))
 
@@ -426,7 +416,7 @@ class DynamicEmbeddingBag(_StoreModule):
     of lists of keys (ragged bags); it returns ``(n_bags, dim)``.
     """
 
-    def __init__(self, store: Any, mode: str = "sum", *, trainable: bool | None = None,
+    def __init__(self, store: StoreProtocol, mode: str = "sum", *, trainable: bool | None = None,
                  count: bool = True, padding_key: Any = None, padding_idx: Any = None) -> None:
         if mode not in ("sum", "mean", "max"):
             raise InvalidInputError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")

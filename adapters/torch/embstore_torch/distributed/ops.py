@@ -112,7 +112,7 @@ class CollectiveOps:
         :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
         rank's queries).
         """
-        from embstore.retrieval import TopKResult, _queries
+        from embstore.retrieval import TopKResult, check_queries
 
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise InvalidInputError(f"k must be a positive int, got {k!r}")
@@ -120,7 +120,7 @@ class CollectiveOps:
                 exclude[0], (list, tuple, np.ndarray)):
             raise InvalidInputError("distributed top_k takes one exclude key array for all "
                                     "queries, not one per query")
-        q = _queries(self.local, queries)
+        q = check_queries(self.local, queries)
         ex = self.local.normalize_keys([] if exclude is None else exclude)
         self._sync_shared()
         # every rank's queries and exclusions, to every shard
@@ -182,9 +182,9 @@ class CollectiveOps:
         key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
         """
         from embstore.sampling.candidate import (
-            _positives,
             check_num_sampled,
             expected_count,
+            group_positives,
             merge_candidates,
             sampling_index,
         )
@@ -197,7 +197,7 @@ class CollectiveOps:
             )
         sampler = resolve_sampler(sampler)
         m = check_num_sampled(num_sampled)
-        batch, positives = _positives(self.local, positive_keys, offsets)
+        batch, positives = group_positives(self.local, positive_keys, offsets)
         flat_pos = (np.concatenate(positives) if len(positives) > 1
                     else positives[0] if positives else self.local.normalize_keys([]))
         idx = sampling_index(self.local)

@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from embstore import errors as _errors
-from embstore.engine.batch import check_counts, coalesce, sum_counts
+from embstore.engine.batch import check_counts, check_rows, coalesce, sum_counts, unique_last
 from embstore.errors import SchemaMismatchError
 from embstore.layers.sharded import sharded_url
+from embstore.layout import Layout
 
 from .comm import CollectiveError, CollectiveMismatchError, Comm, RankFailureError
 from .ops import CollectiveOps
@@ -94,6 +95,8 @@ class DistributedStore(CollectiveOps):
 
     #: every rank calls each method in step; the torch modules call it for empty batches too
     collective = True
+    read_only: bool
+    layout: Layout
 
     def __init__(self, comm: Comm, url: str, dim: int | None, *, average: bool,
                  options: dict[str, Any]) -> None:
@@ -351,7 +354,7 @@ class DistributedStore(CollectiveOps):
         """
         self.local.check_writable()
         k = self._keys(keys)
-        g = self.local._rows(grads, len(k), "gradients")
+        g = check_rows(grads, len(k), self.dim, "gradients")
         c = (np.ones(len(k), np.int64) if counts is None else check_counts(counts, len(k)))
         uniq, summed, _ = coalesce(k, g) if len(k) else (k, g, c)
         mult = sum_counts(k, uniq, c) if len(k) else c
@@ -471,6 +474,61 @@ class DistributedStore(CollectiveOps):
         out["step"] = self.step
         out["rank"], out["world_size"] = self.rank, self.world_size
         return out
+
+    # -- the rest of the store protocol --------------------------------------------------------
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer every rank's store applies (the same on every rank)."""
+        return self.local.optimizer
+
+    def check_writable(self) -> None:
+        """Raise unless this rank's store accepts writes (open, not read-only)."""
+        self.local.check_writable()
+
+    def assign(self, keys: Any, values: Any) -> None:
+        """Collective: set vectors directly on the keys' owners (the last value of a key
+        repeated in one rank's batch wins; keys sent by several ranks: the highest rank's)."""
+        self.local.check_writable()
+        k = self._keys(keys)
+        v = check_rows(values, len(k), self.dim, "values")
+        if len(k):
+            k, last = unique_last(k)
+            v = v[last]
+        w, me = self.world_size, self.rank
+        order, bounds = route(k, w)
+        parts = [(pack_keys(k[order[bounds[d]:bounds[d + 1]]]),
+                  np.ascontiguousarray(v[order[bounds[d]:bounds[d + 1]]])) for d in range(w)]
+        items_in, nbytes_in, _ = self.comm.begin("assign", np.diff(bounds),
+                                                 [sum(a.nbytes for a in p) for p in parts])
+        got = self.comm.exchange(parts, nbytes_in, "assign")
+        ks, vs = [], []
+        for s in range(w):  # in rank order: a later rank's value of a shared key wins
+            n = int(items_in[s])
+            if n:
+                kk, used = unpack_keys(got[s], n, self.key_type)
+                ks.append(kk)
+                vs.append(split_rows(got[s][used:], np.dtype(np.float32), (self.dim,)))
+        if ks:
+            try:
+                self.local.assign(np.concatenate(ks), np.concatenate(vs))
+            except Exception as e:
+                self.comm.abort(f"rank {me}'s assign failed: {e}")
+                raise
+
+    def delete(self, keys: Any) -> int:
+        """Collective: delete keys on their owners; returns how many of this rank's keys
+        were present."""
+        self.local.check_writable()
+
+        def answer(asked: list[np.ndarray], _: Any) -> list[np.ndarray]:
+            found = [self.local.contains(a) if len(a) else np.zeros(0, bool) for a in asked]
+            gone = [a[f] for a, f in zip(asked, found) if f.any()]
+            if gone:
+                self.local.delete(np.concatenate(gone))
+            return found
+
+        uniq, _ = dedupe(self._keys(keys))
+        return int(self._ask_owners("delete", uniq, 0, answer, np.bool_, ()).sum())
 
     def __reduce__(self):
         import pickle

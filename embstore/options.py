@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .errors import InvalidInputError
+from .layers.sharded import ShardedBackend, parse_sharded_url
+from .registry import backend_class, scheme_of
 
 _NOT_OPTIONS = frozenset({"self", "url", "read_only", "shards"})
 
@@ -67,17 +69,11 @@ def check_backend_options(url: str, options: dict[str, Any], shards: Any = None,
     ``also_known``: the engine and layer option names, offered as suggestions too (a
     misspelt engine option lands here).
     """
-    from .registry import backend_class, scheme_of
-
     if not options:
         return
     if shards is None and scheme_of(url) == "sharded":
-        from .layers.sharded import parse_sharded_url
-
         shards = parse_sharded_url(url)
     if shards is not None and not isinstance(shards, str):
-        from .layers.sharded import ShardedBackend
-
         found_sets = [accepted_options(backend_class(s)) for s in shards if isinstance(s, str)]
         sets = [s for s in found_sets if s is not None]
         if not sets or len(sets) < len(found_sets):

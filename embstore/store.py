@@ -12,7 +12,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -32,18 +32,19 @@ from .engine.batch import (
 )
 from .engine.history import HistoryAPI
 from .engine.metadata_merge import mark_meta_synced, sync_meta
+from .engine.pickling import pickle_args, reopen_pickled
 from .engine.protocols import StoreObserver
 from .engine.records import RecordWrites
+from .engine.row_count import measure_rows, measure_size
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
+from .engine.services import transfers
 from .errors import BackendError, InvalidInputError, StoreNotFoundError
 from .layout import Layout
+from .policies import AdmissionPolicy
 from .policies.runtime import PolicyRuntime
 from .urls import redact_url
-
-if TYPE_CHECKING:
-    from .engine.unpickled import UnopenedStore
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
@@ -194,8 +195,6 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     @admission.setter
     def admission(self, policy: Any) -> None:
-        from .policies import AdmissionPolicy
-
         if policy is not None and not isinstance(policy, AdmissionPolicy):
             raise InvalidInputError(f"not an admission policy: {policy!r}")
         self._policy.admission = policy
@@ -405,14 +404,12 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
         """Write every record (or those changed after ``since``) to ``dest``; return the rows
         written. The format is ``format`` or, as in the CLI, the file name's (no suffix or a
-        file object: native; an unknown suffix is refused; see ``embstore.io.format_choice``).
+        file object: native; an unknown suffix is refused; see ``embstore.transfer.format_choice``).
         Only the native format keeps whole records and a delta's deletions. A path is written
         atomically."""
-        from .io.format_choice import export_to
-
         self._check_open()
-        return export_to(self, dest, format, since=since, batch_size=batch_size,
-                         progress=progress)
+        return transfers().export(self, dest, format, since=since, batch_size=batch_size,
+                                  progress=progress)
 
     def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False,
@@ -423,12 +420,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         ranges: ``docs/cli.md``, "Import limits") before the first row is written
         (``partial=True`` keeps rows before damage); a full export listing deleted keys is
         refused unless ``apply_deletes=True`` (a delta's deletions always apply). Other
-        formats go through ``embstore.io.transfer.import_file``."""
-        from .io.format_choice import import_from
-
+        formats go through ``embstore.transfer.import_file``."""
         self._check_writable()
-        return import_from(self, src, format, partial=partial, progress=progress,
-                           apply_deletes=apply_deletes)
+        return transfers().import_(self, src, format, partial=partial, progress=progress,
+                                   apply_deletes=apply_deletes)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
@@ -438,10 +433,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         store's version (and, from ``header``, step and policy state) moves forward to cover
         the rows.
         """
-        from .engine.transfer import load_records
-
         self._check_writable()
-        return load_records(self, batches, header=header)
+        return transfers().load_records(self, batches, header=header)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self, *, count_rows: bool | None = None) -> dict[str, Any]:
@@ -450,8 +443,6 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         ``count_rows=True`` (a scan on Bigtable, RocksDB, SQL; ``False``: never; see
         ``embstore.engine.row_count``). A counted ``rows`` of an unreachable remote is None, with
         ``backend_error``."""
-        from .engine.row_count import measure_rows, measure_size
-
         self._check_open()
         out: dict[str, Any] = dict(self._stats)
         measure_rows(self._backend, count_rows, out)
@@ -500,21 +491,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             )
         # Reopens read-only unless a writer is asked for (embstore.writable_unpickling): a
         # silent second writer would overwrite the stored step/version from its stale copy.
-        from .engine.pickling import pickle_args, reopen_pickled
-
         # the real URL, password included
         return (reopen_pickled,
                 pickle_args(self._backend.url, dict(self._reopen_options), self.read_only))
 
-
-def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore:
-    from .engine.opening import open_backend, split_options
-    from .engine.unpickled import UnopenedStore
-
-    try:
-        engine, read_only, layer, backend_options = split_options(options)
-        backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
-        return EmbeddingStore(backend, read_only=read_only,
-                              reopen_options=dict(backend.reopen_options()), **engine)
-    except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
-        return UnopenedStore(url, e)

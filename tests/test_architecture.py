@@ -46,3 +46,30 @@ def test_scanner_counts_private_reaches(tmp_path):
     texts = sorted(r.text for r in arch.private_reaches(modules))
     assert texts == ["from embstore._hidden import _f", "other._y"]
     assert arch.top_level_private_modules(root) == ["_hidden"]
+
+
+def test_no_import_cycles_among_the_packages_modules():
+    modules = arch.load_modules()
+    assert arch.import_cycles(modules) == []
+
+
+def test_function_level_imports_only_defer_a_heavy_dependency_and_say_so():
+    # the line above each one says why it is deferred ("# deferred: <dependency> ...")
+    found = arch.function_level_imports(arch.load_modules())
+    unexplained = [f"{i.importer}:{i.lineno}" for i in found
+                   if not i.comment.startswith("# deferred:")]
+    assert unexplained == []
+    assert len(found) <= 4
+
+
+def test_codecs_know_no_store_and_the_engine_imports_no_layer_above_it():
+    imports = arch.imports(arch.load_modules())
+    above_engine = ("embstore.api", "embstore.transfer", "embstore.cli", "embstore_torch",
+                    "embstore_tf")
+    for imp in imports:
+        if imp.importer.startswith("embstore.io.") and imp.importer != "embstore.io.transfer":
+            assert not imp.target.startswith(("embstore.store", "embstore.engine",
+                                              "embstore.transfer", "embstore.api")), imp
+        if imp.importer.startswith(("embstore.store", "embstore.engine", "embstore.backends",
+                                    "embstore.layers", "embstore._cython")):
+            assert not imp.target.startswith(above_engine), imp

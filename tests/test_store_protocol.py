@@ -43,7 +43,7 @@ def test_unopened_stand_in_satisfies_the_protocol_and_raises_on_use():
 
 
 def test_store_to_create_satisfies_the_description():
-    from embstore.io.transfer import NewStore
+    from embstore.transfer import NewStore
 
     target = NewStore("memory://", {"dim": 4})
     assert conformance_problems(StoreInfo, target) == []

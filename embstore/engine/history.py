@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..errors import InvalidInputError
+from ..policies.expiry import Expiry
 from .protocols import PolicyHost
 from .seams import StoreSeams
 
@@ -41,8 +42,6 @@ class HistoryAPI(StoreSeams):
         is more than ``ttl_steps`` updates behind the store's step. ``now`` (default: the
         current wall time) is the reference for ``ttl_seconds``. Scans the table.
         """
-        from ..policies.expiry import Expiry
-
         self._check_writable()
         if ttl_seconds is None and ttl_steps is None:
             if self._policy.expiry is None:

@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 from ..backends.base import Backend
+from ..layers import LAYER_OPTIONS, build_backend
 from ..registry import backend_class
 
 #: options of the engine (``EmbeddingStore``) rather than of the backend or a layer
@@ -35,7 +36,6 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], bool, dict[s
         options["cache_eviction"] = options.pop("eviction")
     engine = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
     read_only = bool(options.pop("read_only", False))
-    from ..layers import LAYER_OPTIONS
 
     layer = {k: options.pop(k) for k in LAYER_OPTIONS if k in options}
     return engine, read_only, layer, options
@@ -45,7 +45,5 @@ def open_backend(url: str, *, read_only: bool, layer: dict[str, Any],
                  options: dict[str, Any]) -> Backend:
     """The backend of ``url`` with the requested layers around it."""
     if layer:
-        from ..layers import build_backend
-
         return build_backend(url, read_only=read_only, layer=layer, options=options)
     return backend_class(url)(url, read_only=read_only, **options)

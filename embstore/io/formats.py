@@ -28,6 +28,9 @@ from ..errors import CorruptFileError, InvalidInputError
 from .base import CHUNK_ROWS, Chunk, FormatReader, FormatWriter
 from .limits import check_input_path
 from .native import MAGIC, NativeReader, NativeWriter
+from .npz import NpzReader, NpzWriter
+from .tsv import TsvReader, TsvWriter
+from .word2vec import Word2VecReader, Word2VecWriter
 
 FORMATS = ("native", "parquet", "npz", "npy", "word2vec", "word2vec-binary", "tsv")
 _ALIASES = {"w2v": "word2vec", "word2vec-text": "word2vec", "w2v-binary": "word2vec-binary",
@@ -158,19 +161,14 @@ def open_reader(path: str | os.PathLike | BinaryIO | bytes | FormatReader,
     if name == "native":
         return NativeFormatReader(path)
     if name in ("word2vec", "word2vec-binary"):
-        from .word2vec import Word2VecReader
-
         return Word2VecReader(path, binary=name == "word2vec-binary")
     if name in ("npz", "npy"):
-        from .npz import NpzReader
-
         return NpzReader(path)
     if name == "parquet":
+        # deferred: pyarrow (heavy, optional) loads only when a Parquet file is read
         from .parquet import ParquetReader
 
         return ParquetReader(path)
-    from .tsv import TsvReader
-
     return TsvReader(path, dim=dim)
 
 
@@ -185,17 +183,12 @@ def open_writer(dest: str | os.PathLike, meta: dict[str, Any],
     if name == "native":
         return NativeFormatWriter(dest, meta)
     if name in ("word2vec", "word2vec-binary"):
-        from .word2vec import Word2VecWriter
-
         return Word2VecWriter(dest, meta, binary=name == "word2vec-binary")
     if name in ("npz", "npy"):
-        from .npz import NpzWriter
-
         return NpzWriter(dest, meta, npy=name == "npy")
     if name == "parquet":
+        # deferred: pyarrow (heavy, optional) loads only when a Parquet file is written
         from .parquet import ParquetWriter
 
         return ParquetWriter(dest, meta)
-    from .tsv import TsvWriter
-
     return TsvWriter(dest, meta)

@@ -31,6 +31,7 @@ from ..backends.base import Backend
 from ..engine.row_count import count_is_cheap
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from ..layout import Layout
+from ..registry import backend_class
 
 SCHEME = "sharded"
 #: the ``format`` recorded in each shard's metadata (the engine's is ``"embstore"``)
@@ -92,7 +93,6 @@ class ShardedBackend(Backend):
                 elif isinstance(s, str):
                     if s.lower().startswith(f"{SCHEME}://"):
                         raise InvalidURLError("a shard cannot itself be a sharded:// URL")
-                    from ..registry import backend_class
 
                     opened.append(backend_class(s)(s, read_only=read_only, **options))
                 else:

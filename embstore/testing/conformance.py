@@ -34,6 +34,7 @@ from embstore.errors import (
     SchemaMismatchError,
     StoreClosedError,
 )
+from embstore.sampling import sampling_index
 
 from .conformance_backend import DIM, BackendPrimitiveConformance
 
@@ -198,7 +199,6 @@ class StoreConformance(BackendPrimitiveConformance):
         s.assign([4, 1], np.full((2, DIM), 0.5, dtype=np.float32))
         st = s.stats(count_rows=True)
         assert st["inserts"] == 4 and st["assigns"] == 2 and st["rows"] == 4
-        from embstore.sampling import sampling_index
 
         idx = sampling_index(s)
         counts = idx.counts_of(np.array([1, 2, 3, 4], dtype=np.int64))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import embstore
+from embstore.backends.base import RowUpdate
 
 DIM = 8
 
@@ -19,8 +20,6 @@ class BackendPrimitiveConformance:
     :class:`~embstore.testing.conformance.StoreConformance`)."""
 
     def test_backend_row_update_changes_found_rows_only(self):
-        from embstore.backends.base import RowUpdate
-
         s = self.open()
         s.lookup([4, 5, 6])
         backend = s.backend

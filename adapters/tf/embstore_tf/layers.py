@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+import embstore
 from embstore import StoreProtocol
 from embstore.errors import ReadOnlyError
 
@@ -148,8 +149,6 @@ def store_spec(store: StoreProtocol) -> dict[str, Any]:
 
 def open_store(spec: Mapping[str, Any], layer_name: str | None = None) -> Any:
     """Open the store a saved layer names (see :func:`load_model` for the rules)."""
-    import embstore
-
     writable, stores, opened = _LOADING.get()
     url = spec["url"]
     for name in (layer_name, url):

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+import embstore
 from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError, SchemaMismatchError
 
@@ -64,8 +65,6 @@ def restore_store(store: StoreProtocol, state: Any, where: str = "") -> None:
 
 
 def _verify(store: StoreProtocol, rows: bytes, what: str) -> None:
-    import embstore
-
     with embstore.open("memory://", dim=store.dim, key_type=store.key_type,
                        optimizer=store.optimizer) as probe:
         try:

@@ -47,6 +47,7 @@ from . import connection as _sql_conn
 from . import modify as _sql_modify
 from . import ops as _sql_ops
 from . import schema as _sql_schema
+from .bulk import bulk_load
 from .rows import align_rows
 from .url import DEFAULT_TABLE as DEFAULT_TABLE
 from .url import parse_store_url as _parse  # tests split URLs through this name
@@ -389,8 +390,6 @@ class SQLBackend(Backend):
         part-way, the rows before the failure are committed and the error is re-raised (as
         ``put`` per batch would have left them).
         """
-        from .bulk import bulk_load
-
         return bulk_load(self, batches)
 
     @_wrap_errors

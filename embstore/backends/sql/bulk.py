@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..._cython.cuckoo import CuckooTable
 from . import ops as _sql_ops
 
 _EMPTY = 0xFFFFFFFF
@@ -61,8 +62,6 @@ def bulk_load(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
 
 
 def _pg_copy(backend, ops, next_batch):
-    from ..._cython.cuckoo import CuckooTable
-
     seen = CuckooTable(1 << 16)
     n = 0
     pending = None

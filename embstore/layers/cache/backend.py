@@ -46,6 +46,7 @@ from ...errors import BackendError, InvalidInputError, StoreClosedError
 from ...layout import Layout
 from ...log import event
 from ...policies.eviction import eviction_policy
+from ...registry import backend_class
 from ..wrapper import WrapperBackend
 from .lease import WriterLease
 from .prefetch import PrefetchMixin
@@ -66,7 +67,6 @@ _COUNTERS = ("cache_hits", "cache_misses", "remote_reads", "remote_read_calls",
 def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Backend:
     if isinstance(target, Backend):
         return target
-    from ...registry import backend_class
 
     return backend_class(target)(target, read_only=read_only, **options)
 

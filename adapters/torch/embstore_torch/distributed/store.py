@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from embstore import errors as _errors
-from embstore.engine.batch import check_counts, check_rows, coalesce, sum_counts, unique_last
+from embstore.engine.batch import check_counts, check_rows, coalesce, sum_counts
 from embstore.errors import SchemaMismatchError
 from embstore.layers.sharded import sharded_url
 from embstore.layout import Layout
+from embstore.store import EmbeddingStore
 
 from .comm import CollectiveError, CollectiveMismatchError, Comm, RankFailureError
 from .ops import CollectiveOps
@@ -158,8 +159,6 @@ class DistributedStore(CollectiveOps):
     def _open_engine(self, backend: Any, engine: dict[str, Any], dim: int | None,
                      agree: bool = True) -> BaseException | None:
         """The engine over this rank's backend; its error is agreed on (or returned)."""
-        from embstore.store import EmbeddingStore
-
         err = None
         try:
             self.local = EmbeddingStore(backend, dim=dim, **engine)
@@ -484,51 +483,6 @@ class DistributedStore(CollectiveOps):
     def check_writable(self) -> None:
         """Raise unless this rank's store accepts writes (open, not read-only)."""
         self.local.check_writable()
-
-    def assign(self, keys: Any, values: Any) -> None:
-        """Collective: set vectors directly on the keys' owners (the last value of a key
-        repeated in one rank's batch wins; keys sent by several ranks: the highest rank's)."""
-        self.local.check_writable()
-        k = self._keys(keys)
-        v = check_rows(values, len(k), self.dim, "values")
-        if len(k):
-            k, last = unique_last(k)
-            v = v[last]
-        w, me = self.world_size, self.rank
-        order, bounds = route(k, w)
-        parts = [(pack_keys(k[order[bounds[d]:bounds[d + 1]]]),
-                  np.ascontiguousarray(v[order[bounds[d]:bounds[d + 1]]])) for d in range(w)]
-        items_in, nbytes_in, _ = self.comm.begin("assign", np.diff(bounds),
-                                                 [sum(a.nbytes for a in p) for p in parts])
-        got = self.comm.exchange(parts, nbytes_in, "assign")
-        ks, vs = [], []
-        for s in range(w):  # in rank order: a later rank's value of a shared key wins
-            n = int(items_in[s])
-            if n:
-                kk, used = unpack_keys(got[s], n, self.key_type)
-                ks.append(kk)
-                vs.append(split_rows(got[s][used:], np.dtype(np.float32), (self.dim,)))
-        if ks:
-            try:
-                self.local.assign(np.concatenate(ks), np.concatenate(vs))
-            except Exception as e:
-                self.comm.abort(f"rank {me}'s assign failed: {e}")
-                raise
-
-    def delete(self, keys: Any) -> int:
-        """Collective: delete keys on their owners; returns how many of this rank's keys
-        were present."""
-        self.local.check_writable()
-
-        def answer(asked: list[np.ndarray], _: Any) -> list[np.ndarray]:
-            found = [self.local.contains(a) if len(a) else np.zeros(0, bool) for a in asked]
-            gone = [a[f] for a, f in zip(asked, found) if f.any()]
-            if gone:
-                self.local.delete(np.concatenate(gone))
-            return found
-
-        uniq, _ = dedupe(self._keys(keys))
-        return int(self._ask_owners("delete", uniq, 0, answer, np.bool_, ()).sum())
 
     def __reduce__(self):
         import pickle

@@ -3,7 +3,7 @@
 Kept apart from ``store.py`` because none of it is on a training hot path; the engine's
 ``export``/``import_``/``load_records`` methods validate state and delegate here. Imports of
 every format, the native one included, run through one pipeline,
-:func:`embstore.io.transfer.import_file` (check the whole file, then write).
+:func:`embstore.transfer.import_file` (check the whole file, then write).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from ..engine.batch import distinct, unique_last
 from ..errors import SchemaMismatchError
 from ..io.formats import NativeFormatReader
 from ..io.native import NativeWriter
 from ..policies.tombstones import encode_keys
 from ..progress import progress_bar
-from .batch import distinct, unique_last
+from . import pipeline
 
 if TYPE_CHECKING:
     from ..store import EmbeddingStore
@@ -52,9 +53,7 @@ def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
 def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | bytes, *,
                   partial: bool, progress: bool, apply_deletes: bool = False) -> int:
     """``store.import_``: the native file must hold exactly this store's records; it then
-    goes through the one import pipeline (:func:`embstore.io.transfer.import_file`)."""
-    from ..io import transfer
-
+    goes through the one import pipeline (:func:`embstore.transfer.import_file`)."""
     with NativeFormatReader(src) as reader:
         if reader.key_kind != store.key_type:
             raise SchemaMismatchError(
@@ -64,8 +63,9 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             raise SchemaMismatchError(
                 f"file layout {reader.layout} differs from the store's {store.layout}"
             )
-        report = transfer.import_file(store, reader, partial=partial, progress=progress,
-                                      cache_bytes=transfer.DEFAULT_CACHE_BYTES,
+        # read at call time: the cache size is a module setting (tests shrink it)
+        report = pipeline.import_file(store, reader, partial=partial, progress=progress,
+                                      cache_bytes=pipeline.DEFAULT_CACHE_BYTES,
                                       apply_deletes=apply_deletes)
         return report.rows
 

@@ -31,7 +31,7 @@ from .engine.batch import (
     unique_last,
 )
 from .engine.history import HistoryAPI
-from .engine.metadata_merge import mark_meta_synced, sync_meta
+from .engine.metadata_merge import MetadataSync
 from .engine.pickling import pickle_args, reopen_pickled
 from .engine.protocols import StoreObserver
 from .engine.records import RecordWrites
@@ -99,6 +99,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         # admission, expiry, capacity eviction, tombstones (``embstore.policies``)
         self._policy = PolicyRuntime(admission, expiry, capacity, eviction)
+        #: the metadata as last synced with the backend (merged on flush/close)
+        self._meta_sync = MetadataSync(backend, self._policy)
         #: told about every row write and delete (sampling index, dense top-k copy): see
         #: ``add_observer`` and ``embstore.engine.protocols.StoreObserver``
         self._observers: list[StoreObserver] = []
@@ -130,12 +132,12 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._backend.bind(self.layout, self.key_type)
             self._policy.restore({}, self.key_type, 0, created=True)
             self._backend.write_meta(self._meta())
-            mark_meta_synced(self)
+            self._meta_sync.mark(self.step)
             return
         self._check_meta(meta, dim, key_type, initializer, optimizer, seed)
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
-        mark_meta_synced(self)
+        self._meta_sync.mark(self.step)
 
     def _check_meta(self, meta: dict[str, Any], dim: int | None, key_type: str | None,
                     initializer: _init.Initializer | None, optimizer: _optim.Optimizer | None,
@@ -150,6 +152,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self.step = int(meta.get("step", 0))
         self._version = int(meta.get("version", 0))
         self._extra_meta = dict(meta.get("extra", {}))
+
+    def _sync_meta(self) -> None:
+        # Updates made by other threads while the merge ran stay on top of the merged step.
+        step_now = self.step
+        step, version = self._meta_sync.write(step_now, self._meta())
+        self.step = step + (self.step - step_now)
+        self._version = max(self._version, version)
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -434,7 +443,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         the rows.
         """
         self._check_writable()
-        return transfers().load_records(self, batches, header=header)
+        return self._bulk_load(batches, header)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self, *, count_rows: bool | None = None) -> dict[str, Any]:
@@ -461,7 +470,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Persist metadata (step, version) and make acknowledged writes durable."""
         self._check_open()
         if not self.read_only:
-            sync_meta(self)
+            self._sync_meta()
             self._backend.flush()
 
     def close(self) -> None:
@@ -470,7 +479,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             return
         try:
             if not self.read_only:
-                sync_meta(self)
+                self._sync_meta()
                 self._backend.flush()
         finally:
             self._closed = True

@@ -73,3 +73,10 @@ def test_codecs_know_no_store_and_the_engine_imports_no_layer_above_it():
         if imp.importer.startswith(("embstore.store", "embstore.engine", "embstore.backends",
                                     "embstore.layers", "embstore._cython")):
             assert not imp.target.startswith(above_engine), imp
+
+
+def test_private_name_reaches_stay_at_most_three_per_thousand_lines():
+    modules = arch.load_modules()
+    reaches = arch.private_reaches(modules)
+    per_kloc = 1000.0 * len(reaches) / arch.nonblank_lines(modules)
+    assert per_kloc <= 3.0, "\n".join(f"{r.module}:{r.lineno} {r.text}" for r in reaches)

@@ -10,9 +10,13 @@ them. The row-update fast path in ``EmbeddingStore.update`` tells observers itse
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from ..errors import SchemaMismatchError
+from .batch import distinct, unique_last
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -40,6 +44,8 @@ class RecordWrites:
     _stats: dict[str, int]
     _policy: PolicyRuntime
     _observers: list[StoreObserver]
+
+    normalize_keys: Callable[[Any], np.ndarray]  # StoreSeams'
 
     def _next_version(self) -> int:
         # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep
@@ -200,3 +206,36 @@ class RecordWrites:
         recs["last_seen"] = time.time()
         recs["last_step"] = self.step
         recs["version"] = self._next_version()
+
+    def _bulk_load(self, batches: Iterable[tuple[Any, np.ndarray]],
+                   header: dict[str, Any] | None) -> int:
+        """``load_records``: whole records written around the engine's write path, then the
+        version clock, step and policy state moved forward to cover them."""
+        top = [self._version]
+
+        def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for keys, recs in batches:
+                keys = self.normalize_keys(keys)
+                if len(keys) == 0:
+                    continue
+                if getattr(recs, "dtype", None) != self.layout.dtype or len(recs) != len(keys):
+                    raise SchemaMismatchError(
+                        f"records do not match the store layout {self.layout}")
+                top[0] = max(top[0], int(recs["version"].max()))
+                if not distinct(keys):
+                    uniq, last = unique_last(keys)
+                    keys, recs = uniq, recs[last]
+                yield keys, recs
+
+        n = self._backend.bulk_load(clean())
+        for obs in self._observers:  # bulk loads bypass the engine's writes: indexes resync
+            obs.on_bulk_load()
+        self._version = max(self._version, top[0])
+        policy = self._policy
+        if header:
+            self.step = max(self.step, int(header.get("step", 0)))
+            policy.load_from_header(header.get("extra") or {})
+        if policy.eviction is not None:
+            policy.resync_rows(self)  # type: ignore[arg-type]  # the store is the host
+            policy.maybe_evict(self)  # type: ignore[arg-type]
+        return n

@@ -2,7 +2,7 @@
 
 The dependency rule is that modules import downwards only: ``embstore.transfer`` (import,
 export, copy) and ``embstore.api`` (opening, reopening) sit above the store and use it. Three
-things still run the other way: ``EmbeddingStore.export`` / ``import_`` / ``load_records`` go
+things still run the other way: ``EmbeddingStore.export`` / ``import_`` go
 through the transfer pipeline, a pickled store reopens through ``embstore.api``, and an import
 that creates its target store opens it through ``embstore.api``. Those layers install
 themselves here when imported (``import embstore`` imports both), so the engine and the
@@ -12,14 +12,12 @@ transfers depend on the declared protocols below, never on the modules that impl
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from ..errors import EmbstoreError
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ..store import EmbeddingStore
 
 __all__ = ["Transfers", "install", "opener", "reopener", "transfers"]
@@ -38,12 +36,6 @@ class Transfers(Protocol):
                 fmt: str | None, *, partial: bool, progress: bool,
                 apply_deletes: bool) -> int:
         """``store.import_``: check the whole file, then write it; return rows imported."""
-        ...
-
-    def load_records(self, store: EmbeddingStore,
-                     batches: Iterable[tuple[Any, np.ndarray]], *,
-                     header: dict[str, Any] | None) -> int:
-        """``store.load_records``: bulk-write whole records of the store's layout."""
         ...
 
 

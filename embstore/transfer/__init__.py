@@ -3,7 +3,7 @@
 This package sits above both the store (:mod:`embstore.store`) and the file codecs
 (:mod:`embstore.io`, which know no store). It creates stores only through the opener
 :mod:`embstore.api` hands it (:func:`embstore.engine.services.opener`), and it gives the
-store its ``export`` / ``import_`` / ``load_records`` through
+store its ``export`` / ``import_`` through
 :mod:`embstore.engine.services` when imported (``import embstore`` imports it).
 
 >>> import embstore
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import services
 from .format_choice import export_to, file_format, import_from
-from .native import export_native, import_native, load_records
+from .native import export_native, import_native
 from .pipeline import (
     DEFAULT_CACHE_BYTES,
     ImportReport,
@@ -47,7 +47,6 @@ __all__ = [
     "file_format",
     "import_file",
     "import_native",
-    "load_records",
     "row_digests",
     "verify_file",
     "verify_store",
@@ -67,10 +66,6 @@ class _StoreTransfers:
                 progress: bool, apply_deletes: bool) -> int:
         return import_from(store, src, fmt, partial=partial, progress=progress,
                            apply_deletes=apply_deletes)
-
-    def load_records(self, store: EmbeddingStore, batches: Any, *,
-                     header: dict[str, Any] | None) -> int:
-        return load_records(store, batches, header=header)
 
 
 services.install(transfers=_StoreTransfers())

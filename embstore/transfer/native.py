@@ -1,7 +1,7 @@
-"""Whole-table transfer for the engine: native export, native import, bulk record loads.
+"""Native export and import of a store.
 
 Kept apart from ``store.py`` because none of it is on a training hot path; the engine's
-``export``/``import_``/``load_records`` methods validate state and delegate here. Imports of
+``export``/``import_`` methods validate state and delegate here. Imports of
 every format, the native one included, run through one pipeline,
 :func:`embstore.transfer.import_file` (check the whole file, then write).
 """
@@ -9,12 +9,8 @@ every format, the native one included, run through one pipeline,
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-import numpy as np
-
-from ..engine.batch import distinct, unique_last
 from ..errors import SchemaMismatchError
 from ..io.formats import NativeFormatReader
 from ..io.native import NativeWriter
@@ -68,35 +64,3 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
                                       cache_bytes=pipeline.DEFAULT_CACHE_BYTES,
                                       apply_deletes=apply_deletes)
         return report.rows
-
-
-def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]], *,
-                 header: dict[str, Any] | None = None) -> int:
-    top = [store._version]
-
-    def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for keys, recs in batches:
-            keys = store.normalize_keys(keys)
-            if len(keys) == 0:
-                continue
-            if getattr(recs, "dtype", None) != store.layout.dtype or len(recs) != len(keys):
-                raise SchemaMismatchError(
-                    f"records do not match the store layout {store.layout}")
-            top[0] = max(top[0], int(recs["version"].max()))
-            if not distinct(keys):
-                uniq, last = unique_last(keys)
-                keys, recs = uniq, recs[last]
-            yield keys, recs
-
-    n = store.backend.bulk_load(clean())
-    for obs in store.observers:  # bulk loads bypass the engine's writes: let indexes resync
-        obs.on_bulk_load()
-    store._version = max(store._version, top[0])
-    policy = store._policy
-    if header:
-        store.step = max(store.step, int(header.get("step", 0)))
-        policy.load_from_header(header.get("extra") or {})
-    if policy.eviction is not None:
-        policy.resync_rows(store)
-        policy.maybe_evict(store)
-    return n

@@ -12,10 +12,9 @@ from typing import Any
 
 from . import transfer  # noqa: F401 - installs the store's export/import (engine.services)
 from .engine import services
-from .engine.opening import ENGINE_OPTIONS, open_backend, split_options
+from .engine.opening import ENGINE_OPTIONS, check_backend_options, open_backend, split_options
 from .engine.unpickled import UnopenedStore
 from .layers import LAYER_OPTIONS
-from .options import check_backend_options
 from .store import EmbeddingStore
 
 

@@ -16,7 +16,6 @@ record as one opaque binary value.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +110,3 @@ class Layout:
             raise SchemaMismatchError(f"expected {n} records, got {len(arr)}")
         return arr
 
-
-def make_layout(dim: int, slots: Sequence[tuple[str, int]] = ()) -> Layout:
-    return Layout(dim, tuple(slots))

@@ -11,9 +11,9 @@ would lose the other writers' share. The engine therefore writes metadata throug
   value, so its own later stamps and Adam's bias correction follow the global count);
 - ``version``: the maximum (a hybrid clock: every writer's stamps are monotonic);
 - ``updates_since_expire``: stored plus this writer's delta;
-- the tombstone log: the union of both logs (same bound as before);
-- everything else (layout, optimizer, policy configuration, admission state) is this writer's,
-  as before: admission sketches are per-writer approximations and the layout is checked on open.
+- the tombstone log: the union of both logs (under the log's own bound);
+- everything else (layout, optimizer, policy configuration, admission state) is this writer's:
+  admission sketches are per-writer approximations and the layout is checked on open.
 """
 
 from __future__ import annotations

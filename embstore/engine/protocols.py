@@ -1,5 +1,5 @@
 """Declared seams of the engine: what a store is, observers of writes, and the views of a
-store its helpers get.
+store its helpers get (so none of them reads the store's private state).
 
 :class:`StoreProtocol` is the store surface the adapters, the CLI and the transfers program
 against; :class:`~embstore.EmbeddingStore`, the distributed store of ``embstore_torch`` and the

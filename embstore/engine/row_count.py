@@ -22,28 +22,14 @@ from ..backends.base import Backend
 from ..errors import BackendError
 
 
-def count_is_cheap(backend: Any) -> bool:
-    """True when ``len(backend)`` reads no rows."""
-    return _declared(backend, "cheap_len", False)
+def count_is_cheap(backend: Backend) -> bool:
+    """True when ``len(backend)`` reads no rows (:attr:`Backend.cheap_len`)."""
+    return bool(backend.cheap_len)
 
 
-def size_is_cheap(backend: Any) -> bool:
-    """True when ``backend.size_bytes()`` reads no rows."""
-    return _declared(backend, "cheap_size", True)
-
-
-def _declared(backend: Any, flag: str, default: bool) -> bool:
-    declared = getattr(backend, flag, None)
-    if declared is not None:
-        return bool(declared)
-    shards = getattr(backend, "shards", None)
-    if isinstance(shards, (list, tuple)) and shards:
-        return all(_declared(s, flag, default) for s in shards)
-    for name in ("remote", "inner"):  # a cache layer's remote, a WrapperBackend's inner
-        wrapped = getattr(backend, name, None)
-        if isinstance(wrapped, Backend) and wrapped is not backend:
-            return _declared(wrapped, flag, default)
-    return default
+def size_is_cheap(backend: Backend) -> bool:
+    """True when ``backend.size_bytes()`` reads no rows (:attr:`Backend.cheap_size`)."""
+    return bool(backend.cheap_size)
 
 
 def measure_rows(backend: Backend, count_rows: bool | None, out: dict[str, Any]) -> None:

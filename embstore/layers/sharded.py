@@ -276,6 +276,23 @@ class ShardedBackend(Backend):
             present[pos] = f
         return present
 
+    # -- capabilities: those of every shard --------------------------------------------------------
+    @property
+    def cheap_len(self) -> bool:  # type: ignore[override]
+        """Every shard counts its rows without reading them."""
+        return all(b.cheap_len for b in self.shards)
+
+    @property
+    def cheap_size(self) -> bool:  # type: ignore[override]
+        """Every shard tells its size without reading rows."""
+        return all(b.cheap_size for b in self.shards)
+
+    @property
+    def max_key_bytes(self) -> int | None:  # type: ignore[override]
+        """The shortest key limit of the shards (None: no limit)."""
+        limits = [b.max_key_bytes for b in self.shards if b.max_key_bytes is not None]
+        return min(limits) if limits else None
+
     def __len__(self) -> int:
         return int(sum(self._map(lambda i: len(self.shards[i]), range(self.n))))
 

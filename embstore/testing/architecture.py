@@ -133,9 +133,19 @@ def imports(modules: dict[str, Module]) -> list[Import]:
                     targets.append(sub if sub in modules else base)
             src = lines_of.setdefault(mod.name, mod.path.read_text(encoding="utf-8").splitlines())
             above = src[node.lineno - 2].strip() if node.lineno >= 2 else ""
-            for target in dict.fromkeys(targets):
+            resolved = []
+            for target in targets:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
+                # importing a.b.c runs a/b/__init__ first: the packages on the way count too
+                # (those holding the importer itself are already being imported)
+                parts = target.split(".")
+                for i in range(1, len(parts)):
+                    package = ".".join(parts[:i])
+                    if package in modules and not _inside(mod.name, package):
+                        resolved.append(package)
+                resolved.append(target)
+            for target in dict.fromkeys(resolved):
                 if target and target != mod.name:
                     found.append(Import(mod.name, target, node.lineno, in_function, above))
     return found

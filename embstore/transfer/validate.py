@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from ..backends.base import Backend
 from ..engine.protocols import StoreInfo
 from ..errors import CorruptFileError, EmbstoreError, InvalidInputError
 from ..io.limits import check_count, check_header, check_key_lengths, check_stamps, max_key_bytes
@@ -125,7 +126,9 @@ def target_key_limit(store: StoreInfo) -> tuple[int | None, str]:
     limits = []
     for u in urls:
         try:
-            limit = getattr(backend_class(u), "max_key_bytes", None)
+            cls = backend_class(u)
+            # a class attribute here; a property (SQL: per dialect) tells nothing before open
+            limit = cls.max_key_bytes if issubclass(cls, Backend) else None
         except EmbstoreError:
             continue
         if isinstance(limit, int):

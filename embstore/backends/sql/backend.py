@@ -130,7 +130,7 @@ class SQLBackend(Backend):
             raise
 
     @property
-    def max_key_bytes(self) -> int | None:
+    def max_key_bytes(self) -> int | None:  # type: ignore[override]
         """Longest bytes key: PostgreSQL's B-tree index rows hold at most 2704 bytes (2684
         of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
         return {"postgresql": 2680, "mysql": 767}.get(self.sql.dialect_name)
@@ -372,7 +372,7 @@ class SQLBackend(Backend):
                 self.sql.ops.conn.execute("SELECT txid_current()")
 
     @property
-    def cheap_size(self) -> bool:
+    def cheap_size(self) -> bool:  # type: ignore[override]
         # SQLite measures a table with dbstat, which reads every page (see embstore/_rowcount.py)
         return self.sql.dialect_name != "sqlite"
 

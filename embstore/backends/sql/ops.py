@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import SchemaMismatchError
 
-# SQLite and portable Core statements live in their own modules; importable from here as before
+# SQLite and portable Core statements live in their own modules; importable from here too
 from .core import CoreOps as CoreOps
 from .rows import PagedReads, keys_array, split_blobs
 from .sqlite import SQLiteOps as SQLiteOps

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ...backends.base import Backend, ModifyFn, RowUpdate
+from ...backends.base import Backend, ModifyFn, RowUpdate, SlotAddressed
 from ...backends.memory import MemoryBackend
 from ...errors import BackendError, InvalidInputError, StoreClosedError
 from ...layout import Layout
@@ -111,6 +111,13 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     # update_rows works on the cached rows, see below).
     supports_lookup_insert = False
 
+    @property
+    def max_key_bytes(self) -> int | None:  # type: ignore[override]
+        """The shorter key limit of the remote and the local store (None: no limit)."""
+        limits = [b.max_key_bytes for b in (self.remote, self.local)
+                  if b.max_key_bytes is not None]
+        return min(limits) if limits else None
+
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
                  capacity: int = 100_000, write_policy: str = "back", eviction: str = "lfu",
                  write_behind: bool | None = None, flush_batch: int = 16384,
@@ -141,8 +148,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self._lease = (WriterLease(self.remote, writer_keys, lease_seconds)
                        if self.persistent and not self.read_only else None)
         # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
-        self._index: MemoryBackend = (self.local if isinstance(self.local, MemoryBackend)
-                                      else MemoryBackend("memory://"))
+        # (a Backend that is SlotAddressed: a slot-addressed local store doubles as it)
+        self._index: Any = (self.local if self.local.supports_slots
+                            and isinstance(self.local, SlotAddressed)
+                            else MemoryBackend("memory://"))
         self._rows_in_index = self._index is self.local
         self._lock = threading.RLock()          # guards every piece of cache state
         concurrent = self.remote.thread_safe

@@ -7,7 +7,6 @@ and then work on clean arrays; no Python loop runs over keys on a hot path.
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import time
@@ -35,7 +34,7 @@ from .engine.metadata_merge import MetadataSync
 from .engine.pickling import pickle_args, reopen_pickled
 from .engine.protocols import StoreObserver
 from .engine.records import RecordWrites
-from .engine.row_count import measure_rows, measure_size
+from .engine.row_count import store_stats
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
@@ -453,18 +452,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         ``embstore.engine.row_count``). A counted ``rows`` of an unreachable remote is None, with
         ``backend_error``."""
         self._check_open()
-        out: dict[str, Any] = dict(self._stats)
-        measure_rows(self._backend, count_rows, out)
-        looked = out["lookups"]
-        out["hit_rate"] = out["hits"] / looked if looked else math.nan
-        out["step"] = self.step
-        out["version"] = self._version
-        out.update(self._policy.counters)
-        out.update(self._backend.stats())
-        for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
-            out.update(obs.stats())
-        measure_size(self._backend, count_rows, out)
-        return out
+        return store_stats(self._backend, self._stats, count_rows, step=self.step,
+                           version=self._version, policy=self._policy.counters,
+                           observers=self._observers)
 
     def flush(self) -> None:
         """Persist metadata (step, version) and make acknowledged writes durable."""

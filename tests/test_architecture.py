@@ -80,3 +80,8 @@ def test_private_name_reaches_stay_at_most_three_per_thousand_lines():
     reaches = arch.private_reaches(modules)
     per_kloc = 1000.0 * len(reaches) / arch.nonblank_lines(modules)
     assert per_kloc <= 3.0, "\n".join(f"{r.module}:{r.lineno} {r.text}" for r in reaches)
+
+
+def test_modules_stay_small():
+    too_long = arch.longest_modules(arch.load_modules(), 530)
+    assert too_long == []

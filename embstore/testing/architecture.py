@@ -315,7 +315,8 @@ def report(root: Path | None = None) -> str:
         f"modules: {len(modules)}  non-blank lines: {lines}",
         f"import cycles: {len(cycles)} (modules in them: {sum(len(c) for c in cycles)})",
         *(f"  cycle: {' '.join(c)}" for c in cycles),
-        f"function-level internal imports: {len(function_level_imports(modules))}",
+        "function-level internal import statements: "
+        f"{len({(i.importer, i.lineno) for i in function_level_imports(modules)})}",
         f"private reaches: {len(reaches)}  per 1k lines: {1000.0 * len(reaches) / lines:.2f}",
         f"top-level private modules in embstore/: {top_level_private_modules(root)}",
         f"modules over 500 lines: {longest_modules(modules, 500)}",

@@ -44,7 +44,7 @@ import numpy as np
 import embstore
 from embstore.cli import main as cli
 from embstore.io.native import NativeReader
-from embstore.io.transfer import export_file, import_file
+from embstore.transfer import export_file, import_file
 
 DIM = 64
 

@@ -13,6 +13,7 @@ from ._version import __version__
 from .api import open
 from .backends.base import Backend
 from .engine.pickling import writable_unpickling
+from .engine.protocols import StoreInfo, StoreProtocol
 from .layout import Layout
 from .log import set_metrics_hook
 from .registry import known_schemes, register_backend
@@ -21,6 +22,8 @@ from .store import EmbeddingStore
 __all__ = [
     "open",
     "EmbeddingStore",
+    "StoreProtocol",
+    "StoreInfo",
     "Backend",
     "Layout",
     "register_backend",

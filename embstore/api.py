@@ -1,11 +1,20 @@
-"""``embstore.open``: URL -> backend -> engine."""
+"""Opening and reopening stores, in one place: ``embstore.open`` (URL -> backend -> engine)
+and :func:`reopen` (what a pickled store comes back through).
+
+Importing this module hands the lower layers what they need from it (see
+:mod:`embstore.engine.services`): the transfers get :func:`open` to create a store, a pickled
+store gets :func:`reopen`.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .engine.opening import ENGINE_OPTIONS, open_backend, split_options
-from .options import check_backend_options
+from . import transfer  # noqa: F401 - installs the store's export/import (engine.services)
+from .engine import services
+from .engine.opening import ENGINE_OPTIONS, check_backend_options, open_backend, split_options
+from .engine.unpickled import UnopenedStore
+from .layers import LAYER_OPTIONS
 from .store import EmbeddingStore
 
 
@@ -36,11 +45,27 @@ def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  #
         Also a context manager that closes the store.
     """
     engine, read_only, layer, backend_options = split_options(options)
-    from .layers import LAYER_OPTIONS
-
     # a misspelt option must raise, never be dropped (see embstore/options.py)
     check_backend_options(url, backend_options, layer.get("shards"),
                           also_known=(*ENGINE_OPTIONS, "read_only", *LAYER_OPTIONS))
     backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
     reopen = dict(backend.reopen_options())
     return EmbeddingStore(backend, dim=dim, read_only=read_only, reopen_options=reopen, **engine)
+
+
+def reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore:
+    """Reopen an existing store from its URL and reopen options (a pickled store).
+
+    Never raises: a store that fails to reopen becomes an :class:`UnopenedStore` that raises
+    the error on first use (see :mod:`embstore.engine.unpickled` for why).
+    """
+    try:
+        engine, read_only, layer, backend_options = split_options(options)
+        backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
+        return EmbeddingStore(backend, read_only=read_only,
+                              reopen_options=dict(backend.reopen_options()), **engine)
+    except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
+        return UnopenedStore(url, e)
+
+
+services.install(opener=open, reopener=reopen)

@@ -19,7 +19,19 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from .api import open as open_store
 from .errors import EmbstoreError, InvalidInputError
+from .io.formats import FORMATS, open_reader
+from .transfer import (
+    DEFAULT_CACHE_BYTES,
+    NewStore,
+    copy_store,
+    creation_options,
+    export_file,
+    import_file,
+    verify_file,
+    verify_store,
+)
 from .urls import redact_text
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -54,17 +66,13 @@ def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
 
 
 def _open_ro(url: str, opts: dict[str, Any]):
-    import embstore
-
-    return embstore.open(url, read_only=True, **opts)
+    return open_store(url, read_only=True, **opts)
 
 
 def _open_or_none(url: str, opts: dict[str, Any]):
     """Open an existing store for writing, or return None when there is none yet."""
-    import embstore
-
     try:
-        return embstore.open(url, **opts)
+        return open_store(url, **opts)
     except InvalidInputError as e:
         if "dim is required" in str(e):
             return None
@@ -168,8 +176,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .io.transfer import export_file
-
     with _open_ro(args.url, _options(args.option)) as store:
         n = export_file(store, args.dest, fmt=args.format, since=args.since,
                         batch_size=args.batch_size, progress=not args.quiet,
@@ -179,9 +185,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .io.formats import open_reader
-    from .io.transfer import DEFAULT_CACHE_BYTES, NewStore, creation_options, import_file
-
     opts = _options(args.option)
     store = _open_or_none(args.url, opts)
     try:
@@ -222,10 +225,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    import embstore
-
-    from .io.transfer import copy_store
-
     opts = _options(args.option)
     with _open_ro(args.src, _options(args.src_option) or opts) as src:
         dst_url = args.dst
@@ -234,11 +233,11 @@ def cmd_copy(args: argparse.Namespace) -> int:
             layer = {"shards": shard_urls(args.dst, args.shards)}
             dst_url = "sharded://"
         try:
-            dst = embstore.open(dst_url, **layer, **opts)
+            dst = open_store(dst_url, **layer, **opts)
         except InvalidInputError as e:
             if "dim is required" not in str(e):
                 raise
-            dst = embstore.open(dst_url, dim=src.dim, key_type=src.key_type,
+            dst = open_store(dst_url, dim=src.dim, key_type=src.key_type,
                                 optimizer=src.optimizer.config(),
                                 initializer=src.initializer.config(), seed=src.seed,
                                 **layer, **opts)
@@ -250,8 +249,6 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .io.transfer import verify_file, verify_store
-
     if "://" in args.target:
         with _open_ro(args.target, _options(args.option)) as store:
             rep = verify_store(store, batch_size=args.batch_size, progress=not args.quiet)
@@ -310,8 +307,6 @@ def _note(args: argparse.Namespace, msg: str) -> None:
 
 # -- parser ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from .io.formats import FORMATS
-
     p = argparse.ArgumentParser(
         prog="embstore",
         description="Inspect, import, export, copy and verify embstore tables offline.",

@@ -17,7 +17,8 @@ import numpy as np
 
 from ._keys import BYTES_KEY_HASH, factorize_keys, key_hash64, normalize_keys
 
-__all__ = ["BYTES_KEY_HASH", "factorize", "hash64", "normalize"]
+__all__ = ["BYTES_KEY_HASH", "factorize", "factorize_keys", "hash64", "key_hash64", "normalize",
+           "normalize_keys"]
 
 
 def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:

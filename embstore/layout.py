@@ -23,7 +23,6 @@ slots, the form the optimizers compute on.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,8 +254,3 @@ class Layout:
             raise SchemaMismatchError(f"expected {n} records, got {len(arr)}")
         return arr
 
-
-def make_layout(dim: int, slots: Sequence[tuple[str, int]] = (), value_dtype: str = "float32",
-                slot_dtype: str = "float32",
-                meta: Sequence[tuple[str, str]] = META_FIELDS) -> Layout:
-    return Layout(dim, tuple(slots), value_dtype, slot_dtype, tuple(meta))

@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .errors import InvalidInputError
+
 MetricsHook = Callable[[str, dict[str, Any]], None]
 
 _hook: MetricsHook | None = None
@@ -34,8 +36,6 @@ def set_metrics_hook(hook: MetricsHook | None) -> MetricsHook | None:
     """
     global _hook
     if hook is not None and not callable(hook):
-        from .errors import InvalidInputError
-
         raise InvalidInputError(f"the metrics hook must be callable, got {hook!r}")
     previous, _hook = _hook, hook
     return previous

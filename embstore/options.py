@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
+from .backends.base import Backend
 from .errors import InvalidInputError
 
 _NOT_OPTIONS = frozenset({"self", "url", "read_only", "shards"})
@@ -24,7 +25,7 @@ _NOT_OPTIONS = frozenset({"self", "url", "read_only", "shards"})
 def accepted_options(cls: type) -> frozenset[str] | None:
     """The backend options ``cls`` accepts, or None when it cannot be told (it takes
     ``**options`` and declares no ``accepted_options``)."""
-    declared = getattr(cls, "accepted_options", None)
+    declared = cls.accepted_options if issubclass(cls, Backend) else None
     if declared is not None:
         return frozenset(declared)
     params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
@@ -58,38 +59,3 @@ def check_options(where: str, given: dict[str, Any], accepted: Iterable[str]) ->
     unknown = set(given) - accepted
     if unknown:
         raise unknown_option_error(where, unknown, accepted)
-
-
-def check_backend_options(url: str, options: dict[str, Any], shards: Any = None,
-                          also_known: Iterable[str] = ()) -> None:
-    """Check the options left for the backend of ``url`` (or of every shard).
-
-    ``also_known``: the engine and layer option names, offered as suggestions too (a
-    misspelt engine option lands here).
-    """
-    from .registry import backend_class, scheme_of
-
-    if not options:
-        return
-    if shards is None and scheme_of(url) == "sharded":
-        from .layers.sharded import parse_sharded_url
-
-        shards = parse_sharded_url(url)
-    if shards is not None and not isinstance(shards, str):
-        from .layers.sharded import ShardedBackend
-
-        found_sets = [accepted_options(backend_class(s)) for s in shards if isinstance(s, str)]
-        sets = [s for s in found_sets if s is not None]
-        if not sets or len(sets) < len(found_sets):
-            return
-        accepted = frozenset.intersection(*sets) | (accepted_options(ShardedBackend) or set())
-    else:
-        found = accepted_options(backend_class(url))
-        if found is None:
-            return
-        accepted = found
-    unknown = set(options) - accepted
-    if unknown:
-        # the scheme only: a database URL may carry a password
-        raise unknown_option_error(f"{scheme_of(url)}://", unknown,
-                                   accepted | frozenset(also_known))

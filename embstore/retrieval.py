@@ -194,7 +194,9 @@ class TopK:
         self.filled = newfill
 
 
-def _queries(store: Any, queries: Any) -> np.ndarray:
+def check_queries(store: Any, queries: Any) -> np.ndarray:
+    """``queries`` as a C-contiguous ``(n, dim)`` float32 array of ``store``'s dimension
+    (torch and TensorFlow tensors converted); ``InvalidInputError`` otherwise."""
     if hasattr(queries, "detach") and hasattr(queries, "cpu"):
         queries = queries.detach().cpu().numpy()
     elif hasattr(queries, "numpy") and not isinstance(queries, np.ndarray):
@@ -311,7 +313,7 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
     store.check_open()
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
         raise InvalidInputError(f"k must be a positive int, got {k!r}")
-    q = _queries(store, queries)
+    q = check_queries(store, queries)
     nq = len(q)
     glob, per = _exclusions(store, exclude, nq)
     k_eff = int(k) + (max((len(e) for e in per), default=0) if per else 0)

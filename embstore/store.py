@@ -7,46 +7,42 @@ and then work on clean arrays; no Python loop runs over keys on a hot path.
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from . import init as _init
 from . import optim as _optim
 from ._keys import check_key_type
-from .backends.base import Backend, RowUpdate
+from .backends.base import Backend
 from .engine.batch import (
     check_counts,
     check_rows,
-    coalesce,
-    distinct,
     nd_keys,
-    occurrences,
-    sum_counts,
     unique_first,
     unique_last,
 )
 from .engine.history import HistoryAPI
-from .engine.metadata_merge import mark_meta_synced, sync_meta
+from .engine.metadata_fields import check_metadata, check_policy_fields, meta_fields
+from .engine.metadata_merge import MetadataSync
+from .engine.pickling import pickle_args, reopen_pickled
 from .engine.protocols import StoreObserver
 from .engine.records import RecordWrites
+from .engine.row_count import store_stats
 from .engine.sampling_api import SamplingAPI
 from .engine.schema import FORMAT, FORMAT_VERSION, check_stored_meta
 from .engine.seams import StoreSeams
+from .engine.services import transfers
 from .errors import BackendError, InvalidInputError, SchemaMismatchError, StoreNotFoundError
-from .layout import META_FIELDS, Layout, compact_meta
-from .optim.ftrl import FTRL
+from .layout import Layout
+from .policies import AdmissionPolicy
 from .policies.clock import resolve_clock
 from .policies.runtime import PolicyRuntime
 from .urls import redact_url
 from .valuetypes import check_value_dtype
-
-if TYPE_CHECKING:
-    from .engine.unpickled import UnopenedStore
 
 _STAT_NAMES = ("lookups", "hits", "misses", "inserts", "updates", "assigns", "deletes")
 
@@ -92,6 +88,9 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         smaller than half the gap between neighbouring 16-bit values.
     """
 
+    #: not a collective: each process uses its store on its own (see ``StoreProtocol``)
+    collective: bool = False
+
     def __init__(
         self,
         backend: Backend,
@@ -122,6 +121,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         # admission, expiry, capacity eviction, tombstones (``embstore.policies``)
         self._policy = PolicyRuntime(admission, expiry, capacity, eviction)
+        #: the metadata as last synced with the backend (merged on flush/close)
+        self._meta_sync = MetadataSync(backend, self._policy)
         #: told about every row write and delete (sampling index, dense top-k copy): see
         #: ``add_observer`` and ``embstore.engine.protocols.StoreObserver``
         self._observers: list[StoreObserver] = []
@@ -129,7 +130,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self._setup(dim, key_type, _init.resolve(initializer), _optim.resolve(optimizer),
                         seed, None if value_dtype is None
                         else check_value_dtype(value_dtype, serving=True),
-                        _check_metadata(metadata))
+                        check_metadata(metadata))
         except BaseException:
             backend.close()
             self._closed = True
@@ -154,13 +155,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             self.layout = Layout(dim, () if serving else tuple(self.optimizer.slots(int(dim))),
                                  value_dtype or "float32",
                                  "float32" if serving else self.optimizer.slot_dtype,
-                                 self._meta_fields(metadata or "full"))
+                                 meta_fields(metadata or "full", self._policy, self.optimizer))
             self.step = 0
             self._version = 0
             self._extra_meta: dict[str, Any] = {}
             self._backend.bind(self.layout, self.key_type)
             self._backend.write_meta(self._meta())
-            mark_meta_synced(self)
+            self._meta_sync.mark(self.step)
             return
         self._check_meta(meta, dim, key_type, initializer, optimizer, seed, value_dtype)
         stored_kind = "compact" if self.layout.is_compact else "full"
@@ -169,46 +170,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                                       f"metadata={stored_kind!r}, opened with {metadata!r}")
         self._backend.bind(self.layout, self.key_type)
         self._policy.restore(self._extra_meta, self.key_type, self._version, created=False)
-        self._check_policy_fields()
-        mark_meta_synced(self)
-
-    def _meta_fields(self, metadata: str) -> tuple[tuple[str, str], ...]:
-        """The metadata fields of a new store: all, or those its policies read."""
-        if metadata == "full":
-            return META_FIELDS
-        exp, ev = self._policy.expiry, self._policy.eviction
-        return compact_meta(
-            last_seen=ev is not None or (exp is not None and exp.ttl_seconds is not None),
-            last_step=(ev is not None or (exp is not None and exp.ttl_steps is not None)
-                       or self._prunes_idle_rows()))
-
-    def _prunes_idle_rows(self) -> bool:
-        """FTRL with ``prune=True`` deletes zero rows by their ``last_step``."""
-        return isinstance(self.optimizer, FTRL) and self.optimizer.prune
-
-    def _check_policy_fields(self) -> None:
-        """A compact store reopened with a policy that reads a field it does not keep."""
-        exp, ev = self._policy.expiry, self._policy.eviction
-        if exp is not None:
-            self._require_meta(exp.ttl_seconds, exp.ttl_steps, "expiry")
-        if self._prunes_idle_rows() and "last_step" not in self.layout.meta_names:
-            raise SchemaMismatchError(
-                f"{self.url}: FTRL(prune=True) reads last_step, which this store's compact "
-                "layout does not keep (create it with pruning configured)")
-        if ev is not None and not {"last_seen", "last_step"} <= set(self.layout.meta_names):
-            raise SchemaMismatchError(
-                f"{self.url}: capacity eviction reads last_seen and last_step, which this "
-                "store's compact layout does not keep (create it with the eviction configured)")
-
-    def _require_meta(self, ttl_seconds: float | None, ttl_steps: int | None,
-                      what: str) -> None:
-        names = self.layout.meta_names
-        for ttl, field in ((ttl_seconds, "last_seen"), (ttl_steps, "last_step")):
-            if ttl is not None and field not in names:
-                raise SchemaMismatchError(
-                    f"{self.url}: {what} by {'time' if field == 'last_seen' else 'steps'} "
-                    f"reads {field}, which this store's compact layout does not keep (create "
-                    "it with that expiry configured, or with metadata='full')")
+        check_policy_fields(self.url, self.layout, self._policy, self.optimizer)
+        self._meta_sync.mark(self.step)
 
     def _check_meta(self, meta: dict[str, Any], dim: int | None, key_type: str | None,
                     initializer: _init.Initializer | None, optimizer: _optim.Optimizer | None,
@@ -224,6 +187,13 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self.step = int(meta.get("step", 0))
         self._version = int(meta.get("version", 0))
         self._extra_meta = dict(meta.get("extra", {}))
+
+    def _sync_meta(self) -> None:
+        # Updates made by other threads while the merge ran stay on top of the merged step.
+        step_now = self.step
+        step, version = self._meta_sync.write(step_now, self._meta())
+        self.step = step + (self.step - step_now)
+        self._version = max(self._version, version)
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -274,8 +244,6 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     @admission.setter
     def admission(self, policy: Any) -> None:
-        from .policies import AdmissionPolicy
-
         if policy is not None and not isinstance(policy, AdmissionPolicy):
             raise InvalidInputError(f"not an admission policy: {policy!r}")
         self._policy.admission = policy
@@ -352,55 +320,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self._stats["lookups"] += n
         if n == 0:
             return np.empty((0, self.layout.dim), dtype=np.float32)
-        if (insert and not self.read_only and self._backend.supports_lookup_insert
-                and self._policy.admission is None):
-            # No policy to ask: the backend places the new keys as it finds them missing (one
-            # pass instead of a read and then a write); observers learn which keys were new.
-            vectors, new = self._lookup_insert(k)
-            n_new = int(np.count_nonzero(new))
-            if n_new:
-                # every occurrence of a new key missed (a repeated one is inserted once)
-                misses = n if n_new == n else int(np.count_nonzero(np.isin(k, k[new])))
-                self._stats["hits"] += n - misses
-                self._stats["misses"] += misses
-                self._stats["inserts"] += n_new
-                self._policy.maybe_evict(self)
-            else:
-                self._stats["hits"] += n
-            return vectors
-        vectors, found = self._backend.get_field(k, "vector")
-        vectors = self.layout.vectors(vectors)
-        nfound = int(np.count_nonzero(found))
-        self._stats["hits"] += nfound
-        if nfound == n:
-            return vectors
-        self._stats["misses"] += n - nfound
-        if nfound == 0:  # a batch of only new keys (a table being filled): no masking
-            miss_keys = k
-            vectors = new_vecs = self._initial(k)
-        else:
-            miss = ~found
-            miss_keys = k[miss]
-            new_vecs = self._initial(miss_keys)
-            vectors[miss] = new_vecs
-        if insert and not self.read_only:
-            miss_counts = None if c is None else (c if nfound == 0 else c[~found])
-            if distinct(miss_keys):
-                uniq, seen = miss_keys, miss_counts
-            else:
-                uniq, first = unique_first(miss_keys)
-                new_vecs = new_vecs[first]
-                seen = (occurrences(miss_keys, uniq) if miss_counts is None
-                        else sum_counts(miss_keys, uniq, miss_counts))
-            if self._policy.admission is not None:
-                if seen is None:
-                    seen = np.ones(len(uniq), dtype=np.int64)
-                ok = self._policy.admit_lookup(uniq, seen)
-                uniq, new_vecs = uniq[ok], new_vecs[ok]
-            if len(uniq):
-                self._stats["inserts"] += self._insert(uniq, new_vecs)
-                self._policy.maybe_evict(self)
-        return vectors
+        return self._lookup_rows(k, c, insert)
 
     def prefetch(self, keys: Any) -> None:
         """Load the rows of ``keys`` in the background while the current step computes (with
@@ -441,32 +361,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         c = None if counts is None else check_counts(counts, len(k))
         if len(k) == 0:
             return
-        uniq, summed, mult = coalesce(k, g)
-        if c is not None:
-            mult = sum_counts(k, uniq, c)
-        self.step += 1
-        self._stats["updates"] += len(k)
-        axpy = self.optimizer.axpy_step(summed) if self.layout.is_wide else None
-        if axpy is not None and self._backend.supports_row_update:
-            # The step is plain field arithmetic: the backend applies it where the records
-            # live (observers are told the same arithmetic); only keys without a record yet
-            # go the general way below.
-            stamps = {"last_seen": self._clock(), "last_step": self.step,
-                      "version": self._next_version()}
-            names = self.layout.meta_names
-            row_update = RowUpdate(
-                axpy, {"count": mult} if "count" in names else {},
-                {f: v for f, v in stamps.items() if f in names})
-            found = self._backend.update_rows(uniq, row_update)
-            for obs in self._observers:
-                obs.on_row_update(uniq, row_update, found)
-            if found.all():
-                self._policy.after_update(self)
-                return
-            new = ~found
-            uniq, summed, mult = uniq[new], summed[new], mult[new]
-        self._update_records(uniq, summed, mult)
-        self._policy.after_update(self)
+        self._apply_gradients(k, g, c)
 
     def assign(self, keys: Any, values: Any) -> None:
         """Set vectors directly (warm start). Optimizer slots and counts of existing keys are
@@ -534,16 +429,14 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
                quantize: str | None = None) -> int:
         """Write every record (or those changed after ``since``) to ``dest``; return the rows
         written. The format is ``format`` or, as in the CLI, the file name's (no suffix or a
-        file object: native; an unknown suffix is refused; see ``embstore.io.format_choice``).
+        file object: native; an unknown suffix is refused; see ``embstore.transfer.format_choice``).
         Only the native format keeps whole records and a delta's deletions. A path is written
         atomically. ``quantize="int8"`` (native format) writes a serving table: vectors
         quantized row-wise (uint8 codes, float32 scale and bias per row), no optimizer slots;
         a store imports it (``value_dtype="int8"``) and serves float32 lookups from it."""
-        from .io.format_choice import export_to
-
         self._check_open()
-        return export_to(self, dest, format, since=since, batch_size=batch_size,
-                         progress=progress, quantize=quantize)
+        return transfers().export(self, dest, format, since=since, batch_size=batch_size,
+                                  progress=progress, quantize=quantize)
 
     def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False,
@@ -554,12 +447,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         ranges: ``docs/cli.md``, "Import limits") before the first row is written
         (``partial=True`` keeps rows before damage); a full export listing deleted keys is
         refused unless ``apply_deletes=True`` (a delta's deletions always apply). Other
-        formats go through ``embstore.io.transfer.import_file``."""
-        from .io.format_choice import import_from
-
+        formats go through ``embstore.transfer.import_file``."""
         self._check_writable()
-        return import_from(self, src, format, partial=partial, progress=progress,
-                           apply_deletes=apply_deletes)
+        return transfers().import_(self, src, format, partial=partial, progress=progress,
+                                   apply_deletes=apply_deletes)
 
     def load_records(self, batches: Any, *, header: dict[str, Any] | None = None) -> int:
         """Bulk-write ``(keys, records)`` batches of this store's layout; return rows written.
@@ -569,10 +460,8 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         store's version (and, from ``header``, step and policy state) moves forward to cover
         the rows.
         """
-        from .engine.transfer import load_records
-
         self._check_writable()
-        return load_records(self, batches, header=header)
+        return self._bulk_load(batches, header)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def stats(self, *, count_rows: bool | None = None) -> dict[str, Any]:
@@ -582,20 +471,10 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         ``embstore.engine.row_count``). A counted ``rows`` of an unreachable remote is None, with
         ``backend_error``. ``admission_bytes`` is the memory of the admission policy's state,
         included in ``size_bytes``."""
-        from .engine.row_count import measure_rows, measure_size
-
         self._check_open()
-        out: dict[str, Any] = dict(self._stats)
-        measure_rows(self._backend, count_rows, out)
-        looked = out["lookups"]
-        out["hit_rate"] = out["hits"] / looked if looked else math.nan
-        out["step"] = self.step
-        out["version"] = self._version
-        out.update(self._policy.counters)
-        out.update(self._backend.stats())
-        for obs in self._observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
-            out.update(obs.stats())
-        measure_size(self._backend, count_rows, out)
+        out = store_stats(self._backend, self._stats, count_rows, step=self.step,
+                          version=self._version, policy=self._policy.counters,
+                          observers=self._observers)
         # admission state (sketch, Bloom filter) is memory the table costs too
         adm_bytes = self._policy.admission_bytes()
         out["admission_bytes"] = adm_bytes
@@ -607,7 +486,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         """Persist metadata (step, version) and make acknowledged writes durable."""
         self._check_open()
         if not self.read_only:
-            sync_meta(self)
+            self._sync_meta()
             self._backend.flush()
 
     def close(self) -> None:
@@ -616,7 +495,7 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             return
         try:
             if not self.read_only:
-                sync_meta(self)
+                self._sync_meta()
                 self._backend.flush()
         finally:
             self._closed = True
@@ -637,27 +516,6 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             )
         # Reopens read-only unless a writer is asked for (embstore.writable_unpickling): a
         # silent second writer would overwrite the stored step/version from its stale copy.
-        from .engine.pickling import pickle_args, reopen_pickled
-
         # the real URL, password included
         return (reopen_pickled,
                 pickle_args(self._backend.url, dict(self._reopen_options), self.read_only))
-
-
-def _reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore:
-    from .engine.opening import open_backend, split_options
-    from .engine.unpickled import UnopenedStore
-
-    try:
-        engine, read_only, layer, backend_options = split_options(options)
-        backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
-        return EmbeddingStore(backend, read_only=read_only,
-                              reopen_options=dict(backend.reopen_options()), **engine)
-    except Exception as e:  # noqa: BLE001 - raised on first use, not inside pickle.loads
-        return UnopenedStore(url, e)
-
-
-def _check_metadata(metadata: str | None) -> str | None:
-    if metadata is not None and metadata not in ("full", "compact"):
-        raise InvalidInputError(f"metadata must be 'full' or 'compact', got {metadata!r}")
-    return metadata

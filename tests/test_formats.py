@@ -17,7 +17,7 @@ from embstore.errors import (
     SchemaMismatchError,
 )
 from embstore.io.formats import detect_format, open_reader
-from embstore.io.transfer import export_file, import_file, verify_file, verify_store
+from embstore.transfer import export_file, import_file, verify_file, verify_store
 
 FORMATS = {  # format -> file name
     "native": "t.emb", "parquet": "t.parquet", "npz": "t.npz", "npy": "tdir",
@@ -503,7 +503,7 @@ def test_prefetch_keeps_order_errors_and_stops_early():
 
 @pytest.mark.parametrize("key_type", ["int64", "bytes"])
 def test_copy_in_several_loads_equals_one(key_type, tmp_path, monkeypatch):
-    from embstore.io import transfer
+    from embstore.transfer import pipeline as transfer
 
     src = _filled("memory://", key_type, n=500)
     want = _records_by_key(src)

@@ -24,7 +24,7 @@ from embstore.errors import (
 )
 from embstore.io import limits
 from embstore.io.formats import open_reader
-from embstore.io.transfer import export_file, import_file
+from embstore.transfer import export_file, import_file
 from tests import hostile as h
 
 BACKENDS = ("memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable")
@@ -140,7 +140,7 @@ def test_compression_bombs_are_refused_before_decoding(name, bombs):
     assert path.stat().st_size < 2 << 20  # ~1 MB / ~60 KB on disk, 1 GiB decoded
     # under a memory limit, so that a reader decoding the bomb fails instead of swapping
     r = _run_limited(
-        "from embstore.io.transfer import import_file\n"
+        "from embstore.transfer import import_file\n"
         "store = embstore.open('memory://', dim=1 << 20)\n"
         f"try:\n    import_file(store, {str(path)!r})\n"
         "except embstore.errors.CorruptFileError as e:\n"
@@ -155,7 +155,7 @@ def _run_limited(code: str, headroom: int = 768 << 20) -> subprocess.CompletedPr
     decodes a bomb fails with MemoryError or is killed instead of finishing)."""
     prelude = (
         "import resource, sys, warnings\n"
-        "import numpy, pyarrow.parquet, embstore.cli, embstore.io.transfer, embstore.io.npz\n"
+        "import numpy, pyarrow.parquet, embstore.cli, embstore.transfer, embstore.io.npz\n"
         "import embstore.io.parquet\n"
         "vm = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
         f"resource.setrlimit(resource.RLIMIT_AS, (vm + {headroom}, vm + {headroom}))\n"
@@ -324,8 +324,8 @@ def test_sqlite_open_without_dim_leaves_no_file(tmp_path):
 
 def test_a_failed_write_pass_removes_the_store_it_created(tmp_path, monkeypatch):
     # a fault no real file produces once validated: the write pass dies after some rows
-    from embstore.io import transfer
-    from embstore.io.transfer import NewStore, creation_options
+    from embstore.transfer import NewStore, creation_options
+    from embstore.transfer import pipeline as transfer
 
     path = h.npz_valid(tmp_path / "v.npz", n=50)
     real = transfer._write

@@ -245,7 +245,7 @@ def test_import_checks_whole_file_first_on_every_path(lmdb_url, tmp_path, monkey
                                                       as_stream):
     # Files that fit the cache are read once, bigger ones twice (the first pass keeps
     # nothing): either way a damaged file, NaN in its last chunk included, imports nothing.
-    from embstore.io import transfer
+    from embstore.transfer import pipeline as transfer
 
     monkeypatch.setattr(transfer, "DEFAULT_CACHE_BYTES", cap)
     t = embstore.open(lmdb_url(), dim=DIM)

@@ -84,7 +84,8 @@ def test_wrapper_backend_forwards_every_method_and_capability():
 def test_the_cache_layer_overrides_every_row_path_of_the_wrapper():
     # Anything the cache inherited from WrapperBackend would bypass the cached rows.
     forwarded = [n for n in _PUBLIC if getattr(CachedBackend, n) is getattr(WrapperBackend, n)]
-    flags = {"persistent", "supports_scan", "supports_changes", "thread_safe", "scheme"}
+    flags = {"persistent", "supports_scan", "supports_changes", "thread_safe", "scheme",
+             "cheap_len", "cheap_size", "supports_slots"}
     assert set(forwarded) <= flags | {"partition_of"}, forwarded
     # Its own: steps in place on the cached rows (write-back over memory://), never the remote's.
     assert isinstance(CachedBackend.supports_row_update, property)
@@ -257,3 +258,21 @@ def test_side_effects_follow_the_last_call_of_a_retried_modify():
     s.update([11], np.ones((1, DIM), np.float32))  # second sighting: admitted now
     assert s.stats()["inserts"] == 1 and s.contains([11]).all()
     s.close()
+
+
+def test_capability_flags_are_declared_on_backend_and_layers_declare_theirs(tmp_path):
+    for flag, default in (("cheap_len", False), ("cheap_size", True), ("max_key_bytes", None),
+                          ("accepted_options", None), ("supports_slots", False)):
+        assert getattr(Backend, flag) == default, flag
+    from embstore.backends.base import SlotAddressed
+    from embstore.backends.lmdb import LmdbBackend
+
+    assert MemoryBackend.supports_slots and isinstance(MemoryBackend("memory://"), SlotAddressed)
+    lm = LmdbBackend(f"lmdb://{tmp_path}/a")
+    sh = ShardedBackend([MemoryBackend("memory://"), lm])
+    assert sh.max_key_bytes == LmdbBackend.max_key_bytes and sh.cheap_len
+    cached = CachedBackend(lm, "memory://")
+    assert cached.max_key_bytes == LmdbBackend.max_key_bytes and cached.cheap_len
+    assert cached.supports_slots is False  # the slot methods are not forwarded
+    cached.close()
+    sh.close()

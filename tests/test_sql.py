@@ -374,11 +374,11 @@ def test_unknown_option_refused(tmp_path):
 
 def test_wal_and_synchronous_settings(tmp_path):
     with embstore.open(f"sqlite:///{tmp_path}/w.db", dim=4) as s:
-        conn = s.backend._ops.conn
+        conn = s.backend.sql.ops.conn
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     with embstore.open(f"sqlite:///{tmp_path}/w.db", durable=False) as s:
-        assert s.backend._ops.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        assert s.backend.sql.ops.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
 
 
 def test_postgres_server_fixture_contract(postgres_server, postgres_url_factory):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import SchemaMismatchError
+
 
 def write_plan(keep: np.ndarray | None, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(write, delete)`` masks for the ``keep`` answer of a modify function.
@@ -33,8 +35,6 @@ def records_from_values(vals: list, dtype: np.dtype, itemsize: int,
     found = np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
     buf = bytearray().join(vals)
     if len(buf) != int(found.sum()) * itemsize:
-        from ..errors import SchemaMismatchError
-
         raise SchemaMismatchError(f"{what}: stored records are not {itemsize} bytes long; the "
                                   "data was written with another layout")
     recs = np.zeros(len(vals), dtype=dtype)

@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -113,9 +113,22 @@ class Backend(abc.ABC):
         per-call transactions): layers then read and write it from helper threads.
     scheme : str
         The URL scheme it serves.
+    cheap_len : bool
+        ``len()`` reads no rows (a kept count): ``stats()`` then reports ``rows`` unasked.
+    cheap_size : bool
+        ``size_bytes()`` reads no rows (or answers None): ``stats()`` then reports it unasked.
+    max_key_bytes : int or None
+        The longest bytes key it stores (None: no limit); imports refuse longer keys up front.
+    accepted_options : frozenset of str or None
+        The backend options ``__init__`` takes, where its signature cannot tell (it takes
+        ``**options``); None: read them from the signature (:mod:`embstore.options`).
+    supports_slots : bool
+        It is a :class:`SlotAddressed` backend: records have stable integer slots
+        (``find_slots``, ``read_slots``, ``write_slots``, ``update_slots``), which a cache
+        layer uses as its key -> slot index (``memory://``).
 
-    The engine reads these flags; a layer forwards its inner backend's (see
-    :class:`embstore.layers.WrapperBackend`).
+    The engine and the layers read these flags and nothing else; a layer declares its own,
+    most often forwarding its inner backend's (see :class:`embstore.layers.WrapperBackend`).
     """
 
     persistent: bool = False
@@ -125,6 +138,11 @@ class Backend(abc.ABC):
     supports_lookup_insert: bool = False
     thread_safe: bool = False
     scheme: str = ""
+    cheap_len: bool = False
+    cheap_size: bool = True
+    max_key_bytes: int | None = None
+    accepted_options: ClassVar[frozenset[str] | None] = None
+    supports_slots: bool = False
 
     #: set by :meth:`bind` once the store's layout is known (after metadata is read/written)
     _layout: Layout | None = None
@@ -349,3 +367,30 @@ class Backend(abc.ABC):
     # -- helpers for subclasses ---------------------------------------------------------------
     def _empty_records(self, n: int) -> np.ndarray:
         return self.layout.empty(n)
+
+
+@runtime_checkable
+class SlotAddressed(Protocol):
+    """A backend whose records sit at stable integer slots (``supports_slots``).
+
+    A slot stays valid until its key is deleted; ``0xFFFFFFFF`` marks an absent key. The
+    cache layer keeps its eviction bookkeeping per slot (``embstore.layers.cache``).
+    """
+
+    supports_slots: bool
+
+    def find_slots(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each key (uint32), ``0xFFFFFFFF`` where absent."""
+        ...
+
+    def read_slots(self, slots: np.ndarray, field: str | None = None) -> np.ndarray:
+        """Records (or one field) stored at ``slots``; zero rows for empty slots."""
+        ...
+
+    def write_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
+        """Overwrite the records at occupied ``slots`` (their keys do not change)."""
+        ...
+
+    def update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
+        """Apply ``update`` (one row per slot) to the records at occupied ``slots``."""
+        ...

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from collections.abc import Iterator
 from itertools import islice
@@ -42,6 +41,7 @@ from ._localdir import (
 )
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
+from .lmdb_env import SharedEnv, acquire_env, release_env
 
 log = logging.getLogger(__name__)
 
@@ -59,37 +59,6 @@ _GROW_LIMIT = 1 << 46  # 64 TiB: beyond that a MapFullError is a real error, not
 # chunk that extends the end of the table can use MDB_APPEND, so chunks are large.
 _BULK_BYTES = 320 << 20
 _BULK_TXN_ROWS = 1 << 17  # a sorted chunk is committed in slices: smaller dirty-page lists
-
-
-class _Shared:
-    """One open environment of this process, shared by every backend on the same path."""
-
-    def __init__(self, env: lmdb.Environment, read_only: bool, flags: tuple) -> None:
-        self.env = env
-        self.read_only = read_only
-        self.flags = flags
-        self.pid = os.getpid()  # an environment must not be used across fork()
-        self.refs = 0
-        self._dbs: dict[bytes, Any] = {}
-
-    def db(self, name: bytes, create: bool = False):
-        """The named database, or None if it does not exist and ``create`` is False."""
-        if name not in self._dbs:
-            try:
-                if create:
-                    self._dbs[name] = self.env.open_db(name)
-                else:
-                    # Nothing is created before the metadata has been read and checked (a
-                    # write transaction that changes nothing writes nothing on commit).
-                    self._dbs[name] = self.env.open_db(name, create=False)
-            except lmdb.NotFoundError:
-                return None
-            except lmdb.Error as e:
-                raise BackendError(f"cannot open LMDB database {name!r}: {e}") from e
-        return self._dbs[name]
-
-
-_POOL: dict[str, _Shared] = {}
 
 
 class LmdbBackend(FetchedRecords, Backend):
@@ -146,7 +115,7 @@ class LmdbBackend(FetchedRecords, Backend):
         self._env: lmdb.Environment | None = None
         self._rec_db = None
         self._meta_db = None
-        self._shared: _Shared | None = None
+        self._shared: SharedEnv | None = None
         self._itemsize = 0
         self.counters = {"commits": 0, "map_grows": 0}
         if check_store_dir(path, "data.mdb", "LMDB"):
@@ -154,30 +123,8 @@ class LmdbBackend(FetchedRecords, Backend):
 
     # -- environment -----------------------------------------------------------------------------
     def _open_env(self) -> None:
-        flags = (self.durable, self.writemap, self._lock)
-        shared = _POOL.get(self.path)
-        if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
-            # LMDB forbids opening one environment twice in a process: share it.
-            if shared.read_only and not self.read_only:
-                raise BackendError(f"{self.path} is already open read-only in this process; "
-                                   "close that store before opening it for writing")
-            if not self.read_only and shared.flags != flags:
-                raise InvalidInputError(
-                    f"{self.path} is already open in this process with durable/writemap/lock="
-                    f"{shared.flags}; open it with the same options"
-                )
-        else:
-            if shared is not None and shared.pid != os.getpid():
-                # Inherited through fork(): LMDB forbids using it here, and py-lmdb would
-                # refuse a new open while it counts as open. Closing the child's copy is safe:
-                # fcntl locks and reader slots belong to the parent's pid.
-                try:
-                    shared.env.close()
-                except lmdb.Error:
-                    pass
-            shared = _Shared(self._new_env(), self.read_only, flags)
-            _POOL[self.path] = shared
-        shared.refs += 1
+        shared = acquire_env(self.path, self.read_only, (self.durable, self.writemap, self._lock),
+                             self._new_env)
         self._shared = shared
         self._env = shared.env
         self._rec_db = shared.db(_REC_DB)
@@ -307,11 +254,7 @@ class LmdbBackend(FetchedRecords, Backend):
             self._env = self._rec_db = self._meta_db = None
             shared, self._shared = self._shared, None
             assert shared is not None  # invariant: set with _env
-            shared.refs -= 1
-            if shared.refs == 0:
-                if _POOL.get(self.path) is shared:
-                    del _POOL[self.path]
-                shared.env.close()
+            release_env(self.path, shared)
 
     def reopen_options(self) -> dict:
         return {"durable": self.durable, "writemap": self.writemap, "lock": self._lock}

@@ -141,6 +141,7 @@ class MemoryBackend(Backend):
     supports_scan = True
     supports_row_update = True
     cheap_len = True  # the table's own size (stats() reads it without a scan)
+    supports_slots = True  # SlotAddressed: the cache layer's key -> slot index
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,

@@ -8,6 +8,6 @@ writes must implement.
 
 from __future__ import annotations
 
-from .protocols import IndexHost, PolicyHost, StoreObserver
+from .protocols import IndexHost, PolicyHost, StoreInfo, StoreObserver, StoreProtocol
 
-__all__ = ["IndexHost", "PolicyHost", "StoreObserver"]
+__all__ = ["IndexHost", "PolicyHost", "StoreInfo", "StoreObserver", "StoreProtocol"]

@@ -10,11 +10,14 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..errors import InvalidInputError
+from ..policies.expiry import Expiry
+from .metadata_fields import require_meta
 from .protocols import PolicyHost
 from .seams import StoreSeams
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
+    from ..layout import Layout
     from ..policies.runtime import PolicyRuntime
 
 
@@ -25,8 +28,10 @@ class _ExpiryHost(PolicyHost, Protocol):
 
     def _check_writable(self) -> None: ...
 
-    def _require_meta(self, ttl_seconds: float | None, ttl_steps: int | None,
-                      what: str) -> None: ...
+    layout: Layout
+
+    @property
+    def url(self) -> str: ...
 
 
 class HistoryAPI(StoreSeams):
@@ -45,8 +50,6 @@ class HistoryAPI(StoreSeams):
         ``ttl_steps`` updates behind the store's step. ``now`` (default: the store's clock)
         is the reference for ``ttl_seconds``. Scans the table.
         """
-        from ..policies.expiry import Expiry
-
         self._check_writable()
         if ttl_seconds is None and ttl_steps is None:
             if self._policy.expiry is None:
@@ -54,7 +57,7 @@ class HistoryAPI(StoreSeams):
             ttl = self._policy.expiry
         else:
             ttl = Expiry(ttl_seconds, ttl_steps)
-        self._require_meta(ttl.ttl_seconds, ttl.ttl_steps, "expire()")
+        require_meta(self.url, self.layout, ttl.ttl_seconds, ttl.ttl_steps, "expire()")
         return self._policy.expire(self, ttl.ttl_seconds, ttl.ttl_steps, batch_size, now)
 
     def deletions_since(self, version: int) -> tuple[np.ndarray, bool]:

@@ -11,18 +11,22 @@ would lose the other writers' share. The engine therefore writes metadata throug
   value, so its own later stamps and Adam's bias correction follow the global count);
 - ``version``: the maximum (a hybrid clock: every writer's stamps are monotonic);
 - ``updates_since_expire``: stored plus this writer's delta;
-- the tombstone log: the union of both logs (same bound as before);
-- everything else (layout, optimizer, policy configuration, admission state) is this writer's,
-  as before: admission sketches are per-writer approximations and the layout is checked on open.
+- the tombstone log: the union of both logs (under the log's own bound);
+- everything else (layout, optimizer, policy configuration, admission state) is this writer's:
+  admission sketches are per-writer approximations and the layout is checked on open.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..policies.tombstones import TombstoneLog
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..policies.runtime import PolicyRuntime
 
 
 def merge_meta(stored: dict | None, mine: dict[str, Any], steps: int,
@@ -58,8 +62,8 @@ def merge_tombstones(key_type: str, a: dict, b: dict, version: int) -> dict:
     """Union of two persisted tombstone logs (each ``(key, version)`` pair once)."""
     la = TombstoneLog.from_json(key_type, a, version)
     lb = TombstoneLog.from_json(key_type, b, version)
-    ka, va = la._flat()
-    kb, vb = lb._flat()
+    ka, va = la.entries()
+    kb, vb = lb.entries()
     keys, vers = np.concatenate([ka, kb]), np.concatenate([va, vb])
     if key_type == "int64":
         pairs = np.unique(np.stack([vers, keys], axis=1), axis=0)  # sorted by version
@@ -69,34 +73,44 @@ def merge_tombstones(key_type: str, a: dict, b: dict, version: int) -> dict:
         vers = np.array([v for v, _ in seen], dtype=np.int64)
         keys = np.empty(len(seen), dtype=object)
         keys[:] = [k for _, k in seen]
-    out = TombstoneLog(key_type, floor=max(la.floor, lb.floor))
-    if len(keys):
-        out._keys, out._versions, out._n = [keys], [vers.astype(np.int64)], len(keys)
-    return out.to_json()
+    return TombstoneLog.from_entries(key_type, keys, vers.astype(np.int64),
+                                     floor=max(la.floor, lb.floor)).to_json()
 
 
-def mark_meta_synced(store: Any) -> None:
-    """Remember the store's step and expiry counter as read from / written to the backend."""
-    store._step_synced = store.step
-    store._expire_synced = store._policy.updates_since_expire
+class MetadataSync:
+    """The store's metadata as last read from or written to the backend, and the merge that
+    writes it back: what keeps several writers' steps, versions and tombstones.
 
+    The store owns one; it holds the backend and the policy runtime (whose expiry counter
+    and tombstones are part of the metadata) and remembers the step and expiry counter as
+    last synced, so a sync adds only what this writer did since.
+    """
 
-def sync_meta(store: Any) -> None:
-    """Write ``store``'s metadata merged with the stored one (``Backend.modify_meta``), then
-    adopt the merged step: other writers' steps, versions and tombstones are kept."""
-    policy = store._policy
-    step_now, expire_now = store.step, policy.updates_since_expire
-    mine = store._meta()
-    steps = step_now - store._step_synced
-    expire = (expire_now - store._expire_synced if expire_now >= store._expire_synced
-              else None)
-    merged = store._backend.modify_meta(lambda stored: merge_meta(stored, mine, steps, expire))
-    # Updates made by other threads while this ran are kept on top of the merged count.
-    store.step = int(merged.get("step", step_now)) + (store.step - step_now)
-    store._version = max(store._version, int(merged.get("version", 0)))
-    store._step_synced = int(merged.get("step", step_now))
-    pol = (merged.get("extra") or {}).get("policies") or {}
-    if "updates_since_expire" in pol:
-        policy.updates_since_expire = int(pol["updates_since_expire"]) + (
-            policy.updates_since_expire - expire_now)
-        store._expire_synced = int(pol["updates_since_expire"])
+    def __init__(self, backend: Backend, policy: PolicyRuntime) -> None:
+        self.backend, self.policy = backend, policy
+        self.step_synced = 0
+        self.expire_synced = 0
+
+    def mark(self, step: int) -> None:
+        """Remember ``step`` and the expiry counter as read from / written to the backend."""
+        self.step_synced = int(step)
+        self.expire_synced = self.policy.updates_since_expire
+
+    def write(self, step_now: int, mine: dict[str, Any]) -> tuple[int, int]:
+        """Write ``mine`` merged with the stored metadata (``Backend.modify_meta``); return
+        the merged ``(step, version)``. Other writers' steps, versions and tombstones are kept;
+        the expiry counter moves to the merged one plus what happened while this ran."""
+        policy = self.policy
+        expire_now = policy.updates_since_expire
+        steps = step_now - self.step_synced
+        expire = (expire_now - self.expire_synced if expire_now >= self.expire_synced
+                  else None)
+        merged = self.backend.modify_meta(lambda stored: merge_meta(stored, mine, steps, expire))
+        step = int(merged.get("step", step_now))
+        self.step_synced = step
+        pol = (merged.get("extra") or {}).get("policies") or {}
+        if "updates_since_expire" in pol:
+            policy.updates_since_expire = int(pol["updates_since_expire"]) + (
+                policy.updates_since_expire - expire_now)
+            self.expire_synced = int(pol["updates_since_expire"])
+        return step, int(merged.get("version", 0))

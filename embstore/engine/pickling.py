@@ -17,6 +17,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .services import reopener
+
 __all__ = ["writable_unpickling", "reopen_pickled"]
 
 # Process-wide, not per thread: multiprocessing.Pool pickles its tasks in a handler thread.
@@ -60,8 +62,10 @@ def pickle_args(url: str, options: dict[str, Any], read_only: bool) -> tuple:
 
 def reopen_pickled(url: str, options: dict[str, Any], read_only: bool,
                    writer_granted: bool) -> Any:
-    """Reopen a pickled store: read-only unless it was a writer and a writer was asked for."""
-    from ..store import _reopen
+    """Reopen a pickled store: read-only unless it was a writer and a writer was asked for.
 
+    The store's ``__reduce__`` names this function (a stable path for pickles); the reopening
+    itself is :func:`embstore.api.reopen`.
+    """
     writable = not read_only and (writer_granted or _requested())
-    return _reopen(url, {**options, "read_only": not writable})
+    return reopener()(url, {**options, "read_only": not writable})

@@ -1,18 +1,23 @@
-"""Declared seams of the engine: observers of writes, and the view of a store its helpers get.
+"""Declared seams of the engine: what a store is, observers of writes, and the views of a
+store its helpers get (so none of them reads the store's private state).
 
-Sampling indexes, the in-memory top-k copy, policies and transfers used to reach into the
-store's private attributes; they now program against these protocols instead.
+:class:`StoreProtocol` is the store surface the adapters, the CLI and the transfers program
+against; :class:`~embstore.EmbeddingStore`, the distributed store of ``embstore_torch`` and the
+stand-ins satisfy it (``tests/test_store_protocol.py`` checks names and signatures).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 
 if TYPE_CHECKING:
     from ..backends.base import Backend, RowUpdate
+    from ..layout import Layout
+    from ..optim.base import Optimizer
 
 
 @runtime_checkable
@@ -91,3 +96,140 @@ class PolicyHost(Protocol):
     def delete(self, keys: Any) -> int: ...
 
     def records(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+
+
+class StoreInfo(Protocol):
+    """What describes a store: enough to check a file against it before writing.
+
+    A store about to be created by an import (:class:`embstore.transfer.NewStore`) has this
+    much and nothing else; every :class:`StoreProtocol` has it too.
+    """
+
+    @property
+    def url(self) -> str:
+        """The store's URL (reopens the same data; password redacted)."""
+        ...
+
+    @property
+    def dim(self) -> int:
+        """Embedding dimension."""
+        ...
+
+    @property
+    def key_type(self) -> str:
+        """``"int64"`` or ``"bytes"``."""
+        ...
+
+    @property
+    def layout(self) -> Layout:
+        """The record layout (vector, optimizer slots, metadata)."""
+        ...
+
+    def check_writable(self) -> None:
+        """Raise :class:`~embstore.errors.ReadOnlyError` (or the closed-store error) unless
+        the store accepts writes."""
+        ...
+
+
+@runtime_checkable
+class StoreProtocol(StoreInfo, Protocol):
+    """The store surface: what the adapters, the CLI and the transfers use of a store.
+
+    :class:`embstore.EmbeddingStore` implements it over any backend;
+    ``embstore_torch.distributed.store.DistributedStore`` implements it as collectives.
+    Whole-store iteration (``items``, ``records``) and ``import_`` belong to
+    :class:`~embstore.EmbeddingStore`, not to this protocol: a distributed store has no
+    single process that holds every row.
+    """
+
+    read_only: bool
+    step: int
+    #: True where every process must call each method in step (a distributed store's
+    #: collectives): callers then call it for empty batches too
+    collective: bool
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer ``update`` applies (its slots are part of ``layout``)."""
+        ...
+
+    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
+        """``(n, dim)`` float32 vectors in request order (unknown keys inserted unless
+        ``insert=False``)."""
+        ...
+
+    def contains(self, keys: Any) -> np.ndarray:
+        """``(n,)`` bool: which keys have a stored record."""
+        ...
+
+    def update(self, keys: Any, grads: Any, *, counts: Any = None) -> None:
+        """Apply gradients with the store's optimizer (duplicate keys summed first)."""
+        ...
+
+    def assign(self, keys: Any, values: Any) -> None:
+        """Set vectors directly."""
+        ...
+
+    def delete(self, keys: Any) -> int:
+        """Remove keys; returns how many existed."""
+        ...
+
+    def prefetch(self, keys: Any) -> None:
+        """Start loading rows in the background (a cache layer's prefetch)."""
+        ...
+
+    def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
+               offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
+               seed: Any = None) -> Any:
+        """Candidate sampling (see :meth:`embstore.EmbeddingStore.sample`)."""
+        ...
+
+    def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-``k`` keys by dot product for each query row."""
+        ...
+
+    def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
+               batch_size: int = 65536) -> int:
+        """Write every record (or those changed after ``since``) as a native file."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (lookups, hits, step, ...)."""
+        ...
+
+    def flush(self) -> None:
+        """Make writes durable."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release; safe to call twice."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+
+def protocol_members(protocol: type) -> dict[str, Any]:
+    """The members ``protocol`` declares (its own and its protocol bases'), by name.
+
+    Methods map to their function, properties to the property, plain annotations
+    (``read_only: bool``) to None.
+    """
+    out: dict[str, Any] = {}
+    for klass in reversed(protocol.__mro__):
+        if klass in (object, Protocol) or not getattr(klass, "_is_protocol", False):
+            continue
+        for name in klass.__dict__.get("__annotations__", {}):
+            out.setdefault(name, None)
+        for name, value in klass.__dict__.items():
+            if name.startswith("_") and name not in _PROTOCOL_DUNDERS:
+                continue
+            if callable(value) or isinstance(value, property):
+                out[name] = value
+    return out
+
+
+_PROTOCOL_DUNDERS = frozenset({"__len__", "__enter__", "__exit__"})

@@ -10,12 +10,15 @@ them. The row-update fast path in ``EmbeddingStore.update`` tells observers itse
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from ..backends.base import RowUpdate
+from ..errors import SchemaMismatchError
 from ..valuetypes import round_trip
+from .batch import coalesce, distinct, occurrences, sum_counts, unique_first, unique_last
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from ..layout import Layout
     from ..optim import Optimizer
     from ..policies.runtime import PolicyRuntime
-    from .protocols import StoreObserver
+    from .protocols import PolicyHost, StoreObserver
 
 
 def _now_us() -> int:
@@ -44,6 +47,9 @@ class RecordWrites:
     _policy: PolicyRuntime
     _observers: list[StoreObserver]
     _clock: Callable[[], float]
+
+    normalize_keys: Callable[[Any], np.ndarray]  # StoreSeams'
+    read_only: bool
 
     def _next_version(self) -> int:
         # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep
@@ -236,3 +242,122 @@ class RecordWrites:
         if "last_step" in names:
             recs["last_step"] = self.step
         recs["version"] = self._next_version()
+
+    def _bulk_load(self, batches: Iterable[tuple[Any, np.ndarray]],
+                   header: dict[str, Any] | None) -> int:
+        """``load_records``: whole records written around the engine's write path, then the
+        version clock, step and policy state moved forward to cover them."""
+        top = [self._version]
+
+        def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for keys, recs in batches:
+                keys = self.normalize_keys(keys)
+                if len(keys) == 0:
+                    continue
+                if getattr(recs, "dtype", None) != self.layout.dtype or len(recs) != len(keys):
+                    raise SchemaMismatchError(
+                        f"records do not match the store layout {self.layout}")
+                top[0] = max(top[0], int(recs["version"].max()))
+                if not distinct(keys):
+                    uniq, last = unique_last(keys)
+                    keys, recs = uniq, recs[last]
+                yield keys, recs
+
+        n = self._backend.bulk_load(clean())
+        for obs in self._observers:  # bulk loads bypass the engine's writes: indexes resync
+            obs.on_bulk_load()
+        self._version = max(self._version, top[0])
+        policy = self._policy
+        if header:
+            self.step = max(self.step, int(header.get("step", 0)))
+            policy.load_from_header(header.get("extra") or {})
+        if policy.eviction is not None:
+            policy.resync_rows(self)  # type: ignore[arg-type]  # the store is the host
+            policy.maybe_evict(self)  # type: ignore[arg-type]
+        return n
+
+    def _as_host(self) -> PolicyHost:
+        # EmbeddingStore, the one class that mixes this in, is the policies' host
+        return cast("PolicyHost", self)
+
+    def _lookup_rows(self, k: np.ndarray, c: np.ndarray | None, insert: bool) -> np.ndarray:
+        """``lookup`` of a clean non-empty key array: read, insert the misses a policy admits."""
+        n = len(k)
+        if (insert and not self.read_only and self._backend.supports_lookup_insert
+                and self._policy.admission is None):
+            # No policy to ask: the backend places the new keys as it finds them missing (one
+            # pass instead of a read and then a write); observers learn which keys were new.
+            vectors, new = self._lookup_insert(k)
+            n_new = int(np.count_nonzero(new))
+            if n_new:
+                # every occurrence of a new key missed (a repeated one is inserted once)
+                misses = n if n_new == n else int(np.count_nonzero(np.isin(k, k[new])))
+                self._stats["hits"] += n - misses
+                self._stats["misses"] += misses
+                self._stats["inserts"] += n_new
+                self._policy.maybe_evict(self._as_host())
+            else:
+                self._stats["hits"] += n
+            return vectors
+        vectors, found = self._backend.get_field(k, "vector")
+        vectors = self.layout.vectors(vectors)
+        nfound = int(np.count_nonzero(found))
+        self._stats["hits"] += nfound
+        if nfound == n:
+            return vectors
+        self._stats["misses"] += n - nfound
+        if nfound == 0:  # a batch of only new keys (a table being filled): no masking
+            miss_keys = k
+            vectors = new_vecs = self._initial(k)
+        else:
+            miss = ~found
+            miss_keys = k[miss]
+            new_vecs = self._initial(miss_keys)
+            vectors[miss] = new_vecs
+        if insert and not self.read_only:
+            miss_counts = None if c is None else (c if nfound == 0 else c[~found])
+            if distinct(miss_keys):
+                uniq, seen = miss_keys, miss_counts
+            else:
+                uniq, first = unique_first(miss_keys)
+                new_vecs = new_vecs[first]
+                seen = (occurrences(miss_keys, uniq) if miss_counts is None
+                        else sum_counts(miss_keys, uniq, miss_counts))
+            if self._policy.admission is not None:
+                if seen is None:
+                    seen = np.ones(len(uniq), dtype=np.int64)
+                ok = self._policy.admit_lookup(uniq, seen)
+                uniq, new_vecs = uniq[ok], new_vecs[ok]
+            if len(uniq):
+                self._stats["inserts"] += self._insert(uniq, new_vecs)
+                self._policy.maybe_evict(self._as_host())
+        return vectors
+
+    def _apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None) -> None:
+        """``update`` of clean keys and gradients: one optimizer step per distinct key."""
+        uniq, summed, mult = coalesce(k, g)
+        if c is not None:
+            mult = sum_counts(k, uniq, c)
+        self.step += 1
+        self._stats["updates"] += len(k)
+        axpy = self.optimizer.axpy_step(summed) if self.layout.is_wide else None
+        if axpy is not None and self._backend.supports_row_update:
+            # The step is plain field arithmetic: the backend applies it where the records
+            # live (observers are told the same arithmetic); only keys without a record yet
+            # go the general way below.
+            stamps = {"last_seen": self._clock(), "last_step": self.step,
+                      "version": self._next_version()}
+            names = self.layout.meta_names
+            row_update = RowUpdate(
+                axpy, {"count": mult} if "count" in names else {},
+                {f: v for f, v in stamps.items() if f in names})
+            found = self._backend.update_rows(uniq, row_update)
+            for obs in self._observers:
+                obs.on_row_update(uniq, row_update, found)
+            if found.all():
+                self._policy.after_update(self._as_host())
+                return
+            new = ~found
+            uniq, summed, mult = uniq[new], summed[new], mult[new]
+        self._update_records(uniq, summed, mult)
+        self._policy.after_update(self._as_host())

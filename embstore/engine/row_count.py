@@ -16,34 +16,25 @@ backend declares ``cheap_size = False`` there and ``stats()`` leaves ``size_byte
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend
 from ..errors import BackendError
 
-
-def count_is_cheap(backend: Any) -> bool:
-    """True when ``len(backend)`` reads no rows."""
-    return _declared(backend, "cheap_len", False)
+if TYPE_CHECKING:
+    from .protocols import StoreObserver
 
 
-def size_is_cheap(backend: Any) -> bool:
-    """True when ``backend.size_bytes()`` reads no rows."""
-    return _declared(backend, "cheap_size", True)
+def count_is_cheap(backend: Backend) -> bool:
+    """True when ``len(backend)`` reads no rows (:attr:`Backend.cheap_len`)."""
+    return bool(backend.cheap_len)
 
 
-def _declared(backend: Any, flag: str, default: bool) -> bool:
-    declared = getattr(backend, flag, None)
-    if declared is not None:
-        return bool(declared)
-    shards = getattr(backend, "shards", None)
-    if isinstance(shards, (list, tuple)) and shards:
-        return all(_declared(s, flag, default) for s in shards)
-    for name in ("remote", "inner"):  # a cache layer's remote, a WrapperBackend's inner
-        wrapped = getattr(backend, name, None)
-        if isinstance(wrapped, Backend) and wrapped is not backend:
-            return _declared(wrapped, flag, default)
-    return default
+def size_is_cheap(backend: Backend) -> bool:
+    """True when ``backend.size_bytes()`` reads no rows (:attr:`Backend.cheap_size`)."""
+    return bool(backend.cheap_size)
 
 
 def measure_rows(backend: Backend, count_rows: bool | None, out: dict[str, Any]) -> None:
@@ -69,3 +60,23 @@ def measure_size(backend: Backend, count_rows: bool | None, out: dict[str, Any])
         return
     if size is not None:
         out["size_bytes"] = int(size)
+
+
+def store_stats(backend: Backend, counters: Mapping[str, int], count_rows: bool | None, *,
+                step: int, version: int, policy: Mapping[str, Any],
+                observers: Iterable[StoreObserver]) -> dict[str, Any]:
+    """``EmbeddingStore.stats()``: the engine's counters and ``hit_rate``, ``step`` and
+    ``version``, the policies', the backend's and every observer's counters, and ``rows`` /
+    ``size_bytes`` where cheap or asked for."""
+    out: dict[str, Any] = dict(counters)
+    measure_rows(backend, count_rows, out)
+    looked = out["lookups"]
+    out["hit_rate"] = out["hits"] / looked if looked else math.nan
+    out["step"] = step
+    out["version"] = version
+    out.update(policy)
+    out.update(backend.stats())
+    for obs in observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
+        out.update(obs.stats())
+    measure_size(backend, count_rows, out)
+    return out

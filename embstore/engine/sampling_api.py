@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from ..retrieval import top_k as _top_k
+from ..sampling import sample as _sample
+from ..sampling import subsample_mask as _subsample_mask
+
 
 class SamplingAPI:
     """``sample``, ``subsample_mask`` and ``top_k`` of :class:`embstore.EmbeddingStore`."""
@@ -42,16 +46,12 @@ class SamplingAPI:
         SampledResult or list of SampledResult
             ``keys``, ``is_positive``, ``prob`` (expected count, for the logQ correction).
         """
-        from ..sampling import sample as _sample
-
         return _sample(self, positive_keys, num_sampled, sampler, offsets=offsets,
                        remove_accidental_hits=remove_accidental_hits, unique=unique, seed=seed)
 
     def subsample_mask(self, keys: Any, t: float = 1e-3, seed: Any = None) -> np.ndarray:
         """word2vec's frequency subsampling: a bool mask keeping each occurrence of ``keys``
         with probability ``(sqrt(f / t) + 1) * t / f`` (``f``: the key's share of counts)."""
-        from ..sampling import subsample_mask as _subsample_mask
-
         return _subsample_mask(self, keys, t, seed)
 
     def top_k(self, queries: Any, k: int, exclude: Any = None, *,
@@ -77,6 +77,4 @@ class SamplingAPI:
             The result is a :class:`embstore.retrieval.TopKResult`: it unpacks as
             ``(keys, scores)``, and its ``valid`` mask is False at padded places.
         """
-        from ..retrieval import top_k as _top_k
-
         return _top_k(self, queries, k, exclude, batch_size=batch_size)

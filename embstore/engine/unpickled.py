@@ -10,10 +10,12 @@ pool reports it back to the caller like any other task failure.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NoReturn
 
 from ..errors import EmbstoreError
 from ..urls import redact_url
+from .protocols import StoreProtocol, protocol_members
 
 __all__ = ["UnopenedStore"]
 
@@ -66,6 +68,33 @@ class UnopenedStore:
 
     def __repr__(self) -> str:
         return f"<UnopenedStore {self.url!r}: {type(self.error).__name__}: {self.error}>"
+
+
+def _raising_method(declared: Any) -> Any:
+    # the declared signature (``functools.wraps`` sets ``__wrapped__``, which
+    # ``inspect.signature`` follows): the stand-in is held to the protocol like a real store
+    @functools.wraps(declared)
+    def method(self: UnopenedStore, *args: Any, **kwargs: Any) -> NoReturn:
+        self._fail()
+
+    return method
+
+
+def _raising_property(name: str) -> property:
+    def get(self: UnopenedStore) -> NoReturn:
+        self._fail()
+
+    return property(get, doc=f"Raises the reopen error (``{name}`` of the store).")
+
+
+# Every member of the store protocol, declared here with its signature; it raises the reopen
+# error (``__getattr__`` covers the rest of ``EmbeddingStore``'s surface the same way).
+for _name, _declared in protocol_members(StoreProtocol).items():
+    if _name in UnopenedStore.__dict__ or _name == "url":
+        continue
+    setattr(UnopenedStore, _name, _raising_method(_declared) if callable(_declared)
+            and not isinstance(_declared, property) else _raising_property(_name))
+del _name, _declared
 
 
 class _ReopenError(EmbstoreError, RuntimeError):

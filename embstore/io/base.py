@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import CorruptFileError, InvalidInputError
 from ..layout import Layout
+from .limits import deliver, output_mode
 
 #: rows per chunk yielded by readers
 CHUNK_ROWS = 65536
@@ -148,8 +149,6 @@ def temp_beside(final: str, suffix: str = ".tmp") -> tuple[BinaryIO, str]:
     """A temporary file in the directory of ``final`` (so ``os.replace`` is atomic), or in
     the system's temporary directory when ``final`` is a FIFO or device (see
     :func:`~embstore.io.limits.output_mode`, which also refuses symlinks and the like)."""
-    from .limits import output_mode
-
     if output_mode(final) == "stream":
         d = tempfile.gettempdir()
     else:
@@ -169,8 +168,6 @@ def current_umask() -> int:
 def commit(f: BinaryIO, tmp: str, final: str) -> None:
     """Flush, fsync and rename a temporary file into place (or stream it into a FIFO or
     character device destination)."""
-    from .limits import deliver
-
     f.flush()
     os.fsync(f.fileno())
     f.close()

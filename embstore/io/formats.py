@@ -28,11 +28,14 @@ from ..errors import CorruptFileError, InvalidInputError
 from .base import CHUNK_ROWS, Chunk, FormatReader, FormatWriter
 from .limits import check_input_path
 from .native import MAGIC, NativeReader, NativeWriter
+from .npz import NpzReader, NpzWriter
+from .tsv import TsvReader, TsvWriter
+from .word2vec import Word2VecReader, Word2VecWriter
 
 FORMATS = ("native", "parquet", "npz", "npy", "word2vec", "word2vec-binary", "tsv")
 _ALIASES = {"w2v": "word2vec", "word2vec-text": "word2vec", "w2v-binary": "word2vec-binary",
             "word2vec-bin": "word2vec-binary", "emb": "native", "pq": "parquet"}
-_EXTENSIONS = {
+EXTENSIONS = {
     ".emb": "native", ".embstore": "native", ".parquet": "parquet", ".pq": "parquet",
     ".npz": "npz", ".npy": "npy", ".txt": "word2vec", ".vec": "word2vec", ".w2v": "word2vec",
     ".bin": "word2vec-binary", ".tsv": "tsv",
@@ -51,7 +54,7 @@ def _by_extension(path: str) -> str | None:
     p = path.rstrip("/\\")
     if path.endswith(("/", os.sep)):
         return "npy"
-    return _EXTENSIONS.get(os.path.splitext(p)[1].lower())
+    return EXTENSIONS.get(os.path.splitext(p)[1].lower())
 
 
 def detect_format(path: str | os.PathLike, fmt: str | None = None, *,
@@ -159,19 +162,14 @@ def open_reader(path: str | os.PathLike | BinaryIO | bytes | FormatReader,
     if name == "native":
         return NativeFormatReader(path)
     if name in ("word2vec", "word2vec-binary"):
-        from .word2vec import Word2VecReader
-
         return Word2VecReader(path, binary=name == "word2vec-binary")
     if name in ("npz", "npy"):
-        from .npz import NpzReader
-
         return NpzReader(path)
     if name == "parquet":
+        # deferred: pyarrow (heavy, optional) loads only when a Parquet file is read
         from .parquet import ParquetReader
 
         return ParquetReader(path)
-    from .tsv import TsvReader
-
     return TsvReader(path, dim=dim)
 
 
@@ -186,17 +184,12 @@ def open_writer(dest: str | os.PathLike, meta: dict[str, Any],
     if name == "native":
         return NativeFormatWriter(dest, meta)
     if name in ("word2vec", "word2vec-binary"):
-        from .word2vec import Word2VecWriter
-
         return Word2VecWriter(dest, meta, binary=name == "word2vec-binary")
     if name in ("npz", "npy"):
-        from .npz import NpzWriter
-
         return NpzWriter(dest, meta, npy=name == "npy")
     if name == "parquet":
+        # deferred: pyarrow (heavy, optional) loads only when a Parquet file is written
         from .parquet import ParquetWriter
 
         return ParquetWriter(dest, meta)
-    from .tsv import TsvWriter
-
     return TsvWriter(dest, meta)

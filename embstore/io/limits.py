@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import stat
-import zlib
 from typing import Any
 
 import numpy as np
@@ -59,20 +58,6 @@ def check_inflation(name: str, what: str, stored: int, decoded: int) -> None:
         raise CorruptFileError(
             f"{name}: {what} stores {stored} bytes but decodes to {decoded} bytes (more than "
             f"{MAX_INFLATION}x; a compression bomb?); refused")
-
-
-def inflate(data: bytes, limit: int, what: str) -> bytes:
-    """zlib-decompress ``data``, refusing output beyond ``limit`` bytes before producing it."""
-    d = zlib.decompressobj()
-    try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise CorruptFileError(f"{what} is damaged: {e}") from e
-    if len(out) > limit or d.unconsumed_tail:
-        raise CorruptFileError(f"{what} decompresses to more than {limit} bytes; refused")
-    if not d.eof:
-        raise CorruptFileError(f"{what} is truncated")
-    return out
 
 
 def _int_in_range(v: Any) -> bool:
@@ -140,28 +125,10 @@ def check_count(name: str, what: str, value: Any) -> int:
 
 
 def max_key_bytes(backend: Any) -> int | None:
-    """The longest bytes key ``backend`` (or a layer over several) can store; None: no limit.
-
-    Backends declare it as ``max_key_bytes``; layers are searched through the backends they
-    wrap (a cache's remote and local store, every shard).
-    """
-    limits: list[int] = []
-    seen: set[int] = set()
-
-    def walk(b: Any) -> None:
-        if b is None or id(b) in seen:
-            return
-        seen.add(id(b))
-        own = getattr(b, "max_key_bytes", None)
-        if isinstance(own, int):
-            limits.append(own)
-        for attr in ("remote", "local", "inner", "backend", "_backend"):
-            walk(getattr(b, attr, None))
-        for s in getattr(b, "shards", None) or ():
-            walk(s)
-
-    walk(backend)
-    return min(limits) if limits else None
+    """The longest bytes key ``backend`` can store (its declared ``max_key_bytes``; a layer
+    declares the shortest of the backends it wraps); None: no limit."""
+    limit = backend.max_key_bytes
+    return limit if isinstance(limit, int) else None
 
 
 def check_key_lengths(name: str, keys: np.ndarray, limit: int | None, where: str,

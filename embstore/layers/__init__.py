@@ -11,6 +11,10 @@ from typing import Any
 
 from ..backends.base import Backend
 from ..errors import InvalidInputError
+from ..registry import backend_class
+from .cache.backend import CachedBackend
+from .sharded import ShardedBackend, sharded_url
+from .wrapper import WrapperBackend
 
 LAYER_OPTIONS = ("cache", "cache_capacity", "write_policy", "cache_eviction", "write_behind",
                  "shards", "writer_keys", "lease_seconds")
@@ -35,10 +39,6 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
     options : dict
         Backend options, passed to the remote (every shard).
     """
-    from ..registry import backend_class
-    from .cache.backend import CachedBackend
-    from .sharded import ShardedBackend, sharded_url
-
     layer = dict(layer)
     unknown = set(layer) - set(LAYER_OPTIONS)
     if unknown:
@@ -73,19 +73,3 @@ def build_backend(url: str, *, read_only: bool, layer: dict[str, Any],
         remote.close()
         raise
 
-
-def __getattr__(name: str) -> Any:
-    # Lazy, so importing embstore.layers does not import the cache/shard modules.
-    if name == "WrapperBackend":
-        from .wrapper import WrapperBackend
-
-        return WrapperBackend
-    if name == "CachedBackend":
-        from .cache.backend import CachedBackend
-
-        return CachedBackend
-    if name == "ShardedBackend":
-        from .sharded import ShardedBackend
-
-        return ShardedBackend
-    raise AttributeError(name)

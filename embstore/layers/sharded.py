@@ -31,6 +31,7 @@ from ..backends.base import Backend
 from ..engine.row_count import count_is_cheap
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from ..layout import Layout
+from ..registry import backend_class
 
 SCHEME = "sharded"
 #: the ``format`` recorded in each shard's metadata (the engine's is ``"embstore"``)
@@ -92,7 +93,6 @@ class ShardedBackend(Backend):
                 elif isinstance(s, str):
                     if s.lower().startswith(f"{SCHEME}://"):
                         raise InvalidURLError("a shard cannot itself be a sharded:// URL")
-                    from ..registry import backend_class
 
                     opened.append(backend_class(s)(s, read_only=read_only, **options))
                 else:
@@ -275,6 +275,23 @@ class ShardedBackend(Backend):
         for (_, pos), f in zip(parts, got):
             present[pos] = f
         return present
+
+    # -- capabilities: those of every shard --------------------------------------------------------
+    @property
+    def cheap_len(self) -> bool:  # type: ignore[override]
+        """Every shard counts its rows without reading them."""
+        return all(b.cheap_len for b in self.shards)
+
+    @property
+    def cheap_size(self) -> bool:  # type: ignore[override]
+        """Every shard tells its size without reading rows."""
+        return all(b.cheap_size for b in self.shards)
+
+    @property
+    def max_key_bytes(self) -> int | None:  # type: ignore[override]
+        """The shortest key limit of the shards (None: no limit)."""
+        limits = [b.max_key_bytes for b in self.shards if b.max_key_bytes is not None]
+        return min(limits) if limits else None
 
     def __len__(self) -> int:
         return int(sum(self._map(lambda i: len(self.shards[i]), range(self.n))))

@@ -16,7 +16,7 @@ import numpy as np
 from ..backends.base import Backend, ModifyFn, RowUpdate
 from ..layout import Layout
 
-_T = TypeVar("_T", bool, str)
+_T = TypeVar("_T")
 
 
 class _InnerFlag(Generic[_T]):
@@ -69,6 +69,11 @@ class WrapperBackend(Backend):
     supports_lookup_insert = _InnerFlag[bool]()
     thread_safe = _InnerFlag[bool]()
     scheme = _InnerFlag[str]()
+    cheap_len = _InnerFlag[bool]()
+    cheap_size = _InnerFlag[bool]()
+    max_key_bytes = _InnerFlag["int | None"]()
+    #: the slot methods are not forwarded, so a layer is never slot-addressed itself
+    supports_slots = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:

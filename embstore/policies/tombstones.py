@@ -40,6 +40,22 @@ class TombstoneLog:
         if self._n > self.max_entries:
             self._trim(self.max_entries // 2)
 
+    def _load(self, keys: np.ndarray, versions: np.ndarray) -> None:
+        self._keys, self._versions, self._n = [keys], [versions.astype(np.int64)], len(keys)
+
+    @classmethod
+    def from_entries(cls, key_type: str, keys: np.ndarray, versions: np.ndarray,
+                     floor: int = 0) -> TombstoneLog:
+        """A log holding ``(key, version)`` entries (aligned arrays, oldest first)."""
+        log = cls(key_type, floor=floor)
+        if len(keys):
+            log._load(keys, versions)
+        return log
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every ``(key, version)`` entry as two aligned arrays, oldest first."""
+        return self._flat()
+
     def _flat(self) -> tuple[np.ndarray, np.ndarray]:
         if not self._keys:
             dt = np.int64 if self.key_type == "int64" else object
@@ -86,7 +102,7 @@ class TombstoneLog:
         keys = decode_keys(obj.get("keys"), key_type)
         vers = np.frombuffer(base64.b64decode(obj.get("versions", "")), dtype="<i8")
         if len(keys) == len(vers) and len(keys):
-            log._keys, log._versions, log._n = [keys], [vers.astype(np.int64)], len(keys)
+            log._load(keys, vers)
         return log
 
 

@@ -47,8 +47,9 @@ def _rng(idx_rng: np.random.Generator | None, seed: Any) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def _positives(store: Any, positive_keys: Any, offsets: Any) -> tuple[bool, list[np.ndarray]]:
-    """Normalize positives to per-example key arrays; tell whether a batch was given."""
+def group_positives(store: Any, positive_keys: Any, offsets: Any) -> tuple[bool, list[np.ndarray]]:
+    """Normalize positives to per-example key arrays; tell whether a batch was given
+    (``offsets`` splits a flat array of keys into examples)."""
     if offsets is not None:
         flat = store.normalize_keys(positive_keys)
         off = np.asarray(offsets)
@@ -137,7 +138,7 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
     store.check_open()
     sampler = resolve_sampler(sampler)
     m = check_num_sampled(num_sampled)
-    batch, positives = _positives(store, positive_keys, offsets)
+    batch, positives = group_positives(store, positive_keys, offsets)
     flat_pos = (np.concatenate(positives) if len(positives) > 1
                 else positives[0] if positives else store.normalize_keys([]))
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import embstore
+from embstore.backends.base import RowUpdate
 
 DIM = 8
 
@@ -20,8 +21,6 @@ class BackendPrimitiveConformance:
     :class:`~embstore.testing.conformance.StoreConformance`)."""
 
     def test_backend_row_update_changes_found_rows_only(self):
-        from embstore.backends.base import RowUpdate
-
         s = self.open()
         if not s.layout.is_wide:
             pytest.skip("16-bit rows are stepped through modify (no float32 field to add to)")

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+import embstore
+
 
 def keys_of(i: int, keyspace: int, batch: int) -> np.ndarray:
     """The keys batch ``i`` writes: deterministic, distinct, overlapping other batches."""
@@ -48,8 +50,6 @@ def keys_of(i: int, keyspace: int, batch: int) -> np.ndarray:
 
 
 def _open(url: str, dim: int | None, options: dict[str, Any]):
-    import embstore
-
     return embstore.open(url, dim=dim, optimizer=embstore.optim.SGD(lr=1.0), **options)
 
 

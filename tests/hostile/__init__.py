@@ -260,7 +260,7 @@ def long_key_file(path: Path, fmt: str, rows: int = 300, at: int = 250,
     """A valid file of ``rows`` bytes/text keys in ``fmt``, one of them (the ``at``-th
     assigned; a scan puts it after the first hundred rows) ``key_len`` bytes long: too long
     for LMDB's 511 and Bigtable's 4096-byte key limits."""
-    from embstore.io.transfer import export_file
+    from embstore.transfer import export_file
 
     s = embstore.open("memory://", dim=DIM, key_type="bytes", optimizer="adagrad")
     keys = [b"w%d" % i for i in range(rows)]

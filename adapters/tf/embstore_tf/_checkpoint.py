@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+import embstore
 from embstore.errors import CorruptFileError, EmbstoreError, ReadOnlyError, SchemaMismatchError
 
 FORMAT = "embstore.rows/1"
@@ -65,8 +66,6 @@ def replace_rows(store: Any, rows: bytes, *, step: int | None = None, what: str 
     ReadOnlyError
         The store is open read-only.
     """
-    import embstore
-
     what = what or f"restore into {store.url}"
     if store.read_only:
         raise ReadOnlyError(f"{what}: the store is open read-only; restoring rows writes it")

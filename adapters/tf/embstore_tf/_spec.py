@@ -20,6 +20,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import embstore
 from embstore.errors import (
     CorruptFileError,
     EmbstoreError,
@@ -149,8 +150,6 @@ def open_store(spec: Any, layer_name: str | None = None) -> Any:
     CorruptFileError
         The entry is malformed, out of bounds, or names a persistent store that does not exist.
     """
-    import embstore
-
     writable, stores, opened = LOADING.get()
     url = spec.get("url") if isinstance(spec, dict) else None
     for name in (layer_name, url):

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from embstore.errors import CorruptFileError, EmbstoreError, InvalidInputError, ReadOnlyError
+from embstore.io.limits import check_inflation
 
 from ._checkpoint import RowsCheckpoint, replace_rows
 from ._spec import LOADING, open_store, store_spec
@@ -261,8 +262,6 @@ def loading_stores(*, writable: bool = False,
 
 def _check_archive(path: Any) -> None:
     """Refuse a ``.keras`` archive whose members would inflate absurdly (zip bombs)."""
-    from embstore.io.limits import check_inflation
-
     try:
         with zipfile.ZipFile(path) as zf:
             for info in zf.infolist():

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError, KeyTypeError
 
 from .layers import DynamicEmbedding, keras
@@ -35,7 +36,7 @@ from .layers import DynamicEmbedding, keras
 __all__ = ["StaticEmbedding", "serving_model", "export_serving", "snapshot"]
 
 
-def snapshot(store: Any, batch_size: int = 65536) -> tuple[np.ndarray, np.ndarray]:
+def snapshot(store: StoreProtocol, batch_size: int = 65536) -> tuple[np.ndarray, np.ndarray]:
     """Every ``(key, vector)`` of ``store``: int64 keys sorted, bytes keys as an object array.
     """
     keys, vecs = [], []
@@ -114,7 +115,8 @@ class StaticEmbedding(keras.layers.Layer):
             self.index = tf.lookup.StaticHashTable(init, default_value=self.size)
 
     @classmethod
-    def from_store(cls, store: Any, *, default: Any = None, **kwargs: Any) -> StaticEmbedding:
+    def from_store(cls, store: StoreProtocol, *, default: Any = None,
+                   **kwargs: Any) -> StaticEmbedding:
         """A snapshot of every row of ``store``."""
         keys, vectors = snapshot(store)
         return cls(keys, vectors, default=default, key_type=store.key_type, **kwargs)

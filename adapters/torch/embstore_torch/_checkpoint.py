@@ -16,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
+import embstore
+from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError, SchemaMismatchError
 
 FORMAT = "embstore.rows/1"
 
 
-def store_state(store: Any, rows: bool = True) -> dict[str, Any]:
+def store_state(store: StoreProtocol, rows: bool = True) -> dict[str, Any]:
     """A snapshot of every record of ``store`` and its step, as plain Python values (with
     ``rows=False`` a reference only: ``"rows"`` is None)."""
     blob = None
@@ -33,7 +35,7 @@ def store_state(store: Any, rows: bool = True) -> dict[str, Any]:
             "key_type": store.key_type, "step": int(store.step), "rows": blob}
 
 
-def restore_store(store: Any, state: Any, where: str = "") -> None:
+def restore_store(store: StoreProtocol, state: Any, where: str = "") -> None:
     """Make ``store`` hold exactly the snapshot ``state``: its rows (vectors, slots, counts)
     and its step. Rows written after the snapshot are deleted; ``version`` keeps moving
     forward (incremental exports see the restore as new writes and deletions)."""
@@ -62,9 +64,7 @@ def restore_store(store: Any, state: Any, where: str = "") -> None:
     store.flush()
 
 
-def _verify(store: Any, rows: bytes, what: str) -> None:
-    import embstore
-
+def _verify(store: StoreProtocol, rows: bytes, what: str) -> None:
     with embstore.open("memory://", dim=store.dim, key_type=store.key_type,
                        optimizer=store.optimizer) as probe:
         try:

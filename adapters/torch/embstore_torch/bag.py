@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from embstore.errors import InvalidInputError
 
 from . import _compiled
-from ._bridges import _StoreBag, _StoreRows
+from ._bridges import StoreBag, StoreRows
 from ._keys import prepare_bags
-from .modules import _collective, _empty_output, _padding_key, _StoreModule
+from .modules import StoreModule, empty_output, padding_key_of, store_is_collective
 
 __all__ = ["DynamicEmbeddingBag"]
 
 
-class DynamicEmbeddingBag(_StoreModule):
+class DynamicEmbeddingBag(StoreModule):
     """Pooled embeddings of multi-valued features, like ``nn.EmbeddingBag`` over a store.
 
     Parameters
@@ -55,7 +55,7 @@ class DynamicEmbeddingBag(_StoreModule):
             raise InvalidInputError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         if scale_grad_by_freq and mode == "max":
             raise InvalidInputError("mode='max' does not support scale_grad_by_freq (as torch)")
-        super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx),
+        super().__init__(store, trainable, count, padding_key_of(store, padding_key, padding_idx),
                          max_norm, norm_type, scale_grad_by_freq)
         self.mode = mode
         self.include_last_offset = bool(include_last_offset)
@@ -116,17 +116,17 @@ class DynamicEmbeddingBag(_StoreModule):
                 raise InvalidInputError("per_sample_weights must have one weight per key")
         batch, offs, size, psw = self._drop_padding(batch, offs, size, psw)
         inv = batch.inv
-        if len(batch.uniq) == 0 and not _collective(self.store):
-            return _empty_output((len(offs), self.embedding_dim), self)
+        if len(batch.uniq) == 0 and not store_is_collective(self.store):
+            return empty_output((len(offs), self.embedding_dim), self)
         vectors, sink = self._lookup(batch)
         if sink is None:
             out = F.embedding_bag(inv, torch.from_numpy(vectors), offs, mode=self.mode,
                                   per_sample_weights=psw)
         elif self.mode == "max":
-            rows = _StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
+            rows = StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
             out = F.embedding_bag(inv, rows, offs, mode="max")
         else:
-            out = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors, batch, offs,
+            out = StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors, batch, offs,
                                   size, self.mode, sink)
         return self._output(out)
 

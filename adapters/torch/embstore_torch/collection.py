@@ -18,14 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embstore._keys import normalize_keys
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
+from embstore.keys import normalize_keys
 
 from . import _compiled
-from ._bridges import _StoreBag, _StoreGather, _StoreRows
-from ._keys import KeyBatch, _int_batch, factorize
+from ._bridges import StoreBag, StoreGather, StoreRows
+from ._keys import KeyBatch, factorize, int_batch
 from .jagged import PooledFeatures, as_keyed_jagged
-from .modules import _padding_key, _StoreModule
+from .modules import StoreModule, padding_key_of
 
 __all__ = ["DynamicEmbeddingBagCollection"]
 
@@ -33,10 +34,10 @@ _MODES = ("sum", "mean", "max")
 _BLOCK = "\0block"  # _pool_table's (features, batch, dim) result, beside the per-feature views
 
 
-class _Table(_StoreModule):
+class _Table(StoreModule):
     """One table of the collection: its store, lookup, padding key and checkpoint entry."""
 
-    def __init__(self, store: Any, trainable: bool | None, count: bool,
+    def __init__(self, store: StoreProtocol, trainable: bool | None, count: bool,
                  padding_key: Any) -> None:
         super().__init__(store, trainable, count, padding_key)
 
@@ -44,7 +45,7 @@ class _Table(_StoreModule):
         vectors, sink = self._lookup(batch)
         if sink is None:
             return torch.from_numpy(vectors)
-        return _StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
+        return StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
 
 
 class DynamicEmbeddingBagCollection(nn.Module):
@@ -108,7 +109,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         pads = (padding_key if isinstance(padding_key, Mapping)
                 else dict.fromkeys(tables, padding_key))
         self.embedding_bags = nn.ModuleDict({
-            name: _Table(store, trainable, count, _padding_key(store, pads.get(name), None))
+            name: _Table(store, trainable, count, padding_key_of(store, pads.get(name), None))
             for name, store in tables.items()})
         self.features = features
         self.pooling = modes
@@ -185,10 +186,10 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 pooled = F.embedding_bag(batch.inv, torch.from_numpy(vectors), offs,
                                          mode=mode, per_sample_weights=psw)
             elif size and psw is None:  # every bag one id: the fused gather
-                pooled = _StoreGather.apply(torch.empty(0, requires_grad=True), vectors,
+                pooled = StoreGather.apply(torch.empty(0, requires_grad=True), vectors,
                                             batch, sink)
             else:
-                pooled = _StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors,
+                pooled = StoreBag.apply(torch.empty(0, requires_grad=True), psw, vectors,
                                          batch, offs, size, mode, sink)
             block = pooled.reshape(len(feats), stride, -1)
             return {**dict(zip(feats, block, strict=True)), _BLOCK: block}
@@ -222,7 +223,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
             if whole and not self.namespaces and isinstance(values, (np.ndarray, torch.Tensor)):
                 flat = (normalize_keys(values, "int64") if isinstance(values, np.ndarray)
                         else _int_tensor(values))
-                return _int_batch(flat, (len(flat),))
+                return int_batch(flat, (len(flat),))
             if isinstance(values, torch.Tensor):
                 arr = _int_tensor(values)
                 parts = [arr[a:b] for a, b in spans]
@@ -233,7 +234,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
             parts = [_int_namespace(p, self.namespaces.get(f), f) for p, f in zip(
                 parts, feats, strict=True)]
             flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            return _int_batch(np.ascontiguousarray(flat, dtype=np.int64), (len(flat),))
+            return int_batch(np.ascontiguousarray(flat, dtype=np.int64), (len(flat),))
         named = any(f in self.namespaces for f in feats)
         if whole and not named:
             flat = values if isinstance(values, np.ndarray) else _objects(values)

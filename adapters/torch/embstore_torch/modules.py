@@ -1,4 +1,4 @@
-"""``DynamicEmbedding`` and what every store-backed module shares (``_StoreModule``).
+"""``DynamicEmbedding`` and what every store-backed module shares (``StoreModule``).
 
 The store holds the vectors and applies their updates itself (its own optimizer), so these
 modules own no ``nn.Parameter``; the autograd bridges that carry a backward's gradient into
@@ -23,9 +23,9 @@ from embstore._keys import normalize_keys
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
 
 from . import _compiled
-from ._bridges import _Sink, _StoreGather, _StoreRows
+from ._bridges import Sink, StoreGather, StoreRows
 from ._checkpoint import restore_store, store_state
-from ._keys import KeyBatch, _int_batch, factorize, prepare
+from ._keys import KeyBatch, factorize, int_batch, prepare
 
 __all__ = ["DynamicEmbedding", "TracingUnsupportedError", "store_rows"]
 
@@ -100,16 +100,16 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
     if not (trainable and torch.is_grad_enabled()):
         return torch.from_numpy(vectors)
     trigger = torch.empty(0, requires_grad=True)
-    return _StoreRows.apply(trigger, vectors, _Sink(store, keys, counts))
+    return StoreRows.apply(trigger, vectors, Sink(store, keys, counts))
 
 
-def _collective(store: Any) -> bool:
+def store_is_collective(store: Any) -> bool:
     """Whether every rank must call ``store`` in step (``embstore_torch.distributed.store``): an
     empty batch then still looks up, and its backward still updates, with no keys."""
     return bool(getattr(store, "collective", False))
 
 
-def _padding_key(store: Any, padding_key: Any, padding_idx: Any) -> Any:
+def padding_key_of(store: Any, padding_key: Any, padding_idx: Any) -> Any:
     """The padding key in the store's key form (int, or bytes), or None."""
     if padding_idx is not None:
         if padding_key is not None:
@@ -120,7 +120,7 @@ def _padding_key(store: Any, padding_key: Any, padding_idx: Any) -> Any:
     return normalize_keys([padding_key], store.key_type)[0]
 
 
-class _StoreModule(nn.Module):
+class StoreModule(nn.Module):
     #: Whether ``state_dict()`` carries the store's rows (True) or only a reference to the
     #: store (url, dim, key type, step) for tables too large to snapshot per checkpoint.
     checkpoint_rows: bool = True
@@ -169,7 +169,7 @@ class _StoreModule(nn.Module):
             self.register_buffer("_trigger", torch.zeros(0, requires_grad=True),
                                  persistent=False)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _StoreModule:
+    def __deepcopy__(self, memo: dict[int, Any]) -> StoreModule:
         """A copy over the *same* store object (EMA, ``AveragedModel``): the store is a
         database handle, not a tensor, so its rows are shared, never duplicated."""
         memo.setdefault(id(self.store), self.store)
@@ -224,7 +224,7 @@ class _StoreModule(nn.Module):
                 return i
         return None
 
-    def _lookup(self, batch: KeyBatch) -> tuple[np.ndarray, _Sink | None]:
+    def _lookup(self, batch: KeyBatch) -> tuple[np.ndarray, Sink | None]:
         """Vectors of the distinct keys, and the sink of their gradient (None: frozen).
 
         Unknown keys are inserted only by a training forward a backward can follow
@@ -285,7 +285,7 @@ class _StoreModule(nn.Module):
             self.store.assign(picked, vectors[over])
         return vectors
 
-    def _sink(self, batch: KeyBatch, keys: Any, pad: int | None) -> _Sink:
+    def _sink(self, batch: KeyBatch, keys: Any, pad: int | None) -> Sink:
         counts = None
         if self._counts:
             counts = (batch.group()[2] if self.count
@@ -293,7 +293,7 @@ class _StoreModule(nn.Module):
             if pad is not None:
                 counts = np.delete(counts, pad)
         freq = batch.group()[2] if self.scale_grad_by_freq else None
-        return _Sink(self.store, keys, counts, pad, freq)
+        return Sink(self.store, keys, counts, pad, freq)
 
     def _drop_padding(self, batch: KeyBatch, offs: torch.Tensor, size: int,
                       psw: torch.Tensor | None) -> tuple:
@@ -311,7 +311,7 @@ class _StoreModule(nn.Module):
         offs = torch.from_numpy(np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64))
         rows = inv[keep]
         if isinstance(batch.uniq, np.ndarray) and batch.uniq.dtype != object:
-            batch = _int_batch(batch.uniq[rows], (len(rows),))
+            batch = int_batch(batch.uniq[rows], (len(rows),))
         else:
             uniq, new_inv = factorize([batch.uniq[i] for i in rows])
             batch = KeyBatch(uniq, torch.from_numpy(new_inv), (len(rows),))
@@ -334,7 +334,7 @@ class _StoreModule(nn.Module):
                 f"trainable={self.trainable}{pad}")
 
 
-def _empty_output(shape: tuple[int, ...], module: _StoreModule) -> torch.Tensor:
+def empty_output(shape: tuple[int, ...], module: StoreModule) -> torch.Tensor:
     """The output of an empty batch: zeros in the module's dtype and device, requiring grad
     where a trainable module's would, so ``loss.backward()`` runs (and writes nothing)."""
     grad = module.trainable and torch.is_grad_enabled()
@@ -342,7 +342,7 @@ def _empty_output(shape: tuple[int, ...], module: _StoreModule) -> torch.Tensor:
                        requires_grad=grad)
 
 
-class DynamicEmbedding(_StoreModule):
+class DynamicEmbedding(StoreModule):
     """An embedding layer over an :class:`embstore.EmbeddingStore`: no vocabulary, no size.
 
     Parameters
@@ -399,7 +399,7 @@ class DynamicEmbedding(_StoreModule):
                  padding_key: Any = None, padding_idx: Any = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False) -> None:
-        super().__init__(store, trainable, count, _padding_key(store, padding_key, padding_idx),
+        super().__init__(store, trainable, count, padding_key_of(store, padding_key, padding_idx),
                          max_norm, norm_type, scale_grad_by_freq)
 
     def forward(self, input: Any) -> torch.Tensor:
@@ -412,11 +412,11 @@ class DynamicEmbedding(_StoreModule):
 
     def _forward(self, input: Any) -> torch.Tensor:
         batch = prepare(input)
-        if len(batch.uniq) == 0 and not _collective(self.store):
-            return _empty_output((*batch.shape, self.embedding_dim), self)
+        if len(batch.uniq) == 0 and not store_is_collective(self.store):
+            return empty_output((*batch.shape, self.embedding_dim), self)
         vectors, sink = self._lookup(batch)
         if sink is None:
             out = F.embedding(batch.inv, torch.from_numpy(vectors))
         else:
-            out = _StoreGather.apply(torch.empty(0, requires_grad=True), vectors, batch, sink)
+            out = StoreGather.apply(torch.empty(0, requires_grad=True), vectors, batch, sink)
         return self._output(out)

@@ -16,15 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
 
 from ._keys import prepare
-from .modules import _supports_counts, store_rows
+from .modules import store_rows
 
 __all__ = ["SampledSoftmaxLoss", "sampled_logits"]
 
 
-def sampled_logits(hidden: torch.Tensor, labels: Any, store: Any, num_sampled: int,
+def sampled_logits(hidden: torch.Tensor, labels: Any, store: StoreProtocol, num_sampled: int,
                    sampler: Any = None, *, remove_accidental_hits: bool = True,
                    subtract_log_q: bool = True, trainable: bool = True,
                    seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +76,7 @@ def sampled_logits(hidden: torch.Tensor, labels: Any, store: Any, num_sampled: i
         raise InvalidInputError("store.sample did not return the positives first")
     targets = inv.reshape(-1)
     counts = None
-    if trainable and _supports_counts(store):
+    if trainable:
         counts = np.zeros(len(cand), dtype=np.int64)
         counts[:n_pos] = batch.group()[2]
     w = store_rows(store, cand, insert=True, trainable=trainable, counts=counts)
@@ -111,7 +112,7 @@ class SampledSoftmaxLoss(nn.Module):
     >>> loss.backward()                              # updates the sampled output vectors
     """
 
-    def __init__(self, store: Any, num_sampled: int, sampler: Any = None, *,
+    def __init__(self, store: StoreProtocol, num_sampled: int, sampler: Any = None, *,
                  remove_accidental_hits: bool = True, subtract_log_q: bool = True,
                  reduction: str = "mean", trainable: bool | None = None) -> None:
         super().__init__()

@@ -18,7 +18,6 @@ import contextlib
 import functools
 import json
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,14 +29,13 @@ from ...errors import (
     InvalidInputError,
     InvalidURLError,
     SchemaMismatchError,
-    StoreClosedError,
 )
 from ...layout import Layout
 from ..base import Backend, ModifyFn, serialized
 
 try:
     import sqlalchemy as sa
-    from sqlalchemy.pool import NullPool, PoolProxiedConnection
+    from sqlalchemy.pool import NullPool
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
@@ -47,7 +45,8 @@ from . import connection as _sql_conn
 from . import modify as _sql_modify
 from . import ops as _sql_ops
 from . import schema as _sql_schema
-from .rows import align_rows
+from .bulk import bulk_load
+from .rows import align_rows, record_bytes
 from .url import DEFAULT_TABLE as DEFAULT_TABLE
 from .url import parse_store_url as _parse  # tests split URLs through this name
 from .url import validate_table_name as validate_table_name
@@ -67,20 +66,20 @@ def _wrap_errors(fn):
     def inner(self, *args, **kwargs):
         try:
             return locked(self, *args, **kwargs)
-        except self._driver_errors as e:
+        except self.sql.driver_errors as e:
             # The server went away (restart, failover, idle-connection kill): connect again
             # so the store recovers, and replay the call when that is harmless.
             if not _sql_conn.recover_connection(self, e):
-                raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
+                raise BackendError(f"{self.sql.safe_url}: {type(e).__name__}: {e}".strip()) from e
             if not replayable:
                 raise BackendError(
-                    f"{self._safe_url}: the connection was lost during {fn.__name__} "
+                    f"{self.sql.safe_url}: the connection was lost during {fn.__name__} "
                     f"({type(e).__name__}: {e}); reconnected, but the call may or may not "
                     "have taken effect") from e
         try:
             return locked(self, *args, **kwargs)
-        except self._driver_errors as e:
-            raise BackendError(f"{self._safe_url}: {type(e).__name__}: {e}".strip()) from e
+        except self.sql.driver_errors as e:
+            raise BackendError(f"{self.sql.safe_url}: {type(e).__name__}: {e}".strip()) from e
 
     return inner
 
@@ -122,21 +121,8 @@ class SQLBackend(Backend):
         sa_url, name, public = _parse(url, table)
         super().__init__(public, read_only=read_only)
         self.table_name, self.durable = name, bool(durable)
-        self._sa_url = sa_url
-        self._safe_url = sa_url.update_query_dict({"table": name}).render_as_string()
-        self._dialect_name = sa_url.get_backend_name()
-        self._pg_upsert = pg_upsert
-        self._ops: Any = None
-        self._raw: PoolProxiedConnection | None = None
-        self._conn: sa.Connection | None = None
-        self._engine: sa.Engine | None = None
-        self._closed = False
-        self._missing = False
-        self._created_file: str | None = None  # removed by close() if no store was written
-        self._core = False
-        self._bound: tuple[str, int] | None = None
-        self._lock = threading.RLock()
-        self._driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
+        self.sql = _sql_conn.SqlConnection(sa_url, name, pg_upsert)
+        self._lock = self.sql.lock  # what the serialized methods take
         try:
             self._connect(fast_path)
         except BaseException:
@@ -144,47 +130,47 @@ class SQLBackend(Backend):
             raise
 
     @property
-    def max_key_bytes(self) -> int | None:
+    def max_key_bytes(self) -> int | None:  # type: ignore[override]
         """Longest bytes key: PostgreSQL's B-tree index rows hold at most 2704 bytes (2684
         of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
-        return {"postgresql": 2680, "mysql": 767}.get(self._dialect_name)
+        return {"postgresql": 2680, "mysql": 767}.get(self.sql.dialect_name)
 
     # -- connection -------------------------------------------------------------------------------
     def _connect(self, fast_path: bool) -> None:
-        kind = self._dialect_name
+        kind = self.sql.dialect_name
         connect_args: dict[str, Any] = {}
         if kind == "sqlite":
-            path = self._sa_url.database
+            path = self.sql.sa_url.database
             if not os.path.exists(path):
                 parent = os.path.dirname(path)
                 if self.read_only:
-                    self._missing = True  # read_meta says "no store"; nothing is created
+                    self.sql.missing = True  # read_meta says "no store"; nothing is created
                     return
                 if not os.path.isdir(parent):
-                    raise BackendError(f"{self._safe_url}: directory {parent!r} does not exist")
+                    raise BackendError(f"{self.sql.safe_url}: directory {parent!r} does not exist")
                 if not os.access(parent, os.W_OK):
-                    raise BackendError(f"{self._safe_url}: directory {parent!r} is not writable")
-                self._created_file = path
+                    raise BackendError(f"{self.sql.safe_url}: directory {parent!r} is not writable")
+                self.sql.created_file = path
             connect_args = {"check_same_thread": False, "timeout": 60.0,
                             "cached_statements": 256}
-        elif (kind == "postgresql" and self._sa_url.get_driver_name() in ("psycopg", "psycopg2")
-              and "connect_timeout" not in self._sa_url.query):
+        elif (kind == "postgresql" and self.sql.sa_url.get_driver_name() in ("psycopg", "psycopg2")
+              and "connect_timeout" not in self.sql.sa_url.query):
             # libpq waits forever for a server that accepts and never answers
             connect_args = {"connect_timeout": DEFAULT_CONNECT_TIMEOUT}
         try:
-            self._engine = sa.create_engine(self._sa_url, poolclass=NullPool,
+            self.sql.engine = sa.create_engine(self.sql.sa_url, poolclass=NullPool,
                                             connect_args=connect_args)
         except ImportError as e:
             raise BackendUnavailableError(
-                f"the driver for {self._sa_url.drivername!r} is not installed ({e}); for "
+                f"the driver for {self.sql.sa_url.drivername!r} is not installed ({e}); for "
                 "PostgreSQL: pip install 'embstore[postgres]'"
             ) from e
         except Exception as e:  # noqa: BLE001 - unknown dialect, bad URL arguments
-            raise InvalidURLError(f"{self._safe_url}: {e}") from e
-        dbapi = self._engine.dialect.dbapi
+            raise InvalidURLError(f"{self.sql.safe_url}: {e}") from e
+        dbapi = self.sql.engine.dialect.dbapi
         if dbapi is not None and hasattr(dbapi, "Error"):
-            self._driver_errors = (sa.exc.SQLAlchemyError, dbapi.Error)
-        driver = self._sa_url.get_driver_name()
+            self.sql.driver_errors = (sa.exc.SQLAlchemyError, dbapi.Error)
+        driver = self.sql.sa_url.get_driver_name()
         try:
             if fast_path and kind == "sqlite" and driver == "pysqlite":
                 _sql_conn.open_sqlite(self)
@@ -192,18 +178,8 @@ class SQLBackend(Backend):
                 _sql_conn.open_postgres(self)
             else:
                 _sql_conn.open_core(self)
-        except self._driver_errors as e:
-            raise BackendError(f"{self._safe_url}: cannot connect: {e}") from e
-
-    @property
-    def _db(self) -> sa.Engine:
-        """The SQLAlchemy engine, from open until close."""
-        if self._engine is None:
-            raise StoreClosedError(f"{self._safe_url}: the backend is closed")
-        return self._engine
-
-    def _quote(self, name: str) -> str:
-        return self._db.dialect.identifier_preparer.quote_identifier(name)
+        except self.sql.driver_errors as e:
+            raise BackendError(f"{self.sql.safe_url}: cannot connect: {e}") from e
 
     # -- metadata and schema ----------------------------------------------------------------------
     @_wrap_errors
@@ -213,48 +189,39 @@ class SQLBackend(Backend):
     @_wrap_errors
     def write_meta(self, meta: dict) -> None:
         text = json.dumps(meta, sort_keys=True)
-        with self._ops.txn():
-            self._ops.meta_put(text)
-        self._created_file = None  # a store lives here now
+        with self.sql.ops.txn():
+            self.sql.ops.meta_put(text)
+        self.sql.created_file = None  # a store lives here now
 
     @_wrap_errors
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         data, meta, index = _sql_schema.table_definitions(self.table_name, key_type)
-        self._index_name = index.name
-        self._create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
-                                     .compile(dialect=self._db.dialect))
-        cols = self._ops.columns(self.table_name)
+        self.sql.index_name = index.name
+        self.sql.create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
+                                     .compile(dialect=self.sql.db.dialect))
+        cols = self.sql.ops.columns(self.table_name)
         if cols is None:
             if self.read_only:
-                raise SchemaMismatchError(f"{self._safe_url}: table {self.table_name!r} missing")
-            if isinstance(self._ops, _sql_ops.CoreOps):
+                raise SchemaMismatchError(f"{self.sql.safe_url}: table {self.table_name!r} missing")
+            if isinstance(self.sql.ops, _sql_ops.CoreOps):
                 ddl: list = [sa.schema.CreateTable(data, if_not_exists=True),
                              sa.schema.CreateTable(meta, if_not_exists=True),
                              sa.schema.CreateIndex(index, if_not_exists=True)]
             else:
-                d = self._db.dialect
+                d = self.sql.db.dialect
                 ddl = [str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=d))
                        for t in (data, meta)]
-                ddl.append(self._create_index_sql)
-            self._ops.execute_ddl(ddl)
+                ddl.append(self.sql.create_index_sql)
+            self.sql.ops.execute_ddl(ddl)
         else:
             _sql_schema.check_data_columns(self, cols, key_type)
-        self._configure_ops(key_type, layout.itemsize)
-        self._bound = (key_type, layout.itemsize)
-
-    def _configure_ops(self, key_type: str, itemsize: int) -> None:
-        """Tell the statements object the bound key type and record size."""
-        self._ops.key_type, self._ops.itemsize = key_type, itemsize
-        if isinstance(self._ops, _sql_ops.CoreOps):
-            data, meta, _ = _sql_schema.table_definitions(self.table_name, key_type)
-            _sql_ops.CoreOps.__init__(self._ops, self._conn, data, meta, key_type, itemsize)
-        elif isinstance(self._ops, _sql_ops.PostgresOps):
-            self._ops._karr = "int8[]" if key_type == "int64" else "bytea[]"
+        self.sql.configure_ops(key_type, layout.itemsize)
+        self.sql.bound = (key_type, layout.itemsize)
 
     # -- rows -------------------------------------------------------------------------------------
     def _gather(self, keys: np.ndarray, offset: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        fkeys, recbytes = self._ops.fetch(keys)
+        fkeys, recbytes = self.sql.ops.fetch(keys)
         rows, found = align_rows(self.key_type, keys, fkeys)
         n = len(keys)
         if len(fkeys) == 0:
@@ -279,23 +246,19 @@ class SQLBackend(Backend):
 
     @_wrap_errors
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        present = self._ops.present(keys)
+        present = self.sql.ops.present(keys)
         if self.key_type == "int64":
             return np.isin(keys, present)
         s = set(present.tolist())
         return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
 
-    def _raw_records(self, records: np.ndarray) -> np.ndarray:
-        recs = np.ascontiguousarray(records, dtype=self.layout.dtype)
-        return recs.view(np.uint8).reshape(len(recs), self.layout.itemsize)
-
     @_wrap_errors
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
             return
-        raw = self._raw_records(records)
-        with self._ops.txn():  # one transaction per batch: all of it or nothing
-            self._ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
+        raw = record_bytes(self.layout, records)
+        with self.sql.ops.txn():  # one transaction per batch: all of it or nothing
+            self.sql.ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
 
     @_wrap_errors
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
@@ -306,8 +269,8 @@ class SQLBackend(Backend):
             return np.zeros(0, bool)
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
-        with self._ops.txn():
-            done = self._ops.insert_absent(keys, self._raw_records(records),
+        with self.sql.ops.txn():
+            done = self.sql.ops.insert_absent(keys, record_bytes(self.layout, records),
                                            np.ascontiguousarray(records["version"]))
         return self._mask(keys, done)
 
@@ -329,21 +292,21 @@ class SQLBackend(Backend):
     @_wrap_errors
     def modify_meta(self, fn) -> dict:
         """Read, ``fn`` and write the metadata in one transaction (the metadata row locked)."""
-        if self.read_only or self._missing:
+        if self.read_only or self.sql.missing:
             return super().modify_meta(fn)
-        with self._ops.txn():
-            get = getattr(self._ops, "meta_get_for_update", self._ops.meta_get)
+        with self.sql.ops.txn():
+            get = getattr(self.sql.ops, "meta_get_for_update", self.sql.ops.meta_get)
             text = get()
             meta = fn(json.loads(text) if text is not None else None)
-            self._ops.meta_put(json.dumps(meta, sort_keys=True))
+            self.sql.ops.meta_put(json.dumps(meta, sort_keys=True))
         return meta
 
     @_wrap_errors
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, bool)
-        with self._ops.txn():
-            gone = self._ops.delete(keys)
+        with self.sql.ops.txn():
+            gone = self.sql.ops.delete(keys)
         if self.key_type == "int64":
             return np.isin(keys, gone)
         s = set(gone.tolist())
@@ -351,34 +314,34 @@ class SQLBackend(Backend):
 
     @_wrap_errors
     def __len__(self) -> int:
-        if self._missing or not self.is_bound:
+        if self.sql.missing or not self.is_bound:
             return 0
-        return self._ops.count()
+        return self.sql.ops.count()
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        if self._missing or not self.is_bound:
+        if self.sql.missing or not self.is_bound:
             return
 
         def scan_page(after):
-            return self._ops.page(after, batch_size)
+            return self.sql.ops.page(after, batch_size)
 
         yield from _sql_conn.read_pages(self, scan_page, False)
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Records with ``version`` above ``version``, read through the version index."""
-        if self._missing or not self.is_bound:
+        if self.sql.missing or not self.is_bound:
             return
 
         def changes_page(after):
-            return self._ops.changes(int(version), after, batch_size)
+            return self.sql.ops.changes(int(version), after, batch_size)
 
         yield from _sql_conn.read_pages(self, changes_page, True)
 
     @_wrap_errors
     def changes_plan(self, version: int = 0) -> str:
         """The database's query plan for :meth:`changes_since` (shows the index it uses)."""
-        return self._ops.changes_plan(version)
+        return self.sql.ops.changes_plan(version)
 
     @_wrap_errors
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
@@ -389,41 +352,39 @@ class SQLBackend(Backend):
         part-way, the rows before the failure are committed and the error is re-raised (as
         ``put`` per batch would have left them).
         """
-        from .bulk import bulk_load
-
         return bulk_load(self, batches)
 
     @_wrap_errors
     def clear(self) -> None:
-        with self._ops.txn():
-            self._ops.clear()
+        with self.sql.ops.txn():
+            self.sql.ops.clear()
 
     @_wrap_errors
     def flush(self) -> None:
-        if self.read_only or self._ops is None or self.durable:
+        if self.read_only or self.sql.ops is None or self.durable:
             return
-        if isinstance(self._ops, _sql_ops.SQLiteOps):
-            self._ops.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        elif isinstance(self._ops, _sql_ops.PostgresOps):
+        if isinstance(self.sql.ops, _sql_ops.SQLiteOps):
+            self.sql.ops.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        elif isinstance(self.sql.ops, _sql_ops.PostgresOps):
             # A synchronous commit that writes WAL flushes every earlier commit with it.
-            with self._ops.conn.transaction():
-                self._ops.conn.execute("SET LOCAL synchronous_commit = on")
-                self._ops.conn.execute("SELECT txid_current()")
+            with self.sql.ops.conn.transaction():
+                self.sql.ops.conn.execute("SET LOCAL synchronous_commit = on")
+                self.sql.ops.conn.execute("SELECT txid_current()")
 
     @property
-    def cheap_size(self) -> bool:
+    def cheap_size(self) -> bool:  # type: ignore[override]
         # SQLite measures a table with dbstat, which reads every page (see embstore/_rowcount.py)
-        return self._dialect_name != "sqlite"
+        return self.sql.dialect_name != "sqlite"
 
     @_wrap_errors
     def size_bytes(self) -> int | None:
-        if self._missing or not self.is_bound:
+        if self.sql.missing or not self.is_bound:
             return 0
-        return self._ops.size_bytes()
+        return self.sql.ops.size_bytes()
 
     def stats(self) -> dict[str, Any]:
-        out = dict(self.counters)
-        out["sql_dialect"] = self._dialect_name
+        out: dict[str, Any] = dict(self.counters)
+        out["sql_dialect"] = self.sql.dialect_name
         out["sql_table"] = self.table_name
         return out
 
@@ -431,23 +392,23 @@ class SQLBackend(Backend):
         opts: dict[str, Any] = {}
         if not self.durable:
             opts["durable"] = False
-        if self._pg_upsert != "unnest":
-            opts["pg_upsert"] = self._pg_upsert
-        if self._conn is not None and self._dialect_name in ("sqlite", "postgresql"):
+        if self.sql.pg_upsert != "unnest":
+            opts["pg_upsert"] = self.sql.pg_upsert
+        if self.sql.conn is not None and self.sql.dialect_name in ("sqlite", "postgresql"):
             opts["fast_path"] = False
         return opts
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
+        with self.sql.lock:
+            if self.sql.closed:
                 return
-            self._closed = True
+            self.sql.closed = True
             _sql_conn.release_connection(self)
-            self._ops = None
-            if self._engine is not None:
-                self._engine.dispose()
-                self._engine = None
-            created = self._created_file
+            self.sql.ops = None
+            if self.sql.engine is not None:
+                self.sql.engine.dispose()
+                self.sql.engine = None
+            created = self.sql.created_file
             if created is not None and _sql_conn.sqlite_file_is_empty(created):
                 # opened without dim (or failed before the store was made): no empty file left
                 for suffix in ("", "-wal", "-shm", "-journal"):

@@ -14,13 +14,15 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..._cython.cuckoo import CuckooTable
 from . import ops as _sql_ops
+from .rows import record_bytes
 
 _EMPTY = 0xFFFFFFFF
 
 
 def bulk_load(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
-    ops = backend._ops
+    ops = backend.sql.ops
     it = iter(batches)
     failure: list[BaseException] = []
 
@@ -42,32 +44,30 @@ def bulk_load(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         if empty:
             # Building the version index once, sorted, after the load beats maintaining it
             # row by row; DDL is transactional in both databases, so a failure restores it.
-            ops.conn.execute(f"DROP INDEX IF EXISTS {backend._quote(backend._index_name)}")
+            ops.conn.execute(f"DROP INDEX IF EXISTS {backend.sql.quote(backend.sql.index_name)}")
         if empty and isinstance(ops, _sql_ops.PostgresOps) and backend.key_type == "int64":
             n, pending = _pg_copy(backend, ops, next_batch)
         batch = pending if pending is not None else next_batch()
         while batch is not None:
             keys, recs = batch
             if len(keys):
-                ops.upsert(keys, backend._raw_records(recs),
+                ops.upsert(keys, record_bytes(backend.layout, recs),
                            np.ascontiguousarray(recs["version"]))
                 n += len(keys)
             batch = next_batch()
         if empty:
-            ops.conn.execute(backend._create_index_sql)
+            ops.conn.execute(backend.sql.create_index_sql)
     if failure:
         raise failure[0]
     return n
 
 
 def _pg_copy(backend, ops, next_batch):
-    from ..._cython.cuckoo import CuckooTable
-
     seen = CuckooTable(1 << 16)
     n = 0
     pending = None
     with ops.copy_into_table() as cp:
-        cp.write(_sql_ops._PG_COPY_HEADER)
+        cp.write(_sql_ops.PG_COPY_HEADER)
         while (batch := next_batch()) is not None:
             keys, recs = batch
             if not len(keys):
@@ -78,9 +78,9 @@ def _pg_copy(backend, ops, next_batch):
                 pending = batch
                 break
             seen.insert_new(keys, np.zeros(len(keys), np.uint32))
-            cp.write(_sql_ops.copy_payload(keys, backend._raw_records(recs),
+            cp.write(_sql_ops.copy_payload(keys, record_bytes(backend.layout, recs),
                                            np.ascontiguousarray(recs["version"]),
                                            header=False, trailer=False))
             n += len(keys)
-        cp.write(_sql_ops._PG_COPY_TRAILER)
+        cp.write(_sql_ops.PG_COPY_TRAILER)
     return n, pending

@@ -1,22 +1,27 @@
-"""Connection upkeep of the SQL backend (:mod:`embstore.backends.sql`): opening the DBAPI
-connection and its session settings per dialect, telling a dead connection from a failed
-statement, reconnecting after a server restart (also between the pages of a scan), dropping a
-dead connection without the pool's rollback (and its logged traceback), SQLite's
-case-insensitive table names, and the empty SQLite file check before ``close`` removes it.
-Functions of the backend object ``b``; except ``read_pages``, which takes the lock per page,
-they run under its lock (or before the backend is shared).
+"""Connection upkeep of the SQL backend (:mod:`embstore.backends.sql`).
+
+:class:`SqlConnection` holds the connection state the backend's helpers share (the URL, the
+engine, the DBAPI connection, the statements object, the lock); the backend owns one as
+``backend.sql``. The functions below open the DBAPI connection and its session settings per
+dialect, tell a dead connection from a failed statement, reconnect after a server restart (also
+between the pages of a scan), drop a dead connection without the pool's rollback (and its
+logged traceback), handle SQLite's case-insensitive table names, and check for an empty SQLite
+file before ``close`` removes it. They take the backend ``b``; except ``read_pages``, which
+takes the lock per page, they run under its lock (or before the backend is shared).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
+from sqlalchemy.pool import PoolProxiedConnection
 
-from ...errors import BackendError, InvalidInputError
+from ...errors import BackendError, InvalidInputError, StoreClosedError
 from . import ops as _sql_ops
 from .schema import table_definitions
 
@@ -28,14 +33,86 @@ REPLAYABLE = frozenset({"read_meta", "write_meta", "bind", "get", "get_field", "
                         "put", "__len__", "changes_plan", "clear", "flush", "size_bytes"})
 
 
+class SqlConnection:
+    """The connection state of one SQL backend, shared by its helper modules.
+
+    Attributes
+    ----------
+    sa_url : sqlalchemy.URL
+        The database URL (password included).
+    safe_url : str
+        The store's URL for messages (password hidden).
+    table_name, dialect_name, pg_upsert : str
+    engine, conn, raw
+        The SQLAlchemy engine, its Core connection (portable path) or the pooled DBAPI
+        connection (fast paths); None once closed.
+    core : bool
+        The portable SQLAlchemy Core path is in use.
+    ops
+        The statements object of the dialect (``ops.SQLiteOps``, ``PostgresOps``, ``CoreOps``).
+    bound : tuple or None
+        ``(key_type, itemsize)`` once bound: a reconnect configures the new statements with it.
+    lock : threading.RLock
+        One DBAPI connection per backend: threads take turns.
+    driver_errors : tuple of exception types
+        What the driver raises (SQLAlchemy's and the DBAPI's errors).
+    closed, missing : bool
+        Closed; opened read-only where no SQLite file exists (no store).
+    created_file : str or None
+        A SQLite file this backend created, removed by ``close`` while it holds no store.
+    index_name, create_index_sql : str
+        The version index and its DDL (``bulk_load`` drops and rebuilds it).
+    """
+
+    def __init__(self, sa_url: sa.URL, table_name: str, pg_upsert: str) -> None:
+        self.sa_url: Any = sa_url
+        self.safe_url = sa_url.update_query_dict({"table": table_name}).render_as_string()
+        self.table_name = table_name
+        self.dialect_name = sa_url.get_backend_name()
+        self.pg_upsert = pg_upsert
+        self.ops: Any = None
+        self.raw: PoolProxiedConnection | None = None
+        self.conn: sa.Connection | None = None
+        self.engine: sa.Engine | None = None
+        self.closed = False
+        self.missing = False
+        self.created_file: str | None = None
+        self.core = False
+        self.bound: tuple[str, int] | None = None
+        self.lock = threading.RLock()
+        self.driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
+        self.index_name: Any = ""
+        self.create_index_sql = ""
+
+    @property
+    def db(self) -> sa.Engine:
+        """The SQLAlchemy engine, from open until close."""
+        if self.engine is None:
+            raise StoreClosedError(f"{self.safe_url}: the backend is closed")
+        return self.engine
+
+    def quote(self, name: str) -> str:
+        """``name`` quoted as an identifier of this dialect."""
+        return self.db.dialect.identifier_preparer.quote_identifier(name)
+
+    def configure_ops(self, key_type: str, itemsize: int) -> None:
+        """Tell the statements object the bound key type and record size."""
+        self.ops.key_type, self.ops.itemsize = key_type, itemsize
+        if isinstance(self.ops, _sql_ops.CoreOps):
+            data, meta, _ = table_definitions(self.table_name, key_type)
+            self.ops.configure(self.conn, data, meta, key_type, itemsize)
+        elif isinstance(self.ops, _sql_ops.PostgresOps):
+            self.ops.key_array_type = "int8[]" if key_type == "int64" else "bytea[]"
+
+
 def connection_lost(b: Any, error: BaseException | None = None) -> bool:
     """Whether the DBAPI connection is dead (the server closed it or went away)."""
     if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
         return True
-    if b._conn is not None:
-        return bool(b._conn.invalidated or b._conn.closed)
-    if b._raw is not None and b._dialect_name == "postgresql":
-        conn = b._raw.driver_connection
+    if b.sql.conn is not None:
+        return bool(b.sql.conn.invalidated or b.sql.conn.closed)
+    if b.sql.raw is not None and b.sql.dialect_name == "postgresql":
+        conn = b.sql.raw.driver_connection
         return bool(getattr(conn, "broken", False) or conn.closed)
     return False
 
@@ -43,19 +120,19 @@ def connection_lost(b: Any, error: BaseException | None = None) -> bool:
 def recover_connection(b: Any, error: BaseException) -> bool:
     """After a driver error: if the connection is dead, open a new one (same session
     settings, same bound layout) and return True; False when the connection is fine."""
-    with b._lock:
-        if b._closed or b._dialect_name == "sqlite" or not connection_lost(b, error):
+    with b.sql.lock:
+        if b.sql.closed or b.sql.dialect_name == "sqlite" or not connection_lost(b, error):
             return False
         release_connection(b)
         try:
-            if b._core:
+            if b.sql.core:
                 open_core(b)
             else:
                 open_postgres(b)
-            if b._bound is not None:
-                b._configure_ops(*b._bound)
-        except b._driver_errors as e:
-            raise BackendError(f"{b._safe_url}: connection lost ({error}) and reconnecting "
+            if b.sql.bound is not None:
+                b.sql.configure_ops(*b.sql.bound)
+        except b.sql.driver_errors as e:
+            raise BackendError(f"{b.sql.safe_url}: connection lost ({error}) and reconnecting "
                                f"failed: {e}") from e
         b.counters["reconnects"] = b.counters.get("reconnects", 0) + 1
         return True
@@ -65,7 +142,7 @@ def release_connection(b: Any) -> None:
     """Drop the DBAPI connection; a dead one is invalidated rather than closed, so the
     pool does not try (and log a traceback for) a rollback on it."""
     lost = connection_lost(b)
-    for res in (b._raw, b._conn):
+    for res in (b.sql.raw, b.sql.conn):
         if res is None:
             continue
         try:
@@ -75,7 +152,7 @@ def release_connection(b: Any) -> None:
                 res.close()
         except Exception:  # noqa: BLE001 - a broken connection must not raise
             pass
-    b._raw = b._conn = None
+    b.sql.raw = b.sql.conn = None
 
 
 def refuse_case_aliases(b: Any, conn: Any) -> None:
@@ -88,15 +165,15 @@ def refuse_case_aliases(b: Any, conn: Any) -> None:
                            "AND name != ?", (name, name)).fetchone()
         if row is not None:
             raise InvalidInputError(
-                f"{b._safe_url}: table name {b.table_name!r} clashes with the existing "
+                f"{b.sql.safe_url}: table name {b.table_name!r} clashes with the existing "
                 f"{row[0]!r} (SQLite table names ignore case); pick a name that differs in "
                 "more than case")
 
 
 def open_sqlite(b: Any) -> None:
     """Check out the DBAPI connection of a SQLite store and set its session up."""
-    b._raw = b._db.raw_connection()
-    conn = b._raw.driver_connection
+    b.sql.raw = b.sql.db.raw_connection()
+    conn = b.sql.raw.driver_connection
     assert conn is not None  # invariant: a connection just checked out is live
     # autocommit at the driver level; batches use explicit BEGIN IMMEDIATE / COMMIT
     conn.isolation_level = None
@@ -107,14 +184,14 @@ def open_sqlite(b: Any) -> None:
     conn.execute(f"PRAGMA synchronous = {'FULL' if b.durable else 'NORMAL'}")
     conn.execute("PRAGMA busy_timeout = 60000")
     refuse_case_aliases(b, conn)
-    b._ops = _sql_ops.SQLiteOps(conn, b.table_name, b.table_name + "_meta",
-                                b._quote, "int64", 0)
+    b.sql.ops = _sql_ops.SQLiteOps(conn, b.table_name, b.table_name + "_meta",
+                                   b.sql.quote, "int64", 0)
 
 
 def open_postgres(b: Any) -> None:
     """Check out the DBAPI connection of a PostgreSQL store and set its session up."""
-    b._raw = b._db.raw_connection()
-    conn = b._raw.driver_connection
+    b.sql.raw = b.sql.db.raw_connection()
+    conn = b.sql.raw.driver_connection
     assert conn is not None  # invariant: a connection just checked out is live
     if conn.info.transaction_status != 0:  # SQLAlchemy's first-connect probe left one
         conn.rollback()
@@ -122,18 +199,18 @@ def open_postgres(b: Any) -> None:
     conn.execute(f"SET synchronous_commit = {'on' if b.durable else 'off'}")
     if b.read_only:
         conn.execute("SET default_transaction_read_only = on")
-    b._ops = _sql_ops.PostgresOps(conn, b.table_name, b.table_name + "_meta",
-                                  b._quote, "int64", 0, b._pg_upsert)
+    b.sql.ops = _sql_ops.PostgresOps(conn, b.table_name, b.table_name + "_meta",
+                                     b.sql.quote, "int64", 0, b.sql.pg_upsert)
 
 
 def open_core(b: Any) -> None:
     """Open the SQLAlchemy connection of the portable Core path."""
-    b._core = True
-    b._conn = conn = b._db.connect()
-    if b._dialect_name == "sqlite":
+    b.sql.core = True
+    b.sql.conn = conn = b.sql.db.connect()
+    if b.sql.dialect_name == "sqlite":
         refuse_case_aliases(b, conn.connection.driver_connection)
     tables = table_definitions(b.table_name, "int64")
-    b._ops = _sql_ops.CoreOps(b._conn, tables[0], tables[1], "int64", 0)
+    b.sql.ops = _sql_ops.CoreOps(b.sql.conn, tables[0], tables[1], "int64", 0)
 
 
 def read_pages(b: Any, fetch_page: Callable[[Any], tuple[np.ndarray, np.ndarray]],
@@ -144,15 +221,15 @@ def read_pages(b: Any, fetch_page: Callable[[Any], tuple[np.ndarray, np.ndarray]
     while True:
         try:
             try:
-                with b._lock:
+                with b.sql.lock:
                     keys, raw = fetch_page(after)
-            except b._driver_errors as e:
+            except b.sql.driver_errors as e:
                 if not recover_connection(b, e):  # a page is a read: read it again
                     raise
-                with b._lock:
+                with b.sql.lock:
                     keys, raw = fetch_page(after)
-        except b._driver_errors as e:
-            raise BackendError(f"{b._safe_url}: {type(e).__name__}: {e}") from e
+        except b.sql.driver_errors as e:
+            raise BackendError(f"{b.sql.safe_url}: {type(e).__name__}: {e}") from e
         if len(keys) == 0:
             return
         recs = raw.reshape(-1).view(b.layout.dtype).copy()

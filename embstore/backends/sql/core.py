@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .rows import _keys_array, _row_blobs, _split_blobs, absent
+from .rows import absent, keys_array, row_blobs, split_blobs
 
 
 class CoreOps:
@@ -19,6 +19,10 @@ class CoreOps:
     """
 
     def __init__(self, conn, table, meta_table, key_type: str, itemsize: int):
+        self.configure(conn, table, meta_table, key_type, itemsize)
+
+    def configure(self, conn, table, meta_table, key_type: str, itemsize: int) -> None:
+        """(Re)bind to a connection, the data and metadata tables, key type and record size."""
         import sqlalchemy as sa
 
         self.sa, self.conn, self.table, self.meta = sa, conn, table, meta_table
@@ -45,9 +49,9 @@ class CoreOps:
         rows = self.conn.execute(stmt).fetchall()
         self._end_read()
         if not rows:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+            return keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
         ks, recs = zip(*rows)
-        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
+        return keys_array(ks, self.key_type), split_blobs(recs, self.itemsize)
 
     def _chunks(self, keys: np.ndarray) -> Iterator[list]:
         lst = keys.tolist()
@@ -58,7 +62,7 @@ class CoreOps:
         parts = [self._read(self.sa.select(self.k, self.rec).where(self.k.in_(c)))
                  for c in self._chunks(keys)]
         if not parts:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+            return keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def present(self, keys: np.ndarray) -> np.ndarray:
@@ -68,7 +72,7 @@ class CoreOps:
         for c in self._chunks(keys):
             self.conn.execute(self.table.delete().where(self.k.in_(c)))
         rows = [{"k": k, "rec": r, "version": v}
-                for k, r, v in zip(keys.tolist(), _row_blobs(raw), versions.tolist())]
+                for k, r, v in zip(keys.tolist(), row_blobs(raw), versions.tolist())]
         self.conn.execute(self.table.insert(), rows)
 
     def insert_absent(self, keys: np.ndarray, raw: np.ndarray,

@@ -11,20 +11,20 @@ import numpy as np
 from .._txn import write_plan
 from ..base import ModifyFn
 from . import ops as _sql_ops
-from .rows import align_rows
+from .rows import align_rows, record_bytes
 
 
 def modify_rows(b: Any, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
     """Body of ``SQLBackend.modify`` (see its docstring)."""
-    if not isinstance(b._ops, _sql_ops.PostgresOps):
-        with b._ops.txn():
+    if not isinstance(b.sql.ops, _sql_ops.PostgresOps):
+        with b.sql.ops.txn():
             recs, found = fetch_aligned(b, keys)
             write_back(b, keys, recs, found, fn(recs, found.copy()))
         return found
     for attempt in range(8):
         try:
-            with b._ops.txn():
-                fkeys, raw, placeholders = b._ops.lock_rows(keys)
+            with b.sql.ops.txn():
+                fkeys, raw, placeholders = b.sql.ops.lock_rows(keys)
                 recs, found = aligned_records(b, keys, fkeys, raw)
                 keep = fn(recs, found.copy())
                 write_back(b, keys, recs, found, keep)
@@ -33,9 +33,9 @@ def modify_rows(b: Any, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
                     # missing rows fn did not keep: their placeholders go again
                     gone = keys[~write & ~found]
                     if len(gone):
-                        b._ops.delete(gone)
+                        b.sql.ops.delete(gone)
             return found
-        except b._driver_errors as e:
+        except b.sql.driver_errors as e:
             if getattr(e, "sqlstate", None) not in ("40P01", "40001") or attempt == 7:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
@@ -43,7 +43,7 @@ def modify_rows(b: Any, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
 
 def fetch_aligned(b: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Records of ``keys`` in key order (zero rows where missing) and a found mask."""
-    fkeys, raw = b._ops.fetch(keys)
+    fkeys, raw = b.sql.ops.fetch(keys)
     return aligned_records(b, keys, fkeys, raw)
 
 
@@ -63,11 +63,11 @@ def write_back(b: Any, keys: np.ndarray, recs: np.ndarray, found: np.ndarray,
     """Write back the rows ``keep`` selects (all when ``None``); drop found rows it refuses."""
     write, drop = write_plan(keep, found)
     if drop.any():
-        b._ops.delete(keys[drop])
+        b.sql.ops.delete(keys[drop])
     if write.all():
-        b._ops.upsert(keys, b._raw_records(recs),
+        b.sql.ops.upsert(keys, record_bytes(b.layout, recs),
                       np.ascontiguousarray(recs["version"]))
     elif write.any():
         w = recs[write]
-        b._ops.upsert(keys[write], b._raw_records(w),
+        b.sql.ops.upsert(keys[write], record_bytes(b.layout, w),
                       np.ascontiguousarray(w["version"]))

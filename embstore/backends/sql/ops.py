@@ -30,15 +30,15 @@ import numpy as np
 
 from ...errors import SchemaMismatchError
 
-# SQLite and portable Core statements live in their own modules; importable from here as before
+# SQLite and portable Core statements live in their own modules; importable from here too
 from .core import CoreOps as CoreOps
-from .rows import _keys_array, _PagedReads, _split_blobs
+from .rows import PagedReads, keys_array, split_blobs
 from .sqlite import SQLiteOps as SQLiteOps
 
 # a module global, read at call time, so tests can shrink it to exercise chunking
 _PG_FETCH_CHUNK = 1 << 18
-_PG_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8
-_PG_COPY_TRAILER = b"\xff\xff"
+PG_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00" * 8
+PG_COPY_TRAILER = b"\xff\xff"
 
 
 class _Int8ArrayDumper:
@@ -69,7 +69,7 @@ class _Int8ArrayDumper:
         return cls._cls
 
 
-class PostgresOps(_PagedReads):
+class PostgresOps(PagedReads):
     """Statements for PostgreSQL through psycopg 3 (autocommit, explicit transactions)."""
 
     param = "%s"
@@ -80,7 +80,7 @@ class PostgresOps(_PagedReads):
         self.t, self.m, self.key_type, self.itemsize = q(table), q(meta_table), key_type, itemsize
         self._table_name = table
         self.upsert_mode = upsert_mode
-        self._karr = "int8[]" if key_type == "int64" else "bytea[]"
+        self.key_array_type = "int8[]" if key_type == "int64" else "bytea[]"
         self._tmp_ready = False
         conn.adapters.register_dumper(np.ndarray, _Int8ArrayDumper.make())
 
@@ -111,15 +111,15 @@ class PostgresOps(_PagedReads):
         cur.execute(f"SELECT k, rec FROM {self.t} WHERE k = ANY(%s::bytea[])", (keys.tolist(),))
         rows = cur.fetchall()
         if not rows:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+            return keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
         ks, recs = zip(*rows)
-        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
+        return keys_array(ks, self.key_type), split_blobs(recs, self.itemsize)
 
     def present(self, keys: np.ndarray) -> np.ndarray:
         cur = self.conn.cursor(binary=True)
-        cur.execute(f"SELECT k FROM {self.t} WHERE k = ANY(%s::{self._karr})",
+        cur.execute(f"SELECT k FROM {self.t} WHERE k = ANY(%s::{self.key_array_type})",
                     (self._kparam(keys),))
-        return _keys_array([r[0] for r in cur.fetchall()], self.key_type)
+        return keys_array([r[0] for r in cur.fetchall()], self.key_type)
 
     def upsert(self, keys: np.ndarray, raw: np.ndarray, versions: np.ndarray) -> None:
         if self.upsert_mode == "copy" and self.key_type == "int64":
@@ -130,7 +130,7 @@ class PostgresOps(_PagedReads):
         self.conn.cursor(binary=True).execute(
             f"INSERT INTO {self.t} (k, rec, version) "
             f"SELECT u.k, substring(%s::bytea FROM (u.i - 1)::int * {s} + 1 FOR {s}), u.v "
-            f"FROM unnest(%s::{self._karr}, %s::int8[]) WITH ORDINALITY AS u(k, v, i) "
+            f"FROM unnest(%s::{self.key_array_type}, %s::int8[]) WITH ORDINALITY AS u(k, v, i) "
             "ON CONFLICT (k) DO UPDATE SET rec = EXCLUDED.rec, version = EXCLUDED.version",
             (raw.tobytes(), self._kparam(keys), np.ascontiguousarray(versions, np.int64)),
         )
@@ -145,11 +145,11 @@ class PostgresOps(_PagedReads):
         cur.execute(
             f"INSERT INTO {self.t} (k, rec, version) "
             f"SELECT u.k, substring(%s::bytea FROM (u.i - 1)::int * {s} + 1 FOR {s}), u.v "
-            f"FROM unnest(%s::{self._karr}, %s::int8[]) WITH ORDINALITY AS u(k, v, i) "
+            f"FROM unnest(%s::{self.key_array_type}, %s::int8[]) WITH ORDINALITY AS u(k, v, i) "
             "ORDER BY u.k ON CONFLICT (k) DO NOTHING RETURNING k",
             (raw.tobytes(), self._kparam(keys), np.ascontiguousarray(versions, np.int64)),
         )
-        return _keys_array([r[0] for r in cur.fetchall()], self.key_type)
+        return keys_array([r[0] for r in cur.fetchall()], self.key_type)
 
     def lock_rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Lock the rows of ``keys`` for this transaction, existing or not; return
@@ -171,17 +171,17 @@ class PostgresOps(_PagedReads):
         for _ in range(100):
             cur.execute(
                 f"INSERT INTO {self.t} (k, rec, version) SELECT u.k, ''::bytea, 0 "
-                f"FROM unnest(%s::{self._karr}) AS u(k) ORDER BY u.k "
+                f"FROM unnest(%s::{self.key_array_type}) AS u(k) ORDER BY u.k "
                 "ON CONFLICT (k) DO NOTHING RETURNING k", (self._kparam(todo),))
-            mine = _keys_array([r[0] for r in cur.fetchall()], self.key_type)
+            mine = keys_array([r[0] for r in cur.fetchall()], self.key_type)
             cur.execute(
-                f"SELECT k, rec FROM {self.t} WHERE k = ANY(%s::{self._karr}) AND "
+                f"SELECT k, rec FROM {self.t} WHERE k = ANY(%s::{self.key_array_type}) AND "
                 "octet_length(rec) > 0 ORDER BY k FOR UPDATE", (self._kparam(todo),))
             rows = cur.fetchall()
-            ks = _keys_array([r[0] for r in rows], self.key_type)
+            ks = keys_array([r[0] for r in rows], self.key_type)
             ours.append(mine)
             got_k.append(ks)
-            got_r.append(_split_blobs([r[1] for r in rows], self.itemsize) if rows
+            got_r.append(split_blobs([r[1] for r in rows], self.itemsize) if rows
                          else np.empty((0, self.itemsize), np.uint8))
             if len(mine) + len(ks) == len(todo):
                 break
@@ -210,9 +210,9 @@ class PostgresOps(_PagedReads):
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         cur = self.conn.cursor(binary=True)
-        cur.execute(f"DELETE FROM {self.t} WHERE k = ANY(%s::{self._karr}) RETURNING k",
+        cur.execute(f"DELETE FROM {self.t} WHERE k = ANY(%s::{self.key_array_type}) RETURNING k",
                     (self._kparam(keys),))
-        return _keys_array([r[0] for r in cur.fetchall()], self.key_type)
+        return keys_array([r[0] for r in cur.fetchall()], self.key_type)
 
     def clear(self) -> None:
         self.conn.execute(f"DELETE FROM {self.t}")
@@ -286,5 +286,5 @@ def copy_payload(keys: np.ndarray, raw: np.ndarray, versions: np.ndarray,
     rows["rec"] = raw
     rows["lv"] = 8
     rows["v"] = versions
-    return ((_PG_COPY_HEADER if header else b"") + rows.tobytes()
-            + (_PG_COPY_TRAILER if trailer else b""))
+    return ((PG_COPY_HEADER if header else b"") + rows.tobytes()
+            + (PG_COPY_TRAILER if trailer else b""))

@@ -7,9 +7,16 @@ import numpy as np
 
 from ..._cython.strkeys import strip_prefix
 from ...errors import SchemaMismatchError
+from ...layout import Layout
 
 
-def _split_blobs(blobs: tuple[bytes, ...] | list[bytes], itemsize: int) -> np.ndarray:
+def record_bytes(layout: Layout, records: np.ndarray) -> np.ndarray:
+    """Records of ``layout`` as an ``(n, itemsize)`` uint8 array: the blobs a row stores."""
+    recs = np.ascontiguousarray(records, dtype=layout.dtype)
+    return recs.view(np.uint8).reshape(len(recs), layout.itemsize)
+
+
+def split_blobs(blobs: tuple[bytes, ...] | list[bytes], itemsize: int) -> np.ndarray:
     """Join fetched record blobs into an ``(m, itemsize)`` uint8 array, checking sizes."""
     joined = b"".join(blobs)
     if len(joined) != len(blobs) * itemsize:
@@ -20,20 +27,20 @@ def _split_blobs(blobs: tuple[bytes, ...] | list[bytes], itemsize: int) -> np.nd
     return np.frombuffer(joined, dtype=np.uint8).reshape(len(blobs), itemsize)
 
 
-def _keys_array(ks: tuple | list, key_type: str) -> np.ndarray:
+def keys_array(ks: tuple | list, key_type: str) -> np.ndarray:
     if key_type == "int64":
         return np.array(ks, dtype=np.int64)
     return strip_prefix(ks, 0)  # bytes of each bytes/memoryview key, built in C
 
 
-def _row_blobs(raw: np.ndarray) -> list[bytes]:
+def row_blobs(raw: np.ndarray) -> list[bytes]:
     """Per-row ``bytes`` of an ``(n, itemsize)`` uint8 array (what DBAPI drivers bind)."""
     buf = raw.tobytes()
     s = raw.shape[1]
     return [buf[i:i + s] for i in range(0, len(buf), s)]
 
 
-class _PagedReads:
+class PagedReads:
     """Key-ordered pages and version-ordered change pages, for the DBAPI fast paths: the
     statements differ between SQLite and PostgreSQL only in the ``param`` placeholder."""
 
@@ -48,9 +55,9 @@ class _PagedReads:
     def _rows(self, sql: str, params: tuple) -> tuple[np.ndarray, np.ndarray]:
         rows = self._fetchall(sql, params)
         if not rows:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+            return keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
         ks, recs = zip(*rows)
-        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
+        return keys_array(ks, self.key_type), split_blobs(recs, self.itemsize)
 
     def page(self, after, n: int) -> tuple[np.ndarray, np.ndarray]:
         p = self.param

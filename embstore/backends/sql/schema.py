@@ -36,38 +36,38 @@ def check_data_columns(b: Any, cols: dict[str, str], key_type: str) -> None:
     """Refuse an existing table that is not an embstore data table of this key type."""
     if set(cols) != {"k", "rec", "version"}:
         raise SchemaMismatchError(
-            f"{b._safe_url}: table {b.table_name!r} has columns {sorted(cols)}, not "
+            f"{b.sql.safe_url}: table {b.table_name!r} has columns {sorted(cols)}, not "
             "an embstore table (k, rec, version)"
         )
     kt = cols["k"]
     is_int = "INT" in kt
     if is_int != (key_type == "int64"):
         raise SchemaMismatchError(
-            f"{b._safe_url}: key column is {kt}, the store has {key_type} keys")
+            f"{b.sql.safe_url}: key column is {kt}, the store has {key_type} keys")
 
 
 def read_store_meta(b: Any) -> dict | None:
     """The store metadata of backend ``b``, ``None`` when no store exists in its table."""
-    if b._missing:
+    if b.sql.missing:
         return None
-    meta_cols = b._ops.columns(b.table_name + "_meta")
+    meta_cols = b.sql.ops.columns(b.table_name + "_meta")
     if meta_cols is None:
-        if b._ops.columns(b.table_name) is not None:
+        if b.sql.ops.columns(b.table_name) is not None:
             raise SchemaMismatchError(
-                f"{b._safe_url}: table {b.table_name!r} exists but is not an embstore "
+                f"{b.sql.safe_url}: table {b.table_name!r} exists but is not an embstore "
                 f"store (no {b.table_name}_meta table); choose another table name"
             )
         return None
     if set(meta_cols) != {"name", "value"}:
         raise SchemaMismatchError(
-            f"{b._safe_url}: table {b.table_name}_meta is not embstore metadata")
-    text = b._ops.meta_get()
+            f"{b.sql.safe_url}: table {b.table_name}_meta is not embstore metadata")
+    text = b.sql.ops.meta_get()
     if text is None:
         return None
     try:
         meta = json.loads(text)
     except ValueError as e:
-        raise SchemaMismatchError(f"{b._safe_url}: unreadable metadata: {e}") from e
+        raise SchemaMismatchError(f"{b.sql.safe_url}: unreadable metadata: {e}") from e
     if not isinstance(meta, dict):
-        raise SchemaMismatchError(f"{b._safe_url}: metadata is not a JSON object")
+        raise SchemaMismatchError(f"{b.sql.safe_url}: metadata is not a JSON object")
     return meta

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .rows import _keys_array, _PagedReads, _row_blobs, _split_blobs, absent
+from .rows import PagedReads, absent, keys_array, row_blobs, split_blobs
 
 _SQLITE_MAX_VARS = 32000  # SQLite >= 3.32 allows 32766 bound variables per statement
 
 
-class SQLiteOps(_PagedReads):
+class SQLiteOps(PagedReads):
     """Statements for SQLite (``sqlite3``); ``k`` is the rowid alias for int64 stores."""
 
     param = "?"
@@ -56,9 +56,9 @@ class SQLiteOps(_PagedReads):
             cur.execute(self._sql_in(self._in_sql, head, len(chunk)), chunk)
             rows += cur.fetchall()
         if not rows:
-            return _keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
+            return keys_array((), self.key_type), np.empty((0, self.itemsize), np.uint8)
         ks, recs = zip(*rows)
-        return _keys_array(ks, self.key_type), _split_blobs(recs, self.itemsize)
+        return keys_array(ks, self.key_type), split_blobs(recs, self.itemsize)
 
     def present(self, keys: np.ndarray) -> np.ndarray:
         out: list = []
@@ -67,7 +67,7 @@ class SQLiteOps(_PagedReads):
         for chunk in self._chunks(keys):
             cur.execute(self._sql_in(self._in_keys_sql, head, len(chunk)), chunk)
             out += [r[0] for r in cur.fetchall()]
-        return _keys_array(out, self.key_type)
+        return keys_array(out, self.key_type)
 
     def upsert(self, keys: np.ndarray, raw: np.ndarray, versions: np.ndarray) -> None:
         # ON CONFLICT DO UPDATE rewrites an existing row in place; INSERT OR REPLACE would
@@ -75,7 +75,7 @@ class SQLiteOps(_PagedReads):
         self.conn.executemany(
             f"INSERT INTO {self.t} (k, rec, version) VALUES (?, ?, ?) "
             "ON CONFLICT (k) DO UPDATE SET rec = excluded.rec, version = excluded.version",
-            zip(keys.tolist(), _row_blobs(raw), versions.tolist()),
+            zip(keys.tolist(), row_blobs(raw), versions.tolist()),
         )
 
     def insert_absent(self, keys: np.ndarray, raw: np.ndarray,
@@ -95,7 +95,7 @@ class SQLiteOps(_PagedReads):
         for chunk in self._chunks(keys):
             cur.execute(self._sql_in({}, head, len(chunk)) + " RETURNING k", chunk)
             out += [r[0] for r in cur.fetchall()]
-        return _keys_array(out, self.key_type)
+        return keys_array(out, self.key_type)
 
     def clear(self) -> None:
         self.conn.execute(f"DELETE FROM {self.t}")

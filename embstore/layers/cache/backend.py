@@ -41,13 +41,15 @@ from typing import Any
 import numpy as np
 
 from ...backends.base import Backend, ModifyFn, RowUpdate
-from ...backends.memory import MemoryBackend
 from ...errors import BackendError, InvalidInputError, StoreClosedError
 from ...layout import Layout
 from ...log import event
 from ...policies.eviction import eviction_policy
+from ...registry import backend_class
 from ..wrapper import WrapperBackend
 from .lease import WriterLease
+from .local_rows import LocalRows
+from .metadata import CacheMetadata
 from .prefetch import PrefetchMixin
 from .remote import RemoteIOMixin
 from .slots import SlotTable
@@ -56,7 +58,6 @@ from .write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
-_EMPTY = np.uint32(0xFFFFFFFF)
 WRITE_POLICIES = ("back", "through")
 _COUNTERS = ("cache_hits", "cache_misses", "remote_reads", "remote_read_calls",
              "remote_writes", "remote_write_calls", "evictions", "dirty_evictions",
@@ -66,7 +67,6 @@ _COUNTERS = ("cache_hits", "cache_misses", "remote_reads", "remote_read_calls",
 def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Backend:
     if isinstance(target, Backend):
         return target
-    from ...registry import backend_class
 
     return backend_class(target)(target, read_only=read_only, **options)
 
@@ -111,6 +111,13 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     # update_rows works on the cached rows, see below).
     supports_lookup_insert = False
 
+    @property
+    def max_key_bytes(self) -> int | None:  # type: ignore[override]
+        """The shorter key limit of the remote and the local store (None: no limit)."""
+        limits = [b.max_key_bytes for b in (self.remote, self.local)
+                  if b.max_key_bytes is not None]
+        return min(limits) if limits else None
+
     def __init__(self, remote: Backend | str, local: Backend | str = "memory://", *,
                  capacity: int = 100_000, write_policy: str = "back", eviction: str = "lfu",
                  write_behind: bool | None = None, flush_batch: int = 16384,
@@ -141,9 +148,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self._lease = (WriterLease(self.remote, writer_keys, lease_seconds)
                        if self.persistent and not self.read_only else None)
         # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
-        self._index: MemoryBackend = (self.local if isinstance(self.local, MemoryBackend)
-                                      else MemoryBackend("memory://"))
-        self._rows_in_index = self._index is self.local
+        # (a Backend that is SlotAddressed: a slot-addressed local store doubles as it)
+        self.rows = LocalRows(self.local)
         self._lock = threading.RLock()          # guards every piece of cache state
         concurrent = self.remote.thread_safe
         # Remotes that are not thread-safe (memory://) see one call at a time.
@@ -157,7 +163,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         # makes room for them (eviction bookkeeping and write-behind hand-off overlap the read).
         self._reader = (ThreadPoolExecutor(1, thread_name_prefix="embstore-cache-read")
                         if concurrent else None)
-        self._meta: dict | None = None
+        self.metadata = CacheMetadata(self.remote, self.local, self._lease, self._remote_lock,
+                                      mirror=not self.rows.shared)
         self._closed = False
         self._pf_thread: threading.Thread | None = None
         self._pf_active = False
@@ -166,32 +173,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self._st = SlotTable(self.key_type, eviction, self.capacity)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        slots = self._index.find_slots(keys)
-        return slots, slots != _EMPTY
-
-    def _read_local(self, keys: np.ndarray, slots: np.ndarray,
-                    field: str | None = None) -> np.ndarray:
-        """Rows of cached keys (zero rows where ``slots`` is empty)."""
-        if not self._rows_in_index:
-            if field is None:
-                return self.local.get(keys)[0]
-            return self.local.get_field(keys, field)[0]
-        return self._index.read_slots(slots, field)
-
-    def _write_local(self, keys: np.ndarray, records: np.ndarray, slots: np.ndarray,
-                     found: np.ndarray) -> None:
-        """Overwrite the cached rows of ``keys[found]`` (their ``slots`` are known)."""
-        if not self._rows_in_index:
-            self.local.put(keys[found], records[found])
-            return
-        # Same slots, new bytes: the key -> slot map does not change, so writing straight to
-        # the slots is what memory:// put would do after a second probe of every key.
-        if found.all():
-            self._index.write_slots(slots, records)
-        else:
-            self._index.write_slots(slots[found], records[found])
-
     def _log_invalid(self, keys: np.ndarray) -> None:
         # A running prefetch read the remote before these writes: its rows for them are stale.
         if self._pf_active and len(keys):
@@ -213,7 +194,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             nd = int(np.count_nonzero(dirty))
             if nd:
                 dk = keys[dirty]
-                recs = self._read_local(dk, victims[dirty])
+                recs = self.rows.read(dk, victims[dirty])
                 if self._wb is None:
                     self._remote_put(dk, recs)
             self._st.remember(keys, victims)
@@ -229,56 +210,30 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         """Forget cached rows (no remote I/O)."""
         self._log_invalid(keys)
         self._st.remove(slots)
-        self.local.delete(keys)
-        if not self._rows_in_index:
-            self._index.delete(keys)
+        self.rows.remove(keys)
 
     def _insert(self, keys: np.ndarray, recs: np.ndarray, dirty: bool) -> None:
         """Cache rows of keys not cached yet (room was made by the caller)."""
         if not len(keys):
             return
-        self.local.put(keys, recs)
-        if not self._rows_in_index:
-            self._index.put(keys, self._index.layout.empty(len(keys)))
-        self._st.add(self._index.find_slots(keys), keys, dirty)
+        self._st.add(self.rows.insert(keys, recs), keys, dirty)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)  # binds the remote too
         self._dtype = layout.dtype
-        self.local.bind(layout, key_type)
-        if not self._rows_in_index:
-            self._index.bind(Layout(1), key_type)
+        self.rows.bind(layout, key_type)
         with self._lock:
             self._st = SlotTable(key_type, self.eviction, self.capacity)
 
     def read_meta(self) -> dict | None:
-        meta = self.remote.read_meta()
-        self._meta = None if meta is None else dict(meta)
-        if self.local.read_meta() is not None:
-            self.local.clear()  # a persistent local cache from an earlier run may be stale
-        return meta
+        return self.metadata.read()
 
     def write_meta(self, meta: dict) -> None:
-        with self._remote_lock:
-            self.remote.write_meta(meta)
-        self._meta = dict(meta)
-        if not self._rows_in_index:
-            self.local.write_meta(meta)
+        self.metadata.write(meta)
 
     def modify_meta(self, fn: Any) -> dict:
-        lease = self._lease
-        with self._remote_lock:
-            meta = self.remote.modify_meta(
-                fn if lease is None else (lambda stored: lease.keep(stored, fn(stored))))
-        self._meta = dict(meta)
-        return meta
-
-    def _claim(self, keys: np.ndarray) -> None:
-        """Before a write: the keys are this cache's, and its lease is held."""
-        if self._lease is not None:
-            self._lease.check_keys(keys)
-            self._lease.ensure()
+        return self.metadata.modify(fn)
 
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
@@ -302,7 +257,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         for i in range(0, len(dslots), self.flush_batch):
             s = dslots[i:i + self.flush_batch]
             keys = self._st.keys[s]
-            self._remote_put(keys, self._read_local(keys, s))
+            self._remote_put(keys, self.rows.read(keys, s))
             self._st.dirty[s] = False  # only once the remote confirmed this chunk
         if len(dslots):
             self._count(flushes=1)
@@ -336,9 +291,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             try:
                 self.remote.close()
             finally:
-                self.local.close()
-                if not self._rows_in_index:
-                    self._index.close()
+                self.rows.close()
 
     # -- rows -------------------------------------------------------------------------------------
     def _check(self) -> None:
@@ -354,9 +307,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def _lookup(self, keys: np.ndarray, field: str | None) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
             self._check()
-            slots, found = self._find(keys)
+            slots, found = self.rows.find(keys)
             if found.all():  # the hit path: one probe, one gather, one stamp scatter
-                out = self._read_local(keys, slots, field)
+                out = self.rows.read(keys, slots, field)
                 self._st.next_tick()
                 self._st.touch(slots)
                 self.counters["cache_hits"] += len(keys)
@@ -367,12 +320,12 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self.wait_prefetch()
         with self._lock:
             self._check()
-            return self._lookup_misses(keys, field, *self._find(keys))
+            return self._lookup_misses(keys, field, *self.rows.find(keys))
 
     def _lookup_misses(self, keys: np.ndarray, field: str | None, slots: np.ndarray,
                        found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The miss path; ``slots``/``found`` are this batch's probe under the lock held."""
-        out = self._read_local(keys, slots, field)
+        out = self.rows.read(keys, slots, field)
         self._st.next_tick()
         self._st.touch(slots[found])
         nhit = int(np.count_nonzero(found))
@@ -418,7 +371,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def contains(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()
-            _, found = self._find(keys)
+            _, found = self.rows.find(keys)
             if found.all():
                 return found
             found = found.copy()
@@ -433,17 +386,17 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         with self._lock:
             self._check()
-            self._claim(keys)
+            self.metadata.claim(keys)
             self._log_invalid(keys)
             through = self.write_policy == "through"
             if through:
                 self._remote_put(keys, records)
-            slots, found = self._find(keys)
+            slots, found = self.rows.find(keys)
             self._st.next_tick()
             m = len(keys) - int(np.count_nonzero(found))
             if m == 0:  # every row is cached
                 self._st.touch(slots)
-                self._write_local(keys, records, slots, found)
+                self.rows.write(keys, records, slots, found)
                 self._st.dirty[slots] = not through
                 return
             self._st.touch(slots[found])
@@ -456,7 +409,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                 self._settle(new_keys[room:])
                 self._remote_put(new_keys[room:], new_recs[room:])
             if not new.all():
-                self._write_local(keys, records, slots, found)
+                self.rows.write(keys, records, slots, found)
                 self._st.dirty[slots[found]] = not through
             self._insert(new_keys[:room], new_recs[:room], dirty=not through)
 
@@ -464,7 +417,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def supports_row_update(self) -> bool:  # type: ignore[override]
         """Steps are applied in place when the cached rows live in a memory:// local store and
         writes go back later (write-through must write the remote before the cache)."""
-        return self._rows_in_index and self.write_policy == "back"
+        return self.rows.shared and self.write_policy == "back"
 
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         """The training step's case: a step on rows the cache holds is applied where they sit
@@ -475,15 +428,15 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             return Backend.update_rows(self, keys, update)
         with self._lock:
             self._check()
-            self._claim(keys)
-            slots, found = self._find(keys)
+            self.metadata.claim(keys)
+            slots, found = self.rows.find(keys)
             if not found.any():
                 return found
             if not found.all():
                 keys, slots, update = keys[found], slots[found], update.subset(found)
             self.counters["cache_hits"] += len(keys)
             self._log_invalid(keys)
-            self._index.update_slots(slots, update)
+            self.rows.index.update_slots(slots, update)
             self._st.next_tick()
             self._st.touch(slots)
             self._st.dirty[slots] = True
@@ -500,7 +453,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         cannot write these keys (the writer lease)."""
         with self._lock:
             self._check()
-            new = ~self._find(keys)[1]
+            new = ~self.rows.find(keys)[1]
             if new.any():
                 records = np.repeat(template[:1], int(new.sum()))
                 records["vector"] = vectors[new]
@@ -519,12 +472,12 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         with self._lock:
             self._check()
-            self._claim(keys)
-            slots, found = self._find(keys)
+            self.metadata.claim(keys)
+            slots, found = self.rows.find(keys)
             if found.all():
                 # The training step's case: every row is cached. One probe; the rows are
                 # stepped and written back into the slots they were read from.
-                recs = self._read_local(keys, slots)
+                recs = self.rows.read(keys, slots)
                 self.counters["cache_hits"] += len(keys)
                 keep = fn(recs, found.copy())
                 if keep is not None and not np.asarray(keep, dtype=bool).all():
@@ -539,7 +492,7 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                     self._remote_put(keys, recs)
                 self._st.next_tick()
                 self._st.touch(slots)
-                self._write_local(keys, recs, slots, found)
+                self.rows.write(keys, recs, slots, found)
                 self._st.dirty[slots] = not through
                 return found
         # Some rows come from the remote: read-through get, fn, put (outside the lock, as a
@@ -549,12 +502,12 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()
-            self._claim(keys)
+            self.metadata.claim(keys)
             self._log_invalid(keys)
             self._settle(keys)  # a pending write-behind must not resurrect a deleted row
             with self._remote_lock:
                 present = np.asarray(self.remote.delete(keys), dtype=bool)
-            slots, found = self._find(keys)
+            slots, found = self.rows.find(keys)
             if found.any():
                 self._drop(keys[found], slots[found])
             return present | found
@@ -565,7 +518,5 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             self._check()
             self._settle()
             self.remote.clear()
-            self.local.clear()
-            if not self._rows_in_index:
-                self._index.clear()
+            self.rows.clear()
             self._st = SlotTable(self.key_type, self.eviction, self.capacity)

@@ -39,13 +39,13 @@ class PrefetchMixin:
         self.wait_prefetch()
         with self._lock:
             self._check()
-            slots, found = self._find(k)
+            slots, found = self.rows.find(k)
             miss = np.unique(k[~found])
             wb = self._wb.find(miss) if self._wb is not None else None
             if wb is not None:  # the remote's copy of those is older: re-cache the queued one
                 self._restore_pending(miss[wb[0]], wb[1], k)
                 miss = miss[~wb[0]]
-                slots, found = self._find(k)
+                slots, found = self.rows.find(k)
             if not len(miss):
                 return
             self._pf_active = True
@@ -69,7 +69,7 @@ class PrefetchMixin:
         """Cache (dirty) rows evicted dirty whose background write has not landed yet."""
         try:
             self._st.next_tick(foreground=False)
-            slots, hit = self._find(batch)
+            slots, hit = self.rows.find(batch)
             self._st.touch(slots[hit], count=False)
             room = self._make_room(len(keys), before=self._st.fg_tick)
             self._insert(keys[:room], recs[:room], dirty=True)
@@ -101,7 +101,7 @@ class PrefetchMixin:
                 if self._invalid:
                     keep &= ~np.isin(keys, np.concatenate(self._invalid))
                 keys, recs = keys[keep], recs[keep]
-                _, cached = self._find(keys)
+                _, cached = self.rows.find(keys)
                 keys, recs = keys[~cached], recs[~cached]
                 if len(keys):
                     room = len(keys)
@@ -111,7 +111,7 @@ class PrefetchMixin:
                         # of the batch prefetched for (marked with this tick, not counted as a
                         # use).
                         self._st.next_tick(foreground=False)
-                        slots, hit = self._find(batch)
+                        slots, hit = self.rows.find(batch)
                         self._st.touch(slots[hit], count=False)
                         room = self._make_room(room, before=self._st.fg_tick)
                     self._insert(keys[:room], recs[:room], dirty=False)

@@ -27,8 +27,8 @@ class WholeTableMixin:
         """
         self.wait_prefetch()
         with self._lock:
-            if self._meta is not None:
-                self.write_meta(self._meta)
+            if self.metadata.last is not None:
+                self.write_meta(self.metadata.last)
             pending = len(self._wb) if self._wb is not None else 0
             self._settle()
             self._st.dirty[self._st.occupied()] = True
@@ -74,7 +74,7 @@ class WholeTableMixin:
 
             def stream():
                 for keys, recs in batches:
-                    slots, found = self._find(keys)
+                    slots, found = self.rows.find(keys)
                     if found.any():
                         self._drop(keys[found], slots[found])
                     yield keys, recs

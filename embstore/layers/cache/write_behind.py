@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ...errors import BackendError
 from ...log import event
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,6 @@ class WriteBehind:
 
     def _raise(self) -> None:
         if self._error is not None:
-            from ...errors import BackendError
-
             n = sum(len(k) for k, _ in self._pending)
             raise BackendError(f"write-behind of evicted rows failed ({self._error}); {n} rows "
                                "are kept pending: the writer retries them by itself, and "

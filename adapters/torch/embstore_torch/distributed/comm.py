@@ -39,7 +39,7 @@ _HEADER = 6
 #: op tags carried by every header
 OPS = {name: i + 1 for i, name in enumerate((
     "open", "lookup", "update", "len", "flush", "export", "close", "sample", "sample_round",
-    "sample_prob", "top_k", "contains", "stats", "step", "abort", "prefetch",
+    "sample_prob", "top_k", "contains", "stats", "step", "abort", "prefetch", "assign", "delete",
 ))}
 _NAMES = {v: k for k, v in OPS.items()}
 

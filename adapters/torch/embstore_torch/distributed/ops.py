@@ -1,4 +1,5 @@
-"""``export``, ``top_k`` and ``sample`` of the distributed store (collectives).
+"""Collectives of the distributed store besides lookup and update: assign, delete, export,
+top_k and sample.
 
 As in the DynamicEmbedding paper, the owners do the work on their own keys and the asking rank
 merges: ``top_k`` scores every rank's queries on every shard and merges the ``world x k``
@@ -16,15 +17,27 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from embstore.engine.batch import check_rows, unique_last
 from embstore.errors import InvalidInputError
+from embstore.io.native import NativeWriter
+from embstore.retrieval import TopKResult, check_queries
+from embstore.sampling.candidate import (
+    check_num_sampled,
+    expected_count,
+    group_positives,
+    merge_candidates,
+    sampling_index,
+)
+from embstore.sampling.samplers import resolve_sampler
 
-from .wire import pack_keys, split_rows, unpack_keys
+from .wire import dedupe, pack_keys, route, split_rows, unpack_keys
 
 __all__ = ["CollectiveOps"]
 
 
 class CollectiveOps:
-    """The whole-store collectives of :class:`~embstore_torch.distributed.DistributedStore`."""
+    """The collectives of :class:`~embstore_torch.distributed.DistributedStore` besides lookup
+    and update: keyed writes (assign, delete) and the whole-store ones."""
 
     comm: Any
     local: Any
@@ -38,6 +51,53 @@ class CollectiveOps:
     _sync_shared: Any
     _agree: Any
     _ask_owners: Any
+    _keys: Any
+
+    # -- keyed writes ---------------------------------------------------------------------------
+    def assign(self, keys: Any, values: Any) -> None:
+        """Collective: set vectors directly on the keys' owners (the last value of a key
+        repeated in one rank's batch wins; keys sent by several ranks: the highest rank's)."""
+        self.local.check_writable()
+        k = self._keys(keys)
+        v = check_rows(values, len(k), self.dim, "values")
+        if len(k):
+            k, last = unique_last(k)
+            v = v[last]
+        w, me = self.world_size, self.rank
+        order, bounds = route(k, w)
+        parts = [(pack_keys(k[order[bounds[d]:bounds[d + 1]]]),
+                  np.ascontiguousarray(v[order[bounds[d]:bounds[d + 1]]])) for d in range(w)]
+        items_in, nbytes_in, _ = self.comm.begin("assign", np.diff(bounds),
+                                                 [sum(a.nbytes for a in p) for p in parts])
+        got = self.comm.exchange(parts, nbytes_in, "assign")
+        ks, vs = [], []
+        for s in range(w):  # in rank order: a later rank's value of a shared key wins
+            n = int(items_in[s])
+            if n:
+                kk, used = unpack_keys(got[s], n, self.key_type)
+                ks.append(kk)
+                vs.append(split_rows(got[s][used:], np.dtype(np.float32), (self.dim,)))
+        if ks:
+            try:
+                self.local.assign(np.concatenate(ks), np.concatenate(vs))
+            except Exception as e:
+                self.comm.abort(f"rank {me}'s assign failed: {e}")
+                raise
+
+    def delete(self, keys: Any) -> int:
+        """Collective: delete keys on their owners; returns how many of this rank's keys
+        were present."""
+        self.local.check_writable()
+
+        def answer(asked: list[np.ndarray], _: Any) -> list[np.ndarray]:
+            found = [self.local.contains(a) if len(a) else np.zeros(0, bool) for a in asked]
+            gone = [a[f] for a, f in zip(asked, found) if f.any()]
+            if gone:
+                self.local.delete(np.concatenate(gone))
+            return found
+
+        uniq, _ = dedupe(self._keys(keys))
+        return int(self._ask_owners("delete", uniq, 0, answer, np.bool_, ()).sum())
 
     # -- export ------------------------------------------------------------------------------
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
@@ -49,8 +109,6 @@ class CollectiveOps:
         ignored), equal to what one store holding every key would export. Returns the number
         of rows written over all ranks. Deletions are not carried by distributed deltas.
         """
-        from embstore.io.native import NativeWriter
-
         if isinstance(dest, (str, os.PathLike)) and "{rank}" in os.fspath(dest):
             path = os.fspath(dest).replace("{rank}", str(self.rank)).replace(
                 "{world}", str(self.world_size))
@@ -112,15 +170,13 @@ class CollectiveOps:
         :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
         rank's queries).
         """
-        from embstore.retrieval import TopKResult, _queries
-
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise InvalidInputError(f"k must be a positive int, got {k!r}")
         if isinstance(exclude, (list, tuple)) and exclude and isinstance(
                 exclude[0], (list, tuple, np.ndarray)):
             raise InvalidInputError("distributed top_k takes one exclude key array for all "
                                     "queries, not one per query")
-        q = _queries(self.local, queries)
+        q = check_queries(self.local, queries)
         ex = self.local.normalize_keys([] if exclude is None else exclude)
         self._sync_shared()
         # every rank's queries and exclusions, to every shard
@@ -181,15 +237,6 @@ class CollectiveOps:
         count (uniform, unigram) this is the same distribution as one store holding every
         key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
         """
-        from embstore.sampling.candidate import (
-            _positives,
-            check_num_sampled,
-            expected_count,
-            merge_candidates,
-            sampling_index,
-        )
-        from embstore.sampling.samplers import resolve_sampler
-
         if not self.sharded:
             raise InvalidInputError(
                 "distributed sample needs a store per rank ({rank} in the URL): over one "
@@ -197,7 +244,7 @@ class CollectiveOps:
             )
         sampler = resolve_sampler(sampler)
         m = check_num_sampled(num_sampled)
-        batch, positives = _positives(self.local, positive_keys, offsets)
+        batch, positives = group_positives(self.local, positive_keys, offsets)
         flat_pos = (np.concatenate(positives) if len(positives) > 1
                     else positives[0] if positives else self.local.normalize_keys([]))
         idx = sampling_index(self.local)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from embstore.backends.base import Backend
+from embstore.engine.opening import open_backend, split_options
 from embstore.errors import SchemaMismatchError
 from embstore.layers.sharded import SHARD_FORMAT
 from embstore.layers.wrapper import WrapperBackend
@@ -76,8 +77,6 @@ class ShardView(WrapperBackend):
 def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None):
     """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
     shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
-    from embstore.engine.opening import open_backend, split_options
-
     engine, read_only, layer, backend_opts = split_options(options)
     backend = open_backend(url, read_only=read_only, layer=layer, options=backend_opts)
     engine["read_only"] = read_only

@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from embstore import errors as _errors
-from embstore.engine.batch import check_counts, coalesce, sum_counts
+from embstore.engine.batch import check_counts, check_rows, coalesce, sum_counts
 from embstore.errors import SchemaMismatchError
 from embstore.layers.sharded import sharded_url
+from embstore.layout import Layout
+from embstore.store import EmbeddingStore
 
 from .comm import CollectiveError, CollectiveMismatchError, Comm, RankFailureError
 from .ops import CollectiveOps
@@ -94,6 +96,8 @@ class DistributedStore(CollectiveOps):
 
     #: every rank calls each method in step; the torch modules call it for empty batches too
     collective = True
+    read_only: bool
+    layout: Layout
 
     def __init__(self, comm: Comm, url: str, dim: int | None, *, average: bool,
                  options: dict[str, Any]) -> None:
@@ -155,8 +159,6 @@ class DistributedStore(CollectiveOps):
     def _open_engine(self, backend: Any, engine: dict[str, Any], dim: int | None,
                      agree: bool = True) -> BaseException | None:
         """The engine over this rank's backend; its error is agreed on (or returned)."""
-        from embstore.store import EmbeddingStore
-
         err = None
         try:
             self.local = EmbeddingStore(backend, dim=dim, **engine)
@@ -351,7 +353,7 @@ class DistributedStore(CollectiveOps):
         """
         self.local.check_writable()
         k = self._keys(keys)
-        g = self.local._rows(grads, len(k), "gradients")
+        g = check_rows(grads, len(k), self.dim, "gradients")
         c = (np.ones(len(k), np.int64) if counts is None else check_counts(counts, len(k)))
         uniq, summed, _ = coalesce(k, g) if len(k) else (k, g, c)
         mult = sum_counts(k, uniq, c) if len(k) else c
@@ -471,6 +473,16 @@ class DistributedStore(CollectiveOps):
         out["step"] = self.step
         out["rank"], out["world_size"] = self.rank, self.world_size
         return out
+
+    # -- the rest of the store protocol --------------------------------------------------------
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer every rank's store applies (the same on every rank)."""
+        return self.local.optimizer
+
+    def check_writable(self) -> None:
+        """Raise unless this rank's store accepts writes (open, not read-only)."""
+        self.local.check_writable()
 
     def __reduce__(self):
         import pickle

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from embstore._keys import key_hash64
+from embstore.keys import key_hash64
 
 __all__ = ["owner_of", "pack_keys", "route", "split_rows", "unpack_keys", "dedupe"]
 

@@ -16,8 +16,13 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from ..backends.base import Backend
+from ..engine.protocols import StoreInfo
 from ..errors import CorruptFileError, EmbstoreError, InvalidInputError
-from .limits import check_count, check_header, check_key_lengths, check_stamps, max_key_bytes
+from ..io.limits import check_count, check_header, check_key_lengths, check_stamps, max_key_bytes
+from ..policies.admission import decode_state
+from ..policies.tombstones import decode_keys
+from ..registry import backend_class
 
 
 class ImportChecks:
@@ -66,8 +71,6 @@ def _deletions(name: str, header: dict[str, Any] | None, store: Any,
     full export (``since`` null) has no business deleting anything: such a file is refused
     unless ``apply_deletes`` says the deletions are wanted.
     """
-    from ..policies.tombstones import decode_keys
-
     listed = (header or {}).get("deleted")
     if not listed:
         return None
@@ -85,8 +88,6 @@ def _deletions(name: str, header: dict[str, Any] | None, store: Any,
 def _check_policy_state(name: str, header: dict[str, Any] | None, store: Any) -> None:
     """Decode the admission state the import would take over (bounded by the policy's own
     size), so a damaged or oversized state refuses the file in the first pass."""
-    from ..policies.admission import decode_state
-
     extra = (header or {}).get("extra") or {}
     st = extra.get("policies") if isinstance(extra, dict) else None
     if not st:
@@ -114,20 +115,20 @@ def _check_policy_state(name: str, header: dict[str, Any] | None, store: Any) ->
         raise CorruptFileError(f"{name}: header admission state does not load") from None
 
 
-def target_key_limit(store: Any) -> tuple[int | None, str]:
+def target_key_limit(store: StoreInfo) -> tuple[int | None, str]:
     """``(max key bytes, what)`` for the target store or a store still to be created."""
     backend = getattr(store, "backend", None)
     if backend is not None:
         return max_key_bytes(backend), store.url
     url = getattr(store, "url", "")
-    from ..registry import backend_class
-
     urls = [url] + [u for u in (getattr(store, "options", {}).get("shards") or ())
                     if isinstance(u, str)]
     limits = []
     for u in urls:
         try:
-            limit = getattr(backend_class(u), "max_key_bytes", None)
+            cls = backend_class(u)
+            # a class attribute here; a property (SQL: per dialect) tells nothing before open
+            limit = cls.max_key_bytes if issubclass(cls, Backend) else None
         except EmbstoreError:
             continue
         if isinstance(limit, int):

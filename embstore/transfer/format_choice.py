@@ -1,18 +1,23 @@
 """Which format ``EmbeddingStore.export`` / ``import_`` use: the CLI's rules, for the API.
 
-Kept apart from :mod:`embstore.io.formats` (the registry) so the engine's two methods stay a
-small dispatch: ``format=`` wins; otherwise a path's suffix (writing) or content and suffix
-(reading, as ``embstore import`` does) decides; a suffix that names no format is refused
+Kept apart from :mod:`embstore.io.formats` (the codecs' registry, which knows no store):
+``format=`` wins; otherwise a path's suffix (writing) or content and suffix (reading, as
+``embstore import`` does) decides; a suffix that names no format is refused
 rather than written as the native format under a misleading name.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
-from .formats import _EXTENSIONS, FORMATS, detect_format, format_name
+from ..io.formats import EXTENSIONS, FORMATS, detect_format, format_name
+from .native import export_native, import_native
+from .pipeline import export_file, import_file
+
+if TYPE_CHECKING:
+    from ..store import EmbeddingStore
 
 
 def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
@@ -53,38 +58,30 @@ def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
     except InvalidInputError:
         raise InvalidInputError(
             f"cannot tell the export format of {path!r} from its suffix {suffix!r}; known "
-            f"suffixes: {', '.join(sorted(_EXTENSIONS))}; or pass format= "
+            f"suffixes: {', '.join(sorted(EXTENSIONS))}; or pass format= "
             f"({', '.join(FORMATS)})") from None
 
 
-def export_to(store: Any, dest: Any, fmt: str | None, *, since: int | None, batch_size: int,
-              progress: bool, quantize: str | None = None) -> int:
+def export_to(store: EmbeddingStore, dest: Any, fmt: str | None, *, since: int | None,
+              batch_size: int, progress: bool, quantize: str | None = None) -> int:
     """``store.export``: the native writer, or the format writer the name asks for."""
     name = file_format(dest, fmt, for_write=True)
     if name == "native":
-        from ..engine.transfer import export_native
-
         return export_native(store, dest, since=since, batch_size=batch_size,
                              progress=progress, quantize=quantize)
     if quantize is not None:
         raise InvalidInputError(f"quantize={quantize!r} writes the native format (a serving "
                                 f"table a store imports), not {name}")
-    from .transfer import export_file
-
     return export_file(store, dest, fmt=name, since=since, batch_size=batch_size,
                        progress=progress)
 
 
-def import_from(store: Any, src: Any, fmt: str | None, *, partial: bool, progress: bool,
-                apply_deletes: bool = False) -> int:
+def import_from(store: EmbeddingStore, src: Any, fmt: str | None, *, partial: bool,
+                progress: bool, apply_deletes: bool = False) -> int:
     """``store.import_``: the native reader (whole records, ``partial``, ``apply_deletes``),
-    or :func:`embstore.io.transfer.import_file` for the other formats."""
+    or :func:`embstore.transfer.import_file` for the other formats."""
     name = file_format(src, fmt, for_write=False)
     if name == "native":
-        from ..engine.transfer import import_native
-
         return import_native(store, src, partial=partial, progress=progress,
                              apply_deletes=apply_deletes)
-    from .transfer import import_file
-
     return import_file(store, src, fmt=name, progress=progress).rows

@@ -1,4 +1,4 @@
-"""Moving rows between stores and files: import, export, copy, verify.
+"""Moving rows between stores and files: import, export, copy (verification: ``verify.py``).
 
 Import is all or nothing by default: a first streaming pass reads and checks the whole file
 (structure, checksums, every key and value), and only a clean file is written in a second
@@ -13,19 +13,24 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from .. import optim
 from .._cython.rowops import all_finite
-from .._keys import key_hash64, splitmix64
+from ..engine import services
+from ..engine.protocols import StoreInfo
 from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
+from ..io.base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
+from ..io.formats import detect_format, open_reader, open_writer
+from ..io.limits import chunk_rows
 from ..layout import Layout
 from ..progress import progress_bar
-from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
-from .formats import detect_format, open_reader, open_writer
-from .limits import check_header, check_stamps, chunk_rows
 from .validate import ImportChecks, local_store_paths, remove_created
+
+if TYPE_CHECKING:
+    from ..store import EmbeddingStore
 
 PROJECTIONS = ("random", "truncate")
 #: decoded rows kept between the checking and the writing pass (see ``import_file``)
@@ -82,7 +87,7 @@ def _finite_rows(vectors: np.ndarray) -> np.ndarray:
     return good
 
 
-def _clean(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chunk, list[str]]:
+def clean_chunk(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chunk, list[str]]:
     """Apply the row-level checks that depend on the target store; drop and describe bad rows."""
     bad = [describe_row(reader, r, why) for r, why in chunk.bad]
     n = len(chunk.keys)
@@ -106,7 +111,7 @@ def _clean(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chunk, li
     return chunk, bad
 
 
-def check_compatible(reader: FormatReader, store: Any, project: str | None) -> None:
+def check_compatible(reader: FormatReader, store: StoreInfo, project: str | None) -> None:
     """Refuse files whose keys or dimension do not fit the store."""
     if {reader.key_kind, store.key_type} == {"int64", "bytes"}:
         raise SchemaMismatchError(
@@ -131,23 +136,20 @@ class NewStore:
     options: dict[str, Any]
 
     def __post_init__(self) -> None:
-        from .. import optim
-        from ..layout import Layout
-
         opt = optim.resolve(self.options.get("optimizer")) or optim.SGD(lr=0.01)
         self.dim = int(self.options["dim"])
         self.key_type = self.options.get("key_type", "int64")
         self.layout = Layout(self.dim, tuple(opt.slots(self.dim)))
 
-    def _check_writable(self) -> None:
-        pass
+    def check_writable(self) -> None:
+        """A store still to be created accepts writes."""
 
-    def open(self) -> Any:
-        from ..api import open as _open
-
+    def open(self) -> EmbeddingStore:
+        """Create the store (through :func:`embstore.open`)."""
         # what does not exist yet is removed again when the import fails after this
         self.created = [p for p in local_store_paths(self.url) if not os.path.lexists(p)]
-        return _open(self.url, **self.options)
+        store: EmbeddingStore = services.opener()(self.url, **self.options)
+        return store
 
     def discard(self, store: Any) -> None:
         """Close and remove a store this import created and then failed to fill."""
@@ -178,7 +180,8 @@ def creation_options(reader: FormatReader, *, dim: int | None = None,
     return opts
 
 
-def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatReader, *,
+def import_file(store: EmbeddingStore | NewStore,
+                src: str | os.PathLike | BinaryIO | bytes | FormatReader, *,
                 fmt: str | None = None, skip_bad: bool = False, project: str | None = None,
                 seed: int = 0, batch_size: int = CHUNK_ROWS, progress: bool = False,
                 cache_bytes: int = DEFAULT_CACHE_BYTES, partial: bool = False,
@@ -215,7 +218,7 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
     -------
     ImportReport
     """
-    store._check_writable()
+    store.check_writable()
     with open_reader(src, fmt) as reader:
         check_compatible(reader, store, project)
         report = ImportReport(format=reader.format)
@@ -273,7 +276,7 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
                     clean = _checked(chunk, reader, store.key_type, skip_bad, report, True)
                     checks.chunk(clean.keys, clean.records, clean.rows)
                 else:
-                    clean = _clean(chunk, reader, store.key_type)[0] if recheck else chunk
+                    clean = clean_chunk(chunk, reader, store.key_type)[0] if recheck else chunk
                 bar.update(len(clean.keys))
                 yield clean
 
@@ -316,7 +319,7 @@ def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Itera
 def _checked(chunk: Chunk, reader: FormatReader, key_type: str, skip_bad: bool,
              report: ImportReport, partial: bool = False) -> Chunk:
     """The chunk's clean rows; bad rows are counted (``skip_bad``) or refuse the file."""
-    clean, bad = _clean(chunk, reader, key_type)
+    clean, bad = clean_chunk(chunk, reader, key_type)
     if bad and not skip_bad:
         more = "" if len(bad) == 1 else f" (and {len(bad) - 1} more in this chunk)"
         done = ("the rows before this chunk were imported" if partial
@@ -427,106 +430,3 @@ def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
             dst.assign(keys, np.ascontiguousarray(src.layout.vectors(recs)))
             n += len(keys)
         return n
-
-
-# -- verification ----------------------------------------------------------------------------------
-_COL_SALT = np.uint64(0x9E3779B97F4A7C15)
-
-
-def row_digests(keys: np.ndarray, vectors: np.ndarray) -> np.ndarray:
-    """A 64-bit digest per (key, vector) row; sums of them are order-independent digests.
-
-    Keys are hashed as bytes, int64 keys as their decimal text, so a store and its export
-    in any format (text formats write int64 keys as decimals) have the same digest.
-    """
-    if keys.dtype == np.int64:
-        text = np.empty(len(keys), dtype=object)
-        text[:] = [str(k).encode() for k in keys.tolist()]
-        keys = text
-    bits = np.ascontiguousarray(vectors, dtype="<f4").view("<u4").astype(np.uint64)
-    cols = np.arange(vectors.shape[1], dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = splitmix64((bits << np.uint64(32)) | cols)
-        acc = np.bitwise_xor.reduce(h, axis=1) if vectors.shape[1] else np.zeros(len(keys),
-                                                                                 np.uint64)
-        return splitmix64(acc ^ key_hash64(keys))
-
-
-@dataclass
-class VerifyReport:
-    rows: int = 0
-    bad: int = 0
-    problems: list[str] = field(default_factory=list)
-    digest: int = 0
-    dim: int = 0
-    kind: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def _add_digest(rep: VerifyReport, keys: np.ndarray, vectors: np.ndarray) -> None:
-    if len(keys):
-        with np.errstate(over="ignore"):
-            rep.digest = int((np.uint64(rep.digest) + row_digests(keys, vectors).sum(
-                dtype=np.uint64)) & np.uint64(0xFFFFFFFFFFFFFFFF))
-
-
-def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
-                 progress: bool = False) -> VerifyReport:
-    """Read every record of ``store``: it must decode, have finite vectors, and the rows read
-    must match the store's count."""
-    rep = VerifyReport(dim=store.dim, kind=store.key_type)
-    declared = len(store)
-    with progress_bar(total=declared, enabled=progress, desc="verify") as bar:
-        for keys, recs in store.records(batch_size):
-            if len(keys) != len(recs) or recs.dtype != store.layout.dtype:
-                rep.problems.append("a batch of records does not match the layout")
-                continue
-            vec = store.layout.vectors(recs)
-            fin = np.isfinite(vec).all(axis=1)
-            if not fin.all():
-                rep.bad += int(np.count_nonzero(~fin))
-                if len(rep.problems) < 20:
-                    rep.problems.append(f"key {keys[~fin][0]!r}: NaN or infinite value")
-            rep.rows += len(keys)
-            _add_digest(rep, keys, vec)
-            bar.update(len(keys))
-    if rep.rows != declared:
-        rep.problems.append(f"the store reports {declared} rows, a full scan read {rep.rows}")
-    return rep
-
-
-def _verify_check(rep: VerifyReport, check: Any) -> bool:
-    try:
-        check()
-    except CorruptFileError as e:
-        rep.problems.append(str(e).replace("; nothing imported", ""))
-        return False
-    return True
-
-
-def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
-                batch_size: int = CHUNK_ROWS, progress: bool = False) -> VerifyReport:
-    """Read every row of a file: structure and checksums (native), keys, values, counts."""
-    with open_reader(path, fmt) as reader:
-        rep = VerifyReport(dim=reader.dim, kind=f"{reader.format} ({reader.key_kind} keys)")
-        kt = "int64" if reader.key_kind == "int64" else "bytes"
-        batch_size = chunk_rows(4 * reader.dim + 64, batch_size)
-        stamps_ok = _verify_check(rep, lambda: check_header(reader.name, reader.header))
-        with progress_bar(total=reader.declared_rows, enabled=progress, desc="verify") as bar:
-            for chunk in reader.chunks(batch_size, validate=True):
-                if stamps_ok:  # the first bad stamp is reported, as import would refuse it
-                    stamps_ok = _verify_check(rep, lambda c=chunk: check_stamps(
-                        reader.name, c.records, c.rows, reader.row_word, reader.row_offset))
-                clean, bad = _clean(chunk, reader, kt)
-                rep.bad += len(bad)
-                rep.problems += bad[:max(0, 20 - len(rep.problems))]
-                rep.rows += len(clean.keys)
-                _add_digest(rep, clean.keys, clean.vectors)
-                bar.update(len(chunk.keys) + len(chunk.bad))
-        if reader.declared_rows is not None and rep.rows + rep.bad != reader.declared_rows:
-            rep.problems.append(f"the file declares {reader.declared_rows} rows, "
-                                f"{rep.rows + rep.bad} were read")
-    return rep

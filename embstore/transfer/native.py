@@ -1,16 +1,16 @@
-"""Whole-table transfer for the engine: native export, native import, bulk record loads.
+"""Native export and import of a store.
 
 Kept apart from ``store.py`` because none of it is on a training hot path; the engine's
-``export``/``import_``/``load_records`` methods validate state and delegate here. Imports of
+``export``/``import_`` methods validate state and delegate here. Imports of
 every format, the native one included, run through one pipeline,
-:func:`embstore.io.transfer.import_file` (check the whole file, then write).
+:func:`embstore.transfer.import_file` (check the whole file, then write).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from ..io.formats import NativeFormatReader
 from ..io.native import NativeWriter
 from ..policies.tombstones import encode_keys
 from ..progress import progress_bar
-from .batch import distinct, unique_last
+from . import pipeline
 
 if TYPE_CHECKING:
     from ..layout import Layout
@@ -72,9 +72,7 @@ def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
 def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | bytes, *,
                   partial: bool, progress: bool, apply_deletes: bool = False) -> int:
     """``store.import_``: the native file must hold exactly this store's records; it then
-    goes through the one import pipeline (:func:`embstore.io.transfer.import_file`)."""
-    from ..io import transfer
-
+    goes through the one import pipeline (:func:`embstore.transfer.import_file`)."""
     with NativeFormatReader(src) as reader:
         if reader.key_kind != store.key_type:
             raise SchemaMismatchError(
@@ -84,39 +82,8 @@ def import_native(store: EmbeddingStore, src: str | os.PathLike | BinaryIO | byt
             raise SchemaMismatchError(
                 f"file layout {reader.layout} differs from the store's {store.layout}"
             )
-        report = transfer.import_file(store, reader, partial=partial, progress=progress,
-                                      cache_bytes=transfer.DEFAULT_CACHE_BYTES,
+        # read at call time: the cache size is a module setting (tests shrink it)
+        report = pipeline.import_file(store, reader, partial=partial, progress=progress,
+                                      cache_bytes=pipeline.DEFAULT_CACHE_BYTES,
                                       apply_deletes=apply_deletes)
         return report.rows
-
-
-def load_records(store: EmbeddingStore, batches: Iterable[tuple[Any, np.ndarray]], *,
-                 header: dict[str, Any] | None = None) -> int:
-    top = [store._version]
-
-    def clean() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for keys, recs in batches:
-            keys = store.normalize_keys(keys)
-            if len(keys) == 0:
-                continue
-            if getattr(recs, "dtype", None) != store.layout.dtype or len(recs) != len(keys):
-                raise SchemaMismatchError(
-                    f"records do not match the store layout {store.layout}")
-            top[0] = max(top[0], int(recs["version"].max()))
-            if not distinct(keys):
-                uniq, last = unique_last(keys)
-                keys, recs = uniq, recs[last]
-            yield keys, recs
-
-    n = store.backend.bulk_load(clean())
-    for obs in store.observers:  # bulk loads bypass the engine's writes: let indexes resync
-        obs.on_bulk_load()
-    store._version = max(store._version, top[0])
-    policy = store._policy
-    if header:
-        store.step = max(store.step, int(header.get("step", 0)))
-        policy.load_from_header(header.get("extra") or {})
-    if policy.eviction is not None:
-        policy.resync_rows(store)
-        policy.maybe_evict(store)
-    return n

@@ -1,0 +1,91 @@
+"""Process-wide LMDB environments, shared by every ``lmdb://`` backend on one path.
+
+LMDB forbids opening one environment twice in a process, so backends on the same directory
+share one :class:`SharedEnv`, counted by references and closed with the last backend. An
+environment inherited through ``fork()`` is never used in the child.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import BackendError, InvalidInputError
+
+try:
+    import lmdb
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("the lmdb backend needs py-lmdb: pip install 'embstore[lmdb]'") from e
+
+__all__ = ["SharedEnv", "acquire_env", "release_env"]
+
+
+class SharedEnv:
+    """One open environment of this process, shared by every backend on the same path."""
+
+    def __init__(self, env: lmdb.Environment, read_only: bool, flags: tuple) -> None:
+        self.env = env
+        self.read_only = read_only
+        self.flags = flags
+        self.pid = os.getpid()  # an environment must not be used across fork()
+        self.refs = 0
+        self._dbs: dict[bytes, Any] = {}
+
+    def db(self, name: bytes, create: bool = False):
+        """The named database, or None if it does not exist and ``create`` is False."""
+        if name not in self._dbs:
+            try:
+                if create:
+                    self._dbs[name] = self.env.open_db(name)
+                else:
+                    # Nothing is created before the metadata has been read and checked (a
+                    # write transaction that changes nothing writes nothing on commit).
+                    self._dbs[name] = self.env.open_db(name, create=False)
+            except lmdb.NotFoundError:
+                return None
+            except lmdb.Error as e:
+                raise BackendError(f"cannot open LMDB database {name!r}: {e}") from e
+        return self._dbs[name]
+
+
+_POOL: dict[str, SharedEnv] = {}
+
+
+def acquire_env(path: str, read_only: bool, flags: tuple,
+                new_env: Callable[[], lmdb.Environment]) -> SharedEnv:
+    """This process's environment at ``path`` (opened with ``new_env`` when there is none),
+    with one more reference. ``flags`` (durable, writemap, lock) must match a writer's."""
+    shared = _POOL.get(path)
+    if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
+        # LMDB forbids opening one environment twice in a process: share it.
+        if shared.read_only and not read_only:
+            raise BackendError(f"{path} is already open read-only in this process; "
+                               "close that store before opening it for writing")
+        if not read_only and shared.flags != flags:
+            raise InvalidInputError(
+                f"{path} is already open in this process with durable/writemap/lock="
+                f"{shared.flags}; open it with the same options"
+            )
+    else:
+        if shared is not None and shared.pid != os.getpid():
+            # Inherited through fork(): LMDB forbids using it here, and py-lmdb would
+            # refuse a new open while it counts as open. Closing the child's copy is safe:
+            # fcntl locks and reader slots belong to the parent's pid.
+            try:
+                shared.env.close()
+            except lmdb.Error:
+                pass
+        shared = SharedEnv(new_env(), read_only, flags)
+        _POOL[path] = shared
+    shared.refs += 1
+    return shared
+
+
+def release_env(path: str, shared: SharedEnv) -> None:
+    """Drop one reference; the last one closes the environment."""
+    shared.refs -= 1
+    if shared.refs == 0:
+        if _POOL.get(path) is shared:
+            del _POOL[path]
+        shared.env.close()

@@ -1,0 +1,87 @@
+"""The package's structure, measured with ``ast`` (``embstore.testing.architecture``)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from embstore.testing import architecture as arch
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "embstore" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return root
+
+
+def test_scanner_sees_a_cycle_through_a_function_level_import(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from . import b\n",
+        "b.py": "def f():\n    from .a import x\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+    })
+    modules = arch.load_modules(root)
+    assert arch.import_cycles(modules) == [["embstore.a", "embstore.b"]]
+    assert [(i.importer, i.target) for i in arch.function_level_imports(modules)] == [
+        ("embstore.b", "embstore.a")]
+
+
+def test_scanner_counts_private_reaches(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "_hidden.py": "def _f(): pass\n",
+        "pub/__init__.py": "",
+        "pub/m.py": """
+            from .._hidden import _f      # a private name of another module
+            class A:
+                def g(self, other):
+                    self._x = other._y    # other._y counts, self._x does not
+                    return super()._z, type(self)._w, other._replace()
+        """,
+    })
+    modules = arch.load_modules(root)
+    texts = sorted(r.text for r in arch.private_reaches(modules))
+    assert texts == ["from embstore._hidden import _f", "other._y"]
+    assert arch.top_level_private_modules(root) == ["_hidden"]
+
+
+def test_no_import_cycles_among_the_packages_modules():
+    modules = arch.load_modules()
+    assert arch.import_cycles(modules) == []
+
+
+def test_function_level_imports_only_defer_a_heavy_dependency_and_say_so():
+    # the line above each one says why it is deferred ("# deferred: <dependency> ...")
+    found = arch.function_level_imports(arch.load_modules())
+    unexplained = [f"{i.importer}:{i.lineno}" for i in found
+                   if not i.comment.startswith("# deferred:")]
+    assert unexplained == []
+    assert len(found) <= 4
+
+
+def test_codecs_know_no_store_and_the_engine_imports_no_layer_above_it():
+    imports = arch.imports(arch.load_modules())
+    above_engine = ("embstore.api", "embstore.transfer", "embstore.cli", "embstore_torch",
+                    "embstore_tf")
+    for imp in imports:
+        if imp.importer.startswith("embstore.io.") and imp.importer != "embstore.io.transfer":
+            assert not imp.target.startswith(("embstore.store", "embstore.engine",
+                                              "embstore.transfer", "embstore.api")), imp
+        if imp.importer.startswith(("embstore.store", "embstore.engine", "embstore.backends",
+                                    "embstore.layers", "embstore._cython")):
+            assert not imp.target.startswith(above_engine), imp
+
+
+def test_private_name_reaches_stay_at_most_three_per_thousand_lines():
+    modules = arch.load_modules()
+    reaches = arch.private_reaches(modules)
+    per_kloc = 1000.0 * len(reaches) / arch.nonblank_lines(modules)
+    assert per_kloc <= 3.0, "\n".join(f"{r.module}:{r.lineno} {r.text}" for r in reaches)
+
+
+def test_modules_stay_small():
+    too_long = arch.longest_modules(arch.load_modules(), 530)
+    assert too_long == []

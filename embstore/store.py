@@ -413,17 +413,31 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False,
-                format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+                format: str | None = None,  # noqa: A002 - the CLI's --format
+                replace: bool = False) -> int:
         """Load records from ``src``; return the rows imported. The format is ``format`` or, as
         in the CLI, the file's content and name's (bytes, file objects: native). A native file
         must match the store's layout and key type and is verified whole (checksums, trailer,
         ranges: ``docs/cli.md``, "Import limits") before the first row is written
         (``partial=True`` keeps rows before damage); a full export listing deleted keys is
         refused unless ``apply_deletes=True`` (a delta's deletions always apply). Other
-        formats go through ``embstore.io.transfer.import_file``."""
+        formats go through ``embstore.io.transfer.import_file``.
+
+        ``replace=True`` (a native full export only): the store ends up holding exactly the
+        file's rows and step, nothing else. The whole file is checked first, then the table is
+        swapped in so that a failure or a kill at any moment leaves the old table or the new
+        one (``embstore/engine/replace.py``; how per backend: ``Backend.replace_mechanism``).
+        """
         from .io.format_choice import import_from
 
         self._check_writable()
+        if replace:
+            from .engine.replace import replace_from
+
+            if partial or apply_deletes or format not in (None, "native"):
+                raise InvalidInputError("replace=True takes a whole native export: no partial, "
+                                        "apply_deletes or other format")
+            return replace_from(self, src)
         return import_from(self, src, format, partial=partial, progress=progress,
                            apply_deletes=apply_deletes)
 

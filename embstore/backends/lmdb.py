@@ -532,6 +532,15 @@ class LmdbBackend(FetchedRecords, Backend):
         event(log, logging.INFO, "lmdb.map_grow", "%s: grew the LMDB map to %d bytes ahead of "
               "a bulk write", self.path, min(size, _GROW_LIMIT), map_size=min(size, _GROW_LIMIT))
 
+    replace_mechanism = "transaction"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """The table and ``meta`` replaced in one write transaction (see ``_replace.py``)."""
+        from ._replace import lmdb_replace
+
+        return lmdb_replace(self, batches, meta, rows)
+
     def clear(self) -> None:
         if self._rec_db is None:
             return

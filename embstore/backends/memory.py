@@ -449,6 +449,15 @@ class MemoryBackend(Backend):
                 self._records.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 
+    replace_mechanism = "staging-table"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """A new table built aside, then installed in one step (see ``_replace.py``)."""
+        from ._replace import memory_replace
+
+        return memory_replace(self, batches, meta, rows)
+
     @serialized
     def clear(self) -> None:
         self._epoch += 1

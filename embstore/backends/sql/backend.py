@@ -393,6 +393,16 @@ class SQLBackend(Backend):
 
         return bulk_load(self, batches)
 
+    replace_mechanism = "transaction"
+
+    @_wrap_errors
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """The table and ``meta`` replaced in one transaction (see ``bulk.py``)."""
+        from .bulk import replace_rows
+
+        return replace_rows(self, batches, meta)
+
     @_wrap_errors
     def clear(self) -> None:
         with self._ops.txn():

@@ -24,6 +24,10 @@ FORMAT = "embstore.rows/1"
 def store_state(store: Any, rows: bool = True) -> dict[str, Any]:
     """A snapshot of every record of ``store`` and its step, as plain Python values (with
     ``rows=False`` a reference only: ``"rows"`` is None)."""
+    if _distributed(store):  # one rank's own shard, no collective (distributed/checkpoint.py)
+        from .distributed.checkpoint import shard_state
+
+        return shard_state(store, rows)
     blob = None
     if rows:
         buf = io.BytesIO()
@@ -81,6 +85,10 @@ def restore_store(store: Any, state: Any, where: str = "") -> None:
     written, and the table is swapped in atomically (``embstore/engine/replace.py``).
     ``version`` keeps moving forward.
     """
+    if _distributed(store):
+        from .distributed.checkpoint import restore_shard
+
+        return restore_shard(store, state, where)
     what = f"{where} checkpoint of {store.url}".strip()
     state = check_state(state, what)
     if state["dim"] != store.dim or state["key_type"] != store.key_type:
@@ -97,3 +105,8 @@ def restore_store(store: Any, state: Any, where: str = "") -> None:
     except EmbstoreError as e:  # name the module and store, keep the error's type
         raise type(e)(f"{what}: {e}") from e
     store.flush()
+
+
+def _distributed(store: Any) -> bool:
+    """A rank's handle on a distributed store (``embstore_torch.distributed``)."""
+    return bool(getattr(store, "collective", False)) and hasattr(store, "local")

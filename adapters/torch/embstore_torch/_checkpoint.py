@@ -7,11 +7,19 @@ is ``bytes`` rather than a tensor on purpose: ``torch.load(weights_only=True)`` 
 ``torch.distributed.checkpoint`` saves non-tensor values as byte blobs that a load *replaces*,
 whereas it loads tensors in place into tensors of the same shape, which a table that grew or
 shrank since the module was built does not have.
+
+Large persistent tables are not copied into memory: ``torch.save`` pickles its whole object
+into memory before writing, so rows carried inline always cost their size in RAM. A persistent
+store whose records exceed :data:`INLINE_BYTES` (or any store, with ``checkpoint_rows=False``)
+is carried as a *reference*: the store is flushed and the snapshot records its URL, step and
+``version``; the rows stay in the store, and :mod:`embstore_torch.checkpoint` streams them to a
+file beside the checkpoint when a self-contained copy is wanted.
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 from embstore.errors import CorruptFileError, EmbstoreError, ReadOnlyError, SchemaMismatchError
@@ -21,26 +29,49 @@ from embstore.io.limits import MAX_STAMP
 FORMAT = "embstore.rows/1"
 
 
-def store_state(store: Any, rows: bool = True) -> dict[str, Any]:
-    """A snapshot of every record of ``store`` and its step, as plain Python values (with
-    ``rows=False`` a reference only: ``"rows"`` is None)."""
+#: records (bytes) of a persistent store carried inline in a ``state_dict``; a larger table is
+#: carried as a reference to its flushed version (see the module docstring)
+INLINE_BYTES = 64 << 20
+
+
+def _inline(store: Any, rows: bool | int) -> bool:
+    """Whether ``store``'s rows go into the snapshot. ``rows``: the module's
+    ``checkpoint_rows`` (True: memory stores always, persistent ones up to INLINE_BYTES;
+    False: never; an int: up to that many bytes of records)."""
+    if rows is False:
+        return False
+    persistent = bool(getattr(getattr(store, "backend", None), "persistent", False))
+    if rows is True and not persistent:
+        return True
+    limit = INLINE_BYTES if rows is True else int(rows)
+    return len(store) * int(store.layout.itemsize) <= limit
+
+
+def store_state(store: Any, rows: bool | int = True) -> dict[str, Any]:
+    """A snapshot of every record of ``store`` and its step, as plain Python values; or a
+    reference to the store's flushed version (``"rows"`` None, ``"version"`` set) when the
+    rows are not carried (see :func:`_inline`)."""
     if _distributed(store):  # one rank's own shard, no collective (distributed/checkpoint.py)
         from .distributed.checkpoint import shard_state
 
         return shard_state(store, rows)
-    blob = None
-    if rows:
+    state: dict[str, Any] = {"format": FORMAT, "url": store.url, "dim": int(store.dim),
+                             "key_type": store.key_type}
+    if _inline(store, rows):
         buf = io.BytesIO()
         store.export(buf)
-        blob = buf.getvalue()
-    return {"format": FORMAT, "url": store.url, "dim": int(store.dim),
-            "key_type": store.key_type, "step": int(store.step), "rows": blob}
+        state.update(step=int(store.step), rows=buf.getvalue())
+        return state
+    if not store.read_only:
+        store.flush()  # the referenced version is on disk
+    state.update(step=int(store.step), rows=None, version=int(store.version))
+    return state
 
 
 #: every field a snapshot may carry, with its declared type (anything else is refused)
 _FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,), "url": (str,), "dim": (int,), "key_type": (str,), "step": (int,),
-    "rows": (bytes, bytearray, memoryview, type(None)),
+    "rows": (bytes, bytearray, memoryview, type(None)), "version": (int,),
 }
 _REQUIRED = ("format", "dim", "key_type", "step", "rows")
 
@@ -70,9 +101,10 @@ def check_state(state: Any, what: str) -> dict[str, Any]:
                                "int64 or bytes")
     if not 0 < state["dim"] <= MAX_DIM:
         raise CorruptFileError(f"{what}: snapshot dim {state['dim']} is out of range")
-    if not 0 <= state["step"] <= MAX_STAMP:
-        raise CorruptFileError(f"{what}: snapshot step {state['step']} is out of range "
-                               "[0, 2**62]")
+    for f in ("step", "version"):
+        if f in state and not 0 <= state[f] <= MAX_STAMP:
+            raise CorruptFileError(f"{what}: snapshot {f} {state[f]} is out of range "
+                                   "[0, 2**62]")
     return state
 
 
@@ -96,7 +128,13 @@ def restore_store(store: Any, state: Any, where: str = "") -> None:
             f"{what}: the snapshot has dim={state['dim']}, key_type={state['key_type']!r}; "
             f"the store has dim={store.dim}, key_type={store.key_type!r}")
     rows = state["rows"]
-    if rows is None:  # a reference-only entry (checkpoint_rows=False): nothing to load
+    if rows is None:  # a reference: the rows are the store's own (nothing to load)
+        version = state.get("version")
+        if version is not None and version != store.version:
+            warnings.warn(
+                f"{what}: the checkpoint references version {version} of the store, which has "
+                f"moved on to {store.version}; its rows are kept as they are (restore them "
+                "from a copy saved with embstore_torch.checkpoint.save)", stacklevel=4)
         return
     if store.read_only:
         raise ReadOnlyError(f"{what}: the store is open read-only; load_state_dict writes it")

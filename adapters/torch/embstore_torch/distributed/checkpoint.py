@@ -29,10 +29,13 @@ RESHARD = ("`embstore copy 'sharded://?shard=...' 'sharded://?shard=...' --shard
            "export the old run's shards and import them into the new world)")
 
 
-def shard_state(store: Any, rows: bool = True) -> dict[str, Any]:
-    """This rank's snapshot (no collective): its own store's rows, step and shard identity."""
-    carry = rows and (store.sharded or store.rank == 0)
+def shard_state(store: Any, rows: bool | int = True) -> dict[str, Any]:
+    """This rank's snapshot (no collective): its own store's rows (or a reference to its
+    flushed version, see ``_checkpoint.py``), step and shard identity."""
+    carry = rows if (store.sharded or store.rank == 0) else False
+    store._count_steps_once()  # a reference flushes: a shared store's step is rank 0's to add
     snap = store_state(store.local, rows=carry)
+    store.local.step = int(store.step)
     snap["step"] = int(store.step)
     snap["url"] = store.local.url
     snap["shard_index"], snap["shard_count"] = int(store.rank), int(store.world_size)

@@ -5,6 +5,7 @@ be refused in one line with the store untouched and memory bounded."""
 from __future__ import annotations
 
 import io
+import os
 import struct
 import tracemalloc
 
@@ -259,3 +260,23 @@ def test_replace_refuses_options_it_cannot_honour():
     with embstore.open("memory://", dim=4) as s:
         with pytest.raises(InvalidInputError, match="replace=True"):
             s.import_(b"", replace=True, partial=True)
+
+
+def test_what_a_killed_rocksdb_restore_leaves_is_recovered_on_open(tmp_path):
+    from embstore.backends._replace import parked_path, staging_path
+
+    path = str(tmp_path / "r")
+    url = f"rocksdb://{path}"
+    s = _filled(url)
+    want = _table(s)
+    s.close()
+    # killed while building the new table: a half-built staging directory beside the store
+    os.makedirs(os.path.join(staging_path(path), "junk"))
+    with embstore.open(url) as s:
+        assert _table(s) == want
+    assert not os.path.exists(staging_path(path))
+    # killed between the renames of the fallback exchange: the live directory is parked
+    os.rename(path, parked_path(path))
+    with embstore.open(url) as s:
+        assert _table(s) == want
+    assert not os.path.exists(parked_path(path))

@@ -119,6 +119,11 @@ def staging_path(path: str) -> str:
     return os.path.join(head, f".{tail}.restore")
 
 
+def parked_path(path: str) -> str:
+    """Where the exchange's fallback parks the live directory between two renames."""
+    return staging_path(path) + "-old"
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -131,7 +136,7 @@ def exchange_dirs(a: str, b: str) -> None:
     """Swap the directories ``a`` and ``b`` in one atomic step (Linux ``renameat2``).
 
     Where the call is missing (another OS, an old kernel, a filesystem without it) the two are
-    swapped by two renames through ``b + ".old"``; :func:`recover_staging` repairs the moment
+    swapped by three renames through :func:`parked_path`; :func:`recover_staging` repairs the moment
     between them (``b`` then missing) by putting the old directory back.
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -143,7 +148,7 @@ def exchange_dirs(a: str, b: str) -> None:
         err = ctypes.get_errno()
         if err not in (38, 22, 95):  # ENOSYS, EINVAL, EOPNOTSUPP: fall back below
             raise OSError(err, os.strerror(err), b)
-    old = b + ".old"
+    old = parked_path(b)
     os.rename(b, old)
     os.rename(a, b)
     os.rename(old, a)
@@ -153,10 +158,13 @@ def exchange_dirs(a: str, b: str) -> None:
 def recover_staging(path: str) -> None:
     """Finish what a killed restore left beside the store at ``path`` (call before opening)."""
     stage = staging_path(path)
-    if not os.path.lexists(path) and os.path.isdir(path + ".old"):
-        os.rename(path + ".old", path)  # killed between the fallback's two renames
-    if os.path.isdir(path) and os.path.lexists(stage):
-        shutil.rmtree(stage, ignore_errors=True)  # half a new table, or the old one
+    parked = parked_path(path)
+    if not os.path.lexists(path) and os.path.isdir(parked):
+        os.rename(parked, path)  # killed between the fallback's first two renames
+    if os.path.isdir(path):
+        for leftover in (stage, parked):  # half a new table, or the old one
+            if os.path.lexists(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def rocksdb_replace(backend: Any, batches: Batches, meta: dict) -> int:

@@ -69,6 +69,7 @@ class WrapperBackend(Backend):
     supports_lookup_insert = _InnerFlag[bool]()
     thread_safe = _InnerFlag[bool]()
     scheme = _InnerFlag[str]()
+    replace_mechanism = _InnerFlag[str]()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -136,6 +137,10 @@ class WrapperBackend(Backend):
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         return self.inner.bulk_load(batches)
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        return self.inner.replace_rows(batches, meta, rows)
 
     def partitions(self) -> list[Backend]:
         parts = self.inner.partitions()

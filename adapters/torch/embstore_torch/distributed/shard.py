@@ -42,10 +42,6 @@ class ShardView(WrapperBackend):
         super().__init__(inner)
         self.sharding = {"count": int(count), "index": int(index)}
 
-    @property
-    def replace_mechanism(self) -> str:  # type: ignore[override]
-        return self.inner.replace_mechanism
-
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """The inner backend's atomic swap, with the metadata recorded as this shard's."""

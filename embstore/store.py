@@ -322,6 +322,11 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
             return np.empty((0, self.layout.dim), dtype=np.float32)
         return self._lookup_rows(k, c, insert)
 
+    def mark_steps_synced(self) -> None:
+        """Count this writer's steps so far as already stored: the next sync adds none of them
+        (ranks of a distributed job over one shared store: one adds the steps, others mark)."""
+        self._meta_sync.mark(self.step)
+
     def prefetch(self, keys: Any) -> None:
         """Load the rows of ``keys`` in the background while the current step computes (with
         a cache layer; other backends ignore the hint). Call it with the next batch's keys."""
@@ -390,17 +395,6 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         uniq, _ = unique_first(k)
         return self._delete(uniq)
 
-    def clear(self, batch_size: int = 65536) -> int:
-        """Delete every row (as :meth:`delete` of all keys: policies and observers are told,
-        incremental exports see the deletions); return how many rows were deleted. The store's
-        step, options and layout stay."""
-        self._check_writable()
-        self._require_scan("clear()")
-        batches = [keys for keys, _ in self._backend.scan(batch_size)]
-        if not batches:
-            return 0
-        return self._delete(unique_first(np.concatenate(batches))[0])
-
     # -- whole-table access ------------------------------------------------------------------------
     def get_records(self, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         """Full records (vector, slots, metadata) and a found mask, for inspection; in the
@@ -440,15 +434,30 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
 
     def import_(self, src: str | os.PathLike[str] | BinaryIO | bytes, *, partial: bool = False,
                 progress: bool = False, apply_deletes: bool = False,
-                format: str | None = None) -> int:  # noqa: A002 - the CLI's --format
+                format: str | None = None,  # noqa: A002 - the CLI's --format
+                replace: bool = False) -> int:
         """Load records from ``src``; return the rows imported. The format is ``format`` or, as
         in the CLI, the file's content and name's (bytes, file objects: native). A native file
         must match the store's layout and key type and is verified whole (checksums, trailer,
         ranges: ``docs/cli.md``, "Import limits") before the first row is written
         (``partial=True`` keeps rows before damage); a full export listing deleted keys is
         refused unless ``apply_deletes=True`` (a delta's deletions always apply). Other
-        formats go through ``embstore.transfer.import_file``."""
+        formats go through ``embstore.transfer.import_file``.
+
+        ``replace=True`` (a native full export only): the store ends up holding exactly the
+        file's rows and step, nothing else. The whole file is checked first, then the table is
+        swapped in so that a failure or a kill at any moment leaves the old table or the new
+        one (``embstore/transfer/replace.py``; how per backend: ``Backend.replace_mechanism``).
+        """
         self._check_writable()
+        if replace:
+            if partial or apply_deletes or format not in (None, "native"):
+                raise InvalidInputError("replace=True takes a whole native export: no partial, "
+                                        "apply_deletes or other format")
+            written, self.step, self._version, header = transfers().replace(self, src)
+            self._meta_sync.mark(self.step)
+            self._after_replace(header)
+            return written
         return transfers().import_(self, src, format, partial=partial, progress=progress,
                                    apply_deletes=apply_deletes)
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar, run
 import numpy as np
 
 from ..layout import Layout
+from ._replace import write_then_delete
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -333,6 +334,23 @@ class Backend(abc.ABC):
             self.put(keys, recs)
             n += len(keys)
         return n
+
+    #: How :meth:`replace_rows` swaps a table in: ``"transaction"`` (one write transaction),
+    #: ``"staging-directory"``, ``"staging-table"`` (atomic either way) or
+    #: ``"write-then-delete"`` (never loses a row, but a crash part-way leaves a mix).
+    replace_mechanism: str = "write-then-delete"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict[str, Any],
+                     rows: int | None = None) -> int:
+        """Make the table hold exactly the rows of ``batches`` and the metadata ``meta``;
+        return the rows it holds. ``rows`` is a hint of how many will come.
+
+        The default writes the new rows first (``bulk_load``), then deletes the rows the new
+        table lacks, then writes ``meta``: a failure part-way loses no row but can leave a mix
+        of both tables. Backends with transactions or a way to swap a staged table override it
+        to be atomic (see :attr:`replace_mechanism`).
+        """
+        return write_then_delete(self, batches, meta)
 
     def partitions(self) -> list[Backend]:
         """The independent parts rows are split across (shards), each a backend holding

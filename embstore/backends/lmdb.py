@@ -39,8 +39,10 @@ from ._localdir import (
     parse_dir_url,
     sorted_last_wins,
 )
+from ._replace import lmdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
+from .lmdb_env import META_KEY as _META_KEY
 from .lmdb_env import SharedEnv, acquire_env, release_env
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 _REC_DB = b"records"
 _META_DB = b"meta"
-_META_KEY = b"meta"
 _BYTES_PREFIX = b"\x00"
 _GROW_LIMIT = 1 << 46  # 64 TiB: beyond that a MapFullError is a real error, not a small map
 # Bytes of records per bulk-load transaction: keys are sorted over a whole chunk, and only a
@@ -474,6 +475,13 @@ class LmdbBackend(FetchedRecords, Backend):
         self.counters["map_grows"] += 1
         event(log, logging.INFO, "lmdb.map_grow", "%s: grew the LMDB map to %d bytes ahead of "
               "a bulk write", self.path, min(size, _GROW_LIMIT), map_size=min(size, _GROW_LIMIT))
+
+    replace_mechanism = "transaction"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """The table and ``meta`` replaced in one write transaction (see ``_replace.py``)."""
+        return lmdb_replace(self, batches, meta, rows)
 
     def clear(self) -> None:
         if self._rec_db is None:

@@ -20,6 +20,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 __all__ = ["SharedEnv", "acquire_env", "release_env"]
 
+#: key of the store metadata in the metadata database
+META_KEY = b"meta"
+
 
 class SharedEnv:
     """One open environment of this process, shared by every backend on the same path."""

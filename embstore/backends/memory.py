@@ -466,6 +466,22 @@ class MemoryBackend(Backend):
                 self._records.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 
+    replace_mechanism = "staging-table"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """A new table built aside, then installed in one step (see ``_replace.py``)."""
+        staging = MemoryBackend(self.url, initial_capacity=max(int(rows or 0), 16),
+                                prefault=self._prefault, hash_seed=self._hash_seed)
+        staging.bind(self.layout, self.key_type)
+        staging.bulk_load(batches)
+        with self._lock:
+            # One dict update (a single C call): no signal handler or other thread runs between
+            # installing the key table and the records, so nothing ever sees half of each.
+            self.__dict__.update(_table=staging._table, _arena=staging._arena,
+                                 _epoch=self._epoch + 1, _last_find=None, _meta=dict(meta))
+            return len(self)
+
     @serialized
     def clear(self) -> None:
         self._epoch += 1

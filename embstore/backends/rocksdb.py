@@ -37,6 +37,7 @@ from ._localdir import (
     parse_dir_url,
     sorted_last_wins,
 )
+from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
 
@@ -142,7 +143,10 @@ class RocksDBBackend(FetchedRecords, Backend):
         shared = _POOL.get(path)
         if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
             self._attach(shared)
-        elif check_store_dir(path, "CURRENT", "RocksDB"):
+            return
+        if not os.path.lexists(path):  # a restore killed between two renames (see _replace)
+            recover_staging(path)
+        if check_store_dir(path, "CURRENT", "RocksDB"):
             self._open_read_only()
 
     # -- handles ---------------------------------------------------------------------------------
@@ -189,6 +193,9 @@ class RocksDBBackend(FetchedRecords, Backend):
         shared = _Shared(db, meta, self.durable)
         _POOL[self.path] = shared
         self._attach(shared)
+        # This process holds the directory's write lock: what a killed restore left beside it
+        # (a half-built new table, or the old one after the swap) can go.
+        recover_staging(self.path)
 
     def _close_read_only(self) -> None:
         if self._ro is not None:
@@ -471,6 +478,14 @@ class RocksDBBackend(FetchedRecords, Backend):
             raise BackendError(f"{self.path}: SST ingest failed: {e}") from e
         self.counters["sst_ingests"] += 1
         return len(enc)
+
+    replace_mechanism = "staging-directory"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """A new database built in a staging directory, exchanged with the live one in one
+        rename (see ``_replace.py``)."""
+        return rocksdb_replace(self, batches, meta)
 
     def clear(self) -> None:
         if self._shared is None:

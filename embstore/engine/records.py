@@ -49,6 +49,8 @@ class RecordWrites:
     _clock: Callable[[], float]
 
     normalize_keys: Callable[[Any], np.ndarray]  # StoreSeams'
+    check_writable: Callable[[], None]  # StoreSeams'
+    _require_scan: Callable[[str], None]  # StoreSeams'
     read_only: bool
 
     def _next_version(self) -> int:
@@ -361,3 +363,26 @@ class RecordWrites:
             uniq, summed, mult = uniq[new], summed[new], mult[new]
         self._update_records(uniq, summed, mult)
         self._policy.after_update(self._as_host())
+
+    def clear(self, batch_size: int = 65536) -> int:
+        """Delete every row (as :meth:`delete` of all keys: policies and observers are told,
+        incremental exports see the deletions); return how many rows were deleted. The store's
+        step, options and layout stay."""
+        self.check_writable()
+        self._require_scan("clear()")
+        batches = [keys for keys, _ in self._backend.scan(batch_size)]
+        if not batches:
+            return 0
+        return self._delete(unique_first(np.concatenate(batches))[0])
+
+    def _after_replace(self, header: dict) -> None:
+        """The engine's state after the backend swapped a whole table in (a restore)."""
+        extra = header.get("extra")
+        if isinstance(extra, dict) and extra.get("policies"):
+            # admission state (checked whole before the swap), saved with the next flush
+            self._policy.load_from_header(extra)
+        for obs in self._observers:  # the rows changed under the engine: indexes resync
+            obs.on_bulk_load()
+        if self._policy.eviction is not None:
+            self._policy.resync_rows(self._as_host())
+            self._policy.maybe_evict(self._as_host())

@@ -38,6 +38,12 @@ class Transfers(Protocol):
         """``store.import_``: check the whole file, then write it; return rows imported."""
         ...
 
+    def replace(self, store: EmbeddingStore, src: str | os.PathLike[str] | BinaryIO | bytes
+                ) -> tuple[int, int, int, dict]:
+        """``store.import_(replace=True)``: check the native snapshot whole, swap it in;
+        return ``(rows, step, version, header)``."""
+        ...
+
 
 class _Installed:
     transfers: Transfers | None = None

@@ -74,6 +74,7 @@ class WrapperBackend(Backend):
     max_key_bytes = _InnerFlag["int | None"]()
     #: the slot methods are not forwarded, so a layer is never slot-addressed itself
     supports_slots = False
+    replace_mechanism = _InnerFlag[str]()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -141,6 +142,10 @@ class WrapperBackend(Backend):
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         return self.inner.bulk_load(batches)
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        return self.inner.replace_rows(batches, meta, rows)
 
     def partitions(self) -> list[Backend]:
         parts = self.inner.partitions()

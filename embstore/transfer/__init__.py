@@ -27,6 +27,7 @@ from .pipeline import (
     export_file,
     import_file,
 )
+from .replace import replace_table
 from .verify import VerifyReport, row_digests, verify_file, verify_store
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ class _StoreTransfers:
                 progress: bool, apply_deletes: bool) -> int:
         return import_from(store, src, fmt, partial=partial, progress=progress,
                            apply_deletes=apply_deletes)
+
+    def replace(self, store: EmbeddingStore, src: Any) -> tuple[int, int, int, dict]:
+        return replace_table(store, src)
 
 
 services.install(transfers=_StoreTransfers())

@@ -17,7 +17,7 @@ from embstore.io.limits import check_inflation
 
 from ._checkpoint import RowsCheckpoint, replace_rows
 from ._spec import LOADING, open_store, store_spec
-from .ops import _key_tensor, _pad_value, flat_rows
+from .ops import flat_rows, key_tensor, pad_value
 
 try:  # Keras 3 ships with TF >= 2.16; tf.keras is the same object there
     import keras
@@ -114,7 +114,7 @@ class DynamicEmbedding(keras.layers.Layer):
                     "mask_zero=True over a bytes store needs the padding key it masks: "
                     "pass padding_key= (e.g. padding_key=b'')")
             padding_key = 0
-        self.padding_key = None if padding_key is None else _pad_value(padding_key, store)
+        self.padding_key = None if padding_key is None else pad_value(padding_key, store)
         if isinstance(self.padding_key, np.integer):
             self.padding_key = int(self.padding_key)
         self.mask_zero = bool(mask_zero)
@@ -132,7 +132,7 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def _rows(self, flat: tf.Tensor, training: Any) -> tf.Tensor:
         insert = training is not None and bool(training)
-        keys = _key_tensor(flat, self.store)
+        keys = key_tensor(flat, self.store)
         rows = flat_rows(keys, self.store, trigger=tf.convert_to_tensor(self.trigger),
                          trainable=self.trainable, insert=insert,
                          padding_key=self.padding_key)
@@ -155,7 +155,7 @@ class DynamicEmbedding(keras.layers.Layer):
             return None
         if isinstance(inputs, keras.KerasTensor):  # a functional model being built
             return keras.ops.not_equal(inputs, self.padding_key)
-        k = _key_tensor(inputs, self.store)
+        k = key_tensor(inputs, self.store)
         return tf.not_equal(k, tf.constant(self.padding_key, k.dtype))
 
     def compute_output_shape(self, input_shape: Any) -> tuple:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from embstore._keys import factorize_keys
 from embstore.errors import InvalidInputError, KeyTypeError
+from embstore.keys import factorize_keys
 
 __all__ = ["dynamic_embedding_lookup", "flat_rows", "sampled_logits", "trigger_variable"]
 
@@ -38,7 +38,7 @@ def trigger_variable(store: Any) -> tf.Variable:
     return var
 
 
-def _key_tensor(keys: Any, store: Any) -> tf.Tensor:
+def key_tensor(keys: Any, store: Any) -> tf.Tensor:
     keys = tf.convert_to_tensor(keys)
     if store.key_type == "bytes":
         if keys.dtype != tf.string:
@@ -85,7 +85,7 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
     return rows(tf.convert_to_tensor(trig))
 
 
-def _pad_value(padding_key: Any, store: Any) -> Any:
+def pad_value(padding_key: Any, store: Any) -> Any:
     """``padding_key`` as the numpy scalar the flat key array holds (None: no padding)."""
     if padding_key is None:
         return None
@@ -113,7 +113,7 @@ def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool, padding_key: Any =
     appends): that key is never looked up, inserted or updated. With an admission policy the
     store is asked with every occurrence (a key seen 3 times in the batch counts 3), as a
     lookup of the raw batch would."""
-    pad = _pad_value(padding_key, store)
+    pad = pad_value(padding_key, store)
 
     def run(k: np.ndarray):
         keep = None
@@ -185,7 +185,7 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
     if trainable is None:
         trainable = not store.read_only
     with tf.name_scope(name or "dynamic_embedding_lookup"):
-        k = _key_tensor(keys, store)
+        k = key_tensor(keys, store)
         flat = tf.reshape(k, [-1])
         out = flat_rows(flat, store, trigger=trigger, trainable=trainable, insert=insert,
                         padding_key=padding_key)
@@ -213,7 +213,7 @@ def sampled_logits(hidden: Any, labels: Any, store: Any, num_sampled: int, sampl
     hidden = tf.convert_to_tensor(hidden, tf.float32)
     if hidden.shape.rank != 2 or (hidden.shape[1] is not None and hidden.shape[1] != store.dim):
         raise InvalidInputError(f"hidden must be (batch, {store.dim}), got {hidden.shape}")
-    lab = tf.reshape(_key_tensor(labels, store), [-1])
+    lab = tf.reshape(key_tensor(labels, store), [-1])
     uniq, targets, _ = tf.unique_with_counts(lab, out_idx=tf.int64)
     key_dtype = tf.string if store.key_type == "bytes" else tf.int64
     m = int(num_sampled)

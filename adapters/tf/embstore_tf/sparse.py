@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from embstore.errors import InvalidInputError
 
-from .ops import _key_tensor, flat_rows
+from .ops import flat_rows, key_tensor
 
 __all__ = ["embedding_lookup_sparse", "safe_embedding_lookup_sparse"]
 
@@ -107,7 +107,7 @@ def embedding_lookup_sparse(store: Any, sp_ids: Any, sp_weights: Any = None,
     with tf.name_scope(name or "embedding_lookup_sparse"):
         values, seg, w, n = _bags(sp_ids, sp_weights)
         _check_weights(values, w)
-        keys = _key_tensor(values, store)
+        keys = key_tensor(values, store)
         rows = flat_rows(keys, store, trigger=trigger, trainable=trainable, insert=insert)
         if max_norm is not None:
             rows = tf.clip_by_norm(rows, max_norm, axes=[1])
@@ -168,7 +168,7 @@ def safe_embedding_lookup_sparse(store: Any, sparse_ids: Any, sparse_weights: An
             empty = tf.math.unsorted_segment_sum(
                 tf.ones(tf.shape(ids.values)[:1], tf.int32), ids.indices[:, 0],
                 tf.cast(ids.dense_shape[0], tf.int32)) == 0
-            default = flat_rows(_key_tensor(tf.constant([default_id]), store), store,
+            default = flat_rows(key_tensor(tf.constant([default_id]), store), store,
                                 trainable=False, insert=False)
             out = tf.where(empty[:, None], tf.cast(default, out.dtype), out)
         return tf.reshape(out, tf.concat([outer, [int(store.dim)]], 0))

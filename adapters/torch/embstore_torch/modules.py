@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embstore._keys import normalize_keys
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
+from embstore.keys import normalize_keys
 
 from . import _compiled
 from ._bridges import Sink, StoreGather, StoreRows
 from ._checkpoint import restore_store, store_state
 from ._keys import KeyBatch, factorize, int_batch, prepare
+from .distributed.checkpoint import restore_shard, shard_state
 
 __all__ = ["DynamicEmbedding", "TracingUnsupportedError", "store_rows"]
 
@@ -322,11 +323,16 @@ class StoreModule(nn.Module):
     # -- checkpoints: the rows travel in the state_dict (see _checkpoint.py) -------------------
     def get_extra_state(self) -> dict[str, Any]:
         """The store's rows, optimizer slots, counts and step (the ``_extra_state`` entry)."""
+        if store_is_collective(self.store):  # this rank's own shard, no collective
+            return shard_state(self.store, rows=self.checkpoint_rows)
         return store_state(self.store, rows=self.checkpoint_rows)
 
     def set_extra_state(self, state: Any) -> None:
         """Restore the snapshot of :meth:`get_extra_state` into this module's store, exactly."""
-        restore_store(self.store, state, type(self).__name__)
+        if store_is_collective(self.store):
+            restore_shard(self.store, state, type(self).__name__)
+        else:
+            restore_store(self.store, state, type(self).__name__)
 
     def extra_repr(self) -> str:
         pad = "" if self.padding_key is None else f", padding_key={self.padding_key!r}"

@@ -46,6 +46,7 @@ from . import modify as _sql_modify
 from . import ops as _sql_ops
 from . import schema as _sql_schema
 from .bulk import bulk_load
+from .bulk import replace_rows as replace_all_rows
 from .rows import align_rows, record_bytes
 from .url import DEFAULT_TABLE as DEFAULT_TABLE
 from .url import parse_store_url as _parse  # tests split URLs through this name
@@ -353,6 +354,14 @@ class SQLBackend(Backend):
         ``put`` per batch would have left them).
         """
         return bulk_load(self, batches)
+
+    replace_mechanism = "transaction"
+
+    @_wrap_errors
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """The table and ``meta`` replaced in one transaction (see ``bulk.py``)."""
+        return replace_all_rows(self, batches, meta)
 
     @_wrap_errors
     def clear(self) -> None:

@@ -10,6 +10,7 @@ transaction (the later record wins, as with ``put``). Every other case upserts b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import numpy as np
@@ -36,30 +37,48 @@ def bulk_load(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
             failure.append(e)
             return None
 
-    n = 0
-    raw_path = isinstance(ops, (_sql_ops.PostgresOps, _sql_ops.SQLiteOps))
     with ops.txn():
-        pending = None
-        empty = raw_path and ops.count() == 0
-        if empty:
-            # Building the version index once, sorted, after the load beats maintaining it
-            # row by row; DDL is transactional in both databases, so a failure restores it.
-            ops.conn.execute(f"DROP INDEX IF EXISTS {backend.sql.quote(backend.sql.index_name)}")
-        if empty and isinstance(ops, _sql_ops.PostgresOps) and backend.key_type == "int64":
-            n, pending = _pg_copy(backend, ops, next_batch)
-        batch = pending if pending is not None else next_batch()
-        while batch is not None:
-            keys, recs = batch
-            if len(keys):
-                ops.upsert(keys, record_bytes(backend.layout, recs),
-                           np.ascontiguousarray(recs["version"]))
-                n += len(keys)
-            batch = next_batch()
-        if empty:
-            ops.conn.execute(backend.sql.create_index_sql)
+        n = _load(backend, ops, next_batch)
     if failure:
         raise failure[0]
     return n
+
+
+def _load(backend, ops, next_batch) -> int:
+    """The rows of ``next_batch()`` (until None) written inside the caller's transaction."""
+    n = 0
+    raw_path = isinstance(ops, (_sql_ops.PostgresOps, _sql_ops.SQLiteOps))
+    pending = None
+    empty = raw_path and ops.count() == 0
+    if empty:
+        # Building the version index once, sorted, after the load beats maintaining it
+        # row by row; DDL is transactional in both databases, so a failure restores it.
+        ops.conn.execute(f"DROP INDEX IF EXISTS {backend.sql.quote(backend.sql.index_name)}")
+    if empty and isinstance(ops, _sql_ops.PostgresOps) and backend.key_type == "int64":
+        n, pending = _pg_copy(backend, ops, next_batch)
+    batch = pending if pending is not None else next_batch()
+    while batch is not None:
+        keys, recs = batch
+        if len(keys):
+            ops.upsert(keys, record_bytes(backend.layout, recs),
+                       np.ascontiguousarray(recs["version"]))
+            n += len(keys)
+        batch = next_batch()
+    if empty:
+        ops.conn.execute(backend.sql.create_index_sql)
+    return n
+
+
+def replace_rows(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict) -> int:
+    """``Backend.replace_rows``: delete every row, load the new ones and write ``meta`` in one
+    transaction; any failure (of the source too) rolls it back, leaving the old table."""
+    ops = backend.sql.ops
+    it = iter(batches)
+    with ops.txn():
+        ops.clear()
+        _load(backend, ops, lambda: next(it, None))
+        ops.meta_put(json.dumps(meta, sort_keys=True))
+        return ops.count()
 
 
 def _pg_copy(backend, ops, next_batch):

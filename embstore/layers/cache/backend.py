@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -511,6 +512,13 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             if found.any():
                 self._drop(keys[found], slots[found])
             return present | found
+
+    # A restore goes through the cache (the remote's own swap would leave old rows cached).
+    replace_mechanism = "write-then-delete"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        return Backend.replace_rows(self, batches, meta, rows)
 
     def clear(self) -> None:
         self.wait_prefetch()

@@ -14,8 +14,10 @@ forwarded explicitly); only the metadata is translated.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from embstore.backends.base import Backend
 from embstore.engine.opening import open_backend, split_options
@@ -40,6 +42,11 @@ class ShardView(WrapperBackend):
     def __init__(self, inner: Backend, index: int, count: int) -> None:
         super().__init__(inner)
         self.sharding = {"count": int(count), "index": int(index)}
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """The inner backend's atomic swap, with the metadata recorded as this shard's."""
+        return self.inner.replace_rows(batches, self._as_shard(meta), rows)
 
     def read_meta(self) -> dict | None:
         meta = self.inner.read_meta()

@@ -35,6 +35,7 @@ from embstore.layers.sharded import sharded_url
 from embstore.layout import Layout
 from embstore.store import EmbeddingStore
 
+from .checkpoint import RESHARD, refuse_other_worlds
 from .comm import CollectiveError, CollectiveMismatchError, Comm, RankFailureError
 from .ops import CollectiveOps
 from .shard import open_rank_backend
@@ -125,8 +126,20 @@ class DistributedStore(CollectiveOps):
                 backend.close()
                 raise SchemaMismatchError(
                     f"the shards of ranks {np.flatnonzero(held == 0).tolist()} hold no store "
-                    f"while the others do ({local_url}); open every shard of the original run"
+                    f"while the others do ({local_url}); open every shard of the original run "
+                    f"(the same number of ranks), or reshard with {RESHARD}"
                 )
+            if not held.any() and "{world}" in url:
+                # Fresh shards under a {world} URL: a run with another world size would have
+                # written other paths, which must not be silently replaced by empty shards.
+                err = None
+                if self.rank == 0:
+                    err = refuse_other_worlds(url, self.world_size)
+                try:
+                    self._agree("open", err)
+                except BaseException:
+                    backend.close()
+                    raise
             self._open_engine(backend, engine, dim)
         else:
             # One shared store: rank 0 creates it (metadata) before the others open it. A
@@ -431,12 +444,21 @@ class DistributedStore(CollectiveOps):
         items, _, _ = self.comm.begin("len", len(self.local) if self._answers else 0)
         return int(items.sum())
 
+    def count_steps_once(self) -> None:
+        """Before this rank syncs a shared store's metadata: every rank counts each global
+        step, so only rank 0's are added to the stored step (the engine adds a writer's steps
+        since its last sync); the others add none and keep the global step afterwards."""
+        if not self.sharded and self.rank != 0 and self.local is not None:
+            self.local.mark_steps_synced()
+
     def flush(self) -> None:
         """Collective: every rank makes its writes durable; returns on a rank only when all
         ranks did (the acknowledgment point: those writes survive a later rank failure)."""
         err = None
         try:
+            self.count_steps_once()
             self.local.flush()
+            self.local.step = self.step
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             err = e
         self._agree("flush", err)
@@ -447,6 +469,7 @@ class DistributedStore(CollectiveOps):
             return
         err = None
         try:
+            self.count_steps_once()
             self.local.close()
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             err = e
@@ -496,3 +519,4 @@ class DistributedStore(CollectiveOps):
     def __repr__(self) -> str:
         return (f"<DistributedStore rank {self.rank}/{self.world_size} "
                 f"local={self.local!r}>")
+

@@ -139,5 +139,11 @@ class SQLiteOps(PagedReads):
                 "SELECT sum(pgsize) FROM dbstat WHERE name = ? OR name = ?",
                 (self._table_name, f"{self._table_name}_version_idx")).fetchone()
         except Exception:  # noqa: BLE001 - dbstat is a compile-time option of SQLite
-            return None
+            # Without it (a libsqlite3 built without SQLITE_ENABLE_DBSTAT_VTAB, e.g. one another
+            # extension loaded first): the pages in use in the whole database file, which is
+            # this table's size plus the metadata row for a store's own file.
+            pages = self.conn.execute("PRAGMA page_count").fetchone()[0]
+            free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+            size = self.conn.execute("PRAGMA page_size").fetchone()[0]
+            return int((pages - free) * size)
         return int(row[0] or 0)

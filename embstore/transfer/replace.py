@@ -30,10 +30,21 @@ from ..errors import CorruptFileError, SchemaMismatchError
 from ..io.base import FormatReader
 from ..io.formats import NativeFormatReader
 from ..io.limits import MAX_STAMP
+from ..layout import Layout
 from .validate import ImportChecks
 
 if TYPE_CHECKING:
     from ..store import EmbeddingStore
+
+
+def _brief(layout: Layout | None) -> str:
+    """A layout in one short line: what a user compares (dim, slots, dtypes, metadata)."""
+    if layout is None:
+        return "none recorded"
+    slots = ",".join(f"{n}x{w}" for n, w in layout.slots) or "none"
+    meta = "compact" if layout.is_compact else "full"
+    return (f"dim {layout.dim}, slots {slots}, {layout.value_dtype} vectors, "
+            f"{layout.slot_dtype} slots, {meta} metadata")
 
 
 def _finite(vectors: np.ndarray) -> np.ndarray:
@@ -62,8 +73,9 @@ def check_snapshot(store: EmbeddingStore, reader: FormatReader) -> tuple[int, in
         raise SchemaMismatchError(f"{name}: the snapshot has {reader.key_kind} keys, the store "
                                   f"has {store.key_type} keys; nothing restored")
     if reader.layout != store.layout:
-        raise SchemaMismatchError(f"{name}: the snapshot's layout {reader.layout} differs from "
-                                  f"the store's {store.layout}; nothing restored")
+        raise SchemaMismatchError(f"{name}: the snapshot's layout ({_brief(reader.layout)}) "
+                                  f"differs from the store's ({_brief(store.layout)}); "
+                                  "nothing restored")
     header = reader.header or {}
     if header.get("since") is not None:
         raise CorruptFileError(f"{name}: a delta export (since {header.get('since')!r}) is not "

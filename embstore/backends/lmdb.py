@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 try:
     import lmdb
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the lmdb backend needs py-lmdb: pip install 'embstore[lmdb]'") from e
+    raise ImportError("the lmdb backend needs py-lmdb: pip install -e '.[lmdb]'") from e
 
 _REC_DB = b"records"
 _META_DB = b"meta"

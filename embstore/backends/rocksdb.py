@@ -43,7 +43,7 @@ from .base import Backend, ModifyFn
 try:
     import rocksdict as rd
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the rocksdb backend needs rocksdict: pip install 'embstore[rocksdb]'") from e
+    raise ImportError("the rocksdb backend needs rocksdict: pip install -e '.[rocksdb]'") from e
 
 _META_CF = "embstore_meta"
 _META_KEY = b"meta"

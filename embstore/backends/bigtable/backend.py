@@ -40,7 +40,7 @@ try:
     from google.cloud.bigtable_v2.types import bigtable as _pb
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the bigtable:// backend needs google-cloud-bigtable; pip install 'embstore[bigtable]'"
+        "the bigtable:// backend needs google-cloud-bigtable; pip install -e '.[bigtable]'"
     ) from e
 
 _ReadRowsResponse = _pb.ReadRowsResponse.pb()

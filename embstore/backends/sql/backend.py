@@ -40,7 +40,7 @@ try:
     from sqlalchemy.pool import NullPool, PoolProxiedConnection
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
+        "the SQL backend needs SQLAlchemy; install it with: pip install -e '.[sql]'"
     ) from e
 
 from . import connection as _sql_conn
@@ -177,7 +177,7 @@ class SQLBackend(Backend):
         except ImportError as e:
             raise BackendUnavailableError(
                 f"the driver for {self._sa_url.drivername!r} is not installed ({e}); for "
-                "PostgreSQL: pip install 'embstore[postgres]'"
+                "PostgreSQL: pip install -e '.[postgres]'"
             ) from e
         except Exception as e:  # noqa: BLE001 - unknown dialect, bad URL arguments
             raise InvalidURLError(f"{self._safe_url}: {e}") from e

@@ -313,6 +313,9 @@ class LmdbBackend(FetchedRecords, Backend):
                     del _POOL[self.path]
                 shared.env.close()
 
+    def storage_paths(self) -> tuple[str, ...]:
+        return (self.path,)
+
     def reopen_options(self) -> dict:
         return {"durable": self.durable, "writemap": self.writemap, "lock": self._lock}
 

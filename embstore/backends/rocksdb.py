@@ -266,6 +266,9 @@ class RocksDBBackend(FetchedRecords, Backend):
                     raise BackendError(f"{self.path}: RocksDB close failed: {errors[0]}") \
                         from errors[0]
 
+    def storage_paths(self) -> tuple[str, ...]:
+        return (self.path,)
+
     def reopen_options(self) -> dict:
         return {"durable": self.durable, "block_cache_mb": self._cache_mb,
                 "bloom_bits": self._bloom}

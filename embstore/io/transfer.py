@@ -22,6 +22,7 @@ from .._keys import key_hash64, splitmix64
 from ..errors import CorruptFileError, InvalidInputError, SchemaMismatchError
 from ..progress import progress_bar
 from .base import CHUNK_ROWS, Chunk, FormatReader, describe_row, parse_int_keys, prefetch
+from .format_choice import refuse_own_storage, refuse_same_storage
 from .formats import detect_format, open_reader, open_writer
 from .limits import check_header, check_stamps, chunk_rows
 from .validate import ImportChecks, local_store_paths, remove_created
@@ -343,6 +344,7 @@ def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
     what they can carry (see ``docs/cli.md``). Returns the number of rows written; the file
     appears only when complete.
     """
+    refuse_own_storage(store, dest)
     name = detect_format(dest, fmt, for_write=True)
     if name == "native":
         return store.export(dest, since=since, batch_size=batch_size, progress=progress,
@@ -382,7 +384,9 @@ def _take_bytes(it: Iterator[tuple[np.ndarray, np.ndarray]], limit: int
 def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
                progress: bool = False) -> int:
     """Stream every row of ``src`` into ``dst`` (any two stores; a sharded ``dst``
-    re-partitions on the way). Whole records when the layouts agree, else vectors only."""
+    re-partitions on the way). Whole records when the layouts agree, else vectors only.
+    Copying a store onto itself (same URL or storage) raises ``InvalidInputError``."""
+    refuse_same_storage(src, dst)
     if src.key_type != dst.key_type:
         raise SchemaMismatchError(
             f"{src.url} has {src.key_type} keys, {dst.url} has {dst.key_type} keys")

@@ -149,6 +149,12 @@ class SQLBackend(Backend):
         of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
         return {"postgresql": 2680, "mysql": 767}.get(self._dialect_name)
 
+    def storage_paths(self) -> tuple[str, ...]:
+        if self._dialect_name != "sqlite" or not self._sa_url.database:
+            return ()
+        path = os.path.abspath(self._sa_url.database)
+        return (path, *(path + s for s in ("-wal", "-shm", "-journal")))
+
     # -- connection -------------------------------------------------------------------------------
     def _connect(self, fast_path: bool) -> None:
         kind = self._dialect_name

@@ -280,6 +280,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             self._lease.check_keys(keys)
             self._lease.ensure()
 
+    def storage_paths(self) -> tuple[str, ...]:
+        return self.remote.storage_paths() + self.local.storage_paths()
+
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())
         opts.update(cache=self.local.url, cache_capacity=self.capacity,

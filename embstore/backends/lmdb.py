@@ -195,6 +195,12 @@ class LmdbBackend(FetchedRecords, Backend):
             raise BackendError(f"cannot open LMDB environment {self.path}: {e}") from e
 
     def _require_env(self) -> lmdb.Environment:
+        if self._shared is not None and self._shared.pid != os.getpid():
+            # Used in a child forked after it opened: LMDB forbids using the parent's
+            # environment there; the child opens its own on the same files (multi-process
+            # safe), and its writes land for every process to see.
+            self._shared = self._env = None
+            self._open_env()
         if self._env is None:
             raise BackendError(f"{self.path}: LMDB environment is not open")
         return self._env

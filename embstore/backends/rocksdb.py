@@ -27,7 +27,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._keys import int64_from_ordered, ordered_int64_bytes
-from ..errors import BackendError, InvalidInputError, SchemaMismatchError
+from ..errors import BackendError, ForkedProcessError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
 from ._localdir import (
     FetchedRecords,
@@ -96,6 +96,24 @@ class _Shared:
 
 _POOL: dict[str, _Shared] = {}
 
+# A RocksDB handle does not survive fork(): the child has no background threads and its own
+# copy of the memtable, so its writes "succeed" and are never seen by anyone, and closing the
+# copy would flush it into the parent's files. Each child bumps the generation; a backend made
+# in an older one refuses every call, and the child's copies are kept referenced here so that
+# nothing closes (flushes) them.
+_fork_generation = 0
+_INHERITED: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+    _INHERITED.extend(_POOL.values())
+    _POOL.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class RocksDBBackend(FetchedRecords, Backend):
     """Row store in a RocksDB directory.
@@ -131,6 +149,8 @@ class RocksDBBackend(FetchedRecords, Backend):
         self.durable = bool(durable)
         self._cache_mb = int(block_cache_mb)
         self._bloom = float(bloom_bits)
+        self._generation = _fork_generation
+        self._opened_in = os.getpid()
         self._shared: _Shared | None = None
         self._ro: rd.Rdict | None = None
         self._ro_meta: rd.Rdict | None = None
@@ -146,6 +166,43 @@ class RocksDBBackend(FetchedRecords, Backend):
             self._open_read_only()
 
     # -- handles ---------------------------------------------------------------------------------
+    # Every use of a handle goes through these properties, so a forked child is refused on
+    # any call (one integer comparison).
+    def _check_process(self) -> None:
+        if self._generation != _fork_generation:
+            raise ForkedProcessError(
+                f"{self.url} was opened in process {self._opened_in} and is used in forked "
+                f"child {os.getpid()}: RocksDB handles do not survive fork() (the child's writes "
+                "would be lost). Open the store in the child (read_only=True while the parent "
+                "writes), or start workers with 'spawn'")
+
+    @property
+    def _db(self) -> rd.Rdict | None:
+        self._check_process()
+        return self._db_handle
+
+    @_db.setter
+    def _db(self, value: rd.Rdict | None) -> None:
+        self._db_handle = value
+
+    @property
+    def _shared(self) -> _Shared | None:
+        self._check_process()
+        return self._shared_handle
+
+    @_shared.setter
+    def _shared(self, value: _Shared | None) -> None:
+        self._shared_handle = value
+
+    @property
+    def _ro(self) -> rd.Rdict | None:
+        self._check_process()
+        return self._ro_handle
+
+    @_ro.setter
+    def _ro(self, value: rd.Rdict | None) -> None:
+        self._ro_handle = value
+
     def _open_read_only(self) -> None:
         try:
             cfs = rd.Rdict.list_cf(self.path, rd.Options(raw_mode=True))
@@ -248,6 +305,12 @@ class RocksDBBackend(FetchedRecords, Backend):
                 raise BackendError(f"{self.path}: flush failed: {e}") from e
 
     def close(self) -> None:
+        if self._generation != _fork_generation:
+            # a forked child's copy: drop it, never close (flush) it into the parent's files
+            _INHERITED.extend(h for h in (self._db_handle, self._ro_handle, self._ro_meta)
+                              if h is not None)
+            self._db = self._ro = self._ro_meta = self._shared = None
+            return
         self._close_read_only()
         shared, self._shared = self._shared, None
         self._db = None

@@ -65,6 +65,8 @@ def _wrap_errors(fn):
 
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
+        if self._pid != os.getpid():
+            _sql_conn.adopt_after_fork(self)
         try:
             return locked(self, *args, **kwargs)
         except self._driver_errors as e:
@@ -136,6 +138,7 @@ class SQLBackend(Backend):
         self._core = False
         self._bound: tuple[str, int] | None = None
         self._lock = threading.RLock()
+        self._pid = os.getpid()  # a forked child opens its own connection (adopt_after_fork)
         self._driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
         try:
             self._connect(fast_path)
@@ -444,6 +447,9 @@ class SQLBackend(Backend):
         return opts
 
     def close(self) -> None:
+        if self._pid != os.getpid():
+            # a forked child: closing the inherited connection would end the parent's session
+            _sql_conn.adopt_after_fork(self)
         with self._lock:
             if self._closed:
                 return

@@ -61,6 +61,42 @@ def recover_connection(b: Any, error: BaseException) -> bool:
         return True
 
 
+_INHERITED: list[Any] = []
+
+
+def adopt_after_fork(b: Any) -> None:
+    """In a child forked after ``b`` connected: open the child's own connection.
+
+    The inherited one is the parent's socket (PostgreSQL) or file handle (SQLite, which must
+    not cross fork()): it is dropped without closing it, which would end the parent's session,
+    and the engine's pool forgets its connections the same way (``dispose(close=False)``).
+    The lock is replaced too: a parent thread may have held it at the fork.
+    """
+    import os
+    import threading
+
+    b._lock = threading.RLock()
+    b._pid = os.getpid()
+    # kept referenced: freeing the driver's connection object would send the server a
+    # goodbye on the parent's socket
+    _INHERITED.append((b._raw, b._conn))
+    b._raw = b._conn = None
+    if b._closed or b._engine is None:
+        return
+    b._engine.dispose(close=False)
+    try:
+        if b._core:
+            open_core(b)
+        elif b._dialect_name == "sqlite":
+            open_sqlite(b)
+        else:
+            open_postgres(b)
+        if b._bound is not None:
+            b._configure_ops(*b._bound)
+    except b._driver_errors as e:
+        raise BackendError(f"{b._safe_url}: cannot connect in forked child: {e}") from e
+
+
 def release_connection(b: Any) -> None:
     """Drop the DBAPI connection; a dead one is invalidated rather than closed, so the
     pool does not try (and log a traceback for) a rollback on it."""

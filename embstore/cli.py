@@ -184,6 +184,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         if store is None:
             with open_reader(args.src, args.format) as reader:
                 create = creation_options(reader, dim=args.dim, key_type=args.key_type)
+                if reader.key_kind == "text" and create["key_type"] == "int64":
+                    _note(args, f"{args.src}: the keys are integers, so {args.url} gets int64 "
+                          "keys (--key-type bytes keeps them as text)")
             if args.optimizer:
                 create["optimizer"] = args.optimizer
             target: Any = NewStore(args.url, {**create, **opts})

@@ -95,7 +95,8 @@ def _clean(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chunk, li
         keys, ok = parse_int_keys(chunk.keys)
         for i in np.flatnonzero(~ok & good).tolist():
             reasons[i] = (f"key {chunk.keys[i][:40]!r} is not an integer "
-                          "(the store has int64 keys)")
+                          "(the store has int64 keys; a new store from a file whose first "
+                          "keys are integers gets int64 keys: --key-type bytes keeps text)")
         good &= ok
     if not good.all():
         bad += [describe_row(reader, int(chunk.rows[i]), reasons[i]) for i in sorted(reasons)]
@@ -157,17 +158,35 @@ class NewStore:
             remove_created(getattr(self, "created", []))
 
 
+def infer_text_key_type(reader: FormatReader) -> str:
+    """``"int64"`` when the first chunk's text keys are all integers written as an int64
+    store's export writes them (canonical decimals, so a key reads back to the same text),
+    else ``"bytes"``. TSV and word2vec files cannot record a key type; this keeps an int64
+    store's round trip through them an int64 store."""
+    if reader.key_kind != "text":
+        return "int64" if reader.key_kind == "int64" else "bytes"
+    chunk = next(iter(reader.chunks(CHUNK_ROWS)), None)
+    if chunk is None or len(chunk.keys) == 0:
+        return "bytes"
+    ints, ok = parse_int_keys(chunk.keys)
+    if not ok.all():
+        return "bytes"
+    canonical = np.array([str(v).encode() for v in ints.tolist()], dtype=object)
+    return "int64" if bool((canonical == chunk.keys).all()) else "bytes"
+
+
 def creation_options(reader: FormatReader, *, dim: int | None = None,
                      key_type: str | None = None) -> dict[str, Any]:
     """Options to create a store fitting ``reader``'s file: its own configuration when the
-    file carries store metadata, else its dim and key kind (text keys -> bytes)."""
+    file carries store metadata, else its dim and key kind (text keys that are all integers
+    -> int64, see :func:`infer_text_key_type`; other text keys -> bytes)."""
     opts: dict[str, Any] = {}
     h = reader.header or {}
     for k in ("optimizer", "initializer", "seed"):
         if k in h:
             opts[k] = h[k]
     opts["dim"] = int(dim) if dim is not None else reader.dim
-    opts["key_type"] = key_type or ("int64" if reader.key_kind == "int64" else "bytes")
+    opts["key_type"] = key_type or infer_text_key_type(reader)
     return opts
 
 

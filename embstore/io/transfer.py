@@ -293,7 +293,8 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
             # partial: no pass 1 (pass 2 checks each chunk before writing it), no total
             with progress_bar(total=None if partial else total, enabled=progress,
                               desc="import") as bar:
-                _write(store, reader, report, cleaned(), checks.deleted, project, mat)
+                _write(store, reader, report, cleaned(), checks.deleted, project, mat,
+                       partial=partial)
         except BaseException:
             if new is not None:  # a store created for this import goes again
                 report.store = None
@@ -303,9 +304,12 @@ def import_file(store: Any, src: str | os.PathLike | BinaryIO | bytes | FormatRe
 
 
 def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Iterator[Chunk],
-           deleted: np.ndarray | None, project: str | None, mat: np.ndarray | None) -> None:
+           deleted: np.ndarray | None, project: str | None, mat: np.ndarray | None, *,
+           partial: bool = False) -> None:
     """Pass 2 of ``import_file``: deletions first (rows re-created after them survive),
-    then whole records or vectors."""
+    then whole records or vectors. ``partial``: one load per chunk, so that every chunk read
+    before a damaged one is stored (a bulk load of the whole stream, as LMDB and RocksDB do
+    it, writes only at its end and would keep nothing)."""
     if report.mode == "records":
         if (reader.header or {}).get("deletions_complete") is False:
             warnings.warn(f"{reader.name}: this delta does not carry every deletion "
@@ -313,6 +317,11 @@ def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Itera
                           "remain here (sync from a full export)", stacklevel=4)
         if deleted is not None and len(deleted):
             report.deleted = _apply_deletions(store, deleted)
+        if partial:
+            for c in chunks:
+                report.rows += store.load_records(iter([(c.keys, c.records)]),
+                                                  header=reader.header)
+            return
         report.rows = store.load_records(((c.keys, c.records) for c in chunks),
                                          header=reader.header)
         return

@@ -67,6 +67,7 @@ def _wrap_errors(fn):
     def inner(self, *args, **kwargs):
         if self._pid != os.getpid():
             _sql_conn.adopt_after_fork(self)
+        _sql_conn.ensure_connection(self)
         try:
             return locked(self, *args, **kwargs)
         except self._driver_errors as e:

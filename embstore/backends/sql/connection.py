@@ -29,15 +29,46 @@ REPLAYABLE = frozenset({"read_meta", "write_meta", "bind", "get", "get_field", "
 
 
 def connection_lost(b: Any, error: BaseException | None = None) -> bool:
-    """Whether the DBAPI connection is dead (the server closed it or went away)."""
+    """Whether the DBAPI connection is dead (the server closed it or went away), or there is
+    none because reconnecting after a loss failed (the server was still down)."""
     if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
         return True
+    if b._raw is None and b._conn is None:
+        return not b._closed
     if b._conn is not None:
         return bool(b._conn.invalidated or b._conn.closed)
     if b._raw is not None and b._dialect_name == "postgresql":
         conn = b._raw.driver_connection
         return bool(getattr(conn, "broken", False) or conn.closed)
     return False
+
+
+def ensure_connection(b: Any) -> None:
+    """Before a call: connect again when an earlier reconnect failed and left no connection
+    (the call has not run yet, so it then runs normally, writes included)."""
+    if b._raw is not None or b._conn is not None or b._closed or b._engine is None:
+        return
+    with b._lock:
+        if b._raw is not None or b._conn is not None or b._closed:
+            return
+        try:
+            _reopen(b)
+        except b._driver_errors as e:
+            release_connection(b)
+            raise BackendError(f"{b._safe_url}: no connection to the database (lost earlier) "
+                               f"and connecting again failed: {e}") from e
+        b.counters["reconnects"] = b.counters.get("reconnects", 0) + 1
+
+
+def _reopen(b: Any) -> None:
+    if b._core:
+        open_core(b)
+    elif b._dialect_name == "sqlite":
+        open_sqlite(b)
+    else:
+        open_postgres(b)
+    if b._bound is not None:
+        b._configure_ops(*b._bound)
 
 
 def recover_connection(b: Any, error: BaseException) -> bool:
@@ -48,13 +79,9 @@ def recover_connection(b: Any, error: BaseException) -> bool:
             return False
         release_connection(b)
         try:
-            if b._core:
-                open_core(b)
-            else:
-                open_postgres(b)
-            if b._bound is not None:
-                b._configure_ops(*b._bound)
+            _reopen(b)
         except b._driver_errors as e:
+            release_connection(b)  # none rather than a half-made one: the next call retries
             raise BackendError(f"{b._safe_url}: connection lost ({error}) and reconnecting "
                                f"failed: {e}") from e
         b.counters["reconnects"] = b.counters.get("reconnects", 0) + 1

@@ -278,7 +278,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           progress=not args.quiet)
     status = "OK" if rep.ok else "FAILED"
     print(f"{status}: {rep.rows} rows, dim {rep.dim}, {rep.kind}, "
-          f"digest {rep.digest:016x}")
+          f"digest {rep.digest_hex}")
     for p in rep.problems:
         print(f"embstore: verify: {p}", file=sys.stderr)
     if not rep.ok:

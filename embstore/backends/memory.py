@@ -86,6 +86,36 @@ class _ProcessLock:
         self._lock.__exit__(exc_type, exc, tb)
 
 
+def _url_options(url: str) -> dict[str, str]:
+    """``memory://?hash_seed=7&initial_capacity=...``: the options a memory:// URL may carry.
+    Unknown names are refused, as every other backend refuses them (a misspelt option must not
+    be ignored)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    parts = urlsplit(url)
+    if parts.netloc or parts.path not in ("", "/") or parts.fragment:
+        raise InvalidURLError(f"{url!r}: a memory:// URL has no host or path; options go in "
+                              "the query (memory://?hash_seed=7) or as keyword arguments")
+    if not parts.query:
+        return {}
+    try:
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True)
+    except ValueError as e:
+        raise InvalidURLError(f"{url!r}: unreadable query: {e}") from None
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        raise InvalidURLError(f"{url!r}: an option is given twice")
+    check_options("memory://", found, ("initial_capacity", "prefault", "hash_seed"))
+    for name in ("initial_capacity", "hash_seed"):
+        if name in found:
+            try:
+                int(found[name])
+            except ValueError:
+                raise InvalidInputError(
+                    f"{url!r}: {name} must be an integer, got {found[name]!r}") from None
+    return found
+
+
 def _flag(name: str, value: Any) -> bool:
     # Options may come from a URL query string as well as from keyword arguments.
     if isinstance(value, str):
@@ -149,6 +179,13 @@ class MemoryBackend(Backend):
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         check_options("memory://", options, accepted_options(MemoryBackend) or ())
+        query = _url_options(url)
+        if "initial_capacity" in query:
+            initial_capacity = int(query["initial_capacity"])
+        if "prefault" in query:
+            prefault = _flag("prefault", query["prefault"])
+        if "hash_seed" in query:
+            hash_seed = int(query["hash_seed"])
         super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)

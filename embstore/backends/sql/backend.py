@@ -33,6 +33,7 @@ from ...errors import (
     StoreClosedError,
 )
 from ...layout import Layout
+from ...urls import redact_url
 from ..base import Backend, ModifyFn, serialized
 
 try:
@@ -126,7 +127,9 @@ class SQLBackend(Backend):
         super().__init__(public, read_only=read_only)
         self.table_name, self.durable = name, bool(durable)
         self._sa_url = sa_url
-        self._safe_url = sa_url.update_query_dict({"table": name}).render_as_string()
+        # render_as_string hides user:password@ only; ?password= (any case) is ours to hide
+        self._safe_url = redact_url(
+            sa_url.update_query_dict({"table": name}).render_as_string())
         self._dialect_name = sa_url.get_backend_name()
         self._pg_upsert = pg_upsert
         self._ops: Any = None

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import io
 import logging
+import os
 import re
 import shlex
 import subprocess
@@ -111,6 +112,7 @@ def test_snippet(chain: list[Block], request, tmp_path, monkeypatch):
     sub_args = {"root": tmp_path, "bigtable_host": host, "postgres_url": url}
     namespace: dict = {"__name__": "__docs__"}
     level = logging.getLogger("embstore").level
+    environ = dict(os.environ)   # hidden setup may set variables (torchrun's, for one)
     try:
         for block in chain:
             for code in block.setup:
@@ -130,6 +132,8 @@ def test_snippet(chain: list[Block], request, tmp_path, monkeypatch):
         import embstore
 
         embstore.set_metrics_hook(None)
+        os.environ.clear()
+        os.environ.update(environ)
         logging.getLogger("embstore").setLevel(level)
         for value in list(namespace.values()):
             close = getattr(value, "close", None)

@@ -172,7 +172,7 @@ def rocks_raw_write(db, keys, vals, dtype, wopt):
 def rocks_raw_bulk(path, keys, recs):
     import rocksdict as rd
 
-    from embstore.backends.rocksdb import _options
+    from embstore.backends.rocksdb_handles import rocksdb_options as _options
 
     opts = _options(256, 10.0, True)
     db = rd.Rdict(path, opts)

@@ -22,6 +22,7 @@ from . import __version__
 from .api import open as open_store
 from .errors import EmbstoreError, InvalidInputError
 from .io.formats import FORMATS, open_reader
+from .registry import scheme_of
 from .transfer import (
     DEFAULT_CACHE_BYTES,
     NewStore,
@@ -32,6 +33,8 @@ from .transfer import (
     verify_file,
     verify_store,
 )
+from .transfer.own_storage import storage_of
+from .transfer.validate import local_store_paths
 from .urls import redact_text
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -191,6 +194,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         if store is None:
             with open_reader(args.src, args.format) as reader:
                 create = creation_options(reader, dim=args.dim, key_type=args.key_type)
+                if reader.key_kind == "text" and create["key_type"] == "int64":
+                    _note(args, f"{args.src}: the keys are integers, so {args.url} gets int64 "
+                          "keys (--key-type bytes keeps them as text)")
             if args.optimizer:
                 create["optimizer"] = args.optimizer
             target: Any = NewStore(args.url, {**create, **opts})
@@ -226,7 +232,12 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_copy(args: argparse.Namespace) -> int:
     opts = _options(args.option)
+    if scheme_of(args.dst) == "memory":
+        raise InvalidInputError(
+            f"refusing to copy to {args.dst}: a memory:// store lives in this process and is "
+            "thrown away when the command exits; copy to a persistent store (lmdb://, ...)")
     with _open_ro(args.src, _options(args.src_option) or opts) as src:
+        _refuse_copy_onto(src, shard_urls(args.dst, args.shards) if args.shards else [args.dst])
         dst_url = args.dst
         layer: dict[str, Any] = {}
         if args.shards:
@@ -248,6 +259,17 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _refuse_copy_onto(src: Any, dst_urls: list[str]) -> None:
+    """Refuse a destination that is the source (checked before it is opened for writing)."""
+    mine = storage_of(src)
+    for url in dst_urls:
+        paths = [os.path.realpath(p) for p in local_store_paths(url)]
+        if url == src.url or any(a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+                                 for a in paths for b in mine):
+            raise InvalidInputError(f"refusing to copy {src.url} onto itself ({url}): "
+                                    "the copy would read and overwrite the same rows")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     if "://" in args.target:
         with _open_ro(args.target, _options(args.option)) as store:
@@ -257,7 +279,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           progress=not args.quiet)
     status = "OK" if rep.ok else "FAILED"
     print(f"{status}: {rep.rows} rows, dim {rep.dim}, {rep.kind}, "
-          f"digest {rep.digest:016x}")
+          f"digest {rep.digest_hex}")
     for p in rep.problems:
         print(f"embstore: verify: {p}", file=sys.stderr)
     if not rep.ok:

@@ -47,7 +47,8 @@ def register_backend(scheme: str, target: str | type, extra: str | None = None, 
     target : type or str
         A :class:`embstore.backends.base.Backend` subclass or its import path.
     extra : str, optional
-        The ``embstore[extra]`` to name when the import fails.
+        The optional dependency group to name when the import fails (the hint is
+        ``pip install -e '.[extra]'``).
     replace : bool
         Allow replacing the backend of a scheme that is already registered (a built-in, an
         entry point or an earlier call). Without it that raises ``InvalidInputError``;
@@ -120,7 +121,9 @@ def backend_class(url: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        hint = f"pip install 'embstore[{extra}]'" if extra else "check the backend's package"
+        # embstore is not on PyPI: 'embstore[extra]' finds no distribution, a checkout does
+        hint = (f"pip install -e '.[{extra}]' (in a checkout of embstore)" if extra
+                else "check the backend's package")
         raise BackendUnavailableError(
             f"the {scheme!r} backend needs a package that is not installed ({e.name or e}); "
             f"install it with: {hint}"

@@ -48,3 +48,37 @@ def test_build_py_leaves_generated_c_out(tmp_path):
     assert not [f for f in files if f.endswith(".c")]
     assert "embstore/_cython/cuckoo.pyi" in files and "embstore/py.typed" in files
     assert "embstore_tf/serving.py" in files
+
+
+def test_install_hints_name_a_command_that_works_from_a_checkout():
+    """embstore is not on PyPI: ``pip install 'embstore[x]'`` finds no distribution, so every
+    hint in the code and the docs is the editable checkout form and names a real extra."""
+    import re
+
+    extras = set(_pyproject()["project"]["optional-dependencies"])
+    texts = []
+    for base in ("embstore", "adapters", "docs"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, base)):
+            texts += [os.path.join(dirpath, f) for f in files if f.endswith((".py", ".md"))]
+    texts.append(os.path.join(ROOT, "README.md"))
+    named = set()
+    for path in texts:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        assert "pip install 'embstore[" not in text, path
+        named |= set(re.findall(r"pip install -e '\.\[([\w-]+)\]'", text))
+    named.discard("extra")  # the generic form in prose: pip install -e '.[extra]'
+    assert named and named <= extras, named - extras
+
+
+def test_missing_backend_dependency_names_the_checkout_command():
+    import embstore
+    from embstore import registry
+    from embstore.errors import BackendUnavailableError
+
+    registry.register_backend("nodep", "embstore_no_such_module:Backend", extra="lmdb")
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"pip install -e '\.\[lmdb\]'"):
+            embstore.open("nodep://x", dim=4)
+    finally:
+        registry._registry.pop("nodep", None)

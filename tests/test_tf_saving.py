@@ -192,7 +192,7 @@ def test_import_without_tensorflow_names_the_extra():
             "try:\n    import embstore_tf\nexcept ImportError as e:\n    print(e)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
-    assert "pip install 'embstore[tf]'" in run.stdout, run.stdout + run.stderr
+    assert "pip install -e '.[tf]'" in run.stdout, run.stdout + run.stderr
 
 
 def test_shared_and_separate_stores_after_loading(tmp_path):

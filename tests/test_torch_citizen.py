@@ -376,4 +376,4 @@ def test_import_without_torch_names_the_extra():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=env)
     assert "ERR" in res.stdout, res.stderr
-    assert "pip install 'embstore[torch]'" in res.stdout
+    assert "pip install -e '.[torch]'" in res.stdout

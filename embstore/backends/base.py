@@ -172,6 +172,11 @@ class Backend(abc.ABC):
         """Whether :meth:`bind` has set the layout (row I/O needs it)."""
         return self._layout is not None
 
+    def storage_paths(self) -> tuple[str, ...]:
+        """Local files and directories holding this store's data (none for a remote or
+        in-process store). Exports and copies refuse to write into them."""
+        return ()
+
     # -- lifecycle --------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
         """Called by the engine once the layout and key type are fixed, before any row I/O."""

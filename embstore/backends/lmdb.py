@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from itertools import islice
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 try:
     import lmdb
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the lmdb backend needs py-lmdb: pip install 'embstore[lmdb]'") from e
+    raise ImportError("the lmdb backend needs py-lmdb: pip install -e '.[lmdb]'") from e
 
 _REC_DB = b"records"
 _META_DB = b"meta"
@@ -143,6 +144,12 @@ class LmdbBackend(FetchedRecords, Backend):
             raise BackendError(f"cannot open LMDB environment {self.path}: {e}") from e
 
     def _require_env(self) -> lmdb.Environment:
+        if self._shared is not None and self._shared.pid != os.getpid():
+            # Used in a child forked after it opened: LMDB forbids using the parent's
+            # environment there; the child opens its own on the same files (multi-process
+            # safe), and its writes land for every process to see.
+            self._shared = self._env = None
+            self._open_env()
         if self._env is None:
             raise BackendError(f"{self.path}: LMDB environment is not open")
         return self._env
@@ -256,6 +263,9 @@ class LmdbBackend(FetchedRecords, Backend):
             shared, self._shared = self._shared, None
             assert shared is not None  # invariant: set with _env
             release_env(self.path, shared)
+
+    def storage_paths(self) -> tuple[str, ...]:
+        return (self.path,)
 
     def reopen_options(self) -> dict:
         return {"durable": self.durable, "writemap": self.writemap, "lock": self._lock}

@@ -16,7 +16,7 @@ from ..errors import BackendError, InvalidInputError
 try:
     import lmdb
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the lmdb backend needs py-lmdb: pip install 'embstore[lmdb]'") from e
+    raise ImportError("the lmdb backend needs py-lmdb: pip install -e '.[lmdb]'") from e
 
 __all__ = ["SharedEnv", "acquire_env", "release_env"]
 

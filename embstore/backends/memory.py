@@ -32,6 +32,7 @@ from ..errors import (
 from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
+from .memory_url import url_options
 
 try:
     from .._cython import bytestable, cuckoo
@@ -150,6 +151,13 @@ class MemoryBackend(Backend):
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         check_options("memory://", options, accepted_options(MemoryBackend) or ())
+        query = url_options(url)
+        if "initial_capacity" in query:
+            initial_capacity = int(query["initial_capacity"])
+        if "prefault" in query:
+            prefault = _flag("prefault", query["prefault"])
+        if "hash_seed" in query:
+            hash_seed = int(query["hash_seed"])
         super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)

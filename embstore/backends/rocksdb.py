@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any, cast
@@ -27,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._keys import int64_from_ordered, ordered_int64_bytes
-from ..errors import BackendError, InvalidInputError, SchemaMismatchError
+from ..errors import BackendError, ForkedProcessError, InvalidInputError, SchemaMismatchError
 from ..layout import Layout
 from ._localdir import (
     FetchedRecords,
@@ -40,62 +39,16 @@ from ._localdir import (
 from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
+from .rocksdb_handles import INHERITED, POOL, Shared, current_generation, rocksdb_options
 
 try:
     import rocksdict as rd
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the rocksdb backend needs rocksdict: pip install 'embstore[rocksdb]'") from e
+    raise ImportError("the rocksdb backend needs rocksdict: pip install -e '.[rocksdb]'") from e
 
 _META_CF = "embstore_meta"
 _META_KEY = b"meta"
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
-
-
-def _options(block_cache_mb: int, bloom_bits: float, create: bool) -> rd.Options:
-    # Chosen by `bench/bench_local_kv.py --tune` (300k keys, dim 64, multi-gets of 4096):
-    # default options 0.08M rows/s, block cache 0.09M, + bloom 0.10M, + mmap reads 0.23M;
-    # caching index/filter blocks in the block cache (0.21M) or no block cache (0.18M) did not
-    # help. No compression: records are mostly float vectors, which Snappy cannot shrink, and
-    # once the table outgrows the block cache every read decompresses its block again
-    # (1M keys, sorted multi-gets of 4096 between writes: 21.9 -> 11.9 ms per batch). The
-    # memtable bloom filter lets the reads assign does before writing skip the memtable
-    # search for keys not in it (21.9 -> 18.3 ms).
-    opts = rd.Options(raw_mode=True)
-    opts.create_if_missing(create)
-    opts.create_missing_column_families(create)
-    opts.set_compression_type(rd.DBCompressionType.none())
-    opts.set_memtable_whole_key_filtering(True)
-    opts.set_memtable_prefix_bloom_ratio(0.1)
-    table = rd.BlockBasedOptions()
-    if block_cache_mb > 0:
-        table.set_block_cache(rd.Cache(int(block_cache_mb) << 20))
-    else:
-        table.disable_cache()
-    if bloom_bits > 0:
-        # rocksdict's stub types bits_per_key as int; RocksDB takes a double (e.g. 9.9)
-        table.set_bloom_filter(float(bloom_bits), False)  # type: ignore[arg-type]
-    opts.set_block_based_table_factory(table)
-    opts.set_allow_mmap_reads(True)
-    opts.increase_parallelism(2)
-    return opts
-
-
-class _Shared:
-    """One read-write handle per path and process (RocksDB locks the directory)."""
-
-    def __init__(self, db: rd.Rdict, meta: rd.Rdict, durable: bool) -> None:
-        self.db = db
-        self.meta = meta
-        self.durable = durable
-        self.pid = os.getpid()
-        self.refs = 0
-        self.count: int | None = None  # exact row count, recomputed lazily after writes
-        # RocksDB admits one writing process (its LOCK file); within it, read-modify-writes
-        # of every backend on this path take turns here (rocksdict has no TransactionDB).
-        self.lock = threading.RLock()
-
-
-_POOL: dict[str, _Shared] = {}
 
 
 class RocksDBBackend(FetchedRecords, Backend):
@@ -132,7 +85,9 @@ class RocksDBBackend(FetchedRecords, Backend):
         self.durable = bool(durable)
         self._cache_mb = int(block_cache_mb)
         self._bloom = float(bloom_bits)
-        self._shared: _Shared | None = None
+        self._generation = current_generation()
+        self._opened_in = os.getpid()
+        self._shared: Shared | None = None
         self._ro: rd.Rdict | None = None
         self._ro_meta: rd.Rdict | None = None
         self._db: rd.Rdict | None = None
@@ -140,7 +95,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         self._wopt = rd.WriteOptions()
         self._wopt.sync = self.durable
         self.counters = {"write_batches": 0, "sst_ingests": 0}
-        shared = _POOL.get(path)
+        shared = POOL.get(path)
         if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
             self._attach(shared)
             return
@@ -150,12 +105,49 @@ class RocksDBBackend(FetchedRecords, Backend):
             self._open_read_only()
 
     # -- handles ---------------------------------------------------------------------------------
+    # Every use of a handle goes through these properties, so a forked child is refused on
+    # any call (one integer comparison).
+    def _check_process(self) -> None:
+        if self._generation != current_generation():
+            raise ForkedProcessError(
+                f"{self.url} was opened in process {self._opened_in} and is used in forked "
+                f"child {os.getpid()}: RocksDB handles do not survive fork() (the child's writes "
+                "would be lost). Open the store in the child (read_only=True while the parent "
+                "writes), or start workers with 'spawn'")
+
+    @property
+    def _db(self) -> rd.Rdict | None:
+        self._check_process()
+        return self._db_handle
+
+    @_db.setter
+    def _db(self, value: rd.Rdict | None) -> None:
+        self._db_handle = value
+
+    @property
+    def _shared(self) -> Shared | None:
+        self._check_process()
+        return self._shared_handle
+
+    @_shared.setter
+    def _shared(self, value: Shared | None) -> None:
+        self._shared_handle = value
+
+    @property
+    def _ro(self) -> rd.Rdict | None:
+        self._check_process()
+        return self._ro_handle
+
+    @_ro.setter
+    def _ro(self, value: rd.Rdict | None) -> None:
+        self._ro_handle = value
+
     def _open_read_only(self) -> None:
         try:
             cfs = rd.Rdict.list_cf(self.path, rd.Options(raw_mode=True))
-            families = {n: _options(self._cache_mb, self._bloom, False)
+            families = {n: rocksdb_options(self._cache_mb, self._bloom, False)
                         for n in cfs if n != "default"}
-            self._ro = rd.Rdict(self.path, _options(self._cache_mb, self._bloom, False),
+            self._ro = rd.Rdict(self.path, rocksdb_options(self._cache_mb, self._bloom, False),
                                 column_families=families,
                                 access_type=rd.AccessType.read_only())
         except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
@@ -163,7 +155,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         self._ro_meta = self._ro.get_column_family(_META_CF) if _META_CF in cfs else None
         self._db = self._ro
 
-    def _attach(self, shared: _Shared) -> None:
+    def _attach(self, shared: Shared) -> None:
         if not self.read_only and shared.durable != self.durable:
             raise InvalidInputError(f"{self.path} is already open in this process with "
                                     f"durable={shared.durable}; open it with the same option")
@@ -172,15 +164,15 @@ class RocksDBBackend(FetchedRecords, Backend):
         self._db = shared.db
 
     def _open_read_write(self) -> None:
-        shared = _POOL.get(self.path)
+        shared = POOL.get(self.path)
         if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
             self._attach(shared)
             return
         top = make_store_dir(self.path)
         try:
-            opts = _options(self._cache_mb, self._bloom, True)
-            db = rd.Rdict(self.path, opts,
-                          column_families={_META_CF: _options(self._cache_mb, self._bloom, True)})
+            opts = rocksdb_options(self._cache_mb, self._bloom, True)
+            meta_opts = rocksdb_options(self._cache_mb, self._bloom, True)
+            db = rd.Rdict(self.path, opts, column_families={_META_CF: meta_opts})
             meta = db.get_column_family(_META_CF)
         except Exception as e:
             if top is not None:
@@ -190,8 +182,8 @@ class RocksDBBackend(FetchedRecords, Backend):
                     "read_only=True, or use LMDB / SQL for several writer processes"
                     if "lock" in str(e).lower() else "")
             raise BackendError(f"cannot open RocksDB at {self.path} for writing: {e}{hint}") from e
-        shared = _Shared(db, meta, self.durable)
-        _POOL[self.path] = shared
+        shared = Shared(db, meta, self.durable)
+        POOL[self.path] = shared
         self._attach(shared)
         # This process holds the directory's write lock: what a killed restore left beside it
         # (a half-built new table, or the old one after the swap) can go.
@@ -255,14 +247,20 @@ class RocksDBBackend(FetchedRecords, Backend):
                 raise BackendError(f"{self.path}: flush failed: {e}") from e
 
     def close(self) -> None:
+        if self._generation != current_generation():
+            # a forked child's copy: drop it, never close (flush) it into the parent's files
+            INHERITED.extend(h for h in (self._db_handle, self._ro_handle, self._ro_meta)
+                              if h is not None)
+            self._db = self._ro = self._ro_meta = self._shared = None
+            return
         self._close_read_only()
         shared, self._shared = self._shared, None
         self._db = None
         if shared is not None:
             shared.refs -= 1
             if shared.refs == 0:
-                if _POOL.get(self.path) is shared:
-                    del _POOL[self.path]
+                if POOL.get(self.path) is shared:
+                    del POOL[self.path]
                 errors = []
                 for handle in (shared.meta, shared.db):  # both, even when the first fails
                     try:
@@ -272,6 +270,9 @@ class RocksDBBackend(FetchedRecords, Backend):
                 if errors:  # e.g. the disk is full and the last memtable cannot be written
                     raise BackendError(f"{self.path}: RocksDB close failed: {errors[0]}") \
                         from errors[0]
+
+    def storage_paths(self) -> tuple[str, ...]:
+        return (self.path,)
 
     def reopen_options(self) -> dict:
         return {"durable": self.durable, "block_cache_mb": self._cache_mb,
@@ -291,7 +292,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         out[:] = raw
         return out
 
-    def _writable(self) -> _Shared:
+    def _writable(self) -> Shared:
         if self._shared is None:
             raise BackendError(f"{self.path}: RocksDB is not open for writing")
         return self._shared
@@ -466,7 +467,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         enc, vals = self._pairs(keys, recs)
         path = os.path.join(tmpdir, f"chunk{self.counters['sst_ingests']}.sst")
         try:
-            writer = rd.SstFileWriter(_options(self._cache_mb, self._bloom, True))
+            writer = rd.SstFileWriter(rocksdb_options(self._cache_mb, self._bloom, True))
             writer.open(path)
             for k, v in zip(enc, vals):
                 writer[k] = v

@@ -260,7 +260,10 @@ class NativeReader:
                 f"{self.name}: format version {version} is newer than this embstore "
                 f"({FORMAT_VERSION}); upgrade embstore"
             )
-        if hlen > MAX_HEADER or (self._size is not None and hlen > self._size):
+        if hlen <= MAX_HEADER and self._size is not None and hlen > self._size:
+            raise CorruptFileError(f"{self.name}: truncated file (the header declares {hlen} "
+                                   f"bytes, the file holds {self._size} more)")
+        if hlen > MAX_HEADER:
             raise CorruptFileError(f"{self.name}: header declares an absurd size ({hlen} bytes)")
         hb = self._read_exact(hlen, "header")
         (crc,) = struct.unpack("<I", self._read_exact(4, "header checksum"))
@@ -364,6 +367,13 @@ class NativeReader:
         if n > MAX_CHUNK_ROWS or plen < min_len or plen > (1 << 40) or (
             self._size is not None and plen > self._size
         ):
+            left = self._remaining_size()
+            if n <= MAX_CHUNK_ROWS and min_len <= plen <= (1 << 40) and left is not None \
+                    and plen > left:
+                # a sound chunk header whose payload the file does not hold: cut short
+                raise CorruptFileError(
+                    f"{self.name}: truncated file (a chunk of {n} rows after {total} rows "
+                    f"declares {plen} bytes, the file holds {left} more)")
             raise CorruptFileError(f"{self.name}: chunk declares an absurd size ({n} rows)")
         if self.key_type == "int64" and plen != min_len:
             raise CorruptFileError(f"{self.name}: chunk size does not match its row count")

@@ -48,7 +48,7 @@ try:
     import pyarrow.parquet as pq
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the Parquet format needs pyarrow; install it with: pip install 'embstore[parquet]'"
+        "the Parquet format needs pyarrow; install it with: pip install -e '.[parquet]'"
     ) from e
 
 META_KEY = b"embstore"

@@ -57,8 +57,24 @@ class TsvReader(FormatReader):
                     _, tab, v = line.partition(b"\t")
                     if not tab:
                         raise CorruptFileError(f"{self.name}: not a TSV file (no tab in line 1)")
-                    return len(v.split())
+                    return self._count_values(v)
         return 0
+
+    def _count_values(self, text: bytes) -> int:
+        """Whitespace-separated values of the first row, counted a slice at a time: splitting
+        a 64 MiB line at once makes millions of objects (hundreds of MB for one line)."""
+        step = 1 << 20
+        count, inside = 0, False
+        for at in range(0, len(text), step):
+            piece = text[at:at + step]
+            count += len(piece.split())
+            if inside and not piece[:1].isspace():
+                count -= 1  # a value cut by the slice boundary was counted twice
+            inside = not piece[-1:].isspace()
+            if count > MAX_DIM:
+                raise CorruptFileError(f"{self.name}: line 1 holds more than {MAX_DIM} values "
+                                       "(the largest dimension embstore reads)")
+        return count
 
     def chunks(self, batch_size: int = CHUNK_ROWS, *, validate: bool = False
                ) -> Iterator[Chunk]:

@@ -227,6 +227,9 @@ class ShardedBackend(Backend):
         if errors:
             raise errors[0]
 
+    def storage_paths(self) -> tuple[str, ...]:
+        return tuple(p for s in self.shards for p in s.storage_paths())
+
     def reopen_options(self) -> dict:
         out: dict = {}
         for b in self.shards:

@@ -96,6 +96,9 @@ class WrapperBackend(Backend):
     def close(self) -> None:
         self.inner.close()
 
+    def storage_paths(self) -> tuple[str, ...]:
+        return self.inner.storage_paths()
+
     def reopen_options(self) -> dict:
         return self.inner.reopen_options()
 

@@ -257,7 +257,7 @@ class BloomAdmission(AdmissionPolicy):
             from pybloom_live import ScalableBloomFilter
         except ImportError as e:
             raise BackendUnavailableError(
-                "BloomAdmission needs pybloom-live: pip install 'embstore[bloom]'"
+                "BloomAdmission needs pybloom-live: pip install -e '.[bloom]'"
             ) from e
         return ScalableBloomFilter(self.initial_capacity, self.error_rate,
                                    ScalableBloomFilter.LARGE_SET_GROWTH)

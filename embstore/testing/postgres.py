@@ -17,6 +17,7 @@ Example
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 
 __all__ = ["PostgresHandle", "find_pg_bin", "free_port", "start_postgres"]
 
@@ -121,6 +123,33 @@ class PostgresHandle:
             raise RuntimeError(f"PostgreSQL did not restart: {r.stderr.strip()}"
                                + _tail(os.path.join(self.base, "server.log")))
         self.pid = pid
+
+    @contextlib.contextmanager
+    def down(self, mode: str = "immediate") -> Iterator[None]:
+        """Stop the server (keeping its data) for the ``with`` block, then start it again on
+        the same port: clients see an outage, e.g. a write cut off mid-batch."""
+        if self.pid is None:
+            raise RuntimeError("the server was stopped")
+        import shlex
+
+        ctl = self._as_user + [os.path.join(self._bindir, "pg_ctl"), "-D", self.data]
+        # the server's own command line (port, socket dir, settings), to start it as it was
+        with open(os.path.join(self.data, "postmaster.opts")) as f:
+            args = shlex.split(f.read())[1:]
+        keep = [a for i, a in enumerate(args) if a != "-D" and (i == 0 or args[i - 1] != "-D")]
+        subprocess.run(ctl + ["-m", mode, "-w", "-t", "60", "stop"], capture_output=True,
+                       timeout=90, check=False)
+        try:
+            yield
+        finally:
+            r = subprocess.run(ctl + ["-o", shlex.join(keep), "-w", "-t", "60", "-l",
+                                      os.path.join(self.base, "server.log"), "start"],
+                               capture_output=True, text=True, timeout=90, check=False)
+            pid = _read_pid(self.data)
+            if r.returncode != 0 or not pid:
+                raise RuntimeError(f"PostgreSQL did not start again: {r.stderr.strip()}"
+                                   + _tail(os.path.join(self.base, "server.log")))
+            self.pid = pid
 
     def __enter__(self) -> PostgresHandle:
         return self

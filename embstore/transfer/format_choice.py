@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidInputError
 from ..io.formats import EXTENSIONS, FORMATS, detect_format, format_name
 from .native import export_native, import_native
+from .own_storage import refuse_own_storage
 from .pipeline import export_file, import_file
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def file_format(target: Any, fmt: str | None, *, for_write: bool) -> str:
 def export_to(store: EmbeddingStore, dest: Any, fmt: str | None, *, since: int | None,
               batch_size: int, progress: bool, quantize: str | None = None) -> int:
     """``store.export``: the native writer, or the format writer the name asks for."""
+    refuse_own_storage(store, dest)
     name = file_format(dest, fmt, for_write=True)
     if name == "native":
         return export_native(store, dest, since=since, batch_size=batch_size,

@@ -27,6 +27,7 @@ from ..io.formats import detect_format, open_reader, open_writer
 from ..io.limits import chunk_rows
 from ..layout import Layout
 from ..progress import progress_bar
+from .own_storage import refuse_own_storage, refuse_same_storage
 from .validate import ImportChecks, local_store_paths, remove_created
 
 if TYPE_CHECKING:
@@ -100,7 +101,8 @@ def clean_chunk(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chun
         keys, ok = parse_int_keys(chunk.keys)
         for i in np.flatnonzero(~ok & good).tolist():
             reasons[i] = (f"key {chunk.keys[i][:40]!r} is not an integer "
-                          "(the store has int64 keys)")
+                          "(the store has int64 keys; a new store from a file whose first "
+                          "keys are integers gets int64 keys: --key-type bytes keeps text)")
         good &= ok
     if not good.all():
         bad += [describe_row(reader, int(chunk.rows[i]), reasons[i]) for i in sorted(reasons)]
@@ -159,10 +161,28 @@ class NewStore:
             remove_created(getattr(self, "created", []))
 
 
+def infer_text_key_type(reader: FormatReader) -> str:
+    """``"int64"`` when the first chunk's text keys are all integers written as an int64
+    store's export writes them (canonical decimals, so a key reads back to the same text),
+    else ``"bytes"``. TSV and word2vec files cannot record a key type; this keeps an int64
+    store's round trip through them an int64 store."""
+    if reader.key_kind != "text":
+        return "int64" if reader.key_kind == "int64" else "bytes"
+    chunk = next(iter(reader.chunks(CHUNK_ROWS)), None)
+    if chunk is None or len(chunk.keys) == 0:
+        return "bytes"
+    ints, ok = parse_int_keys(chunk.keys)
+    if not ok.all():
+        return "bytes"
+    canonical = np.array([str(v).encode() for v in ints.tolist()], dtype=object)
+    return "int64" if bool((canonical == chunk.keys).all()) else "bytes"
+
+
 def creation_options(reader: FormatReader, *, dim: int | None = None,
                      key_type: str | None = None) -> dict[str, Any]:
     """Options to create a store fitting ``reader``'s file: its own configuration when the
-    file carries store metadata, else its dim and key kind (text keys -> bytes)."""
+    file carries store metadata, else its dim and key kind (text keys that are all integers
+    -> int64, see :func:`infer_text_key_type`; other text keys -> bytes)."""
     opts: dict[str, Any] = {}
     h = reader.header or {}
     for k in ("optimizer", "initializer", "seed"):
@@ -176,7 +196,7 @@ def creation_options(reader: FormatReader, *, dim: int | None = None,
         if layout.is_compact:
             opts["metadata"] = "compact"
     opts["dim"] = int(dim) if dim is not None else reader.dim
-    opts["key_type"] = key_type or ("int64" if reader.key_kind == "int64" else "bytes")
+    opts["key_type"] = key_type or infer_text_key_type(reader)
     return opts
 
 
@@ -284,7 +304,8 @@ def import_file(store: EmbeddingStore | NewStore,
             # partial: no pass 1 (pass 2 checks each chunk before writing it), no total
             with progress_bar(total=None if partial else total, enabled=progress,
                               desc="import") as bar:
-                _write(store, reader, report, cleaned(), checks.deleted, project, mat)
+                _write(store, reader, report, cleaned(), checks.deleted, project, mat,
+                       partial=partial)
         except BaseException:
             if new is not None:  # a store created for this import goes again
                 report.store = None
@@ -294,9 +315,12 @@ def import_file(store: EmbeddingStore | NewStore,
 
 
 def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Iterator[Chunk],
-           deleted: np.ndarray | None, project: str | None, mat: np.ndarray | None) -> None:
+           deleted: np.ndarray | None, project: str | None, mat: np.ndarray | None, *,
+           partial: bool = False) -> None:
     """Pass 2 of ``import_file``: deletions first (rows re-created after them survive),
-    then whole records or vectors."""
+    then whole records or vectors. ``partial``: one load per chunk, so that every chunk read
+    before a damaged one is stored (a bulk load of the whole stream, as LMDB and RocksDB do
+    it, writes only at its end and would keep nothing)."""
     if report.mode == "records":
         if (reader.header or {}).get("deletions_complete") is False:
             warnings.warn(f"{reader.name}: this delta does not carry every deletion "
@@ -304,6 +328,11 @@ def _write(store: Any, reader: FormatReader, report: ImportReport, chunks: Itera
                           "remain here (sync from a full export)", stacklevel=4)
         if deleted is not None and len(deleted):
             report.deleted = _apply_deletions(store, deleted)
+        if partial:
+            for c in chunks:
+                report.rows += store.load_records(iter([(c.keys, c.records)]),
+                                                  header=reader.header)
+            return
         report.rows = store.load_records(((c.keys, c.records) for c in chunks),
                                          header=reader.header)
         return
@@ -354,6 +383,7 @@ def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
     what they can carry (see ``docs/cli.md``). Returns the number of rows written; the file
     appears only when complete.
     """
+    refuse_own_storage(store, dest)
     name = detect_format(dest, fmt, for_write=True)
     if name == "native":
         return store.export(dest, since=since, batch_size=batch_size, progress=progress,
@@ -396,7 +426,9 @@ def _take_bytes(it: Iterator[tuple[np.ndarray, np.ndarray]], limit: int
 def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
                progress: bool = False) -> int:
     """Stream every row of ``src`` into ``dst`` (any two stores; a sharded ``dst``
-    re-partitions on the way). Whole records when the layouts agree, else vectors only."""
+    re-partitions on the way). Whole records when the layouts agree, else vectors only.
+    Copying a store onto itself (same URL or storage) raises ``InvalidInputError``."""
+    refuse_same_storage(src, dst)
     if src.key_type != dst.key_type:
         raise SchemaMismatchError(
             f"{src.url} has {src.key_type} keys, {dst.url} has {dst.key_type} keys")

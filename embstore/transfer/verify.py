@@ -57,6 +57,12 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def digest_hex(self) -> str:
+        """The digest as ``embstore verify`` prints it (16 hex digits); ``digest`` is the
+        same 64-bit value as an int."""
+        return f"{self.digest:016x}"
+
 
 def _add_digest(rep: VerifyReport, keys: np.ndarray, vectors: np.ndarray) -> None:
     if len(keys):

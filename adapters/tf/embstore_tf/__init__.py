@@ -23,7 +23,7 @@ except ImportError as e:  # exercised in a subprocess that hides TF
         raise
     raise ImportError(
         "embstore_tf needs TensorFlow >= 2.16, which is not installed; install it with "
-        "pip install 'embstore[tf]' (tensorflow) or pip install 'embstore[tf-cpu]' "
+        "pip install -e '.[tf]' (tensorflow) or pip install -e '.[tf-cpu]' "
         "(tensorflow-cpu)"
     ) from e
 

@@ -15,7 +15,7 @@ try:
 except ImportError as e:  # say which extra brings it, not just "No module named 'torch'"
     raise ImportError(
         "embstore_torch needs PyTorch, which is not installed here: "
-        "pip install 'embstore[torch]' (or install torch for your platform from pytorch.org)"
+        "pip install -e '.[torch]' (or install torch for your platform from pytorch.org)"
     ) from e
 
 from .bag import DynamicEmbeddingBag

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlencode
 
 import numpy as np
 
@@ -40,7 +41,7 @@ try:
     from google.cloud.bigtable_v2.types import bigtable as _pb
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the bigtable:// backend needs google-cloud-bigtable; pip install 'embstore[bigtable]'"
+        "the bigtable:// backend needs google-cloud-bigtable; pip install -e '.[bigtable]'"
     ) from e
 
 _ReadRowsResponse = _pb.ReadRowsResponse.pb()
@@ -109,8 +110,14 @@ class BigtableBackend(BigtableConnection, Backend):
             raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
         if options:
             raise unknown_option_error("bigtable://", options, accepted_options(type(self)) or ())
+        self.emulator_host = (emulator_host or wire.url_emulator_host(url)
+                              or os.environ.get("BIGTABLE_EMULATOR_HOST") or None)
+        # store.url must reopen the same table: with the emulator's address in it, a reopen
+        # in a process without BIGTABLE_EMULATOR_HOST does not go to Cloud Bigtable
+        url = f"bigtable://{self.project}/{self.instance}/{self.table_id}"
+        if self.emulator_host:
+            url += "?" + urlencode({"emulator_host": self.emulator_host}, safe=":")
         super().__init__(url, read_only=read_only)
-        self.emulator_host = emulator_host or os.environ.get("BIGTABLE_EMULATOR_HOST") or None
         self.create = (self.emulator_host is not None) if create is None else bool(create)
         self.column_family = str(column_family)
         self.app_profile_id = app_profile_id

@@ -36,7 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     from ...errors import BackendUnavailableError
 
     raise BackendUnavailableError(
-        "the bigtable:// backend needs google-cloud-bigtable; pip install 'embstore[bigtable]'"
+        "the bigtable:// backend needs google-cloud-bigtable; pip install -e '.[bigtable]'"
     ) from e
 
 T = TypeVar("T")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import grpc
 import numpy as np
@@ -308,13 +308,30 @@ _INSTANCE = re.compile(r"^[a-z][-a-z0-9]*$")
 _TABLE = re.compile(r"^[-_.a-zA-Z0-9]{1,50}$")
 
 
+def url_emulator_host(url: str) -> str | None:
+    """The ``?emulator_host=HOST:PORT`` of a bigtable:// URL (the only query it takes)."""
+    query = urlsplit(url).query
+    if not query:
+        return None
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        pairs = []
+    if len(pairs) != 1 or pairs[0][0] != "emulator_host" or not pairs[0][1]:
+        raise InvalidURLError(f"a bigtable URL takes only ?emulator_host=HOST:PORT as its "
+                              f"query: {url!r}")
+    return pairs[0][1]
+
+
 def parse_url(url: str) -> tuple[str, str, str]:
-    """Split ``bigtable://project/instance/table`` into its three ids, validating each."""
+    """Split ``bigtable://project/instance/table[?emulator_host=...]`` into its three ids,
+    validating each."""
     parts = urlsplit(url)
     if parts.scheme.lower() != "bigtable":
         raise InvalidURLError(f"not a bigtable:// URL: {url!r}")
-    if parts.query or parts.fragment:
-        raise InvalidURLError(f"bigtable URL takes no query or fragment: {url!r}")
+    if parts.fragment:
+        raise InvalidURLError(f"bigtable URL takes no fragment: {url!r}")
+    url_emulator_host(url)
     ids = [parts.netloc] + parts.path.strip("/").split("/")
     if len(ids) != 3 or not all(ids):
         raise InvalidURLError(

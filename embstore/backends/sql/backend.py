@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ try:
     from sqlalchemy.pool import NullPool
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the SQL backend needs SQLAlchemy; install it with: pip install 'embstore[sql]'"
+        "the SQL backend needs SQLAlchemy; install it with: pip install -e '.[sql]'"
     ) from e
 
 from . import connection as _sql_conn
@@ -65,6 +66,9 @@ def _wrap_errors(fn):
 
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
+        if self.sql.pid != os.getpid():
+            _sql_conn.adopt_after_fork(self)
+        _sql_conn.ensure_connection(self)
         try:
             return locked(self, *args, **kwargs)
         except self.sql.driver_errors as e:
@@ -123,12 +127,22 @@ class SQLBackend(Backend):
         super().__init__(public, read_only=read_only)
         self.table_name, self.durable = name, bool(durable)
         self.sql = _sql_conn.SqlConnection(sa_url, name, pg_upsert)
-        self._lock = self.sql.lock  # what the serialized methods take
         try:
             self._connect(fast_path)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def _lock(self) -> threading.RLock:
+        # what the serialized methods take: the connection's (replaced in a forked child)
+        return self.sql.lock
+
+    def storage_paths(self) -> tuple[str, ...]:
+        if self.sql.dialect_name != "sqlite" or not self.sql.sa_url.database:
+            return ()
+        path = os.path.abspath(self.sql.sa_url.database)
+        return (path, *(path + s for s in ("-wal", "-shm", "-journal")))
 
     @property
     def max_key_bytes(self) -> int | None:  # type: ignore[override]
@@ -164,7 +178,7 @@ class SQLBackend(Backend):
         except ImportError as e:
             raise BackendUnavailableError(
                 f"the driver for {self.sql.sa_url.drivername!r} is not installed ({e}); for "
-                "PostgreSQL: pip install 'embstore[postgres]'"
+                "PostgreSQL: pip install -e '.[postgres]'"
             ) from e
         except Exception as e:  # noqa: BLE001 - unknown dialect, bad URL arguments
             raise InvalidURLError(f"{self.sql.safe_url}: {e}") from e
@@ -408,6 +422,9 @@ class SQLBackend(Backend):
         return opts
 
     def close(self) -> None:
+        if self.sql.pid != os.getpid():
+            # a forked child: closing the inherited connection would end the parent's session
+            _sql_conn.adopt_after_fork(self)
         with self.sql.lock:
             if self.sql.closed:
                 return

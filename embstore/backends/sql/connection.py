@@ -13,6 +13,7 @@ takes the lock per page, they run under its lock (or before the backend is share
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.pool import PoolProxiedConnection
 
 from ...errors import BackendError, InvalidInputError, StoreClosedError
+from ...urls import redact_url
 from . import ops as _sql_ops
 from .schema import table_definitions
 
@@ -66,7 +68,9 @@ class SqlConnection:
 
     def __init__(self, sa_url: sa.URL, table_name: str, pg_upsert: str) -> None:
         self.sa_url: Any = sa_url
-        self.safe_url = sa_url.update_query_dict({"table": table_name}).render_as_string()
+        # render_as_string hides user:password@ only; ?password= (any case) is ours to hide
+        self.safe_url = redact_url(
+            sa_url.update_query_dict({"table": table_name}).render_as_string())
         self.table_name = table_name
         self.dialect_name = sa_url.get_backend_name()
         self.pg_upsert = pg_upsert
@@ -80,6 +84,7 @@ class SqlConnection:
         self.core = False
         self.bound: tuple[str, int] | None = None
         self.lock = threading.RLock()
+        self.pid = os.getpid()  # a forked child opens its own connection (adopt_after_fork)
         self.driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
         self.index_name: Any = ""
         self.create_index_sql = ""
@@ -106,15 +111,74 @@ class SqlConnection:
 
 
 def connection_lost(b: Any, error: BaseException | None = None) -> bool:
-    """Whether the DBAPI connection is dead (the server closed it or went away)."""
+    """Whether the DBAPI connection is dead (the server closed it or went away), or there is
+    none because reconnecting after a loss failed (the server was still down)."""
     if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
         return True
+    if b.sql.raw is None and b.sql.conn is None:
+        return not b.sql.closed
     if b.sql.conn is not None:
         return bool(b.sql.conn.invalidated or b.sql.conn.closed)
     if b.sql.raw is not None and b.sql.dialect_name == "postgresql":
         conn = b.sql.raw.driver_connection
         return bool(getattr(conn, "broken", False) or conn.closed)
     return False
+
+
+def ensure_connection(b: Any) -> None:
+    """Before a call: connect again when an earlier reconnect failed and left no connection
+    (the call has not run yet, so it then runs normally, writes included)."""
+    sql = b.sql
+    if sql.raw is not None or sql.conn is not None or sql.closed or sql.engine is None:
+        return
+    with sql.lock:
+        if sql.raw is not None or sql.conn is not None or sql.closed:
+            return
+        try:
+            _reopen(b)
+        except sql.driver_errors as e:
+            release_connection(b)
+            raise BackendError(f"{sql.safe_url}: no connection to the database (lost earlier) "
+                               f"and connecting again failed: {e}") from e
+        b.counters["reconnects"] = b.counters.get("reconnects", 0) + 1
+
+
+def _reopen(b: Any) -> None:
+    if b.sql.core:
+        open_core(b)
+    elif b.sql.dialect_name == "sqlite":
+        open_sqlite(b)
+    else:
+        open_postgres(b)
+    if b.sql.bound is not None:
+        b.sql.configure_ops(*b.sql.bound)
+
+
+#: connections inherited through fork(), kept referenced: freeing the driver's connection
+#: object would send the server a goodbye on the parent's socket
+_INHERITED: list[Any] = []
+
+
+def adopt_after_fork(b: Any) -> None:
+    """In a child forked after ``b`` connected: open the child's own connection.
+
+    The inherited one is the parent's socket (PostgreSQL) or file handle (SQLite, which must
+    not cross fork()): it is dropped without closing it, which would end the parent's session,
+    and the engine's pool forgets its connections the same way (``dispose(close=False)``).
+    The lock is replaced too: a parent thread may have held it at the fork.
+    """
+    sql = b.sql
+    sql.lock = threading.RLock()
+    sql.pid = os.getpid()
+    _INHERITED.append((sql.raw, sql.conn))
+    sql.raw = sql.conn = None
+    if sql.closed or sql.engine is None:
+        return
+    sql.engine.dispose(close=False)
+    try:
+        _reopen(b)
+    except sql.driver_errors as e:
+        raise BackendError(f"{sql.safe_url}: cannot connect in forked child: {e}") from e
 
 
 def recover_connection(b: Any, error: BaseException) -> bool:
@@ -125,13 +189,9 @@ def recover_connection(b: Any, error: BaseException) -> bool:
             return False
         release_connection(b)
         try:
-            if b.sql.core:
-                open_core(b)
-            else:
-                open_postgres(b)
-            if b.sql.bound is not None:
-                b.sql.configure_ops(*b.sql.bound)
+            _reopen(b)
         except b.sql.driver_errors as e:
+            release_connection(b)  # none rather than a half-made one: the next call retries
             raise BackendError(f"{b.sql.safe_url}: connection lost ({error}) and reconnecting "
                                f"failed: {e}") from e
         b.counters["reconnects"] = b.counters.get("reconnects", 0) + 1

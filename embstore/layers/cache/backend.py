@@ -11,23 +11,8 @@ With a ``memory://`` local store the slots are the memory backend's own arena sl
 costs one hash probe, as a plain ``memory://`` lookup does. Any other local backend (e.g.
 ``lmdb://`` for a disk cache) gets a private key -> slot index next to it.
 
-Consistency contract
---------------------
-- One writer per key range, enforced by a lease in the remote's metadata (:mod:`.lease`):
-  two processes may share a remote table through their own caches as long as they declare
-  disjoint ``writer_keys``. A reader sees another writer's rows up to that writer's
-  last flush (and only rows it does not hold in its own cache).
-- The remote holds the truth for metadata (read and written through) and, after ``flush()``,
-  for every row. ``scan`` and ``changes_since`` flush dirty rows first, then ask the remote;
-  ``len`` adds the dirty rows the remote does not have yet.
-- Deletes are always written through (the remote row goes first), so a deleted key can never
-  come back from the remote.
-- Nothing acknowledged is lost: a dirty row stays dirty until the remote ``put`` that carries it
-  returned. When the remote fails (``BackendError`` after its retries) the failing call raises
-  and the rows stay in the cache; a later ``flush()`` retries them. A ``put`` either applies
-  completely or raises before changing any row. If the remote itself loses data (an emulator
-  restarted empty), :meth:`CachedBackend.resync` rewrites the metadata and every row the cache
-  holds; rows that were flushed *and* evicted before the loss are only as safe as the remote.
+The consistency contract (one writer per key range, write-back durability) is in the
+package docstring, :mod:`embstore.layers.cache`.
 """
 
 from __future__ import annotations
@@ -235,6 +220,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
 
     def modify_meta(self, fn: Any) -> dict:
         return self.metadata.modify(fn)
+
+    def storage_paths(self) -> tuple[str, ...]:
+        return self.remote.storage_paths() + self.local.storage_paths()
 
     def reopen_options(self) -> dict:
         opts = dict(self.remote.reopen_options())

@@ -10,11 +10,16 @@ A cache whose keys overlap a live lease of another writer is refused with
 :class:`~embstore.errors.LeaseConflictError`; writes of keys outside the declared range raise
 :class:`~embstore.errors.InvalidInputError`. Leases are taken and renewed with the remote's
 ``modify_meta`` (a transaction or compare-and-set), renewed while the cache writes, released on
-``close``; a lease of a writer that died without closing expires after ``lease_seconds``.
+``close``; a lease of a writer that died without closing expires after ``lease_seconds``, and
+is taken over at once when its holder is provably dead: same host, same boot, same pid
+namespace, and its pid is gone or now belongs to a process that started at another time (a
+restart after a crash must not wait for the lease). Live holders and holders on other hosts
+keep their lease until it expires.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -27,6 +32,54 @@ from ..._keys import key_hash64
 from ...errors import BackendError, InvalidInputError
 
 LEASES = "writer_leases"  # top-level key of the store metadata
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, Linux ``/proc``); None when there
+    is no such process (or no ``/proc``). A pid reused later has another start time."""
+    stat = _read(f"/proc/{int(pid)}/stat")
+    if stat is None:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def machine_identity() -> dict[str, str | None]:
+    """Host name, boot id and pid namespace: a pid means the same process only where all
+    three match (containers may share a host name, a reboot reuses pids)."""
+    try:
+        pidns: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "boot": _read("/proc/sys/kernel/random/boot_id"),
+            "pidns": pidns}
+
+
+def holder_is_dead(lease: dict) -> bool:
+    """Whether the lease's holder provably no longer runs (see the module docstring)."""
+    me = machine_identity()
+    if lease.get("host") != me["host"] or not me["boot"] or not lease.get("boot"):
+        return False
+    if lease["boot"] != me["boot"]:
+        return True  # the host rebooted since the lease was taken
+    if not me["pidns"] or lease.get("pidns") != me["pidns"] or not lease.get("start"):
+        return False
+    try:
+        pid = int(lease["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return process_start(pid) != lease["start"]
 
 
 class LeaseConflictError(BackendError):
@@ -58,6 +111,15 @@ def check_writer_keys(writer_keys: Any) -> list[int] | None:
     return [i, n]
 
 
+def _whereabouts(lease: dict) -> str:
+    """Why a lease still stands, for the conflict error."""
+    if lease.get("host") != machine_identity()["host"]:
+        return "on another host: its liveness cannot be checked from here"
+    if lease.get("start") and process_start(int(lease.get("pid", -1))) == lease["start"]:
+        return "still running on this host"
+    return "on this host, in another container or from an older embstore: cannot check it"
+
+
 class WriterLease:
     """The lease of one cache (see the module docstring)."""
 
@@ -71,8 +133,9 @@ class WriterLease:
         self.held_until = 0.0  # wall time; 0: not held
 
     def _entry(self, now: float) -> dict:
-        return {"keys": self.keys, "host": socket.gethostname(), "pid": os.getpid(),
-                "expires": now + self.seconds}
+        pid = os.getpid()
+        return {"keys": self.keys, **machine_identity(), "pid": pid,
+                "start": process_start(pid), "expires": now + self.seconds}
 
     def keep(self, stored: dict | None, meta: dict) -> dict:
         """``meta`` with the live leases of ``stored`` carried over (and ours renewed), for a
@@ -100,16 +163,28 @@ class WriterLease:
                 raise BackendError(f"{self.remote.url}: no store metadata to take a writer "
                                    "lease in")
             t = time.time()
-            for lid, lease in (stored.get(LEASES) or {}).items():
+            leases = dict(stored.get(LEASES) or {})
+            for lid, lease in list(leases.items()):
+                if lid != self.id and lease.get("expires", 0) > t and holder_is_dead(lease):
+                    log.warning("%s: taking over the writer lease of pid %s on %s, which is no "
+                                "longer running (its lease ran until %s)", self.remote.url,
+                                lease.get("pid"), lease.get("host"),
+                                time.ctime(lease["expires"]))
+                    del leases[lid]
+            stored = {**stored, LEASES: leases}
+            for lid, lease in leases.items():
                 if lid != self.id and lease.get("expires", 0) > t and \
                         _overlap(lease.get("keys"), self.keys):
                     mine = "every key" if self.keys is None else f"writer_keys={self.keys}"
                     theirs = ("every key" if lease.get("keys") is None
                               else f"writer_keys={lease['keys']}")
+                    where = _whereabouts(lease)
                     raise LeaseConflictError(
                         f"{self.remote.url}: another cache writes {theirs} of this table "
-                        f"(host {lease.get('host')}, pid {lease.get('pid')}, lease until "
-                        f"{time.ctime(lease['expires'])}); this one would write {mine}. Two "
+                        f"(host {lease.get('host')}, pid {lease.get('pid')}, {where}; lease "
+                        f"until {time.ctime(lease['expires'])}, "
+                        f"{max(0.0, lease['expires'] - t):.0f} s from now); this one would "
+                        f"write {mine}. Two "
                         "caches writing the same keys overwrite each other's updates: give "
                         "each writer its own writer_keys=(index, count) and route keys to "
                         "their owner (embstore_torch.distributed.store does), or write without a "

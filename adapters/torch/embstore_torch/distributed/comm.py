@@ -17,6 +17,13 @@ store's own (CPU tensors, its own timeout) whatever the training's default backe
 design is the same under NCCL. A collective that fails or times out (a rank died, raised or
 hangs) raises :class:`RankFailureError`, and the store refuses further collectives: after a
 failure the ranks no longer agree on where they are.
+
+Nothing received is trusted: a header with a negative or absurd count or size, or a payload
+whose size does not fit its item count, raises :class:`CollectiveError` before anything is
+allocated or stored; a rank sends exactly the sizes its header announced (an exchange that
+disagrees with its header raises on the sender instead of aborting the receiver inside gloo).
+The ranks that did not see the problem fail at their next exchange (an ``abort`` header, or
+the timeout), so no rank goes on with a partial step.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ __all__ = ["CollectiveError", "CollectiveMismatchError", "Comm", "RankFailureErr
 
 _MAGIC = 0x656D6273  # "embs"
 _HEADER = 6
+#: the most bytes one rank may announce to another in one exchange (1 TiB): larger sizes, and
+#: negative ones, can only be garbage
+MAX_PAYLOAD = 1 << 40
 
 #: op tags carried by every header
 OPS = {name: i + 1 for i, name in enumerate((
@@ -54,7 +64,18 @@ class CollectiveMismatchError(CollectiveError):
 
 
 class RankFailureError(CollectiveError):
-    """Another rank died, raised or hung: the exchange failed or timed out."""
+    """Another rank died, raised or hung: the exchange failed or timed out.
+
+    Attributes
+    ----------
+    failed_rank : int or None
+        The rank that failed, when it is known (it aborted, or sent garbage); None for a
+        timeout or a broken connection, where any peer may be the one that is gone.
+    """
+
+    def __init__(self, message: str, failed_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
 
 
 class Comm:
@@ -80,6 +101,7 @@ class Comm:
             group = dist.new_group(backend="gloo",
                                    timeout=datetime.timedelta(seconds=float(timeout)))
         self.group = group
+        self.timeout = float(timeout)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.seq = 0
@@ -88,6 +110,10 @@ class Comm:
         self._buffers: dict[str, np.ndarray] = {}
         self.seconds = 0.0  # wall time inside exchanges (waiting for peers included)
         self.broken: str | None = None
+        # bytes this rank's last header announced to each destination: the exchange right
+        # after it sends exactly these, whatever it is handed (later exchanges of the same
+        # collective, e.g. answers, size themselves from the headers on both sides)
+        self._announced: np.ndarray | None = None
 
     # -- the two exchanges -------------------------------------------------------------------
     def begin(self, op: str, items: Sequence[int] | np.ndarray | int = 0,
@@ -112,14 +138,17 @@ class Comm:
         head[:, 5] = flag
         got = self._all_to_all(head.reshape(-1).view(np.uint8), [_HEADER * 8] * w,
                                [_HEADER * 8] * w, op).view(np.int64).reshape(w, _HEADER)
+        self._announced = head[:, 4].copy()  # as sent (read back from the sent buffer)
         bad = (got[:, 0] != _MAGIC) | (got[:, 1] != OPS[op]) | (got[:, 2] != self.seq)
         aborted = np.flatnonzero(got[:, 1] == OPS["abort"])
         if len(aborted) and op != "abort":
             self.broken = f"rank {int(aborted[0])} aborted"
             raise RankFailureError(
                 f"rank {int(aborted[0])} failed in its own part of a collective and aborted "
-                f"(its error says why); rank {self.rank} stops at {op} #{self.seq}"
-            )
+                f"(its error says why); rank {self.rank} stops at {op} #{self.seq}",
+                failed_rank=int(aborted[0]))
+        if not bad.any():
+            self._check_sizes(got, op)
         if bad.any():
             seen = ", ".join(
                 f"rank {r}: {_NAMES.get(int(got[r, 1]), '?')} #{int(got[r, 2])}"
@@ -133,6 +162,27 @@ class Comm:
                 "must still call)"
             )
         return got[:, 3].copy(), got[:, 4].copy(), got[:, 5].copy()
+
+    def _check_sizes(self, got: np.ndarray, op: str) -> None:
+        """Refuse headers whose counts or sizes cannot be real (before any allocation)."""
+        items, nbytes = got[:, 3], got[:, 4]
+        wrong = np.flatnonzero((items < 0) | (nbytes < 0) | (nbytes > MAX_PAYLOAD))
+        if len(wrong):
+            r = int(wrong[0])
+            self.broken = f"garbage header from rank {r}"
+            raise RankFailureError(
+                f"rank {self.rank}: rank {r} announced {int(items[r])} items in "
+                f"{int(nbytes[r])} bytes for {op} #{self.seq}, which cannot be real (a bug or "
+                "a corrupted message); the store stops here", failed_rank=r)
+
+    def fail(self, op: str, source: int | None, problem: str) -> RankFailureError:
+        """An inconsistent payload received in ``op``: mark the store broken and return the
+        error to raise (callers tell the other ranks with :meth:`abort` where the exchange
+        protocol allows it)."""
+        who = "a rank" if source is None else f"rank {source}"
+        self.broken = f"bad payload from {who}"
+        return RankFailureError(f"rank {self.rank}: {who} sent an inconsistent {op} payload: "
+                                f"{problem}; the store stops here", failed_rank=source)
 
     def abort(self, reason: str) -> None:
         """Tell the other ranks that this rank failed in its own part of a collective: their
@@ -164,11 +214,37 @@ class Comm:
                 segs.append(raw)
                 n += len(raw)
             sizes.append(n)
+        announced, self._announced = self._announced, None
+        mismatch = (announced is not None and len(announced) == len(sizes)
+                    and any(int(a) != s for a, s in zip(announced.tolist(), sizes)))
         buf = self.scratch("_send", sum(sizes))
         if segs:
             np.concatenate(segs, out=buf)
+        if mismatch and announced is not None and (
+                int(announced.min()) < 0 or int(announced.max()) > MAX_PAYLOAD):
+            # the receivers refused this header already (begin): nothing to send
+            self.broken = f"{op}: garbage header sent"
+            raise CollectiveError(f"rank {self.rank}: its own {op} header announced "
+                                  f"impossible sizes {announced.tolist()}; the store stops here")
+        if mismatch:
+            # Send what the header announced (the receivers size their buffers by it; other
+            # sizes abort them inside gloo), then fail here: the payload is not what it says.
+            assert announced is not None
+            starts = np.concatenate(([0], np.cumsum(sizes)))
+            parts = [np.zeros(int(a), np.uint8) for a in announced.tolist()]
+            for d, p in enumerate(parts):
+                n = min(len(p), sizes[d])
+                p[:n] = buf[starts[d]:starts[d] + n]
+            sizes = [len(p) for p in parts]
+            buf = np.concatenate(parts) if parts else buf[:0]
         recv = [int(n) for n in recv_nbytes]
         out = self._all_to_all(buf, sizes, recv, op, keep)
+        if mismatch:
+            self.broken = f"{op}: payload sizes differ from the header"
+            raise CollectiveError(
+                f"rank {self.rank}: the {op} payload ({sum(len(s) for s in segs)} bytes) "
+                f"differs from the sizes its header announced ({int(announced.sum())} bytes); "
+                "the store stops here")
         bounds = np.concatenate(([0], np.cumsum(recv)))
         return [out[bounds[i]:bounds[i + 1]] for i in range(self.world)]
 
@@ -203,7 +279,8 @@ class Comm:
             self.broken = f"{op} failed: {e}"
             raise RankFailureError(
                 f"rank {self.rank}: the {op} exchange with the other ranks failed or timed "
-                f"out (a rank died, raised or hangs): {e}"
+                f"out after {self.timeout:.0f} s (a rank died, raised or hangs; which one is "
+                f"not known here, the others' errors say): {e}"
             ) from e
         self.seconds += time.perf_counter() - t0
         self.exchanges += 1

@@ -14,6 +14,7 @@ forwarded explicitly); only the metadata is translated.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -96,3 +97,21 @@ def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None)
         backend.close()
         raise
     return ShardView(backend, *sharding), engine, existed
+
+
+def schema_blob(store: Any) -> bytes:
+    """What every rank's store must agree on at open (dim, key type, layout, optimizer,
+    initializer, seed, read_only), as canonical JSON."""
+    mine = {"dim": store.dim, "key_type": store.key_type, "layout": store.layout.to_json(),
+            "optimizer": store.optimizer.config(), "initializer": store.initializer.config(),
+            "seed": store.seed, "read_only": bool(store.read_only)}
+    return json.dumps(mine, sort_keys=True).encode()
+
+
+def first_schema_difference(blobs: list[bytes]) -> str | None:
+    """The first rank whose :func:`schema_blob` differs from rank 0's, said in words."""
+    for r, b in enumerate(blobs):
+        if b != blobs[0]:
+            return (f"rank {r}'s store has other metadata (dim, key type, optimizer, "
+                    f"read_only...) than rank 0's: {b.decode()} vs {blobs[0].decode()}")
+    return None

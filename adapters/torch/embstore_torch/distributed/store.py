@@ -23,7 +23,6 @@ reshards it. Without ``{rank}`` every rank opens the same store (e.g. one Bigtab
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -38,8 +37,8 @@ from embstore.store import EmbeddingStore
 from .checkpoint import RESHARD, refuse_other_worlds
 from .comm import CollectiveError, CollectiveMismatchError, Comm, RankFailureError
 from .ops import CollectiveOps
-from .shard import open_rank_backend
-from .wire import dedupe, pack_keys, route, split_rows, unpack_keys
+from .shard import first_schema_difference, open_rank_backend, schema_blob
+from .wire import dedupe, pack_keys, route, split_rows, unpack_keys, unpack_update
 
 __all__ = [
     "CollectiveError",
@@ -213,18 +212,9 @@ class DistributedStore(CollectiveOps):
 
     def _check_schema(self) -> None:
         st = self.local
-        mine = {"dim": st.dim, "key_type": st.key_type, "layout": st.layout.to_json(),
-                "optimizer": st.optimizer.config(), "initializer": st.initializer.config(),
-                "seed": st.seed}
-        blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
+        blob = np.frombuffer(schema_blob(st), np.uint8)
         blobs, steps, _ = self.comm.allgather("open", blob, items=st.step)
-        problem = None
-        for r, b in enumerate(blobs):
-            if b.tobytes() != blobs[0].tobytes():
-                problem = (f"rank {r}'s store has other metadata (dim, key type, optimizer...) "
-                           f"than rank 0's: {b.tobytes().decode()} vs "
-                           f"{blobs[0].tobytes().decode()}")
-                break
+        problem = first_schema_difference([b.tobytes() for b in blobs])
         if problem is not None:
             self._close_quietly()
             raise SchemaMismatchError(problem)
@@ -274,10 +264,12 @@ class DistributedStore(CollectiveOps):
         items_in, nbytes_in, flags = self.comm.begin(op, counts, [len(p) for p in parts],
                                                      flag)
         got = self.comm.exchange(parts, nbytes_in, op)
-        asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] if s != me
-                 else keys[mine] for s in range(w)]
         row_bytes = int(np.dtype(row_dtype).itemsize * np.prod(row_shape, dtype=np.int64))
         try:
+            # keys from another rank are checked (sizes, ownership) like any input
+            asked = [unpack_keys(got[s], int(items_in[s]), self.key_type, exact=True,
+                                 owner=(me, w), source=s)[0] if s != me
+                     else keys[mine] for s in range(w)]
             rows = answer(asked, flags)
         except Exception as e:
             if w > 1:
@@ -287,7 +279,10 @@ class DistributedStore(CollectiveOps):
                           else np.zeros(0, np.uint8) for s in range(w)]
                 sizes = counts * row_bytes
                 sizes[me] = 0
-                self.comm.exchange(filler, sizes, op)
+                try:
+                    self.comm.exchange(filler, sizes, op)
+                except CollectiveError:
+                    pass  # an asker gone too (e.g. the one that sent garbage): e says why
             self.comm.abort(f"rank {me}'s {op} failed: {e}")
             raise
         if w == 1:  # a world of one: the local answer is the result
@@ -341,7 +336,12 @@ class DistributedStore(CollectiveOps):
         items_in, nbytes_in, _ = self.comm.begin("prefetch", np.diff(bounds),
                                                  [len(p) for p in parts])
         got = self.comm.exchange(parts, nbytes_in, "prefetch")
-        asked = [unpack_keys(got[s], int(items_in[s]), self.key_type)[0] for s in range(w)]
+        try:
+            asked = [unpack_keys(got[s], int(items_in[s]), self.key_type, exact=True,
+                                 owner=(self.rank, w), source=s)[0] for s in range(w)]
+        except CollectiveError as e:
+            self.comm.abort(str(e))
+            raise
         mine = np.concatenate(asked)  # a copy: a background prefetch keeps its keys
         if len(mine):
             self.local.prefetch(dedupe(mine)[0])
@@ -403,10 +403,14 @@ class DistributedStore(CollectiveOps):
                 cs.append(mult_by[lo:hi])
                 gs.append(rows[lo:hi])
                 continue
-            kk, used = unpack_keys(got[s], n, self.key_type)
+            try:  # another rank's keys, counts and gradients: checked before any is applied
+                kk, cc, gg = unpack_update(got[s], n, self.key_type, self.dim, (me, w), s)
+            except CollectiveError as e:
+                self.comm.abort(str(e))
+                raise
             ks.append(kk)
-            cs.append(got[s][used:used + 8 * n].view(np.int64))
-            gs.append(split_rows(got[s][used + 8 * n:], np.dtype(np.float32), (self.dim,)))
+            cs.append(cc)
+            gs.append(gg)
         self.local.step = self.step
         if ks:
             # keys are copied out of the reused receive buffer (a store may keep them);

@@ -1,0 +1,174 @@
+"""The distributed store's wire is not trusted: 2 ranks on the real gloo transport, rank 1
+misbehaving. Every scenario ends with a CollectiveError on every rank (within the timeout),
+never a SIGABRT, and no foreign key is stored.
+
+Before: a header announcing fewer bytes than sent aborted the receiver inside gloo, keys a rank
+does not own were stored on the wrong shard, and a read_only mismatch went unnoticed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORLD = 2
+DIM = 4
+TIMEOUT = 5.0     # seconds a rank waits for a peer that gave up
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(scenario: str, rank: int, port: int, outdir: str, url: str) -> None:
+    import torch.distributed as dist
+
+    result: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+        result = SCENARIOS[scenario](rank, url)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result = {"unexpected": traceback.format_exc(), "type": type(e).__name__}
+    with open(os.path.join(outdir, f"rank-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip teardown of process groups a peer may have left
+
+
+def _outcome(fn) -> dict:
+    from embstore_torch.distributed import CollectiveError
+
+    try:
+        fn()
+    except CollectiveError as e:
+        return {"error": type(e).__name__, "message": str(e),
+                "failed_rank": getattr(e, "failed_rank", None)}
+    return {"error": None}
+
+
+def _patch_header(comm, op: str, mutate) -> None:
+    """Rank-local sabotage: ``mutate(header)`` changes the header this rank sends in ``op``."""
+    from embstore_torch.distributed import comm as comm_mod
+
+    real = comm_mod.Comm._all_to_all
+
+    def sabotaged(self, buf, send_sizes, recv_sizes, op_name, keep=True):
+        if op_name == op and len(buf) == 48 * self.world and send_sizes == [48] * self.world:
+            mutate(buf.view(np.int64).reshape(self.world, 6))
+        return real(self, buf, send_sizes, recv_sizes, op_name, keep)
+
+    comm._all_to_all = sabotaged.__get__(comm)
+
+
+def _short_header(rank: int, url: str) -> dict:
+    """Rank 1 announces 8 bytes fewer than it sends to rank 0 (keys of a lookup)."""
+    import embstore_torch.distributed as ed
+
+    store = ed.open(url, dim=DIM, timeout=TIMEOUT)
+    if rank == 1:
+        def minus_eight(head):
+            head[0, 4] -= 8
+        _patch_header(store.comm, "lookup", minus_eight)
+    out = _outcome(lambda: store.lookup(np.arange(64)))
+    out["then"] = _outcome(lambda: len(store))
+    return out
+
+
+def _garbage_header(rank: int, url: str) -> dict:
+    """Rank 1's update header announces an impossible size (2**62 bytes)."""
+    import embstore_torch.distributed as ed
+
+    store = ed.open(url, dim=DIM, timeout=TIMEOUT)
+    store.lookup(np.arange(16))
+    if rank == 1:
+        def huge(head):
+            head[0, 4] = 1 << 62
+        _patch_header(store.comm, "update", huge)
+    out = _outcome(lambda: store.update(np.arange(16), np.ones((16, DIM), np.float32)))
+    out["then"] = _outcome(lambda: len(store))
+    return out
+
+
+def _foreign_keys(rank: int, url: str) -> dict:
+    """Rank 1 routes every key of its update to rank 0, owned or not."""
+    import embstore_torch.distributed as ed
+    import embstore_torch.distributed.store as st
+
+    store = ed.open(url, dim=DIM, timeout=TIMEOUT)
+    before = len(store.local)
+    if rank == 1:
+        st.route = lambda keys, world: (np.arange(len(keys)), np.array([0, len(keys), len(keys)]))
+    out = _outcome(lambda: store.update(np.arange(100, 164), np.ones((64, DIM), np.float32)))
+    out["then"] = _outcome(lambda: len(store))
+    out["local_rows_added"] = len(store.local) - before
+    return out
+
+
+def _read_only_mismatch(rank: int, url: str) -> dict:
+    import embstore_torch.distributed as ed
+
+    try:
+        ed.open(url, read_only=(rank == 1), timeout=TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+SCENARIOS = {"short_header": _short_header, "garbage_header": _garbage_header,
+             "foreign_keys": _foreign_keys, "read_only_mismatch": _read_only_mismatch}
+
+
+def _run(scenario: str, tmp_path, url: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(scenario, r, port, str(tmp_path), url))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(120)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    # a rank killed by a signal inside gloo (SIGABRT: exitcode -6) writes no result
+    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
+    return [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("scenario", ["short_header", "garbage_header", "foreign_keys"])
+def test_bad_wire_input_fails_every_rank_cleanly(tmp_path, scenario):
+    res = _run(scenario, tmp_path, "memory://")
+    for r, out in enumerate(res):
+        assert "unexpected" not in out, out
+        # the collective itself or, at the latest, the next one raises a CollectiveError
+        assert out["error"] or out["then"]["error"], (r, out)
+    first = res[0]["error"] and res[0]
+    assert first and first["failed_rank"] == 1, res      # rank 0 names the culprit
+    if scenario == "foreign_keys":
+        assert res[0]["local_rows_added"] == 0            # nothing stored on the wrong shard
+        assert "belong to other ranks" in res[0]["message"]
+
+
+def test_read_only_mismatch_is_refused_at_open(tmp_path):
+    import embstore
+
+    url = f"lmdb://{tmp_path}/shared"
+    embstore.open(url, dim=DIM).close()
+    res = _run("read_only_mismatch", tmp_path, url)
+    assert all(out.get("error") == "SchemaMismatchError" for out in res), res
+    assert "read_only" in res[0]["message"]

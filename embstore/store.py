@@ -366,13 +366,14 @@ class EmbeddingStore(SamplingAPI, HistoryAPI, RecordWrites, StoreSeams):
         self.step += 1
         self._stats["updates"] += len(k)
         axpy = self.optimizer.axpy_step(summed)
-        if axpy is not None and self._backend.supports_row_update:
-            # The step is plain field arithmetic: the backend applies it where the records
-            # live (observers are told the same arithmetic); only keys without a record yet
-            # go the general way below.
-            row_update = RowUpdate(axpy, {"count": mult}, {
+        rule = None if axpy is not None else self.optimizer.row_rule()
+        if (axpy is not None or rule is not None) and self._backend.supports_row_update:
+            # The step is plain field arithmetic, or a rule of each row and its gradient
+            # alone: the backend applies it where the records live (observers are told the
+            # same update); only keys without a record yet go the general way below.
+            row_update = RowUpdate(axpy or ("vector", 1.0, summed), {"count": mult}, {
                 "last_seen": self._clock(), "last_step": self.step,
-                "version": self._next_version()})
+                "version": self._next_version()}, rule)
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
                 obs.on_row_update(uniq, row_update, found)

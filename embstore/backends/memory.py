@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..options import accepted_options, check_options
-from .base import Backend, ModifyFn, RowUpdate, serialized
+from .base import Backend, ModifyFn, RowRule, RowUpdate, serialized
 
 try:
     from .._cython import bytestable, cuckoo
@@ -391,13 +391,19 @@ class MemoryBackend(Backend):
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
         fields = self.layout.fields
         name, alpha, _ = update.axpy
+        rule = update.rule
         if (fields[name][0].base != np.float32 or fields[name][0].shape != x.shape[1:]
                 or any(fields[f][0] != np.int64 for f in update.add)
-                or any(fields[f][0].itemsize != 8 for f in update.assign)):
-            recs = self._gather(slots)  # a layout the kernel was not built for
+                or any(fields[f][0].itemsize != 8 for f in update.assign)
+                or (rule is not None and not self._native_rule(rule, name, x))):
+            recs = self._gather(slots)  # a layout (or rule) the kernels were not built for
             update.apply(recs)
             self._scatter(slots, recs)
             return
+        if rule is not None:
+            lr, eps = rule.params
+            self._records.adagrad_rows(slots, fields[name][1], fields["accum"][1], x, lr, eps)
+            x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
         counts = [np.ascontiguousarray(v, dtype=np.int64) for v in update.add.values()]
         bits = np.array([np.array(v, dtype=fields[f][0]).view(np.uint64)
                          for f, v in update.assign.items()], dtype=np.uint64)
@@ -406,6 +412,14 @@ class MemoryBackend(Backend):
             np.array([fields[f][1] for f in update.add], dtype=np.intp),
             np.array(counts, dtype=np.int64).reshape(len(counts), len(slots)),
             np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
+
+    def _native_rule(self, rule: RowRule, name: str, x: np.ndarray) -> bool:
+        """Whether :meth:`RecordArena.adagrad_rows` applies ``rule``: Adagrad on float32
+        ``vector`` and ``accum`` fields as wide as the gradients."""
+        acc = self.layout.fields.get("accum")
+        return (rule.name == "adagrad" and name == "vector" and len(rule.params) == 2
+                and acc is not None and acc[0].base == np.float32
+                and acc[0].shape == x.shape[1:])
 
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._cython.rowops import axpy_rows
 from .base import Optimizer, check_hyper
+
+if TYPE_CHECKING:
+    from ..backends.base import RowRule
 
 
 class Adagrad(Optimizer):
@@ -57,6 +60,14 @@ class Adagrad(Optimizer):
         np.divide(grads, tmp, out=tmp)
         tmp *= np.float32(self.lr)
         axpy_rows(records["vector"], tmp, np.float32(-1.0))
+
+    def row_rule(self) -> RowRule:
+        from ..backends.base import RowRule  # the backends import the optimizers' package
+
+        return RowRule("adagrad", (self.lr, self.eps), self._step_rows)
+
+    def _step_rows(self, records: np.ndarray, grads: np.ndarray) -> None:
+        self.apply(records, grads, 0)  # the step counter plays no part in Adagrad
 
     def _params(self) -> dict[str, Any]:
         return {"lr": self.lr, "initial_accumulator_value": self.initial_accumulator_value,

@@ -288,11 +288,13 @@ cdef class RecordArena:
             vec[k] -= lr * (g[j, k] / (sqrt(acc[k]) + eps))
 
         Each float32 operation rounds as the numpy step of ``embstore.optim.Adagrad`` does
-        (no fused multiply-add: the extension is built with ``-ffp-contract=off``)."""
+        (no fused multiply-add: the extension is built with ``-ffp-contract=off``; and
+        ``-fno-math-errno`` lets ``sqrtf`` be the vector instruction, the same rounding)."""
         cdef Py_ssize_t n = slots.shape[0], d = g.shape[1], j, k
         cdef uint8_t* row
         cdef float* v
         cdef float* a
+        cdef const float* gr
         cdef float gk, ak
         if g.shape[0] < n:
             raise ValueError("adagrad_rows: fewer gradient rows than slots")
@@ -309,8 +311,9 @@ cdef class RecordArena:
                 row = self._row(slots[j])
                 v = <float*> (row + vec_offset)
                 a = <float*> (row + acc_offset)
+                gr = &g[j, 0]                   # plain pointers: the loop vectorizes
                 for k in range(d):
-                    gk = g[j, k]
+                    gk = gr[k]
                     ak = a[k] + gk * gk
                     a[k] = ak
                     v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps))

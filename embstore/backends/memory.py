@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..layout import Layout
 from ..options import accepted_options, check_options
-from .base import Backend, ModifyFn, RowRule, RowUpdate, serialized
+from .base import Backend, ModifyFn, RowUpdate, serialized
 
 try:
     from .._cython import bytestable, cuckoo
@@ -165,9 +165,11 @@ class MemoryBackend(Backend):
         # A training step reads its keys (lookup -> get_field) and then updates the same keys:
         # the slots of the last get_field, with a copy of its keys to prove the match.
         self._last_find: tuple[np.ndarray | KeySnapshot, np.ndarray, int] | None = None
+        self._row_plans: dict[tuple, Any] = {}  # see _row_plan
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
+        self._row_plans = {}  # worked out for the layout just bound
         self.supports_lookup_insert = True
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
@@ -389,37 +391,58 @@ class MemoryBackend(Backend):
 
     def _update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
-        fields = self.layout.fields
         name, alpha, _ = update.axpy
         rule = update.rule
-        if (fields[name][0].base != np.float32 or fields[name][0].shape != x.shape[1:]
-                or any(fields[f][0] != np.int64 for f in update.add)
-                or any(fields[f][0].itemsize != 8 for f in update.assign)
-                or (rule is not None and not self._native_rule(rule, name, x))):
+        plan = self._row_plan(name, x.shape[1:], tuple(update.add), tuple(update.assign),
+                              None if rule is None else (rule.name, len(rule.params)))
+        if plan is None:
             recs = self._gather(slots)  # a layout (or rule) the kernels were not built for
             update.apply(recs)
             self._scatter(slots, recs)
             return
+        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
         if rule is not None:
             lr, eps = rule.params
-            self._records.adagrad_rows(slots, fields[name][1], fields["accum"][1], x, lr, eps)
+            self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
             x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
-        counts = [np.ascontiguousarray(v, dtype=np.int64) for v in update.add.values()]
-        bits = np.array([np.array(v, dtype=fields[f][0]).view(np.uint64)
-                         for f, v in update.assign.items()], dtype=np.uint64)
-        self._records.update_rows(
-            slots, fields[name][1], x, float(alpha),
-            np.array([fields[f][1] for f in update.add], dtype=np.intp),
-            np.array(counts, dtype=np.int64).reshape(len(counts), len(slots)),
-            np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
+        n = len(slots)
+        adds = update.add.values()
+        counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
+                  if len(adds) == 1 else
+                  np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
+        # each assigned value in its field's dtype, as the 8 bytes the kernel copies
+        bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
+                if len(set_offsets) else np.empty(0, dtype=np.uint64))
+        self._records.update_rows(slots, axpy_offset, x, float(alpha), add_offsets, counts,
+                                  set_offsets, bits)
 
-    def _native_rule(self, rule: RowRule, name: str, x: np.ndarray) -> bool:
-        """Whether :meth:`RecordArena.adagrad_rows` applies ``rule``: Adagrad on float32
-        ``vector`` and ``accum`` fields as wide as the gradients."""
-        acc = self.layout.fields.get("accum")
-        return (rule.name == "adagrad" and name == "vector" and len(rule.params) == 2
-                and acc is not None and acc[0].base == np.float32
-                and acc[0].shape == x.shape[1:])
+    def _row_plan(self, name: str, width: tuple[int, ...], add: tuple[str, ...],
+                  assign: tuple[str, ...], rule: tuple[str, int] | None
+                  ) -> tuple[int, int, np.ndarray, np.ndarray, np.dtype] | None:
+        """Offsets for the in-place kernels, or None where they do not apply: the axpy (or
+        rule) field is not float32 of the gradients' width, an added field is not int64, an
+        assigned one not 8 bytes, or the rule is not Adagrad on a float32 ``accum``. Worked
+        out once per shape of update (the layout is fixed once bound)."""
+        key = (name, width, add, assign, rule)
+        plans = self._row_plans
+        if key in plans:
+            return plans[key]
+        fields = self.layout.fields
+        plan: tuple[int, int, np.ndarray, np.ndarray, np.dtype] | None = None
+        acc = fields.get("accum")
+        ok = (fields[name][0].base == np.float32 and fields[name][0].shape == width
+              and all(fields[f][0] == np.int64 for f in add)
+              and all(fields[f][0].itemsize == 8 for f in assign)
+              and (rule is None or (rule == ("adagrad", 2) and name == "vector"
+                                    and acc is not None and acc[0].base == np.float32
+                                    and acc[0].shape == width)))
+        if ok:
+            plan = (fields[name][1], -1 if rule is None or acc is None else acc[1],
+                    np.array([fields[f][1] for f in add], dtype=np.intp),
+                    np.array([fields[f][1] for f in assign], dtype=np.intp),
+                    np.dtype([(f, fields[f][0]) for f in assign]))
+        plans[key] = plan
+        return plan
 
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:

@@ -106,3 +106,28 @@ def test_arena_adagrad_rows_refuses_fields_outside_the_record():
         arena.adagrad_rows(slots, 40, 0, g, 0.1, 1e-10)  # 40 + 8 * 4 > 64
     with pytest.raises(ValueError, match="fewer gradient rows"):
         arena.adagrad_rows(np.zeros(2, np.uint32), 0, 32, g, 0.1, 1e-10)
+
+
+def test_adagrad_on_rows_of_a_write_back_cache_matches_an_uncached_store():
+    from embstore.layers.cache.backend import CachedBackend
+
+    rng = np.random.default_rng(2)
+    remote = embstore.open("memory://", dim=8, optimizer=embstore.optim.Adagrad(lr=0.2))
+    s = embstore.EmbeddingStore(CachedBackend(remote.backend, capacity=40), dim=8,
+                                optimizer=embstore.optim.Adagrad(lr=0.2))
+    ref = embstore.open("memory://", dim=8, optimizer=embstore.optim.Adagrad(lr=0.2))
+    ref.backend.supports_row_update = False  # the general path
+    assert s.backend.supports_row_update  # write-back over memory://: steps in place
+    for _ in range(40):  # rows move in and out of the cache between steps
+        keys = rng.integers(0, 120, size=rng.integers(1, 30))
+        g = rng.standard_normal((len(keys), 8)).astype(np.float32)
+        np.testing.assert_array_equal(s.lookup(keys), ref.lookup(keys))
+        s.update(keys, g)
+        ref.update(keys, g)
+    assert s.backend.stats()["cache_hits"] > 0
+    s.flush()
+    ks = np.arange(120)
+    (a, fa), (b, fb) = s.get_records(ks), ref.get_records(ks)
+    np.testing.assert_array_equal(fa, fb)
+    for f in ("vector", "accum", "count"):
+        np.testing.assert_array_equal(a[f][fa], b[f][fb], err_msg=f)

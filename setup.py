@@ -6,8 +6,10 @@ from setuptools import Extension, setup
 _HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h, es_keyword.h
 
 extensions = [
+    # -ffp-contract=off: in-place optimizer kernels must round as the numpy steps do;
+    # -fno-math-errno: sqrtf becomes the (equally rounded) vector instruction
     Extension("embstore._cython.arena", ["embstore/_cython/arena.pyx"], include_dirs=_HERE,
-              extra_compile_args=["-O3"]),
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"]),
     Extension("embstore._cython.cuckoo", ["embstore/_cython/cuckoo.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], include_dirs=_HERE,

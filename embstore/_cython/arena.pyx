@@ -11,6 +11,7 @@ This module imports nothing from embstore; callers pass clean, contiguous arrays
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
 from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memset
+from libc.math cimport sqrtf
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
@@ -278,6 +279,44 @@ cdef class RecordArena:
                     c[0] += add_values[f, j]
                 for f in range(ns):
                     memcpy(row + set_offsets[f], &set_bits[f], 8)
+
+    def adagrad_rows(self, const uint32_t[::1] slots, Py_ssize_t vec_offset,
+                     Py_ssize_t acc_offset, const float[:, ::1] g, float lr, float eps):
+        """In place, per slot j and coordinate k (float32 fields of ``g.shape[1]`` values)::
+
+            acc[k] += g[j, k] * g[j, k]
+            vec[k] -= lr * (g[j, k] / (sqrt(acc[k]) + eps))
+
+        Each float32 operation rounds as the numpy step of ``embstore.optim.Adagrad`` does
+        (no fused multiply-add: the extension is built with ``-ffp-contract=off``; and
+        ``-fno-math-errno`` lets ``sqrtf`` be the vector instruction, the same rounding)."""
+        cdef Py_ssize_t n = slots.shape[0], d = g.shape[1], j, k
+        cdef uint8_t* row
+        cdef float* v
+        cdef float* a
+        cdef const float* gr
+        cdef float gk, ak
+        if g.shape[0] < n:
+            raise ValueError("adagrad_rows: fewer gradient rows than slots")
+        if vec_offset < 0 or vec_offset + d * 4 > self.itemsize or acc_offset < 0 \
+                or acc_offset + d * 4 > self.itemsize:
+            raise ValueError("adagrad_rows: the float fields do not fit the record")
+        self._check_slots(slots, "adagrad_rows")
+        with nogil:
+            for j in range(n):
+                if j + PREFETCH_AHEAD < n:
+                    row = self._row(slots[j + PREFETCH_AHEAD])
+                    ES_PREFETCH_W(row)
+                    ES_PREFETCH_W(row + self.itemsize - 1)
+                row = self._row(slots[j])
+                v = <float*> (row + vec_offset)
+                a = <float*> (row + acc_offset)
+                gr = &g[j, 0]                   # plain pointers: the loop vectorizes
+                for k in range(d):
+                    gk = gr[k]
+                    ak = a[k] + gk * gk
+                    a[k] = ak
+                    v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps))
 
     def write_rows(self, const uint32_t[::1] slots, const uint8_t[::1] template,
                    Py_ssize_t vec_offset, const float[:, ::1] vectors):

@@ -25,13 +25,14 @@ import numpy as np
 from ..errors import (
     CapacityError,
     ForkedProcessError,
-    InvalidInputError,
     InvalidURLError,
     StoreClosedError,
 )
 from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
+from .memory_rows import row_plan
+from .memory_url import flag as _flag
 from .memory_url import url_options
 
 try:
@@ -85,18 +86,6 @@ class _ProcessLock:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._lock.__exit__(exc_type, exc, tb)
-
-
-def _flag(name: str, value: Any) -> bool:
-    # Options may come from a URL query string as well as from keyword arguments.
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("1", "true", "yes", "on"):
-            return True
-        if v in ("0", "false", "no", "off"):
-            return False
-        raise InvalidInputError(f"{name} must be true or false, got {value!r}")
-    return bool(value)
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
@@ -174,9 +163,11 @@ class MemoryBackend(Backend):
         # A training step reads its keys (lookup -> get_field) and then updates the same keys:
         # the slots of the last get_field, with a copy of its keys to prove the match.
         self._last_find: tuple[np.ndarray | KeySnapshot, np.ndarray, int] | None = None
+        self._row_plans: dict[tuple, Any] = {}  # see _row_plan
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
+        self._row_plans = {}  # worked out for the layout just bound
         self.supports_lookup_insert = True
         if self._arena is None:
             self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
@@ -414,23 +405,33 @@ class MemoryBackend(Backend):
         if not len(slots):
             return
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
-        fields = self.layout.fields
         name, alpha, _ = update.axpy
-        if (fields[name][0].base != np.float32 or fields[name][0].shape != x.shape[1:]
-                or any(fields[f][0] != np.int64 for f in update.add)
-                or any(fields[f][0].itemsize != 8 for f in update.assign)):
-            recs = self._gather(slots)  # a layout the kernel was not built for
+        rule = update.rule
+        key = (name, x.shape[1:], tuple(update.add), tuple(update.assign),
+               None if rule is None else (rule.name, len(rule.params)))
+        if key not in self._row_plans:  # worked out once per shape of update
+            self._row_plans[key] = row_plan(self.layout.fields, *key)
+        plan = self._row_plans[key]
+        if plan is None:
+            recs = self._gather(slots)  # a layout (or rule) the kernels were not built for
             update.apply(recs)
             self._scatter(slots, recs)
             return
-        counts = [np.ascontiguousarray(v, dtype=np.int64) for v in update.add.values()]
-        bits = np.array([np.array(v, dtype=fields[f][0]).view(np.uint64)
-                         for f, v in update.assign.items()], dtype=np.uint64)
-        self._records.update_rows(
-            slots, fields[name][1], x, float(alpha),
-            np.array([fields[f][1] for f in update.add], dtype=np.intp),
-            np.array(counts, dtype=np.int64).reshape(len(counts), len(slots)),
-            np.array([fields[f][1] for f in update.assign], dtype=np.intp), bits)
+        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
+        if rule is not None:
+            lr, eps = rule.params
+            self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
+            x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
+        n = len(slots)
+        adds = update.add.values()
+        counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
+                  if len(adds) == 1 else
+                  np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
+        # each assigned value in its field's dtype, as the 8 bytes the kernel copies
+        bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
+                if len(set_offsets) else np.empty(0, dtype=np.uint64))
+        self._records.update_rows(slots, axpy_offset, x, float(alpha), add_offsets, counts,
+                                  set_offsets, bits)
 
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:

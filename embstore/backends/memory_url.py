@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import InvalidInputError, InvalidURLError
 from ..options import check_options
 
-__all__ = ["url_options"]
+__all__ = ["flag", "url_options"]
 
 
 def url_options(url: str) -> dict[str, str]:
@@ -36,3 +37,15 @@ def url_options(url: str) -> dict[str, str]:
                 raise InvalidInputError(
                     f"{url!r}: {name} must be an integer, got {found[name]!r}") from None
     return found
+
+
+def flag(name: str, value: Any) -> bool:
+    # Options may come from a URL query string as well as from keyword arguments.
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+        raise InvalidInputError(f"{name} must be true or false, got {value!r}")
+    return bool(value)

@@ -342,17 +342,19 @@ class RecordWrites:
             mult = sum_counts(k, uniq, c)
         self.step += 1
         self._stats["updates"] += len(k)
-        axpy = self.optimizer.axpy_step(summed) if self.layout.is_wide else None
-        if axpy is not None and self._backend.supports_row_update:
-            # The step is plain field arithmetic: the backend applies it where the records
-            # live (observers are told the same arithmetic); only keys without a record yet
-            # go the general way below.
+        wide = self.layout.is_wide
+        axpy = self.optimizer.axpy_step(summed) if wide else None
+        rule = self.optimizer.row_rule() if (wide and axpy is None) else None
+        if (axpy is not None or rule is not None) and self._backend.supports_row_update:
+            # The step is plain field arithmetic, or a rule of each row and its gradient
+            # alone: the backend applies it where the records live (observers are told the
+            # same update); only keys without a record yet go the general way below.
             stamps = {"last_seen": self._clock(), "last_step": self.step,
                       "version": self._next_version()}
             names = self.layout.meta_names
             row_update = RowUpdate(
-                axpy, {"count": mult} if "count" in names else {},
-                {f: v for f, v in stamps.items() if f in names})
+                axpy or ("vector", 1.0, summed), {"count": mult} if "count" in names else {},
+                {f: v for f, v in stamps.items() if f in names}, rule)
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
                 obs.on_row_update(uniq, row_update, found)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .._cython.rowops import axpy_rows
+from ..backends.base import RowRule
 from .base import Optimizer, check_hyper
 
 
@@ -81,6 +82,14 @@ class Adagrad(Optimizer):
         np.divide(np.float32(self.lr), scale, out=scale)
         axpy_rows(records["vector"], np.ascontiguousarray(grads * scale, dtype=np.float32),
                   np.float32(-1.0))
+
+    def row_rule(self) -> RowRule | None:
+        if self.rowwise:  # one accumulator per row: the general path (no native kernel)
+            return None
+        return RowRule("adagrad", (self.lr, self.eps), self._step_rows)
+
+    def _step_rows(self, records: np.ndarray, grads: np.ndarray) -> None:
+        self.apply(records, grads, 0)  # the step counter plays no part in Adagrad
 
     def _params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"lr": self.lr,

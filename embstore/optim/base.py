@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from ..backends.base import RowRule
 
 
 class Optimizer:
@@ -58,6 +61,16 @@ class Optimizer:
 
         A backend able to apply that in place (``Backend.update_rows``) then updates the
         records where they are stored instead of copying them out and back.
+        """
+        return None
+
+    def row_rule(self) -> RowRule | None:
+        """A :class:`~embstore.backends.base.RowRule` when one step is a pure function of
+        each record and its gradient row (no step counter, never deletes a row); None
+        otherwise.
+
+        A backend able to apply it in place (``Backend.update_rows``) then steps the records
+        where they are stored instead of copying them out and back.
         """
         return None
 

@@ -220,7 +220,11 @@ class DynamicEmbeddingBagCollection(nn.Module):
         """The table's keys, feature after feature (namespaced where asked), deduplicated."""
         whole = len(spans) == 1 and spans[0] == (0, len(values))
         if table.store.key_type == "int64":
-            if whole and not self.namespaces and isinstance(values, (np.ndarray, torch.Tensor)):
+            # this table's features span all of ``values`` in input order (the common
+            # single-table collection): its keys are ``values``, normalized once, not per feature
+            every = whole or (spans[0][0] == 0 and spans[-1][1] == len(values) and all(
+                b == a for (_, b), (a, _) in zip(spans, spans[1:])))
+            if every and not self.namespaces and isinstance(values, (np.ndarray, torch.Tensor)):
                 flat = (normalize_keys(values, "int64") if isinstance(values, np.ndarray)
                         else _int_tensor(values))
                 return int_batch(flat, (len(flat),))

@@ -18,7 +18,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import embstore  # noqa: E402
-from embstore.errors import CorruptFileError  # noqa: E402
+from embstore.errors import CorruptFileError, InvalidInputError  # noqa: E402
 from embstore_tf import DynamicEmbedding, load_model  # noqa: E402
 
 DIM = 4
@@ -192,6 +192,12 @@ def test_rows_in_a_file_never_overwrite_a_persistent_store(memory_file, tmp_path
     with embstore.open(url, read_only=True) as s:
         after = {k: r.tobytes() for ks, rs in s.records() for k, r in zip(ks.tolist(), rs)}
     assert after == before
+
+
+def test_a_url_in_stores_never_replaces_a_memory_store_from_the_file(memory_file, tmp_path):
+    with pytest.raises(InvalidInputError, match="memory://"):
+        load_model(memory_file, stores={"emb": f"lmdb://{tmp_path}/x"})
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_valid_files_still_load(memory_file, tmp_path):

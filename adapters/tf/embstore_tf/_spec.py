@@ -28,6 +28,7 @@ import embstore
 from embstore.errors import (
     CorruptFileError,
     EmbstoreError,
+    InvalidInputError,
     SchemaMismatchError,
     StoreNotFoundError,
 )
@@ -184,6 +185,10 @@ def open_store(spec: Any, layer_name: str | None = None) -> Any:
     spec = _checked_spec(spec, layer_name)
     url, options = spec["url"], spec["options"]
     if not spec["persistent"]:
+        if given is not None:  # its rows are in the file: they fill only a memory:// copy
+            raise InvalidInputError(
+                f"stores= gives the URL {redact_url(given)!r} for layer {layer_name}, whose "
+                "memory:// store is rebuilt from the file; pass an open store instead")
         # rebuilt from the rows in the .keras file, as the loaded model's own copy
         try:
             return embstore.open(url, dim=spec["dim"], key_type=spec["key_type"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import zipfile
 
 import numpy as np
@@ -17,7 +18,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import embstore  # noqa: E402
-from embstore.errors import CorruptFileError  # noqa: E402
+from embstore.errors import CorruptFileError, InvalidInputError  # noqa: E402
 from embstore_tf import DynamicEmbedding, load_model  # noqa: E402
 
 DIM = 4
@@ -164,8 +165,12 @@ def test_a_file_never_creates_a_persistent_store(tmp_path, evil_dir):
     path = tmp_path / "moved.keras"
     _edit_config(src, path, _spec_edit(url=f"lmdb://{evil_dir}/new"))
     for writable in (False, True):
-        with pytest.raises(CorruptFileError, match="never creates") as err:
+        with pytest.raises(CorruptFileError, match="no store_dir") as err:
             load_model(path, writable=writable)
+        assert "\n" not in str(err.value)
+        # inside the store_dir the user allowed, the store is still only ever reopened
+        with pytest.raises(CorruptFileError, match="never creates") as err:
+            load_model(path, writable=writable, store_dir=tmp_path)
         assert "\n" not in str(err.value)
     assert not evil_dir.exists()
     # a store the user passes is used as is: nothing is created either
@@ -182,13 +187,118 @@ def test_rows_in_a_file_never_overwrite_a_persistent_store(memory_file, tmp_path
     path = tmp_path / "redirected.keras"
     _edit_config(memory_file, path, _spec_edit(url=url, persistent=True))
     with pytest.raises(CorruptFileError, match="persistent") as err:
-        load_model(path, writable=True)
+        load_model(path, writable=True, store_dir=tmp_path)
     assert "\n" not in str(err.value)
     with embstore.open(url, read_only=True) as s:
         after = {k: r.tobytes() for ks, rs in s.records() for k, r in zip(ks.tolist(), rs)}
     assert after == before
 
 
+def test_a_url_in_stores_never_replaces_a_memory_store_from_the_file(memory_file, tmp_path):
+    with pytest.raises(InvalidInputError, match="memory://"):
+        load_model(memory_file, stores={"emb": f"lmdb://{tmp_path}/x"})
+    assert not (tmp_path / "x").exists()
+
+
 def test_the_valid_files_still_load(memory_file, tmp_path):
     loaded = load_model(memory_file)
     assert len(loaded.get_layer("emb").store) == 3
+
+
+# -- a file cannot choose which persistent store a load opens ----------------------------------
+
+@pytest.fixture
+def lmdb_file(tmp_path):
+    """A model saved over an LMDB store in ``tmp_path/allowed/st``: (file, allowed dir)."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    with embstore.open(f"lmdb://{allowed}/st", dim=DIM, durable=False) as store:
+        path = _save(store, tmp_path / "lmdb.keras")
+    return path, allowed
+
+
+def _tree(path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def outside_store(tmp_path):
+    """A real LMDB store outside the allowed directory, with its files as they are."""
+    url = f"lmdb://{tmp_path}/outside/st"
+    with embstore.open(url, dim=DIM, durable=False) as s:
+        s.assign([5, 6], np.ones((2, DIM), np.float32))
+    return url, tmp_path / "outside" / "st"
+
+
+@pytest.mark.parametrize("writable", [False, True])
+def test_a_store_outside_store_dir_is_never_opened(lmdb_file, outside_store, tmp_path,
+                                                   writable):
+    src, allowed = lmdb_file
+    url, where = outside_store
+    (allowed / "link").symlink_to(tmp_path / "outside", target_is_directory=True)
+    before = _tree(where)
+    redirects = {
+        "outside": (url, "outside store_dir"),
+        "dotdot": (f"lmdb://{allowed}/../outside/st", "'..'"),
+        "symlink": (f"lmdb://{allowed}/link/st", "resolves to"),
+        "rocksdb_outside": (f"rocksdb://{tmp_path}/outside/st", "outside store_dir"),
+        "sqlite_outside": (f"sqlite:///{tmp_path}/outside/s.db?table=t", "outside store_dir"),
+        "sqlite_dotdot": (f"sqlite:///{allowed}/../outside/s.db", "'..'"),
+        "sqlite_uri": (f"sqlite:///{allowed}/s.db?uri=true", "only table="),
+        "relative_sqlite": ("sqlite:///outside/s.db", "outside store_dir"),
+    }
+    for name, (evil_url, words) in redirects.items():
+        path = tmp_path / f"{name}.keras"
+        _edit_config(src, path, _spec_edit(url=evil_url))
+        with pytest.raises(CorruptFileError) as err:
+            load_model(path, writable=writable, store_dir=allowed)
+        msg = str(err.value)
+        assert "\n" not in msg and words in msg and "stores=" in msg, (name, msg)
+    assert _tree(where) == before  # not opened: not even a lock file was touched
+    assert sorted(p.name for p in (tmp_path / "outside").iterdir()) == ["st"]
+    # the user's own say still works: the same URL passed in stores=
+    path = tmp_path / "outside.keras"
+    loaded = load_model(path, stores={url: url})
+    assert len(loaded.get_layer("emb").store) == 2
+    loaded.get_layer("emb").store.close()
+
+
+def test_a_network_store_named_by_a_file_is_refused_before_connecting(lmdb_file, tmp_path):
+    src, allowed = lmdb_file
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    try:
+        for name, evil_url in {
+            "postgres": f"postgresql+psycopg://evil@127.0.0.1:{port}/db?table=t",
+            "postgres_alias": f"postgres://127.0.0.1:{port}/db",
+            "bigtable": "bigtable://evil-project/instance/table",
+            "sharded": "sharded://?shard=lmdb%3A%2F%2F%2Ftmp%2Fx",
+            "memory_as_persistent": "memory://",
+            "custom_scheme": f"http://127.0.0.1:{port}/x",
+        }.items():
+            path = tmp_path / f"{name}.keras"
+            _edit_config(src, path, _spec_edit(url=evil_url))
+            for kwargs in ({}, {"store_dir": allowed}, {"store_dir": allowed,
+                                                         "writable": True}):
+                with pytest.raises(CorruptFileError) as err:
+                    load_model(path, **kwargs)
+                msg = str(err.value)
+                assert "\n" not in msg and "stores=" in msg and "store_dir=" in msg, msg
+                assert "evil@" in msg or "://" in msg
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # no load ever connected
+    finally:
+        listener.close()
+
+
+def test_store_dir_loads_the_saved_lmdb_model(lmdb_file):
+    src, allowed = lmdb_file
+    for writable in (False, True):
+        loaded = load_model(src, store_dir=allowed, writable=writable)
+        store = loaded.get_layer("emb").store
+        assert store.read_only is not writable and len(store) == 3
+        store.close()

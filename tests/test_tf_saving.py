@@ -15,12 +15,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
 
 import embstore  # noqa: E402
-from embstore.errors import InvalidInputError  # noqa: E402
+from embstore.errors import CorruptFileError, InvalidInputError  # noqa: E402
 from embstore_tf import (  # noqa: E402
     DynamicEmbedding,
     StaticEmbedding,
     export_serving,
     load_model,
+    loading_stores,
     serving_model,
 )
 
@@ -72,7 +73,8 @@ def test_persistent_store_reopens_read_only_unless_asked(tmp_path):
     assert cfg["url"] == url and cfg["persistent"] and cfg["options"]["durable"] is False
     store.close()
 
-    served = keras.models.load_model(tmp_path / "m.keras")
+    with loading_stores(store_dir=tmp_path):  # Keras' own loader, stores under tmp_path allowed
+        served = keras.models.load_model(tmp_path / "m.keras")
     layer = served.get_layer("emb")
     assert layer.store.read_only and not layer.trainable and layer.trainable_weights == []
     np.testing.assert_allclose(served.predict(X, verbose=0), want, rtol=1e-6)
@@ -80,7 +82,7 @@ def test_persistent_store_reopens_read_only_unless_asked(tmp_path):
     assert not layer.store.contains([100])[0]
     layer.store.close()
 
-    trainer = load_model(tmp_path / "m.keras", writable=True)
+    trainer = load_model(tmp_path / "m.keras", writable=True, store_dir=tmp_path)
     layer = trainer.get_layer("emb")
     assert not layer.store.read_only and layer.trainable
     before = layer.store.lookup([1], insert=False)
@@ -99,6 +101,22 @@ def test_load_model_reuses_an_open_store(tmp_path):
     again = load_model(tmp_path / "m.keras", stores={url: store})
     assert again.get_layer("emb").store is store
     store.close()
+    # a URL in stores= is the user's: opened (read-only) without a store_dir
+    other = load_model(tmp_path / "m.keras", stores={url: url}).get_layer("emb").store
+    assert other.url == url and other.read_only and len(other) == 7
+    other.close()
+
+
+def test_a_persistent_store_needs_the_users_permission(tmp_path):
+    url = f"lmdb://{tmp_path}/st"
+    with embstore.open(url, dim=DIM, durable=False) as store:
+        _model(store).save(tmp_path / "m.keras")
+    with pytest.raises(CorruptFileError, match="no store_dir was given"):
+        load_model(tmp_path / "m.keras")  # neither stores= nor store_dir=
+    with pytest.raises(ValueError, match="store_dir"):  # Keras wraps it in its own error
+        keras.models.load_model(tmp_path / "m.keras")
+    with pytest.raises(InvalidInputError, match="not an existing directory"):
+        load_model(tmp_path / "m.keras", store_dir=tmp_path / "nope")
 
 
 def test_unknown_keys_and_jit_compile_of_the_snapshot(tmp_path):
@@ -211,7 +229,7 @@ def test_shared_and_separate_stores_after_loading(tmp_path):
     model.save(tmp_path / "m.keras")
     shared.close()
     mine = embstore.open("memory://", dim=DIM, seed=9)
-    loaded = load_model(tmp_path / "m.keras", stores={"i": items, "u": mine})
+    loaded = load_model(tmp_path / "m.keras", stores={"i": items, "u": mine}, store_dir=tmp_path)
     q, d = loaded.get_layer("q").store, loaded.get_layer("d").store
     assert q is d and q.read_only  # one handle for the layers that shared a store
     assert loaded.get_layer("i").store is items

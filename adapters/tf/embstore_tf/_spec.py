@@ -5,9 +5,12 @@ before anything is opened (see ``docs/adapters.md``, "Hostile .keras files"):
 
 - a ``memory://`` store (rebuilt from the rows in the file) must say ``memory://``: a file
   cannot make a load create a store anywhere else;
+- a file cannot choose which persistent store a load opens: only a store or URL the user
+  passes (``stores=``), or a file-based store inside the ``store_dir`` the user passes
+  (:mod:`._location`); any other URL is refused before a connection is made;
 - a persistent store is reopened, never created: the load first opens the URL read-only,
   which fails with ``CorruptFileError`` when no store is there, and only then (with
-  ``writable=True``) reopens it writable. A store the user passes (``stores=``) is used as is;
+  ``writable=True``) reopens it writable;
 - sizes and capacities the file gives are bounded (``dim``, reopen options), options that
   name other locations (``cache=``, ``shards=``) are refused, and every other malformed value
   raises :class:`~embstore.errors.CorruptFileError` in one line.
@@ -18,22 +21,40 @@ from __future__ import annotations
 import contextvars
 import json
 from collections.abc import Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import embstore
 from embstore.errors import (
     CorruptFileError,
     EmbstoreError,
+    InvalidInputError,
     SchemaMismatchError,
     StoreNotFoundError,
 )
+from embstore.urls import redact_url
 
-__all__ = ["LOADING", "open_store", "store_spec"]
+from ._location import check_store_location
 
-#: (writable, {layer name or url: store}, {url: store opened by this load}) for layers
-#: being rebuilt inside ``loading_stores`` / ``load_model``
-LOADING: contextvars.ContextVar[tuple[bool, Mapping[str, Any], dict[str, Any] | None]] = (
-    contextvars.ContextVar("embstore_tf_loading", default=(False, {}, None)))
+__all__ = ["LOADING", "LoadRules", "open_store", "store_spec"]
+
+
+class LoadRules(NamedTuple):
+    """What the user allowed the layers being rebuilt by ``loading_stores`` / ``load_model``."""
+
+    #: reopen persistent stores writable
+    writable: bool = False
+    #: {layer name or URL: open store, or a URL the user chose to open}
+    stores: Mapping[str, Any] = MappingProxyType({})
+    #: {url: store opened by this load} (layers that shared a store share it again)
+    opened: dict[str, Any] | None = None
+    #: real path of the directory whose file-based stores a file may name (None: none)
+    store_dir: str | None = None
+
+
+#: the rules of the ``loading_stores`` block being run (None outside one: nothing allowed)
+LOADING: contextvars.ContextVar[LoadRules | None] = contextvars.ContextVar(
+    "embstore_tf_loading", default=None)
 
 #: largest ``dim`` a file may ask for (as the native format's reader)
 MAX_DIM = 1 << 20
@@ -148,16 +169,26 @@ def open_store(spec: Any, layer_name: str | None = None) -> Any:
     Raises
     ------
     CorruptFileError
-        The entry is malformed, out of bounds, or names a persistent store that does not exist.
+        The entry is malformed, out of bounds, names a persistent store the user did not
+        allow (``stores=`` / ``store_dir=``), or one that does not exist.
     """
-    writable, stores, opened = LOADING.get()
+    rules = LOADING.get() or LoadRules()
     url = spec.get("url") if isinstance(spec, dict) else None
+    given: str | None = None  # a URL the user passed for this layer: opened as its own
     for name in (layer_name, url):
-        if isinstance(name, str) and name in stores:
-            return stores[name]
+        if isinstance(name, str) and name in rules.stores:
+            chosen = rules.stores[name]
+            if not isinstance(chosen, str):
+                return chosen
+            given = chosen
+            break
     spec = _checked_spec(spec, layer_name)
     url, options = spec["url"], spec["options"]
     if not spec["persistent"]:
+        if given is not None:  # its rows are in the file: they fill only a memory:// copy
+            raise InvalidInputError(
+                f"stores= gives the URL {redact_url(given)!r} for layer {layer_name}, whose "
+                "memory:// store is rebuilt from the file; pass an open store instead")
         # rebuilt from the rows in the .keras file, as the loaded model's own copy
         try:
             return embstore.open(url, dim=spec["dim"], key_type=spec["key_type"],
@@ -165,22 +196,26 @@ def open_store(spec: Any, layer_name: str | None = None) -> Any:
                                  seed=spec["seed"], **options)
         except EmbstoreError as e:
             raise _bad(layer_name, f"cannot rebuild its memory:// store: {e}") from e
-    if opened is not None and url in opened:  # layers that shared a store share it again
-        return opened[url]
+    if given is not None:
+        url = given
+    else:  # the file's own URL: only where the user allowed it, before any connection
+        check_store_location(url, rules.store_dir, layer_name)
+    if rules.opened is not None and url in rules.opened:  # shared stores are shared again
+        return rules.opened[url]
     checks = {k: spec[k] for k in ("dim", "key_type") if k in spec}
     try:
         # read-only first: it never creates anything, so a missing store is an error
         store = embstore.open(url, read_only=True, **checks, **options)
-        if writable:
+        if rules.writable:
             store.close()
             store = embstore.open(url, read_only=False, **checks, **options)
     except StoreNotFoundError as e:
-        raise _bad(layer_name, f"no store at {url} ({e}); a load reopens stores, it never "
-                               "creates one (pass stores={...} to use another)") from e
+        raise _bad(layer_name, f"no store at {redact_url(url)} ({e}); a load reopens stores, "
+                               "it never creates one (pass stores={...} to use another)") from e
     except SchemaMismatchError:
         raise
     except EmbstoreError as e:
-        raise _bad(layer_name, f"cannot reopen {url}: {e}") from e
-    if opened is not None:
-        opened[url] = store
+        raise _bad(layer_name, f"cannot reopen {redact_url(url)}: {e}") from e
+    if rules.opened is not None:
+        rules.opened[url] = store
     return store

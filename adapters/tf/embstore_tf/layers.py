@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
+import os
 import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -16,7 +17,8 @@ from embstore.errors import CorruptFileError, EmbstoreError, InvalidInputError, 
 from embstore.io.limits import check_inflation
 
 from ._checkpoint import RowsCheckpoint, replace_rows
-from ._spec import LOADING, open_store, store_spec
+from ._location import check_store_dir
+from ._spec import LOADING, LoadRules, open_store, store_spec
 from .ops import flat_rows, key_tensor, pad_value
 
 try:  # Keras 3 ships with TF >= 2.16; tf.keras is the same object there
@@ -88,9 +90,11 @@ class DynamicEmbedding(keras.layers.Layer):
     options and its configuration (dim, key type, optimizer, initializer, seed). A persistent
     store's rows stay in the store; a ``memory://`` store's rows (whole records, in the
     native format) are written into the ``.keras`` file, and ``load_weights`` puts them back,
-    replacing the rows the store holds. ``keras.models.load_model`` (after
-    ``import embstore_tf``) reopens a persistent store **read-only**; use :func:`load_model`
-    with ``writable=True`` to train on, or ``stores={url: store}`` to reuse an open store.
+    replacing the rows the store holds. A load opens a persistent store only where the user
+    allows it: :func:`load_model` with ``store_dir=`` (file-based stores under that
+    directory) or ``stores={url: store or url}``; it reopens it **read-only** unless
+    ``writable=True``. ``keras.models.load_model`` does the same inside
+    :func:`loading_stores`.
 
     The store is called through ``tf.numpy_function``, so the layer runs eagerly and in
     ``tf.function`` but not under XLA (``supports_jit = False``); for serving, see
@@ -236,8 +240,9 @@ class DynamicEmbedding(keras.layers.Layer):
 
 
 @contextlib.contextmanager
-def loading_stores(*, writable: bool = False,
-                   stores: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+def loading_stores(*, writable: bool = False, stores: Mapping[str, Any] | None = None,
+                   store_dir: str | os.PathLike[str] | None = None,
+                   ) -> Iterator[dict[str, Any]]:
     """Within the block, layers rebuilt from a config open their stores this way.
 
     Parameters
@@ -245,15 +250,27 @@ def loading_stores(*, writable: bool = False,
     writable : bool
         Reopen persistent stores writable (the loaded layers train them). Default: read-only.
         A store is only ever reopened: one that does not exist is an error, never created.
-    stores : mapping of layer name or URL -> EmbeddingStore, optional
-        Open stores to use instead of opening the URL again (no second handle). A layer
-        name wins over a URL (several ``memory://`` stores share one URL).
+    stores : mapping of layer name or URL -> EmbeddingStore or URL, optional
+        An open store is used as is (no second handle); a URL string is opened instead of
+        the one in the file (``{url: url}`` allows the file's own). A layer name wins over a
+        URL (several ``memory://`` stores share one URL).
+    store_dir : str or path, optional
+        A directory whose file-based stores (``lmdb://``, ``rocksdb://``, ``sqlite:///``)
+        the file may name: a URL whose path, symlinks resolved, lies inside it is opened.
+        Any other persistent URL in the file, not in ``stores``, raises ``CorruptFileError``.
 
     Yields the ``{url: store}`` this block opened. Layers that shared a persistent store
     share one reopened handle.
+
+    Raises
+    ------
+    InvalidInputError
+        ``store_dir`` is not an existing directory.
     """
     opened: dict[str, Any] = {}
-    token = LOADING.set((bool(writable), dict(stores or {}), opened))
+    rules = LoadRules(writable=bool(writable), stores=dict(stores or {}), opened=opened,
+                      store_dir=check_store_dir(store_dir))
+    token = LOADING.set(rules)
     try:
         yield opened
     finally:
@@ -273,11 +290,11 @@ def _check_archive(path: Any) -> None:
 
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
+    return text[0][:600] if text else type(e).__name__
 
 
 def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] | None = None,
-               **kwargs: Any) -> Any:
+               store_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
     """``keras.models.load_model`` with a say over the stores of :class:`DynamicEmbedding`.
 
     Parameters
@@ -288,23 +305,33 @@ def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] |
         Reopen persistent stores writable, so the loaded model trains the same store
         (default False: read-only, the layers are not trainable). Stores are reopened,
         never created: a file naming a store that does not exist fails.
-    stores : mapping of layer name or URL -> EmbeddingStore, optional
-        Stores already open in this process, used as they are (a layer name wins over a
-        URL).
+    stores : mapping of layer name or URL -> EmbeddingStore or URL, optional
+        Stores already open in this process, used as they are, or URLs to open instead of
+        the file's (a layer name wins over a URL). ``{url: url}`` allows the file's URL,
+        the way to reopen a network store (PostgreSQL, Bigtable) a model was saved over.
+    store_dir : str or path, optional
+        The directory holding the file-based stores (``lmdb://``, ``rocksdb://``,
+        ``sqlite:///``) the file may name: their paths, symlinks resolved and with no
+        ``..``, must lie inside it.
     **kwargs
         Passed to ``keras.models.load_model``.
 
     Raises
     ------
     CorruptFileError
-        The file is damaged or hostile (bad archive, config, store entry or rows), in one
-        line; stores opened by the load are closed again and no store was written.
+        The file is damaged or hostile (bad archive, config, store entry or rows), or names
+        a persistent store neither ``stores`` nor ``store_dir`` allows (refused before any
+        connection), in one line; stores opened by the load are closed again and no store
+        was written.
+    InvalidInputError
+        ``store_dir`` is not an existing directory.
     """
+    store_dir = check_store_dir(store_dir)  # a bad directory: the user's error, not the file's
     if str(path).endswith(".keras"):
         _check_archive(path)
     errors: list[BaseException] = []
     token = _LOAD_ERRORS.set(errors)
-    with loading_stores(writable=writable, stores=stores) as opened:
+    with loading_stores(writable=writable, stores=stores, store_dir=store_dir) as opened:
         try:
             return keras.models.load_model(path, **kwargs)
         except Exception as e:

@@ -14,6 +14,7 @@ import pytest
 
 import embstore
 from embstore.backends.bigtable import restore
+from embstore.backends.bigtable.restore import BigtableRestore
 from embstore.errors import BackendError
 
 
@@ -57,7 +58,7 @@ def _old_and_new(url: str, key_type: str = "int64", **opts):
 
 def _stage_exists(url: str) -> bool:
     with embstore.open(url, read_only=True) as s:
-        return restore._stage_exists(s.backend)
+        return s.backend.staging_exists()
 
 
 @pytest.mark.parametrize("key_type", ["int64", "bytes"])
@@ -75,8 +76,8 @@ def test_a_restore_replaces_the_table_and_leaves_no_staging_table(bigtable_url_f
 
 
 def _fail_on_call(monkeypatch, name: str, call: int = 1) -> None:
-    """Make ``restore.<name>`` raise ``Crash`` on its ``call``-th call."""
-    real = getattr(restore, name)
+    """Make the restore step ``name`` raise ``Crash`` on its ``call``-th call."""
+    real = getattr(BigtableRestore, name)
     calls = [0]
 
     def failing(*args, **kwargs):
@@ -85,7 +86,7 @@ def _fail_on_call(monkeypatch, name: str, call: int = 1) -> None:
             raise Crash(f"crash in {name}")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(restore, name, failing)
+    monkeypatch.setattr(BigtableRestore, name, failing)
 
 
 # (step that fails, which call of it, the table a writer open must show afterwards)
@@ -93,10 +94,10 @@ PHASES = [
     ("stage_rows", 1, "old"),       # before anything was staged
     ("set_marker", 1, "old"),       # staged, not committed
     ("copy_rows", 1, "new"),        # committed, nothing copied
-    ("_send_rows", 2, "new"),       # half the staged rows copied
+    ("send_rows", 2, "new"),        # half the staged rows copied
     ("delete_stale", 1, "new"),     # every row copied, stale rows still there
     ("write_new_meta", 1, "new"),   # rows exactly new, old metadata + marker
-    ("drop_stage", 2, "new"),       # all done but the staging table is left
+    ("drop_staging", 2, "new"),     # all done but the staging table is left
 ]
 
 
@@ -104,14 +105,14 @@ PHASES = [
 def test_a_crash_at_each_step_leaves_the_old_or_the_new_table(bigtable_url_factory, monkeypatch,
                                                               step, call, expect):
     url = bigtable_url_factory()
-    # write_batch=8, inflight=1: the copy sends 5 requests, so "_send_rows" fails mid-way
+    # write_batch=8, inflight=1: the copy sends 5 requests, so "send_rows" fails mid-way
     s, snap, old, new = _old_and_new(url, write_batch=8, inflight=1)
     _fail_on_call(monkeypatch, step, call)
     with pytest.raises((Crash, BackendError)):
         s.import_(snap, replace=True)
     monkeypatch.undo()
     s.backend.close()  # the process dies: no orderly close of the store
-    if expect == "new" and step != "drop_stage":
+    if expect == "new" and step != "drop_staging":
         with pytest.raises(BackendError, match="restore .* interrupted"):
             embstore.open(url, read_only=True)  # a reader cannot see the mix
     with embstore.open(url) as again:  # the writer open recovers
@@ -139,8 +140,8 @@ def test_a_staging_table_without_marker_is_dropped_on_a_writer_open(bigtable_url
     url = bigtable_url_factory()
     s, snap, old, new = _old_and_new(url)
     # a staging table as a crash during step 1 leaves it: rows, no marker in the live table
-    restore.stage_rows(s.backend, iter([(np.arange(100, 103), s.get_records(
-        np.arange(20, 23))[0])]), s.meta)
+    s.backend.stage_rows(iter([(np.arange(100, 103), s.get_records(np.arange(20, 23))[0])]),
+                         s.meta)
     s.close()
     assert _stage_exists(url)
     with embstore.open(url, read_only=True) as reader:  # nothing pending: a reader may open

@@ -34,7 +34,7 @@ from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
 from . import cas, restore, wire
-from .connection import BigtableConnection
+from .restore import BigtableRestore
 
 try:
     from google.cloud.bigtable_v2.types import bigtable as _pb
@@ -48,7 +48,7 @@ _MutateRowsResponse = _pb.MutateRowsResponse.pb()
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
-class BigtableBackend(BigtableConnection, Backend):
+class BigtableBackend(BigtableRestore, Backend):
     """Row store in a Bigtable table; persistent, scan in key order.
 
     Options
@@ -154,9 +154,9 @@ class BigtableBackend(BigtableConnection, Backend):
             self._ensure_table(initial=True)
             # A restore interrupted by a crash: finished or undone here (see .restore).
             if read_only:
-                restore.refuse_pending(self)
+                self.refuse_pending_restore()
             else:
-                restore.recover(self)
+                self.recover_restore()
         except BaseException:
             self.close()
             raise
@@ -437,7 +437,7 @@ class BigtableBackend(BigtableConnection, Backend):
         row, then copied over the live table; finished on the next writer open after a crash
         (see :mod:`.restore`)."""
         self._check_writable()
-        return restore.replace(self, batches, meta)
+        return self.replace_via_staging(batches, meta)
 
     def _write_meta_row(self, meta: dict) -> None:
         ts = self._next_ts()

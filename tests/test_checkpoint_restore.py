@@ -24,7 +24,7 @@ from tests import hostile as h
 
 BACKENDS = ("memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable")
 ATOMIC = {"memory": "staging-table", "lmdb": "transaction", "rocksdb": "staging-directory",
-          "sqlite": "transaction", "postgres": "transaction"}
+          "sqlite": "transaction", "postgres": "transaction", "bigtable": "staging-table"}
 
 
 def _keys(kind: str, lo: int, hi: int):

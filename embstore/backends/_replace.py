@@ -11,8 +11,10 @@ snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL duri
   behind (a half-built new table, or the old one after the exchange) is removed when the store
   is next opened for writing.
 - memory://: the new table is built aside and installed in one step under the table's lock.
-- others (Bigtable, layers over several backends): the new rows are written before the stale
-  ones are deleted: no row is ever lost, but a crash part-way leaves a mix.
+- Bigtable: a staging table, a commit marker in the metadata row and roll-forward recovery on
+  the next writer open (``bigtable/restore.py``).
+- others (layers over several backends): the new rows are written before the stale ones are
+  deleted: no row is ever lost, but a crash part-way leaves a mix.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Two passes over the snapshot:
 2. **Swap.** The backend's :meth:`~embstore.backends.base.Backend.replace_rows` writes the rows
    and the new metadata so that a failure or a SIGKILL at any moment leaves the old table or
    the new one: one write transaction (LMDB, SQLite, PostgreSQL), a staging directory
-   exchanged with the live one (RocksDB), a staging table installed in one step (memory://).
-   Backends without either (Bigtable, layers over several backends) write the new rows before
+   exchanged with the live one (RocksDB), a staging table installed in one step (memory://)
+   or committed by a marker and rolled forward (Bigtable).
+   Backends without either (layers over several backends) write the new rows before
    deleting the stale ones: never a lost row, but a crash can leave a mix (``replace_mechanism``
    says which a backend uses).
 """

@@ -34,8 +34,8 @@ from ...errors import BackendError, BackendUnavailableError, InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
-from . import cas, wire
-from .connection import BigtableConnection
+from . import cas, restore, wire
+from .restore import BigtableRestore
 
 try:
     from google.cloud.bigtable_v2.types import bigtable as _pb
@@ -49,7 +49,7 @@ _MutateRowsResponse = _pb.MutateRowsResponse.pb()
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
-class BigtableBackend(BigtableConnection, Backend):
+class BigtableBackend(BigtableRestore, Backend):
     """Row store in a Bigtable table; persistent, scan in key order.
 
     Options
@@ -135,6 +135,7 @@ class BigtableBackend(BigtableConnection, Backend):
         self._filter = wire.latest_cell_filter(self.column_family)
         self._keys_filter = wire.latest_cell_filter(self.column_family, strip_value=True)
         self._meta_cache: dict | None = None
+        self._restore_pending: str | None = None  # staging table of a committed restore
         self._ts_lock = threading.Lock()
         self._table_lock = threading.RLock()
         self._last_ts = 0
@@ -158,6 +159,11 @@ class BigtableBackend(BigtableConnection, Backend):
         self._admin = None
         try:
             self._ensure_table(initial=True)
+            # A restore interrupted by a crash: finished or undone here (see .restore).
+            if read_only:
+                self.refuse_pending_restore()
+            else:
+                self.recover_restore()
         except BaseException:
             self.close()
             raise
@@ -430,9 +436,22 @@ class BigtableBackend(BigtableConnection, Backend):
         self._check_writable()
         return cas.cas_modify_meta(self, fn)
 
+    replace_mechanism = "staging-table"
+
+    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
+                     rows: int | None = None) -> int:
+        """The new rows staged in ``<table>__restore``, committed by a marker in the metadata
+        row, then copied over the live table; finished on the next writer open after a crash
+        (see :mod:`.restore`)."""
+        self._check_writable()
+        return self.replace_via_staging(batches, meta)
+
     def _write_meta_row(self, meta: dict) -> None:
         ts = self._next_ts()
-        doc = json.dumps({"meta": meta, "ts_high": ts}).encode()
+        fields: dict[str, Any] = {"meta": meta, "ts_high": ts}
+        if self._restore_pending:
+            fields[restore.MARKER] = self._restore_pending
+        doc = json.dumps(fields).encode()
         value = np.frombuffer(doc, np.uint8).reshape(1, -1)
         deadline = time.monotonic() + self.retry_deadline
         self._mutate("write_meta", lambda sel: wire.mutate_rows_generic(

@@ -199,7 +199,25 @@ def cas_insert(b: Any, keys: np.ndarray, records: np.ndarray) -> np.ndarray:
 
 
 def cas_modify_meta(b: Any, fn) -> dict:
-    """``Backend.modify_meta``: compare-and-set of the metadata row, retried."""
+    """``Backend.modify_meta``: compare-and-set of the metadata row, retried. Other fields of
+    the row's document (a pending restore's marker, see :mod:`.restore`) are kept."""
+    def on_doc(doc: dict | None) -> dict:
+        stored = doc.get("meta", doc) if isinstance(doc, dict) else doc
+        meta = fn(stored)
+        new = {k: v for k, v in doc.items() if k not in ("meta", "ts_high")} if (
+            isinstance(doc, dict) and "meta" in doc) else {}
+        new["meta"] = meta
+        return new
+
+    meta = cas_modify_meta_doc(b, on_doc)["meta"]
+    b._meta_cache = dict(meta)
+    return meta
+
+
+def cas_modify_meta_doc(b: Any, fn) -> dict:
+    """Replace the metadata row's JSON document ``doc`` by ``fn(doc)`` (``None`` when the row
+    is missing) by compare-and-set, retried on conflict; ``ts_high`` is added. Return the
+    document written."""
     deadline = time.monotonic() + b.retry_deadline
     delay = 0.002
     fam, fam_b = b.column_family, b._family_b
@@ -209,15 +227,11 @@ def cas_modify_meta(b: Any, fn) -> dict:
         _, vals = b._read_request(req, "read_meta", time.monotonic() + b.retry_deadline)
         old = vals[0] if vals else b""
         if written is not None and old == written[0]:  # landed, though its answer was lost
-            b._meta_cache = dict(written[1])
             return written[1]
-        stored = None
-        if old:
-            doc = json.loads(old.decode())
-            stored = doc.get("meta", doc) if isinstance(doc, dict) else doc
-        meta = fn(stored)
+        new = dict(fn(json.loads(old.decode()) if old else None))
         ts = b._next_ts()
-        doc = json.dumps({"meta": meta, "ts_high": ts}).encode()
+        new["ts_high"] = ts
+        doc = json.dumps(new).encode()
         if old:
             req = wire.check_and_mutate(b._cam_head, wire.META_ROW,
                                         wire.value_equals_filter(fam, old),
@@ -227,9 +241,8 @@ def cas_modify_meta(b: Any, fn) -> dict:
             req = wire.check_and_mutate(b._cam_head, wire.META_ROW, b._filter, [],
                                         [wire.set_cell(fam_b, ts, doc)])
         if len(_cas_rows(b, [(0, req, bool(old))])):
-            b._meta_cache = dict(meta)
-            return meta
-        written = (doc, meta)
+            return new
+        written = (doc, new)
         if time.monotonic() > deadline:
             raise BackendError(f"{b.url}: Bigtable metadata update kept conflicting with "
                                f"other writers for {b.retry_deadline:g} s")

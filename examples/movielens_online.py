@@ -262,6 +262,9 @@ def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool):
     ftrl = {"initializer": "zeros"}
     out = [
         ("dynamic (no vocabulary)", "DE: table grows, no dictionary", st()),
+        ("dynamic bf16 + row-wise Adagrad + compact", "colossal tables: compact rows, same AUC",
+         st(value_dtype="bfloat16", metadata="compact",
+            optimizer=Adagrad(lr=LR_EMB, rowwise=True))),
         ("+ FrequencyCutoff(2)", "DE/Monolith: frequency admission",
          st(admission=FrequencyCutoff(2, expected_keys=len(all_keys)))),
         ("+ TTL 30 days (event time)", "Monolith: expiry",

@@ -69,3 +69,19 @@ def _drop_tables(dsn: str, prefix: str) -> None:
                 conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
     except Exception:  # noqa: BLE001 - cleanup must not fail a test that passed
         pass
+
+
+@pytest.fixture
+def private_postgres():
+    """A PostgreSQL server of the test's own (stopped, restarted or killed by the test)."""
+    from embstore.testing.postgres import find_pg_bin, start_postgres
+
+    try:
+        find_pg_bin()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    pg = start_postgres(settings={"fsync": "off"})
+    try:
+        yield pg
+    finally:
+        pg.stop()

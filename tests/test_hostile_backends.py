@@ -319,21 +319,6 @@ def test_cached_bigtable_write_behind_recovers_without_flush(bigtable_private_em
 
 
 # -- 9: PostgreSQL that never answers, restarts, or is gone at close ------------------------------
-@pytest.fixture
-def private_postgres():
-    from embstore.testing.postgres import find_pg_bin, start_postgres
-
-    try:
-        find_pg_bin()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    pg = start_postgres(settings={"fsync": "off"})
-    try:
-        yield pg
-    finally:
-        pg.stop()
-
-
 def test_postgres_open_against_a_silent_server_times_out(monkeypatch):
     import socket
     import threading

@@ -16,21 +16,6 @@ from embstore.errors import BackendError
 DIM = 8
 
 
-@pytest.fixture
-def private_postgres():
-    from embstore.testing.postgres import find_pg_bin, start_postgres
-
-    try:
-        find_pg_bin()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    pg = start_postgres(settings={"fsync": "off"})
-    try:
-        yield pg
-    finally:
-        pg.stop()
-
-
 def test_write_during_an_outage_raises_and_the_store_reconnects_after(private_postgres):
     pg = private_postgres
     keys = np.arange(100, dtype=np.int64)

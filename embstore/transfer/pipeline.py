@@ -73,7 +73,7 @@ def _project(vectors: np.ndarray, kind: str | None, dst_dim: int,
     return out
 
 
-def _finite_rows(vectors: np.ndarray) -> np.ndarray:
+def finite_rows(vectors: np.ndarray) -> np.ndarray:
     """Rows without NaN/inf. A chunk is first checked whole; otherwise a row sum is non-finite
     whenever a value is (and, rarely, on overflow), so only rows with a non-finite sum are
     checked value by value."""
@@ -92,7 +92,7 @@ def clean_chunk(chunk: Chunk, reader: FormatReader, key_type: str) -> tuple[Chun
     """Apply the row-level checks that depend on the target store; drop and describe bad rows."""
     bad = [describe_row(reader, r, why) for r, why in chunk.bad]
     n = len(chunk.keys)
-    good = _finite_rows(chunk.vectors) if n else np.ones(0, dtype=bool)
+    good = finite_rows(chunk.vectors) if n else np.ones(0, dtype=bool)
     reasons = {}
     for i in np.flatnonzero(~good).tolist():
         reasons[i] = "NaN or infinite value"

@@ -32,6 +32,7 @@ from ..io.base import FormatReader
 from ..io.formats import NativeFormatReader
 from ..io.limits import MAX_STAMP
 from ..layout import Layout
+from .pipeline import finite_rows
 from .validate import ImportChecks
 
 if TYPE_CHECKING:
@@ -46,15 +47,6 @@ def _brief(layout: Layout | None) -> str:
     meta = "compact" if layout.is_compact else "full"
     return (f"dim {layout.dim}, slots {slots}, {layout.value_dtype} vectors, "
             f"{layout.slot_dtype} slots, {meta} metadata")
-
-
-def _finite(vectors: np.ndarray) -> np.ndarray:
-    with np.errstate(all="ignore"):
-        good = np.isfinite(vectors.sum(axis=1, dtype=np.float32))
-    if not good.all():
-        idx = np.flatnonzero(~good)
-        good[idx] = np.isfinite(vectors[idx]).all(axis=1)
-    return good
 
 
 def check_snapshot(store: EmbeddingStore, reader: FormatReader) -> tuple[int, int]:
@@ -91,7 +83,7 @@ def check_snapshot(store: EmbeddingStore, reader: FormatReader) -> tuple[int, in
         n = len(chunk.keys)
         if n == 0:
             continue
-        good = _finite(chunk.vectors)
+        good = finite_rows(chunk.vectors)
         if not good.all():
             i = int(np.flatnonzero(~good)[0])
             raise CorruptFileError(f"{name}: row {int(chunk.rows[i]) + 1}: NaN or infinite "

@@ -30,7 +30,7 @@ from urllib.parse import urlencode
 
 import numpy as np
 
-from ...errors import BackendError, BackendUnavailableError, InvalidInputError
+from ...errors import BackendUnavailableError, InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
@@ -411,15 +411,9 @@ class BigtableBackend(BigtableRestore, Backend):
 
     # -- metadata ---------------------------------------------------------------------------------
     def read_meta(self) -> dict | None:
-        deadline = time.monotonic() + self.retry_deadline
-        req = wire.read_rows_keys(self._read_head, [wire.META_ROW], self._filter)
-        _, vals = self._read_request(req, "read_meta", deadline)
-        if not vals:
+        doc = self.read_meta_doc()
+        if doc is None:
             return None
-        try:
-            doc = json.loads(vals[0].decode())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise BackendError(f"{self.url}: the metadata row is not embstore JSON") from e
         meta = doc.get("meta", doc) if isinstance(doc, dict) else doc
         if isinstance(doc, dict):
             with self._ts_lock:  # never write below a timestamp already used

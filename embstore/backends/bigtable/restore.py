@@ -143,16 +143,21 @@ class BigtableRestore(BigtableConnection):
             raise BackendError(f"{self.url}: could not drop the restore's staging table "
                                f"{staging_table_id(self.table_id)}: {e}") from e
 
-    def restore_marker(self) -> str | None:
-        """The staging table named by the live metadata row's restore marker, if any."""
+    def read_meta_doc(self) -> Any:
+        """The metadata row's JSON document as stored (None: no row)."""
+        deadline = time.monotonic() + self.retry_deadline
         req = wire.read_rows_keys(self._read_head, [wire.META_ROW], self._filter)
-        _, vals = self._read_request(req, "read_meta", time.monotonic() + self.retry_deadline)
+        _, vals = self._read_request(req, "read_meta", deadline)
         if not vals:
             return None
         try:
-            doc = json.loads(vals[0].decode())
+            return json.loads(vals[0].decode())
         except (UnicodeDecodeError, ValueError) as e:
             raise BackendError(f"{self.url}: the metadata row is not embstore JSON") from e
+
+    def restore_marker(self) -> str | None:
+        """The staging table named by the live metadata row's restore marker, if any."""
+        doc = self.read_meta_doc()
         marker = doc.get(MARKER) if isinstance(doc, dict) else None
         return str(marker) if marker is not None else None
 

@@ -374,4 +374,7 @@ def prefetch(items: Iterator[Any] | Any, depth: int = 1, name: str = "embstore-p
             yield item
     finally:
         stop.set()
-        worker.join()
+        # Bounded: an asynchronous exception (Ctrl-C, a signal handler's exception) raised
+        # while this thread held the queue's internal lock leaves that lock held, and the
+        # producer then waits on it forever; it is a daemon thread, so it is left behind.
+        worker.join(timeout=5.0)

@@ -48,6 +48,9 @@ MAX_CHUNK_BYTES = 64 << 20
 _CHUNK = struct.Struct("<4sIQI")
 _TRAILER = struct.Struct("<4sQI")
 
+#: below this many bytes of chunks a file is read and checked on the caller's thread alone
+_READ_AHEAD_MIN_BYTES = 4 << 20
+
 
 def _open_out(dest: str | os.PathLike | BinaryIO) -> tuple[BinaryIO, str | None, str | None]:
     if isinstance(dest, (str, os.PathLike)):
@@ -292,7 +295,9 @@ class NativeReader:
         # reuse: the caller is done with a chunk before asking for the next, so two buffers
         # alternate (one being read ahead while the caller holds the other)
         spares = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)] if reuse else None
-        if self._size is None:  # a stream: read in line, it may not be safe to use elsewhere
+        # A stream is read in line (it may not be safe to use elsewhere), and so is a small
+        # file: a checking thread per import costs more than it saves below a few chunks.
+        if self._size is None or self._size < _READ_AHEAD_MIN_BYTES:
             while (got := self._checked(self._next_chunk(state, spares, 0))) is not None:
                 yield self._decode(*got) if decode else got[1]
             return

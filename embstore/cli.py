@@ -33,8 +33,7 @@ from .transfer import (
     verify_file,
     verify_store,
 )
-from .transfer.own_storage import storage_of
-from .transfer.validate import local_store_paths
+from .transfer.own_storage import refuse_copy_onto_urls
 from .urls import redact_text
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -237,7 +236,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
             f"refusing to copy to {args.dst}: a memory:// store lives in this process and is "
             "thrown away when the command exits; copy to a persistent store (lmdb://, ...)")
     with _open_ro(args.src, _options(args.src_option) or opts) as src:
-        _refuse_copy_onto(src, shard_urls(args.dst, args.shards) if args.shards else [args.dst])
+        refuse_copy_onto_urls(src, shard_urls(args.dst, args.shards) if args.shards else [args.dst])
         dst_url = args.dst
         layer: dict[str, Any] = {}
         if args.shards:
@@ -257,17 +256,6 @@ def cmd_copy(args: argparse.Namespace) -> int:
             url = dst.url
     _note(args, f"copied {n} rows to {url}")
     return EXIT_OK
-
-
-def _refuse_copy_onto(src: Any, dst_urls: list[str]) -> None:
-    """Refuse a destination that is the source (checked before it is opened for writing)."""
-    mine = storage_of(src)
-    for url in dst_urls:
-        paths = [os.path.realpath(p) for p in local_store_paths(url)]
-        if url == src.url or any(a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
-                                 for a in paths for b in mine):
-            raise InvalidInputError(f"refusing to copy {src.url} onto itself ({url}): "
-                                    "the copy would read and overwrite the same rows")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import embstore
 from embstore.backends.bigtable import restore
 from embstore.backends.bigtable.restore import BigtableRestore
 from embstore.errors import BackendError
+from embstore.testing.conformance import table_of
 
 
 class Crash(Exception):
@@ -23,11 +24,8 @@ class Crash(Exception):
 
 
 def _table(store) -> dict:
-    out = {}
-    for keys, recs in store.records(1 << 14):
-        for k, r in zip(keys.tolist(), recs):
-            out[k] = r.tobytes()
-    return out
+    """Every record of ``store`` as {key: record bytes}."""
+    return {k: r.tobytes() for k, r in table_of(store).items()}
 
 
 def _old_and_new(url: str, key_type: str = "int64", **opts):

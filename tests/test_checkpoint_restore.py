@@ -20,6 +20,7 @@ from embstore.errors import (
     SchemaMismatchError,
 )
 from embstore.io.native import NativeWriter
+from embstore.testing.conformance import table_of
 from tests import hostile as h
 
 BACKENDS = ("memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable")
@@ -33,12 +34,8 @@ def _keys(kind: str, lo: int, hi: int):
 
 
 def _table(store) -> dict:
-    """Every record of ``store`` as {key: record bytes}, and the step."""
-    out = {}
-    for keys, recs in store.records(1 << 14):
-        for k, r in zip(keys.tolist(), recs):
-            out[k] = r.tobytes()
-    return out
+    """Every record of ``store`` as {key: record bytes}."""
+    return {k: r.tobytes() for k, r in table_of(store).items()}
 
 
 def _filled(url: str, key_type: str = "int64", n: int = 60, **opts):

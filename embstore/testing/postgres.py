@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -118,9 +119,13 @@ class PostgresHandle:
                                             "-m", mode, "-w", "-t", "60", "-l",
                                             os.path.join(self.base, "server.log"), "restart"],
                            capture_output=True, text=True, timeout=90, check=False)
+        self._running_after(r, "restart")
+
+    def _running_after(self, r: subprocess.CompletedProcess, what: str) -> None:
+        """Take the server's new pid after ``pg_ctl`` (``r``), or raise with its log's tail."""
         pid = _read_pid(self.data)
         if r.returncode != 0 or not pid:
-            raise RuntimeError(f"PostgreSQL did not restart: {r.stderr.strip()}"
+            raise RuntimeError(f"PostgreSQL did not {what}: {r.stderr.strip()}"
                                + _tail(os.path.join(self.base, "server.log")))
         self.pid = pid
 
@@ -130,8 +135,6 @@ class PostgresHandle:
         the same port: clients see an outage, e.g. a write cut off mid-batch."""
         if self.pid is None:
             raise RuntimeError("the server was stopped")
-        import shlex
-
         ctl = self._as_user + [os.path.join(self._bindir, "pg_ctl"), "-D", self.data]
         # the server's own command line (port, socket dir, settings), to start it as it was
         with open(os.path.join(self.data, "postmaster.opts")) as f:
@@ -145,11 +148,7 @@ class PostgresHandle:
             r = subprocess.run(ctl + ["-o", shlex.join(keep), "-w", "-t", "60", "-l",
                                       os.path.join(self.base, "server.log"), "start"],
                                capture_output=True, text=True, timeout=90, check=False)
-            pid = _read_pid(self.data)
-            if r.returncode != 0 or not pid:
-                raise RuntimeError(f"PostgreSQL did not start again: {r.stderr.strip()}"
-                                   + _tail(os.path.join(self.base, "server.log")))
-            self.pid = pid
+            self._running_after(r, "start again")
 
     def __enter__(self) -> PostgresHandle:
         return self

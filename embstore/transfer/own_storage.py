@@ -7,8 +7,9 @@ import os
 from typing import Any
 
 from ..errors import InvalidInputError
+from .validate import local_store_paths
 
-__all__ = ["refuse_own_storage", "refuse_same_storage", "storage_of"]
+__all__ = ["refuse_copy_onto_urls", "refuse_own_storage", "refuse_same_storage", "storage_of"]
 
 
 def storage_of(store: Any) -> tuple[str, ...]:
@@ -35,12 +36,26 @@ def refuse_own_storage(store: Any, dest: Any) -> None:
                 f"({owned}), which the export would destroy; choose a path outside it")
 
 
+def _overlap(mine: tuple[str, ...], theirs: tuple[str, ...]) -> bool:
+    return any(_inside(a, b) or _inside(b, a) for a in mine for b in theirs)
+
+
+def _refuse_copy(src_url: str, dst_url: str) -> None:
+    raise InvalidInputError(f"refusing to copy {src_url} onto itself ({dst_url}): the "
+                            "copy would read and overwrite the same rows")
+
+
 def refuse_same_storage(src: Any, dst: Any) -> None:
     """Raise ``InvalidInputError`` when a copy would read and write the same data."""
-    same = src is dst or src.url == dst.url
-    if not same:
-        mine = storage_of(src)
-        same = any(_inside(a, b) or _inside(b, a) for a in mine for b in storage_of(dst))
-    if same:
-        raise InvalidInputError(f"refusing to copy {src.url} onto itself ({dst.url}): the "
-                                "copy would read and overwrite the same rows")
+    if src is dst or src.url == dst.url or _overlap(storage_of(src), storage_of(dst)):
+        _refuse_copy(src.url, dst.url)
+
+
+def refuse_copy_onto_urls(src: Any, dst_urls: list[str]) -> None:
+    """:func:`refuse_same_storage` for destinations not opened yet, named by URL (their local
+    paths are worked out from the URL, so nothing is created to check them)."""
+    mine = storage_of(src)
+    for url in dst_urls:
+        theirs = tuple(os.path.realpath(p) for p in local_store_paths(url))
+        if url == src.url or _overlap(mine, theirs):
+            _refuse_copy(src.url, url)

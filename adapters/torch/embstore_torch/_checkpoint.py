@@ -50,7 +50,21 @@ def _inline(store: Any, rows: bool | int) -> bool:
     if rows is True and not persistent:
         return True
     limit = INLINE_BYTES if rows is True else int(rows)
-    return len(store) * int(store.layout.itemsize) <= limit
+    return _rows_at_most(store, limit // int(store.layout.itemsize))
+
+
+def _rows_at_most(store: Any, most: int) -> bool:
+    """``len(store) <= most``, reading at most ``most`` rows where counting means a scan
+    (RocksDB, Bigtable): a large table is told apart without reading all of it."""
+    backend = getattr(store, "backend", None)
+    if backend is None or backend.cheap_len:
+        return len(store) <= most
+    seen = 0
+    for keys, _ in store.records(4096):
+        seen += len(keys)
+        if seen > most:
+            return False
+    return True
 
 
 def store_state(store: Any, rows: bool | int = True) -> dict[str, Any]:

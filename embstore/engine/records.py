@@ -237,13 +237,21 @@ class RecordWrites:
         for obs in self._observers:
             obs.on_delete(gone)
 
-    def _stamp(self, recs: np.ndarray) -> None:
+    def _stamps(self) -> dict[str, Any]:
+        """The stamps of a write, for the metadata fields the layout keeps (``version``
+        always)."""
         names = self.layout.meta_names
+        out: dict[str, Any] = {}
         if "last_seen" in names:
-            recs["last_seen"] = self._clock()
+            out["last_seen"] = self._clock()
         if "last_step" in names:
-            recs["last_step"] = self.step
-        recs["version"] = self._next_version()
+            out["last_step"] = self.step
+        out["version"] = self._next_version()
+        return out
+
+    def _stamp(self, recs: np.ndarray) -> None:
+        for name, value in self._stamps().items():
+            recs[name] = value
 
     def _bulk_load(self, batches: Iterable[tuple[Any, np.ndarray]],
                    header: dict[str, Any] | None) -> int:
@@ -349,12 +357,8 @@ class RecordWrites:
             # The step is plain field arithmetic, or a rule of each row and its gradient
             # alone: the backend applies it where the records live (observers are told the
             # same update); only keys without a record yet go the general way below.
-            stamps = {"last_seen": self._clock(), "last_step": self.step,
-                      "version": self._next_version()}
-            names = self.layout.meta_names
-            row_update = RowUpdate(
-                axpy or ("vector", 1.0, summed), {"count": mult} if "count" in names else {},
-                {f: v for f, v in stamps.items() if f in names}, rule)
+            counts = {"count": mult} if "count" in self.layout.meta_names else {}
+            row_update = RowUpdate(axpy or ("vector", 1.0, summed), counts, self._stamps(), rule)
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
                 obs.on_row_update(uniq, row_update, found)

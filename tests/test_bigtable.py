@@ -17,13 +17,17 @@ import embstore
 from embstore.backends.bigtable import wire
 from embstore.errors import BackendError, InvalidInputError, InvalidURLError, StoreNotFoundError
 from embstore.testing.bigtable_emulator import FaultInjector
-from embstore.testing.conformance import StoreConformance
+from embstore.testing.conformance import LayoutMatrix, StoreConformance
 
 
 class TestBigtableConformance(StoreConformance):
     @pytest.fixture
     def url_factory(self, bigtable_url_factory):
         return bigtable_url_factory
+
+
+class TestBigtableLayouts(LayoutMatrix, TestBigtableConformance):
+    """The suite over 16-bit and compact layouts, on the Bigtable emulator."""
 
 
 DIM = 4

@@ -56,6 +56,10 @@ class TestPostgresConformance(StoreConformance):
         return postgres_url_factory
 
 
+class TestPostgresLayouts(LayoutMatrix, TestPostgresConformance):
+    """The suite over 16-bit and compact layouts, on a real PostgreSQL server."""
+
+
 class TestPostgresCopyUpsertConformance(StoreConformance):
     open_options = {"pg_upsert": "copy"}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 
 import numpy as np
@@ -327,3 +328,43 @@ def test_insert_rows_never_overwrites_an_existing_record(key_type):
     recs, found = s.backend.get(keys)
     assert found.all()
     np.testing.assert_array_equal(recs["vector"], [[7.0] * 4, [0.0] * 4])
+
+
+@pytest.mark.parametrize(("itemsize", "rows"), [(8, 2**20), (80, 2**17), (288, 2**15),
+                                                (4096, 2**14)])
+def test_arena_chunks_span_several_huge_pages_by_default(itemsize, rows):
+    # The smallest power of two of rows from 2**14 on that makes a chunk at least 8 MiB (at
+    # most 2**20 rows): only a chunk of several 2 MiB pages is mostly backed by them.
+    a = RecordArena(itemsize)
+    assert a.chunk_rows == rows
+    assert RecordArena(itemsize, chunk_shift=4).chunk_rows == 16
+    with pytest.raises(ValueError, match="chunk_shift"):
+        RecordArena(itemsize, chunk_shift=31)
+
+
+def _huge_advised_bytes() -> int:
+    """Bytes of this process's mappings advised onto transparent huge pages (VmFlags hg)."""
+    total = size = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line.startswith("Size:"):
+                size = int(line.split()[1]) * 1024
+            elif line.startswith("VmFlags:") and " hg" in f" {line.split(':', 1)[1]}":
+                total += size
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_large_tables_and_arenas_ask_for_huge_pages():
+    # Lookups of a large table read buckets and records at random places; on 4 KiB pages
+    # nearly every read also misses the TLB. The buckets and the arena's chunks are advised
+    # onto transparent huge pages (MADV_HUGEPAGE, visible as the "hg" VmFlag).
+    release_pool()          # a pooled chunk would come back already advised
+    before = _huge_advised_bytes()
+    table = CuckooTable(1 << 20)                # 2**19 buckets of 64 bytes: 32 MiB
+    arena = RecordArena(80)
+    slots = np.empty(4, np.uint32)
+    arena.alloc(slots)
+    grown = _huge_advised_bytes() - before
+    assert grown >= (32 << 20) + 80 * 2**17, grown
+    del table, arena

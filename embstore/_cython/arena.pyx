@@ -42,8 +42,10 @@ cdef extern from *:
                 return p;
             }
         }
-        void* p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        return p == MAP_FAILED ? NULL : p;
+        void* p = es_map_aligned(n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS);
+        if (p == MAP_FAILED) return NULL;
+        es_advise_huge(p, n);
+        return p;
     }
     static void es_unmap(void* p, size_t n) {
         if (!p) return;
@@ -72,6 +74,10 @@ cdef extern from *:
 cdef enum:
     PREFETCH_AHEAD = 16
     SPARE_CHUNKS = 4
+    MIN_CHUNK_SHIFT = 14
+    MAX_CHUNK_SHIFT = 20
+    CHUNK_BYTES = 8 << 20
+    SPARE_BYTES = 16 << 20
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 
 
@@ -84,12 +90,25 @@ cdef class RecordArena:
     therefore keeps up to SPARE_CHUNKS chunks mapped ahead of use and has a short-lived
     background thread fault them in (``MADV_POPULATE_WRITE``) while the caller fills the
     current one; ``prefault=False`` turns that off.
+
+    A chunk holds ``2**chunk_shift`` records. By default (``chunk_shift=-1``) the shift is
+    the smallest from 14 on that makes a chunk at least 8 MiB (at most 2**20 records): chunks
+    start on a 2 MiB boundary and are advised onto transparent huge pages, and only a chunk
+    of several huge pages is mostly backed by them. Records of a large table are read at
+    random places, and on 4 KiB pages nearly each read also missed the TLB: at 30M keys of
+    80-byte records that doubled the cost of a lookup.
     """
 
 
-    def __cinit__(self, Py_ssize_t itemsize, int chunk_shift=14, bint prefault=True):
+    def __cinit__(self, Py_ssize_t itemsize, int chunk_shift=-1, bint prefault=True):
         if itemsize <= 0:
             raise ValueError("itemsize must be positive")
+        if chunk_shift < 0:
+            chunk_shift = MIN_CHUNK_SHIFT
+            while chunk_shift < MAX_CHUNK_SHIFT and (itemsize << chunk_shift) < CHUNK_BYTES:
+                chunk_shift += 1
+        elif chunk_shift > 30:
+            raise ValueError("chunk_shift must be at most 30")
         self.itemsize = itemsize
         self.shift = chunk_shift
         self.chunk_rows = 1 << chunk_shift
@@ -153,9 +172,11 @@ cdef class RecordArena:
             self._map_chunk()
         self.nchunks += 1
         if self.prefault:
-            # Spares grow with the arena (one per four chunks in use, at most SPARE_CHUNKS),
-            # so the memory held ahead stays a small fraction of what the store uses.
-            want = min(<Py_ssize_t> SPARE_CHUNKS, self.nchunks // 4)
+            # Spares grow with the arena (one per four chunks in use, at most SPARE_CHUNKS
+            # and SPARE_BYTES unless one chunk is more), so the memory held ahead stays a
+            # small fraction of what the store uses.
+            want = min(<Py_ssize_t> SPARE_CHUNKS, self.nchunks // 4,
+                       max(<Py_ssize_t> 1, <Py_ssize_t> (SPARE_BYTES // self.chunk_bytes)))
             while self.nspare < want:
                 i = self._map_chunk()
                 self.nspare += 1

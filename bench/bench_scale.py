@@ -16,9 +16,12 @@ For each, the table is filled with ``lookup`` (new keys inserted with their init
 then measured: resident memory per key (RSS growth over the fill / keys), the store's own byte
 count per key, lookup of existing keys (random batches of 4096, float32 out), and training
 steps (``lookup`` + ``update`` of 4096 ids drawn Zipf(1.1) over the table, scattered by a
-permutation). The floor is ``np.take`` of the same rows from a dense float32 ``(n, 32)`` array,
-measured in the same child after the store is closed (skipped, and said so, when the memory
-available then could not hold the dense array with room to spare). Ratios of the two layouts
+permutation). Each timed pass reads batches of its own, prepared before the clock starts. The
+floor is ``np.take`` of the same rows from a dense float32 ``(n, 32)`` array, measured in the
+same child after the store is closed (skipped, and said so, when the memory available then
+could not hold the dense array with room to spare). The last lines set each size's lookup
+rate against the smallest size's, with ``np.take``'s own ratio beside it: on a VM the memory
+system itself slows down from run to run at the largest sizes. Ratios of the two layouts
 are taken within one run; the absolute rates move with machine load.
 """
 
@@ -62,14 +65,25 @@ def _open(layout: str, n: int):
                          initial_capacity=n)
 
 
-def _rate(fn, batches, reps: int = 3) -> float:
+def _rate(fn, passes) -> float:
+    """Best rows/s over the passes, each a list of prepared batches."""
     best = 0.0
-    for _ in range(reps):
+    for batches in passes:
         t = time.perf_counter()
         for b in batches:
             fn(b)
         best = max(best, len(batches) * BATCH / (time.perf_counter() - t))
     return best
+
+
+def _huge_share() -> float | None:
+    """Share of this process's resident memory on transparent huge pages (None if unknown)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
+    except OSError:
+        return None
+    return fields.get("AnonHugePages", 0) / max(1, fields.get("Rss", 1))
 
 
 def measure(layout: str, n: int, seconds: float) -> dict:
@@ -84,19 +98,24 @@ def measure(layout: str, n: int, seconds: float) -> dict:
     load = n / (time.perf_counter() - t)
     rss = _rss() - rss0
     size = store.stats(count_rows=False).get("size_bytes")
+    huge = _huge_share()
     nb = max(4, min(64, int(seconds * 2e6 / BATCH)))  # batches per timed pass
-    look_idx = [rng.integers(0, n, BATCH) for _ in range(nb)]
-    look = _rate(lambda i: store.lookup(keys[i], insert=False), look_idx)
-    zipf = [np.minimum(rng.zipf(1.1, BATCH), n) - 1 for _ in range(nb)]
+    # Every pass reads its own batches, prepared before the clock starts: a repeated batch
+    # would be served from the CPU cache at small sizes, and gathering the keys from the
+    # (n,) key array inside the timed loop is itself a random read per key at large ones.
+    look_idx = [[rng.integers(0, n, BATCH) for _ in range(nb)] for _ in range(3)]
+    look = _rate(lambda k: store.lookup(k, insert=False),
+                 [[keys[i] for i in p] for p in look_idx])
     perm = rng.permutation(n)
+    step_keys = [[keys[perm[np.minimum(rng.zipf(1.1, BATCH), n) - 1]] for _ in range(nb)]
+                 for _ in range(2)]
     grads = rng.standard_normal((BATCH, DIM), dtype=np.float32) * 0.01
 
-    def step(i: np.ndarray) -> None:
-        k = keys[perm[i]]
+    def step(k: np.ndarray) -> None:
         store.lookup(k)
         store.update(k, grads)
 
-    steps = _rate(step, zipf, reps=2)
+    steps = _rate(step, step_keys)
     itemsize = store.layout.itemsize
     assert len(store) == n
     store.close()  # frees the table and records (memory:// drops them on close)
@@ -108,7 +127,7 @@ def measure(layout: str, n: int, seconds: float) -> dict:
         take = _rate(lambda i: np.take(dense, i, axis=0, out=out, mode="clip"), look_idx)
     return {"layout": layout, "n": n, "record_bytes": itemsize, "rss_per_key": rss / n,
             "size_per_key": (size / n) if size else None, "load": load, "lookup": look,
-            "take": take, "step": steps}
+            "take": take, "step": steps, "huge": huge}
 
 
 def _child(layout: str, n: int, seconds: float) -> dict:
@@ -166,11 +185,16 @@ def main() -> None:
         if a and b and "error" not in a and "error" not in b:
             print(f"  {n / 1e6:g}M keys: RSS per key {b['rss_per_key'] / a['rss_per_key']:.2f}x,"
                   f" lookup {b['lookup'] / a['lookup']:.2f}x, step {b['step'] / a['step']:.2f}x")
-    print("\nlookups against the smallest size of the same layout:")
+    print("\nlookups against the smallest size of the same layout (np.take's own in brackets;"
+          " share of the resident memory on huge pages):")
     for r in rows:
         if "error" not in r and r["layout"] in first:
             base = first[r["layout"]]
-            print(f"  {r['layout']:22s} {r['n'] / 1e6:g}M: {r['lookup'] / base['lookup']:.2f}x")
+            floor = (f" (np.take {r['take'] / base['take']:.2f}x)" if r["take"] and base["take"]
+                     else "")
+            huge = f", {r['huge']:.0%} huge pages" if r.get("huge") is not None else ""
+            print(f"  {r['layout']:22s} {r['n'] / 1e6:g}M: {r['lookup'] / base['lookup']:.2f}x"
+                  f"{floor}{huge}")
 
 
 if __name__ == "__main__":

@@ -124,8 +124,125 @@ def _read_only_mismatch(rank: int, url: str) -> dict:
     return {"error": None}
 
 
+# -- bad payloads in export, top_k, sample and assign ---------------------------------------
+# Rank 1 builds one payload wrong (its header announces what it really sends, so only the
+# payload's content can tell); the rank that parses it must raise RankFailureError naming
+# rank 1, and the other rank must fail at the same or its next collective, not hang.
+
+def _own_keys(rank: int, n: int = 32) -> np.ndarray:
+    """Keys 0..199 that ``rank`` owns (of two)."""
+    from embstore_torch.distributed.wire import owner_of
+
+    keys = np.arange(200, dtype=np.int64)
+    return keys[owner_of(keys, WORLD) == rank][:n]
+
+
+def _bad_payload(rank: int, url: str, name: str, fault, call) -> dict:
+    """Open, give each rank rows, let rank 1 apply ``fault(ops_module)``, run ``call``."""
+    import embstore_torch.distributed as ed
+    from embstore_torch.distributed import ops
+
+    store = ed.open(url, dim=DIM, timeout=TIMEOUT)
+    store.lookup(np.arange(200))  # 200 rows over the two shards
+    if rank == 1:
+        fault(ops)
+    out = _outcome(lambda: call(store, rank))
+    # a rank that got through the call must fail at its next one (not wait for a timeout)
+    out["then"] = _outcome(lambda: len(store)) if out["error"] is None else {"error": None}
+    return out
+
+
+def _wrap(ops, name: str, change) -> None:
+    real = getattr(ops, name)
+    setattr(ops, name, lambda *a, **k: change(real, *a, **k))
+
+
+def _export(store, rank):
+    import tempfile
+
+    store.export(os.path.join(tempfile.mkdtemp(), "all.es"))
+
+
+def _top_k(store, rank):
+    store.top_k(np.ones((2, DIM), np.float32), 5)
+
+
+def _sample(store, rank):
+    store.sample(np.arange(20), 8, "uniform", seed=rank)
+
+
+def _assign(store, rank):
+    store.assign(np.arange(300, 340), np.ones((40, DIM), np.float32))
+
+
+def _foreign(real, keys, *rest):
+    """The same payload with keys of rank 0 in place of rank 1's."""
+    return real(_own_keys(0, len(keys))[:len(keys)], *rest)
+
+
+BAD_PAYLOADS = {
+    # export: rank 0 unpacks the other shards' records
+    "export_truncated": ("pack_records", lambda real, k, r: real(k, r)[:-3], _export,
+                         "bytes where"),
+    "export_foreign_keys": ("pack_records", _foreign, _export, "belong to other ranks"),
+    # top_k: every shard parses every rank's queries (rank 1 sees its own bad buffer too)
+    "top_k_query_count": ("pack_queries", lambda real, q, k, ex: real(
+        np.concatenate((q, q)), k, ex)[np.r_[0:24, 24 + 4 * DIM:24 + 8 * DIM * len(q)]],
+        _top_k, "top_k queries of dimension"),
+    "top_k_nan_query": ("pack_queries", lambda real, q, k, ex: real(q * np.nan, k, ex),
+                        _top_k, "NaN"),
+    # top_k: the asking rank parses every shard's candidates
+    "top_k_short_scores": ("pack_candidates", lambda real, kk, ss, vv: real(
+        kk, ss, vv)[:1] + (real(kk, ss, vv)[1][:, :-1], real(kk, ss, vv)[2]), _top_k,
+        "bytes of scores and flags"),
+    "top_k_flags": ("pack_candidates", lambda real, kk, ss, vv: real(kk, ss, vv)[:2] + (
+        real(kk, ss, vv)[2].view(np.uint8) * 2,), _top_k, "validity flags"),
+    "top_k_too_wide": ("unpack_queries", lambda real, *a, **kw: (
+        lambda q, k, ex: (q, k + 3, ex))(*real(*a, **kw)), _top_k, "at most k=5"),
+    # sample: shard weights (everyone parses them), draws, positive keys' weights
+    "sample_nan_weight": ("pack_shard_weight", lambda real, t, n: real(np.nan, n), _sample,
+                          "not a finite weight"),
+    "sample_negative_support": ("pack_shard_weight", lambda real, t, n: real(t, -3.5),
+                                _sample, "shard support"),
+    "sample_negative_draw": ("pack_draws", lambda real, k, w: real(k, -w), _sample,
+                             "not a finite weight"),
+    "sample_foreign_draws": ("pack_draws", _foreign, _sample, "belong to other ranks"),
+    "sample_truncated_draws": ("pack_draws", lambda real, k, w: real(k, w)[:-8], _sample,
+                               "bytes where"),
+    "sample_fewer_draws": ("sampling_index", lambda real, store: _fewer_draws(real(store)),
+                           _sample, "sampled keys where"),
+    "sample_prob_negative": ("sampling_index", lambda real, store: _negative_prob(real(store)),
+                             _sample, "positive key's sampling weight"),
+    # assign: keys routed to a rank that does not own them
+    "assign_foreign_keys": ("route", lambda real, keys, world: (
+        np.arange(len(keys)), np.array([0, len(keys), len(keys)])), _assign,
+        "belong to other ranks"),
+}
+
+
+def _negative_prob(idx):
+    """A sampling index whose owner answers negative weights for positive keys."""
+    real = idx.prob_of
+    idx.prob_of = lambda snap, keys: -1.0 - real(snap, keys)
+    return idx
+
+
+def _fewer_draws(idx):
+    """A sampling index whose owner sends one key fewer than it was asked for."""
+    real = idx.draw
+    idx.draw = lambda snap, rng, n: tuple(part[:-1] for part in real(snap, rng, n))
+    return idx
+
+
+def _make_bad_payload(name: str):
+    target, change, call, _ = BAD_PAYLOADS[name]
+    return lambda rank, url: _bad_payload(rank, url, name,
+                                          lambda ops: _wrap(ops, target, change), call)
+
+
 SCENARIOS = {"short_header": _short_header, "garbage_header": _garbage_header,
-             "foreign_keys": _foreign_keys, "read_only_mismatch": _read_only_mismatch}
+             "foreign_keys": _foreign_keys, "read_only_mismatch": _read_only_mismatch,
+             **{name: _make_bad_payload(name) for name in BAD_PAYLOADS}}
 
 
 def _run(scenario: str, tmp_path, url: str) -> list[dict]:
@@ -172,3 +289,19 @@ def test_read_only_mismatch_is_refused_at_open(tmp_path):
     res = _run("read_only_mismatch", tmp_path, url)
     assert all(out.get("error") == "SchemaMismatchError" for out in res), res
     assert "read_only" in res[0]["message"]
+
+
+@pytest.mark.parametrize("scenario", sorted(BAD_PAYLOADS))
+def test_bad_payload_names_the_sender_and_no_rank_hangs(tmp_path, scenario):
+    problem = BAD_PAYLOADS[scenario][3]
+    res = _run(scenario, tmp_path, "memory://")
+    for r, out in enumerate(res):
+        assert "unexpected" not in out, out
+        # the collective itself or, at the latest, the next one raises a RankFailureError
+        err = out if out["error"] else out["then"]
+        assert err["error"] == "RankFailureError", (r, out)
+    # the rank that parsed rank 1's payload names it and what was wrong with it
+    detected = [out for out in res if out["error"] == "RankFailureError"
+                and out["failed_rank"] == 1 and "rank 1 sent" in out["message"]]
+    assert detected, res
+    assert all(problem in out["message"] for out in detected), (problem, detected)

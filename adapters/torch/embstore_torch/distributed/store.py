@@ -190,15 +190,21 @@ class DistributedStore(CollectiveOps):
         if err is not None:
             if self.local is not None:
                 self._close_quietly()
+            if isinstance(err, RankFailureError):  # a peer sent garbage: no more collectives
+                self.comm.broken = f"{op}: {err}"
             raise err
         failed = np.flatnonzero(flags)
         if len(failed):
             r = int(failed[0])
             name, _, text = blobs[r].tobytes().decode(errors="replace").partition("\n")
+            self._close_quietly()
+            if name == RankFailureError.__name__:  # rank r received a bad payload (its
+                # message names the sender): this store is as unusable here as there
+                self.comm.broken = f"rank {r} failed in {op}"
+                raise RankFailureError(f"rank {r} failed in {op}: {text}", failed_rank=r)
             cls = getattr(_errors, name, None)
             if not (isinstance(cls, type) and issubclass(cls, _errors.EmbstoreError)):
                 cls = CollectiveError
-            self._close_quietly()
             raise cls(f"rank {r} failed in {op}: {text}")
         return int(counts.sum())
 
@@ -248,11 +254,13 @@ class DistributedStore(CollectiveOps):
         return self.local.normalize_keys(keys)
 
     def _ask_owners(self, op: str, keys: np.ndarray, flag: int, answer: Any,
-                    row_dtype: np.dtype, row_shape: tuple[int, ...]) -> np.ndarray:
+                    row_dtype: np.dtype, row_shape: tuple[int, ...],
+                    check: Any = None) -> np.ndarray:
         """Send distinct ``keys`` to their owners; return one answer row per key.
 
         ``answer(keys_by_source, flags)`` runs on the owner and returns the rows for each
-        source's keys (arrays of ``row_dtype`` / ``row_shape``).
+        source's keys (arrays of ``row_dtype`` / ``row_shape``). ``check(rows, owner)``, if
+        given, vets the rows another rank answered (raising ``RankFailureError``).
         """
         w, me = self.world_size, self.rank
         order, bounds = route(keys, w)
@@ -293,10 +301,18 @@ class DistributedStore(CollectiveOps):
                                   sizes, op)
         out = np.empty((len(keys), *row_shape), dtype=row_dtype)
         for d in range(w):
-            if counts[d]:
-                out[order[bounds[d]:bounds[d + 1]]] = (
-                    rows[me] if d == me
-                    else split_rows(back[d], np.dtype(row_dtype), row_shape))
+            if counts[d] and d == me:
+                out[order[bounds[d]:bounds[d + 1]]] = rows[me]
+            elif counts[d]:
+                got_rows = split_rows(back[d], np.dtype(row_dtype), row_shape,
+                                      rows=int(counts[d]), source=d)
+                if check is not None:
+                    try:
+                        check(got_rows, d)
+                    except RankFailureError as e:  # the last exchange: the others stop at
+                        self.comm.abort(str(e))    # their next call
+                        raise
+                out[order[bounds[d]:bounds[d + 1]]] = got_rows
         return out
 
     # -- the training interface --------------------------------------------------------------------

@@ -241,6 +241,19 @@ def _fewer_draws(idx):
     return idx
 
 
+def _top_k_own_k(rank: int, url: str) -> dict:
+    """Rank 0 asks for 3, rank 1 for 7: each shard answers a rank's queries with its k."""
+    import embstore_torch.distributed as ed
+
+    store = ed.open(url, dim=DIM, timeout=TIMEOUT)
+    store.lookup(np.arange(200))
+    q = np.random.default_rng(rank).normal(size=(4, DIM)).astype(np.float32)
+    mine = store.top_k(q, 3 + 4 * rank)
+    same_k = store.top_k(q, 7)
+    return {"keys": mine.keys.tolist(), "scores": mine.scores.tolist(),
+            "keys_7": same_k.keys.tolist(), "scores_7": same_k.scores.tolist()}
+
+
 def _make_bad_payload(name: str):
     target, change, call, _ = BAD_PAYLOADS[name]
     return lambda rank, url: _bad_payload(rank, url, name,
@@ -249,6 +262,7 @@ def _make_bad_payload(name: str):
 
 SCENARIOS = {"short_header": _short_header, "garbage_header": _garbage_header,
              "foreign_keys": _foreign_keys, "read_only_mismatch": _read_only_mismatch,
+             "top_k_own_k": _top_k_own_k,
              **{name: _make_bad_payload(name) for name in BAD_PAYLOADS}}
 
 
@@ -315,6 +329,17 @@ def test_bad_payload_names_the_sender_and_no_rank_hangs(tmp_path, scenario):
                 and out["failed_rank"] == 1 and "rank 1 sent" in out["message"]]
     assert detected, res
     assert all(problem in out["message"] for out in detected), (problem, detected)
+
+
+def test_top_k_answers_each_rank_with_its_own_k(tmp_path):
+    res = _run("top_k_own_k", tmp_path, "memory://")
+    for r, out in enumerate(res):
+        assert "unexpected" not in out, out
+        k = 3 + 4 * r
+        assert np.array(out["keys"]).shape == (4, k)
+        # the first k of everything's top 7 (ties aside, which random vectors do not have)
+        assert out["keys"] == [row[:k] for row in out["keys_7"]]
+        np.testing.assert_allclose(out["scores"], [row[:k] for row in out["scores_7"]])
 
 
 # -- the payload parsers on crafted buffers (no processes) --------------------------------------

@@ -30,7 +30,6 @@ from embstore.sampling.candidate import (
 )
 from embstore.sampling.samplers import resolve_sampler
 
-from .comm import RankFailureError
 from .wire import (
     check_weights,
     dedupe,
@@ -90,7 +89,7 @@ class CollectiveOps:
                                                  [sum(a.nbytes for a in p) for p in parts])
         got = self.comm.exchange(parts, nbytes_in, "assign")
         ks, vs = [], []
-        try:
+        with self.comm.aborting():  # nothing assigned; the others stop at their next call
             for s in range(w):  # in rank order: a later rank's value of a shared key wins
                 n = int(items_in[s])
                 kk, used = unpack_keys(got[s], n, self.key_type, owner=(me, w), source=s)
@@ -99,9 +98,6 @@ class CollectiveOps:
                 if n:
                     ks.append(kk)
                     vs.append(vv)
-        except RankFailureError as e:  # nothing assigned; the others stop at their next call
-            self.comm.abort(str(e))
-            raise
         if ks:
             try:
                 self.local.assign(np.concatenate(ks), np.concatenate(vs))
@@ -232,13 +228,10 @@ class CollectiveOps:
                                           [sum(a.nbytes for a in p) for p in parts])
         got = self.comm.exchange(parts, nbytes, "top_k")
         owner = (lambda s: (s, self.world_size)) if self.sharded else (lambda s: None)
-        try:
+        with self.comm.aborting():  # the last exchange: the others stop at their next call
             cands = [unpack_candidates(got[s], len(q), int(cols[s]), int(k), self.key_type,
                                        owner=owner(s), source=s)
                      for s in range(self.world_size)]
-        except RankFailureError as e:  # the last exchange: the others stop at their next call
-            self.comm.abort(str(e))
-            raise
         ck, cs, cv = (np.concatenate([c[i] for c in cands], axis=1) for i in range(3))
         width = min(int(k), ck.shape[1])
         # As one store orders them: real items first, score descending (NaN after every
@@ -279,11 +272,8 @@ class CollectiveOps:
         snap = idx.snapshot(sampler)
         blobs, _, _ = self.comm.allgather(
             "sample", pack_shard_weight(snap.total, snap.support - snap.dead_support))
-        try:
+        with self.comm.aborting():  # every rank saw the same blobs: all abort together
             shards = [unpack_shard_weight(b, source=s) for s, b in enumerate(blobs)]
-        except RankFailureError as e:  # every rank saw the same blobs: all abort together
-            self.comm.abort(str(e))
-            raise
         shard_w = np.array([t for t, _ in shards], np.float64)
         support = sum(n for _, n in shards)
         total = float(shard_w.sum())
@@ -343,7 +333,7 @@ class CollectiveOps:
             if done:
                 continue
             ks, ws = [keys], [wts]
-            try:
+            with self.comm.aborting():  # the others stop at their next round or call
                 for s in range(w):
                     # each shard draws exactly what was asked of it, from its own keys
                     expect_count(n_in[s], req[s], "sampled keys", s)
@@ -351,9 +341,6 @@ class CollectiveOps:
                                         source=s)
                     ks.append(k)
                     ws.append(p)
-            except RankFailureError as e:  # the others stop at their next round or call
-                self.comm.abort(str(e))
-                raise
             # Draws grouped by shard are not an i.i.d. sequence; a shuffle makes them one.
             perm = len(keys) + rng.permutation(int(req.sum()))
             allk, allw = np.concatenate(ks), np.concatenate(ws)

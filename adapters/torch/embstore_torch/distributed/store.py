@@ -188,8 +188,7 @@ class DistributedStore(CollectiveOps):
         blobs, counts, flags = self.comm.allgather(op, np.frombuffer(msg, np.uint8),
                                                    items=items, flag=int(err is not None))
         if err is not None:
-            if self.local is not None:
-                self._close_quietly()
+            self._close_quietly()
             if isinstance(err, RankFailureError):  # a peer sent garbage: no more collectives
                 self.comm.broken = f"{op}: {err}"
             raise err
@@ -300,19 +299,13 @@ class DistributedStore(CollectiveOps):
         back = self.comm.exchange([r if s != me else r[:0] for s, r in enumerate(rows)],
                                   sizes, op)
         out = np.empty((len(keys), *row_shape), dtype=row_dtype)
-        for d in range(w):
-            if counts[d] and d == me:
-                out[order[bounds[d]:bounds[d + 1]]] = rows[me]
-            elif counts[d]:
-                got_rows = split_rows(back[d], np.dtype(row_dtype), row_shape,
-                                      rows=int(counts[d]), source=d)
-                if check is not None:
-                    try:
-                        check(got_rows, d)
-                    except RankFailureError as e:  # the last exchange: the others stop at
-                        self.comm.abort(str(e))    # their next call
-                        raise
-                out[order[bounds[d]:bounds[d + 1]]] = got_rows
+        for d in np.flatnonzero(counts).tolist():
+            got_rows = rows[me] if d == me else split_rows(
+                back[d], np.dtype(row_dtype), row_shape, rows=int(counts[d]), source=d)
+            if check is not None and d != me:
+                with self.comm.aborting():  # the last exchange: the others stop at their next
+                    check(got_rows, d)
+            out[order[bounds[d]:bounds[d + 1]]] = got_rows
         return out
 
     # -- the training interface --------------------------------------------------------------------
@@ -352,12 +345,9 @@ class DistributedStore(CollectiveOps):
         items_in, nbytes_in, _ = self.comm.begin("prefetch", np.diff(bounds),
                                                  [len(p) for p in parts])
         got = self.comm.exchange(parts, nbytes_in, "prefetch")
-        try:
+        with self.comm.aborting():
             asked = [unpack_keys(got[s], int(items_in[s]), self.key_type, exact=True,
                                  owner=(self.rank, w), source=s)[0] for s in range(w)]
-        except CollectiveError as e:
-            self.comm.abort(str(e))
-            raise
         mine = np.concatenate(asked)  # a copy: a background prefetch keeps its keys
         if len(mine):
             self.local.prefetch(dedupe(mine)[0])
@@ -419,11 +409,8 @@ class DistributedStore(CollectiveOps):
                 cs.append(mult_by[lo:hi])
                 gs.append(rows[lo:hi])
                 continue
-            try:  # another rank's keys, counts and gradients: checked before any is applied
+            with self.comm.aborting():  # another rank's keys, counts and gradients: checked
                 kk, cc, gg = unpack_update(got[s], n, self.key_type, self.dim, (me, w), s)
-            except CollectiveError as e:
-                self.comm.abort(str(e))
-                raise
             ks.append(kk)
             cs.append(cc)
             gs.append(gg)

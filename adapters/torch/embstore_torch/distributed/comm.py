@@ -28,9 +28,10 @@ the timeout), so no rank goes on with a partial step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -195,6 +196,17 @@ class Comm:
         except CollectiveError:
             pass
         self.broken = reason
+
+    @contextlib.contextmanager
+    def aborting(self) -> Iterator[None]:
+        """Around the parsing of received payloads: a ``RankFailureError`` (a payload that does
+        not add up) tells the other ranks (:meth:`abort`) before it propagates, so they fail
+        at their current or next collective instead of waiting for the timeout."""
+        try:
+            yield
+        except RankFailureError as e:
+            self.abort(str(e))
+            raise
 
     def exchange(self, send: Sequence[np.ndarray | Sequence[np.ndarray]],
                  recv_nbytes: np.ndarray, op: str, *, keep: bool = False) -> list[np.ndarray]:

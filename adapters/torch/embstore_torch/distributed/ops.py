@@ -30,7 +30,25 @@ from embstore.sampling.candidate import (
 )
 from embstore.sampling.samplers import resolve_sampler
 
-from .wire import dedupe, pack_keys, route, split_rows, unpack_keys
+from .wire import (
+    check_weights,
+    dedupe,
+    expect_count,
+    pack_candidates,
+    pack_draws,
+    pack_keys,
+    pack_queries,
+    pack_records,
+    pack_shard_weight,
+    route,
+    split_rows,
+    unpack_candidates,
+    unpack_draws,
+    unpack_keys,
+    unpack_queries,
+    unpack_records,
+    unpack_shard_weight,
+)
 
 __all__ = ["CollectiveOps"]
 
@@ -71,12 +89,15 @@ class CollectiveOps:
                                                  [sum(a.nbytes for a in p) for p in parts])
         got = self.comm.exchange(parts, nbytes_in, "assign")
         ks, vs = [], []
-        for s in range(w):  # in rank order: a later rank's value of a shared key wins
-            n = int(items_in[s])
-            if n:
-                kk, used = unpack_keys(got[s], n, self.key_type)
-                ks.append(kk)
-                vs.append(split_rows(got[s][used:], np.dtype(np.float32), (self.dim,)))
+        with self.comm.aborting():  # nothing assigned; the others stop at their next call
+            for s in range(w):  # in rank order: a later rank's value of a shared key wins
+                n = int(items_in[s])
+                kk, used = unpack_keys(got[s], n, self.key_type, owner=(me, w), source=s)
+                vv = split_rows(got[s][used:], np.dtype(np.float32), (self.dim,), rows=n,
+                                source=s)
+                if n:
+                    ks.append(kk)
+                    vs.append(vv)
         if ks:
             try:
                 self.local.assign(np.concatenate(ks), np.concatenate(vs))
@@ -136,7 +157,7 @@ class CollectiveOps:
                 if batch is not None:
                     keys, recs = batch
                     n = len(keys)
-                    payload = np.concatenate((pack_keys(keys), recs.view(np.uint8)))
+                    payload = pack_records(keys, recs)
                 sizes = [len(payload) if d == 0 else 0 for d in range(self.world_size)]
                 items, nbytes, more = self.comm.begin("export", n, sizes, int(batch is not None))
                 if not more.any():
@@ -150,14 +171,17 @@ class CollectiveOps:
                     continue
                 try:
                     for s in range(self.world_size):
-                        if items[s]:
-                            k, used = unpack_keys(got[s], int(items[s]), self.key_type)
-                            writer.write(k, got[s][used:].view(self.local.layout.dtype))
+                        # a shard's records: sizes, and (per-rank stores) its own keys
+                        k, recs = unpack_records(
+                            got[s], int(items[s]), self.key_type, self.local.layout.dtype,
+                            owner=(s, self.world_size) if self.sharded else None, source=s)
+                        if len(k):
+                            writer.write(k, recs)
                 except Exception as e:  # noqa: BLE001 - finish the rounds, then report
                     err = e
             if err is not None and writer is not None:
                 writer.abort()
-        self._agree("export", err)
+        self._agree("export", err)  # a bad payload: RankFailureError on every rank
         return total
 
     # -- top_k -------------------------------------------------------------------------------
@@ -179,39 +203,36 @@ class CollectiveOps:
         q = check_queries(self.local, queries)
         ex = self.local.normalize_keys([] if exclude is None else exclude)
         self._sync_shared()
-        # every rank's queries and exclusions, to every shard
-        blob = np.concatenate((np.array([len(q), len(ex)], np.int64).view(np.uint8),
-                               q.reshape(-1).view(np.uint8), pack_keys(ex)))
-        blobs, _, _ = self.comm.allgather("top_k", blob)
+        # every rank's queries, k and exclusions, to every shard
+        blobs, _, _ = self.comm.allgather("top_k", pack_queries(q, int(k), ex))
         key_dtype = np.int64 if self.key_type == "int64" else object
         parts, widths = [], []
-        for b in blobs:  # this shard's candidates for each rank's queries
-            nq, nex = (int(x) for x in b[:16].view(np.int64))
-            qs = split_rows(b[16:16 + 4 * self.dim * nq], np.dtype(np.float32), (self.dim,))
-            exs = unpack_keys(b[16 + 4 * self.dim * nq:], nex, self.key_type)[0]
-            if nq and self._answers and len(self.local):
-                res = self.local.top_k(qs, int(k), exs if nex else None)
-                kk, ss = res
-                vv = np.asarray(getattr(res, "valid", np.ones(kk.shape, bool)))
-            else:
-                kk = np.zeros((nq, 0), key_dtype)
-                ss, vv = np.zeros((nq, 0), np.float32), np.zeros((nq, 0), bool)
-            widths.append(kk.shape[1])
-            parts.append((pack_keys(kk.reshape(-1)), np.ascontiguousarray(ss),
-                          np.ascontiguousarray(vv)))
+        try:
+            for s, b in enumerate(blobs):  # this shard's candidates for each rank's queries
+                qs, ks, exs = unpack_queries(b, self.dim, self.key_type, source=s)
+                if len(qs) and self._answers and len(self.local):
+                    res = self.local.top_k(qs, ks, exs if len(exs) else None)
+                    kk, ss = res
+                    vv = np.asarray(getattr(res, "valid", np.ones(kk.shape, bool)))
+                else:
+                    kk = np.zeros((len(qs), 0), key_dtype)
+                    ss, vv = np.zeros((len(qs), 0), np.float32), np.zeros((len(qs), 0), bool)
+                widths.append(kk.shape[1])
+                parts.append(pack_candidates(kk, ss, vv))
+        except Exception as e:
+            # a bad query buffer (or this shard's own failure): the others, waiting for the
+            # candidates, get an abort header instead of the timeout
+            self.comm.abort(f"rank {self.rank}'s top_k failed: {e}")
+            raise
         cols, nbytes, _ = self.comm.begin("top_k", widths,
                                           [sum(a.nbytes for a in p) for p in parts])
         got = self.comm.exchange(parts, nbytes, "top_k")
-        mine = len(q)
-        ck, cs, cv = [], [], []
-        for s in range(self.world_size):
-            cells = mine * int(cols[s])
-            kk, used = unpack_keys(got[s], cells, self.key_type)
-            ck.append(kk.reshape(mine, -1))
-            cs.append(got[s][used:used + 4 * cells].view(np.float32).reshape(mine, -1))
-            cv.append(got[s][used + 4 * cells:].view(bool).reshape(mine, -1))
-        ck, cs, cv = (np.concatenate(ck, axis=1), np.concatenate(cs, axis=1),
-                      np.concatenate(cv, axis=1))
+        owner = (lambda s: (s, self.world_size)) if self.sharded else (lambda s: None)
+        with self.comm.aborting():  # the last exchange: the others stop at their next call
+            cands = [unpack_candidates(got[s], len(q), int(cols[s]), int(k), self.key_type,
+                                       owner=owner(s), source=s)
+                     for s in range(self.world_size)]
+        ck, cs, cv = (np.concatenate([c[i] for c in cands], axis=1) for i in range(3))
         width = min(int(k), ck.shape[1])
         # As one store orders them: real items first, score descending (NaN after every
         # number), ties by key ascending.
@@ -249,10 +270,12 @@ class CollectiveOps:
                     else positives[0] if positives else self.local.normalize_keys([]))
         idx = sampling_index(self.local)
         snap = idx.snapshot(sampler)
-        mine = np.array([snap.total, snap.support - snap.dead_support], dtype=np.float64)
-        blobs, _, _ = self.comm.allgather("sample", mine.view(np.uint8))
-        shard_w = np.array([b.view(np.float64)[0] for b in blobs])
-        support = int(sum(b.view(np.float64)[1] for b in blobs))
+        blobs, _, _ = self.comm.allgather(
+            "sample", pack_shard_weight(snap.total, snap.support - snap.dead_support))
+        with self.comm.aborting():  # every rank saw the same blobs: all abort together
+            shards = [unpack_shard_weight(b, source=s) for s, b in enumerate(blobs)]
+        shard_w = np.array([t for t, _ in shards], np.float64)
+        support = sum(n for _, n in shards)
         total = float(shard_w.sum())
         rng = (seed if isinstance(seed, np.random.Generator)
                else np.random.default_rng(None if seed is None else (int(seed), self.rank)))
@@ -268,7 +291,8 @@ class CollectiveOps:
         uniq_pos, inv = np.unique(flat_pos, return_inverse=True) if len(flat_pos) else (
             flat_pos, np.zeros(0, np.int64))
         pw = self._ask_owners("sample_prob", uniq_pos, 0, lambda asked, _: [
-            idx.prob_of(snap, a) * snap.total for a in asked], np.float64, ())
+            idx.prob_of(snap, a) * snap.total for a in asked], np.float64, (),
+            check=lambda rows, s: check_weights(rows, "a positive key's sampling weight", s))
         if problem:  # raised after the owners' last exchange, which every rank joins
             raise InvalidInputError(problem)
         pos_prob = expected_count((pw / total if total > 0 else pw)[inv.reshape(-1)], tries,
@@ -293,24 +317,30 @@ class CollectiveOps:
             asked, _, active = self.comm.begin("sample_round", req, 0, int(not done))
             if not active.any():
                 break
-            answers = []
-            for s in range(w):
-                c = int(asked[s])
-                if c == 0:
-                    answers.append(np.zeros(0, np.uint8))
-                    continue
-                k, _, p = idx.draw(snap, rng, c)
-                answers.append(np.concatenate((pack_keys(k), (p * snap.total).view(np.uint8))))
-            n_in, nbytes, _ = self.comm.begin("sample_round", asked, [len(a) for a in answers])
+            try:
+                answers, drawn = [], []
+                for c in asked.tolist():
+                    k, _, p = (idx.draw(snap, rng, c) if c
+                               else (keys[:0], None, np.zeros(0, np.float64)))
+                    answers.append(pack_draws(k, p * snap.total))
+                    drawn.append(len(k))
+            except Exception as e:  # the askers wait for these draws: tell them at once
+                self.comm.abort(f"rank {self.rank}'s sample failed: {e}")
+                raise
+            # the header says how many keys were drawn; the asker checks it is what it asked
+            n_in, nbytes, _ = self.comm.begin("sample_round", drawn, [len(a) for a in answers])
             got = self.comm.exchange(answers, nbytes, "sample_round")
             if done:
                 continue
             ks, ws = [keys], [wts]
-            for s in range(w):
-                if n_in[s]:
-                    k, used = unpack_keys(got[s], int(n_in[s]), self.key_type)
+            with self.comm.aborting():  # the others stop at their next round or call
+                for s in range(w):
+                    # each shard draws exactly what was asked of it, from its own keys
+                    expect_count(n_in[s], req[s], "sampled keys", s)
+                    k, p = unpack_draws(got[s], int(n_in[s]), self.key_type, owner=(s, w),
+                                        source=s)
                     ks.append(k)
-                    ws.append(got[s][used:].view(np.float64))
+                    ws.append(p)
             # Draws grouped by shard are not an i.i.d. sequence; a shuffle makes them one.
             perm = len(keys) + rng.permutation(int(req.sum()))
             allk, allw = np.concatenate(ks), np.concatenate(ws)

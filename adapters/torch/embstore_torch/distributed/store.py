@@ -188,17 +188,22 @@ class DistributedStore(CollectiveOps):
         blobs, counts, flags = self.comm.allgather(op, np.frombuffer(msg, np.uint8),
                                                    items=items, flag=int(err is not None))
         if err is not None:
-            if self.local is not None:
-                self._close_quietly()
+            self._close_quietly()
+            if isinstance(err, RankFailureError):  # a peer sent garbage: no more collectives
+                self.comm.broken = f"{op}: {err}"
             raise err
         failed = np.flatnonzero(flags)
         if len(failed):
             r = int(failed[0])
             name, _, text = blobs[r].tobytes().decode(errors="replace").partition("\n")
+            self._close_quietly()
+            if name == RankFailureError.__name__:  # rank r received a bad payload (its
+                # message names the sender): this store is as unusable here as there
+                self.comm.broken = f"rank {r} failed in {op}"
+                raise RankFailureError(f"rank {r} failed in {op}: {text}", failed_rank=r)
             cls = getattr(_errors, name, None)
             if not (isinstance(cls, type) and issubclass(cls, _errors.EmbstoreError)):
                 cls = CollectiveError
-            self._close_quietly()
             raise cls(f"rank {r} failed in {op}: {text}")
         return int(counts.sum())
 
@@ -248,11 +253,13 @@ class DistributedStore(CollectiveOps):
         return self.local.normalize_keys(keys)
 
     def _ask_owners(self, op: str, keys: np.ndarray, flag: int, answer: Any,
-                    row_dtype: np.dtype, row_shape: tuple[int, ...]) -> np.ndarray:
+                    row_dtype: np.dtype, row_shape: tuple[int, ...],
+                    check: Any = None) -> np.ndarray:
         """Send distinct ``keys`` to their owners; return one answer row per key.
 
         ``answer(keys_by_source, flags)`` runs on the owner and returns the rows for each
-        source's keys (arrays of ``row_dtype`` / ``row_shape``).
+        source's keys (arrays of ``row_dtype`` / ``row_shape``). ``check(rows, owner)``, if
+        given, vets the rows another rank answered (raising ``RankFailureError``).
         """
         w, me = self.world_size, self.rank
         order, bounds = route(keys, w)
@@ -292,11 +299,13 @@ class DistributedStore(CollectiveOps):
         back = self.comm.exchange([r if s != me else r[:0] for s, r in enumerate(rows)],
                                   sizes, op)
         out = np.empty((len(keys), *row_shape), dtype=row_dtype)
-        for d in range(w):
-            if counts[d]:
-                out[order[bounds[d]:bounds[d + 1]]] = (
-                    rows[me] if d == me
-                    else split_rows(back[d], np.dtype(row_dtype), row_shape))
+        for d in np.flatnonzero(counts).tolist():
+            got_rows = rows[me] if d == me else split_rows(
+                back[d], np.dtype(row_dtype), row_shape, rows=int(counts[d]), source=d)
+            if check is not None and d != me:
+                with self.comm.aborting():  # the last exchange: the others stop at their next
+                    check(got_rows, d)
+            out[order[bounds[d]:bounds[d + 1]]] = got_rows
         return out
 
     # -- the training interface --------------------------------------------------------------------
@@ -336,12 +345,9 @@ class DistributedStore(CollectiveOps):
         items_in, nbytes_in, _ = self.comm.begin("prefetch", np.diff(bounds),
                                                  [len(p) for p in parts])
         got = self.comm.exchange(parts, nbytes_in, "prefetch")
-        try:
+        with self.comm.aborting():
             asked = [unpack_keys(got[s], int(items_in[s]), self.key_type, exact=True,
                                  owner=(self.rank, w), source=s)[0] for s in range(w)]
-        except CollectiveError as e:
-            self.comm.abort(str(e))
-            raise
         mine = np.concatenate(asked)  # a copy: a background prefetch keeps its keys
         if len(mine):
             self.local.prefetch(dedupe(mine)[0])
@@ -403,11 +409,8 @@ class DistributedStore(CollectiveOps):
                 cs.append(mult_by[lo:hi])
                 gs.append(rows[lo:hi])
                 continue
-            try:  # another rank's keys, counts and gradients: checked before any is applied
+            with self.comm.aborting():  # another rank's keys, counts and gradients: checked
                 kk, cc, gg = unpack_update(got[s], n, self.key_type, self.dim, (me, w), s)
-            except CollectiveError as e:
-                self.comm.abort(str(e))
-                raise
             ks.append(kk)
             cs.append(cc)
             gs.append(gg)

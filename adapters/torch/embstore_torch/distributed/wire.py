@@ -5,8 +5,10 @@ int64 keys travel as their 8 bytes; bytes keys as ``(n lengths as int64, the joi
 (:meth:`embstore.layers.sharded.ShardedBackend.shard_of`), imported, not rewritten.
 
 Received buffers are checked before they are used: sizes against counts, key lengths against
-the buffer, keys against their owner (a rank stores only keys it owns), each mismatch a
-:class:`~embstore_torch.distributed.comm.RankFailureError` naming the sending rank.
+the buffer, keys against their owner (a rank stores only keys it owns), sampling weights finite
+and >= 0, each mismatch a :class:`~embstore_torch.distributed.comm.RankFailureError` naming the
+sending rank. Every payload format has its ``pack_*`` and checked ``unpack_*`` side by side here
+(the collectives themselves are in :mod:`.store` and :mod:`.ops`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from .comm import RankFailureError
 #: the longest bytes key a rank accepts from another (the engine's own limit is lower)
 MAX_KEY_BYTES = 1 << 16
 
-__all__ = ["owner_of", "pack_keys", "route", "split_rows", "unpack_keys", "dedupe"]
+__all__ = ["owner_of", "pack_keys", "route", "split_rows", "unpack_keys", "dedupe",
+           "check_weights", "expect_count", "pack_records", "unpack_records", "pack_queries",
+           "unpack_queries", "pack_candidates", "unpack_candidates", "pack_shard_weight",
+           "unpack_shard_weight", "pack_draws", "unpack_draws"]
 
 
 def owner_of(keys: np.ndarray, world: int) -> np.ndarray:
@@ -140,3 +145,134 @@ def unpack_update(buf: np.ndarray, n: int, key_type: str, dim: int,
     counts = buf[used:used + 8 * n].view(np.int64)
     grads = split_rows(buf[used + 8 * n:], np.dtype(np.float32), (dim,), rows=n, source=source)
     return keys, counts, grads
+
+
+def check_weights(values: np.ndarray, what: str, source: int | None) -> np.ndarray:
+    """``values`` (sampling weights another rank sent) if every one is finite and >= 0: a NaN
+    or negative weight makes a multinomial raise, or skews every draw without a word."""
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise _bad(source, f"{what} {float(values[i])!r} is not a finite weight >= 0 "
+                           f"({int(bad.sum())} of {len(values)})")
+    return values
+
+
+def expect_count(got: int, want: int, what: str, source: int | None) -> None:
+    """A count another rank announced must be the one this rank asked for."""
+    if int(got) != int(want):
+        raise _bad(source, f"{int(got)} {what} where {int(want)} were asked for")
+
+
+# -- export: (keys, records) of a shard, to rank 0 ----------------------------------------------
+def pack_records(keys: np.ndarray, recs: np.ndarray) -> np.ndarray:
+    """A batch of a shard's keys and their records (the layout's structured rows)."""
+    return np.concatenate((pack_keys(keys), np.ascontiguousarray(recs).view(np.uint8)))
+
+
+def unpack_records(buf: np.ndarray, n: int, key_type: str, dtype: np.dtype, *,
+                   owner: tuple[int, int] | None, source: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` keys and records of :func:`pack_records`, filling ``buf`` exactly (and, with
+    ``owner``, every key the sending shard's own)."""
+    keys, used = unpack_keys(buf, n, key_type, owner=owner, source=source)
+    return keys, split_rows(buf[used:], dtype, rows=n, source=source)
+
+
+# -- top_k: every rank's queries to every shard, candidates back ------------------------------
+_QUERY_HEAD = 3  # int64s before the queries: count, exclusion count, k
+
+
+def pack_queries(queries: np.ndarray, k: int, exclude: np.ndarray) -> np.ndarray:
+    """``[nq, nex, k, queries (nq x dim float32), exclusion keys]`` as one buffer."""
+    head = np.array([len(queries), len(exclude), k], np.int64)
+    return np.concatenate((head.view(np.uint8),
+                           np.ascontiguousarray(queries, np.float32).reshape(-1).view(np.uint8),
+                           pack_keys(exclude)))
+
+
+def unpack_queries(buf: np.ndarray, dim: int, key_type: str, *,
+                   source: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """``(queries, k, exclude)`` of :func:`pack_queries`: counts >= 0, ``k`` > 0, finite
+    queries, and the queries and keys fill the buffer exactly."""
+    head_bytes = 8 * _QUERY_HEAD
+    if len(buf) < head_bytes:
+        raise _bad(source, f"a top_k query buffer of {len(buf)} bytes, shorter than its "
+                           f"{head_bytes}-byte head")
+    nq, nex, k = (int(x) for x in buf[:head_bytes].view(np.int64))
+    if nq < 0 or nex < 0 or k <= 0:
+        raise _bad(source, f"top_k counts {nq} queries, {nex} exclusions, k={k}")
+    q_end = head_bytes + 4 * dim * nq
+    if q_end > len(buf):
+        raise _bad(source, f"{nq} top_k queries of dimension {dim} in a {len(buf)}-byte buffer")
+    queries = split_rows(buf[head_bytes:q_end], np.dtype(np.float32), (dim,), rows=nq,
+                         source=source)
+    if not np.isfinite(queries).all():
+        raise _bad(source, "top_k queries with NaN or inf")
+    exclude = unpack_keys(buf[q_end:], nex, key_type, exact=True, source=source)[0]
+    return queries, k, exclude
+
+
+def pack_candidates(keys: np.ndarray, scores: np.ndarray,
+                    valid: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A shard's ``(nq, width)`` candidates: keys, float32 scores, bool validity."""
+    return (pack_keys(keys.reshape(-1)), np.ascontiguousarray(scores, np.float32),
+            np.ascontiguousarray(valid, np.bool_))
+
+
+def unpack_candidates(buf: np.ndarray, nq: int, width: int, k: int, key_type: str, *,
+                      owner: tuple[int, int] | None,
+                      source: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``(nq, width)`` keys, scores and validity of :func:`pack_candidates`.
+
+    Checked: ``0 <= width <= k`` (a shard answers at most ``k`` per query), the three parts
+    fill ``buf`` exactly, validity bytes are 0 or 1 (any other byte is neither True nor False
+    to a sort) and, with ``owner``, every valid key is the sending shard's own."""
+    if not 0 <= int(width) <= int(k):
+        raise _bad(source, f"{int(width)} top_k candidates per query where at most k={int(k)} "
+                           "belong")
+    cells = int(nq) * int(width)
+    keys, used = unpack_keys(buf, cells, key_type, source=source)
+    rest = buf[used:]
+    if len(rest) != 5 * cells:
+        raise _bad(source, f"{len(rest)} bytes of scores and flags for {nq} x {width} top_k "
+                           f"candidates ({5 * cells} belong)")
+    flags = rest[4 * cells:]
+    if cells and int(flags.max()) > 1:
+        raise _bad(source, "top_k validity flags other than 0 or 1")
+    valid = flags.view(np.bool_).reshape(nq, width)
+    _check_owner(keys[valid.reshape(-1)], owner, source)
+    return (keys.reshape(nq, width), rest[:4 * cells].view(np.float32).reshape(nq, width),
+            valid)
+
+
+# -- sample: shard weights to every rank, draws and positive weights to the asker -------------
+def pack_shard_weight(total: float, support: int) -> np.ndarray:
+    """A shard's sampling weight and its number of keys with a positive weight."""
+    return np.array([total, support], np.float64).view(np.uint8)
+
+
+def unpack_shard_weight(buf: np.ndarray, *, source: int) -> tuple[float, int]:
+    """``(total, support)`` of :func:`pack_shard_weight`: 16 bytes, a finite weight >= 0 and a
+    whole number of keys >= 0."""
+    if len(buf) != 16:
+        raise _bad(source, f"a shard sampling weight of {len(buf)} bytes (16 belong)")
+    total, support = (float(x) for x in buf.view(np.float64))
+    check_weights(np.array([total]), "a shard sampling weight", source)
+    if not (np.isfinite(support) and support >= 0 and support == int(support)):
+        raise _bad(source, f"a shard support of {support!r} keys")
+    return total, int(support)
+
+
+def pack_draws(keys: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Keys a shard drew and their sampling weights (float64)."""
+    return np.concatenate((pack_keys(keys),
+                           np.ascontiguousarray(weights, np.float64).view(np.uint8)))
+
+
+def unpack_draws(buf: np.ndarray, n: int, key_type: str, *, owner: tuple[int, int] | None,
+                 source: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` keys and weights of :func:`pack_draws`: they fill ``buf`` exactly, every
+    weight is finite and >= 0, and (``owner``) every key is the drawing shard's own."""
+    keys, used = unpack_keys(buf, n, key_type, owner=owner, source=source)
+    weights = split_rows(buf[used:], np.dtype(np.float64), rows=n, source=source)
+    return keys, check_weights(weights, "a drawn key's sampling weight", source)

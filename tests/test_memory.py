@@ -368,3 +368,31 @@ def test_large_tables_and_arenas_ask_for_huge_pages():
     grown = _huge_advised_bytes() - before
     assert grown >= (32 << 20) + 80 * 2**17, grown
     del table, arena
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_huge_pages_false_keeps_small_pages_and_small_chunks():
+    release_pool()
+    before = _huge_advised_bytes()
+    table = CuckooTable(1 << 20, huge_pages=False)
+    arena = RecordArena(80, huge_pages=False)
+    slots = np.empty(4, np.uint32)
+    arena.alloc(slots)
+    assert arena.chunk_rows == 2**14 and not arena.huge_pages
+    assert _huge_advised_bytes() - before < (32 << 20), "a table or chunk was advised"
+    del table, arena
+
+
+@pytest.mark.parametrize(("url", "kw"), [("memory://?huge_pages=false", {}),
+                                         ("memory://", {"huge_pages": False})])
+def test_memory_store_huge_pages_option(url, kw):
+    keys, grads = np.arange(1000) * 7, np.full((1000, 4), 0.5, np.float32)
+    small = embstore.open(url, dim=4, **kw)
+    default = embstore.open("memory://", dim=4)
+    assert not small._backend._arena.huge_pages and default._backend._arena.huge_pages
+    for s in (small, default):
+        s.update(keys, grads)
+    np.testing.assert_array_equal(small.lookup(keys, insert=False),
+                                  default.lookup(keys, insert=False))
+    with pytest.raises(InvalidInputError, match="huge_pages"):
+        embstore.open("memory://?huge_pages=maybe", dim=4)

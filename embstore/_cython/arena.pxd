@@ -13,6 +13,7 @@ cdef class RecordArena:
     cdef public Py_ssize_t itemsize
     cdef public Py_ssize_t chunk_rows
     cdef public bint prefault
+    cdef readonly bint huge_pages
     cdef size_t chunk_bytes
     cdef uint64_t next_slot      # slots below this were handed out at least once
     cdef uint32_t* free_list

@@ -14,7 +14,8 @@ class RecordArena:
     itemsize: int
     chunk_rows: int
     prefault: bool
-    def __init__(self, itemsize: int, chunk_shift: int = -1, prefault: bool = True) -> None: ...
+    def __init__(self, itemsize: int, chunk_shift: int = -1, prefault: bool = True,
+                 huge_pages: bool = True) -> None: ...
     @property
     def nbytes(self) -> int: ...
     @property

@@ -29,29 +29,35 @@ cdef extern from *:
     #define ES_POOL_MAX ((size_t)512 << 20)
     static void* es_pool_p[ES_POOL_SLOTS];
     static size_t es_pool_n[ES_POOL_SLOTS];
+    static int es_pool_h[ES_POOL_SLOTS];
     static int es_pool_len = 0;
     static size_t es_pool_bytes = 0;
-    static void* es_map(size_t n) {
+    /* `n` bytes for a chunk, advised onto huge pages when `huge` (a pooled chunk is reused
+       only by an arena that asks for the same size and the same advice). */
+    static void* es_map(size_t n, int huge) {
         for (int i = es_pool_len - 1; i >= 0; i--) {
-            if (es_pool_n[i] == n) {
+            if (es_pool_n[i] == n && es_pool_h[i] == huge) {
                 void* p = es_pool_p[i];
                 es_pool_len--;
                 es_pool_p[i] = es_pool_p[es_pool_len];
                 es_pool_n[i] = es_pool_n[es_pool_len];
+                es_pool_h[i] = es_pool_h[es_pool_len];
                 es_pool_bytes -= n;
                 return p;
             }
         }
-        void* p = es_map_aligned(n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS);
+        void* p = huge ? es_map_aligned(n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS)
+                       : mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) return NULL;
-        es_advise_huge(p, n);
+        if (huge) es_advise_huge(p, n);
         return p;
     }
-    static void es_unmap(void* p, size_t n) {
+    static void es_unmap(void* p, size_t n, int huge) {
         if (!p) return;
         if (es_pool_len < ES_POOL_SLOTS && es_pool_bytes + n <= ES_POOL_MAX) {
             es_pool_p[es_pool_len] = p;
             es_pool_n[es_pool_len] = n;
+            es_pool_h[es_pool_len] = huge;
             es_pool_len++;
             es_pool_bytes += n;
             return;
@@ -66,8 +72,8 @@ cdef extern from *:
         return freed;
     }
     """
-    void* es_map(size_t n) nogil
-    void es_unmap(void* p, size_t n) nogil
+    void* es_map(size_t n, int huge) nogil
+    void es_unmap(void* p, size_t n, int huge) nogil
     int es_populate_async(void* p, size_t n) nogil
     size_t es_pool_release()
 
@@ -91,21 +97,27 @@ cdef class RecordArena:
     background thread fault them in (``MADV_POPULATE_WRITE``) while the caller fills the
     current one; ``prefault=False`` turns that off.
 
-    A chunk holds ``2**chunk_shift`` records. By default (``chunk_shift=-1``) the shift is
-    the smallest from 14 on that makes a chunk at least 8 MiB (at most 2**20 records): chunks
-    start on a 2 MiB boundary and are advised onto transparent huge pages, and only a chunk
-    of several huge pages is mostly backed by them. Records of a large table are read at
-    random places, and on 4 KiB pages nearly each read also missed the TLB: at 30M keys of
-    80-byte records that doubled the cost of a lookup.
+    With ``huge_pages`` (the default) chunks start on a 2 MiB boundary and are advised onto
+    transparent huge pages. Records of a large table are read at random places, and on 4 KiB
+    pages nearly each read also missed the TLB: at 30M keys of 80-byte records that doubled
+    the cost of a lookup. The price is at first touch where the kernel must find free 2 MiB
+    blocks: on a VM whose balloon returns free memory to its host, filling fresh memory ran
+    2.5-4.5x slower than on 4 KiB pages. ``huge_pages=False`` keeps 4 KiB pages.
+
+    A chunk holds ``2**chunk_shift`` records. By default (``chunk_shift=-1``) that is 2**14,
+    and with ``huge_pages`` the smallest shift from 14 on that makes a chunk at least 8 MiB
+    (at most 2**20 records): only a chunk of several huge pages is mostly backed by them.
     """
 
 
-    def __cinit__(self, Py_ssize_t itemsize, int chunk_shift=-1, bint prefault=True):
+    def __cinit__(self, Py_ssize_t itemsize, int chunk_shift=-1, bint prefault=True,
+                  bint huge_pages=True):
         if itemsize <= 0:
             raise ValueError("itemsize must be positive")
         if chunk_shift < 0:
             chunk_shift = MIN_CHUNK_SHIFT
-            while chunk_shift < MAX_CHUNK_SHIFT and (itemsize << chunk_shift) < CHUNK_BYTES:
+            while (huge_pages and chunk_shift < MAX_CHUNK_SHIFT
+                   and (itemsize << chunk_shift) < CHUNK_BYTES):
                 chunk_shift += 1
         elif chunk_shift > 30:
             raise ValueError("chunk_shift must be at most 30")
@@ -115,6 +127,7 @@ cdef class RecordArena:
         self.chunk_bytes = <size_t> self.chunk_rows * <size_t> itemsize
         self.low_mask = self.chunk_rows - 1
         self.prefault = prefault
+        self.huge_pages = huge_pages
         self.chunks = NULL
         self.nchunks = 0
         self.nspare = 0
@@ -127,7 +140,7 @@ cdef class RecordArena:
     cdef void _unmap_all(self) noexcept:
         cdef Py_ssize_t i
         for i in range(self.nchunks + self.nspare):
-            es_unmap(self.chunks[i], self.chunk_bytes)
+            es_unmap(self.chunks[i], self.chunk_bytes, self.huge_pages)
         self.nchunks = 0
         self.nspare = 0
 
@@ -158,7 +171,7 @@ cdef class RecordArena:
             if nc == NULL:
                 raise MemoryError("record arena: cannot grow chunk index")
             self.chunks = nc
-        cdef uint8_t* c = <uint8_t*> es_map(self.chunk_bytes)
+        cdef uint8_t* c = <uint8_t*> es_map(self.chunk_bytes, self.huge_pages)
         if c == NULL:
             raise MemoryError("record arena: cannot allocate a chunk")
         self.chunks[n] = c

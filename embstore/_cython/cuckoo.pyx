@@ -15,8 +15,9 @@ crafted to collide under one seed do not collide under another. As a second guar
 fails while the table is less than 1/8 full (at 4096 buckets or more) raises ``MemoryError``
 instead of doubling again: only colliding keys do that.
 
-The buckets live in a reserved address range (``es_memory.h``), so a doubling keeps the
-table where it is and the half it grows into is faulted in on a background thread before
+The buckets live in a reserved address range (``es_memory.h``), advised onto transparent huge
+pages unless ``huge_pages=False`` (see ``arena.pyx`` for why and what it costs), so a doubling
+keeps the table where it is and the half it grows into is faulted in on a background thread before
 it is needed.
 
 The slots index the record arena (``arena.pyx``); ``find_or_insert`` allocates them there.
@@ -46,7 +47,7 @@ cdef extern from "es_memory.h":
         char* base
         size_t committed
         size_t reserved
-    int es_region_init(es_region* r, size_t need) nogil
+    int es_region_init(es_region* r, size_t need, int huge) nogil
     int es_region_commit(es_region* r, size_t need) nogil
     void es_region_free(es_region* r) nogil
     int es_populate_async(void* p, size_t n) nogil
@@ -99,14 +100,15 @@ cdef class CuckooTable:
     cdef uint64_t rng
     cdef readonly uint64_t seed
 
-    def __cinit__(self, uint64_t capacity=1024, bint prefault=True, seed=None):
+    def __cinit__(self, uint64_t capacity=1024, bint prefault=True, seed=None,
+                  bint huge_pages=True):
         cdef uint64_t nb = 16
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         self.seed = <uint64_t> (int(seed) & 0xFFFFFFFFFFFFFFFF)
         while nb * BUCKET * MAX_LOAD < capacity:
             nb *= 2
-        if es_region_init(&self.region, nb * sizeof(Bucket)) != 0:
+        if es_region_init(&self.region, nb * sizeof(Bucket), huge_pages) != 0:
             raise MemoryError("cuckoo table: cannot allocate %d buckets" % nb)
         self.prefault = prefault
         self.size = 0

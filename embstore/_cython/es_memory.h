@@ -47,7 +47,7 @@ static inline int es_populate_async(void* p, size_t n) {
    `committed` bytes are usable. Growing within the reservation keeps the address, so the part
    to grow into can be committed and faulted in ahead of time, while the old part is in use.
    Outgrowing it moves the pages to a bigger reservation (mremap: no copy on Linux). */
-typedef struct { char* base; size_t committed; size_t reserved; } es_region;
+typedef struct { char* base; size_t committed; size_t reserved; int huge; } es_region;
 
 #define ES_REGION_MIN_RESERVE ((size_t)1 << 20)
 #define ES_REGION_RESERVE_FACTOR 16
@@ -87,22 +87,23 @@ static inline void* es_map_aligned(size_t n, int prot, int flags) {
     return a;
 }
 
-/* A new reservation of `res` bytes with its first `need` usable; NULL if not available. */
-static inline char* es_reserve(size_t res, size_t need) {
+/* A new reservation of `res` bytes with its first `need` usable, advised onto huge pages when
+   `huge`; NULL if not available. */
+static inline char* es_reserve(size_t res, size_t need, int huge) {
     void* p = es_map_aligned(res, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE);
     if (p == MAP_FAILED) return NULL;
     if (need && mprotect(p, need, PROT_READ | PROT_WRITE) != 0) { munmap(p, res); return NULL; }
-    es_advise_huge(p, res);
+    if (huge) es_advise_huge(p, res);
     return (char*)p;
 }
 
 /* 0 on success; -1 (errno set) if the address space or the memory is not available. */
-static inline int es_region_init(es_region* r, size_t need) {
+static inline int es_region_init(es_region* r, size_t need, int huge) {
     need = es_page_round(need);   /* committed stays page-aligned, as mprotect needs */
     size_t res = es_region_reserve_for(need);
-    char* p = es_reserve(res, need);
+    char* p = es_reserve(res, need, huge);
     if (!p) return -1;
-    r->base = p; r->committed = need; r->reserved = res;
+    r->base = p; r->committed = need; r->reserved = res; r->huge = huge;
     return 0;
 }
 
@@ -118,7 +119,7 @@ static inline int es_region_commit(es_region* r, size_t need) {
         return 0;
     }
     size_t res = es_region_reserve_for(need);
-    char* p = es_reserve(res, need);
+    char* p = es_reserve(res, need, r->huge);
     if (!p) return -1;
 #ifdef __linux__
     /* Move the committed pages into the new reservation (replacing its first pages). */
@@ -128,7 +129,7 @@ static inline int es_region_commit(es_region* r, size_t need) {
         return -1;
     }
     munmap(r->base, r->reserved);  /* the reservation's tail; the moved part is gone already */
-    es_advise_huge(p, res);        /* the moved pages keep the advice of their old mapping */
+    if (r->huge) es_advise_huge(p, res);   /* moved pages keep their old mapping's advice */
 #else
     memcpy(p, r->base, r->committed);
     munmap(r->base, r->reserved);

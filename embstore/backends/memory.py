@@ -113,11 +113,12 @@ class MemoryBackend(Backend):
         Keys to size the table for up front (it grows on its own either way).
     prefault : bool
         Fault memory in ahead of use on short-lived background threads, so inserting new keys
-        rarely waits for the kernel (default True): once the store holds four arena chunks
-        (65,536 records), one chunk per four in use (at most four) is kept mapped ahead; and
-        once the hash table has 16,384 buckets, the half it will grow into at its next
-        doubling is prepared when it is 80% of the way there. ``False`` keeps every page
-        fault on the calling thread.
+        rarely waits for the kernel (default True): from four arena chunks on, one per four
+        in use (at most four, 16 MiB) is kept mapped ahead, and from 16,384 buckets on, the
+        half the hash table grows into next is prepared at 80% of the way. ``False`` keeps
+        every page fault on the calling thread.
+    huge_pages : bool
+        Huge pages for table and records (default True); README, "Sizing a table".
     hash_seed : int, optional
         Seed of the hash table's key hash, int64 or bytes keys (default: drawn at random per
         store, so keys crafted to collide cannot make the table grow without bound). Give one
@@ -136,7 +137,8 @@ class MemoryBackend(Backend):
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
                  initial_capacity: int = 1024, prefault: bool = True,
-                 hash_seed: int | None = None, **options: Any) -> None:
+                 hash_seed: int | None = None, huge_pages: bool = True,
+                 **options: Any) -> None:
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         check_options("memory://", options, accepted_options(MemoryBackend) or ())
@@ -147,6 +149,8 @@ class MemoryBackend(Backend):
             prefault = _flag("prefault", query["prefault"])
         if "hash_seed" in query:
             hash_seed = int(query["hash_seed"])
+        if "huge_pages" in query:
+            huge_pages = _flag("huge_pages", query["huge_pages"])
         super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
@@ -154,6 +158,7 @@ class MemoryBackend(Backend):
         self._lock = _ProcessLock()
         self._capacity = max(int(initial_capacity), 16)
         self._prefault = _flag("prefault", prefault)
+        self._huge_pages = _flag("huge_pages", huge_pages)
         self._hash_seed = None if hash_seed is None else int(hash_seed)
         self._table: CuckooTable | BytesTable | None = None
         self._arena: RecordArena | None = None
@@ -170,9 +175,11 @@ class MemoryBackend(Backend):
         self._row_plans = {}  # worked out for the layout just bound
         self.supports_lookup_insert = True
         if self._arena is None:
-            self._arena = RecordArena(layout.itemsize, prefault=self._prefault)
+            self._arena = RecordArena(layout.itemsize, prefault=self._prefault,
+                                      huge_pages=self._huge_pages)
             if key_type == "int64":
-                self._table = CuckooTable(self._capacity, self._prefault, self._hash_seed)
+                self._table = CuckooTable(self._capacity, self._prefault, self._hash_seed,
+                                          self._huge_pages)
             else:
                 self._table = BytesTable(self._capacity, self._hash_seed)
 
@@ -481,7 +488,8 @@ class MemoryBackend(Backend):
                      rows: int | None = None) -> int:
         """A new table built aside, then installed in one step (see ``_replace.py``)."""
         staging = MemoryBackend(self.url, initial_capacity=max(int(rows or 0), 16),
-                                prefault=self._prefault, hash_seed=self._hash_seed)
+                                prefault=self._prefault, hash_seed=self._hash_seed,
+                                huge_pages=self._huge_pages)
         staging.bind(self.layout, self.key_type)
         staging.bulk_load(batches)
         with self._lock:

@@ -28,7 +28,8 @@ def url_options(url: str) -> dict[str, str]:
     found = dict(pairs)
     if len(found) != len(pairs):
         raise InvalidURLError(f"{url!r}: an option is given twice")
-    check_options("memory://", found, ("initial_capacity", "prefault", "hash_seed"))
+    check_options("memory://", found,
+                  ("initial_capacity", "prefault", "hash_seed", "huge_pages"))
     for name in ("initial_capacity", "hash_seed"):
         if name in found:
             try:

@@ -60,7 +60,8 @@ def test_backends_refuse_when_constructed_directly():
 
 
 def test_accepted_options_are_declared_per_backend():
-    assert accepted_options(MemoryBackend) == {"initial_capacity", "prefault", "hash_seed"}
+    assert accepted_options(MemoryBackend) == {"initial_capacity", "prefault", "hash_seed",
+                                               "huge_pages"}
     from embstore.backends.lmdb import LmdbBackend
 
     assert {"map_size", "durable", "writemap"} <= accepted_options(LmdbBackend)

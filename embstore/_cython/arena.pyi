@@ -14,6 +14,9 @@ class RecordArena:
     itemsize: int
     chunk_rows: int
     prefault: bool
+    @property
+    def huge_pages(self) -> bool:
+        """Whether the chunks are advised onto transparent huge pages; read-only."""
     def __init__(self, itemsize: int, chunk_shift: int = -1, prefault: bool = True,
                  huge_pages: bool = True) -> None: ...
     @property

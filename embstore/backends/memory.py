@@ -145,20 +145,17 @@ class MemoryBackend(Backend):
         query = url_options(url)
         if "initial_capacity" in query:
             initial_capacity = int(query["initial_capacity"])
-        if "prefault" in query:
-            prefault = _flag("prefault", query["prefault"])
         if "hash_seed" in query:
             hash_seed = int(query["hash_seed"])
-        if "huge_pages" in query:
-            huge_pages = _flag("huge_pages", query["huge_pages"])
         super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.
         self._lock = _ProcessLock()
         self._capacity = max(int(initial_capacity), 16)
-        self._prefault = _flag("prefault", prefault)
-        self._huge_pages = _flag("huge_pages", huge_pages)
+        # a flag from the query wins over the keyword; _flag reads both forms
+        self._prefault = _flag("prefault", query.get("prefault", prefault))
+        self._huge_pages = _flag("huge_pages", query.get("huge_pages", huge_pages))
         self._hash_seed = None if hash_seed is None else int(hash_seed)
         self._table: CuckooTable | BytesTable | None = None
         self._arena: RecordArena | None = None

@@ -327,3 +327,52 @@ def test_sharded_routes_bytes_keys_by_the_fixed_hash():
             for batch_keys, _ in shard.scan():
                 held.update(batch_keys.tolist())
             assert held == {k for k, e in zip(keys, expect, strict=True) if e == i}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=60), st.data())
+def test_count_repeats_of_matches_isin_for_both_key_types(ids, data):
+    from embstore.engine.batch import count_repeats_of
+    marked = np.array(data.draw(st.lists(st.booleans(), min_size=len(ids),
+                                         max_size=len(ids))), dtype=bool)
+    ints = np.array(ids, dtype=np.int64)
+    strs = np.empty(len(ids), dtype=object)
+    strs[:] = [b"k%d" % i for i in ids]
+    expected = int(np.isin(ints, ints[marked]).sum())
+    assert count_repeats_of(ints, marked) == expected
+    assert count_repeats_of(strs, marked) == expected
+
+
+@pytest.mark.parametrize("key_type", ["int64", "bytes"])
+def test_lookup_with_new_and_repeated_keys_counts_hits_and_misses(key_type):
+    ids = np.arange(8000, dtype=np.int64)
+    keys = ids if key_type == "int64" else np.array([b"w%d" % i for i in ids], dtype=object)
+    with embstore.open("memory://", dim=4, key_type=key_type) as s:
+        s.lookup(keys[:4000])
+        before = s.stats()
+        # half the batch new, every new key twice, old keys once
+        batch = np.concatenate([keys[:2000], keys[4000:6000], keys[4000:6000]])
+        s.lookup(batch)
+        after = s.stats()
+        assert after["hits"] - before["hits"] == 2000
+        assert after["misses"] - before["misses"] == 4000
+        assert after["inserts"] - before["inserts"] == 2000
+        assert len(s) == 6000
+
+
+@pytest.mark.parametrize("dups", ["none", "few", "many"])
+def test_bytes_update_sums_duplicates_like_int64(dups):
+    rng = np.random.default_rng(3)
+    n = 512
+    ids = {"none": rng.permutation(4096)[:n], "few": rng.integers(0, 4096, n),
+           "many": rng.integers(0, 16, n)}[dups].astype(np.int64)
+    strs = np.array([b"k%d" % i for i in ids.tolist()], dtype=object)
+    g = rng.standard_normal((n, 8), dtype=np.float32)
+    with embstore.open("memory://", dim=8, optimizer="sgd", initializer="zeros") as a, \
+            embstore.open("memory://", dim=8, optimizer="sgd", initializer="zeros",
+                          key_type="bytes") as b:
+        a.update(ids, g)
+        b.update(strs, g)
+        u = np.unique(ids)
+        np.testing.assert_array_equal(a.lookup(u, insert=False),
+                                      b.lookup([b"k%d" % i for i in u.tolist()], insert=False))

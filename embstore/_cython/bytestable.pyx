@@ -380,10 +380,15 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
     cdef uint64_t* hs = NULL
     cdef uint32_t r
     cdef bint mark = inserted_out is not None
-    new_at = []     # positions inserted by this call: undone if a later one fails
+    # positions inserted by this call, undone if a later one fails (a C array: a Python list
+    # append per new key cost as much as the probe)
+    cdef Py_ssize_t* new_at = NULL
     try:
         if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
             raise ValueError("find_or_insert: output has too few rows")
+        new_at = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
+        if new_at == NULL:
+            raise MemoryError("find_or_insert: no memory for the batch")
         hs = table._hashes(v, n)
         if snapshot is not None:
             snapshot.fill(v, n)
@@ -399,11 +404,12 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
                 except BaseException:
                     # All or nothing: the keys this call inserted leave again with their slots.
                     gone = [r]
-                    for i in new_at:
-                        gone.append(table._erase(v[i].p, v[i].n, hs[i]))
+                    for i in range(inserted):
+                        gone.append(table._erase(v[new_at[i]].p, v[new_at[i]].n,
+                                                 hs[new_at[i]]))
                     arena.release(np.array(gone, dtype=np.uint32))
                     raise
-                new_at.append(j)
+                new_at[inserted] = j
                 inserted += 1
                 if mark:
                     inserted_out[j] = 1
@@ -411,6 +417,7 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
                 inserted_out[j] = 0
             out[j] = r
     finally:
+        free(new_at)
         free(hs)
         free(v)
     return inserted

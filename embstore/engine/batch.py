@@ -49,6 +49,14 @@ def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarra
         if len(first) == n:
             return keys, grads, np.ones(n, dtype=np.int64)
         mult = np.bincount(inv, minlength=len(first))
+        if (n - len(first)) * 4 <= n:
+            # few duplicates: reduceat would pay a call per (mostly one-row) segment; add the
+            # repeats onto the first occurrences instead, in batch order as reduceat does
+            summed = np.take(grads, first, axis=0)
+            dup = np.ones(n, dtype=bool)
+            dup[first] = False
+            np.add.at(summed, inv[dup], grads[dup])
+            return keys[first], summed, mult
         starts = np.zeros(len(first), dtype=np.int64)
         np.cumsum(mult[:-1], out=starts[1:])
         grouped = np.take(grads, np.argsort(inv, kind="stable"), axis=0)
@@ -102,6 +110,20 @@ def occurrences(keys: np.ndarray, uniq: np.ndarray) -> np.ndarray:
     if keys.dtype == object:
         return np.bincount(_positions_in(uniq, keys), minlength=len(uniq)).astype(np.int64)
     return np.bincount(np.searchsorted(uniq, keys), minlength=len(uniq)).astype(np.int64)
+
+
+def count_repeats_of(keys: np.ndarray, marked: np.ndarray) -> int:
+    """How many positions of ``keys`` hold a key that occurs at some ``marked`` position.
+
+    Linear in the batch for bytes keys too, where ``np.isin`` over object arrays compares
+    every pair of keys.
+    """
+    if keys.dtype == object:
+        inv = factorize_keys(keys)[1]
+        hit = np.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=bool)
+        hit[inv[marked]] = True
+        return int(np.count_nonzero(hit[inv]))
+    return int(np.count_nonzero(np.isin(keys, keys[marked])))
 
 
 def unique_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

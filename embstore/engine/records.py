@@ -18,7 +18,15 @@ import numpy as np
 from ..backends.base import RowUpdate
 from ..errors import SchemaMismatchError
 from ..valuetypes import round_trip
-from .batch import coalesce, distinct, occurrences, sum_counts, unique_first, unique_last
+from .batch import (
+    coalesce,
+    count_repeats_of,
+    distinct,
+    occurrences,
+    sum_counts,
+    unique_first,
+    unique_last,
+)
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -301,7 +309,7 @@ class RecordWrites:
             n_new = int(np.count_nonzero(new))
             if n_new:
                 # every occurrence of a new key missed (a repeated one is inserted once)
-                misses = n if n_new == n else int(np.count_nonzero(np.isin(k, k[new])))
+                misses = n if n_new == n else count_repeats_of(k, new)
                 self._stats["hits"] += n - misses
                 self._stats["misses"] += misses
                 self._stats["inserts"] += n_new

@@ -85,3 +85,21 @@ def test_private_name_reaches_stay_at_most_three_per_thousand_lines():
 def test_modules_stay_small():
     too_long = arch.longest_modules(arch.load_modules(), 530)
     assert too_long == []
+
+
+def test_the_documented_backend_flags_are_the_declared_ones():
+    """docs/architecture.md holds the one description of the backend contract: its flag table
+    names exactly the capability flags ``Backend`` declares, with their defaults."""
+    import re
+    from pathlib import Path
+
+    from embstore.backends.base import Backend
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    table = text.split("<!-- backend-flags -->")[1].split("<!-- /backend-flags -->")[0]
+    documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
+    declared = {name: getattr(Backend, name) for name in Backend.__annotations__
+                if not name.startswith("_") and name not in ("key_type",)}
+    assert set(documented) == set(declared)
+    for name, default in documented.items():
+        assert default == repr(declared[name]).replace("'", '"'), name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
@@ -82,3 +83,13 @@ def test_missing_backend_dependency_names_the_checkout_command():
             embstore.open("nodep://x", dim=4)
     finally:
         registry._registry.pop("nodep", None)
+
+
+def test_readme_is_short_and_links_every_docs_page():
+    """The README is the five-minute read (at most 200 lines) and every page in docs/ is
+    reachable from it; reference material lives in docs/."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert len(readme.splitlines()) <= 200
+    pages = {f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")}
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
+    assert pages <= linked, sorted(pages - linked)

@@ -118,7 +118,7 @@ class MemoryBackend(Backend):
         half the hash table grows into next is prepared at 80% of the way. ``False`` keeps
         every page fault on the calling thread.
     huge_pages : bool
-        Huge pages for table and records (default True); README, "Sizing a table".
+        Huge pages for table and records (default True); docs/performance.md, "Sizing a table".
     hash_seed : int, optional
         Seed of the hash table's key hash, int64 or bytes keys (default: drawn at random per
         store, so keys crafted to collide cannot make the table grow without bound). Give one

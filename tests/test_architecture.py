@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 from embstore.testing import architecture as arch
+from embstore.testing import class_shape as shape
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -46,6 +47,71 @@ def test_scanner_counts_private_reaches(tmp_path):
     texts = sorted(r.text for r in arch.private_reaches(modules))
     assert texts == ["from embstore._hidden import _f", "other._y"]
     assert arch.top_level_private_modules(root) == ["_hidden"]
+
+
+def test_scanner_sees_mixins_borrowed_names_class_sizes_and_owner_passing(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "base.py": """
+            class Base:
+                def __init__(self):
+                    self._own = 1
+        """,
+        "mix.py": """
+            from .base import Base
+            class Reads:
+                _declared: int            # a bare annotation borrows, it does not define
+                def f(self):
+                    return self._host_thing + self._declared
+            class Host(Reads, Base):
+                _declared = 3
+                def __init__(self):
+                    super().__init__()
+                    self._host_thing = 2
+                def g(self):
+                    return self._own
+            class Torchy(Foreign):        # a foreign base may hold any private name
+                def h(self):
+                    return self._parameters
+            def poke(owner, x):
+                owner._state = x          # reaches in: both accesses on owner count
+                return owner.public
+            def use(store, x):
+                return store.lookup(x)    # public use only: not owner-passing
+        """,
+    })
+    modules = arch.load_modules(root)
+    table = shape.classes(modules)
+    assert table["embstore.mix.Host"].bases == ["embstore.mix.Reads", "embstore.base.Base"]
+    assert shape.mixins(table) == {"embstore.mix.Reads": {"_host_thing", "_declared"}}
+    sizes = dict(shape.with_bases(table))
+    assert sizes["embstore.mix.Host"] == (sizes["embstore.mix.Reads"]
+                                          + sizes["embstore.base.Base"] + 7)
+    assert [(p.function, p.accesses) for p in shape.owner_passing(modules)] == [("poke", 2)]
+
+
+def test_scanner_sees_a_cycle_through_type_checking_imports_when_asked(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from . import b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n",
+    })
+    modules = arch.load_modules(root)
+    assert arch.import_cycles(modules) == []
+    assert arch.import_cycles(modules, type_checking=True) == [["embstore.a", "embstore.b"]]
+
+
+def test_class_assembly_stays_within_its_ceilings():
+    """Ceilings at the figures measured now, lowered as mixins give way to owned objects
+    (docs/architecture.md): they only go down."""
+    modules = arch.load_modules()
+    table = shape.classes(modules)
+    mix = shape.mixins(table)
+    assert len(mix) <= 10, sorted(mix)
+    assert sum(len(v) for v in mix.values()) <= 53, mix
+    assert shape.with_bases(table)[0][1] <= 1208
+    assert sum(p.accesses for p in shape.owner_passing(modules)) <= 115
+    assert len(arch.import_cycles(modules, type_checking=True)) <= 1
 
 
 def test_no_import_cycles_among_the_packages_modules():

@@ -16,33 +16,17 @@ from __future__ import annotations
 import ast
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-#: Project packages and the folder each lives in, relative to the repository root.
-PACKAGES = {
-    "embstore": "embstore",
-    "embstore_torch": "adapters/torch/embstore_torch",
-    "embstore_tf": "adapters/tf/embstore_tf",
-}
+from . import class_shape
+from .source import PACKAGES, Module, load_modules, repo_root, resolve_from
+
+__all__ = ["PACKAGES", "Module", "load_modules", "repo_root"]
 
 # Underscore names that are public API of the standard library (namedtuple's methods,
 # ``sys._getframe``'s cousins are not in this list on purpose).
 _PUBLIC_UNDERSCORE = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
-
-
-@dataclass
-class Module:
-    """One source file of the project."""
-
-    name: str
-    path: Path
-    is_package: bool
-    tree: ast.Module = field(repr=False)
-
-    @property
-    def package(self) -> str:
-        return self.name if self.is_package else self.name.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
@@ -56,31 +40,6 @@ class Import:
     comment: str  # the source line above the import (where the reason for deferring is given)
 
 
-def repo_root() -> Path:
-    """The repository root (the folder holding ``embstore/``)."""
-    return Path(__file__).resolve().parents[2]
-
-
-def load_modules(root: Path | None = None) -> dict[str, Module]:
-    """Parse every ``.py`` file of the project packages."""
-    root = root or repo_root()
-    modules: dict[str, Module] = {}
-    for pkg, folder in PACKAGES.items():
-        base = root / folder
-        if not base.is_dir():
-            continue
-        for path in sorted(base.rglob("*.py")):
-            rel = path.relative_to(base).with_suffix("")
-            parts = [pkg, *rel.parts]
-            is_package = parts[-1] == "__init__"
-            if is_package:
-                parts = parts[:-1]
-            name = ".".join(parts)
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-            modules[name] = Module(name, path, is_package, tree)
-    return modules
-
-
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
@@ -89,12 +48,15 @@ def _is_type_checking(test: ast.expr) -> bool:
 _ImportNode = ast.Import | ast.ImportFrom
 
 
-def _walk_imports(tree: ast.AST) -> Iterator[tuple[_ImportNode, bool]]:
-    """Yield ``(import node, inside a function)``, skipping ``if TYPE_CHECKING:`` bodies."""
+def _walk_imports(tree: ast.AST, type_checking: bool = False
+                  ) -> Iterator[tuple[_ImportNode, bool]]:
+    """Yield ``(import node, inside a function)``, skipping ``if TYPE_CHECKING:`` bodies
+    unless ``type_checking``."""
 
     def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[_ImportNode, bool]]:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
+            if (not type_checking and isinstance(child, ast.If)
+                    and _is_type_checking(child.test)):
                 for sub in child.orelse:
                     yield from visit(sub, in_function)
                 continue
@@ -108,26 +70,18 @@ def _walk_imports(tree: ast.AST) -> Iterator[tuple[_ImportNode, bool]]:
     yield from visit(tree, False)
 
 
-def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
-    if node.level == 0:
-        return node.module or ""
-    base = module.package.split(".")
-    if node.level > 1:
-        base = base[: len(base) - (node.level - 1)]
-    return ".".join([*base, *([node.module] if node.module else [])])
-
-
-def imports(modules: dict[str, Module]) -> list[Import]:
-    """Every import of a project module by a project module (``TYPE_CHECKING`` ones left out)."""
+def imports(modules: dict[str, Module], type_checking: bool = False) -> list[Import]:
+    """Every import of a project module by a project module (``TYPE_CHECKING`` ones left out
+    unless ``type_checking``: a cycle through them is a design cycle all the same)."""
     lines_of: dict[str, list[str]] = {}
     found: list[Import] = []
     for mod in modules.values():
-        for node, in_function in _walk_imports(mod.tree):
+        for node, in_function in _walk_imports(mod.tree, type_checking):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
-                base = _resolve_from(mod, node)
+                base = resolve_from(mod, node)
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
                     targets.append(sub if sub in modules else base)
@@ -151,10 +105,11 @@ def imports(modules: dict[str, Module]) -> list[Import]:
     return found
 
 
-def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
-    """Strongly connected groups of more than one module in the import graph (Tarjan)."""
+def import_cycles(modules: dict[str, Module], type_checking: bool = False) -> list[list[str]]:
+    """Strongly connected groups of more than one module in the import graph (Tarjan);
+    ``type_checking`` adds the imports made only for type checkers."""
     graph: dict[str, set[str]] = {name: set() for name in modules}
-    for imp in imports(modules):
+    for imp in imports(modules, type_checking):
         graph[imp.importer].add(imp.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -241,7 +196,7 @@ def private_reaches(modules: dict[str, Module]) -> list[Reach]:
                 if not _selfish(node.value):
                     found.append(Reach(mod.name, node.lineno, ast.unparse(node)))
             elif isinstance(node, ast.ImportFrom):
-                base = _resolve_from(mod, node)
+                base = resolve_from(mod, node)
                 for alias in node.names:
                     full = f"{base}.{alias.name}"
                     if full in modules:
@@ -309,17 +264,21 @@ def report(root: Path | None = None) -> str:
     """The figures, one per line."""
     modules = load_modules(root)
     cycles = import_cycles(modules)
+    tc_cycles = import_cycles(modules, type_checking=True)
     reaches = private_reaches(modules)
     lines = nonblank_lines(modules)
     out = [
         f"modules: {len(modules)}  non-blank lines: {lines}",
         f"import cycles: {len(cycles)} (modules in them: {sum(len(c) for c in cycles)})",
         *(f"  cycle: {' '.join(c)}" for c in cycles),
+        f"import cycles counting TYPE_CHECKING imports: {len(tc_cycles)}",
+        *(f"  cycle: {' '.join(c)}" for c in tc_cycles),
         "function-level internal import statements: "
         f"{len({(i.importer, i.lineno) for i in function_level_imports(modules)})}",
         f"private reaches: {len(reaches)}  per 1k lines: {1000.0 * len(reaches) / lines:.2f}",
         f"top-level private modules in embstore/: {top_level_private_modules(root)}",
         f"modules over 500 lines: {longest_modules(modules, 500)}",
+        *class_shape.report_lines(modules),
     ]
     return "\n".join(out)
 

@@ -133,7 +133,7 @@ def test_codecs_know_no_store_and_the_engine_imports_no_layer_above_it():
     above_engine = ("embstore.api", "embstore.transfer", "embstore.cli", "embstore_torch",
                     "embstore_tf")
     for imp in imports:
-        if imp.importer.startswith("embstore.io.") and imp.importer != "embstore.io.transfer":
+        if imp.importer.startswith("embstore.io."):
             assert not imp.target.startswith(("embstore.store", "embstore.engine",
                                               "embstore.transfer", "embstore.api")), imp
         if imp.importer.startswith(("embstore.store", "embstore.engine", "embstore.backends",

@@ -8,7 +8,7 @@ import pytest
 import embstore
 from embstore.cli import main
 from embstore.errors import InvalidInputError
-from embstore.io.transfer import copy_store, export_file
+from embstore.transfer import copy_store, export_file
 
 KEYS = np.arange(200, dtype=np.int64)
 

@@ -110,7 +110,7 @@ def test_truncated_native_file_is_reported_as_truncated(tmp_path):
 
 # -- verify: the Python report and the CLI show one digest -----------------------------------------
 def test_verify_digest_hex_matches_the_cli(tmp_path, capsys):
-    from embstore.io.transfer import verify_file
+    from embstore.transfer import verify_file
 
     with embstore.open("memory://", dim=4) as s:
         s.assign(np.arange(10), np.ones((10, 4), np.float32))

@@ -9,7 +9,7 @@ redacted too.
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import parse_qsl, quote
 
 from .errors import InvalidURLError
 
@@ -25,11 +25,24 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # the same two shapes anywhere in a message (an error text quoting a URL)
 _USERINFO_ANY = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@\s'\"]*):"
                            r"(?P<pw>[^/?#\s'\"]*)@")
-_PARAM_ANY = re.compile(r"(?P<head>[?&](?:" + "|".join(sorted(_SECRET_PARAMS)) + r")=)"
-                        r"(?P<pw>[^&\s'\"]+)", re.IGNORECASE)
+# also inside a nested URL, whose '&' (and, in older URLs, '?' and '=') are percent-encoded
+_PARAM_ANY = re.compile(r"(?P<head>(?:[?&]|%26|%3F)(?:" + "|".join(sorted(_SECRET_PARAMS))
+                        + r")(?:=|%3D))(?P<pw>(?:(?!%26)[^&\s'\"])+)", re.IGNORECASE)
 # percent-encoded "://" of a nested URL, then "user:password@" in encoded form
 _ENCODED_USERINFO_ANY = re.compile(r"(?P<head>%3A%2F%2F[^%/?#@\s'\"]*)%3A(?P<pw>[^/?#@\s'\"]*?)%40",
                                    re.IGNORECASE)
+
+
+#: Characters a URL nested in a query value (``sharded://?shard=<url>``) keeps as they are:
+#: all that read back the same through ``parse_qsl``. '&', '#', '%', '+' and spaces, which
+#: would split or change the value, are percent-encoded.
+NESTED_URL_SAFE = ":/@=?,;!$'()*~[]"
+
+
+def query_string(pairs: list[tuple[str, str]]) -> str:
+    """``k=v&...`` with values quoted as :data:`NESTED_URL_SAFE` allows: nested URLs stay
+    readable."""
+    return "&".join(f"{quote(k, safe='')}={quote(v, safe=NESTED_URL_SAFE)}" for k, v in pairs)
 
 
 def check_url_text(url: str) -> None:
@@ -67,7 +80,7 @@ def redact_url(url: str) -> str:
         redacted.append((k, v))
     if not changed:
         return out
-    return head + "?" + urlencode(redacted, safe="*", quote_via=quote)
+    return head + "?" + query_string(redacted)
 
 
 def redact_text(text: str) -> str:

@@ -9,6 +9,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import embstore
 from embstore._keys import key_hash64
@@ -187,3 +189,22 @@ def test_sharded_bigtable_tables(bigtable_url_factory):
         assert len(plain) == 100
         np.testing.assert_array_equal(plain.lookup(np.arange(100), insert=False),
                                       np.full((100, 4), 2.0, np.float32))
+
+
+def test_sharded_url_is_readable_and_round_trips_any_shard_url():
+    from embstore.urls import redact_text, redact_url
+
+    plain = sharded_url(["lmdb:///data/s0", "lmdb:///data/s1"])
+    assert plain == "sharded://?shard=lmdb:///data/s0&shard=lmdb:///data/s1"
+    tricky = ["lmdb:///a b?durable=false&map_size=1", "sqlite:////x%25y.db#frag",
+              "postgresql+psycopg://u:p%40ss@h:5/db?table=t&password=pw"]
+    url = sharded_url(tricky)
+    assert parse_sharded_url(url) == tricky
+    for shown in (redact_url(url), redact_text(f"failed: {url}")):
+        assert "p%40ss" not in shown and "p%2540ss" not in shown and "=pw" not in shown, shown
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3))
+def test_sharded_url_round_trips_arbitrary_text(urls):
+    assert parse_sharded_url(sharded_url(urls)) == urls

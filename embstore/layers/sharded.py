@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from ..engine.row_count import count_is_cheap
 from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from ..layout import Layout
 from ..registry import backend_class
+from ..urls import query_string
 
 SCHEME = "sharded"
 #: the ``format`` recorded in each shard's metadata (the engine's is ``"embstore"``)
@@ -42,8 +43,9 @@ _VOLATILE = ("step", "version", "extra", "sharding")
 
 
 def sharded_url(urls: Sequence[str]) -> str:
-    """The ``sharded://`` URL naming an ordered list of shard URLs."""
-    return f"{SCHEME}://?" + urlencode([("shard", u) for u in urls])
+    """The ``sharded://`` URL naming an ordered list of shard URLs (readable: only the
+    characters that would change its meaning are percent-encoded)."""
+    return f"{SCHEME}://?" + query_string([("shard", u) for u in urls])
 
 
 def parse_sharded_url(url: str) -> list[str]:

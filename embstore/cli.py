@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,7 +174,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"rows         {info['rows']}")
     print(f"size         {_size(info['size_bytes'])}")
     print(f"version      {info['version']}  step {info['step']}")
-    print("stats        " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+    # one line per few counters, wrapped under the label, instead of one very long line
+    print(textwrap.fill(", ".join(f"{k}={v}" for k, v in sorted(stats.items())), width=100,
+                        initial_indent="stats        ", subsequent_indent=" " * 13,
+                        break_long_words=False, break_on_hyphens=False))
     return EXIT_OK
 
 
@@ -217,7 +221,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     finally:
         if store is not None:
             store.close()
-    what = "records" if rep.mode == "records" else "vectors (fresh optimizer state for new keys)"
+    if rep.mode == "records":
+        what = "records (vectors, optimizer state and metadata)"
+    else:
+        source = "int8 vectors, dequantized" if rep.value_dtype == "int8" else "vectors"
+        what = (f"{source} (optimizer state: new keys start fresh, existing keys keep "
+                "theirs)")
     msg = f"imported {rep.rows} rows as {what} into {store.url}"
     if rep.deleted:
         msg += f"; deleted {rep.deleted} keys the file lists as deleted"

@@ -214,3 +214,24 @@ def test_progress_bar_on_a_terminal_only(tmp_path):
     assert r.returncode == 0 and "rows/s" in r.stdout and "5.00k/5.00k" in r.stdout
     r = run("import", str(src), f"lmdb://{tmp_path}/piped")
     assert r.returncode == 0 and "rows/s" not in r.stderr + r.stdout
+
+
+def test_import_message_says_what_an_int8_file_brings_and_info_wraps_its_stats(tmp_path, capsys):
+    import numpy as np
+
+    import embstore
+    from embstore.cli import main
+
+    src = f"lmdb://{tmp_path}/src"
+    with embstore.open(src, dim=8, optimizer="adagrad") as s:
+        s.update(np.arange(10), np.ones((10, 8), np.float32))
+        s.export(str(tmp_path / "serve.emb"), quantize="int8")
+    assert main(["import", str(tmp_path / "serve.emb"), f"lmdb://{tmp_path}/dst",
+                 "--dim", "8"]) == 0
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert "int8 vectors, dequantized" in said and "existing keys keep theirs" in said
+    assert main(["info", src]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines if not line.startswith("layout")) <= 100
+    assert sum(1 for line in lines if line.startswith("stats")) == 1

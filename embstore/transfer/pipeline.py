@@ -53,6 +53,8 @@ class ImportReport:
     #: keys the file asked to delete (a delta's deletions, or a full export's with
     #: ``apply_deletes``) and how many of them were in the store
     deleted: int = 0
+    #: the file's stored value type (``"int8"`` for a quantized serving export), where known
+    value_dtype: str = ""
 
 
 def _projection(kind: str, src_dim: int, dst_dim: int, seed: int) -> np.ndarray | None:
@@ -245,6 +247,8 @@ def import_file(store: EmbeddingStore | NewStore,
         records_mode = (reader.layout is not None and reader.layout == store.layout
                         and reader.key_kind == store.key_type and reader.dim == store.dim)
         report.mode = "records" if records_mode else "vectors"
+        if reader.layout is not None:
+            report.value_dtype = str(reader.layout.value_dtype)
         mat = (_projection(project, reader.dim, store.dim, seed)
                if reader.dim != store.dim and project is not None else None)
         # header, deletions and policy state now; stamps and key lengths per chunk in pass 1

@@ -8,13 +8,15 @@ store gets :func:`reopen`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from . import transfer  # noqa: F401 - installs the store's export/import (engine.services)
 from .engine import services
 from .engine.opening import ENGINE_OPTIONS, check_backend_options, open_backend, split_options
 from .engine.unpickled import UnopenedStore
+from .errors import BackendUnavailableError
 from .layers import LAYER_OPTIONS
+from .registry import scheme_of
 from .store import EmbeddingStore
 
 
@@ -42,8 +44,13 @@ def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  #
     Returns
     -------
     EmbeddingStore
-        Also a context manager that closes the store.
+        Also a context manager that closes the store. A ``des://host:port[,...]`` URL gives a
+        :class:`embstore.service.client.DesStore` instead: a client of DynamicEmbedding
+        Workers that satisfies :class:`embstore.StoreProtocol` (options: ``token``,
+        ``token_file``, ``timeout``, ``tls_root_certs``, ``key_type``, ``read_only``).
     """
+    if scheme_of(url) == "des":
+        return cast(EmbeddingStore, _connect(url, dim, options))
     engine, read_only, layer, backend_options = split_options(options)
     # a misspelt option must raise, never be dropped (see embstore/options.py)
     check_backend_options(url, backend_options, layer.get("shards"),
@@ -51,6 +58,18 @@ def open(url: str, dim: int | None = None, **options: Any) -> EmbeddingStore:  #
     backend = open_backend(url, read_only=read_only, layer=layer, options=backend_options)
     reopen = dict(backend.reopen_options())
     return EmbeddingStore(backend, dim=dim, read_only=read_only, reopen_options=reopen, **engine)
+
+
+def _connect(url: str, dim: int | None, options: dict[str, Any]) -> Any:
+    """A ``des://`` client (the service needs pyarrow: the ``service`` extra)."""
+    try:
+        # deferred: pyarrow (Arrow Flight) is imported only for des:// URLs
+        from .service.client import DesStore
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"des:// needs pyarrow ({e.name or e}); install it with: pip install -e "
+            "'.[service]' (in a checkout of embstore)") from e
+    return DesStore(url, dim=dim, **options)
 
 
 def reopen(url: str, options: dict[str, Any]) -> EmbeddingStore | UnopenedStore:

@@ -23,6 +23,8 @@ __all__ = [
     "InvalidURLError",
     "StoreNotFoundError",
     "ForkedProcessError",
+    "AuthenticationError",
+    "ShardMismatchError",
 ]
 
 
@@ -86,3 +88,13 @@ class CapabilityError(EmbstoreError, NotImplementedError):
 class ForkedProcessError(EmbstoreError, RuntimeError):
     """An in-process store (``memory://``) was used in a child forked from its process: the
     child holds a private copy, so its writes would silently never reach the parent."""
+
+
+class AuthenticationError(EmbstoreError, PermissionError):
+    """A DynamicEmbedding Worker refused the caller: no token, a wrong token, or a role that
+    may not do what was asked (a ``serve`` token writing)."""
+
+
+class ShardMismatchError(EmbstoreError, ValueError):
+    """A request reached a DynamicEmbedding Worker that does not own it: another shard index
+    or shard count than the worker's ``--shard I/N``, or keys another shard owns."""

@@ -68,3 +68,18 @@ def keras_model(url: str):
     model = keras.Model(inputs, keras.layers.Dense(1)(pooled))
     model.compile(optimizer="sgd", loss="mse")
     return model, store
+
+
+def des_workers(ports: list[int], **options):
+    """Workers on these loopback ports serving fresh memory:// shards (docs/service.md)."""
+    from embstore.testing.service import Workers, start_worker
+
+    started = []
+    try:
+        for i, port in enumerate(ports):
+            started.append(start_worker("memory://", (i, len(ports)), port=port, **options))
+    except BaseException:
+        for w in started:
+            w.kill()
+        raise
+    return Workers(started)

@@ -125,7 +125,9 @@ def test_function_level_imports_only_defer_a_heavy_dependency_and_say_so():
     unexplained = [f"{i.importer}:{i.lineno}" for i in found
                    if not i.comment.startswith("# deferred:")]
     assert unexplained == []
-    assert len(found) <= 4
+    # statements (one deferred import of a.b.c also counts its packages as imports):
+    # pyarrow for Parquet files (2), for des:// clients and for `embstore serve` (1 each)
+    assert len({(i.importer, i.lineno) for i in found}) <= 4
 
 
 def test_codecs_know_no_store_and_the_engine_imports_no_layer_above_it():

@@ -1,0 +1,501 @@
+"""``des://host:port[,host:port...]``: a store whose shards are DynamicEmbedding Workers.
+
+There is no master: the position of an address in the list is its shard index, keys go to
+``key_hash64(key) % N`` (the routing of ``sharded://`` and ``embstore_torch.distributed``),
+and the requests of one call go to the workers in parallel. ``top_k`` merges the workers'
+``N x k`` candidates exactly as one store orders them; ``sample`` splits the draws over the
+workers by their share of the sampling weight, as the distributed store does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from .. import optim
+from .._keys import key_hash64, normalize_keys
+from ..engine.batch import check_counts, check_rows, nd_keys
+from ..errors import (
+    InvalidInputError,
+    InvalidURLError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    ShardMismatchError,
+    StoreClosedError,
+)
+from ..io.native import NativeWriter
+from ..layout import Layout
+from ..retrieval import TopKResult, check_queries
+from ..sampling.candidate import (
+    check_num_sampled,
+    expected_count,
+    group_positives,
+    merge_candidates,
+)
+from ..sampling.samplers import resolve_sampler
+from . import wire
+
+_T = TypeVar("_T")
+SCHEME = "des"
+
+
+def parse_des_url(url: str) -> tuple[list[str], dict[str, str]]:
+    """``(["host:port", ...], query options)`` of a ``des://`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != SCHEME or not parts.netloc or parts.path not in ("", "/"):
+        raise InvalidURLError(f"not a des URL (des://host:port[,host:port...]): {url!r}")
+    addrs = parts.netloc.split(",")
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidURLError(f"{url!r}: {a!r} is not host:port")
+    return addrs, dict(parse_qsl(parts.query))
+
+
+class DesStore:
+    """A client of one table served by N workers; satisfies :class:`embstore.StoreProtocol`.
+
+    Parameters
+    ----------
+    url : str
+        ``des://host:port[,host:port...]``; the list order is the shard order and must be the
+        same for every client (a worker refuses another N or index).
+    dim, key_type : optional
+        Checked against the workers' table (``SchemaMismatchError`` on a difference).
+    token : str, optional
+        Bearer token (``train`` or ``serve`` role) when the workers run with ``--token-file``;
+        also read from ``token_file=`` or the ``EMBSTORE_TOKEN`` environment variable.
+    timeout : float
+        Deadline of each call in seconds (default 30): a worker that does not answer in time
+        raises ``BackendError`` naming it.
+    tls_root_certs : str, optional
+        PEM file of the CA that signed the workers' certificates (``grpc+tls`` then).
+    """
+
+    collective = False
+    layout: Layout
+    read_only: bool
+
+    def __init__(self, url: str, *, dim: int | None = None, key_type: str | None = None,
+                 token: str | None = None, token_file: str | None = None,
+                 timeout: float = 30.0, tls_root_certs: str | None = None,
+                 read_only: bool = False) -> None:
+        addrs, query = parse_des_url(url)
+        token_file = token_file or query.get("token_file")
+        if token is None and token_file:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        token = token or os.environ.get("EMBSTORE_TOKEN")
+        timeout = float(query.get("timeout", timeout))
+        if not timeout > 0:
+            raise InvalidInputError(f"timeout must be positive, got {timeout}")
+        self._addrs = addrs
+        self._url = f"{SCHEME}://{','.join(addrs)}"
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._call = flight.FlightCallOptions(timeout=timeout, headers=headers)
+        scheme = "grpc+tls" if tls_root_certs else "grpc+tcp"
+        root = open(tls_root_certs, "rb").read() if tls_root_certs else None
+        self._clients = [flight.FlightClient(f"{scheme}://{a}", tls_root_certs=root,
+                                             generic_options=[("grpc.max_receive_message_length",
+                                                               wire.GRPC_MESSAGE_BYTES)])
+                         for a in addrs]
+        self._pool = ThreadPoolExecutor(len(addrs), thread_name_prefix="embstore-des")
+        self._closed = False
+        try:
+            infos = self._each(lambda s: self._action(s, "info"))
+            self._check_infos(infos, dim, key_type)
+        except BaseException:
+            self.close()
+            raise
+        meta = infos[0]["meta"]
+        self.layout = Layout.from_json(meta["layout"])
+        self._key_type = str(meta["key_type"])
+        self._optimizer = optim.resolve(meta["optimizer"])
+        self._meta = meta
+        self.read_only = bool(read_only) or any(i["read_only"] for i in infos)
+
+    def _check_infos(self, infos: list[dict[str, Any]], dim: int | None,
+                     key_type: str | None) -> None:
+        n = len(self._addrs)
+        for s, info in enumerate(infos):
+            if info["shard"] != s or info["shards"] != n:
+                raise ShardMismatchError(
+                    f"{self._addrs[s]} is shard {info['shard']}/{info['shards']}, listed as "
+                    f"{s}/{n} in {self._url}")
+        first = infos[0]["meta"]
+        for s, info in enumerate(infos[1:], 1):
+            for field in ("dim", "key_type", "layout", "optimizer"):
+                if info["meta"][field] != first[field]:
+                    raise SchemaMismatchError(f"{self._addrs[s]} serves another {field} than "
+                                              f"{self._addrs[0]}")
+        if dim is not None and dim != first["dim"]:
+            raise SchemaMismatchError(f"{self._url} holds dim {first['dim']}, not {dim}")
+        if key_type is not None and key_type != first["key_type"]:
+            raise SchemaMismatchError(f"{self._url} holds {first['key_type']} keys, not "
+                                      f"{key_type}")
+
+    # -- calls -------------------------------------------------------------------------------
+    def _where(self, s: int) -> str:
+        return f"des://{self._addrs[s]} (shard {s}/{len(self._addrs)})"
+
+    def _head(self, s: int) -> dict[str, Any]:
+        return {"shard": s, "shards": len(self._addrs)}
+
+    def _action(self, s: int, op: str, **fields: Any) -> Any:
+        import json
+
+        body = json.dumps({**self._head(s), **fields}).encode()
+        try:
+            results = list(self._clients[s].do_action(flight.Action(op, body), self._call))
+        except flight.FlightError as e:
+            wire.raise_remote(e, self._where(s))
+        return json.loads(results[0].body.to_pybytes())
+
+    def _exchange(self, s: int, op: str, batch: pa.RecordBatch, **fields: Any) -> pa.Table:
+        desc = wire.command(op, **self._head(s), **fields)
+        try:
+            writer, reader = self._clients[s].do_exchange(desc, self._call)
+            with writer:
+                writer.begin(batch.schema)
+                writer.write_batch(batch)
+                writer.done_writing()
+                return reader.read_all()
+        except flight.FlightError as e:
+            wire.raise_remote(e, self._where(s))
+            raise  # unreachable: raise_remote always raises
+
+    def _each(self, fn: Callable[[int], _T], shards: list[int] | None = None) -> list[_T]:
+        """``fn(s)`` for every shard (or those given), in parallel; the first error raised."""
+        todo = list(range(len(self._addrs))) if shards is None else shards
+        if len(todo) == 1:
+            return [fn(todo[0])]
+        futures = [self._pool.submit(fn, s) for s in todo]
+        return [f.result() for f in futures]
+
+    def _route(self, keys: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+        """``(shard, positions)`` of the shards holding some of ``keys`` (None: all of them)."""
+        n = len(self._addrs)
+        if n == 1:
+            return [(0, None)]
+        owner = (key_hash64(keys) % np.uint64(n)).astype(np.int64)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(n + 1))
+        return [(s, order[bounds[s]:bounds[s + 1]]) for s in range(n)
+                if bounds[s + 1] > bounds[s]]
+
+    def _keyed(self, op: str, keys: np.ndarray, make: Callable[[np.ndarray | None], dict],
+               **fields: Any) -> list[tuple[np.ndarray | None, pa.Table]]:
+        routes = self._route(keys)
+        by_shard = dict(routes)
+
+        def one(s: int) -> pa.Table:
+            sel = by_shard[s]
+            cols = make(sel)
+            return self._exchange(s, op, wire.batch(**cols), **fields)
+
+        tables = self._each(one, [s for s, _ in routes])
+        return [(sel, t) for (_, sel), t in zip(routes, tables, strict=True)]
+
+    # -- StoreInfo ---------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def dim(self) -> int:
+        return self.layout.dim
+
+    @property
+    def key_type(self) -> str:
+        return self._key_type
+
+    @property
+    def optimizer(self) -> optim.Optimizer:
+        assert self._optimizer is not None  # a stored table always records its optimizer
+        return self._optimizer
+
+    @property
+    def step(self) -> int:
+        """The largest step of the workers (each counts the updates it applied)."""
+        return max(int(i["step"]) for i in self._each(lambda s: self._action(s, "info")))
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self._url} is closed")
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if self.read_only:
+            raise ReadOnlyError(f"{self._url} was opened read-only")
+
+    def normalize_keys(self, keys: Any) -> np.ndarray:
+        return normalize_keys(keys, self._key_type)
+
+    # -- rows --------------------------------------------------------------------------------
+    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
+        """``(n, dim)`` float32 vectors in request order (N-D keys give ``(..., dim)``);
+        unknown keys are inserted by their owner unless ``insert=False``."""
+        self.check_open()
+        flat, shape = nd_keys(keys)
+        k = self.normalize_keys(flat)
+        insert = bool(insert) and not self.read_only
+        out = np.empty((len(k), self.dim), np.float32)
+        if len(k):
+            for sel, t in self._keyed("lookup", k, lambda sel: {
+                    "key": wire.keys_column(k if sel is None else k[sel])}, insert=insert):
+                rows = len(k) if sel is None else len(sel)
+                v = wire.vectors_from(t.column("vec"), self.dim, rows)
+                if sel is None:
+                    out[:] = v
+                else:
+                    out[sel] = v
+        return out.reshape(*shape, self.dim) if shape is not None else out
+
+    def contains(self, keys: Any) -> np.ndarray:
+        self.check_open()
+        k = self.normalize_keys(keys)
+        out = np.zeros(len(k), bool)
+        if len(k):
+            for sel, t in self._keyed("contains", k, lambda sel: {
+                    "key": wire.keys_column(k if sel is None else k[sel])}):
+                found = np.asarray(t.column("found").to_numpy(zero_copy_only=False), bool)
+                out[slice(None) if sel is None else sel] = found
+        return out
+
+    def _write(self, op: str, keys: Any, rows: Any, counts: Any = None) -> None:
+        self.check_writable()
+        k = self.normalize_keys(keys)
+        r = check_rows(rows, len(k), self.dim, "gradients" if op == "update" else "values")
+        c = None if counts is None else check_counts(counts, len(k))
+        if not len(k):
+            return
+
+        def cols(sel: np.ndarray | None) -> dict[str, Any]:
+            out = {"key": wire.keys_column(k if sel is None else k[sel]),
+                   "vec": wire.vectors_column(r if sel is None else r[sel])}
+            if c is not None:
+                out["count"] = pa.array(c if sel is None else c[sel], pa.int64())
+            return out
+
+        self._keyed(op, k, cols)
+
+    def update(self, keys: Any, grads: Any, *, counts: Any = None) -> None:
+        """Send gradients to their owners, which apply the table's optimizer (duplicates of a
+        key summed first); per key, updates apply in the order workers receive them."""
+        self._write("update", keys, grads, counts)
+
+    def assign(self, keys: Any, values: Any) -> None:
+        self._write("assign", keys, values)
+
+    def delete(self, keys: Any) -> int:
+        self.check_writable()
+        k = self.normalize_keys(keys)
+        if not len(k):
+            return 0
+        return sum(int(t.column("deleted")[0].as_py()) for _, t in self._keyed(
+            "delete", k, lambda sel: {"key": wire.keys_column(k if sel is None else k[sel])}))
+
+    def prefetch(self, keys: Any) -> None:
+        """Nothing to do: a worker's own cache (``--cache``) loads what its callers read."""
+        self.check_open()
+
+    # -- retrieval and sampling ----------------------------------------------------------------
+    def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-``k`` by dot product over every worker's rows, ordered as one store
+        orders them (score descending, NaN last, ties by key); a
+        :class:`~embstore.retrieval.TopKResult`."""
+        self.check_open()
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise InvalidInputError(f"k must be a positive int, got {k!r}")
+        q = check_queries(self, queries)
+        cols: dict[str, Any] = {"q": wire.vectors_column(q)}
+        if exclude is not None:
+            per = (exclude if isinstance(exclude, (list, tuple)) and len(exclude) == len(q)
+                   and len(q) and all(isinstance(e, (list, tuple, np.ndarray)) for e in exclude)
+                   else [exclude] * len(q))
+            lists = [self.normalize_keys(e) for e in per]
+            offs = np.concatenate(([0], np.cumsum([len(e) for e in lists]))).astype(np.int32)
+            flat = (np.concatenate(lists) if lists else self.normalize_keys([]))
+            cols["ex"] = pa.ListArray.from_arrays(pa.array(offs), wire.keys_column(flat))
+        tables = self._each(lambda s: self._exchange(s, "top_k", wire.batch(**cols), k=int(k)))
+        return _merge_top_k(tables, len(q), int(k), self._key_type)
+
+    def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
+               offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
+               seed: Any = None) -> Any:
+        """Candidate sampling over every worker's keys (see
+        :meth:`embstore.EmbeddingStore.sample`): draws split over the workers by a
+        multinomial on their share of the sampling weight, each drawn by its owner."""
+        self.check_open()
+        sampler = resolve_sampler(sampler)
+        spec = wire.sampler_spec(sampler)
+        m = check_num_sampled(num_sampled)
+        batch, positives = group_positives(self, positive_keys, offsets)
+        flat_pos = (np.concatenate(positives) if len(positives) > 1
+                    else positives[0] if positives else self.normalize_keys([]))
+        weights = self._each(lambda s: self._action(s, "sample_weight", sampler=spec))
+        shard_w = np.array([w["total"] for w in weights], np.float64)
+        support = sum(int(w["support"]) for w in weights)
+        total = float(shard_w.sum())
+        if m and total <= 0:
+            raise InvalidInputError("the store has no key with a positive sampling weight")
+        if m and unique and m > support:
+            raise InvalidInputError(f"unique sampling of {m} candidates needs at least {m} "
+                                    f"keys with a positive weight; the store has {support}")
+        rng = (seed if isinstance(seed, np.random.Generator)
+               else np.random.default_rng(None if seed is None else int(seed)))
+        neg, wts, tries = self._draw_rounds(spec, rng, m, shard_w, unique)
+        neg_prob = expected_count(wts / total if total > 0 else wts, tries, unique)
+        pw = np.zeros(len(flat_pos), np.float64)
+        if len(flat_pos):
+            for sel, t in self._keyed("sample_prob", flat_pos, lambda sel: {
+                    "key": wire.keys_column(flat_pos if sel is None else flat_pos[sel])},
+                    sampler=spec):
+                pw[slice(None) if sel is None else sel] = t.column("weight").to_numpy()
+        pos_prob = expected_count(pw / total if total > 0 else pw, tries, unique)
+        results = merge_candidates(positives, pos_prob, neg, neg_prob, tries,
+                                   remove_accidental_hits)
+        return results if batch else results[0]
+
+    def _draw_rounds(self, spec: dict[str, Any], rng: np.random.Generator, m: int,
+                     shard_w: np.ndarray, unique: bool) -> tuple[np.ndarray, np.ndarray, int]:
+        """Rounds of draws until ``m`` (distinct, with ``unique``) candidates."""
+        keys = self.normalize_keys([])
+        wts = np.zeros(0, np.float64)
+        total = float(shard_w.sum())
+        need = m if not unique else int(m * 1.03) + 16 if m else 0
+        n = len(self._addrs)
+        while need and total > 0:
+            req = rng.multinomial(need, shard_w / total)
+            seeds = rng.integers(0, 2**62, size=n)
+            asked = [s for s in range(n) if req[s]]
+            empty = wire.batch(key=wire.keys_column(keys[:0]))
+
+            def draw(s: int, req: np.ndarray = req, seeds: np.ndarray = seeds,
+                     empty: pa.RecordBatch = empty) -> pa.Table:
+                return self._exchange(s, "sample_draw", empty, sampler=spec,
+                                      count=int(req[s]), seed=int(seeds[s]))
+
+            got = self._each(draw, asked)
+            ks, ws = [keys], [wts]
+            for s, t in zip(asked, got, strict=True):
+                k = wire.keys_from(t.column("key"), self._key_type)
+                if len(k) != req[s]:
+                    raise ShardMismatchError(f"{self._where(s)} drew {len(k)} keys, asked "
+                                             f"{int(req[s])}")
+                ks.append(k)
+                ws.append(np.asarray(t.column("weight").to_numpy(), np.float64))
+            # draws grouped by shard are not an i.i.d. sequence; a shuffle makes them one
+            perm = len(keys) + rng.permutation(int(req.sum()))
+            allk, allw = np.concatenate(ks), np.concatenate(ws)
+            allk[len(keys):], allw[len(keys):] = allk[perm], allw[perm]
+            keys, wts = allk, allw
+            if not unique:
+                return keys, wts, len(keys)
+            _, first = np.unique(keys, return_index=True)
+            if len(first) >= m:
+                sel = np.sort(first)[:m]
+                return keys[sel], wts[sel], int(sel[-1]) + 1
+            rate = len(first) / max(len(keys), 1)
+            need = int((m - len(first)) / max(rate, 1e-3) * 1.25) + 64
+        return keys, wts, 0
+
+    # -- whole table ---------------------------------------------------------------------------
+    def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
+               batch_size: int = 65536) -> int:
+        """Write every worker's records (or those changed after ``since``) as one native
+        file, equal to what one store holding every key would export; returns the rows."""
+        self.check_open()
+        infos = self._each(lambda s: self._action(s, "info"))
+        header = dict(infos[0]["meta"])
+        header.update(step=max(int(i["step"]) for i in infos),
+                      version=max(int(i["version"]) for i in infos), since=since)
+        if since is not None:
+            header["deletions_complete"] = False
+        dtype = self.layout.dtype
+        total = 0
+        with NativeWriter(dest, header) as writer:
+            for s in range(len(self._addrs)):
+                ticket = flight.Ticket(wire.command("records", **self._head(s),
+                                                    since=since).command)
+                try:
+                    for chunk in self._clients[s].do_get(ticket, self._call):
+                        b = chunk.data
+                        k = wire.keys_from(b.column(0), self._key_type)
+                        raw = b.column(1).buffers()[1]
+                        recs = np.frombuffer(raw, np.uint8, len(k) * dtype.itemsize,
+                                             b.column(1).offset * dtype.itemsize).view(dtype)
+                        writer.write(k, recs.copy())
+                        total += len(k)
+                except flight.FlightError as e:
+                    writer.abort()
+                    wire.raise_remote(e, self._where(s))
+        return total
+
+    def __len__(self) -> int:
+        self.check_open()
+        return sum(self._each(lambda s: int(self._action(s, "len"))))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters summed over the workers, and ``shards``."""
+        self.check_open()
+        out: dict[str, Any] = {"shards": len(self._addrs)}
+        for st in self._each(lambda s: self._action(s, "stats")):
+            for name, v in st.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[name] = out.get(name, 0) + v
+        return out
+
+    def flush(self) -> None:
+        """Every worker flushes its store (durable at return where its backend is)."""
+        self.check_open()
+        if not self.read_only:
+            self._each(lambda s: self._action(s, "flush"))
+
+    def close(self) -> None:
+        """Close the connections (the workers and their tables stay); safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False)
+        for c in self._clients:
+            c.close()
+
+    def __enter__(self) -> DesStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<DesStore {self._url!r} dim={self.dim} key_type={self._key_type}>"
+
+
+def _merge_top_k(tables: list[pa.Table], nq: int, k: int, key_type: str) -> TopKResult:
+    ks, ss, vs = [], [], []
+    for t in tables:
+        width = int(t.column("width")[0].as_py()) if t.num_rows else 0
+        keys = wire.keys_from(t.column("key"), key_type)
+        ks.append(keys.reshape(nq, width))
+        ss.append(np.asarray(t.column("score").to_numpy(), np.float32).reshape(nq, width))
+        vs.append(np.asarray(t.column("valid").to_numpy(zero_copy_only=False),
+                             bool).reshape(nq, width))
+    ck, cs, cv = np.concatenate(ks, axis=1), np.concatenate(ss, axis=1), np.concatenate(vs, 1)
+    width = min(k, ck.shape[1])
+    if ck.dtype == object:  # ties by key: rank the bytes keys, then sort as integers
+        _, rank = np.unique(ck.reshape(-1), return_inverse=True)
+        tie = rank.reshape(ck.shape)
+    else:
+        tie = ck
+    # real items first, score descending (NaN after every number), ties by key ascending
+    order = np.lexsort((tie, -cs, ~cv), axis=1)[:, :width]
+    return TopKResult(np.take_along_axis(ck, order, axis=1),
+                      np.take_along_axis(cs, order, axis=1),
+                      np.take_along_axis(cv, order, axis=1))

@@ -1,0 +1,83 @@
+"""``embstore serve``: open a store and serve it as a DynamicEmbedding Worker until stopped.
+
+SIGTERM and SIGINT shut the worker down gracefully: it stops taking calls, flushes the store
+(a cache writes its dirty rows back) and closes it. ``--flush-every`` flushes on a timer, so a
+crash loses at most that much of what a cache held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from typing import Any
+
+from ..api import open as open_store
+from ..errors import InvalidInputError
+from .options import parse_shard
+from .server import Worker, read_token_file
+
+
+def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
+          token_file: str | None = None, tls_cert: str | None = None,
+          tls_key: str | None = None, flush_every: float | None = None,
+          ready: Any = None, **options: Any) -> int:
+    """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens."""
+    i, n = parse_shard(shard)
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidInputError(f"--listen must be HOST:PORT, got {listen!r}")
+    if (tls_cert is None) != (tls_key is None):
+        raise InvalidInputError("--tls-cert and --tls-key go together")
+    if flush_every is not None and not flush_every > 0:
+        raise InvalidInputError(f"--flush-every must be positive, got {flush_every}")
+    tokens = read_token_file(token_file) if token_file else None
+    tls = None
+    if tls_cert and tls_key:
+        with open(tls_cert, "rb") as c, open(tls_key, "rb") as k:
+            tls = (c.read(), k.read())
+    store = open_store(url, **options)
+    scheme = "grpc+tls" if tls else "grpc+tcp"
+    try:
+        worker = Worker(f"{scheme}://{host}:{port}", store, shard=i, shards=n, tokens=tokens,
+                        tls=tls)
+    except BaseException:
+        store.close()
+        raise
+    stop = threading.Event()
+
+    def shutdown(*_: Any) -> None:
+        stop.set()
+        threading.Thread(target=worker.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    if flush_every:
+        def flusher() -> None:
+            while not stop.wait(flush_every):
+                worker.flush()
+
+        threading.Thread(target=flusher, name="embstore-flush", daemon=True).start()
+    (ready or (lambda p: print(f"embstore: serving {store.url} as shard {i}/{n} on "
+                               f"{host}:{p}", flush=True)))(worker.port)
+    try:
+        worker.serve()
+    finally:
+        stop.set()
+        with worker.lock:
+            store.close()
+    return 0
+
+
+def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """The ``embstore serve`` command."""
+    for name, value in (("dim", args.dim), ("key_type", args.key_type),
+                        ("optimizer", args.optimizer), ("cache", args.cache)):
+        if value is not None:
+            # --optimizer '{"name": "sgd", "lr": 1.0}' gives a whole config
+            options[name] = (json.loads(value) if name == "optimizer" and value.startswith("{")
+                             else value)
+    return serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
+                 tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
+                 **options)

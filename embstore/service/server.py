@@ -1,0 +1,278 @@
+"""A DynamicEmbedding Worker (DEW): one store shard behind an Arrow Flight server.
+
+The worker is the ordinary engine (optimizer, admission, expiry, sampling, top-k, any backend,
+a cache over a remote) opened with :func:`embstore.open`; clients reach it through
+``des://`` (:mod:`embstore.service.client`). Calls on the store are serialized, so per key the
+owner applies updates in arrival order and none is lost. A worker started with
+``--shard I/N`` refuses keys another shard owns and clients that count another N.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from .._keys import key_hash64
+from ..errors import (
+    AuthenticationError,
+    EmbstoreError,
+    InvalidInputError,
+    ShardMismatchError,
+)
+from ..sampling.candidate import sampling_index
+from . import wire
+
+log = logging.getLogger("embstore.service")
+
+#: operations a ``serve`` token may call (everything else writes)
+READ_OPS = frozenset({"info", "len", "stats", "lookup", "contains", "top_k", "sample_weight",
+                      "sample_draw", "sample_prob", "records"})
+ROLES = ("train", "serve")
+
+
+def read_token_file(path: str) -> dict[str, str]:
+    """``token -> role`` from a file of ``ROLE TOKEN`` lines (``#`` comments)."""
+    tokens: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2 or parts[0] not in ROLES or len(parts[1]) < 16:
+                raise InvalidInputError(f"{path}:{n}: expected 'train|serve TOKEN' with a "
+                                        "token of at least 16 characters")
+            tokens[parts[1]] = parts[0]
+    if not tokens:
+        raise InvalidInputError(f"{path}: no tokens")
+    return tokens
+
+
+class _Role(flight.ServerMiddleware):
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+
+class _TokenAuth(flight.ServerMiddlewareFactory):
+    """Bearer tokens per role; no token file means every caller may train (loopback use)."""
+
+    def __init__(self, tokens: dict[str, str] | None) -> None:
+        self.tokens = tokens
+
+    def start_call(self, info: Any, headers: dict[str, list[str]]) -> _Role:
+        if self.tokens is None:
+            return _Role("train")
+        for value in headers.get("authorization", []):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token in self.tokens:
+                return _Role(self.tokens[token])
+        raise flight.FlightUnauthenticatedError("no valid token (Authorization: Bearer ...)")
+
+
+class Worker(flight.FlightServerBase):
+    """Serve ``store`` (an open :class:`~embstore.EmbeddingStore`) as shard ``shard`` of
+    ``shards``."""
+
+    def __init__(self, location: str, store: Any, *, shard: int = 0, shards: int = 1,
+                 tokens: dict[str, str] | None = None,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
+        super().__init__(location, middleware={"auth": _TokenAuth(tokens)},
+                         tls_certificates=[tls] if tls else None)
+        self.store = store
+        self.shard, self.shards = int(shard), int(shards)
+        #: held around every call on the store (per key, arrival order; no lost update)
+        self.lock = threading.Lock()
+        self.requests = 0
+
+    def flush(self) -> None:
+        """Flush the store between calls (a timer's flush; errors are logged)."""
+        try:
+            with self.lock:
+                self.store.flush()
+        except Exception:  # noqa: BLE001 - the next flush, or shutdown's, tries again
+            log.exception("periodic flush failed")
+
+    # -- checks ------------------------------------------------------------------------------
+    def _check(self, context: Any, header: dict[str, Any]) -> None:
+        role = context.get_middleware("auth").role
+        op = header["op"]
+        if role != "train" and (op not in READ_OPS or (op == "lookup" and header.get("insert"))):
+            raise AuthenticationError(f"a {role!r} token may not call {op!r}")
+        if header.get("shards") != self.shards or header.get("shard") != self.shard:
+            raise ShardMismatchError(
+                f"this worker is shard {self.shard}/{self.shards}; the client asked for shard "
+                f"{header.get('shard')}/{header.get('shards')} (same address list everywhere)")
+
+    def _own(self, keys: np.ndarray) -> np.ndarray:
+        if self.shards > 1 and len(keys):
+            owner = key_hash64(keys) % np.uint64(self.shards)
+            if (owner != np.uint64(self.shard)).any():
+                raise ShardMismatchError(
+                    f"{int(np.count_nonzero(owner != self.shard))} keys belong to other "
+                    f"shards than {self.shard}/{self.shards}")
+        return keys
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` under the store lock; every error leaves as one typed line."""
+        try:
+            with self.lock:
+                self.requests += 1
+                return fn()
+        except flight.FlightError:
+            raise
+        except EmbstoreError as e:
+            raise flight.FlightServerError(wire.remote_error(e)) from None
+        except (ValueError, TypeError, KeyError, pa.ArrowException) as e:
+            raise flight.FlightServerError(
+                wire.remote_error(InvalidInputError(f"bad request: {e}"))) from None
+        except Exception as e:  # noqa: BLE001 - the caller gets a line, the log the trace
+            log.exception("request failed")
+            raise flight.FlightServerError(wire.remote_error(e)) from None
+
+    # -- small questions ---------------------------------------------------------------------
+    def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
+        def run() -> Any:
+            header = {**wire.parse_body(action.body.to_pybytes() or b"{}"), "op": action.type}
+            self._check(context, header)
+            return self._action(header)
+
+        yield json.dumps(self._guard(run)).encode()
+
+    def _action(self, h: dict[str, Any]) -> Any:
+        s = self.store
+        op = h["op"]
+        if op == "info":
+            return {"meta": s.meta, "shard": self.shard, "shards": self.shards,
+                    "read_only": s.read_only, "step": s.step, "version": s.version}
+        if op == "len":
+            return len(s)
+        if op == "flush":
+            s.flush()
+            return {"version": s.version}
+        if op == "stats":
+            return {k: v for k, v in s.stats().items()
+                    if isinstance(v, (int, float, str, bool, type(None)))}
+        if op == "sample_weight":
+            snap = sampling_index(s).snapshot(wire.sampler_from(h.get("sampler")))
+            return {"total": float(snap.total), "support": int(snap.support - snap.dead_support)}
+        raise InvalidInputError(f"unknown action {op!r}")
+
+    # -- batches -----------------------------------------------------------------------------
+    def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        def run() -> pa.RecordBatch:
+            header = wire.parse_header(descriptor.command)
+            self._check(context, header)
+            return self._exchange(header, wire.read_request(reader))
+
+        out = self._guard(run)
+        writer.begin(out.schema)
+        writer.write_batch(out)
+
+    def _keys(self, table: pa.Table) -> np.ndarray:
+        return self._own(wire.keys_from(table.column("key"), self.store.key_type))
+
+    def _exchange(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
+        s = self.store
+        op = h["op"]
+        if op == "lookup":
+            v = s.lookup(self._keys(t), insert=bool(h.get("insert", True)))
+            return wire.batch(vec=wire.vectors_column(v))
+        if op == "contains":
+            return wire.batch(found=pa.array(s.contains(self._keys(t))))
+        if op in ("update", "assign"):
+            keys = self._keys(t)
+            rows = wire.vectors_from(t.column("vec"), s.dim, len(keys))
+            if op == "assign":
+                s.assign(keys, rows)
+            else:
+                counts = (np.asarray(t.column("count").to_numpy(), np.int64)
+                          if "count" in t.column_names else None)
+                s.update(keys, rows, counts=counts)
+            return wire.batch(step=pa.array([s.step], pa.int64()))
+        if op == "delete":
+            return wire.batch(deleted=pa.array([s.delete(self._keys(t))], pa.int64()))
+        if op == "top_k":
+            return self._top_k(h, t)
+        if op == "sample_draw":
+            return self._draw(h)
+        if op == "sample_prob":
+            idx = sampling_index(s)
+            snap = idx.snapshot(wire.sampler_from(h.get("sampler")))
+            w = idx.prob_of(snap, self._keys(t)) * snap.total
+            return wire.batch(weight=pa.array(w, pa.float64()))
+        raise InvalidInputError(f"unknown operation {op!r}")
+
+    def _top_k(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
+        s = self.store
+        k = h.get("k")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= wire.MAX_TOP_K:
+            raise InvalidInputError(f"k must be an int in 1..{wire.MAX_TOP_K}, got {k!r}")
+        q = wire.vectors_from(t.column("q"), s.dim, t.num_rows)
+        ex = None
+        if "ex" in t.column_names:
+            col = t.column("ex").combine_chunks()
+            flat = wire.keys_from(col.flatten(), s.key_type)
+            offs = col.offsets.to_numpy()
+            ex = [flat[offs[i]:offs[i + 1]] for i in range(len(q))]
+        if len(q) == 0 or len(s) == 0:
+            width = 0
+            keys = np.zeros((len(q), 0), np.int64 if s.key_type == "int64" else object)
+            scores, valid = np.zeros((len(q), 0), np.float32), np.zeros((len(q), 0), bool)
+        else:
+            res = s.top_k(q, k, ex)
+            keys, scores = res
+            valid = np.asarray(res.valid)
+            width = keys.shape[1]
+        return wire.batch(key=wire.keys_column(keys.reshape(-1)),
+                          score=pa.array(scores.reshape(-1).astype(np.float32)),
+                          valid=pa.array(valid.reshape(-1)),
+                          width=pa.array(np.full(len(q) * width, width, np.int64)))
+
+    def _draw(self, h: dict[str, Any]) -> pa.RecordBatch:
+        s = self.store
+        count, seed = h.get("count"), h.get("seed")
+        if (isinstance(count, bool) or not isinstance(count, int)
+                or not 0 <= count <= wire.MAX_DRAWS):
+            raise InvalidInputError(f"count must be an int in 0..{wire.MAX_DRAWS}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise InvalidInputError("seed must be a non-negative int")
+        idx = sampling_index(s)
+        snap = idx.snapshot(wire.sampler_from(h.get("sampler")))
+        if count == 0 or snap.total <= 0:
+            keys, w = s.normalize_keys([]), np.zeros(0, np.float64)
+        else:
+            keys, _, p = idx.draw(snap, np.random.default_rng(seed), count)
+            w = p * snap.total
+        return wire.batch(key=wire.keys_column(keys), weight=pa.array(w, pa.float64()))
+
+    # -- export ------------------------------------------------------------------------------
+    def do_get(self, context: Any, ticket: Any) -> Any:
+        def run() -> tuple[pa.Schema, list[pa.RecordBatch]]:
+            header = wire.parse_header(ticket.ticket)
+            self._check(context, header)
+            if header["op"] != "records":
+                raise InvalidInputError(f"unknown stream {header['op']!r}")
+            since = header.get("since")
+            if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
+                raise InvalidInputError("since must be an int")
+            s = self.store
+            src = s.records(65536) if since is None else s.changes_since(since, 65536)
+            # read under the lock (a consistent table), sent after it
+            rec_type = pa.binary(s.layout.itemsize)
+            out = [wire.batch(key=wire.keys_column(k), rec=pa.Array.from_buffers(
+                       rec_type, len(k), [None, pa.py_buffer(np.ascontiguousarray(r).view(
+                           np.uint8))]))
+                   for k, r in src]
+            key_type = pa.int64() if s.key_type == "int64" else pa.binary()
+            schema = pa.schema([("key", key_type), ("rec", rec_type)])
+            return schema, out
+
+        schema, batches = self._guard(run)
+        return flight.GeneratorStream(schema, iter(batches))

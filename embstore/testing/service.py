@@ -1,0 +1,132 @@
+"""Start and stop DynamicEmbedding Workers (``embstore serve``) as real processes, for tests
+and benchmarks. Each handle stops only the process it started, by PID.
+
+Example
+-------
+>>> from embstore.testing.service import start_workers
+>>> with start_workers(["memory://", "memory://"], dim=8) as workers:   # doctest: +SKIP
+...     store = embstore.open(workers.url)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["WorkerProcess", "Workers", "start_worker", "start_workers"]
+
+_READY = re.compile(r"serving .* as shard (\d+)/(\d+) on ([\d.]+):(\d+)")
+
+
+class WorkerProcess:
+    """One ``embstore serve`` process; ``address`` is ``host:port``."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 timeout: float = 60.0) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "embstore", "serve", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self.pid = self.proc.pid
+        self.output: list[str] = []
+        self.address = self._wait_ready(timeout)
+        # keep draining its output so a chatty worker never blocks on a full pipe
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            m = _READY.search(line)
+            if m:
+                return f"{m.group(3)}:{m.group(4)}"
+        self.kill()
+        raise RuntimeError("embstore serve did not start:\n" + "".join(self.output[-20:]))
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rpartition(":")[2])
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the worker flushes and closes), then SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.kill()
+
+    def kill(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+class Workers:
+    """N workers serving one table; ``url`` is the ``des://`` URL naming them in order."""
+
+    def __init__(self, workers: list[WorkerProcess]) -> None:
+        self.workers = workers
+
+    @property
+    def url(self) -> str:
+        return "des://" + ",".join(w.address for w in self.workers)
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_worker(url: str, shard: tuple[int, int] = (0, 1), port: int = 0,
+                 extra: Sequence[str] = (), **options: Any) -> WorkerProcess:
+    """Start ``embstore serve url --shard I/N`` on 127.0.0.1; ``options`` become ``-o k=v``
+    (``dim``, ``key_type``, ``optimizer`` and ``cache`` become their own flags)."""
+    args = [url, "--listen", f"127.0.0.1:{port}", "--shard", f"{shard[0]}/{shard[1]}"]
+    for name in ("dim", "key_type", "optimizer", "cache"):
+        if name in options:
+            args += [f"--{name.replace('_', '-')}", str(options.pop(name))]
+    for k, v in options.items():
+        args += ["-o", f"{k}={v}"]
+    return WorkerProcess([*args, *extra])
+
+
+def start_workers(urls: Sequence[str], extra: Sequence[str] = (), **options: Any) -> Workers:
+    """One worker per URL, shard ``i`` of ``len(urls)`` each (all started or none)."""
+    started: list[WorkerProcess] = []
+    try:
+        for i, url in enumerate(urls):
+            started.append(start_worker(url, (i, len(urls)), extra=extra, **dict(options)))
+    except BaseException:
+        for w in started:
+            w.kill()
+        raise
+    return Workers(started)

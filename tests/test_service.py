@@ -1,0 +1,254 @@
+"""The DynamicEmbedding Service: real `embstore serve` processes on loopback, des:// clients.
+
+Workers are started by `embstore.testing.service` (stopped by PID); every test compares what
+the service answers with one local store given the same seed, or with arithmetic it knows.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import (
+    AuthenticationError,
+    BackendError,
+    InvalidInputError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    ShardMismatchError,
+)
+from embstore.testing.protocols import conformance_problems
+
+pytest.importorskip("pyarrow.flight")
+
+from embstore.service.client import DesStore  # noqa: E402
+from embstore.testing.service import start_worker, start_workers  # noqa: E402
+
+SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
+DIM = 8
+
+
+@pytest.fixture(params=["memory", "lmdb"])
+def two_workers(request, tmp_path):
+    urls = (["memory://", "memory://"] if request.param == "memory"
+            else [f"lmdb://{tmp_path}/s0", f"lmdb://{tmp_path}/s1"])
+    with start_workers(urls, dim=DIM, optimizer="adagrad", seed=7) as workers:
+        yield workers
+
+
+def test_des_store_satisfies_the_store_protocol():
+    assert conformance_problems(embstore.StoreProtocol, DesStore) == []
+
+
+def test_two_workers_answer_as_one_store(two_workers):
+    rng = np.random.default_rng(0)
+    local = embstore.open("memory://", dim=DIM, optimizer="adagrad", seed=7)
+    with embstore.open(two_workers.url, dim=DIM) as des:
+        assert isinstance(des, embstore.StoreProtocol)
+        for _ in range(5):
+            keys = rng.integers(0, 300, 256)
+            np.testing.assert_array_equal(des.lookup(keys), local.lookup(keys))
+            g = rng.standard_normal((256, DIM), dtype=np.float32)
+            des.update(keys, g)
+            local.update(keys, g)
+        probe = np.arange(-5, 305)
+        np.testing.assert_array_equal(des.lookup(probe, insert=False),
+                                      local.lookup(probe, insert=False))
+        np.testing.assert_array_equal(des.contains(probe), local.contains(probe))
+        assert len(des) == len(local)
+        grid = np.arange(12).reshape(3, 4)
+        assert des.lookup(grid).shape == (3, 4, DIM)
+        des.assign([1000], np.ones((1, DIM)))
+        local.assign([1000], np.ones((1, DIM)))
+        assert des.delete([1000, 1, 99999]) == local.delete([1000, 1, 99999])
+        q = rng.standard_normal((4, DIM), dtype=np.float32)
+        for exclude in (None, [2, 3], [[5], [], [6, 7], []]):
+            dk, ds = des.top_k(q, 7, exclude)
+            lk, ls = local.top_k(q, 7, exclude)
+            np.testing.assert_array_equal(dk, lk)
+            # float32 dot products: BLAS blocks another matrix shape differently
+            np.testing.assert_allclose(ds, ls, rtol=1e-5, atol=1e-6)
+        # unique=False: every positive's expected count is one store's for count samplers
+        for sampler in ("uniform", embstore.sampling.UnigramSampler(0.75)):
+            r = des.sample([3, 4], 50, sampler, unique=False, seed=1,
+                           remove_accidental_hits=False)
+            o = local.sample([3, 4], 50, sampler, unique=False, seed=1)
+            np.testing.assert_allclose(r.prob[r.is_positive], o.prob[o.is_positive])
+            assert local.contains(r.keys).all() and len(r.negatives) == 50
+        u = des.sample([3], 40, "uniform", seed=2)
+        assert len(set(u.negatives.tolist()) - {3}) == len(u.negatives)
+        des.flush()
+        stats = des.stats()
+        assert stats["shards"] == 2 and stats["updates"] == 5 * 256
+
+
+def test_export_of_the_service_imports_as_the_same_table(two_workers, tmp_path):
+    with embstore.open(two_workers.url) as des:
+        keys = np.arange(500)
+        des.update(keys, np.full((500, DIM), 0.5, np.float32))
+        n = des.export(str(tmp_path / "all.emb"))
+        assert n == 500
+        with embstore.open("memory://", dim=DIM, optimizer="adagrad") as copy:
+            copy.import_(str(tmp_path / "all.emb"))
+            np.testing.assert_array_equal(copy.lookup(keys, insert=False),
+                                          des.lookup(keys, insert=False))
+
+
+def _trainer(url: str, p: int, steps: int) -> None:
+    store = embstore.open(url)
+    keys = np.arange(0, 200, dtype=np.int64)
+    for _ in range(steps):
+        store.update(keys, np.full((len(keys), DIM), float(p + 1), np.float32))
+    store.close()
+
+
+def test_three_trainer_processes_lose_no_update(tmp_path):
+    urls = [f"lmdb://{tmp_path}/t0", f"lmdb://{tmp_path}/t1"]
+    with start_workers(urls, dim=DIM, optimizer=SGD1, initializer="zeros") as workers:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_trainer, args=(workers.url, p, 15)) for p in range(3)]
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join(120)
+            assert pr.exitcode == 0
+        with embstore.open(workers.url) as des:
+            # SGD lr=1 on integer gradients: exact, whatever order the updates arrived in
+            expected = -15.0 * (1 + 2 + 3)
+            np.testing.assert_array_equal(des.lookup(np.arange(200)),
+                                          np.full((200, DIM), expected, np.float32))
+            assert des.stats()["updates"] == 3 * 15 * 200
+
+
+def test_torch_module_trains_through_the_service():
+    torch = pytest.importorskip("torch")
+    from embstore_torch import DynamicEmbeddingBag
+
+    with start_workers(["memory://", "memory://"], dim=DIM, optimizer=SGD1,
+                       initializer="zeros") as workers, embstore.open(workers.url) as des:
+        emb = DynamicEmbeddingBag(des, mode="sum")
+        ids = torch.tensor([[1, 2], [2, 3]])
+        emb(ids).sum().backward()
+        got = des.lookup([1, 2, 3], insert=False)
+        np.testing.assert_array_equal(got[:, 0], [-1.0, -2.0, -1.0])
+
+
+def test_a_killed_worker_fails_calls_within_the_deadline_and_serves_after_restart(tmp_path):
+    url = f"lmdb://{tmp_path}/k0"
+    w = start_worker(url, dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        with embstore.open(f"des://{w.address}", timeout=3) as des:
+            des.update([1, 2], np.ones((2, DIM), np.float32))
+            des.flush()
+            w.kill()
+            t = time.monotonic()
+            with pytest.raises(BackendError, match=w.address):
+                des.lookup([1])
+            assert time.monotonic() - t < 10
+        w = start_worker(url, port=w.port, dim=DIM, optimizer=SGD1)
+        with embstore.open(f"des://{w.address}") as des:
+            np.testing.assert_array_equal(des.lookup([1, 2], insert=False),
+                                          np.full((2, DIM), -1.0, np.float32))
+    finally:
+        w.kill()
+
+
+def test_graceful_stop_flushes_what_a_worker_holds(tmp_path):
+    url = f"lmdb://{tmp_path}/g0"
+    w = start_worker(url, dim=DIM, optimizer=SGD1, initializer="zeros", durable=False)
+    with embstore.open(f"des://{w.address}") as des:
+        des.update([7], np.ones((1, DIM), np.float32))
+    assert w.stop() == 0
+    with embstore.open(url, read_only=True) as s:
+        np.testing.assert_array_equal(s.lookup([7], insert=False), np.full((1, DIM), -1.0))
+
+
+def test_workers_refuse_foreign_shards_wrong_n_tokens_and_bad_input(tmp_path):
+    import pyarrow.flight as flight
+
+    from embstore._keys import key_hash64
+    from embstore.service import wire
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("train " + "t" * 20 + "\nserve " + "s" * 20 + "\n")
+    with start_workers(["memory://", "memory://"], dim=DIM,
+                       extra=["--token-file", str(tokens)]) as workers:
+        url = workers.url
+        with pytest.raises(AuthenticationError):
+            embstore.open(url)
+        with pytest.raises(AuthenticationError):
+            embstore.open(url, token="x" * 20)
+        with embstore.open(url, token="s" * 20) as reader:
+            reader.lookup([1, 2], insert=False)
+            with pytest.raises(AuthenticationError, match="serve"):
+                reader.lookup([1, 2])
+            with pytest.raises(AuthenticationError):
+                reader.update([1], np.ones((1, DIM), np.float32))
+        with pytest.raises(ShardMismatchError, match="shard 0/2"):
+            embstore.open(f"des://{workers.workers[0].address}", token="t" * 20)
+        with pytest.raises(SchemaMismatchError, match="dim"):
+            embstore.open(url, dim=DIM + 1, token="t" * 20)
+        with embstore.open(url, token="t" * 20) as des:
+            des.lookup(np.arange(50))
+            with pytest.raises(InvalidInputError):
+                des.update([1], np.full((1, DIM), np.nan, np.float32))
+            before = len(des)
+            # hand-made requests to shard 0: a key shard 1 owns, a short vector, garbage
+            owner = key_hash64(np.arange(1000)) % np.uint64(2)
+            foreign, own = int(np.flatnonzero(owner == 1)[0]), int(np.flatnonzero(owner == 0)[0])
+            client = flight.FlightClient(f"grpc+tcp://{workers.workers[0].address}")
+            opts = flight.FlightCallOptions(
+                timeout=10, headers=[(b"authorization", b"Bearer " + b"t" * 20)])
+
+            def exchange(header, batch):
+                writer, reader = client.do_exchange(
+                    flight.FlightDescriptor.for_command(header), opts)
+                with writer:
+                    writer.begin(batch.schema)
+                    writer.write_batch(batch)
+                    writer.done_writing()
+                    return reader.read_all()
+
+            head = json.dumps({"op": "lookup", "shard": 0, "shards": 2, "insert": True}).encode()
+            keys = wire.batch(key=wire.keys_column(np.array([foreign], np.int64)))
+            with pytest.raises(flight.FlightError, match="ShardMismatchError"):
+                exchange(head, keys)
+            short = wire.batch(key=wire.keys_column(np.array([own], np.int64)),
+                               vec=wire.vectors_column(np.ones((1, DIM - 1), np.float32)))
+            upd = json.dumps({"op": "update", "shard": 0, "shards": 2}).encode()
+            with pytest.raises(flight.FlightError, match="InvalidInputError"):
+                exchange(upd, short)
+            for garbage in (b"\xff\x00", b"[1, 2]", b'{"op": "drop_table", "shard": 0, '
+                            b'"shards": 2}'):
+                with pytest.raises(flight.FlightError, match="InvalidInputError"):
+                    exchange(garbage, keys)
+            client.close()
+            assert len(des) == before
+
+
+def test_read_only_client_and_closed_store():
+    with start_workers(["memory://"], dim=DIM) as workers:
+        des = embstore.open(workers.url, read_only=True)
+        with pytest.raises(ReadOnlyError):
+            des.assign([1], np.ones((1, DIM), np.float32))
+        des.close()
+        des.close()
+        with pytest.raises(embstore.errors.StoreClosedError):
+            len(des)
+
+
+def test_bad_des_urls_and_shard_specs():
+    from embstore.errors import InvalidURLError
+    from embstore.service.options import parse_shard
+
+    for bad in ("des://", "des://host", "des://h:0", "des://h:1/path"):
+        with pytest.raises(InvalidURLError):
+            embstore.open(bad)
+    for bad in ("1", "2/2", "-1/2", "a/b"):
+        with pytest.raises(InvalidInputError):
+            parse_shard(bad)

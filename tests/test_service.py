@@ -252,3 +252,60 @@ def test_bad_des_urls_and_shard_specs():
     for bad in ("1", "2/2", "-1/2", "a/b"):
         with pytest.raises(InvalidInputError):
             parse_shard(bad)
+
+
+def _table(store, keys):
+    return store.lookup(keys, insert=False), store.contains(keys)
+
+
+def test_a_follower_serves_the_trainers_table_and_keeps_up(tmp_path):
+    from embstore.testing.service import WorkerProcess
+
+    with start_workers(["memory://", "memory://"], dim=DIM, optimizer="adagrad",
+                       initializer="zeros") as workers:
+        with embstore.open(workers.url) as des:
+            des.update(np.arange(300), np.ones((300, DIM), np.float32))
+            replica = WorkerProcess([f"lmdb://{tmp_path}/replica", "--listen", "127.0.0.1:0",
+                                     "--follow", workers.url, "--poll", "0.05"])
+            try:
+                with embstore.open(f"des://{replica.address}") as served:
+                    keys = np.arange(-10, 400)
+                    # the replica answers once it holds the whole table
+                    np.testing.assert_array_equal(served.lookup(keys, insert=False),
+                                                  des.lookup(keys, insert=False))
+                    with pytest.raises(AuthenticationError):
+                        served.update([1], np.ones((1, DIM), np.float32))
+                    # training goes on: updates, new keys, deletions all arrive
+                    des.update(np.arange(250, 350), np.full((100, DIM), 2.0, np.float32))
+                    des.delete(np.arange(0, 20))
+                    des.lookup(np.arange(1000, 1010))
+                    deadline = time.monotonic() + 30
+                    want = _table(des, keys)
+                    while time.monotonic() < deadline:
+                        got = _table(served, keys)
+                        if all(np.array_equal(a, b) for a, b in zip(got, want)):
+                            break
+                        time.sleep(0.05)
+                    np.testing.assert_array_equal(got[0], want[0])
+                    np.testing.assert_array_equal(got[1], want[1])
+                    assert len(served) == len(des)
+                    st = served.stats()
+                    assert st["follower_snapshots"] >= 2 and st["follower_rows_applied"] > 0
+            finally:
+                replica.stop()
+
+
+def test_change_log_gives_keys_since_a_sequence_or_asks_for_a_snapshot():
+    from embstore.service.changelog import ChangeLog
+
+    log = ChangeLog(max_keys=10)
+    log.on_write(np.array([1, 2, 3]), None)
+    log.on_delete(np.array([3]))
+    keys, seq = log.since(0)
+    assert sorted(keys.tolist()) == [1, 2, 3] and seq == 2
+    assert log.since(2)[0].tolist() == []
+    log.on_insert(np.arange(100, 109), None, None)       # pushes the first batches out
+    assert log.since(0)[0] is None and log.since(2)[0] is not None
+    log.on_bulk_load()
+    assert log.since(3)[0] is None
+    assert log.since(log.seq)[0].tolist() == []

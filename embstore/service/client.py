@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -24,15 +23,13 @@ from .._keys import key_hash64, normalize_keys
 from ..engine.batch import check_counts, check_rows, nd_keys
 from ..errors import (
     InvalidInputError,
-    InvalidURLError,
     ReadOnlyError,
-    SchemaMismatchError,
     ShardMismatchError,
     StoreClosedError,
 )
 from ..io.native import NativeWriter
 from ..layout import Layout
-from ..retrieval import TopKResult, check_queries
+from ..retrieval import check_queries
 from ..sampling.candidate import (
     check_num_sampled,
     expected_count,
@@ -41,22 +38,10 @@ from ..sampling.candidate import (
 )
 from ..sampling.samplers import resolve_sampler
 from . import wire
+from .merge import check_infos, merge_top_k
+from .wire import SCHEME, parse_des_url
 
 _T = TypeVar("_T")
-SCHEME = "des"
-
-
-def parse_des_url(url: str) -> tuple[list[str], dict[str, str]]:
-    """``(["host:port", ...], query options)`` of a ``des://`` URL."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() != SCHEME or not parts.netloc or parts.path not in ("", "/"):
-        raise InvalidURLError(f"not a des URL (des://host:port[,host:port...]): {url!r}")
-    addrs = parts.netloc.split(",")
-    for a in addrs:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidURLError(f"{url!r}: {a!r} is not host:port")
-    return addrs, dict(parse_qsl(parts.query))
 
 
 class DesStore:
@@ -110,7 +95,7 @@ class DesStore:
         self._closed = False
         try:
             infos = self._each(lambda s: self._action(s, "info"))
-            self._check_infos(infos, dim, key_type)
+            check_infos(infos, self._addrs, self._url, dim, key_type)
         except BaseException:
             self.close()
             raise
@@ -120,26 +105,6 @@ class DesStore:
         self._optimizer = optim.resolve(meta["optimizer"])
         self._meta = meta
         self.read_only = bool(read_only) or any(i["read_only"] for i in infos)
-
-    def _check_infos(self, infos: list[dict[str, Any]], dim: int | None,
-                     key_type: str | None) -> None:
-        n = len(self._addrs)
-        for s, info in enumerate(infos):
-            if info["shard"] != s or info["shards"] != n:
-                raise ShardMismatchError(
-                    f"{self._addrs[s]} is shard {info['shard']}/{info['shards']}, listed as "
-                    f"{s}/{n} in {self._url}")
-        first = infos[0]["meta"]
-        for s, info in enumerate(infos[1:], 1):
-            for field in ("dim", "key_type", "layout", "optimizer"):
-                if info["meta"][field] != first[field]:
-                    raise SchemaMismatchError(f"{self._addrs[s]} serves another {field} than "
-                                              f"{self._addrs[0]}")
-        if dim is not None and dim != first["dim"]:
-            raise SchemaMismatchError(f"{self._url} holds dim {first['dim']}, not {dim}")
-        if key_type is not None and key_type != first["key_type"]:
-            raise SchemaMismatchError(f"{self._url} holds {first['key_type']} keys, not "
-                                      f"{key_type}")
 
     # -- calls -------------------------------------------------------------------------------
     def _where(self, s: int) -> str:
@@ -220,6 +185,11 @@ class DesStore:
     def optimizer(self) -> optim.Optimizer:
         assert self._optimizer is not None  # a stored table always records its optimizer
         return self._optimizer
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The table's metadata as shard 0 recorded it when this client connected."""
+        return dict(self._meta)
 
     @property
     def step(self) -> int:
@@ -325,7 +295,7 @@ class DesStore:
             flat = (np.concatenate(lists) if lists else self.normalize_keys([]))
             cols["ex"] = pa.ListArray.from_arrays(pa.array(offs), wire.keys_column(flat))
         tables = self._each(lambda s: self._exchange(s, "top_k", wire.batch(**cols), k=int(k)))
-        return _merge_top_k(tables, len(q), int(k), self._key_type)
+        return merge_top_k(tables, len(q), int(k), self._key_type)
 
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
                offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
@@ -419,25 +389,64 @@ class DesStore:
                       version=max(int(i["version"]) for i in infos), since=since)
         if since is not None:
             header["deletions_complete"] = False
-        dtype = self.layout.dtype
         total = 0
         with NativeWriter(dest, header) as writer:
             for s in range(len(self._addrs)):
-                ticket = flight.Ticket(wire.command("records", **self._head(s),
-                                                    since=since).command)
                 try:
-                    for chunk in self._clients[s].do_get(ticket, self._call):
-                        b = chunk.data
-                        k = wire.keys_from(b.column(0), self._key_type)
-                        raw = b.column(1).buffers()[1]
-                        recs = np.frombuffer(raw, np.uint8, len(k) * dtype.itemsize,
-                                             b.column(1).offset * dtype.itemsize).view(dtype)
-                        writer.write(k, recs.copy())
+                    for k, recs in self._stream(s, "records", since=since)[1]:
+                        writer.write(k, recs)
                         total += len(k)
-                except flight.FlightError as e:
+                except BaseException:
                     writer.abort()
-                    wire.raise_remote(e, self._where(s))
+                    raise
         return total
+
+    def _stream(self, s: int, op: str, **fields: Any) -> tuple[int, Any]:
+        """``(seq, batches of (keys, records))`` of worker ``s``'s ``records``/``snapshot``
+        stream (seq: its change log's position when it read them)."""
+        ticket = flight.Ticket(wire.command(op, **self._head(s), **fields).command)
+        try:
+            reader = self._clients[s].do_get(ticket, self._call)
+            seq = int((reader.schema.metadata or {}).get(b"seq", b"0"))
+        except flight.FlightError as e:
+            wire.raise_remote(e, self._where(s))
+            raise
+
+        def batches() -> Any:
+            try:
+                for chunk in reader:
+                    yield wire.records_from(chunk.data, self._key_type, self.layout.dtype)
+            except flight.FlightError as e:
+                wire.raise_remote(e, self._where(s))
+
+        return seq, batches()
+
+    # -- followers ---------------------------------------------------------------------------
+    @property
+    def shards(self) -> int:
+        return len(self._addrs)
+
+    def shard_snapshot(self, s: int) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        """Every record of worker ``s`` and its change-log position when it read them."""
+        self.check_open()
+        seq, batches = self._stream(s, "snapshot")
+        return seq, list(batches)
+
+    def shard_changes(self, s: int, since: int
+                      ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        """``(seq, (keys, records, found))`` of worker ``s``'s keys changed after ``since``
+        (``found`` False: deleted); None instead of the rows when ``since`` is older than the
+        log holds (take :meth:`shard_snapshot` then)."""
+        self.check_open()
+        t = self._exchange(s, "changes", wire.batch(key=wire.keys_column(
+            self.normalize_keys([]))), since=int(since))
+        meta = t.schema.metadata or {}
+        seq = int(meta.get(b"seq", b"0"))
+        if meta.get(b"resync") == b"1":
+            return seq, None
+        keys, recs = wire.records_from(t, self._key_type, self.layout.dtype)
+        found = np.asarray(t.column("found").to_numpy(zero_copy_only=False), bool)
+        return seq, (keys, recs, found)
 
     def __len__(self) -> int:
         self.check_open()
@@ -476,26 +485,3 @@ class DesStore:
 
     def __repr__(self) -> str:
         return f"<DesStore {self._url!r} dim={self.dim} key_type={self._key_type}>"
-
-
-def _merge_top_k(tables: list[pa.Table], nq: int, k: int, key_type: str) -> TopKResult:
-    ks, ss, vs = [], [], []
-    for t in tables:
-        width = int(t.column("width")[0].as_py()) if t.num_rows else 0
-        keys = wire.keys_from(t.column("key"), key_type)
-        ks.append(keys.reshape(nq, width))
-        ss.append(np.asarray(t.column("score").to_numpy(), np.float32).reshape(nq, width))
-        vs.append(np.asarray(t.column("valid").to_numpy(zero_copy_only=False),
-                             bool).reshape(nq, width))
-    ck, cs, cv = np.concatenate(ks, axis=1), np.concatenate(ss, axis=1), np.concatenate(vs, 1)
-    width = min(k, ck.shape[1])
-    if ck.dtype == object:  # ties by key: rank the bytes keys, then sort as integers
-        _, rank = np.unique(ck.reshape(-1), return_inverse=True)
-        tie = rank.reshape(ck.shape)
-    else:
-        tie = ck
-    # real items first, score descending (NaN after every number), ties by key ascending
-    order = np.lexsort((tie, -cs, ~cv), axis=1)[:, :width]
-    return TopKResult(np.take_along_axis(ck, order, axis=1),
-                      np.take_along_axis(cs, order, axis=1),
-                      np.take_along_axis(cv, order, axis=1))

@@ -33,3 +33,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    "a bearer token ('serve' tokens only read)")
     s.add_argument("--tls-cert", help="PEM certificate (with --tls-key): serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--follow", metavar="DES_URL", help="serve URL as a read-only replica kept "
+                   "current from these workers' change logs (docs/service.md, Followers)")
+    s.add_argument("--follow-token-file", help="file holding the token for --follow")
+    s.add_argument("--poll", type=float, default=0.1, metavar="SECONDS",
+                   help="how often a follower asks the workers for changes (default 0.1)")

@@ -15,6 +15,8 @@ from typing import Any
 
 from ..api import open as open_store
 from ..errors import InvalidInputError
+from .client import DesStore
+from .follower import Follower, replica_options
 from .options import parse_shard
 from .server import Worker, read_token_file
 
@@ -22,8 +24,14 @@ from .server import Worker, read_token_file
 def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
           token_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None, flush_every: float | None = None,
-          ready: Any = None, **options: Any) -> int:
-    """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens."""
+          follow: str | None = None, follow_token_file: str | None = None,
+          poll: float = 0.1, ready: Any = None, **options: Any) -> int:
+    """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens.
+
+    With ``follow`` (a ``des://`` URL), ``url`` is a replica: created with the followed
+    table's layout, kept current from the workers' change logs every ``poll`` seconds, and
+    served read-only.
+    """
     i, n = parse_shard(shard)
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -37,15 +45,27 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
     if tls_cert and tls_key:
         with open(tls_cert, "rb") as c, open(tls_key, "rb") as k:
             tls = (c.read(), k.read())
+    upstream = None
+    if follow is not None:
+        if not poll > 0:
+            raise InvalidInputError(f"--poll must be positive, got {poll}")
+        upstream = DesStore(follow, token_file=follow_token_file, read_only=True)
+        options = {**replica_options(upstream), **options}
     store = open_store(url, **options)
     scheme = "grpc+tls" if tls else "grpc+tcp"
     try:
         worker = Worker(f"{scheme}://{host}:{port}", store, shard=i, shards=n, tokens=tokens,
-                        tls=tls)
+                        tls=tls, read_only=upstream is not None)
     except BaseException:
         store.close()
         raise
     stop = threading.Event()
+    if upstream is not None:
+        follower = Follower(store, upstream, guard=worker.lock)
+        worker.follower = follower
+        follower.poll()  # a replica serves once it holds the whole table
+        threading.Thread(target=follower.run, args=(stop, poll), name="embstore-follow",
+                         daemon=True).start()
 
     def shutdown(*_: Any) -> None:
         stop.set()
@@ -67,6 +87,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         stop.set()
         with worker.lock:
             store.close()
+        if upstream is not None:
+            upstream.close()
     return 0
 
 
@@ -80,4 +102,5 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
                              else value)
     return serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
                  tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
+                 follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
                  **options)

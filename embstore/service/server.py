@@ -94,6 +94,8 @@ class Worker(flight.FlightServerBase):
         #: keys written since a sequence number, for followers (O(changed keys))
         self.log = ChangeLog(log_keys)
         store.add_observer(self.log)
+        #: set on a replica: its follower's counters join ``stats``
+        self.follower: Any = None
         #: held around every call on the store (per key, arrival order; no lost update)
         self.lock = threading.Lock()
         self.requests = 0
@@ -166,7 +168,8 @@ class Worker(flight.FlightServerBase):
             s.flush()
             return {"version": s.version}
         if op == "stats":
-            return {k: v for k, v in s.stats().items()
+            st = {**s.stats(), **(self.follower.stats() if self.follower else {})}
+            return {k: v for k, v in st.items()
                     if isinstance(v, (int, float, str, bool, type(None)))}
         if op == "sample_weight":
             snap = sampling_index(s).snapshot(wire.sampler_from(h.get("sampler")))

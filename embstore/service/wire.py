@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from .. import errors
-from ..errors import EmbstoreError, InvalidInputError, KeyTypeError
+from ..errors import EmbstoreError, InvalidInputError, InvalidURLError, KeyTypeError
 from ..sampling.samplers import LogUniformSampler, Sampler, UniformSampler, UnigramSampler
 
 #: rows one request may carry (a DEW refuses more: a bounded allocation per call)
@@ -33,6 +34,8 @@ GRPC_MESSAGE_BYTES = MAX_BYTES + (16 << 20)
 #: most ``k`` a top-k request may ask of a shard, and most draws a sample round may ask
 MAX_TOP_K = 1 << 16
 MAX_DRAWS = 1 << 24
+
+SCHEME = "des"
 
 _MARK = re.compile(r"\[embstore:(\w+)\] (.*)", re.S)
 
@@ -88,6 +91,19 @@ def parse_header(raw: bytes) -> dict[str, Any]:
     return header
 
 
+def parse_des_url(url: str) -> tuple[list[str], dict[str, str]]:
+    """``(["host:port", ...], query options)`` of a ``des://`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != SCHEME or not parts.netloc or parts.path not in ("", "/"):
+        raise InvalidURLError(f"not a des URL (des://host:port[,host:port...]): {url!r}")
+    addrs = parts.netloc.split(",")
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidURLError(f"{url!r}: {a!r} is not host:port")
+    return addrs, dict(parse_qsl(parts.query))
+
+
 # -- columns ----------------------------------------------------------------------------------
 def keys_column(keys: np.ndarray) -> pa.Array:
     if keys.dtype == np.int64:
@@ -130,6 +146,23 @@ def vectors_from(col: Any, dim: int, rows: int) -> np.ndarray:
                                 f"({col.null_count} null)")
     flat = col.flatten().to_numpy(zero_copy_only=False)
     return np.asarray(flat, dtype=np.float32).reshape(rows, dim)
+
+
+def records_from(b: Any, key_type: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, records)`` of a batch or table with ``key`` and ``rec`` (fixed-size binary of
+    one record each) columns, checked against the record size."""
+    keys = keys_from(b.column("key"), key_type)
+    col = b.column("rec")
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if col.type != pa.binary(dtype.itemsize) or col.null_count:
+        raise InvalidInputError(f"records must be {dtype.itemsize}-byte binaries, got {col.type}")
+    if len(col) == 0:
+        return keys, np.zeros(0, dtype)
+    raw = col.buffers()[1]
+    recs = np.frombuffer(raw, np.uint8, len(col) * dtype.itemsize,
+                         col.offset * dtype.itemsize).view(dtype).copy()
+    return keys, recs
 
 
 def batch(**columns: Any) -> pa.RecordBatch:

@@ -1,0 +1,134 @@
+"""A serving replica that follows training: a local store kept current from the workers'
+change logs.
+
+For each worker the follower remembers the sequence number it has applied. Every poll asks
+each worker for the keys changed since then (records of the live ones, the deleted ones) and
+applies them to the local store; a follower that starts, or that fell behind what a worker's
+log still holds, takes that worker's whole snapshot instead and drops the local keys of that
+shard the snapshot lacks. Each shard's changes are applied under the serving lock, so readers
+see a shard either before or after a poll, never part of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from .._keys import key_hash64
+from ..errors import SchemaMismatchError
+from .client import DesStore
+
+log = logging.getLogger("embstore.service")
+
+
+def replica_options(upstream: DesStore) -> dict[str, Any]:
+    """Engine options that give a local store the upstream table's layout."""
+    layout, meta = upstream.layout, upstream.meta
+    # the same initializer and seed: a key the replica lacks reads as it does upstream
+    return {"dim": upstream.dim, "key_type": upstream.key_type,
+            "optimizer": upstream.optimizer.config(), "value_dtype": layout.value_dtype,
+            "metadata": "compact" if layout.is_compact else "full",
+            "initializer": meta["initializer"], "seed": meta["seed"]}
+
+
+class Follower:
+    """Keep ``local`` (a writable store) equal to the table behind ``upstream``.
+
+    Parameters
+    ----------
+    local : EmbeddingStore
+        The replica; its layout must equal the upstream table's.
+    upstream : DesStore
+        A client of the workers (a ``serve`` token is enough).
+    guard : context manager, optional
+        Held while one shard's changes are applied (the serving worker's lock).
+    """
+
+    def __init__(self, local: Any, upstream: DesStore,
+                 guard: AbstractContextManager[Any] | None = None) -> None:
+        if local.layout != upstream.layout:
+            raise SchemaMismatchError(
+                f"the replica {local.url} has layout {local.layout}, the followed table "
+                f"{upstream.layout}: create the replica with the same options (policies "
+                "that keep last_seen/last_step included)")
+        self.local = local
+        self.up = upstream
+        self.guard = guard if guard is not None else threading.Lock()
+        self.seqs: list[int | None] = [None] * upstream.shards
+        self.snapshots = 0
+        self.applied = 0
+        self.last_poll = 0.0       # monotonic time the last complete poll started
+
+    def _shard_keys(self, s: int) -> np.ndarray:
+        """Local keys that worker ``s`` owns."""
+        parts = [k for k, _ in self.local.records(65536)]
+        if not parts:
+            return self.local.normalize_keys([])
+        keys = np.concatenate(parts)
+        n = self.up.shards
+        return keys if n == 1 else keys[key_hash64(keys) % np.uint64(n) == np.uint64(s)]
+
+    def _snapshot(self, s: int) -> None:
+        seq, batches = self.up.shard_snapshot(s)
+        with self.guard:
+            have = self._shard_keys(s)
+            if batches:
+                fresh = np.concatenate([k for k, _ in batches])
+                gone = have[~np.isin(have, fresh)] if have.dtype != object else np.array(
+                    sorted(set(have.tolist()) - set(fresh.tolist())), dtype=object)
+            else:
+                gone = have
+            if len(gone):
+                self.local.delete(gone)
+            if batches:
+                self.local.load_records(iter(batches))
+            self.seqs[s] = seq
+        self.snapshots += 1
+
+    def _delta(self, s: int, since: int) -> bool:
+        seq, rows = self.up.shard_changes(s, since)
+        if rows is None:
+            return False
+        keys, recs, found = rows
+        if len(keys):
+            with self.guard:
+                if (~found).any():
+                    self.local.delete(keys[~found])
+                if found.any():
+                    self.local.load_records(iter([(keys[found], recs[found])]))
+                self.seqs[s] = seq
+            self.applied += len(keys)
+        else:
+            self.seqs[s] = seq
+        return True
+
+    def poll(self) -> None:
+        """One round over every worker."""
+        self.last_poll = time.monotonic()
+        for s in range(self.up.shards):
+            since = self.seqs[s]
+            if since is None or not self._delta(s, since):
+                self._snapshot(s)
+
+    def run(self, stop: threading.Event, interval: float = 0.1,
+            on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Poll every ``interval`` seconds until ``stop`` is set; errors are logged (or
+        handed to ``on_error``) and the next poll tries again."""
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - a worker restarting: try again
+                (on_error or (lambda e: log.warning("follower poll failed: %s", e)))(e)
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    def stats(self) -> dict[str, Any]:
+        return {"follower_snapshots": self.snapshots, "follower_rows_applied": self.applied,
+                "follower_lag_seconds": (time.monotonic() - self.last_poll
+                                         if self.last_poll else None)}

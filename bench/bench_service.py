@@ -1,0 +1,162 @@
+"""The DynamicEmbedding Service against the same store in process, side by side in one run.
+
+    python bench/bench_service.py            # 1M keys, dim 64, batches of 4096
+    python bench/bench_service.py --quick    # 100k keys
+
+1. One training step (lookup + SGD update of 4096 random keys of a filled table) through one
+   worker (`embstore serve memory://`, Arrow Flight on loopback) against the same calls on a
+   memory:// store in this process: CPU per step of client and worker together (target
+   <= 3.5x in-process) and rows/s with 1 and 4 trainer threads (target >= 0.5x).
+2. A follower (`--follow`, polling every 0.1 s) while one trainer runs at its full rate: the
+   staleness of what the follower serves (a probe key stamped with the time each step; p50 and
+   p99, target p99 <= 1 s) and the trainer's rate against no follower (target >= 0.9x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import threading
+import time
+
+import numpy as np
+
+import embstore
+from embstore.testing.service import WorkerProcess, start_worker
+
+DIM, BATCH = 64, 4096
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def fill(store, n: int) -> None:
+    for s in range(0, n, 65536):
+        k = np.arange(s, min(n, s + 65536))
+        store.assign(k, np.zeros((len(k), DIM), np.float32))
+
+
+def steps(store, n: int, count: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    g = np.full((BATCH, DIM), 1e-3, np.float32)
+    for _ in range(count):
+        k = rng.integers(0, n, BATCH)
+        store.lookup(k)
+        store.update(k, g)
+
+
+def timed(store_factory, n: int, count: int, threads: int, pid: int | None):
+    """(rows/s, CPU seconds per step of this process plus ``pid``)."""
+    stores = [store_factory() for _ in range(threads)]
+    c0 = self_cpu() + (proc_cpu(pid) if pid else 0.0)
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=steps, args=(s, n, count, i)) for i, s in enumerate(stores)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    cpu = self_cpu() + (proc_cpu(pid) if pid else 0.0) - c0
+    return threads * count * BATCH / wall, cpu / (threads * count)
+
+
+def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: str):
+    """(trainer rows/s, staleness samples in seconds) over ``seconds`` of training."""
+    probe = np.array([n + 7])
+    t_ref = time.time()  # stamps relative to it: float32 cannot hold epoch seconds exactly
+    replica = None
+    if follow:
+        replica = WorkerProcess([f"lmdb://{tmp}/replica-{time.time_ns()}", "--listen",
+                                 "127.0.0.1:0", "--follow", f"des://{worker.address}",
+                                 "--poll", "0.1", "-o", "durable=false"])
+    trainer = embstore.open(f"des://{worker.address}")
+    stop = threading.Event()
+    lags: list[float] = []
+
+    def read() -> None:
+        served = embstore.open(f"des://{replica.address}")
+        while not stop.is_set():
+            v = served.lookup(probe, insert=False)[0, 0]
+            if v > 0:
+                lags.append(time.time() - t_ref - float(v))
+            time.sleep(0.01)
+        served.close()
+
+    reader = threading.Thread(target=read) if replica else None
+    if reader:
+        reader.start()
+    rng = np.random.default_rng(3)
+    g = np.full((BATCH, DIM), 1e-3, np.float32)
+    rows, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        k = rng.integers(0, n, BATCH)
+        trainer.lookup(k)
+        trainer.update(k, g)
+        trainer.assign(probe, np.full((1, DIM), time.time() - t_ref, np.float32))
+        rows += BATCH
+    rate = rows / (time.perf_counter() - t0)
+    stop.set()
+    if reader:
+        reader.join()
+    trainer.close()
+    if replica:
+        replica.stop()
+    return rate, np.array(lags)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--keys", type=int, default=1_000_000)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seconds", type=float, default=10.0)
+    args = p.parse_args()
+    n = 100_000 if args.quick else args.keys
+    count = 15 if args.quick else args.steps
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="bench_service_")
+    local = embstore.open("memory://", dim=DIM, optimizer="sgd")
+    fill(local, n)
+    worker = start_worker("memory://", dim=DIM, optimizer="sgd")
+    try:
+        with embstore.open(f"des://{worker.address}") as des:
+            fill(des, n)
+        print(f"{n:,} keys, dim {DIM}, lookup + update of {BATCH} keys per step")
+        print(f"  {'threads':>7s} {'in-process':>12s} {'one worker':>12s} {'ratio':>6s}   "
+              f"CPU/step in-process, worker (client+server), ratio")
+        for threads in (1, 4):
+            r_in, c_in = timed(lambda: local, n, count, threads, None)
+            r_des, c_des = timed(lambda: embstore.open(f"des://{worker.address}"), n, count,
+                                 threads, worker.pid)
+            print(f"  {threads:7d} {r_in / 1e6:11.2f}M {r_des / 1e6:11.2f}M {r_des / r_in:5.2f}x"
+                  f"   {c_in * 1e3:.2f} ms, {c_des * 1e3:.2f} ms, {c_des / c_in:.2f}x "
+                  f"(target <= 3.5x; rows/s target >= 0.5x)")
+        secs = 3.0 if args.quick else args.seconds
+        base, _ = staleness(worker, n, secs, False, tmp)
+        rate, lags = staleness(worker, n, secs, True, tmp)
+        if len(lags):
+            p50, p99 = np.percentile(lags, [50, 99])
+            print(f"\nfollower polling every 0.1 s: staleness p50 {p50 * 1e3:.0f} ms, p99 "
+                  f"{p99 * 1e3:.0f} ms over {len(lags)} reads (target p99 <= 1 s); trainer "
+                  f"{rate / base:.2f}x its rate without a follower (target >= 0.9x)")
+        else:
+            print("\nfollower: no reads completed")
+    finally:
+        worker.stop()
+        local.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -309,3 +309,69 @@ def test_change_log_gives_keys_since_a_sequence_or_asks_for_a_snapshot():
     log.on_bulk_load()
     assert log.since(3)[0] is None
     assert log.since(log.seq)[0].tolist() == []
+
+
+def test_metrics_health_and_readiness_over_http():
+    import urllib.request
+
+    w = start_worker("memory://", dim=DIM, extra=["--metrics", "127.0.0.1:0"])
+    try:
+        assert w.metrics_address
+        with embstore.open(f"des://{w.address}") as des:
+            des.lookup(np.arange(10))
+            des.update(np.arange(10), np.ones((10, DIM), np.float32))
+            with pytest.raises(InvalidInputError):
+                des.update([1], np.full((1, DIM), np.nan, np.float32))
+
+        def get(path):
+            try:
+                with urllib.request.urlopen(f"http://{w.metrics_address}{path}", timeout=10) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        code, text = get("/metrics")
+        assert code == 200
+        assert 'embstore_requests_total{op="lookup"} 1' in text
+        assert 'embstore_requests_total{op="update"} 1' in text  # the NaN one never left
+        assert 'embstore_request_seconds_count{op="lookup"} 1' in text
+        assert "embstore_store_updates 10" in text and "embstore_changelog_seq" in text
+        assert get("/healthz")[0] == 200
+        assert get("/readyz") == (200, "ready\n")
+        assert get("/nothing")[0] == 404
+    finally:
+        w.stop()
+
+
+def test_shipped_deployments_run_commands_the_cli_accepts():
+    """deploy/Procfile and the Kubernetes manifests start `embstore serve` with arguments
+    the command takes (shell variables as a pod would expand them)."""
+    import shlex
+    from pathlib import Path
+
+    from embstore.cli import build_parser
+
+    yaml = pytest.importorskip("yaml")
+    root = Path(__file__).resolve().parents[1] / "deploy"
+    commands = [line.split(":", 1)[1].strip() for line in
+                (root / "Procfile").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for path in sorted((root / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] not in ("StatefulSet", "Deployment"):
+                continue
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                argv = c["command"] + c["args"]
+                commands.append(argv[-1] if argv[:2] == ["/bin/sh", "-c"]
+                                else shlex.join(argv))
+                for probe in ("readinessProbe", "livenessProbe"):
+                    if probe in c:
+                        assert c[probe]["httpGet"]["path"] in ("/readyz", "/healthz")
+    assert len(commands) == 5
+    parser = build_parser()
+    for cmd in commands:
+        cmd = cmd.replace("${HOSTNAME##*-}", "0").replace("${SHARDS}", "2")
+        argv = shlex.split(cmd)
+        argv = argv[argv.index("embstore") + 1:]
+        args = parser.parse_args(argv)
+        assert args.command == "serve" and args.shard.count("/") == 1, cmd

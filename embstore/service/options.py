@@ -33,6 +33,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    "a bearer token ('serve' tokens only read)")
     s.add_argument("--tls-cert", help="PEM certificate (with --tls-key): serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--metrics", metavar="HOST:PORT", help="serve /metrics (Prometheus text), "
+                   "/healthz and /readyz over HTTP on this address")
     s.add_argument("--follow", metavar="DES_URL", help="serve URL as a read-only replica kept "
                    "current from these workers' change logs (docs/service.md, Followers)")
     s.add_argument("--follow-token-file", help="file holding the token for --follow")

@@ -11,21 +11,37 @@ import argparse
 import json
 import signal
 import threading
+import time
 from typing import Any
 
 from ..api import open as open_store
-from ..errors import InvalidInputError
+from ..errors import BackendError, InvalidInputError
 from .client import DesStore
 from .follower import Follower, replica_options
+from .metrics import OpsServer
 from .options import parse_shard
 from .server import Worker, read_token_file
+
+
+def _connect_when_up(url: str, token_file: str | None, wait: float = 60.0) -> DesStore:
+    """A client of the followed workers, waiting up to ``wait`` seconds for them to start
+    (a follower launched beside its workers, as in deploy/Procfile)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return DesStore(url, token_file=token_file, read_only=True)
+        except BackendError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
           token_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None, flush_every: float | None = None,
           follow: str | None = None, follow_token_file: str | None = None,
-          poll: float = 0.1, ready: Any = None, **options: Any) -> int:
+          poll: float = 0.1, metrics: str | None = None, ready: Any = None,
+          **options: Any) -> int:
     """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens.
 
     With ``follow`` (a ``des://`` URL), ``url`` is a replica: created with the followed
@@ -49,7 +65,7 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
     if follow is not None:
         if not poll > 0:
             raise InvalidInputError(f"--poll must be positive, got {poll}")
-        upstream = DesStore(follow, token_file=follow_token_file, read_only=True)
+        upstream = _connect_when_up(follow, follow_token_file)
         options = {**replica_options(upstream), **options}
     store = open_store(url, **options)
     scheme = "grpc+tls" if tls else "grpc+tcp"
@@ -79,12 +95,21 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
                 worker.flush()
 
         threading.Thread(target=flusher, name="embstore-flush", daemon=True).start()
+    ops = None
+    if metrics is not None:
+        mhost, _, mport = metrics.rpartition(":")
+        if not mhost or not mport.isdigit():
+            raise InvalidInputError(f"--metrics must be HOST:PORT, got {metrics!r}")
+        ops = OpsServer(metrics, worker.metrics_text, worker.ready)
+        print(f"embstore: metrics on {mhost}:{ops.port}", flush=True)
     (ready or (lambda p: print(f"embstore: serving {store.url} as shard {i}/{n} on "
                                f"{host}:{p}", flush=True)))(worker.port)
     try:
         worker.serve()
     finally:
         stop.set()
+        if ops is not None:
+            ops.close()
         with worker.lock:
             store.close()
         if upstream is not None:
@@ -103,4 +128,4 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
                  tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
                  follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
-                 **options)
+                 metrics=args.metrics, **options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..errors import (
 from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
+from .metrics import RequestMetrics, gauges
 
 log = logging.getLogger("embstore.service")
 
@@ -54,6 +56,18 @@ def read_token_file(path: str) -> dict[str, str]:
     if not tokens:
         raise InvalidInputError(f"{path}: no tokens")
     return tokens
+
+
+_OPS = READ_OPS | {"update", "assign", "delete", "flush"}
+
+
+def _peek_op(raw: bytes) -> str:
+    """The op a request names, for its metrics (``"other"`` when it names none)."""
+    try:
+        op = json.loads(raw).get("op")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return "other"
+    return op if isinstance(op, str) and op in _OPS else "other"
 
 
 class _Role(flight.ServerMiddleware):
@@ -96,6 +110,8 @@ class Worker(flight.FlightServerBase):
         store.add_observer(self.log)
         #: set on a replica: its follower's counters join ``stats``
         self.follower: Any = None
+        #: counts and latencies per operation (``--metrics``)
+        self.metrics = RequestMetrics()
         #: held around every call on the store (per key, arrival order; no lost update)
         self.lock = threading.Lock()
         self.requests = 0
@@ -130,12 +146,16 @@ class Worker(flight.FlightServerBase):
                     f"shards than {self.shard}/{self.shards}")
         return keys
 
-    def _guard(self, fn: Callable[[], Any]) -> Any:
+    def _guard(self, fn: Callable[[], Any], op: str) -> Any:
         """Run ``fn`` under the store lock; every error leaves as one typed line."""
+        t0 = time.perf_counter()
+        failed = True
         try:
             with self.lock:
                 self.requests += 1
-                return fn()
+                out = fn()
+            failed = False
+            return out
         except flight.FlightError:
             raise
         except EmbstoreError as e:
@@ -146,6 +166,44 @@ class Worker(flight.FlightServerBase):
         except Exception as e:  # noqa: BLE001 - the caller gets a line, the log the trace
             log.exception("request failed")
             raise flight.FlightServerError(wire.remote_error(e)) from None
+        finally:
+            self.metrics.observe(op if op in _OPS else "other", time.perf_counter() - t0,
+                                 failed)
+
+    # -- operations endpoint -----------------------------------------------------------------
+    def metrics_text(self) -> list[str]:
+        """Prometheus text lines: requests, the store's counters, the change log, a
+        follower's lag."""
+        lines = self.metrics.text()
+        lines.append(f'embstore_shard_info{{index="{self.shard}",count="{self.shards}"}} 1')
+        if self.lock.acquire(timeout=5):
+            try:
+                lines += gauges(self.store.stats())
+            except Exception:  # noqa: BLE001 - an unreachable remote: no store gauges
+                lines.append("embstore_store_up 0")
+            finally:
+                self.lock.release()
+        lines += gauges(self.log.stats(), "embstore_")
+        if self.follower is not None:
+            lines += gauges(self.follower.stats(), "embstore_")
+        return lines
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether this worker should get traffic: the store answers within 5 s and, on a
+        replica, the follower polled recently."""
+        if not self.lock.acquire(timeout=5):
+            return False, "busy: a call has held the store for over 5 s"
+        try:
+            self.store.stats()
+        except Exception as e:  # noqa: BLE001 - reported to the probe
+            return False, f"store unavailable: {wire.remote_error(e)}"
+        finally:
+            self.lock.release()
+        if self.follower is not None:
+            lag = self.follower.stats()["follower_lag_seconds"]
+            if lag is None or lag > 30:
+                return False, f"follower behind: last poll {lag} s ago"
+        return True, "ready"
 
     # -- small questions ---------------------------------------------------------------------
     def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
@@ -154,7 +212,7 @@ class Worker(flight.FlightServerBase):
             self._check(context, header)
             return self._action(header)
 
-        yield json.dumps(self._guard(run)).encode()
+        yield json.dumps(self._guard(run, action.type)).encode()
 
     def _action(self, h: dict[str, Any]) -> Any:
         s = self.store
@@ -183,7 +241,7 @@ class Worker(flight.FlightServerBase):
             self._check(context, header)
             return self._exchange(header, wire.read_request(reader))
 
-        out = self._guard(run)
+        out = self._guard(run, _peek_op(descriptor.command))
         writer.begin(out.schema)
         writer.write_batch(out)
 
@@ -312,5 +370,5 @@ class Worker(flight.FlightServerBase):
                                metadata={"seq": str(self.log.seq)})
             return schema, [b.replace_schema_metadata(schema.metadata) for b in out]
 
-        schema, batches = self._guard(run)
+        schema, batches = self._guard(run, _peek_op(ticket.ticket))
         return flight.GeneratorStream(schema, iter(batches))

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = ["WorkerProcess", "Workers", "start_worker", "start_workers"]
 
 _READY = re.compile(r"serving .* as shard (\d+)/(\d+) on ([\d.]+):(\d+)")
+_METRICS = re.compile(r"metrics on ([\d.]+:\d+)")
 
 
 class WorkerProcess:
@@ -36,6 +37,8 @@ class WorkerProcess:
             stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.pid = self.proc.pid
         self.output: list[str] = []
+        #: ``host:port`` of its ``--metrics`` endpoint, when started with one
+        self.metrics_address: str | None = None
         self.address = self._wait_ready(timeout)
         # keep draining its output so a chatty worker never blocks on a full pipe
         threading.Thread(target=self._drain, daemon=True).start()
@@ -48,6 +51,9 @@ class WorkerProcess:
             if not line:
                 break
             self.output.append(line)
+            mm = _METRICS.search(line)
+            if mm:
+                self.metrics_address = mm.group(1)
             m = _READY.search(line)
             if m:
                 return f"{m.group(3)}:{m.group(4)}"

@@ -375,3 +375,20 @@ def test_shipped_deployments_run_commands_the_cli_accepts():
         argv = argv[argv.index("embstore") + 1:]
         args = parser.parse_args(argv)
         assert args.command == "serve" and args.shard.count("/") == 1, cmd
+
+
+def test_keras_layer_trains_through_the_service_with_admission_counting_occurrences():
+    tf = pytest.importorskip("tensorflow")
+    import embstore_tf
+
+    with start_workers(["memory://", "memory://"], dim=DIM, optimizer=SGD1,
+                       initializer="zeros", admission='{"name": "frequency", "min_count": 2}'
+                       ) as workers, embstore.open(workers.url) as des:
+        assert des.admission is not None and des.admission["min_count"] == 2
+        layer = embstore_tf.DynamicEmbedding(des)
+        ids = tf.constant([[1, 1], [2, 3]])       # 1 occurs twice: admitted in this batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids))
+        tape.gradient(loss, layer.trainable_variables)
+        assert des.contains([1, 2, 3]).tolist() == [True, False, False]
+        np.testing.assert_array_equal(des.lookup([1], insert=False)[0], np.full(DIM, -2.0))

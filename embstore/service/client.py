@@ -209,17 +209,33 @@ class DesStore:
         return normalize_keys(keys, self._key_type)
 
     # -- rows --------------------------------------------------------------------------------
-    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
+    @property
+    def admission(self) -> dict[str, Any] | None:
+        """The workers' admission policy (its config), or None. The workers apply it; an
+        adapter only needs to know there is one, to send occurrence ``counts``."""
+        policies = (self._meta.get("extra") or {}).get("policies") or {}
+        adm = policies.get("admission")
+        return adm.get("config") if isinstance(adm, dict) else None
+
+    def lookup(self, keys: Any, *, insert: bool = True, counts: Any = None) -> np.ndarray:
         """``(n, dim)`` float32 vectors in request order (N-D keys give ``(..., dim)``);
-        unknown keys are inserted by their owner unless ``insert=False``."""
+        unknown keys are inserted by their owner unless ``insert=False`` (``counts``: how often
+        each key occurred, for an admission policy)."""
         self.check_open()
         flat, shape = nd_keys(keys)
         k = self.normalize_keys(flat)
+        c = None if counts is None else check_counts(counts, len(k))
         insert = bool(insert) and not self.read_only
         out = np.empty((len(k), self.dim), np.float32)
+
+        def cols(sel: np.ndarray | None) -> dict[str, Any]:
+            d = {"key": wire.keys_column(k if sel is None else k[sel])}
+            if c is not None:
+                d["count"] = pa.array(c if sel is None else c[sel], pa.int64())
+            return d
+
         if len(k):
-            for sel, t in self._keyed("lookup", k, lambda sel: {
-                    "key": wire.keys_column(k if sel is None else k[sel])}, insert=insert):
+            for sel, t in self._keyed("lookup", k, cols, insert=insert):
                 rows = len(k) if sel is None else len(sel)
                 v = wire.vectors_from(t.column("vec"), self.dim, rows)
                 if sel is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..api import open as open_store
 from ..errors import BackendError, InvalidInputError
+from ..policies.admission import admission_from_config
 from .client import DesStore
 from .follower import Follower, replica_options
 from .metrics import OpsServer
@@ -119,6 +120,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
 
 def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """The ``embstore serve`` command."""
+    if isinstance(options.get("admission"), dict):  # -o 'admission={"name": "frequency"...}'
+        options["admission"] = admission_from_config(options["admission"])
     for name, value in (("dim", args.dim), ("key_type", args.key_type),
                         ("optimizer", args.optimizer), ("cache", args.cache)):
         if value is not None:

@@ -248,11 +248,21 @@ class Worker(flight.FlightServerBase):
     def _keys(self, table: pa.Table) -> np.ndarray:
         return self._own(wire.keys_from(table.column("key"), self.store.key_type))
 
+    @staticmethod
+    def _counts(t: pa.Table) -> np.ndarray | None:
+        if "count" not in t.column_names:
+            return None
+        col = t.column("count")
+        if col.type != pa.int64() or col.null_count:
+            raise InvalidInputError(f"counts must be int64, got {col.type}")
+        return np.asarray(col.to_numpy(), np.int64)
+
     def _exchange(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
         s = self.store
         op = h["op"]
         if op == "lookup":
-            v = s.lookup(self._keys(t), insert=bool(h.get("insert", True)))
+            v = s.lookup(self._keys(t), insert=bool(h.get("insert", True)),
+                         counts=self._counts(t))
             return wire.batch(vec=wire.vectors_column(v))
         if op == "contains":
             return wire.batch(found=pa.array(s.contains(self._keys(t))))
@@ -262,9 +272,7 @@ class Worker(flight.FlightServerBase):
             if op == "assign":
                 s.assign(keys, rows)
             else:
-                counts = (np.asarray(t.column("count").to_numpy(), np.int64)
-                          if "count" in t.column_names else None)
-                s.update(keys, rows, counts=counts)
+                s.update(keys, rows, counts=self._counts(t))
             return wire.batch(step=pa.array([s.step], pa.int64()))
         if op == "delete":
             return wire.batch(deleted=pa.array([s.delete(self._keys(t))], pa.int64()))

@@ -34,6 +34,7 @@ from ...errors import BackendUnavailableError, InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
+from ..ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds
 from . import cas, restore, wire
 from .restore import BigtableRestore
 
@@ -86,6 +87,7 @@ class BigtableBackend(BigtableRestore, Backend):
 
     persistent = True
     supports_scan = True
+    supports_ranges = True
     thread_safe = True  # a gRPC channel pool; calls from several threads overlap
     scheme = "bigtable"
     #: longest bytes key: Bigtable's 4 KiB row-key limit minus the one-byte key prefix
@@ -367,13 +369,15 @@ class BigtableBackend(BigtableRestore, Backend):
         return len(keys)
 
     # -- scans ------------------------------------------------------------------------------------
-    def _scan_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
-        """Stream the data row range in key order, resuming after the last row on errors."""
+    def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
+                   end: bytes = wire.DATA_END) -> Iterator[tuple[list, list]]:
+        """Stream the data rows in ``[start, end)`` in key order, resuming after the last row
+        on errors."""
         filt = self._keys_filter if keys_only else self._filter
-        start, start_open = wire.DATA_PREFIX, False
+        start_open = False
         while True:
             deadline = time.monotonic() + self.retry_deadline
-            req = wire.read_rows_range(self._read_head, start, start_open, wire.DATA_END, filt,
+            req = wire.read_rows_range(self._read_head, start, start_open, end, filt,
                                        limit=max(batch_size, 1) * 16)
 
             def attempt(timeout: float, req=req):
@@ -390,7 +394,24 @@ class BigtableBackend(BigtableRestore, Backend):
             start, start_open = ks[-1], True
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for ks, vs in self._scan_rows(False, batch_size):
+        return self.scan_range(KeyRange(KIND_BYTES), batch_size)
+
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        """Row ranges cut at every ``rows/n``-th row key, from one keys-only read (values
+        stripped by the server, as ``len()`` reads them)."""
+        keys = (k for ks, _ in self._scan_rows(True, 65536) for k in ks)
+        walked = list(keys)
+        bounds = bounds_from_walk(walked, len(walked), n, wire.DATA_PREFIX)
+        return ranges_from_bounds(KIND_BYTES, bounds)
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        # bounds are whole row keys (prefix included), so a range is one Bigtable row range
+        start = wire.DATA_PREFIX if rng.lo is None else bytes(rng.lo)
+        end = wire.DATA_END if rng.hi is None else bytes(rng.hi)
+        if start >= end:
+            return
+        for ks, vs in self._scan_rows(False, batch_size, start, end):
             yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
 
     def __len__(self) -> int:

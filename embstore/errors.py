@@ -23,6 +23,7 @@ __all__ = [
     "InvalidURLError",
     "StoreNotFoundError",
     "ForkedProcessError",
+    "PartFailedError",
 ]
 
 
@@ -86,3 +87,8 @@ class CapabilityError(EmbstoreError, NotImplementedError):
 class ForkedProcessError(EmbstoreError, RuntimeError):
     """An in-process store (``memory://``) was used in a child forked from its process: the
     child holds a private copy, so its writes would silently never reach the parent."""
+
+
+class PartFailedError(EmbstoreError, RuntimeError):
+    """A part of a split job (:func:`embstore.transfer.run_part`) still failed after its
+    retries; the parts that succeeded are kept, and a rerun does only the rest."""

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..backends.ranges import KeyRange, check_plan
 from ..engine import services
-from ..errors import CorruptFileError, InvalidInputError
+from ..errors import CapabilityError, CorruptFileError, InvalidInputError
 from ..io.formats import format_name, open_writer
 from ..io.manifest import MANIFEST_KEY, file_sha256, write_json
 from ..progress import progress_bar
@@ -142,7 +143,7 @@ def plan_parts(source: Any, n: int, **options: Any) -> list[Part]:
     backend = source.backend
     if not backend.supports_ranges:
         kind = type(backend).__name__
-        raise InvalidInputError(f"{source.url} cannot be split into parts ({kind} reads no "
+        raise CapabilityError(f"{source.url} cannot be split into parts ({kind} reads no "
                                 "key ranges); export it whole")
     ranges = backend.plan_ranges(n)
     check_plan(ranges)
@@ -157,7 +158,7 @@ def part_records(store: Any, part: Part, batch_size: int = 65536
                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(keys, records)`` batches of ``part``'s range of ``store``."""
     if not store.backend.supports_ranges:
-        raise InvalidInputError(f"{store.url} reads no key ranges: it cannot run a part")
+        raise CapabilityError(f"{store.url} reads no key ranges: it cannot run a part")
     yield from store.backend.scan_range(part.range, batch_size)
 
 
@@ -216,7 +217,11 @@ def run_part(part: Part, dest: str | os.PathLike[str], *, fmt: str = "native",
     side = {"result": asdict(res), "source": part.source, "format": name,
             "key_type": meta["key_type"], "dim": meta["dim"], "layout": meta["layout"]}
     write_json(os.path.join(dest, part.stem() + ".json"), side)
-    finish_manifest(dest, part.count, missing_ok=True)
+    try:
+        finish_manifest(dest, part.count, missing_ok=True)
+    except CorruptFileError as e:  # this part is sound; the set it joins is not
+        warnings.warn(f"part {part.index + 1}/{part.count} written, no manifest: {e}",
+                      stacklevel=2)
     return res
 
 

@@ -44,9 +44,9 @@ from ._localdir import (
 from ._replace import lmdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
-from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
 from .lmdb_env import META_KEY as _META_KEY
 from .lmdb_env import SharedEnv, acquire_env, release_env
+from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
 
 log = logging.getLogger(__name__)
 

@@ -162,4 +162,4 @@ class HashRangeScans:
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return self.scan(batch_size, rng)  # type: ignore[attr-defined, no-any-return]
+        return self.scan(batch_size, rng)  # type: ignore[attr-defined]

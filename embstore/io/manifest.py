@@ -107,7 +107,8 @@ def check_entries(path: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
     ordered = [seen[i] for i in range(n)]
     # Ranges chain from open end to open end, so no row is in two parts or in none (bounds
     # are compared in their JSON form: only the backend that planned them reads them).
-    ranges = [e.get("range") if isinstance(e.get("range"), dict) else {} for e in ordered]
+    ranges: list[dict[str, Any]] = [r if isinstance(r := e.get("range"), dict) else {}
+                                    for e in ordered]
     chained = (ranges[0].get("lo", 0) is None and ranges[-1].get("hi", 0) is None
                and len({r.get("kind") for r in ranges}) == 1
                and all(a.get("hi") == b.get("lo") and a.get("hi") is not None

@@ -17,16 +17,6 @@ from typing import TYPE_CHECKING, Any
 from ..engine import services
 from .format_choice import export_to, file_format, import_from
 from .native import export_native, import_native
-from .pipeline import (
-    DEFAULT_CACHE_BYTES,
-    ImportReport,
-    NewStore,
-    check_compatible,
-    copy_store,
-    creation_options,
-    export_file,
-    import_file,
-)
 from .parts import (
     MANIFEST_NAME,
     Part,
@@ -36,6 +26,16 @@ from .parts import (
     pending_parts,
     plan_parts,
     run_part,
+)
+from .pipeline import (
+    DEFAULT_CACHE_BYTES,
+    ImportReport,
+    NewStore,
+    check_compatible,
+    copy_store,
+    creation_options,
+    export_file,
+    import_file,
 )
 from .replace import replace_table
 from .verify import VerifyReport, row_digests, verify_file, verify_store

@@ -73,7 +73,7 @@ def test_every_row_is_in_exactly_one_part_and_the_union_is_the_whole_export(
                     assert len(ks) == len(recs)
                     seen += _as_list(ks)
             assert sorted(seen) == everything, f"{n} parts"
-            if kind != "memory":  # hash ranges are balanced by chance only
+            if kind not in ("memory", "bigtable"):  # by hash / by sampled bytes: roughly
                 sizes = [sum(len(k) for k, _ in store.backend.scan_range(p.range)) for p in parts]
                 assert max(sizes) - min(sizes) <= 1, sizes
 
@@ -94,7 +94,20 @@ def test_every_row_is_in_exactly_one_part_and_the_union_is_the_whole_export(
         store.close()
 
 
-@pytest.mark.parametrize("kind", ["memory", "lmdb", "sqlite"])
+def test_bigtable_plans_from_its_row_key_samples_without_reading_rows(new_store_url):
+    with embstore.open(new_store_url("bigtable"), dim=8) as store:
+        keys = np.random.default_rng(3).integers(-2**62, 2**62, 6000)
+        store.assign(keys, np.ones((6000, 8), np.float32))
+        before = store.backend.counters["rows_read"]
+        parts = plan_parts(store, 4)
+        assert store.backend.counters["rows_read"] == before  # SampleRowKeys only
+        sizes = [sum(len(k) for k, _ in store.backend.scan_range(p.range)) for p in parts]
+        assert sum(sizes) == len(np.unique(keys))
+        # sample offsets are approximate (on the emulator as on Bigtable): roughly even
+        assert max(sizes) < 2 * min(sizes), sizes
+
+
+@pytest.mark.parametrize("kind", ["memory", "lmdb", "sqlite", "bigtable"])
 def test_more_parts_than_rows_and_an_empty_store(kind, new_store_url, tmp_path):
     for rows in (0, 3):
         store = embstore.open(new_store_url(kind), dim=4)

@@ -47,6 +47,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 _ReadRowsResponse = _pb.ReadRowsResponse.pb()
 _MutateRowsResponse = _pb.MutateRowsResponse.pb()
+_SampleRowKeysResponse = _pb.SampleRowKeysResponse.pb()
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
@@ -154,6 +155,9 @@ class BigtableBackend(BigtableRestore, Backend):
         self._mutate_rows = self._channel.unary_stream(
             "/google.bigtable.v2.Bigtable/MutateRows", request_serializer=ident,
             response_deserializer=_MutateRowsResponse.FromString)
+        self._sample_row_keys = self._channel.unary_stream(
+            "/google.bigtable.v2.Bigtable/SampleRowKeys", request_serializer=ident,
+            response_deserializer=_SampleRowKeysResponse.FromString)
         self._check_and_mutate = cas.check_and_mutate_stub(self._channel)
         # The calling thread is one of the ``inflight`` senders (see _run_sharded).
         self._pool = ThreadPoolExecutor(max(self.inflight - 1, 1),
@@ -397,12 +401,27 @@ class BigtableBackend(BigtableRestore, Backend):
         return self.scan_range(KeyRange(KIND_BYTES), batch_size)
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
-        """Row ranges cut at every ``rows/n``-th row key, from one keys-only read (values
-        stripped by the server, as ``len()`` reads them)."""
-        keys = (k for ks, _ in self._scan_rows(True, 65536) for k in ks)
-        walked = list(keys)
-        bounds = bounds_from_walk(walked, len(walked), n, wire.DATA_PREFIX)
-        return ranges_from_bounds(KIND_BYTES, bounds)
+        """Row ranges cut at every ``size/n``-th byte offset of Bigtable's own row-key samples
+        (``SampleRowKeys``: split points the server keeps, no rows read); a table with too
+        few samples (a small one) is cut at every ``rows/n``-th row key of a keys-only read."""
+        req = wire.request_head(self.table_name, self.app_profile_id, 2)
+        samples = self._retry("sample", lambda timeout: [
+            (bytes(r.row_key), int(r.offset_bytes))
+            for r in self._sample_row_keys(req, timeout=timeout)],
+            time.monotonic() + self.retry_deadline)
+        data = [(k, off) for k, off in samples if wire.DATA_PREFIX <= k < wire.DATA_END]
+        if n > 1 and len(data) >= 2 * (n - 1):
+            size, bounds, j = max(off for _, off in samples), [], 0
+            for i in range(1, n):  # the sample nearest each n-th of the bytes
+                target = size * i // n
+                while j < len(data) - 1 and abs(data[j + 1][1] - target) <= abs(
+                        data[j][1] - target):
+                    j += 1
+                bounds.append(data[j][0])
+            return ranges_from_bounds(KIND_BYTES, bounds)
+        walked = [k for ks, _ in self._scan_rows(True, 65536) for k in ks]
+        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(walked, len(walked), n,
+                                                               wire.DATA_PREFIX))
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:

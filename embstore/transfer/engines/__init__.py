@@ -37,7 +37,7 @@ def require(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         raise BackendUnavailableError(
-            f"running parts on {extra} needs {module}: pip install 'embstore[{extra}]'") from e
+            f"running parts on {extra} needs {module}: pip install -e '.[{extra}]'") from e
 
 
 def run_with_retries(parts: list[Part], attempt: Callable[[list[Part]], Iterable[Outcome]],

@@ -1,4 +1,4 @@
-"""Run the parts of a split job on Apache Beam (``pip install 'embstore[beam]'``).
+"""Run the parts of a split job on Apache Beam (``pip install -e '.[beam]'``).
 
 The pipeline is ``Create(parts) | Reshuffle() | ParDo(RunPartFn(dest))``: one element per
 part, each written by embstore itself inside the ``DoFn`` (on Dataflow a worker opens

@@ -1,4 +1,4 @@
-"""Run the parts of a split job on Dask (``pip install 'embstore[dask]'``).
+"""Run the parts of a split job on Dask (``pip install -e '.[dask]'``).
 
 Each part is one task (``client.submit(run_part, part, dest)``); a worker reopens the source
 read-only from the part's URL, so the store is never shipped through the scheduler. A part

@@ -97,6 +97,8 @@ class PartResult:
     range: dict[str, Any]
     plan: str
     seconds: float = 0.0
+    #: CPU time of the process (all its threads) while it ran this part
+    cpu_seconds: float = 0.0
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -196,7 +198,7 @@ def run_part(part: Part, dest: str | os.PathLike[str], *, fmt: str = "native",
     dest = os.fspath(dest)
     os.makedirs(dest, exist_ok=True)
     path = os.path.join(dest, part.stem() + _EXT[name])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     src, opened = _open_source(part, store)
     try:
         refuse_own_storage(src, path)
@@ -213,7 +215,7 @@ def run_part(part: Part, dest: str | os.PathLike[str], *, fmt: str = "native",
             src.close()
     res = PartResult(part.index, part.count, os.path.basename(path), rows,
                      os.path.getsize(path), file_sha256(path), part.range.to_json(), part.plan,
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, time.process_time() - c0)
     side = {"result": asdict(res), "source": part.source, "format": name,
             "key_type": meta["key_type"], "dim": meta["dim"], "layout": meta["layout"]}
     write_json(os.path.join(dest, part.stem() + ".json"), side)

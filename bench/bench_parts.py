@@ -7,13 +7,15 @@ ranges -- the same store is exported to Parquet
 - ``one process``: ``export_file`` (what ``embstore export URL out.parquet`` does), and
 - ``2 parts / 2 workers``: ``plan_parts(url, 2)`` + ``run_parts_local`` on a pool of two
   worker processes (each reopens the store read-only and writes its part; then the manifest
-  with per-part SHA-256 is written). The pool is started and warmed (imports, the backend's driver included) before
-  the clock starts, as on an engine's cluster; the ``cold`` column adds the pool's start.
+  with per-part SHA-256 is written). The pool is started and warmed (imports, the backend's
+  driver included) before the clock starts, as on an engine's cluster; the ``cold`` column
+  adds the pool's start.
 
 The ``by CPU`` column divides the one process's CPU seconds by the parts' critical path in
 CPU seconds (planning + the slowest part): what two otherwise idle cores would give, and
-unlike wall-clock time not skewed by other jobs on a shared machine. The two run alternately (``--repeat`` times; best of each), so a change of machine load hits
-both. Ratio = one-process time / parts time (goal >= 1.6x for LMDB and SQLite on 2 cores).
+unlike wall-clock time not skewed by other jobs on a shared machine. The two run alternately
+(``--repeat`` times; best of each), so a change of machine load hits both. Ratio =
+one-process time / parts time (goal >= 1.6x for LMDB and SQLite on 2 cores).
 After timing, the parts' union is checked against the one-process export: the
 order-independent digests of ``verify`` over the manifest and over the single file must be
 equal, as must the row counts.

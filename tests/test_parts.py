@@ -257,6 +257,14 @@ def test_memory_parts_need_the_open_store_and_a_cache_has_no_ranges(tmp_path):
             plan_parts(cached, 2)
 
 
+def test_a_part_is_never_written_into_the_source_store(tmp_path):
+    url = f"lmdb://{tmp_path}/src"
+    _fill(url, "int64", 50).close()
+    with pytest.raises(InvalidInputError, match="inside the storage"):
+        run_part(plan_parts(url, 2)[0], tmp_path / "src" / "parts")
+    assert not (tmp_path / "src" / "parts").exists()
+
+
 def test_cli_part_export_copy_verify_and_manifest_import(tmp_path, capsys):
     url = f"sqlite:///{tmp_path}/s.db"
     _fill(url, "bytes", 700).close()

@@ -196,12 +196,12 @@ def run_part(part: Part, dest: str | os.PathLike[str], *, fmt: str = "native",
     if name not in _EXT:
         raise InvalidInputError(f"parts cannot be written as {fmt!r}; one of {sorted(_EXT)}")
     dest = os.fspath(dest)
-    os.makedirs(dest, exist_ok=True)
     path = os.path.join(dest, part.stem() + _EXT[name])
     t0, c0 = time.perf_counter(), time.process_time()
     src, opened = _open_source(part, store)
     try:
-        refuse_own_storage(src, path)
+        refuse_own_storage(src, path)  # before making the directory inside the store's files
+        os.makedirs(dest, exist_ok=True)
         meta = src.meta
         meta["since"] = None
         with open_writer(path, meta, name) as w, progress_bar(

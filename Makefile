@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
 HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
-.PHONY: demo recsys test bench lint clean ext tfra-venv
+.PHONY: demo recsys test bench lint clean ext tfra-venv beam-venv
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,7 @@ demo: $(VENV)/.demo ext
 	$(PY) examples/word2vec.py
 
 # Lint first: ruff and mypy (configured in pyproject.toml) fail the run before any test starts.
-test: $(VENV)/.test ext lint
+test: $(VENV)/.test ext lint beam-venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.test ext
@@ -61,6 +61,16 @@ $(TFRA)/.created:
 	touch $@
 
 tfra-venv: $(TFRA)/.created
+
+# Apache Beam (the [beam] extra) pins protobuf/pyarrow below the main venv's: its own venv, which
+# tests/test_parts_engines.py runs the DirectRunner recipe in (embstore from the checkout).
+BEAM := .venv-beam
+$(BEAM)/.created:
+	$(PYTHON) -m venv $(BEAM)
+	$(BEAM)/bin/pip -q install apache-beam numpy tqdm pyarrow lmdb "sqlalchemy>=2.0"
+	touch $@
+
+beam-venv: $(BEAM)/.created
 
 # ruff and mypy come from the test extra; mypy checks embstore (files= in pyproject.toml).
 lint: $(VENV)/.test

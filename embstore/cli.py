@@ -27,15 +27,20 @@ from .registry import scheme_of
 from .service.options import add_serve_arguments
 from .transfer import (
     DEFAULT_CACHE_BYTES,
+    MANIFEST_NAME,
     NewStore,
+    Part,
     copy_store,
     creation_options,
     export_file,
     import_file,
+    plan_parts,
+    run_part,
     verify_file,
     verify_store,
 )
 from .transfer.own_storage import refuse_copy_onto_urls
+from .transfer.parts import parse_part
 from .urls import redact_text
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -183,11 +188,34 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.part:
+        return _export_part(args)
     with _open_ro(args.url, _options(args.option)) as store:
         n = export_file(store, args.dest, fmt=args.format, since=args.since,
                         batch_size=args.batch_size, progress=not args.quiet,
                         quantize=args.quantize)
     _note(args, f"exported {n} rows to {args.dest}")
+    return EXIT_OK
+
+
+def _part_of(store: Any, text: str) -> Part:
+    index, count = parse_part(text)
+    return plan_parts(store, count)[index]
+
+
+def _export_part(args: argparse.Namespace) -> int:
+    if args.since is not None or args.quantize:
+        raise InvalidInputError("--part exports whole records: --since and --quantize "
+                                "are for a whole export")
+    with _open_ro(args.url, _options(args.option)) as store:
+        part = _part_of(store, args.part)
+        res = run_part(part, args.dest, fmt=args.format or "native",
+                       batch_size=args.batch_size, progress=not args.quiet, store=store)
+    done = os.path.exists(os.path.join(args.dest, MANIFEST_NAME))
+    _note(args, f"exported part {args.part}: {res.rows} rows to "
+          f"{os.path.join(args.dest, res.file)}" + (
+              f"; all parts done, manifest {os.path.join(args.dest, MANIFEST_NAME)}"
+              if done else ""))
     return EXIT_OK
 
 
@@ -261,8 +289,10 @@ def cmd_copy(args: argparse.Namespace) -> int:
                                 optimizer=src.optimizer.config(),
                                 initializer=src.initializer.config(), seed=src.seed,
                                 **layer, **opts)
+        part = _part_of(src, args.part) if args.part else None
         with dst:
-            n = copy_store(src, dst, batch_size=args.batch_size, progress=not args.quiet)
+            n = copy_store(src, dst, batch_size=args.batch_size, progress=not args.quiet,
+                           part=part)
             url = dst.url
     _note(args, f"copied {n} rows to {url}")
     return EXIT_OK
@@ -271,7 +301,12 @@ def cmd_copy(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     if "://" in args.target:
         with _open_ro(args.target, _options(args.option)) as store:
-            rep = verify_store(store, batch_size=args.batch_size, progress=not args.quiet)
+            part = _part_of(store, args.part) if args.part else None
+            rep = verify_store(store, batch_size=args.batch_size, progress=not args.quiet,
+                               part=part)
+    elif args.part:
+        raise InvalidInputError("--part verifies a part of a store URL; a split export is "
+                                "verified whole through its manifest.json")
     else:
         rep = verify_file(args.target, fmt=args.format, batch_size=args.batch_size,
                           progress=not args.quiet)
@@ -371,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quantize", choices=("int8",),
                    help="write a serving table (native format): vectors quantized row-wise "
                    "to uint8 codes with a float32 scale and bias per row, no optimizer state")
+    s.add_argument("--part", metavar="I/N",
+                   help="export part I of N (1-based) into the directory DEST: a part file "
+                        "and its record; the last part written adds DEST/manifest.json")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("import", parents=[common], help="load a file into a store",
@@ -409,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "added to its last path segment)")
     s.add_argument("--src-option", action="append", metavar="KEY=VALUE",
                    help="option for the source store only")
+    s.add_argument("--part", metavar="I/N", help="copy only part I of N (1-based) of SRC")
     s.set_defaults(func=cmd_copy)
 
     s = sub.add_parser("verify", parents=[common], help="check a store or file end to end",
@@ -417,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(key, vector) rows that matches between a store and its exports.")
     s.add_argument("target", metavar="URL|FILE")
     s.add_argument("--format", "-f", help=fmt_help)
+    s.add_argument("--part", metavar="I/N", help="verify only part I of N (1-based) of a "
+                   "store; the parts' digests add up to the whole store's")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("head", parents=[common], help="print the first rows",

@@ -25,6 +25,7 @@ __all__ = [
     "ForkedProcessError",
     "AuthenticationError",
     "ShardMismatchError",
+    "PartFailedError",
 ]
 
 
@@ -98,3 +99,8 @@ class AuthenticationError(EmbstoreError, PermissionError):
 class ShardMismatchError(EmbstoreError, ValueError):
     """A request reached a DynamicEmbedding Worker that does not own it: another shard index
     or shard count than the worker's ``--shard I/N``, or keys another shard owns."""
+
+
+class PartFailedError(EmbstoreError, RuntimeError):
+    """A part of a split job (:func:`embstore.transfer.run_part`) still failed after its
+    retries; the parts that succeeded are kept, and a rerun does only the rest."""

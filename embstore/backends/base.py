@@ -29,6 +29,7 @@ import numpy as np
 
 from ..layout import Layout
 from ._replace import write_then_delete
+from .ranges import KeyRange
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -144,6 +145,9 @@ class Backend(abc.ABC):
     accepted_options : frozenset of str or None
         The backend options ``__init__`` takes, where its signature cannot tell (it takes
         ``**options``); None: read them from the signature (:mod:`embstore.options`).
+    supports_ranges : bool
+        :meth:`plan_ranges` splits the table into key ranges the backend reads natively and
+        :meth:`scan_range` reads one (``embstore.transfer.plan_parts``: exports in parts).
     supports_slots : bool
         It is a :class:`SlotAddressed` backend: records have stable integer slots
         (``find_slots``, ``read_slots``, ``write_slots``, ``update_slots``), which a cache
@@ -165,6 +169,7 @@ class Backend(abc.ABC):
     max_key_bytes: int | None = None
     accepted_options: ClassVar[frozenset[str] | None] = None
     supports_slots: bool = False
+    supports_ranges: bool = False
 
     #: set by :meth:`bind` once the store's layout is known (after metadata is read/written)
     _layout: Layout | None = None
@@ -348,6 +353,18 @@ class Backend(abc.ABC):
             sel = recs["version"] > version
             if sel.any():
                 yield keys[sel], recs[sel]
+
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        """``n`` chained :class:`~embstore.backends.ranges.KeyRange` that cover every record
+        exactly once (some may be empty); only when ``supports_ranges``. Balanced by rows
+        where the backend can count them cheaply, else by key space."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split its table into ranges")
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, records)`` of the records in ``rng`` (planned by this backend's
+        :meth:`plan_ranges`); only when ``supports_ranges``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read a key range")
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Write many batches of unique keys as fast as the engine allows; return row count.

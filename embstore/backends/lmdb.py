@@ -23,6 +23,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from itertools import islice
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
 from .lmdb_env import META_KEY as _META_KEY
 from .lmdb_env import SharedEnv, acquire_env, release_env
+from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class LmdbBackend(FetchedRecords, Backend):
 
     persistent = True
     supports_scan = True
+    supports_ranges = True
     cheap_len = True  # the B-tree keeps its entry count (stats() reads it without a scan)
     scheme = "lmdb"
     #: longest bytes key: LMDB's 511-byte key limit minus the one-byte key prefix
@@ -411,6 +414,19 @@ class LmdbBackend(FetchedRecords, Backend):
             raise BackendError(f"{self.path}: LMDB stat failed: {e}") from e
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.scan_range(KeyRange(KIND_BYTES), batch_size)
+
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        """Cut at every ``len/n``-th stored key: a keys-only cursor walk, skipped in C."""
+        if self._rec_db is None:
+            return ranges_from_bounds(KIND_BYTES, [b""] * (n - 1))
+        with self._begin() as txn:
+            cur, total = txn.cursor(), int(txn.stat(self._rec_db)["entries"])
+            walk = cur.iternext(keys=True, values=False) if cur.first() else iter(())
+            return ranges_from_bounds(KIND_BYTES, bounds_from_walk(walk, total, n, b""))
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._rec_db is None:
             return
         last: bytes | None = None
@@ -419,17 +435,19 @@ class LmdbBackend(FetchedRecords, Backend):
         while True:
             with self._begin() as txn:
                 cur = txn.cursor()
-                ok = cur.set_range(last) if last is not None else cur.first()
+                start = rng.lo if last is None else last
+                ok = cur.first() if start is None else cur.set_range(start)
                 if ok and last is not None and cur.key() == last:
                     ok = cur.next()
                 if not ok:
                     return
-                # islice over the C iterator: no Python-level loop per row
-                rows = list(islice(cur.iternext(), batch_size))
-            last = rows[-1][0]
-            yield self._decode_rows(rows)
-            if len(rows) < batch_size:
+                rows = list(islice(cur.iternext(), batch_size))  # no Python step per row
+            rows, cut = stop_at(rows, rng.hi, itemgetter(0))
+            if rows:
+                yield self._decode_rows(rows)
+            if cut or len(rows) < batch_size:
                 return
+            last = rows[-1][0]
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Write batches in large transactions of sorted keys, appending where they extend

@@ -22,18 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    CapacityError,
-    ForkedProcessError,
-    InvalidURLError,
-    StoreClosedError,
-)
+from ..errors import CapacityError, ForkedProcessError, InvalidURLError, StoreClosedError
 from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
 from .memory_rows import row_plan
 from .memory_url import flag as _flag
 from .memory_url import url_options
+from .ranges import HashRangeScans, KeyRange, in_hash_range
 
 try:
     from .._cython import bytestable, cuckoo
@@ -101,7 +97,7 @@ def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
                             "is unchanged") from e
 
 
-class MemoryBackend(Backend):
+class MemoryBackend(HashRangeScans, Backend):
     """In-process row store on a cuckoo hash table; not persistent.
 
     Calls are serialized by a lock: ``modify`` is one unit, and ``insert_rows`` /
@@ -464,12 +460,15 @@ class MemoryBackend(Backend):
             keys, slots = table.items()
         return keys, slots
 
-    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan(self, batch_size: int = 4096, rng: KeyRange | None = None
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._arena is None:
             return
-        # Snapshot of (key, slot) pairs; 12 bytes per key, far below the records themselves.
-        with self._lock:
+        with self._lock:  # a snapshot of (key, slot) pairs: 12 bytes per key
             keys, slots = self._all_slots()
+        if rng is not None:  # a hash range (HashRangeScans): its keys, before any gather
+            sel = in_hash_range(keys, rng)
+            keys, slots = keys[sel], slots[sel]
         for i in range(0, len(keys), batch_size):
             s = slots[i:i + batch_size]
             recs = np.empty(len(s), dtype=self.layout.dtype)

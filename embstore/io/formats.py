@@ -13,6 +13,8 @@ npy                a directory with            keys, vectors (files ``keys.npy``
 word2vec           ``.txt``/``.vec``/``.w2v``  text keys, vectors
 word2vec-binary    ``.bin``                    text keys, vectors
 tsv                ``.tsv``                    text keys, vectors
+manifest           JSON with                   the parts of a split export (read only)
+                   ``embstore_manifest``
 =================  ==========================  =======================================
 """
 
@@ -27,12 +29,13 @@ import numpy as np
 from ..errors import CorruptFileError, InvalidInputError
 from .base import CHUNK_ROWS, Chunk, FormatReader, FormatWriter
 from .limits import check_input_path
+from .manifest import ManifestReader, is_manifest
 from .native import MAGIC, NativeReader, NativeWriter
 from .npz import NpzReader, NpzWriter
 from .tsv import TsvReader, TsvWriter
 from .word2vec import Word2VecReader, Word2VecWriter
 
-FORMATS = ("native", "parquet", "npz", "npy", "word2vec", "word2vec-binary", "tsv")
+FORMATS = ("native", "parquet", "npz", "npy", "word2vec", "word2vec-binary", "tsv", "manifest")
 _ALIASES = {"w2v": "word2vec", "word2vec-text": "word2vec", "w2v-binary": "word2vec-binary",
             "word2vec-bin": "word2vec-binary", "emb": "native", "pq": "parquet"}
 EXTENSIONS = {
@@ -81,6 +84,8 @@ def detect_format(path: str | os.PathLike, fmt: str | None = None, *,
             return "parquet"
         if head[:4] == b"PK\x03\x04":
             return "npz"
+        if head[:1] == b"{" and is_manifest(path):
+            return "manifest"
     found = _by_extension(path)
     if found is None:
         raise InvalidInputError(
@@ -161,6 +166,8 @@ def open_reader(path: str | os.PathLike | BinaryIO | bytes | FormatReader,
     check_input_path(path)
     if name == "native":
         return NativeFormatReader(path)
+    if name == "manifest":
+        return ManifestReader(path, lambda p, f: open_reader(p, f))
     if name in ("word2vec", "word2vec-binary"):
         return Word2VecReader(path, binary=name == "word2vec-binary")
     if name in ("npz", "npy"):
@@ -181,6 +188,9 @@ def open_writer(dest: str | os.PathLike, meta: dict[str, Any],
     parent = os.path.dirname(os.path.abspath(dest.rstrip("/\\")))
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"{parent}: no such directory")
+    if name == "manifest":
+        raise InvalidInputError(f"{dest}: a manifest is written by an export in parts "
+                                "(--part I/N), not as a file format")
     if name == "native":
         return NativeFormatWriter(dest, meta)
     if name in ("word2vec", "word2vec-binary"):

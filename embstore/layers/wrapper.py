@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar, overload
 import numpy as np
 
 from ..backends.base import Backend, ModifyFn, RowUpdate
+from ..backends.ranges import KeyRange
 from ..layout import Layout
 
 _T = TypeVar("_T")
@@ -75,6 +76,7 @@ class WrapperBackend(Backend):
     #: the slot methods are not forwarded, so a layer is never slot-addressed itself
     supports_slots = False
     replace_mechanism = _InnerFlag[str]()
+    supports_ranges = _InnerFlag[bool]()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -142,6 +144,13 @@ class WrapperBackend(Backend):
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.inner.changes_since(version, batch_size)
+
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        return self.inner.plan_ranges(n)
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.inner.scan_range(rng, batch_size)
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         return self.inner.bulk_load(batches)

@@ -121,3 +121,21 @@ class BackendPrimitiveConformance:
         recs, present = s.backend.get(keys)
         assert present.tolist() == [True, True, False]
         assert recs["count"][:2].tolist() == [4, 4]
+
+    @pytest.mark.parametrize("key_type", ["int64", "bytes"])
+    def test_backend_key_ranges_hold_every_row_exactly_once(self, key_type):
+        s = self.open(key_type=key_type)
+        if not s.backend.supports_ranges:
+            pytest.skip("the backend reads no key ranges (supports_ranges is False)")
+        if key_type == "int64":
+            keys: list = [-2**63, -1, 0, 1, 2**63 - 1, *range(100, 400, 3)]
+        else:
+            keys = [b"", b"\x00", b"\xff\xff", *(f"k{i}".encode() for i in range(100))]
+        s.lookup(keys)
+        s.flush()
+        for n in (1, 2, 5, 200):
+            ranges = s.backend.plan_ranges(n)
+            assert len(ranges) == n
+            seen = [k for r in ranges for ks, recs in s.backend.scan_range(r, 7)
+                    for k in ks.tolist()]
+            assert sorted(seen) == sorted(keys), n

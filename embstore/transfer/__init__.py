@@ -17,6 +17,16 @@ from typing import TYPE_CHECKING, Any
 from ..engine import services
 from .format_choice import export_to, file_format, import_from
 from .native import export_native, import_native
+from .parts import (
+    MANIFEST_NAME,
+    Part,
+    PartResult,
+    finish_manifest,
+    part_records,
+    pending_parts,
+    plan_parts,
+    run_part,
+)
 from .pipeline import (
     DEFAULT_CACHE_BYTES,
     ImportReport,
@@ -38,7 +48,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "ImportReport",
+    "MANIFEST_NAME",
     "NewStore",
+    "Part",
+    "PartResult",
     "VerifyReport",
     "check_compatible",
     "copy_store",
@@ -46,9 +59,14 @@ __all__ = [
     "export_file",
     "export_native",
     "file_format",
+    "finish_manifest",
     "import_file",
     "import_native",
+    "part_records",
+    "pending_parts",
+    "plan_parts",
     "row_digests",
+    "run_part",
     "verify_file",
     "verify_store",
 ]

@@ -28,6 +28,7 @@ from ..io.limits import chunk_rows
 from ..layout import Layout
 from ..progress import progress_bar
 from .own_storage import refuse_own_storage, refuse_same_storage
+from .parts import Part, part_records
 from .validate import ImportChecks, local_store_paths, remove_created
 
 if TYPE_CHECKING:
@@ -428,22 +429,25 @@ def _take_bytes(it: Iterator[tuple[np.ndarray, np.ndarray]], limit: int
 
 
 def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
-               progress: bool = False) -> int:
+               progress: bool = False, part: Part | None = None) -> int:
     """Stream every row of ``src`` into ``dst`` (any two stores; a sharded ``dst``
     re-partitions on the way). Whole records when the layouts agree, else vectors only.
-    Copying a store onto itself (same URL or storage) raises ``InvalidInputError``."""
+    Copying a store onto itself (same URL or storage) raises ``InvalidInputError``.
+    ``part`` (from :func:`embstore.transfer.plan_parts` on ``src``): only its rows."""
     refuse_same_storage(src, dst)
     if src.key_type != dst.key_type:
         raise SchemaMismatchError(
             f"{src.url} has {src.key_type} keys, {dst.url} has {dst.key_type} keys")
     if src.dim != dst.dim:
         raise SchemaMismatchError(f"{src.url} has dim {src.dim}, {dst.url} has dim {dst.dim}")
-    with progress_bar(total=len(src), enabled=progress, desc="copy") as bar:
+    with progress_bar(total=len(src) if part is None else None, enabled=progress,
+                      desc="copy") as bar:
         def batches():
             # The source is read in a thread while the destination writes: reads and writes
             # (LMDB, files, network) release the GIL, so the two sides overlap. Distinct
             # stores only: one store is never used from two threads at once.
-            rows = src.records(batch_size)
+            rows = (src.records(batch_size) if part is None
+                    else part_records(src, part, batch_size))
             for keys, recs in (prefetch(rows, depth=2) if src is not dst else rows):
                 bar.update(len(keys))
                 yield keys, recs

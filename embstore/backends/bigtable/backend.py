@@ -34,6 +34,7 @@ from ...errors import BackendUnavailableError, InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
+from ..ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds
 from . import cas, restore, wire
 from .restore import BigtableRestore
 
@@ -46,6 +47,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 _ReadRowsResponse = _pb.ReadRowsResponse.pb()
 _MutateRowsResponse = _pb.MutateRowsResponse.pb()
+_SampleRowKeysResponse = _pb.SampleRowKeysResponse.pb()
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
@@ -86,6 +88,7 @@ class BigtableBackend(BigtableRestore, Backend):
 
     persistent = True
     supports_scan = True
+    supports_ranges = True
     thread_safe = True  # a gRPC channel pool; calls from several threads overlap
     scheme = "bigtable"
     #: longest bytes key: Bigtable's 4 KiB row-key limit minus the one-byte key prefix
@@ -152,6 +155,9 @@ class BigtableBackend(BigtableRestore, Backend):
         self._mutate_rows = self._channel.unary_stream(
             "/google.bigtable.v2.Bigtable/MutateRows", request_serializer=ident,
             response_deserializer=_MutateRowsResponse.FromString)
+        self._sample_row_keys = self._channel.unary_stream(
+            "/google.bigtable.v2.Bigtable/SampleRowKeys", request_serializer=ident,
+            response_deserializer=_SampleRowKeysResponse.FromString)
         self._check_and_mutate = cas.check_and_mutate_stub(self._channel)
         # The calling thread is one of the ``inflight`` senders (see _run_sharded).
         self._pool = ThreadPoolExecutor(max(self.inflight - 1, 1),
@@ -367,13 +373,15 @@ class BigtableBackend(BigtableRestore, Backend):
         return len(keys)
 
     # -- scans ------------------------------------------------------------------------------------
-    def _scan_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
-        """Stream the data row range in key order, resuming after the last row on errors."""
+    def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
+                   end: bytes = wire.DATA_END) -> Iterator[tuple[list, list]]:
+        """Stream the data rows in ``[start, end)`` in key order, resuming after the last row
+        on errors."""
         filt = self._keys_filter if keys_only else self._filter
-        start, start_open = wire.DATA_PREFIX, False
+        start_open = False
         while True:
             deadline = time.monotonic() + self.retry_deadline
-            req = wire.read_rows_range(self._read_head, start, start_open, wire.DATA_END, filt,
+            req = wire.read_rows_range(self._read_head, start, start_open, end, filt,
                                        limit=max(batch_size, 1) * 16)
 
             def attempt(timeout: float, req=req):
@@ -390,7 +398,39 @@ class BigtableBackend(BigtableRestore, Backend):
             start, start_open = ks[-1], True
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for ks, vs in self._scan_rows(False, batch_size):
+        return self.scan_range(KeyRange(KIND_BYTES), batch_size)
+
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        """Row ranges cut at every ``size/n``-th byte offset of Bigtable's own row-key samples
+        (``SampleRowKeys``: split points the server keeps, no rows read); a table with too
+        few samples (a small one) is cut at every ``rows/n``-th row key of a keys-only read."""
+        req = wire.request_head(self.table_name, self.app_profile_id, 2)
+        samples = self._retry("sample", lambda timeout: [
+            (bytes(r.row_key), int(r.offset_bytes))
+            for r in self._sample_row_keys(req, timeout=timeout)],
+            time.monotonic() + self.retry_deadline)
+        data = [(k, off) for k, off in samples if wire.DATA_PREFIX <= k < wire.DATA_END]
+        if n > 1 and len(data) >= 2 * (n - 1):
+            size, bounds, j = max(off for _, off in samples), [], 0
+            for i in range(1, n):  # the sample nearest each n-th of the bytes
+                target = size * i // n
+                while j < len(data) - 1 and abs(data[j + 1][1] - target) <= abs(
+                        data[j][1] - target):
+                    j += 1
+                bounds.append(data[j][0])
+            return ranges_from_bounds(KIND_BYTES, bounds)
+        walked = [k for ks, _ in self._scan_rows(True, 65536) for k in ks]
+        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(walked, len(walked), n,
+                                                               wire.DATA_PREFIX))
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        # bounds are whole row keys (prefix included), so a range is one Bigtable row range
+        start = wire.DATA_PREFIX if rng.lo is None else bytes(rng.lo)
+        end = wire.DATA_END if rng.hi is None else bytes(rng.hi)
+        if start >= end:
+            return
+        for ks, vs in self._scan_rows(False, batch_size, start, end):
             yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
 
     def __len__(self) -> int:

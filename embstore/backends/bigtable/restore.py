@@ -92,7 +92,8 @@ class BigtableRestore(BigtableConnection):
     def _next_ts(self) -> int:
         raise NotImplementedError
 
-    def _scan_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
+    def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
+                   end: bytes = wire.DATA_END) -> Iterator[tuple[list, list]]:
         raise NotImplementedError
 
     def raw_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:

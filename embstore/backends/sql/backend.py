@@ -33,6 +33,7 @@ from ...errors import (
 )
 from ...layout import Layout
 from ..base import Backend, ModifyFn, serialized
+from ..ranges import KIND_KEY, KeyRange, ranges_from_bounds
 
 try:
     import sqlalchemy as sa
@@ -114,6 +115,7 @@ class SQLBackend(Backend):
     persistent = True
     supports_scan = True
     supports_changes = True
+    supports_ranges = True
     scheme = "sql"
 
     def __init__(self, url: str, *, read_only: bool = False, table: str | None = None,
@@ -341,6 +343,30 @@ class SQLBackend(Backend):
             return self.sql.ops.page(after, batch_size)
 
         yield from _sql_conn.read_pages(self, scan_page, False)
+
+    @_wrap_errors
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        """Cut at every ``len/n``-th key, each found by an index walk (``OFFSET``)."""
+        if self.sql.missing or not self.is_bound:
+            return ranges_from_bounds(KIND_KEY, [0 if self.key_type == "int64" else b""]
+                                      * (n - 1))
+        with self.sql.lock:
+            total = self.sql.ops.count()
+            cuts = [self.sql.ops.key_at(total * i // n) for i in range(1, n)]
+        empty = 0 if self.key_type == "int64" else b""
+        bounds = [c for c in cuts if c is not None]
+        return ranges_from_bounds(KIND_KEY, bounds + [bounds[-1] if bounds else empty]
+                                  * (n - 1 - len(bounds)))
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if self.sql.missing or not self.is_bound:
+            return
+
+        def range_page(after):
+            return self.sql.ops.page_range(after, batch_size, rng.lo, rng.hi)
+
+        yield from _sql_conn.read_pages(self, range_page, False)
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:

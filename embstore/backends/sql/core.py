@@ -103,6 +103,19 @@ class CoreOps:
             stmt = stmt.where(self.k > after)
         return self._read(stmt)
 
+    def page_range(self, after, n: int, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+        stmt = self.sa.select(self.k, self.rec).order_by(self.k).limit(n)
+        if after is not None or lo is not None:
+            stmt = stmt.where(self.k > after) if after is not None else stmt.where(self.k >= lo)
+        if hi is not None:
+            stmt = stmt.where(self.k < hi)
+        return self._read(stmt)
+
+    def key_at(self, offset: int):
+        ks = self._read(self.sa.select(self.k, self.rec).order_by(self.k).limit(1)
+                        .offset(offset))[0]
+        return ks.tolist()[0] if len(ks) else None
+
     def changes(self, version: int, after, n: int) -> tuple[np.ndarray, np.ndarray]:
         stmt = self.sa.select(self.k, self.rec).order_by(self.ver, self.k).limit(n)
         if after is None:

@@ -66,6 +66,23 @@ class PagedReads:
         return self._rows(f"SELECT k, rec FROM {self.t} WHERE k > {p} ORDER BY k LIMIT {p}",
                           (after, n))
 
+    def page_range(self, after, n: int, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+        """A key-ordered page of the rows with ``lo <= k < hi`` (None: open)."""
+        p, conds, params = self.param, [], []
+        for op, v in ((">", after), (">=", lo if after is None else None), ("<", hi)):
+            if v is not None:
+                conds.append(f"k {op} {p}")
+                params.append(v)
+        where = f" WHERE {' AND '.join(conds)}" if conds else ""
+        return self._rows(f"SELECT k, rec FROM {self.t}{where} ORDER BY k LIMIT {p}",
+                          (*params, n))
+
+    def key_at(self, offset: int):
+        """The key at ``offset`` in key order (an index walk), None past the end."""
+        rows = self._fetchall(f"SELECT k FROM {self.t} ORDER BY k LIMIT 1 OFFSET {self.param}",
+                              (offset,))
+        return keys_array((rows[0][0],), self.key_type).tolist()[0] if rows else None
+
     def changes(self, version: int, after, n: int) -> tuple[np.ndarray, np.ndarray]:
         p = self.param
         if after is None:

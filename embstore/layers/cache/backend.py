@@ -96,6 +96,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     # The cache reads and writes rows itself: no in-place row paths of the remote's (its own
     # update_rows works on the cached rows, see below).
     supports_lookup_insert = False
+    # the remote's ranges would miss rows still dirty in the cache
+    supports_ranges = False
 
     @property
     def max_key_bytes(self) -> int | None:  # type: ignore[override]

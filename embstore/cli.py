@@ -24,7 +24,7 @@ from .api import open as open_store
 from .errors import EmbstoreError, InvalidInputError
 from .io.formats import FORMATS, open_reader
 from .registry import scheme_of
-from .service.options import add_serve_arguments
+from .service.options import add_serve_command
 from .transfer import (
     DEFAULT_CACHE_BYTES,
     MANIFEST_NAME,
@@ -338,16 +338,6 @@ def cmd_head(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        # deferred: pyarrow (Arrow Flight) is imported only when a worker is started
-        from .service.run import main as serve_main
-    except ImportError as e:
-        raise InvalidInputError(f"embstore serve needs pyarrow ({e.name or e}); install it "
-                                "with: pip install -e '.[service]'") from e
-    return serve_main(args, _options(args.option))
-
-
 def cmd_neighbors(args: argparse.Namespace) -> int:
     with _open_ro(args.url, _options(args.option)) as store:
         if not hasattr(store, "top_k"):
@@ -467,11 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--values", type=int, default=8, help="values shown per vector")
     s.set_defaults(func=cmd_head)
 
-    s = sub.add_parser("serve", parents=[common], help="serve a store as a DynamicEmbedding "
-                       "Worker (des://)", description="Serve the store at URL to des:// "
-                       "clients until SIGTERM/SIGINT (then flush and close). See docs/service.md.")
-    add_serve_arguments(s)
-    s.set_defaults(func=cmd_serve)
+    add_serve_command(sub, common, _options)
 
     s = sub.add_parser("neighbors", parents=[common], help="top-k keys by dot product",
                        description="The K keys whose vectors have the largest dot product "

@@ -244,7 +244,7 @@ def test_read_only_client_and_closed_store():
 
 def test_bad_des_urls_and_shard_specs():
     from embstore.errors import InvalidURLError
-    from embstore.service.options import parse_shard
+    from embstore.service.run import parse_shard
 
     for bad in ("des://", "des://host", "des://h:0", "des://h:1/path"):
         with pytest.raises(InvalidURLError):

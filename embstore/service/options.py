@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import InvalidInputError
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
-    i, sep, n = text.partition("/")
-    if not sep or not i.isdigit() or not n.isdigit() or not 0 <= int(i) < int(n):
-        raise InvalidInputError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
-    return int(i), int(n)
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
@@ -40,3 +34,24 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--follow-token-file", help="file holding the token for --follow")
     s.add_argument("--poll", type=float, default=0.1, metavar="SECONDS",
                    help="how often a follower asks the workers for changes (default 0.1)")
+
+
+def add_serve_command(sub: Any, common: argparse.ArgumentParser,
+                      options: Callable[[Sequence[str] | None], dict[str, Any]]) -> None:
+    """Register ``embstore serve`` on the CLI's subparsers; ``options`` parses ``-o``."""
+    s = sub.add_parser("serve", parents=[common], help="serve a store as a DynamicEmbedding "
+                       "Worker (des://)", description="Serve the store at URL to des:// "
+                       "clients until SIGTERM/SIGINT (then flush and close). See "
+                       "docs/service.md.")
+    add_serve_arguments(s)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            # deferred: pyarrow (Arrow Flight) is imported only when a worker is started
+            from .run import main
+        except ImportError as e:
+            raise InvalidInputError(f"embstore serve needs pyarrow ({e.name or e}); install "
+                                    "it with: pip install -e '.[service]'") from e
+        return main(args, options(args.option))
+
+    s.set_defaults(func=run)

@@ -20,8 +20,15 @@ from ..policies.admission import admission_from_config
 from .client import DesStore
 from .follower import Follower, replica_options
 from .metrics import OpsServer
-from .options import parse_shard
 from .server import Worker, read_token_file
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
+    i, sep, n = text.partition("/")
+    if not sep or not i.isdigit() or not n.isdigit() or not 0 <= int(i) < int(n):
+        raise InvalidInputError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return int(i), int(n)
 
 
 def _connect_when_up(url: str, token_file: str | None, wait: float = 60.0) -> DesStore:

@@ -23,6 +23,9 @@ __all__ = [
     "InvalidURLError",
     "StoreNotFoundError",
     "ForkedProcessError",
+    "LeaseConflictError",
+    "LeaseLostError",
+    "LeaseFormatError",
 ]
 
 
@@ -86,3 +89,17 @@ class CapabilityError(EmbstoreError, NotImplementedError):
 class ForkedProcessError(EmbstoreError, RuntimeError):
     """An in-process store (``memory://``) was used in a child forked from its process: the
     child holds a private copy, so its writes would silently never reach the parent."""
+
+
+class LeaseConflictError(BackendError):
+    """Another cache holds a live writer lease on keys this one would write (see
+    ``docs/concurrency.md``)."""
+
+
+class LeaseLostError(LeaseConflictError):
+    """This cache's writer lease was taken over by another writer: its writes are refused (the
+    lease's fencing token no longer matches) instead of overwriting the new holder's updates."""
+
+
+class LeaseFormatError(BackendError):
+    """The stored writer-lease record is malformed (not written by embstore, or damaged)."""

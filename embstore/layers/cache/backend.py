@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ...backends.base import Backend, ModifyFn, RowUpdate
-from ...errors import BackendError, InvalidInputError, StoreClosedError
+from ...errors import BackendError, InvalidInputError, LeaseLostError, StoreClosedError
 from ...layout import Layout
 from ...log import event
 from ...policies.eviction import eviction_policy
@@ -131,7 +131,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self.eviction = eviction
         self.flush_batch = int(flush_batch)
         # "one writer per key range", enforced: a lease in the remote's metadata
-        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds)
+        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds,
+                                   on_acquire=self._drop_clean)
                        if self.persistent and not self.read_only else None)
         # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
         # (a Backend that is SlotAddressed: a slot-addressed local store doubles as it)
@@ -191,6 +192,15 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             if nd and self._wb is not None:
                 self._wb.submit(dk, recs)  # queued even if it raises: never lost
         return min(m, self.capacity - self._st.live)
+
+    def _drop_clean(self) -> None:
+        """A writer lease was just granted: clean rows cached before it were read while the
+        keys may have had another writer (whose lease this one took over), so they are read
+        again. Dirty rows cannot exist yet (every write takes the lease first)."""
+        slots = self._st.occupied()
+        slots = slots[~self._st.dirty[slots]]
+        if len(slots):
+            self._drop(self._st.keys[slots], slots)
 
     def _drop(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Forget cached rows (no remote I/O)."""
@@ -259,9 +269,16 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             return
         self.wait_prefetch()
         with self._lock:
+            lost = None
             if not self.read_only:
                 try:
                     self._flush_rows()
+                except LeaseLostError as e:
+                    # another writer holds these keys now: the rows can never be written
+                    n = int(np.count_nonzero(self._st.dirty))
+                    n += len(self._wb) if self._wb is not None else 0
+                    lost = LeaseLostError(f"{e} ({n} updated rows of this cache were not "
+                                          "written; the cache is closed)")
                 except Exception as e:
                     n = int(np.count_nonzero(self._st.dirty))
                     n += len(self._wb) if self._wb is not None else 0
@@ -281,6 +298,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                 self.remote.close()
             finally:
                 self.rows.close()
+            if lost is not None:
+                raise lost
 
     # -- rows -------------------------------------------------------------------------------------
     def _check(self) -> None:

@@ -29,6 +29,8 @@ class WholeTableMixin:
         with self._lock:
             if self.metadata.last is not None:
                 self.write_meta(self.metadata.last)
+            if self._lease is not None:
+                self._lease.retake()
             pending = len(self._wb) if self._wb is not None else 0
             self._settle()
             self._st.dirty[self._st.occupied()] = True

@@ -96,6 +96,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     # The cache reads and writes rows itself: no in-place row paths of the remote's (its own
     # update_rows works on the cached rows, see below).
     supports_lookup_insert = False
+    # The cache holds a writer lease over its remote; it is no lease record itself.
+    supports_fencing = False
+    read_leases = Backend.read_leases
+    modify_leases = Backend.modify_leases
 
     @property
     def max_key_bytes(self) -> int | None:  # type: ignore[override]
@@ -193,15 +197,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                 self._wb.submit(dk, recs)  # queued even if it raises: never lost
         return min(m, self.capacity - self._st.live)
 
-    def _drop_clean(self) -> None:
-        """A writer lease was just granted: clean rows cached before it were read while the
-        keys may have had another writer (whose lease this one took over), so they are read
-        again. Dirty rows cannot exist yet (every write takes the lease first)."""
-        slots = self._st.occupied()
-        slots = slots[~self._st.dirty[slots]]
-        if len(slots):
-            self._drop(self._st.keys[slots], slots)
-
     def _drop(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Forget cached rows (no remote I/O)."""
         self._log_invalid(keys)
@@ -273,20 +268,17 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             if not self.read_only:
                 try:
                     self._flush_rows()
-                except LeaseLostError as e:
-                    # another writer holds these keys now: the rows can never be written
-                    n = int(np.count_nonzero(self._st.dirty))
-                    n += len(self._wb) if self._wb is not None else 0
-                    lost = LeaseLostError(f"{e} ({n} updated rows of this cache were not "
-                                          "written; the cache is closed)")
                 except Exception as e:
                     n = int(np.count_nonzero(self._st.dirty))
                     n += len(self._wb) if self._wb is not None else 0
-                    raise BackendError(
-                        f"{self.url}: close could not flush {n} dirty cached rows ({e}); they "
-                        "are kept in the cache: call flush() or close() again when the remote "
-                        "is reachable"
-                    ) from e
+                    if isinstance(e, LeaseLostError):  # never writable: another writer's keys
+                        lost = LeaseLostError(f"{e} ({n} updated rows of this cache were not "
+                                              "written; the cache is closed)")
+                    else:
+                        raise BackendError(
+                            f"{self.url}: close could not flush {n} dirty cached rows ({e}); "
+                            "they are kept in the cache: call flush() or close() again when "
+                            "the remote is reachable") from e
             self._closed = True
             if self._lease is not None:
                 self._lease.release()

@@ -178,8 +178,9 @@ def read_leases(remote: Any) -> tuple[int, Leases]:
 class WriterLease:
     """The lease of one cache (see the module docstring).
 
-    ``on_acquire`` runs once a lease was granted (not renewed): the cache then drops the clean
-    rows it read before, which another writer may have changed since.
+    ``on_acquire`` runs when a lease is granted (not renewed) after another writer may have
+    written these keys since :meth:`observe` (a grant or an overlapping lease in between): the
+    cache then drops the clean rows it read before, which may be stale.
     """
 
     def __init__(self, remote: Any, writer_keys: Any, lease_seconds: float,
@@ -195,6 +196,18 @@ class WriterLease:
         self.lost: LeaseLostError | None = None  # set once another writer took the lease
         self.on_acquire = on_acquire
         self.where = redact_url(remote.url)
+        self.seen: int | None = None  # the epoch at open when no overlapping lease stood
+        self.observe()
+
+    def observe(self) -> None:
+        """Note the lease record before the cache reads rows (on creation): a grant at that
+        same epoch proves that no other cache wrote these keys in between."""
+        try:
+            epoch, leases = read_leases(self.remote)
+        except Exception:  # noqa: BLE001 - unknown: the first grant drops clean rows
+            return
+        if not any(_overlap(v.get("keys"), self.keys) for v in leases.values()):
+            self.seen = epoch
 
     def _entry(self, now: float, token: int) -> dict:
         pid = os.getpid()
@@ -224,7 +237,7 @@ class WriterLease:
             raise LeaseLostError(str(self.lost))
         if self.token is not None and self.held_until - time.time() > self.seconds / 2:
             return
-        granted: list[tuple[int, float, bool]] = []
+        granted: list[tuple[int, float, bool, bool]] = []
 
         def take(epoch: int, leases: Leases) -> tuple[int, Leases]:
             t = time.time()
@@ -249,11 +262,12 @@ class WriterLease:
             for lease in (v for k, v in leases.items() if k != self.id):
                 if _overlap(lease.get("keys"), self.keys):
                     raise self._conflict(lease, t)
+            stale = mine is None and epoch != self.seen
             if mine is None:
                 epoch += 1
             token = epoch if mine is None else mine["token"]
             leases[self.id] = self._entry(t, token)
-            granted[:] = [(token, t + self.seconds, mine is None)]
+            granted[:] = [(token, t + self.seconds, mine is None, stale)]
             return epoch, leases
 
         try:
@@ -264,11 +278,11 @@ class WriterLease:
             if self.token is None:
                 self.held_until = 0.0
             raise
-        self.token, self.held_until, new = granted[0]
+        self.token, self.held_until, new, stale = granted[0]
         if new:
             if self.remote.supports_fencing:
                 self.remote.fence = (self.id, self.token)
-            if self.on_acquire is not None:
+            if stale and self.on_acquire is not None:
                 self.on_acquire()
 
     def retake(self) -> None:

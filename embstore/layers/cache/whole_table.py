@@ -39,6 +39,15 @@ class WholeTableMixin:
                 self.remote.flush()
             return n
 
+    def _drop_clean(self: CacheHost) -> None:
+        """A writer lease was just granted: clean rows cached before it were read while the
+        keys may have had another writer (whose lease this one took over), so they are read
+        again. Dirty rows cannot exist yet (every write takes the lease first)."""
+        slots = self._st.occupied()
+        slots = slots[~self._st.dirty[slots]]
+        if len(slots):
+            self._drop(self._st.keys[slots], slots)
+
     def __len__(self: CacheHost) -> int:
         with self._lock:
             if self._closed:

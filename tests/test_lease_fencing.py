@@ -159,6 +159,23 @@ def test_fenced_writes_check_the_token_once_per_batch(remote_url):
     assert _counts(remote_url) == [2] * len(KEYS)
 
 
+def test_one_fence_check_per_write_batch_and_none_on_cached_updates(bigtable_url_factory):
+    url = bigtable_url_factory()
+    embstore.open(url, dim=DIM).close()
+    s = _writer(url, lease_seconds=LONG, write_behind=False)
+    cache, keys = s.backend, np.arange(12, dtype=np.int64)
+    s.update(keys, np.ones((12, DIM), np.float32))     # takes the lease, reads the rows
+    cache.flush()
+    reads = cache.remote.counters["remote_reads"]
+    for _ in range(5):                                 # the all-hit training step
+        s.update(keys, np.ones((12, DIM), np.float32))
+    assert cache.remote.counters["remote_reads"] == reads
+    cache.flush_batch = 4
+    cache.flush()                                      # three write batches, three checks
+    assert cache.remote.counters["remote_reads"] == reads + 3
+    s.close()
+
+
 def test_a_takeover_drops_rows_the_new_holder_read_before(remote_url):
     with embstore.open(remote_url) as plain:
         plain.lookup(KEYS)        # the rows exist (count 0)
@@ -253,3 +270,17 @@ def test_leases_in_the_metadata_survive_a_plain_open_and_close(tmp_path):
     a.close()
     with embstore.open(url, read_only=True) as r:
         assert read_leases(r.backend)[1] == {}
+
+
+def test_a_lease_an_older_embstore_left_in_the_metadata_still_holds(tmp_path):
+    url = f"lmdb://{tmp_path}/r"
+    embstore.open(url, dim=DIM).close()
+    from embstore.registry import backend_class
+
+    backend = backend_class(url)(url)
+    old = {"keys": None, "host": "another-host", "pid": 7, "expires": time.time() + LONG}
+    backend.modify_meta(lambda m: {**m, "writer_leases": {"old-writer": old}})
+    backend.close()
+    with _writer(url) as s:
+        with pytest.raises(LeaseConflictError, match="on another host"):
+            s.update(KEYS, ONES)

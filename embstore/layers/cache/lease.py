@@ -149,6 +149,16 @@ def _whereabouts(lease: dict) -> str:
     return "on this host, in another container or from an older embstore: cannot check it"
 
 
+def _from_meta(raw: Any) -> Any:
+    """The record kept in the metadata; leases an older embstore left there (``{id: entry}``,
+    no tokens) read as a record of their own."""
+    if isinstance(raw, dict) and raw and not {"epoch", "leases"} & set(raw) and \
+            all(isinstance(v, dict) for v in raw.values()):
+        return {"epoch": len(raw), "leases": {k: {**v, "token": i + 1}
+                                              for i, (k, v) in enumerate(raw.items())}}
+    return raw
+
+
 def modify_leases(remote: Any, fn: Callable[[int, Leases], tuple[int, Leases]]) -> None:
     """Replace ``remote``'s lease record ``(epoch, leases)`` by ``fn(epoch, leases)`` in one
     transaction (``fn`` may run more than once)."""
@@ -161,7 +171,7 @@ def modify_leases(remote: Any, fn: Callable[[int, Leases], tuple[int, Leases]]) 
     def in_meta(stored: dict | None) -> dict:
         if stored is None:
             raise BackendError(f"{where}: no store metadata to take a writer lease in")
-        new = fn(*lease_record.parse(stored.get(LEASES), where))
+        new = fn(*lease_record.parse(_from_meta(stored.get(LEASES)), where))
         return {**stored, LEASES: lease_record.record(*new)}
 
     remote.modify_meta(in_meta)
@@ -172,7 +182,7 @@ def read_leases(remote: Any) -> tuple[int, Leases]:
     where = redact_url(remote.url)
     if remote.supports_fencing:
         return lease_record.parse(remote.read_leases(), where)
-    return lease_record.parse((remote.read_meta() or {}).get(LEASES), where)
+    return lease_record.parse(_from_meta((remote.read_meta() or {}).get(LEASES)), where)
 
 
 class WriterLease:

@@ -137,6 +137,7 @@ class BigtableBackend(BigtableRestore, Backend):
         self._filter = wire.latest_cell_filter(self.column_family)
         self._keys_filter = wire.latest_cell_filter(self.column_family, strip_value=True)
         self._meta_cache: dict | None = None
+        self._lease_doc: dict | None = None  # the lease record as this backend last wrote it
         self._restore_pending: str | None = None  # staging table of a committed restore
         self._ts_lock = threading.Lock()
         self._table_lock = threading.RLock()
@@ -439,7 +440,18 @@ class BigtableBackend(BigtableRestore, Backend):
         """The writer-lease record (row ``wire.LEASE_ROW``) replaced by ``fn(stored)``, by
         compare-and-set, retried on conflict."""
         self._check_writable()
-        return cas.cas_modify_meta_doc(self, fn, row=wire.LEASE_ROW)
+        self._lease_doc = cas.cas_modify_meta_doc(self, fn, row=wire.LEASE_ROW)
+        return self._lease_doc
+
+    def _rewrite_leases(self) -> None:
+        # The table was recreated empty (an emulator restart): the lease record this writer
+        # last wrote goes back with the metadata, so its fenced writes go on.
+        if self._lease_doc is not None:
+            value = np.frombuffer(json.dumps(self._lease_doc).encode(), np.uint8).reshape(1, -1)
+            ts = self._next_ts()
+            self._mutate("write_leases", lambda sel: wire.mutate_rows_generic(
+                self._write_head, self._family_b, ts, [wire.LEASE_ROW], value), 1,
+                time.monotonic() + self.retry_deadline)
 
     def read_leases(self) -> Any:
         req = wire.read_rows_keys(self._read_head, [wire.LEASE_ROW], self._filter)

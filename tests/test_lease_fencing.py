@@ -159,6 +159,55 @@ def test_fenced_writes_check_the_token_once_per_batch(remote_url):
     assert _counts(remote_url) == [2] * len(KEYS)
 
 
+def test_postgres_checks_the_fence_inside_the_writes_transaction(postgres_server,
+                                                                 postgres_url_factory):
+    import json
+    import threading
+
+    import psycopg
+
+    url = postgres_url_factory()
+    embstore.open(url, dim=DIM, optimizer=embstore.optim.SGD(lr=1.0),
+                  initializer="zeros").close()
+    meta_table = url.rsplit("table=", 1)[1] + "_meta"
+    a = _writer(url, lease_seconds=LONG)
+    a.update(KEYS, ONES)
+    a.flush()
+    a.update(KEYS, ONES)                       # dirty in a's cache
+    errors: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            a.flush()
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    with psycopg.connect(postgres_server.dsn) as taker, \
+            psycopg.connect(postgres_server.dsn, autocommit=True) as watch:
+        # a takeover under way: the lease row locked, a's lease about to be replaced
+        text = taker.execute(f'SELECT value FROM "{meta_table}" WHERE name = %s FOR UPDATE',
+                             ("leases",)).fetchone()[0]
+        t = threading.Thread(target=flush)
+        t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not watch.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()").fetchone()[0]:
+            time.sleep(0.05)                   # until a's write transaction waits for the row
+        record = json.loads(text)
+        (entry,) = record["leases"].values()
+        epoch = record["epoch"] + 1
+        record = {"epoch": epoch, "leases": {"taker": {**entry, "pid": 1, "token": epoch}}}
+        taker.execute(f'UPDATE "{meta_table}" SET value = %s WHERE name = %s',
+                      (json.dumps(record), "leases"))
+        taker.commit()
+        t.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], LeaseLostError), errors
+    assert _counts(url) == [1] * len(KEYS)     # the write waited, then saw the takeover
+    with pytest.raises(LeaseLostError):
+        a.close()
+
+
 def test_one_fence_check_per_write_batch_and_none_on_cached_updates(bigtable_url_factory):
     url = bigtable_url_factory()
     embstore.open(url, dim=DIM).close()

@@ -124,4 +124,5 @@ def test_process_identity_helpers():
     # container host names) whose holder lives: never taken over before the lease expires
     assert not holder_is_dead({**live, "boot": "another-boot"})
     assert holder_is_dead({**live, "start": "1"})
+    assert not holder_is_dead({**live, "pid": None})
     assert not holder_is_dead({**live, "pidns": "pid:[1]", "start": "1"})

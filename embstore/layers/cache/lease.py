@@ -143,8 +143,9 @@ def _whereabouts(lease: dict) -> str:
     if lease.get("boot") != me["boot"]:
         return ("on a host of the same name but another boot (another machine, or before a "
                 "reboot): its liveness cannot be checked from here")
-    if _same_machine(lease, me) and lease.get("start") and \
-            process_start(lease.get("pid", -1)) == lease["start"]:
+    pid = lease.get("pid")
+    if _same_machine(lease, me) and lease.get("start") and isinstance(pid, int) and \
+            process_start(pid) == lease["start"]:
         return "still running on this host"
     return "on this host, in another container or from an older embstore: cannot check it"
 

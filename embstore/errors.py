@@ -26,6 +26,9 @@ __all__ = [
     "AuthenticationError",
     "ShardMismatchError",
     "PartFailedError",
+    "LeaseConflictError",
+    "LeaseLostError",
+    "LeaseFormatError",
 ]
 
 
@@ -104,3 +107,17 @@ class ShardMismatchError(EmbstoreError, ValueError):
 class PartFailedError(EmbstoreError, RuntimeError):
     """A part of a split job (:func:`embstore.transfer.run_part`) still failed after its
     retries; the parts that succeeded are kept, and a rerun does only the rest."""
+
+
+class LeaseConflictError(BackendError):
+    """Another cache holds a live writer lease on keys this one would write (see
+    ``docs/concurrency.md``)."""
+
+
+class LeaseLostError(LeaseConflictError):
+    """This cache's writer lease was taken over by another writer: its writes are refused (the
+    lease's fencing token no longer matches) instead of overwriting the new holder's updates."""
+
+
+class LeaseFormatError(BackendError):
+    """The stored writer-lease record is malformed (not written by embstore, or damaged)."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore.errors import BackendError
+from embstore.errors import BackendError, LeaseLostError
 
 from .stores import backend_available
 
@@ -348,7 +348,11 @@ def test_a_dead_writers_lease_expires(tmp_path):
     time.sleep(0.3)
     with embstore.open(url, cache="memory://") as b:
         b.update(np.arange(2), np.ones((2, DIM), np.float32))
-    a.close()
+    # a comes back: its lease was taken over, so its rows must not overwrite b's (fenced)
+    with pytest.raises(LeaseLostError, match="2 updated rows"):
+        a.close()
+    with embstore.open(url, read_only=True) as r:
+        np.testing.assert_array_equal(r.get_records(np.arange(2))[0]["count"], [1, 1])
 
 
 @pytest.mark.parametrize("kind", ["memory", "lmdb", "rocksdb", "sqlite", "postgresql",

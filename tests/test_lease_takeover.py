@@ -15,11 +15,12 @@ import pytest
 
 import embstore
 from embstore.layers.cache.lease import (
-    LEASES,
     LeaseConflictError,
     holder_is_dead,
     machine_identity,
+    modify_leases,
     process_start,
+    read_leases,
 )
 
 DIM = 4
@@ -59,14 +60,14 @@ def _crashed_writer(url: str) -> None:
 def test_restart_after_sigkill_takes_the_lease_over_at_once(remote_url):
     _crashed_writer(remote_url)
     with embstore.open(remote_url, read_only=True) as r:
-        (lease,) = r.backend.read_meta()[LEASES].values()   # the dead writer's, still there
+        (lease,) = read_leases(r.backend)[1].values()   # the dead writer's, still there
         assert lease["expires"] - time.time() > LONG - 120
     with embstore.open(remote_url, cache="memory://", write_policy="back") as s:
         s.update(np.arange(8), np.ones((8, DIM), np.float32))   # refused before: 301 s wait
         s.flush()
     with embstore.open(remote_url, read_only=True) as r:
         np.testing.assert_array_equal(r.get_records(np.arange(8))[0]["count"], [2] * 8)
-        assert LEASES not in r.backend.read_meta()
+        assert read_leases(r.backend)[1] == {}
 
 
 def test_a_live_holder_keeps_its_lease_and_the_error_says_who(remote_url):
@@ -88,7 +89,8 @@ def _plant(url: str, **lease) -> None:
 
     backend = backend_class(url)(url)
     entry = {"keys": None, **machine_identity(), "expires": time.time() + LONG, **lease}
-    backend.modify_meta(lambda m: {**m, LEASES: {"planted": entry}})
+    modify_leases(backend, lambda epoch, _: (epoch + 1, {"planted": {**entry,
+                                                                    "token": epoch + 1}}))
     backend.close()
 
 
@@ -118,5 +120,9 @@ def test_process_identity_helpers():
     me = machine_identity()
     live = {**me, "pid": os.getpid(), "start": process_start(os.getpid())}
     assert not holder_is_dead(live)
-    assert holder_is_dead({**live, "boot": "another-boot"})
+    # another boot id under the same host name may be another machine (cloned VMs, fixed
+    # container host names) whose holder lives: never taken over before the lease expires
+    assert not holder_is_dead({**live, "boot": "another-boot"})
+    assert holder_is_dead({**live, "start": "1"})
+    assert not holder_is_dead({**live, "pid": None})
     assert not holder_is_dead({**live, "pidns": "pid:[1]", "start": "1"})

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar, run
 
 import numpy as np
 
+from ..errors import CapabilityError
 from ..layout import Layout
 from ._replace import write_then_delete
 from .ranges import KeyRange
@@ -152,6 +153,10 @@ class Backend(abc.ABC):
         It is a :class:`SlotAddressed` backend: records have stable integer slots
         (``find_slots``, ``read_slots``, ``write_slots``, ``update_slots``), which a cache
         layer uses as its key -> slot index (``memory://``).
+    supports_fencing : bool
+        It keeps a writer-lease record apart from the metadata (:meth:`modify_leases`) and,
+        once a lease holder set ``fence``, every row write checks that the holder still holds
+        it (:mod:`embstore.backends.lease_record`).
 
     The engine and the layers read these flags and nothing else; a layer declares its own,
     most often forwarding its inner backend's (see :class:`embstore.layers.WrapperBackend`).
@@ -170,6 +175,10 @@ class Backend(abc.ABC):
     accepted_options: ClassVar[frozenset[str] | None] = None
     supports_slots: bool = False
     supports_ranges: bool = False
+    supports_fencing: bool = False
+    #: ``(holder id, token)`` of the writer lease the writes of this object must hold (None:
+    #: unchecked); set by the lease holder, only where ``supports_fencing``
+    fence: tuple[str, int] | None = None
 
     #: set by :meth:`bind` once the store's layout is known (after metadata is read/written)
     _layout: Layout | None = None
@@ -228,6 +237,16 @@ class Backend(abc.ABC):
         meta = fn(self.read_meta())
         self.write_meta(meta)
         return meta
+
+    def read_leases(self) -> Any:
+        """The stored writer-lease record (None: none yet). Only where ``supports_fencing``."""
+        raise CapabilityError(f"{self.url}: {type(self).__name__} keeps no writer-lease record")
+
+    def modify_leases(self, fn: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """Replace the writer-lease record (None when there is none yet) by ``fn(stored)`` in
+        one transaction or compare-and-set (``fn`` may run more than once); return what was
+        written. Only where ``supports_fencing``."""
+        raise CapabilityError(f"{self.url}: {type(self).__name__} keeps no writer-lease record")
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make every acknowledged write durable (where the backend buffers)."""

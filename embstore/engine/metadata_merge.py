@@ -12,6 +12,8 @@ would lose the other writers' share. The engine therefore writes metadata throug
 - ``version``: the maximum (a hybrid clock: every writer's stamps are monotonic);
 - ``updates_since_expire``: stored plus this writer's delta;
 - the tombstone log: the union of both logs (under the log's own bound);
+- ``writer_leases`` (the caches' writer leases, on backends that keep them in the metadata):
+  the stored one, never this writer's copy — a plain store must not erase a live lease;
 - everything else (layout, optimizer, policy configuration, admission state) is this writer's:
   admission sketches are per-writer approximations and the layout is checked on open.
 """
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
     from ..policies.runtime import PolicyRuntime
 
 
+# the writer-lease record's key (embstore.layers.cache.lease.LEASES; the engine imports no layer)
+_LEASES = "writer_leases"
+
+
 def merge_meta(stored: dict | None, mine: dict[str, Any], steps: int,
                expire_updates: int | None) -> dict[str, Any]:
     """The metadata to store: ``mine`` merged with ``stored`` (see the module docstring).
@@ -40,6 +46,9 @@ def merge_meta(stored: dict | None, mine: dict[str, Any], steps: int,
     if not stored:
         return mine
     out = dict(mine)
+    out.pop(_LEASES, None)
+    if stored.get(_LEASES) is not None:
+        out[_LEASES] = stored[_LEASES]
     out["step"] = int(stored.get("step", 0)) + int(steps)
     out["version"] = max(int(stored.get("version", 0)), int(mine.get("version", 0)))
     st_pol = (stored.get("extra") or {}).get("policies") or {}

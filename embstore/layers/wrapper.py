@@ -77,6 +77,16 @@ class WrapperBackend(Backend):
     supports_slots = False
     replace_mechanism = _InnerFlag[str]()
     supports_ranges = _InnerFlag[bool]()
+    supports_fencing = _InnerFlag[bool]()
+
+    @property
+    def fence(self) -> tuple[str, int] | None:
+        """The inner backend's writer-lease fence (set there: its writes check it)."""
+        return self.inner.fence
+
+    @fence.setter
+    def fence(self, value: tuple[str, int] | None) -> None:
+        self.inner.fence = value
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -91,6 +101,12 @@ class WrapperBackend(Backend):
 
     def modify_meta(self, fn: Callable[[dict | None], dict]) -> dict:
         return self.inner.modify_meta(fn)
+
+    def read_leases(self) -> Any:
+        return self.inner.read_leases()
+
+    def modify_leases(self, fn: Callable[[Any], dict]) -> dict:
+        return self.inner.modify_leases(fn)
 
     def flush(self) -> None:
         self.inner.flush()

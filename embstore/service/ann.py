@@ -144,7 +144,8 @@ class AnnIndex:
         found = (index.search(q, want).keys if want else np.zeros((nq, 0), np.uint64))
         found = np.asarray(found, np.int64).reshape(nq, -1)
         fresh_set = set(fresh)
-        out_k, out_s, out_v = [], [], []
+        out_k: list[np.ndarray] = []
+        out_s: list[np.ndarray] = []
         for i in range(nq):
             lab = found[i][(found[i] >= 0) & (found[i] < len(labels))]
             cand = labels[lab]

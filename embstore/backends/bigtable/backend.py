@@ -34,6 +34,7 @@ from ...errors import BackendUnavailableError, InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
+from ..lease_record import check_fence, loads
 from ..ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds
 from . import cas, restore, wire
 from .restore import BigtableRestore
@@ -89,6 +90,7 @@ class BigtableBackend(BigtableRestore, Backend):
     persistent = True
     supports_scan = True
     supports_ranges = True
+    supports_fencing = True
     thread_safe = True  # a gRPC channel pool; calls from several threads overlap
     scheme = "bigtable"
     #: longest bytes key: Bigtable's 4 KiB row-key limit minus the one-byte key prefix
@@ -138,6 +140,7 @@ class BigtableBackend(BigtableRestore, Backend):
         self._filter = wire.latest_cell_filter(self.column_family)
         self._keys_filter = wire.latest_cell_filter(self.column_family, strip_value=True)
         self._meta_cache: dict | None = None
+        self._lease_doc: dict | None = None  # the lease record as this backend last wrote it
         self._restore_pending: str | None = None  # staging table of a committed restore
         self._ts_lock = threading.Lock()
         self._table_lock = threading.RLock()
@@ -285,6 +288,7 @@ class BigtableBackend(BigtableRestore, Backend):
         n = len(keys)
         if n == 0:
             return
+        self._check_fence()
         if records.dtype != self.layout.dtype or len(records) != n:
             raise InvalidInputError(
                 f"put needs {n} records of the store's layout, got {len(records)} of "
@@ -332,6 +336,7 @@ class BigtableBackend(BigtableRestore, Backend):
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._check_writable()
+        self._check_fence()
         present = self.contains(keys)
         gone = keys[present]
         if len(gone):
@@ -441,6 +446,7 @@ class BigtableBackend(BigtableRestore, Backend):
         from google.api_core import exceptions as gexc
 
         self._check_writable()
+        self._check_fence()
         try:
             self._admin_call(self._admin_client().drop_row_range,
                              time.monotonic() + self.retry_deadline,
@@ -469,6 +475,34 @@ class BigtableBackend(BigtableRestore, Backend):
     def modify_meta(self, fn) -> dict:
         self._check_writable()
         return cas.cas_modify_meta(self, fn)
+
+    def modify_leases(self, fn) -> dict:
+        """The writer-lease record (row ``wire.LEASE_ROW``) replaced by ``fn(stored)``, by
+        compare-and-set, retried on conflict."""
+        self._check_writable()
+        self._lease_doc = cas.cas_modify_meta_doc(self, fn, row=wire.LEASE_ROW)
+        return self._lease_doc
+
+    def _rewrite_leases(self) -> None:
+        # The table was recreated empty (an emulator restart): the lease record this writer
+        # last wrote goes back with the metadata, so its fenced writes go on.
+        if self._lease_doc is not None:
+            value = np.frombuffer(json.dumps(self._lease_doc).encode(), np.uint8).reshape(1, -1)
+            ts = self._next_ts()
+            self._mutate("write_leases", lambda sel: wire.mutate_rows_generic(
+                self._write_head, self._family_b, ts, [wire.LEASE_ROW], value), 1,
+                time.monotonic() + self.retry_deadline)
+
+    def read_leases(self) -> Any:
+        req = wire.read_rows_keys(self._read_head, [wire.LEASE_ROW], self._filter)
+        _, vals = self._read_request(req, "read_leases", time.monotonic() + self.retry_deadline)
+        return loads(vals[0] if vals else None, self.url)
+
+    def _check_fence(self) -> None:
+        # No multi-row transactions: the lease row is read just before the batch is sent, so
+        # a takeover between the two lets this one batch land (docs/concurrency.md).
+        if self.fence is not None:
+            check_fence(self.read_leases(), self.fence, self.url)
 
     replace_mechanism = "staging-table"
 

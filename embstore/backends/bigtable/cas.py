@@ -214,16 +214,17 @@ def cas_modify_meta(b: Any, fn) -> dict:
     return meta
 
 
-def cas_modify_meta_doc(b: Any, fn) -> dict:
+def cas_modify_meta_doc(b: Any, fn, row: bytes = wire.META_ROW) -> dict:
     """Replace the metadata row's JSON document ``doc`` by ``fn(doc)`` (``None`` when the row
     is missing) by compare-and-set, retried on conflict; ``ts_high`` is added. Return the
-    document written."""
+    document written. ``row``: another reserved row holding a JSON document (the writer
+    leases, ``wire.LEASE_ROW``)."""
     deadline = time.monotonic() + b.retry_deadline
     delay = 0.002
     fam, fam_b = b.column_family, b._family_b
     written: tuple[bytes, dict] | None = None
     while True:
-        req = wire.read_rows_keys(b._read_head, [wire.META_ROW], b._filter)
+        req = wire.read_rows_keys(b._read_head, [row], b._filter)
         _, vals = b._read_request(req, "read_meta", time.monotonic() + b.retry_deadline)
         old = vals[0] if vals else b""
         if written is not None and old == written[0]:  # landed, though its answer was lost
@@ -233,12 +234,11 @@ def cas_modify_meta_doc(b: Any, fn) -> dict:
         new["ts_high"] = ts
         doc = json.dumps(new).encode()
         if old:
-            req = wire.check_and_mutate(b._cam_head, wire.META_ROW,
-                                        wire.value_equals_filter(fam, old),
+            req = wire.check_and_mutate(b._cam_head, row, wire.value_equals_filter(fam, old),
                                         [wire.delete_column(fam_b), wire.set_cell(fam_b, ts, doc)],
                                         [])
         else:
-            req = wire.check_and_mutate(b._cam_head, wire.META_ROW, b._filter, [],
+            req = wire.check_and_mutate(b._cam_head, row, b._filter, [],
                                         [wire.set_cell(fam_b, ts, doc)])
         if len(_cas_rows(b, [(0, req, bool(old))])):
             return new

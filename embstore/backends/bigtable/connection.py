@@ -75,6 +75,10 @@ class BigtableConnection:
         # Row I/O lives in the backend; a recreated table needs its metadata row back.
         raise NotImplementedError
 
+    def _rewrite_leases(self) -> None:
+        # ... and the writer-lease record this backend last wrote (a lease holder's fence)
+        raise NotImplementedError
+
     # -- connections ------------------------------------------------------------------------------
     def _make_channels(self, credentials: Any, interceptors: Sequence[Any]):
         # ReadRows and MutateRows are unary-stream calls, and the emulator answers ReadRows with
@@ -195,6 +199,7 @@ class BigtableConnection:
                       "%s: table vanished (emulator restart?); recreated it", self.url)
                 if self._meta_cache is not None:
                     self._write_meta_row(self._meta_cache)
+                self._rewrite_leases()
             return
         if self.column_family not in table.column_families:
             if not self.create or self.read_only:

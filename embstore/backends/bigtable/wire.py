@@ -19,8 +19,8 @@ Wire facts used (google/bigtable/v2/bigtable.proto, data.proto)::
 Also here: which gRPC failures are transient (worth a retry).
 
 Row keys: every data row starts with ``DATA_PREFIX`` (so no key can collide with the metadata
-row ``META_ROW``); an int64 key follows as 8 big-endian bytes with the sign bit flipped, which
-makes byte order equal numeric order; a bytes key follows raw.
+row ``META_ROW`` or the lease row ``LEASE_ROW``); an int64 key follows as 8 big-endian bytes
+with the sign bit flipped, which makes byte order equal numeric order; a bytes key follows raw.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from ...errors import InvalidURLError
 DATA_PREFIX = b"r"
 DATA_END = b"s"  # exclusive end of the data row range
 META_ROW = b"m"
+LEASE_ROW = b"l"  # the writer-lease record (embstore.backends.lease_record), outside the data
 MAX_ROW_KEY = 4096  # Bigtable's row-key limit, in bytes
 
 

@@ -33,6 +33,7 @@ from ...errors import (
 )
 from ...layout import Layout
 from ..base import Backend, ModifyFn, serialized
+from ..lease_record import check_fence, loads
 from ..ranges import KIND_KEY, KeyRange, ranges_from_bounds
 
 try:
@@ -116,6 +117,7 @@ class SQLBackend(Backend):
     supports_scan = True
     supports_changes = True
     supports_ranges = True
+    supports_fencing = True
     scheme = "sql"
 
     def __init__(self, url: str, *, read_only: bool = False, table: str | None = None,
@@ -275,6 +277,7 @@ class SQLBackend(Backend):
             return
         raw = record_bytes(self.layout, records)
         with self.sql.ops.txn():  # one transaction per batch: all of it or nothing
+            self._check_fence()
             self.sql.ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
 
     @_wrap_errors
@@ -319,10 +322,35 @@ class SQLBackend(Backend):
         return meta
 
     @_wrap_errors
+    def modify_leases(self, fn) -> dict:
+        """The writer-lease record (the ``_meta`` table's ``leases`` row) replaced by
+        ``fn(stored)`` in one transaction, the row locked (PostgreSQL ``FOR UPDATE``: fenced
+        writes in flight finish first, later ones see the new record)."""
+        with self.sql.ops.txn():
+            text = self.sql.ops.lease_get("update")
+            new = fn(loads(text, self.sql.safe_url))
+            self.sql.ops.lease_put(json.dumps(new, sort_keys=True))
+        return new
+
+    @_wrap_errors
+    def read_leases(self) -> Any:
+        if self.sql.missing:
+            return None
+        return loads(self.sql.ops.lease_get(""), self.sql.safe_url)
+
+    def _check_fence(self) -> None:
+        # Inside the write's transaction: PostgreSQL holds the lease row FOR SHARE until the
+        # commit, so a takeover (FOR UPDATE) either precedes this write or follows it.
+        if self.fence is not None:
+            text = self.sql.ops.lease_get("share")
+            check_fence(loads(text, self.sql.safe_url), self.fence, self.sql.safe_url)
+
+    @_wrap_errors
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, bool)
         with self.sql.ops.txn():
+            self._check_fence()
             gone = self.sql.ops.delete(keys)
         if self.key_type == "int64":
             return np.isin(keys, gone)
@@ -406,6 +434,7 @@ class SQLBackend(Backend):
     @_wrap_errors
     def clear(self) -> None:
         with self.sql.ops.txn():
+            self._check_fence()
             self.sql.ops.clear()
 
     @_wrap_errors

@@ -138,6 +138,17 @@ class CoreOps:
         self.conn.execute(self.meta.delete().where(self.meta.c.name == "meta"))
         self.conn.execute(self.meta.insert().values(name="meta", value=text))
 
+    def lease_get(self, lock: str) -> str | None:
+        # other dialects: no row locks (docs/concurrency.md), the database's own isolation
+        row = self.conn.execute(self.sa.select(self.meta.c.value)
+                                .where(self.meta.c.name == "leases")).fetchone()
+        self._end_read()
+        return None if row is None else row[0]
+
+    def lease_put(self, text: str) -> None:
+        self.conn.execute(self.meta.delete().where(self.meta.c.name == "leases"))
+        self.conn.execute(self.meta.insert().values(name="leases", value=text))
+
     def columns(self, name: str) -> dict[str, str] | None:
         insp = self.sa.inspect(self.conn)
         try:

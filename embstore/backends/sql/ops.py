@@ -245,6 +245,21 @@ class PostgresOps(PagedReads):
         self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('meta', %s) "
                           "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value", (text,))
 
+    def lease_get(self, lock: str) -> str | None:
+        """The writer-lease record; ``lock``: "share" (a fenced write: writes of other holders
+        go on, a takeover waits for it), "update" (a change of the record) or ""."""
+        if lock == "update":  # a missing row is created first, so that there is one to lock
+            self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('leases', '{{}}') "
+                              "ON CONFLICT (name) DO NOTHING")
+        suffix = {"share": " FOR SHARE", "update": " FOR UPDATE"}.get(lock, "")
+        row = self.conn.execute(
+            f"SELECT value FROM {self.m} WHERE name = 'leases'{suffix}").fetchone()
+        return None if row is None else row[0]
+
+    def lease_put(self, text: str) -> None:
+        self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('leases', %s) "
+                          "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value", (text,))
+
     def columns(self, name: str) -> dict[str, str] | None:
         rows = self.conn.execute(
             "SELECT column_name, data_type FROM information_schema.columns "

@@ -119,6 +119,15 @@ class SQLiteOps(PagedReads):
         self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('meta', ?) "
                           "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (text,))
 
+    def lease_get(self, lock: str) -> str | None:
+        # every write transaction is BEGIN IMMEDIATE: the database lock serializes them all
+        row = self.conn.execute(f"SELECT value FROM {self.m} WHERE name = 'leases'").fetchone()
+        return None if row is None else row[0]
+
+    def lease_put(self, text: str) -> None:
+        self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('leases', ?) "
+                          "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (text,))
+
     def columns(self, name: str) -> dict[str, str] | None:
         exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
                                    "name = ?", (name,)).fetchone()

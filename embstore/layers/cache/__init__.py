@@ -7,10 +7,11 @@ rows, :mod:`.whole_table` runs whole-table operations through the cache.
 
 Consistency contract
 --------------------
-- One writer per key range, enforced by a lease in the remote's metadata (:mod:`.lease`):
+- One writer per key range, enforced by a fenced lease in the remote (:mod:`.lease`):
   two processes may share a remote table through their own caches as long as they declare
-  disjoint ``writer_keys``. A reader sees another writer's rows up to that writer's
-  last flush (and only rows it does not hold in its own cache).
+  disjoint ``writer_keys``; a cache whose lease was taken over gets ``LeaseLostError`` on its
+  next remote write, its dirty rows unwritten. A reader sees another writer's rows up to that
+  writer's last flush (and only rows it does not hold in its own cache).
 - The remote holds the truth for metadata (read and written through) and, after ``flush()``,
   for every row. ``scan`` and ``changes_since`` flush dirty rows first, then ask the remote;
   ``len`` adds the dirty rows the remote does not have yet.

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ...backends.base import Backend, ModifyFn, RowUpdate
-from ...errors import BackendError, InvalidInputError, StoreClosedError
+from ...errors import BackendError, InvalidInputError, LeaseLostError, StoreClosedError
 from ...layout import Layout
 from ...log import event
 from ...policies.eviction import eviction_policy
@@ -98,6 +98,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     supports_lookup_insert = False
     # the remote's ranges would miss rows still dirty in the cache
     supports_ranges = False
+    # The cache holds a writer lease over its remote; it is no lease record itself.
+    supports_fencing = False
+    read_leases = Backend.read_leases
+    modify_leases = Backend.modify_leases
 
     @property
     def max_key_bytes(self) -> int | None:  # type: ignore[override]
@@ -133,7 +137,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self.eviction = eviction
         self.flush_batch = int(flush_batch)
         # "one writer per key range", enforced: a lease in the remote's metadata
-        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds)
+        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds,
+                                   on_acquire=self._drop_clean)
                        if self.persistent and not self.read_only else None)
         # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
         # (a Backend that is SlotAddressed: a slot-addressed local store doubles as it)
@@ -261,17 +266,21 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
             return
         self.wait_prefetch()
         with self._lock:
+            lost = None
             if not self.read_only:
                 try:
                     self._flush_rows()
                 except Exception as e:
                     n = int(np.count_nonzero(self._st.dirty))
                     n += len(self._wb) if self._wb is not None else 0
-                    raise BackendError(
-                        f"{self.url}: close could not flush {n} dirty cached rows ({e}); they "
-                        "are kept in the cache: call flush() or close() again when the remote "
-                        "is reachable"
-                    ) from e
+                    if isinstance(e, LeaseLostError):  # never writable: another writer's keys
+                        lost = LeaseLostError(f"{e} ({n} updated rows of this cache were not "
+                                              "written; the cache is closed)")
+                    else:
+                        raise BackendError(
+                            f"{self.url}: close could not flush {n} dirty cached rows ({e}); "
+                            "they are kept in the cache: call flush() or close() again when "
+                            "the remote is reachable") from e
             self._closed = True
             if self._lease is not None:
                 self._lease.release()
@@ -283,6 +292,8 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
                 self.remote.close()
             finally:
                 self.rows.close()
+            if lost is not None:
+                raise lost
 
     # -- rows -------------------------------------------------------------------------------------
     def _check(self) -> None:

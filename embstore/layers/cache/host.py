@@ -17,6 +17,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ...backends.base import Backend
+    from .lease import WriterLease
     from .local_rows import LocalRows
     from .metadata import CacheMetadata
     from .slots import SlotTable
@@ -59,6 +60,8 @@ class CacheHost(Protocol):
     def _reader(self) -> ThreadPoolExecutor | None: ...
     @property
     def _st(self) -> SlotTable: ...
+    @property
+    def _lease(self) -> WriterLease | None: ...
 
     def write_meta(self, meta: dict[str, Any]) -> None: ...
     def wait_prefetch(self) -> None: ...

@@ -50,8 +50,11 @@ class CacheMetadata:
         return meta
 
     def write(self, meta: dict) -> None:
-        with self.remote_lock:
-            self.remote.write_meta(meta)
+        if self.lease is not None:  # a compare-and-set that keeps the stored writer leases
+            meta = self.modify(lambda stored: meta)
+        else:
+            with self.remote_lock:
+                self.remote.write_meta(meta)
         self.last = dict(meta)
         if self.mirror:
             self.local.write_meta(meta)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...errors import LeaseLostError
+
 if TYPE_CHECKING:
     from ...backends.base import Backend
     from .host import CacheHost
@@ -22,6 +24,7 @@ class RemoteIOMixin:
     _count_lock: Any
     _reader: Any
     _wb: Any
+    _lease: Any
 
     def _count(self, **inc: int) -> None:
         with self._count_lock:  # the write-behind and prefetch threads count too
@@ -36,7 +39,12 @@ class RemoteIOMixin:
 
     def _remote_put(self, keys: np.ndarray, recs: np.ndarray) -> None:
         with self._remote_lock:
-            self.remote.put(keys, recs)
+            try:
+                self.remote.put(keys, recs)
+            except LeaseLostError as e:  # fenced out: later writes raise at once
+                if self._lease is not None:
+                    self._lease.lose(e)
+                raise
         self._count(remote_writes=len(keys), remote_write_calls=1)
 
     def _read_and_make_room(self: CacheHost, keys: np.ndarray,

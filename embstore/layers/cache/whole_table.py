@@ -29,6 +29,8 @@ class WholeTableMixin:
         with self._lock:
             if self.metadata.last is not None:
                 self.write_meta(self.metadata.last)
+            if self._lease is not None:
+                self._lease.retake()
             pending = len(self._wb) if self._wb is not None else 0
             self._settle()
             self._st.dirty[self._st.occupied()] = True
@@ -36,6 +38,15 @@ class WholeTableMixin:
             with self._remote_lock:
                 self.remote.flush()
             return n
+
+    def _drop_clean(self: CacheHost) -> None:
+        """A writer lease was just granted: clean rows cached before it were read while the
+        keys may have had another writer (whose lease this one took over), so they are read
+        again. Dirty rows cannot exist yet (every write takes the lease first)."""
+        slots = self._st.occupied()
+        slots = slots[~self._st.dirty[slots]]
+        if len(slots):
+            self._drop(self._st.keys[slots], slots)
 
     def __len__(self: CacheHost) -> int:
         with self._lock:

@@ -30,7 +30,7 @@ from urllib.parse import urlencode
 
 import numpy as np
 
-from ...errors import BackendUnavailableError, InvalidInputError
+from ...errors import InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
@@ -38,17 +38,8 @@ from ..lease_record import check_fence, loads
 from ..ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds
 from . import cas, restore, wire
 from .restore import BigtableRestore
+from .stubs import data_stubs
 
-try:
-    from google.cloud.bigtable_v2.types import bigtable as _pb
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise BackendUnavailableError(
-        "the bigtable:// backend needs google-cloud-bigtable; pip install -e '.[bigtable]'"
-    ) from e
-
-_ReadRowsResponse = _pb.ReadRowsResponse.pb()
-_MutateRowsResponse = _pb.MutateRowsResponse.pb()
-_SampleRowKeysResponse = _pb.SampleRowKeysResponse.pb()
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
@@ -151,16 +142,7 @@ class BigtableBackend(BigtableRestore, Backend):
              "tables_recreated"), 0)
         self._credentials = credentials
         self._channel, self._admin_channel = self._make_channels(credentials, interceptors)
-        ident = lambda b: b  # noqa: E731 - requests are pre-encoded bytes
-        self._read_rows = self._channel.unary_stream(
-            "/google.bigtable.v2.Bigtable/ReadRows", request_serializer=ident,
-            response_deserializer=_ReadRowsResponse.FromString)
-        self._mutate_rows = self._channel.unary_stream(
-            "/google.bigtable.v2.Bigtable/MutateRows", request_serializer=ident,
-            response_deserializer=_MutateRowsResponse.FromString)
-        self._sample_row_keys = self._channel.unary_stream(
-            "/google.bigtable.v2.Bigtable/SampleRowKeys", request_serializer=ident,
-            response_deserializer=_SampleRowKeysResponse.FromString)
+        self._read_rows, self._mutate_rows, self._sample_row_keys = data_stubs(self._channel)
         self._check_and_mutate = cas.check_and_mutate_stub(self._channel)
         # The calling thread is one of the ``inflight`` senders (see _run_sharded).
         self._pool = ThreadPoolExecutor(max(self.inflight - 1, 1),

@@ -96,10 +96,9 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     # The cache reads and writes rows itself: no in-place row paths of the remote's (its own
     # update_rows works on the cached rows, see below).
     supports_lookup_insert = False
-    # the remote's ranges would miss rows still dirty in the cache
-    supports_ranges = False
-    # The cache holds a writer lease over its remote; it is no lease record itself.
-    supports_fencing = False
+    # the remote's ranges would miss dirty cached rows; the cache holds a writer lease over its
+    # remote and is no lease record itself
+    supports_ranges = supports_fencing = False
     read_leases = Backend.read_leases
     modify_leases = Backend.modify_leases
 

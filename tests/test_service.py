@@ -392,3 +392,47 @@ def test_keras_layer_trains_through_the_service_with_admission_counting_occurren
         tape.gradient(loss, layer.trainable_variables)
         assert des.contains([1, 2, 3]).tolist() == [True, False, False]
         np.testing.assert_array_equal(des.lookup([1], insert=False)[0], np.full(DIM, -2.0))
+
+
+def test_a_paused_owner_fails_its_next_write_after_a_replacement_takes_the_shard(
+        bigtable_url_factory):
+    """Workers with a write-back cache over one shared Bigtable table hold the cache's fenced
+    writer lease: a replacement takes the shard once the paused owner's lease ran out, and
+    the old owner, resumed, acknowledges no write and flushes nothing over the new one's."""
+    from embstore.errors import LeaseConflictError, LeaseLostError
+
+    url = bigtable_url_factory()
+    opts = dict(dim=DIM, optimizer=SGD1, initializer="zeros", cache="memory://",
+                write_policy="back", lease_seconds=4)
+    old = start_worker(url, **opts)
+    new = None
+    try:
+        with embstore.open(f"des://{old.address}", timeout=20) as a:
+            a.update([1, 2], np.ones((2, DIM), np.float32))
+            a.flush()                                   # takes the lease, writes the rows
+            a.update([1], np.ones((1, DIM), np.float32))  # dirty in the old owner's cache
+            old.pause()
+            new = start_worker(url, **opts)
+            with embstore.open(f"des://{new.address}", timeout=20) as b:
+                deadline = time.monotonic() + 30
+                while True:                             # refused while the lease is live
+                    try:
+                        b.update([2], np.full((1, DIM), 5.0, np.float32))
+                        break
+                    except LeaseConflictError:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.5)
+                b.flush()
+                old.resume()
+                with pytest.raises(LeaseLostError):
+                    a.update([3], np.ones((1, DIM), np.float32))
+                with pytest.raises(LeaseLostError):
+                    a.flush()
+                # row 1 holds the flushed update only; row 2 the new owner's
+                got = b.lookup([1, 2], insert=False)
+                np.testing.assert_array_equal(got[:, 0], [-1.0, -6.0])
+    finally:
+        old.resume()
+        old.kill()
+        if new is not None:
+            new.stop()

@@ -207,6 +207,13 @@ class Backend(abc.ABC):
         """Whether :meth:`bind` has set the layout (row I/O needs it)."""
         return self._layout is not None
 
+    def hold_writer_lease(self) -> None:
+        """Make sure this writer may acknowledge writes now: a layer holding a writer lease
+        over a shared remote takes it, or renews it once half of it has run, and raises
+        ``LeaseConflictError`` / ``LeaseLostError`` / ``BackendError`` when it cannot (a
+        service worker calls this before each write). Nothing to do without a lease."""
+        return None
+
     def storage_paths(self) -> tuple[str, ...]:
         """Local files and directories holding this store's data (none for a remote or
         in-process store). Exports and copies refuse to write into them."""

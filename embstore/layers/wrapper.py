@@ -108,6 +108,9 @@ class WrapperBackend(Backend):
     def modify_leases(self, fn: Callable[[Any], dict]) -> dict:
         return self.inner.modify_leases(fn)
 
+    def hold_writer_lease(self) -> None:
+        self.inner.hold_writer_lease()
+
     def flush(self) -> None:
         self.inner.flush()
 

@@ -58,7 +58,8 @@ def read_token_file(path: str) -> dict[str, str]:
     return tokens
 
 
-_OPS = READ_OPS | {"update", "assign", "delete", "flush"}
+_WRITES = frozenset({"update", "assign", "delete"})
+_OPS = READ_OPS | _WRITES | {"flush"}
 
 
 def _peek_op(raw: bytes) -> str:
@@ -260,6 +261,11 @@ class Worker(flight.FlightServerBase):
     def _exchange(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
         s = self.store
         op = h["op"]
+        if op in _WRITES or (op == "lookup" and h.get("insert", True)):
+            # a worker that cannot hold its shard's writer lease (a cache over a shared
+            # table) acknowledges no write: LeaseLostError after a takeover, BackendError
+            # when cut from the table past half a lease
+            s.backend.hold_writer_lease()
         if op == "lookup":
             v = s.lookup(self._keys(t), insert=bool(h.get("insert", True)),
                          counts=self._counts(t))

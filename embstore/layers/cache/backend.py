@@ -81,7 +81,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
     flush_batch : int
         Rows per remote ``put`` when flushing.
     read_only : bool
-        Passed to the remote when it is given as a URL.
     writer_keys : (int, int), optional
         ``(index, count)``: this cache writes only keys with ``key_hash64(k) % count ==
         index``. A writable cache over a persistent remote holds a lease on its keys in the
@@ -135,12 +134,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self.write_policy = write_policy
         self.eviction = eviction
         self.flush_batch = int(flush_batch)
-        # "one writer per key range", enforced: a lease in the remote's metadata
         self._lease = (WriterLease(self.remote, writer_keys, lease_seconds,
                                    on_acquire=self._drop_clean)
                        if self.persistent and not self.read_only else None)
-        # A memory:// local store doubles as the key -> slot index (one hash probe per hit).
-        # (a Backend that is SlotAddressed: a slot-addressed local store doubles as it)
+        # A slot-addressed local store (memory://) doubles as the key -> slot index.
         self.rows = LocalRows(self.local)
         self._lock = threading.RLock()          # guards every piece of cache state
         concurrent = self.remote.thread_safe
@@ -164,7 +161,6 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._st = SlotTable(self.key_type, eviction, self.capacity)
 
-    # -- helpers ----------------------------------------------------------------------------------
     def _log_invalid(self, keys: np.ndarray) -> None:
         # A running prefetch read the remote before these writes: its rows for them are stale.
         if self._pf_active and len(keys):
@@ -238,6 +234,10 @@ class CachedBackend(WholeTableMixin, PrefetchMixin, RemoteIOMixin, WrapperBacken
         if self._lease is not None and self._lease.keys is not None:
             opts["writer_keys"] = tuple(self._lease.keys)
         return opts
+
+    def hold_writer_lease(self) -> None:
+        if self._lease is not None:  # take it, or renew it once half of it has run
+            self._lease.ensure()
 
     def flush(self) -> None:
         """Write every dirty row to the remote (batched), then flush the remote."""

@@ -436,3 +436,61 @@ def test_a_paused_owner_fails_its_next_write_after_a_replacement_takes_the_shard
         old.kill()
         if new is not None:
             new.stop()
+
+
+def test_ann_index_keeps_recall_while_training_rewrites_the_table():
+    import threading
+
+    pytest.importorskip("usearch")
+    from embstore.service.ann import AnnIndex
+
+    rng = np.random.default_rng(5)
+    n, dim = 20_000, 32
+    store = embstore.open("memory://", dim=dim)
+    store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
+    guard = threading.RLock()
+    ann = AnnIndex(store, guard, rebuild_at=0.1)
+    recalls = []
+    gone: set[int] = set()
+    for _ in range(10):
+        touched = rng.choice(n, n // 20, replace=False)          # 5% of the rows rewritten
+        store.assign(touched, rng.standard_normal((len(touched), dim), dtype=np.float32))
+        gone -= set(touched.tolist())                                 # assigned again: back
+        dead = rng.choice(n, 50, replace=False)
+        store.delete(dead)
+        gone |= set(dead.tolist())
+        q = rng.standard_normal((40, dim), dtype=np.float32)
+        with guard:
+            got = ann.top_k(q, 10)
+            exact = store.top_k(q, 10)
+        live = ~np.isin(got.keys, np.array(sorted(gone)))
+        assert live.all()                                           # deleted keys never come back
+        # returned scores are exact dot products with the current vectors
+        vec = store.lookup(got.keys.reshape(-1), insert=False).reshape(40, 10, dim)
+        np.testing.assert_allclose(got.scores, np.einsum("qkd,qd->qk", vec, q), rtol=1e-5,
+                                   atol=1e-5)
+        recalls.append(np.mean([len(set(a) & set(b)) / 10 for a, b in
+                                zip(got.keys.tolist(), exact.keys.tolist())]))
+        if ann._building is not None:
+            ann._building.join()
+    assert min(recalls) >= 0.95, recalls
+    assert ann.builds >= 3                                        # rebuilt in the background
+
+
+def test_workers_answer_approximate_top_k_with_an_ann_index():
+    pytest.importorskip("usearch")
+    rng = np.random.default_rng(6)
+    with start_workers(["memory://", "memory://"], dim=DIM, extra=["--ann"]) as workers, \
+            embstore.open(workers.url) as des:
+        des.assign(np.arange(2000), rng.standard_normal((2000, DIM), dtype=np.float32))
+        q = rng.standard_normal((5, DIM), dtype=np.float32)
+        approx = des.top_k(q, 10, approximate=True)
+        exact = des.top_k(q, 10)
+        overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in
+                           zip(approx.keys.tolist(), exact.keys.tolist())])
+        assert overlap >= 0.9
+        assert des.stats()["ann_builds"] >= 2                    # one index per worker
+    with start_workers(["memory://"], dim=DIM) as plain, embstore.open(plain.url) as des:
+        des.assign([1], np.ones((1, DIM), np.float32))
+        with pytest.raises(InvalidInputError, match="--ann"):
+            des.top_k(np.ones((1, DIM), np.float32), 3, approximate=True)

@@ -23,13 +23,6 @@ import numpy as np
 from ..errors import BackendUnavailableError, InvalidInputError
 from ..retrieval import TopKResult
 
-try:
-    from usearch.index import Index
-except ImportError as e:  # pragma: no cover - the ann extra is optional
-    raise BackendUnavailableError(
-        f"approximate top_k needs usearch ({e}); install it with: pip install -e '.[ann]'"
-    ) from e
-
 
 class AnnIndex:
     """Approximate top-k over ``store`` (an :class:`~embstore.EmbeddingStore`, observed).
@@ -50,13 +43,21 @@ class AnnIndex:
                  expansion_search: int = 128) -> None:
         if not 0 < rebuild_at <= 1 or oversample < 1:
             raise InvalidInputError("rebuild_at must be in (0, 1] and oversample >= 1")
+        try:
+            from usearch.index import Index  # an optional extra: imported only when used
+        except ImportError as e:
+            raise BackendUnavailableError(f"approximate top_k needs usearch ({e}); install it "
+                                          "with: pip install -e '.[ann]'") from e
+        conn, search = int(connectivity), int(expansion_search)
+        self._new_index = lambda: Index(ndim=store.dim, metric="ip", dtype="f32",
+                                        connectivity=conn, expansion_search=search)
         self.store, self.guard = store, guard
         self.oversample, self.rebuild_at = int(oversample), float(rebuild_at)
-        self.connectivity, self.expansion_search = int(connectivity), int(expansion_search)
         self._lock = threading.Lock()
         self._index: Any = None
         self._labels = store.normalize_keys([])     # label -> key of the built index
         self._fresh: set[Any] = set()               # written since the build's snapshot
+        self._fresh_arr: np.ndarray | None = None   # the same as an array, made on demand
         self._since_snapshot: set[Any] | None = None  # collected while a rebuild runs
         self._building: threading.Thread | None = None
         self.builds = 0
@@ -67,6 +68,7 @@ class AnnIndex:
         ks = keys.tolist()
         with self._lock:
             self._fresh.update(ks)
+            self._fresh_arr = None
             if self._since_snapshot is not None:
                 self._since_snapshot.update(ks)
 
@@ -106,13 +108,13 @@ class AnnIndex:
 
     def _build(self) -> None:
         keys, vecs = self._snapshot()
-        index = Index(ndim=self.store.dim, metric="ip", dtype="f32",
-                      connectivity=self.connectivity, expansion_search=self.expansion_search)
+        index = self._new_index()
         if len(keys):
             index.add(np.arange(len(keys), dtype=np.uint64), vecs)
         with self._lock:
             self._index, self._labels = index, keys
             self._fresh = self._since_snapshot or set()
+            self._fresh_arr = None
             self._since_snapshot = None
             self.builds += 1
 
@@ -127,51 +129,65 @@ class AnnIndex:
             self._building.start()
 
     # -- querying ----------------------------------------------------------------------------
+    def _fresh_keys(self) -> np.ndarray:
+        with self._lock:
+            if self._fresh_arr is None:
+                self._fresh_arr = self.store.normalize_keys(list(self._fresh))
+            return self._fresh_arr
+
     def top_k(self, q: np.ndarray, k: int, exclude: list[np.ndarray] | None = None
               ) -> TopKResult:
         """Approximate top-``k`` of each query row (the caller holds the guard)."""
         if self._index is None:
             self.guard_free_build()
+        fresh = self._fresh_keys()
         with self._lock:
-            index, labels, fresh = self._index, self._labels, list(self._fresh)
+            index, labels = self._index, self._labels
             stale = len(fresh) > self.rebuild_at * max(len(labels), 1)
         if stale:
             self.rebuild(wait=False)
         s = self.store
-        fresh_keys = s.normalize_keys(fresh) if fresh else s.normalize_keys([])
         nq = len(q)
         want = min(len(labels), k * self.oversample)
-        found = (index.search(q, want).keys if want else np.zeros((nq, 0), np.uint64))
-        found = np.asarray(found, np.int64).reshape(nq, -1)
-        fresh_set = set(fresh)
-        out_k: list[np.ndarray] = []
-        out_s: list[np.ndarray] = []
-        for i in range(nq):
-            lab = found[i][(found[i] >= 0) & (found[i] < len(labels))]
-            cand = labels[lab]
-            if fresh_set:
-                cand = cand[[c not in fresh_set for c in cand.tolist()]]
-            cand = np.concatenate((cand, fresh_keys)) if len(fresh_keys) else cand
-            if exclude is not None and len(exclude[i]):
-                cand = cand[~np.isin(cand, exclude[i])] if cand.dtype != object else cand[
-                    [c not in set(exclude[i].tolist()) for c in cand.tolist()]]
-            live = s.contains(cand)
-            cand = cand[live]
-            vec = s.lookup(cand, insert=False)
-            scores = vec @ q[i]
-            tie = (np.unique(cand, return_inverse=True)[1] if cand.dtype == object else cand)
-            order = np.lexsort((tie, -scores))[:k]
-            out_k.append(cand[order])
-            out_s.append(scores[order].astype(np.float32))
-        width = min(k, max((len(x) for x in out_k), default=0))
+        found = (np.asarray(index.search(q, want).keys, np.int64).reshape(nq, -1) if want
+                 else np.zeros((nq, 0), np.int64))
+        ok = (found >= 0) & (found < len(labels))
+        cand = labels[np.where(ok, found, 0)]
+        if len(fresh):  # a fresh key's graph vector is stale: it is scored below instead
+            ok &= ~_isin(cand, fresh)
+        # every candidate's current vector, read once per call (deleted ones drop out)
+        uniq = np.unique(cand[ok]) if cand.dtype != object else np.array(
+            list(dict.fromkeys(cand[ok].tolist())), dtype=object)
+        pool = np.concatenate((uniq, fresh)) if len(fresh) else uniq
+        live = s.contains(pool)
+        pool = pool[live]
+        vecs = s.lookup(pool, insert=False)
+        pos = {key: i for i, key in enumerate(pool.tolist())}
+        n_fresh_live = int(np.count_nonzero(live[len(uniq):]))
+        fresh_idx = np.arange(len(pool) - n_fresh_live, len(pool))
+        scores_all = q @ vecs.T if len(pool) else np.zeros((nq, 0), np.float32)
         key_dtype = np.int64 if s.key_type == "int64" else object
-        keys = np.full((nq, width), b"" if key_dtype is object else -1, dtype=key_dtype)
-        scores = np.full((nq, width), -np.inf, np.float32)
+        rows_k: list[np.ndarray] = []
+        rows_s: list[np.ndarray] = []
+        for i in range(nq):
+            hits = [pos[c] for c in cand[i][ok[i]].tolist() if c in pos]
+            idx = np.concatenate((np.asarray(hits, np.int64), fresh_idx))
+            if exclude is not None and len(exclude[i]):
+                idx = idx[~_isin(pool[idx], exclude[i])]
+            sc = scores_all[i, idx]
+            keys = pool[idx]
+            tie = np.unique(keys, return_inverse=True)[1] if key_dtype is object else keys
+            order = np.lexsort((tie, -sc))[:k]
+            rows_k.append(keys[order])
+            rows_s.append(sc[order].astype(np.float32))
+        width = min(k, max((len(x) for x in rows_k), default=0))
+        out_k = np.full((nq, width), b"" if key_dtype is object else -1, dtype=key_dtype)
+        out_s = np.full((nq, width), -np.inf, np.float32)
         valid = np.zeros((nq, width), bool)
         for i in range(nq):
-            n = min(width, len(out_k[i]))
-            keys[i, :n], scores[i, :n], valid[i, :n] = out_k[i][:n], out_s[i][:n], True
-        return TopKResult(keys, scores, valid)
+            m = min(width, len(rows_k[i]))
+            out_k[i, :m], out_s[i, :m], valid[i, :m] = rows_k[i][:m], rows_s[i][:m], True
+        return TopKResult(out_k, out_s, valid)
 
     def guard_free_build(self) -> None:
         """The first build, on a query: the caller already holds the guard, so read the table
@@ -181,10 +197,18 @@ class AnnIndex:
                 else self.store.normalize_keys([]))
         vecs = (np.ascontiguousarray(np.concatenate([v for _, v in parts]), np.float32)
                 if parts else np.zeros((0, self.store.dim), np.float32))
-        index = Index(ndim=self.store.dim, metric="ip", dtype="f32",
-                      connectivity=self.connectivity, expansion_search=self.expansion_search)
+        index = self._new_index()
         if len(keys):
             index.add(np.arange(len(keys), dtype=np.uint64), vecs)
         with self._lock:
             self._index, self._labels, self._fresh = index, keys, set()
+            self._fresh_arr = None
             self.builds += 1
+
+
+def _isin(keys: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """``np.isin`` that stays linear for bytes keys (object arrays)."""
+    if keys.dtype != object:
+        return np.isin(keys, among)
+    s = set(among.tolist())
+    return np.array([k in s for k in keys.reshape(-1).tolist()], bool).reshape(keys.shape)

@@ -293,10 +293,12 @@ class DesStore:
         self.check_open()
 
     # -- retrieval and sampling ----------------------------------------------------------------
-    def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-``k`` by dot product over every worker's rows, ordered as one store
-        orders them (score descending, NaN last, ties by key); a
-        :class:`~embstore.retrieval.TopKResult`."""
+    def top_k(self, queries: Any, k: int, exclude: Any = None, *,
+              approximate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` by dot product over every worker's rows, ordered as one store orders
+        them (score descending, NaN last, ties by key); a
+        :class:`~embstore.retrieval.TopKResult`. Exact, or with ``approximate=True`` from the
+        workers' ANN indexes (``--ann``; candidates re-scored exactly)."""
         self.check_open()
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise InvalidInputError(f"k must be a positive int, got {k!r}")
@@ -310,7 +312,8 @@ class DesStore:
             offs = np.concatenate(([0], np.cumsum([len(e) for e in lists]))).astype(np.int32)
             flat = (np.concatenate(lists) if lists else self.normalize_keys([]))
             cols["ex"] = pa.ListArray.from_arrays(pa.array(offs), wire.keys_column(flat))
-        tables = self._each(lambda s: self._exchange(s, "top_k", wire.batch(**cols), k=int(k)))
+        tables = self._each(lambda s: self._exchange(s, "top_k", wire.batch(**cols), k=int(k),
+                                                     approximate=bool(approximate)))
         return merge_top_k(tables, len(q), int(k), self._key_type)
 
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,

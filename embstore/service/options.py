@@ -29,6 +29,10 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--metrics", metavar="HOST:PORT", help="serve /metrics (Prometheus text), "
                    "/healthz and /readyz over HTTP on this address")
+    s.add_argument("--ann", action="store_true", help="keep an HNSW index (usearch) for "
+                   "top_k(approximate=True); fresh keys are scored exactly until a rebuild")
+    s.add_argument("--ann-rebuild", type=float, default=0.1, metavar="SHARE",
+                   help="rebuild the ANN index once this share of rows changed (default 0.1)")
     s.add_argument("--follow", metavar="DES_URL", help="serve URL as a read-only replica kept "
                    "current from these workers' change logs (docs/service.md, Followers)")
     s.add_argument("--follow-token-file", help="file holding the token for --follow")

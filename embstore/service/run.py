@@ -17,6 +17,7 @@ from typing import Any
 from ..api import open as open_store
 from ..errors import BackendError, InvalidInputError
 from ..policies.admission import admission_from_config
+from .ann import AnnIndex
 from .client import DesStore
 from .follower import Follower, replica_options
 from .metrics import OpsServer
@@ -48,8 +49,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
           token_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None, flush_every: float | None = None,
           follow: str | None = None, follow_token_file: str | None = None,
-          poll: float = 0.1, metrics: str | None = None, ready: Any = None,
-          **options: Any) -> int:
+          poll: float = 0.1, metrics: str | None = None, ann: bool = False,
+          ann_rebuild: float = 0.1, ready: Any = None, **options: Any) -> int:
     """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens.
 
     With ``follow`` (a ``des://`` URL), ``url`` is a replica: created with the followed
@@ -84,6 +85,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         store.close()
         raise
     stop = threading.Event()
+    if ann:
+        worker.ann = AnnIndex(store, worker.lock, rebuild_at=ann_rebuild)
     if upstream is not None:
         follower = Follower(store, upstream, guard=worker.lock)
         worker.follower = follower
@@ -138,4 +141,4 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
     return serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
                  tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
                  follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
-                 metrics=args.metrics, **options)
+                 metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild, **options)

@@ -113,6 +113,8 @@ class Worker(flight.FlightServerBase):
         self.follower: Any = None
         #: counts and latencies per operation (``--metrics``)
         self.metrics = RequestMetrics()
+        #: approximate top-k (``--ann``): an AnnIndex over the store, or None
+        self.ann: Any = None
         #: held around every call on the store (per key, arrival order; no lost update)
         self.lock = threading.Lock()
         self.requests = 0
@@ -227,7 +229,8 @@ class Worker(flight.FlightServerBase):
             s.flush()
             return {"version": s.version}
         if op == "stats":
-            st = {**s.stats(), **(self.follower.stats() if self.follower else {})}
+            st = {**s.stats(), **(self.follower.stats() if self.follower else {}),
+                  **(self.ann.stats() if self.ann else {})}
             return {k: v for k, v in st.items()
                     if isinstance(v, (int, float, str, bool, type(None)))}
         if op == "sample_weight":
@@ -307,12 +310,14 @@ class Worker(flight.FlightServerBase):
             flat = wire.keys_from(col.flatten(), s.key_type)
             offs = col.offsets.to_numpy()
             ex = [flat[offs[i]:offs[i + 1]] for i in range(len(q))]
+        if h.get("approximate") and self.ann is None:
+            raise InvalidInputError("this worker has no ANN index (start it with --ann)")
         if len(q) == 0 or len(s) == 0:
             width = 0
             keys = np.zeros((len(q), 0), np.int64 if s.key_type == "int64" else object)
             scores, valid = np.zeros((len(q), 0), np.float32), np.zeros((len(q), 0), bool)
         else:
-            res = s.top_k(q, k, ex)
+            res = self.ann.top_k(q, k, ex) if h.get("approximate") else s.top_k(q, k, ex)
             keys, scores = res
             valid = np.asarray(res.valid)
             width = keys.shape[1]

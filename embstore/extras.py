@@ -19,6 +19,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bigtable": ("google-cloud-bigtable>=2.20",),
     "bloom": ("pybloom-live>=4.0",),
     "parquet": ("pyarrow>=14",),
+    "service": ("pyarrow>=14",),
 }
 
 

@@ -26,8 +26,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 def install_hint(extra: str) -> str:
     """The commands that install ``extra``: from a checkout, and beside an installed wheel.
 
-    embstore is not on PyPI, so ``pip install 'embstore[extra]'`` would find nothing; a wheel's
-    user installs the extra's requirements directly.
+    embstore is not on PyPI, so the extra cannot be named on the package there; beside a wheel
+    the extra's own requirements are installed directly.
     """
     hint = f"pip install -e '.[{extra}]' in a checkout of embstore"
     reqs = EXTRAS.get(extra)

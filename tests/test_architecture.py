@@ -188,6 +188,7 @@ _DRIVER_HOMES = {
     "grpc": ("embstore.backends.bigtable", "embstore.testing.bigtable_emulator"),
     "pyarrow": ("embstore.io.parquet", "embstore.service"),
     "pybloom_live": (),
+    "usearch": ("embstore.service.ann",),
     "torch": ("embstore_torch",),
     "tensorflow": ("embstore_tf",),
     "keras": ("embstore_tf",),

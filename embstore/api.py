@@ -15,6 +15,7 @@ from .engine import services
 from .engine.opening import ENGINE_OPTIONS, check_backend_options, open_backend, split_options
 from .engine.unpickled import UnopenedStore
 from .errors import BackendUnavailableError
+from .extras import install_hint
 from .layers import LAYER_OPTIONS
 from .registry import scheme_of
 from .store import EmbeddingStore
@@ -67,8 +68,8 @@ def _connect(url: str, dim: int | None, options: dict[str, Any]) -> Any:
         from .service.client import DesStore
     except ImportError as e:
         raise BackendUnavailableError(
-            f"des:// needs pyarrow ({e.name or e}); install it with: pip install -e "
-            "'.[service]' (in a checkout of embstore)") from e
+            f"des:// needs pyarrow ({e.name or e}); install the 'service' extra: "
+            + install_hint("service")) from e
     return DesStore(url, dim=dim, **options)
 
 

@@ -18,6 +18,7 @@ from .errors import (
     InvalidURLError,
     UnknownSchemeError,
 )
+from .extras import install_hint, missing_module
 from .urls import redact_url
 
 # scheme -> (target, extra that provides its dependency)
@@ -121,13 +122,12 @@ def backend_class(url: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        # embstore is not on PyPI: 'embstore[extra]' finds no distribution, a checkout does
-        hint = (f"pip install -e '.[{extra}]' (in a checkout of embstore)" if extra
+        missing = missing_module(e)
+        what = f"{missing!r}, which is not installed" if missing else f"a missing package ({e})"
+        hint = (f"install the {extra!r} extra: {install_hint(extra)}" if extra
                 else "check the backend's package")
         raise BackendUnavailableError(
-            f"the {scheme!r} backend needs a package that is not installed ({e.name or e}); "
-            f"install it with: {hint}"
-        ) from e
+            f"the {scheme!r} backend (in {redact_url(url)!r}) needs {what}; {hint}") from e
     cls: type = getattr(module, attr)
     _registry[scheme] = (cls, extra)
     return cls

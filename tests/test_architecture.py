@@ -172,3 +172,55 @@ def test_the_documented_backend_flags_are_the_declared_ones():
     assert set(documented) == set(declared)
     for name, default in documented.items():
         assert default == repr(declared[name]).replace("'", '"'), name
+
+
+# An optional driver (an extra of pyproject.toml, or an engine a recipe runs on) -> the modules
+# that may import it when they are imported: the backend, codec or adapter it serves. Anything
+# else imports it inside the function that needs it, so `import embstore` and memory:// run on
+# numpy + tqdm alone (tests/test_bare_install.py runs that with the drivers made unimportable).
+_DRIVER_HOMES = {
+    "lmdb": ("embstore.backends.lmdb", "embstore.backends.lmdb_env"),
+    "rocksdict": ("embstore.backends.rocksdb", "embstore.backends.rocksdb_handles"),
+    "sqlalchemy": ("embstore.backends.sql",),
+    "psycopg": ("embstore.backends.sql",),
+    "psycopg2": ("embstore.backends.sql",),
+    "google": ("embstore.backends.bigtable", "embstore.testing.bigtable_emulator"),
+    "grpc": ("embstore.backends.bigtable", "embstore.testing.bigtable_emulator"),
+    "pyarrow": ("embstore.io.parquet", "embstore.service"),
+    "pybloom_live": (),
+    "usearch": ("embstore.service.ann",),
+    "torch": ("embstore_torch",),
+    "tensorflow": ("embstore_tf",),
+    "keras": ("embstore_tf",),
+    "tf_keras": ("embstore_tf",),
+    "dask": (),
+    "distributed": (),
+    "apache_beam": (),
+    "ray": (),
+}
+
+
+def _at_home(module: str, homes: tuple[str, ...]) -> bool:
+    return any(module == h or module.startswith(h + ".") for h in homes)
+
+
+def test_optional_drivers_are_imported_only_by_the_modules_they_serve():
+    deps = arch.module_level_dependencies(arch.load_modules())
+    strays = sorted(f"{module} imports {driver}" for module, found in deps.items()
+                    for driver in found & set(_DRIVER_HOMES)
+                    if not _at_home(module, _DRIVER_HOMES[driver]))
+    assert strays == [], ("import the driver inside the function that needs it (or, for a new "
+                          "driver module, add it to _DRIVER_HOMES)")
+    assert "lmdb" not in deps["embstore"] and "pyarrow" not in deps["embstore.cli"]
+
+
+def test_the_driver_scan_follows_imports_through_project_modules(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "from . import core\n",
+        "core.py": "from .base import X\n",
+        "base.py": "from .drv import Y\n\ndef f():\n    import torch\n",
+        "drv.py": "try:\n    import lmdb\nexcept ImportError:\n    lmdb = None\nY = 1\n",
+    })
+    deps = arch.module_level_dependencies(arch.load_modules(root))
+    assert deps["embstore"] >= {"lmdb"} and deps["embstore.core"] >= {"lmdb"}
+    assert "torch" not in deps["embstore.base"]  # function level: runs only when called

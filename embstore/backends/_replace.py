@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError
-from .lmdb_env import META_KEY
 
 Batches = Iterator[tuple[np.ndarray, np.ndarray]]
 
@@ -62,7 +61,8 @@ def write_then_delete(backend: Any, batches: Batches, meta: dict) -> int:
 
 
 # -- LMDB: one write transaction ------------------------------------------------------------------
-def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None) -> int:
+def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None,
+                 meta_key: bytes) -> int:
     # deferred: lmdb is an optional extra; only an LMDB store's restore needs it
     import lmdb
 
@@ -78,7 +78,7 @@ def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None) -
         for keys, recs in batches:
             enc, vals = backend._pairs(keys, recs)
             cur.putmulti(zip(enc, vals))
-        txn.put(META_KEY, raw, db=backend._meta_db)
+        txn.put(meta_key, raw, db=backend._meta_db)
         return int(txn.stat(backend._rec_db)["entries"])
 
     # Not ``backend._write``: its retry on a full map would run ``write`` again on a consumed

@@ -509,7 +509,7 @@ class LmdbBackend(FetchedRecords, Backend):
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """The table and ``meta`` replaced in one write transaction (see ``_replace.py``)."""
-        return lmdb_replace(self, batches, meta, rows)
+        return lmdb_replace(self, batches, meta, rows, _META_KEY)
 
     def clear(self) -> None:
         if self._rec_db is None:

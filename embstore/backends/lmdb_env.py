@@ -11,12 +11,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import BackendError, InvalidInputError
+from ..errors import BackendError, BackendUnavailableError, InvalidInputError
+from ..extras import install_hint
 
 try:
     import lmdb
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the lmdb backend needs py-lmdb: pip install -e '.[lmdb]'") from e
+    raise BackendUnavailableError(
+        f"the lmdb backend needs py-lmdb; install it with: {install_hint('lmdb')}") from e
 
 __all__ = ["SharedEnv", "acquire_env", "release_env"]
 

@@ -27,7 +27,14 @@ from typing import Any, cast
 import numpy as np
 
 from .._keys import int64_from_ordered, ordered_int64_bytes
-from ..errors import BackendError, ForkedProcessError, InvalidInputError, SchemaMismatchError
+from ..errors import (
+    BackendError,
+    BackendUnavailableError,
+    ForkedProcessError,
+    InvalidInputError,
+    SchemaMismatchError,
+)
+from ..extras import install_hint
 from ..layout import Layout
 from ._localdir import (
     FetchedRecords,
@@ -46,7 +53,8 @@ from .rocksdb_handles import INHERITED, POOL, Shared, current_generation, rocksd
 try:
     import rocksdict as rd
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the rocksdb backend needs rocksdict: pip install -e '.[rocksdb]'") from e
+    raise BackendUnavailableError(
+        f"the rocksdb backend needs rocksdict; install it with: {install_hint('rocksdb')}") from e
 
 _META_CF = "embstore_meta"
 _META_KEY = b"meta"

@@ -7,7 +7,14 @@ import os
 import threading
 from typing import Any
 
-import rocksdict as rd
+from ..errors import BackendUnavailableError
+from ..extras import install_hint
+
+try:
+    import rocksdict as rd
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise BackendUnavailableError(
+        f"the rocksdb backend needs rocksdict; install it with: {install_hint('rocksdb')}") from e
 
 __all__ = ["INHERITED", "POOL", "Shared", "current_generation", "rocksdb_options"]
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailableError, CorruptFileError
+from ..extras import install_hint
 from ..layout import META_FIELDS, Layout
 from .base import (
     CHUNK_ROWS,
@@ -48,8 +49,7 @@ try:
     import pyarrow.parquet as pq
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the Parquet format needs pyarrow; install it with: pip install -e '.[parquet]'"
-    ) from e
+        f"the Parquet format needs pyarrow; install it with: {install_hint('parquet')}") from e
 
 META_KEY = b"embstore"
 _KEY_NAMES = ("key", "keys", "id", "word")

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._keys import key_hash64, splitmix64
 from ..errors import BackendUnavailableError, InvalidInputError
+from ..extras import install_hint
 from .sketch import CountMinSketch, GrowingSketch
 
 __all__ = ["AdmissionPolicy", "FrequencyCutoff", "BloomAdmission", "ProbabilisticAdmission",
@@ -272,7 +273,7 @@ class BloomAdmission(AdmissionPolicy):
             from pybloom_live import ScalableBloomFilter
         except ImportError as e:
             raise BackendUnavailableError(
-                "BloomAdmission needs pybloom-live: pip install -e '.[bloom]'"
+                f"BloomAdmission needs pybloom-live; install it with: {install_hint('bloom')}"
             ) from e
         return ScalableBloomFilter(self.initial_capacity, self.error_rate,
                                    ScalableBloomFilter.LARGE_SET_GROWTH)

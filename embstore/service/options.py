@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import InvalidInputError
+from ..extras import install_hint
 
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
@@ -55,7 +56,7 @@ def add_serve_command(sub: Any, common: argparse.ArgumentParser,
             from .run import main
         except ImportError as e:
             raise InvalidInputError(f"embstore serve needs pyarrow ({e.name or e}); install "
-                                    "it with: pip install -e '.[service]'") from e
+                                    f"the 'service' extra: {install_hint('service')}") from e
         return main(args, options(args.option))
 
     s.set_defaults(func=run)

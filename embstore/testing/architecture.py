@@ -6,6 +6,7 @@
 - the import graph among the project's modules (top-level and function-level imports; imports
   under ``if TYPE_CHECKING:`` never run and are left out) and its cycles;
 - function-level imports of the project's own modules;
+- the outside packages importing a module pulls in (optional drivers belong to their backend);
 - private-name reaches: ``obj._name`` where ``obj`` is not ``self``/``cls``/``super()``, and
   ``from m import _name`` or an import of a private module from outside the package that owns it;
 - top-level private modules of ``embstore/``.
@@ -152,6 +153,36 @@ def import_cycles(modules: dict[str, Module], type_checking: bool = False) -> li
 def function_level_imports(modules: dict[str, Module]) -> list[Import]:
     """Imports of project modules made inside a function body."""
     return [imp for imp in imports(modules) if imp.function_level]
+
+
+def module_level_dependencies(modules: dict[str, Module]) -> dict[str, set[str]]:
+    """Per project module, the top-level names of the outside packages it imports when it is
+    imported: its own module-level imports (``try: import x`` included: with ``x`` installed it
+    runs) and those of every project module it imports at module level, transitively."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for imp in imports(modules):
+        if not imp.function_level:
+            graph[imp.importer].add(imp.target)
+    direct: dict[str, set[str]] = {name: set() for name in modules}
+    for mod in modules.values():
+        for node, in_function in _walk_imports(mod.tree):
+            if in_function or (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""])
+            direct[mod.name] |= {n.split(".")[0] for n in names
+                                 if n.split(".")[0] not in PACKAGES}
+    closure: dict[str, set[str]] = {}
+    for name in modules:
+        seen, todo, deps = {name}, [name], set()
+        while todo:
+            cur = todo.pop()
+            deps |= direct[cur]
+            for nxt in graph[cur] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        closure[name] = deps
+    return closure
 
 
 def _owner_of_private(name: str) -> str | None:

@@ -34,10 +34,11 @@ try:
     import grpc
 except ImportError as e:  # pragma: no cover - depends on the environment
     from ...errors import BackendUnavailableError
+    from ...extras import install_hint
 
     raise BackendUnavailableError(
-        "the bigtable:// backend needs google-cloud-bigtable; pip install -e '.[bigtable]'"
-    ) from e
+        "the bigtable:// backend needs google-cloud-bigtable; install it with: "
+        + install_hint("bigtable")) from e
 
 T = TypeVar("T")
 

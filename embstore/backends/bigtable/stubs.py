@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ...errors import BackendUnavailableError
+from ...extras import install_hint
 
 try:
     from google.cloud.bigtable_v2.types import bigtable as _pb
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the bigtable:// backend needs google-cloud-bigtable; pip install -e '.[bigtable]'"
-    ) from e
+        "the bigtable:// backend needs google-cloud-bigtable; install it with: "
+        + install_hint("bigtable")) from e
 
 
 class DataStubs(NamedTuple):

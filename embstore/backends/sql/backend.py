@@ -31,6 +31,7 @@ from ...errors import (
     InvalidURLError,
     SchemaMismatchError,
 )
+from ...extras import install_hint
 from ...layout import Layout
 from ..base import Backend, ModifyFn, serialized
 from ..lease_record import check_fence, loads
@@ -41,8 +42,7 @@ try:
     from sqlalchemy.pool import NullPool
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
-        "the SQL backend needs SQLAlchemy; install it with: pip install -e '.[sql]'"
-    ) from e
+        f"the SQL backend needs SQLAlchemy; install it with: {install_hint('sql')}") from e
 
 from . import connection as _sql_conn
 from . import modify as _sql_modify
@@ -180,10 +180,11 @@ class SQLBackend(Backend):
             self.sql.engine = sa.create_engine(self.sql.sa_url, poolclass=NullPool,
                                             connect_args=connect_args)
         except ImportError as e:
+            hint = (f"install the 'postgres' extra: {install_hint('postgres')}"
+                    if kind == "postgresql" else "install that module")
             raise BackendUnavailableError(
-                f"the driver for {self.sql.sa_url.drivername!r} is not installed ({e}); for "
-                "PostgreSQL: pip install -e '.[postgres]'"
-            ) from e
+                f"the {kind!r} backend needs the driver of {self.sql.sa_url.drivername!r}, "
+                f"which is not installed ({e}); {hint}") from e
         except Exception as e:  # noqa: BLE001 - unknown dialect, bad URL arguments
             raise InvalidURLError(f"{self.sql.safe_url}: {e}") from e
         dbapi = self.sql.engine.dialect.dbapi

@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bloom": ("pybloom-live>=4.0",),
     "parquet": ("pyarrow>=14",),
     "service": ("pyarrow>=14",),
+    "ann": ("pyarrow>=14", "usearch>=2.9"),
 }
 
 

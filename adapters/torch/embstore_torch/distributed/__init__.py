@@ -1,20 +1,26 @@
 """Distributed training over torch.distributed: one table, every key owned by exactly one rank.
 
 The public names live here; the family's modules are :mod:`.store` (the store every rank
-opens), :mod:`.comm` (collective checks, timeouts, errors), :mod:`.ops` (lookup/update
-exchanges), :mod:`.shard` (opening a rank's shard) and :mod:`.wire` (the byte format between ranks).
+opens, its lifecycle), :mod:`.keyed` (lookup, update and the other keyed collectives),
+:mod:`.export` (the export to rank 0), :mod:`.ops` (top_k and sample), :mod:`.comm`
+(collective checks, timeouts, errors), :mod:`.shard` (opening a rank's shard) and :mod:`.wire`
+(the byte format between ranks and the limits of what a rank may ask of another).
 """
 
 from __future__ import annotations
 
+from .comm import MAX_PAYLOAD
 from .store import (
     CollectiveError,
     CollectiveMismatchError,
     DistributedStore,
     RankFailureError,
+    StoreUnusableError,
     open,
 )
+from .wire import MAX_DRAWS, MAX_KEY_BYTES, MAX_TOP_K
 
 __all__ = [
-    "CollectiveError", "CollectiveMismatchError", "DistributedStore", "RankFailureError", "open",
+    "CollectiveError", "CollectiveMismatchError", "DistributedStore", "RankFailureError",
+    "StoreUnusableError", "MAX_DRAWS", "MAX_KEY_BYTES", "MAX_PAYLOAD", "MAX_TOP_K", "open",
 ]

@@ -18,10 +18,13 @@ design is the same under NCCL. A collective that fails or times out (a rank died
 hangs) raises :class:`RankFailureError`, and the store refuses further collectives: after a
 failure the ranks no longer agree on where they are.
 
-Nothing received is trusted: a header with a negative or absurd count or size, or a payload
-whose size does not fit its item count, raises :class:`CollectiveError` before anything is
-allocated or stored; a rank sends exactly the sizes its header announced (an exchange that
-disagrees with its header raises on the sender instead of aborting the receiver inside gloo).
+Nothing received is trusted: a header with a negative or absurd count or size, or whose
+payload size does not fit its item count (``items x`` the row size of the op, checked by
+:meth:`Comm.begin` against the bounds its caller gives, before the payload exchange: a receive
+buffer sized by a lying header aborts gloo, SIGABRT), raises :class:`RankFailureError` before
+anything is allocated or stored; a rank sends exactly the sizes its header announced (an
+exchange that disagrees with its header raises on the sender instead of aborting the receiver
+inside gloo).
 The ranks that did not see the problem fail at their next exchange (an ``abort`` header, or
 the timeout), so no rank goes on with a partial step.
 """
@@ -31,21 +34,25 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from embstore.errors import EmbstoreError
+from embstore.errors import EmbstoreError, StoreClosedError
 
-__all__ = ["CollectiveError", "CollectiveMismatchError", "Comm", "RankFailureError", "OPS"]
+__all__ = ["CollectiveError", "CollectiveMismatchError", "Comm", "RankFailureError",
+           "StoreUnusableError", "MAX_MESSAGE", "MAX_PAYLOAD", "OPS", "rows_of"]
 
 _MAGIC = 0x656D6273  # "embs"
 _HEADER = 6
-#: the most bytes one rank may announce to another in one exchange (1 TiB): larger sizes, and
-#: negative ones, can only be garbage
-MAX_PAYLOAD = 1 << 40
+#: one rank may announce fewer bytes than this (16 GiB) to another in one exchange: larger
+#: sizes, and negative ones, can only be garbage (and would be allocated before the exchange)
+MAX_PAYLOAD = 1 << 34
+#: the bound on small blobs every rank gives every other (errors, schemas, URLs; exclusive)
+MAX_MESSAGE = 1 << 20
 
 #: op tags carried by every header
 OPS = {name: i + 1 for i, name in enumerate((
@@ -64,6 +71,11 @@ class CollectiveMismatchError(CollectiveError):
     times): every rank must call the store's collectives in the same order."""
 
 
+class StoreUnusableError(CollectiveError, StoreClosedError):
+    """A collective on a distributed store that an earlier collective error left unusable:
+    the ranks no longer agree on where they are, so the store is as good as closed."""
+
+
 class RankFailureError(CollectiveError):
     """Another rank died, raised or hung: the exchange failed or timed out.
 
@@ -77,6 +89,27 @@ class RankFailureError(CollectiveError):
     def __init__(self, message: str, failed_rank: int | None = None) -> None:
         super().__init__(message)
         self.failed_rank = failed_rank
+
+
+#: ``fits(items, flags) -> (lo, hi, max_items)``: per rank, the payload sizes a header may
+#: announce and the exclusive bound on its items (arrays over the ranks, or scalars)
+Fits = Callable[[np.ndarray, np.ndarray], tuple[Any, Any, Any]]
+
+_NO_LIMIT = np.iinfo(np.int64).max
+
+
+def rows_of(lo: Any, hi: Any, *, base: Any = 0, max_items: Any = _NO_LIMIT) -> Fits:
+    """``fits`` for a payload of ``items`` rows of ``lo`` to ``hi`` bytes each (plus ``base``
+    bytes; each may be per rank). ``items x`` the row size is computed in float64: exact below
+    2**53, far above any size a header may announce, and never overflowing."""
+    def fits(items: np.ndarray, flags: np.ndarray) -> tuple[Any, Any, Any]:
+        n = items.astype(np.float64)
+        return n * lo + base, n * hi + base, max_items
+    return fits
+
+
+def _message(items: np.ndarray, flags: np.ndarray) -> tuple[Any, Any, Any]:
+    return 0, MAX_MESSAGE - 1, _NO_LIMIT
 
 
 class Comm:
@@ -119,15 +152,23 @@ class Comm:
     # -- the two exchanges -------------------------------------------------------------------
     def begin(self, op: str, items: Sequence[int] | np.ndarray | int = 0,
               nbytes: Sequence[int] | np.ndarray | int = 0,
-              flag: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              flag: int | Sequence[int] | np.ndarray = 0, *, fits: Fits | None = None,
+              fits_out: Fits | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Start collective ``op``: exchange headers, check that every rank is in ``op``.
 
-        ``items`` / ``nbytes`` are per destination (or one value for all). Returns, per
-        source rank, the ``items``, ``nbytes`` and ``flag`` it sent to this rank.
+        ``items`` / ``nbytes`` / ``flag`` are per destination (or one value for all). Returns,
+        per source rank, the ``items``, ``nbytes`` and ``flag`` it sent to this rank.
+
+        ``fits(items, flags)`` gives, per source rank, the ``(lo, hi)`` byte sizes its payload
+        may have and the exclusive bound on its items (see :func:`rows_of`); a header outside
+        them raises ``RankFailureError`` naming its sender before any payload moves (the
+        payload exchange would size a buffer by it). ``fits_out`` does the same for the
+        headers this rank sent, per destination (default: ``fits``), so a rank whose own
+        header is wrong stops too instead of waiting for the receivers it lost.
         """
         if self.broken is not None:
-            raise CollectiveError(f"the distributed store is unusable after an earlier "
-                                  f"failure ({self.broken}); restart the job")
+            raise StoreUnusableError(f"the distributed store is unusable after an earlier "
+                                     f"failure ({self.broken}); restart the job")
         self.seq += 1
         w = self.world
         head = np.empty((w, _HEADER), dtype=np.int64)
@@ -150,6 +191,9 @@ class Comm:
                 failed_rank=int(aborted[0]))
         if not bad.any():
             self._check_sizes(got, op)
+            if fits is not None:
+                self._check_fit(op, got, fits, sent=False)
+                self._check_fit(op, head, fits_out or fits, sent=True)
         if bad.any():
             seen = ", ".join(
                 f"rank {r}: {_NAMES.get(int(got[r, 1]), '?')} #{int(got[r, 2])}"
@@ -167,7 +211,7 @@ class Comm:
     def _check_sizes(self, got: np.ndarray, op: str) -> None:
         """Refuse headers whose counts or sizes cannot be real (before any allocation)."""
         items, nbytes = got[:, 3], got[:, 4]
-        wrong = np.flatnonzero((items < 0) | (nbytes < 0) | (nbytes > MAX_PAYLOAD))
+        wrong = np.flatnonzero((items < 0) | (nbytes < 0) | (nbytes >= MAX_PAYLOAD))
         if len(wrong):
             r = int(wrong[0])
             self.broken = f"garbage header from rank {r}"
@@ -175,6 +219,29 @@ class Comm:
                 f"rank {self.rank}: rank {r} announced {int(items[r])} items in "
                 f"{int(nbytes[r])} bytes for {op} #{self.seq}, which cannot be real (a bug or "
                 "a corrupted message); the store stops here", failed_rank=r)
+
+    def _check_fit(self, op: str, head: np.ndarray, fits: Fits, *, sent: bool) -> None:
+        """Refuse headers whose size does not fit their item count (``fits``)."""
+        items, nbytes = head[:, 3], head[:, 4]
+        lo, hi, max_items = fits(items, head[:, 5])
+        out = (items >= max_items) | (nbytes < lo) | (nbytes > hi)
+        out[self.rank] = False  # this rank's own part never travels
+        wrong = np.flatnonzero(out)
+        if not len(wrong):
+            return
+        r = int(wrong[0])
+        lo_r, hi_r, bound = (int(np.broadcast_to(v, out.shape)[r]) for v in (lo, hi, max_items))
+        want = (f"fewer than {bound} items" if items[r] >= bound else
+                f"{lo_r} bytes" if lo_r == hi_r else f"{lo_r} to {hi_r} bytes")
+        what = f"{int(items[r])} items in {int(nbytes[r])} bytes for {op} #{self.seq}"
+        if sent:
+            self.broken = f"{op}: own header does not fit"
+            raise CollectiveError(f"rank {self.rank}: its own header to rank {r} announced "
+                                  f"{what} where {want} belong; the store stops here")
+        self.broken = f"header from rank {r} does not fit"
+        raise RankFailureError(f"rank {self.rank}: rank {r} announced {what} where {want} "
+                               "belong (a bug or a corrupted message); the store stops here",
+                               failed_rank=r)
 
     def fail(self, op: str, source: int | None, problem: str) -> RankFailureError:
         """An inconsistent payload received in ``op``: mark the store broken and return the
@@ -233,7 +300,7 @@ class Comm:
         if segs:
             np.concatenate(segs, out=buf)
         if mismatch and announced is not None and (
-                int(announced.min()) < 0 or int(announced.max()) > MAX_PAYLOAD):
+                int(announced.min()) < 0 or int(announced.max()) >= MAX_PAYLOAD):
             # the receivers refused this header already (begin): nothing to send
             self.broken = f"{op}: garbage header sent"
             raise CollectiveError(f"rank {self.rank}: its own {op} header announced "
@@ -269,11 +336,13 @@ class Comm:
             self._buffers[name] = buf
         return buf[:nbytes]
 
-    def allgather(self, op: str, blob: np.ndarray, items: int = 0,
-                  flag: int = 0) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """Give ``blob`` to every rank; return every rank's blob, items and flag."""
+    def allgather(self, op: str, blob: np.ndarray, items: int = 0, flag: int = 0, *,
+                  fits: Fits | None = None) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Give ``blob`` to every rank; return every rank's blob, items and flag. ``fits``:
+        as in :meth:`begin`; by default a blob is smaller than :data:`MAX_MESSAGE`."""
         raw = np.ascontiguousarray(blob).reshape(-1).view(np.uint8)
-        items_in, nbytes_in, flags = self.begin(op, items, len(raw), flag)
+        items_in, nbytes_in, flags = self.begin(op, items, len(raw), flag,
+                                                fits=fits or _message)
         return self.exchange([raw] * self.world, nbytes_in, op), items_in, flags
 
     def _all_to_all(self, buf: np.ndarray, send_sizes: list[int], recv_sizes: list[int],
@@ -282,7 +351,13 @@ class Comm:
             self.exchanges += 1
             return buf.copy() if keep else buf
         n = sum(recv_sizes)
-        out = np.empty(n, dtype=np.uint8) if keep else self.scratch("_recv", n)
+        try:
+            out = np.empty(n, dtype=np.uint8) if keep else self.scratch("_recv", n)
+        except MemoryError as e:  # sizes the headers allowed, more than this machine has
+            self.broken = f"{op}: no memory for {n} bytes"
+            raise RankFailureError(f"rank {self.rank}: no memory to receive the {n} bytes of "
+                                   f"{op} #{self.seq} the other ranks announced; the store "
+                                   "stops here") from e
         t0 = time.perf_counter()
         try:
             dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(buf), recv_sizes,

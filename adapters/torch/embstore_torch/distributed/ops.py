@@ -1,25 +1,21 @@
-"""Collectives of the distributed store besides lookup and update: assign, delete, export,
-top_k and sample.
+"""The whole-store collectives of the distributed store that ask every shard: top_k and
+sample.
 
 As in the DynamicEmbedding paper, the owners do the work on their own keys and the asking rank
 merges: ``top_k`` scores every rank's queries on every shard and merges the ``world x k``
 candidates per query; ``sample`` splits the draws over the shards by their share of the
 sampling weight, the owners draw, and the asking rank merges (and deduplicates, for unique
-sampling). ``export`` streams every shard's records to rank 0, which writes one native file
-(or, with ``{rank}`` in the destination, every rank writes its own).
+sampling). What a rank may ask of another shard is bounded: ``k < MAX_TOP_K`` and fewer than
+``MAX_DRAWS`` draws per shard per sampling round (a larger sample takes more rounds).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-from embstore.engine.batch import check_rows, unique_last
 from embstore.errors import InvalidInputError
-from embstore.io.native import NativeWriter
 from embstore.retrieval import TopKResult, check_queries
 from embstore.sampling.candidate import (
     check_num_sampled,
@@ -30,23 +26,20 @@ from embstore.sampling.candidate import (
 )
 from embstore.sampling.samplers import resolve_sampler
 
+from .comm import MAX_PAYLOAD, rows_of
 from .wire import (
+    MAX_DRAWS,
+    MAX_TOP_K,
     check_weights,
-    dedupe,
     expect_count,
+    key_bytes,
     pack_candidates,
     pack_draws,
-    pack_keys,
     pack_queries,
-    pack_records,
     pack_shard_weight,
-    route,
-    split_rows,
     unpack_candidates,
     unpack_draws,
-    unpack_keys,
     unpack_queries,
-    unpack_records,
     unpack_shard_weight,
 )
 
@@ -54,8 +47,7 @@ __all__ = ["CollectiveOps"]
 
 
 class CollectiveOps:
-    """The collectives of :class:`~embstore_torch.distributed.DistributedStore` besides lookup
-    and update: keyed writes (assign, delete) and the whole-store ones."""
+    """``top_k`` and ``sample`` of :class:`~embstore_torch.distributed.DistributedStore`."""
 
     comm: Any
     local: Any
@@ -67,122 +59,8 @@ class CollectiveOps:
     sharded: bool
     _answers: bool
     _sync_shared: Any
-    _agree: Any
     _ask_owners: Any
-    _keys: Any
-
-    # -- keyed writes ---------------------------------------------------------------------------
-    def assign(self, keys: Any, values: Any) -> None:
-        """Collective: set vectors directly on the keys' owners (the last value of a key
-        repeated in one rank's batch wins; keys sent by several ranks: the highest rank's)."""
-        self.local.check_writable()
-        k = self._keys(keys)
-        v = check_rows(values, len(k), self.dim, "values")
-        if len(k):
-            k, last = unique_last(k)
-            v = v[last]
-        w, me = self.world_size, self.rank
-        order, bounds = route(k, w)
-        parts = [(pack_keys(k[order[bounds[d]:bounds[d + 1]]]),
-                  np.ascontiguousarray(v[order[bounds[d]:bounds[d + 1]]])) for d in range(w)]
-        items_in, nbytes_in, _ = self.comm.begin("assign", np.diff(bounds),
-                                                 [sum(a.nbytes for a in p) for p in parts])
-        got = self.comm.exchange(parts, nbytes_in, "assign")
-        ks, vs = [], []
-        with self.comm.aborting():  # nothing assigned; the others stop at their next call
-            for s in range(w):  # in rank order: a later rank's value of a shared key wins
-                n = int(items_in[s])
-                kk, used = unpack_keys(got[s], n, self.key_type, owner=(me, w), source=s)
-                vv = split_rows(got[s][used:], np.dtype(np.float32), (self.dim,), rows=n,
-                                source=s)
-                if n:
-                    ks.append(kk)
-                    vs.append(vv)
-        if ks:
-            try:
-                self.local.assign(np.concatenate(ks), np.concatenate(vs))
-            except Exception as e:
-                self.comm.abort(f"rank {me}'s assign failed: {e}")
-                raise
-
-    def delete(self, keys: Any) -> int:
-        """Collective: delete keys on their owners; returns how many of this rank's keys
-        were present."""
-        self.local.check_writable()
-
-        def answer(asked: list[np.ndarray], _: Any) -> list[np.ndarray]:
-            found = [self.local.contains(a) if len(a) else np.zeros(0, bool) for a in asked]
-            gone = [a[f] for a, f in zip(asked, found) if f.any()]
-            if gone:
-                self.local.delete(np.concatenate(gone))
-            return found
-
-        uniq, _ = dedupe(self._keys(keys))
-        return int(self._ask_owners("delete", uniq, 0, answer, np.bool_, ()).sum())
-
-    # -- export ------------------------------------------------------------------------------
-    def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
-               batch_size: int = 65536) -> int:
-        """Collective: write every record (or those changed after ``since``) to a native file.
-
-        ``dest`` with ``{rank}`` in it: every rank writes its own shard's file. Otherwise
-        rank 0 writes one file with the records of all ranks (the others' ``dest`` is
-        ignored), equal to what one store holding every key would export. Returns the number
-        of rows written over all ranks. Deletions are not carried by distributed deltas.
-        """
-        if isinstance(dest, (str, os.PathLike)) and "{rank}" in os.fspath(dest):
-            path = os.fspath(dest).replace("{rank}", str(self.rank)).replace(
-                "{world}", str(self.world_size))
-            err, n = None, 0
-            try:
-                n = self.local.export(path, since=since, batch_size=batch_size)
-            except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-                err = e
-            return self._agree("export", err, items=n)
-        self._sync_shared()
-        versions, _, _ = self.comm.begin("export", self.local.version)
-        header = self.local.meta
-        header.update(step=self.step, version=int(versions.max()), since=since)
-        if since is not None:
-            header["deletions_complete"] = False
-        src = (self.local.records(batch_size) if since is None
-               else self.local.changes_since(since, batch_size))
-        writer = NativeWriter(dest, header, background=True) if self.rank == 0 else None
-        err, total = None, 0
-        with writer if writer is not None else contextlib.nullcontext():
-            while True:
-                batch = next(src, None) if self._answers else None
-                payload = np.zeros(0, np.uint8)
-                n = 0
-                if batch is not None:
-                    keys, recs = batch
-                    n = len(keys)
-                    payload = pack_records(keys, recs)
-                sizes = [len(payload) if d == 0 else 0 for d in range(self.world_size)]
-                items, nbytes, more = self.comm.begin("export", n, sizes, int(batch is not None))
-                if not more.any():
-                    break
-                # keep=True: the file writer works on the rows in the background
-                got = self.comm.exchange(
-                    [payload if d == 0 else payload[:0] for d in range(self.world_size)],
-                    nbytes, "export", keep=True)
-                total += int(items.sum())
-                if writer is None or err is not None:
-                    continue
-                try:
-                    for s in range(self.world_size):
-                        # a shard's records: sizes, and (per-rank stores) its own keys
-                        k, recs = unpack_records(
-                            got[s], int(items[s]), self.key_type, self.local.layout.dtype,
-                            owner=(s, self.world_size) if self.sharded else None, source=s)
-                        if len(k):
-                            writer.write(k, recs)
-                except Exception as e:  # noqa: BLE001 - finish the rounds, then report
-                    err = e
-            if err is not None and writer is not None:
-                writer.abort()
-        self._agree("export", err)  # a bad payload: RankFailureError on every rank
-        return total
+    _live: Any
 
     # -- top_k -------------------------------------------------------------------------------
     def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -194,8 +72,12 @@ class CollectiveOps:
         :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
         rank's queries).
         """
+        self._live()
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise InvalidInputError(f"k must be a positive int, got {k!r}")
+        if k >= MAX_TOP_K:
+            raise InvalidInputError(f"distributed top_k takes k below MAX_TOP_K={MAX_TOP_K} "
+                                    f"(what one rank may ask of every shard), got {k}")
         if isinstance(exclude, (list, tuple)) and exclude and isinstance(
                 exclude[0], (list, tuple, np.ndarray)):
             raise InvalidInputError("distributed top_k takes one exclude key array for all "
@@ -204,14 +86,19 @@ class CollectiveOps:
         ex = self.local.normalize_keys([] if exclude is None else exclude)
         self._sync_shared()
         # every rank's queries, k and exclusions, to every shard
-        blobs, _, _ = self.comm.allgather("top_k", pack_queries(q, int(k), ex))
+        # (the header: the number of queries and of exclusions, so its size is checked)
+        blobs, _, _ = self.comm.allgather("top_k", pack_queries(q, int(k), ex), len(q),
+                                          len(ex), fits=_query_fits(self.dim, self.key_type))
         key_dtype = np.int64 if self.key_type == "int64" else object
-        parts, widths = [], []
+        parts, widths, asked = [], [], []
         try:
+            rows = len(self.local) if self._answers else 0
             for s, b in enumerate(blobs):  # this shard's candidates for each rank's queries
                 qs, ks, exs = unpack_queries(b, self.dim, self.key_type, source=s)
-                if len(qs) and self._answers and len(self.local):
-                    res = self.local.top_k(qs, ks, exs if len(exs) else None)
+                asked.append((len(qs), ks))
+                if len(qs) and rows:
+                    # never wider than the shard: a k above its rows allocates for nothing
+                    res = self.local.top_k(qs, min(ks, rows), exs if len(exs) else None)
                     kk, ss = res
                     vv = np.asarray(getattr(res, "valid", np.ones(kk.shape, bool)))
                 else:
@@ -224,8 +111,13 @@ class CollectiveOps:
             # candidates, get an abort header instead of the timeout
             self.comm.abort(f"rank {self.rank}'s top_k failed: {e}")
             raise
-        cols, nbytes, _ = self.comm.begin("top_k", widths,
-                                          [sum(a.nbytes for a in p) for p in parts])
+        # a shard answers at most k candidates per query, each key + score + flag
+        lo, hi = key_bytes(self.key_type)
+        nq_to, k_to = (np.array(v, np.int64) for v in zip(*asked))
+        cols, nbytes, _ = self.comm.begin(
+            "top_k", widths, [sum(a.nbytes for a in p) for p in parts],
+            fits=rows_of(len(q) * (lo + 5), len(q) * (hi + 5), max_items=int(k) + 1),
+            fits_out=rows_of(nq_to * (lo + 5), nq_to * (hi + 5), max_items=k_to + 1))
         got = self.comm.exchange(parts, nbytes, "top_k")
         owner = (lambda s: (s, self.world_size)) if self.sharded else (lambda s: None)
         with self.comm.aborting():  # the last exchange: the others stop at their next call
@@ -258,6 +150,7 @@ class CollectiveOps:
         count (uniform, unigram) this is the same distribution as one store holding every
         key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
         """
+        self._live()
         if not self.sharded:
             raise InvalidInputError(
                 "distributed sample needs a store per rank ({rank} in the URL): over one "
@@ -271,7 +164,8 @@ class CollectiveOps:
         idx = sampling_index(self.local)
         snap = idx.snapshot(sampler)
         blobs, _, _ = self.comm.allgather(
-            "sample", pack_shard_weight(snap.total, snap.support - snap.dead_support))
+            "sample", pack_shard_weight(snap.total, snap.support - snap.dead_support),
+            fits=rows_of(0, 0, base=16))
         with self.comm.aborting():  # every rank saw the same blobs: all abort together
             shards = [unpack_shard_weight(b, source=s) for s, b in enumerate(blobs)]
         shard_w = np.array([t for t, _ in shards], np.float64)
@@ -311,10 +205,13 @@ class CollectiveOps:
         wts = np.zeros(0, np.float64)
         need = m if not unique else int(m * 1.03) + 16 if m else 0
         tries, done = 0, m == 0
+        lo, hi = key_bytes(self.key_type)
         while True:
-            req = (rng.multinomial(need, shard_w / total) if not done and total > 0
-                   else np.zeros(w, np.int64))
-            asked, _, active = self.comm.begin("sample_round", req, 0, int(not done))
+            # at most MAX_DRAWS - 1 per shard and round: a larger sample takes more rounds
+            req = (rng.multinomial(min(need, MAX_DRAWS - 1), shard_w / total)
+                   if not done and total > 0 else np.zeros(w, np.int64))
+            asked, _, active = self.comm.begin("sample_round", req, 0, int(not done),
+                                               fits=rows_of(0, 0, max_items=MAX_DRAWS))
             if not active.any():
                 break
             try:
@@ -328,7 +225,8 @@ class CollectiveOps:
                 self.comm.abort(f"rank {self.rank}'s sample failed: {e}")
                 raise
             # the header says how many keys were drawn; the asker checks it is what it asked
-            n_in, nbytes, _ = self.comm.begin("sample_round", drawn, [len(a) for a in answers])
+            n_in, nbytes, _ = self.comm.begin("sample_round", drawn, [len(a) for a in answers],
+                                              fits=rows_of(lo + 8, hi + 8))
             got = self.comm.exchange(answers, nbytes, "sample_round")
             if done:
                 continue
@@ -347,7 +245,8 @@ class CollectiveOps:
             allk[len(keys):], allw[len(keys):] = allk[perm], allw[perm]
             keys, wts = allk, allw
             if not unique:
-                tries, done = len(keys), True
+                tries, done = len(keys), len(keys) >= m
+                need = m - len(keys)
                 continue
             _, first = np.unique(keys, return_index=True)
             if len(first) >= m:
@@ -358,3 +257,18 @@ class CollectiveOps:
             rate = len(first) / max(len(keys), 1)
             need = int((m - len(first)) / max(rate, 1e-3) * 1.25) + 64
         return keys, wts, tries
+
+
+def _query_fits(dim: int, key_type: str) -> Any:
+    """Header bounds of the top_k query exchange: items = queries, flag = exclusion keys."""
+    lo, hi = key_bytes(key_type)
+
+    def fits(items: np.ndarray, flags: np.ndarray) -> tuple[Any, Any, Any]:
+        n, nex = items.astype(np.float64), np.maximum(flags, 0).astype(np.float64)
+        base = 24 + n * 4 * dim
+        # a negative exclusion count fits no size
+        return np.where(flags < 0, MAX_PAYLOAD, base + nex * lo), base + nex * hi, _ANY
+    return fits
+
+
+_ANY = np.iinfo(np.int64).max

@@ -28,23 +28,32 @@ from typing import Any
 import numpy as np
 
 from embstore import errors as _errors
-from embstore.engine.batch import check_counts, check_rows, coalesce, sum_counts
-from embstore.errors import SchemaMismatchError
+from embstore.errors import SchemaMismatchError, StoreClosedError
 from embstore.layers.sharded import sharded_url
 from embstore.layout import Layout
 from embstore.store import EmbeddingStore
 
 from .checkpoint import RESHARD, refuse_other_worlds
-from .comm import CollectiveError, CollectiveMismatchError, Comm, RankFailureError
+from .comm import (
+    MAX_MESSAGE,
+    CollectiveError,
+    CollectiveMismatchError,
+    Comm,
+    RankFailureError,
+    StoreUnusableError,
+    rows_of,
+)
+from .export import ExportOp
+from .keyed import KeyedOps
 from .ops import CollectiveOps
 from .shard import first_schema_difference, open_rank_backend, schema_blob
-from .wire import dedupe, pack_keys, route, split_rows, unpack_keys, unpack_update
 
 __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "DistributedStore",
     "RankFailureError",
+    "StoreUnusableError",
     "open",
 ]
 
@@ -78,7 +87,7 @@ def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float 
     return DistributedStore(comm, url, dim, average=average, options=options)
 
 
-class DistributedStore(CollectiveOps):
+class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
     """This rank's handle on a store whose keys are split over the ranks by ownership.
 
     Offers the store interface the torch modules use (``lookup``, ``update`` with
@@ -158,6 +167,7 @@ class DistributedStore(CollectiveOps):
         self.key_type = self.local.key_type
         self.layout = self.local.layout
         self.dim = int(self.local.dim)
+        self._optimizer = self.local.optimizer
         self.gather_url()
 
     # -- opening ---------------------------------------------------------------------------------
@@ -184,7 +194,7 @@ class DistributedStore(CollectiveOps):
         """Exchange success; raise on every rank when one failed (its own error there, the
         same error class with the failing rank's message on the others). Returns the sum of
         ``items`` over the ranks."""
-        msg = b"" if err is None else f"{type(err).__name__}\n{err}".encode()
+        msg = b"" if err is None else f"{type(err).__name__}\n{err}".encode()[:MAX_MESSAGE - 1]
         blobs, counts, flags = self.comm.allgather(op, np.frombuffer(msg, np.uint8),
                                                    items=items, flag=int(err is not None))
         if err is not None:
@@ -248,190 +258,6 @@ class DistributedStore(CollectiveOps):
         """Bytes this rank sent to the other ranks (headers and payloads) since open."""
         return self.comm.bytes_sent
 
-    # -- key routing -------------------------------------------------------------------------------
-    def _keys(self, keys: Any) -> np.ndarray:
-        return self.local.normalize_keys(keys)
-
-    def _ask_owners(self, op: str, keys: np.ndarray, flag: int, answer: Any,
-                    row_dtype: np.dtype, row_shape: tuple[int, ...],
-                    check: Any = None) -> np.ndarray:
-        """Send distinct ``keys`` to their owners; return one answer row per key.
-
-        ``answer(keys_by_source, flags)`` runs on the owner and returns the rows for each
-        source's keys (arrays of ``row_dtype`` / ``row_shape``). ``check(rows, owner)``, if
-        given, vets the rows another rank answered (raising ``RankFailureError``).
-        """
-        w, me = self.world_size, self.rank
-        order, bounds = route(keys, w)
-        counts = np.diff(bounds)
-        # This rank's own keys never go through the exchange (no pack, copy or unpack).
-        mine = order[bounds[me]:bounds[me + 1]]
-        parts = [pack_keys(keys[order[bounds[d]:bounds[d + 1]]]) if d != me
-                 else np.zeros(0, np.uint8) for d in range(w)]
-        items_in, nbytes_in, flags = self.comm.begin(op, counts, [len(p) for p in parts],
-                                                     flag)
-        got = self.comm.exchange(parts, nbytes_in, op)
-        row_bytes = int(np.dtype(row_dtype).itemsize * np.prod(row_shape, dtype=np.int64))
-        try:
-            # keys from another rank are checked (sizes, ownership) like any input
-            asked = [unpack_keys(got[s], int(items_in[s]), self.key_type, exact=True,
-                                 owner=(me, w), source=s)[0] if s != me
-                     else keys[mine] for s in range(w)]
-            rows = answer(asked, flags)
-        except Exception as e:
-            if w > 1:
-                # Unblock the askers (zero rows, never used: their next collective raises)
-                # and tell them this rank failed, instead of leaving them to time out.
-                filler = [np.zeros(int(items_in[s]) * row_bytes, np.uint8) if s != me
-                          else np.zeros(0, np.uint8) for s in range(w)]
-                sizes = counts * row_bytes
-                sizes[me] = 0
-                try:
-                    self.comm.exchange(filler, sizes, op)
-                except CollectiveError:
-                    pass  # an asker gone too (e.g. the one that sent garbage): e says why
-            self.comm.abort(f"rank {me}'s {op} failed: {e}")
-            raise
-        if w == 1:  # a world of one: the local answer is the result
-            return rows[0]
-        sizes = counts * row_bytes
-        sizes[me] = 0
-        back = self.comm.exchange([r if s != me else r[:0] for s, r in enumerate(rows)],
-                                  sizes, op)
-        out = np.empty((len(keys), *row_shape), dtype=row_dtype)
-        for d in np.flatnonzero(counts).tolist():
-            got_rows = rows[me] if d == me else split_rows(
-                back[d], np.dtype(row_dtype), row_shape, rows=int(counts[d]), source=d)
-            if check is not None and d != me:
-                with self.comm.aborting():  # the last exchange: the others stop at their next
-                    check(got_rows, d)
-            out[order[bounds[d]:bounds[d + 1]]] = got_rows
-        return out
-
-    # -- the training interface --------------------------------------------------------------------
-    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
-        """Collective: vectors of ``keys`` (``(n, dim)`` float32, request order), read from
-        (and, with ``insert``, created on) their owners."""
-        k = self._keys(keys)
-        uniq, inv = dedupe(k)
-        vec = self._ask_owners("lookup", uniq, int(insert), self._answer_lookup, np.float32,
-                               (self.dim,))
-        return vec if inv is None else np.take(vec, inv, axis=0)
-
-    def _answer_lookup(self, asked: list[np.ndarray], flags: np.ndarray) -> list[np.ndarray]:
-        out = [np.empty((len(a), self.dim), np.float32) for a in asked]
-        for ins in (True, False):  # ranks in training (insert) and in eval mode
-            srcs = [s for s in range(len(asked)) if bool(flags[s]) == ins and len(asked[s])]
-            if not srcs:
-                continue
-            allk = np.concatenate([asked[s] for s in srcs])
-            uniq, inv = dedupe(allk)
-            vec = self.local.lookup(uniq, insert=ins and not self.read_only)
-            if inv is not None:
-                vec = np.take(vec, inv, axis=0)
-            start = 0
-            for s in srcs:
-                out[s] = vec[start:start + len(asked[s])]
-                start += len(asked[s])
-        return out
-
-    def prefetch(self, keys: Any) -> None:
-        """Collective: the owners start loading the rows of ``keys`` in the background (a
-        cache layer's prefetch; other backends ignore it). Call it with the next batch."""
-        uniq, _ = dedupe(self._keys(keys))
-        w = self.world_size
-        order, bounds = route(uniq, w)
-        parts = [pack_keys(uniq[order[bounds[d]:bounds[d + 1]]]) for d in range(w)]
-        items_in, nbytes_in, _ = self.comm.begin("prefetch", np.diff(bounds),
-                                                 [len(p) for p in parts])
-        got = self.comm.exchange(parts, nbytes_in, "prefetch")
-        with self.comm.aborting():
-            asked = [unpack_keys(got[s], int(items_in[s]), self.key_type, exact=True,
-                                 owner=(self.rank, w), source=s)[0] for s in range(w)]
-        mine = np.concatenate(asked)  # a copy: a background prefetch keeps its keys
-        if len(mine):
-            self.local.prefetch(dedupe(mine)[0])
-
-    def contains(self, keys: Any) -> np.ndarray:
-        """Collective: which keys have a stored record on their owner."""
-        k = self._keys(keys)
-        uniq, inv = dedupe(k)
-        found = self._ask_owners(
-            "contains", uniq, 0,
-            lambda asked, _: [self.local.contains(a) if len(a) else np.zeros(0, bool)
-                              for a in asked], np.bool_, ())
-        return found if inv is None else found[inv]
-
-    def update(self, keys: Any, grads: Any, *, counts: Any = None) -> None:
-        """Collective: one global optimizer step.
-
-        Every rank's gradient rows of a key are summed on its owner (divided by the world
-        size when ``average``) and the store's optimizer is applied once per key; ``count``
-        grows by the occurrences (or ``counts``) summed over ranks. A rank with no keys still
-        calls (with empty arrays).
-        """
-        self.local.check_writable()
-        k = self._keys(keys)
-        g = check_rows(grads, len(k), self.dim, "gradients")
-        c = (np.ones(len(k), np.int64) if counts is None else check_counts(counts, len(k)))
-        uniq, summed, _ = coalesce(k, g) if len(k) else (k, g, c)
-        mult = sum_counts(k, uniq, c) if len(k) else c
-        w = self.world_size
-        order, bounds = route(uniq, w)
-        # Gradient rows in destination order, gathered into a reused buffer (fresh memory
-        # of this size costs page faults every step); each destination's part is a slice.
-        if w == 1:  # nothing to reorder
-            rows, keys_by, mult_by = summed, uniq, mult
-        else:
-            stage = self.comm.scratch("_grads", len(uniq) * self.dim * 4).view(np.float32)
-            rows = np.take(summed, order, axis=0, out=stage.reshape(len(uniq), self.dim),
-                           mode="clip")
-            keys_by, mult_by = uniq[order], mult[order]
-        me = self.rank
-        parts, items = [], []
-        for d in range(w):
-            lo, hi = int(bounds[d]), int(bounds[d + 1])
-            # this rank's own part stays here (see below), the rest is packed for its owner
-            parts.append((pack_keys(keys_by[lo:hi]), mult_by[lo:hi], rows[lo:hi]) if d != me
-                         else ())
-            items.append(hi - lo)
-        nbytes = [sum(a.nbytes for a in p) for p in parts]
-        items_in, nbytes_in, _ = self.comm.begin("update", items, nbytes)
-        got = self.comm.exchange(parts, nbytes_in, "update")
-        ks, cs, gs = [], [], []
-        for s in range(w):
-            n = int(items_in[s])
-            if n == 0:
-                continue
-            if s == me:
-                lo, hi = int(bounds[me]), int(bounds[me + 1])
-                ks.append(keys_by[lo:hi])
-                cs.append(mult_by[lo:hi])
-                gs.append(rows[lo:hi])
-                continue
-            with self.comm.aborting():  # another rank's keys, counts and gradients: checked
-                kk, cc, gg = unpack_update(got[s], n, self.key_type, self.dim, (me, w), s)
-            ks.append(kk)
-            cs.append(cc)
-            gs.append(gg)
-        self.local.step = self.step
-        if ks:
-            # keys are copied out of the reused receive buffer (a store may keep them);
-            # gradient rows and counts are only read by the update
-            allk = np.concatenate(ks)
-            u, total, _ = coalesce(allk, gs[0] if len(gs) == 1 else np.concatenate(gs))
-            cnt = sum_counts(allk, u, cs[0] if len(cs) == 1 else np.concatenate(cs))
-            if self.average and w > 1:
-                total = total / np.float32(w)
-            try:
-                self.local.update(u, total, counts=cnt)
-            except Exception as e:
-                # The other ranks believe the step applied: make their next collective fail.
-                self.comm.abort(f"rank {me}'s update failed: {e}")
-                raise
-        self.step += 1
-        self.local.step = self.step  # shards without keys this step keep the global step too
-
     # -- whole-store collectives -----------------------------------------------------------------
     @property
     def _answers(self) -> bool:
@@ -445,10 +271,23 @@ class DistributedStore(CollectiveOps):
         if not self.sharded:
             self.flush()
 
+    def _live(self) -> EmbeddingStore:
+        """This rank's store, if the distributed store is open and usable: else
+        ``StoreClosedError`` (closed, or closed by a failed collective) or
+        ``StoreUnusableError`` (a ``StoreClosedError`` too: an earlier collective failed)."""
+        if self.local is None:
+            raise StoreClosedError(f"operation on a closed distributed store (rank {self.rank})")
+        if self.comm.broken is not None:
+            raise StoreUnusableError(f"the distributed store is unusable after an earlier "
+                                     f"failure ({self.comm.broken}); restart the job")
+        return self.local
+
     def __len__(self) -> int:
         """Collective: rows over all ranks."""
+        self._live()
         self._sync_shared()
-        items, _, _ = self.comm.begin("len", len(self.local) if self._answers else 0)
+        items, _, _ = self.comm.begin("len", len(self.local) if self._answers else 0,
+                                      fits=rows_of(0, 0))
         return int(items.sum())
 
     def count_steps_once(self) -> None:
@@ -461,6 +300,7 @@ class DistributedStore(CollectiveOps):
     def flush(self) -> None:
         """Collective: every rank makes its writes durable; returns on a rank only when all
         ranks did (the acknowledgment point: those writes survive a later rank failure)."""
+        self._live()
         err = None
         try:
             self.count_steps_once()
@@ -471,8 +311,12 @@ class DistributedStore(CollectiveOps):
         self._agree("flush", err)
 
     def close(self) -> None:
-        """Collective: flush and close every rank's store. Safe to call twice."""
+        """Collective: flush and close every rank's store. Safe to call twice; on a store an
+        earlier collective failure left unusable, closes this rank's store alone."""
         if self.local is None:
+            return
+        if self.comm.broken is not None:  # the other ranks may be gone: no collective
+            self._close_quietly()
             return
         err = None
         try:
@@ -495,7 +339,9 @@ class DistributedStore(CollectiveOps):
 
     def stats(self) -> dict[str, Any]:
         """This rank's local store stats plus ``bytes_sent`` and the global ``step``
-        (not a collective)."""
+        (not a collective; answers after a collective failure too, until closed)."""
+        if self.local is None:
+            raise StoreClosedError(f"operation on a closed distributed store (rank {self.rank})")
         out = self.local.stats()
         out["bytes_sent"] = self.comm.bytes_sent
         out["exchanges"] = self.comm.exchanges
@@ -508,11 +354,11 @@ class DistributedStore(CollectiveOps):
     @property
     def optimizer(self) -> Any:
         """The optimizer every rank's store applies (the same on every rank)."""
-        return self.local.optimizer
+        return self._optimizer
 
     def check_writable(self) -> None:
-        """Raise unless this rank's store accepts writes (open, not read-only)."""
-        self.local.check_writable()
+        """Raise unless this rank's store accepts writes (open, usable, not read-only)."""
+        self._live().check_writable()
 
     def __reduce__(self):
         import pickle

@@ -21,11 +21,22 @@ from .comm import RankFailureError
 
 #: the longest bytes key a rank accepts from another (the engine's own limit is lower)
 MAX_KEY_BYTES = 1 << 16
+#: what one rank may ask of another shard (exclusive bounds): ``k`` of a top_k (a shard
+#: answers each query with up to ``k`` candidates) ...
+MAX_TOP_K = 1 << 20
+#: ... and the draws of one sampling round (larger samples take several rounds)
+MAX_DRAWS = 1 << 24
 
-__all__ = ["owner_of", "pack_keys", "route", "split_rows", "unpack_keys", "dedupe",
+__all__ = ["MAX_DRAWS", "MAX_KEY_BYTES", "MAX_TOP_K", "key_bytes", "bad_payload", "check_unique",
+           "owner_of", "pack_keys", "route", "split_rows", "unpack_keys", "dedupe",
            "check_weights", "expect_count", "pack_records", "unpack_records", "pack_queries",
            "unpack_queries", "pack_candidates", "unpack_candidates", "pack_shard_weight",
            "unpack_shard_weight", "pack_draws", "unpack_draws"]
+
+
+def key_bytes(key_type: str) -> tuple[int, int]:
+    """The fewest and most bytes one key takes on the wire (for header checks)."""
+    return (8, 8) if key_type == "int64" else (8, 8 + MAX_KEY_BYTES)
 
 
 def owner_of(keys: np.ndarray, world: int) -> np.ndarray:
@@ -52,10 +63,14 @@ def pack_keys(keys: np.ndarray) -> np.ndarray:
     return np.concatenate((lens.view(np.uint8), data))
 
 
-def _bad(source: int | None, problem: str) -> RankFailureError:
+def bad_payload(source: int | None, problem: str) -> RankFailureError:
+    """The error for an inconsistent payload from rank ``source`` (None: not known)."""
     who = "a rank" if source is None else f"rank {source}"
     return RankFailureError(f"{who} sent an inconsistent payload: {problem}; the store stops "
                             "here", failed_rank=source)
+
+
+_bad = bad_payload
 
 
 def unpack_keys(buf: np.ndarray, n: int, key_type: str, *, exact: bool = False,
@@ -102,6 +117,31 @@ def _check_owner(keys: np.ndarray, owner: tuple[int, int] | None, source: int | 
         raise _bad(source, f"{len(foreign)} of its {len(keys)} keys belong to other ranks "
                            f"(e.g. {keys[foreign[0]]!r}, owned by rank "
                            f"{int(owner_of(keys[foreign[:1]], world)[0])}), not to rank {rank}")
+
+
+def check_unique(keys: np.ndarray, source: int | None, what: str = "keys") -> None:
+    """Refuse ``keys`` (a payload another rank sent) holding a key more than once: a shard
+    has one record per key, so a repeated key can only be garbage (e.g. a zeroed buffer)."""
+    if len(keys) < 2:
+        return
+    if keys.dtype == np.int64:
+        if bool((keys[1:] > keys[:-1]).all()):  # sorted and distinct, as the ranks send them
+            return
+        uniq, counts = np.unique(keys, return_counts=True)
+        if len(uniq) == len(keys):
+            return
+        dup, times = uniq[counts > 1], int(counts.max())
+        first: object = int(dup[0])
+    else:
+        seen: dict = {}
+        for k in keys.tolist():
+            seen[k] = seen.get(k, 0) + 1
+        if len(seen) == len(keys):
+            return
+        dups = [k for k, c in seen.items() if c > 1]
+        dup, times, first = np.array(dups, dtype=object), max(seen.values()), dups[0]
+    raise _bad(source, f"{what} with key {first!r} more than once ({times} times; "
+                       f"{len(dup)} keys repeated of {len(keys)})")
 
 
 def split_rows(buf: np.ndarray, dtype: np.dtype, width: tuple[int, ...] = (), *,
@@ -192,8 +232,8 @@ def pack_queries(queries: np.ndarray, k: int, exclude: np.ndarray) -> np.ndarray
 
 def unpack_queries(buf: np.ndarray, dim: int, key_type: str, *,
                    source: int) -> tuple[np.ndarray, int, np.ndarray]:
-    """``(queries, k, exclude)`` of :func:`pack_queries`: counts >= 0, ``k`` > 0, finite
-    queries, and the queries and keys fill the buffer exactly."""
+    """``(queries, k, exclude)`` of :func:`pack_queries`: counts >= 0, ``0 < k <
+    MAX_TOP_K``, finite queries, and the queries and keys fill the buffer exactly."""
     head_bytes = 8 * _QUERY_HEAD
     if len(buf) < head_bytes:
         raise _bad(source, f"a top_k query buffer of {len(buf)} bytes, shorter than its "
@@ -201,6 +241,8 @@ def unpack_queries(buf: np.ndarray, dim: int, key_type: str, *,
     nq, nex, k = (int(x) for x in buf[:head_bytes].view(np.int64))
     if nq < 0 or nex < 0 or k <= 0:
         raise _bad(source, f"top_k counts {nq} queries, {nex} exclusions, k={k}")
+    if k >= MAX_TOP_K:
+        raise _bad(source, f"top_k k={k}, at or above the limit MAX_TOP_K={MAX_TOP_K}")
     q_end = head_bytes + 4 * dim * nq
     if q_end > len(buf):
         raise _bad(source, f"{nq} top_k queries of dimension {dim} in a {len(buf)}-byte buffer")
@@ -226,7 +268,8 @@ def unpack_candidates(buf: np.ndarray, nq: int, width: int, k: int, key_type: st
 
     Checked: ``0 <= width <= k`` (a shard answers at most ``k`` per query), the three parts
     fill ``buf`` exactly, validity bytes are 0 or 1 (any other byte is neither True nor False
-    to a sort) and, with ``owner``, every valid key is the sending shard's own."""
+    to a sort), no valid key twice for one query and, with ``owner``, every valid key is the
+    sending shard's own."""
     if not 0 <= int(width) <= int(k):
         raise _bad(source, f"{int(width)} top_k candidates per query where at most k={int(k)} "
                            "belong")
@@ -241,8 +284,25 @@ def unpack_candidates(buf: np.ndarray, nq: int, width: int, k: int, key_type: st
         raise _bad(source, "top_k validity flags other than 0 or 1")
     valid = flags.view(np.bool_).reshape(nq, width)
     _check_owner(keys[valid.reshape(-1)], owner, source)
+    if width > 1:  # a shard ranks each key once per query
+        _check_rows_unique(keys.reshape(nq, width), valid, source)
     return (keys.reshape(nq, width), rest[:4 * cells].view(np.float32).reshape(nq, width),
             valid)
+
+
+def _check_rows_unique(keys: np.ndarray, valid: np.ndarray, source: int) -> None:
+    if keys.dtype != np.int64:
+        for row, ok in zip(keys, valid):
+            check_unique(row[ok], source, "top_k candidates for one query")
+        return
+    # by key, valid cells first within a key: a valid key twice lands side by side
+    order = np.lexsort((~valid, keys), axis=1)
+    k, v = np.take_along_axis(keys, order, 1), np.take_along_axis(valid, order, 1)
+    dup = (k[:, 1:] == k[:, :-1]) & v[:, 1:] & v[:, :-1]
+    if dup.any():
+        q, c = (int(x[0]) for x in np.nonzero(dup))
+        raise _bad(source, f"top_k candidates for one query with key {int(k[q, c])} more "
+                           f"than once ({int(dup.sum())} repeats)")
 
 
 # -- sample: shard weights to every rank, draws and positive weights to the asker -------------

@@ -146,3 +146,25 @@ def test_sampled_logits_learn_with_string_labels():
 
     losses = [float(step(tf.constant(rng.choice(4, 3)))) for _ in range(40)]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_lfu_capacity_keeps_frequent_rows_when_training_through_tf(graph):
+    """The TF training path looks a batch up (inserting) and then updates it: LFU keeps the
+    older, twice-seen rows over the previous batch's once-seen one."""
+    from embstore.policies import Eviction
+
+    store = embstore.open("memory://", dim=DIM, optimizer=SGD(lr=0.1),
+                          eviction=Eviction(3, "lfu", slack=0))
+    trig = trigger_variable(store)
+
+    def step(keys):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dynamic_embedding_lookup(keys, store) ** 2)
+        tape.gradient(loss, [trig])
+
+    if graph:
+        step = tf.function(step)
+    for batch in ([0, 1], [0, 1], [2], [3]):
+        step(tf.constant(batch, tf.int64))
+    assert sorted(np.concatenate([k for k, _ in store.items()]).tolist()) == [0, 1, 3]

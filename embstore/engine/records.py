@@ -324,7 +324,7 @@ class RecordWrites:
                 self._stats["hits"] += n - misses
                 self._stats["misses"] += misses
                 self._stats["inserts"] += n_new
-                self._policy.maybe_evict(self._as_host())
+                self._policy.maybe_evict(self._as_host(), lookup=k)
             else:
                 self._stats["hits"] += n
             return vectors
@@ -360,7 +360,7 @@ class RecordWrites:
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
                 self._stats["inserts"] += self._insert(uniq, new_vecs, now)
-                self._policy.maybe_evict(self._as_host())
+                self._policy.maybe_evict(self._as_host(), lookup=k)
         return vectors
 
     def _apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None) -> None:

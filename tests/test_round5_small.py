@@ -62,3 +62,80 @@ def test_a_hostile_clock_reading_raises_before_anything_is_written(new_store_url
         t.import_(path)
         assert len(t) == 3
     s.close()
+
+
+# -- optimizer slots: a record whose slots the optimizer cannot step on is refused on import ------
+_SLOT_CASES = {
+    "adagrad-nan": (lambda: embstore.optim.Adagrad(0.1), {}, "accum", float("nan")),
+    "adagrad-neg": (lambda: embstore.optim.Adagrad(0.1), {}, "accum", -1.0),
+    "adagrad-rowwise-neg": (lambda: embstore.optim.Adagrad(0.1, rowwise=True), {}, "accum",
+                            -0.5),
+    "adagrad-bf16-compact-neg": (lambda: embstore.optim.Adagrad(0.1),
+                                 {"value_dtype": "bfloat16", "metadata": "compact"}, "accum",
+                                 -1.0),
+    "adagrad-rowwise-bf16-nan": (lambda: embstore.optim.Adagrad(0.1, rowwise=True),
+                                 {"value_dtype": "bfloat16"}, "accum", float("nan")),
+    "adam-m-nan": (lambda: embstore.optim.Adam(0.1), {}, "m", float("nan")),
+    "adam-v-neg": (lambda: embstore.optim.Adam(0.1), {}, "v", -1.0),
+    "adam-bf16-slots-v-inf": (lambda: embstore.optim.Adam(0.1, slot_dtype="bfloat16"), {}, "v",
+                              float("inf")),
+    "ftrl-n-neg": (lambda: embstore.optim.FTRL(0.1), {}, "n", -1.0),
+    "ftrl-z-nan": (lambda: embstore.optim.FTRL(0.1), {}, "z", float("nan")),
+    "momentum-inf": (lambda: embstore.optim.Momentum(0.1), {}, "momentum", float("-inf")),
+}
+
+
+def _bad_slot_file(opt, options, field, value) -> bytes:
+    """A CRC-valid native export whose fourth record has ``value`` in slot ``field``."""
+    import io
+
+    from embstore.io.native import NativeWriter
+    from embstore.valuetypes import from_float32
+
+    src = embstore.open("memory://", dim=DIM, optimizer=opt, **options)
+    src.update(np.arange(10, 16), np.ones((6, DIM), np.float32))
+    recs = src.get_records(np.arange(10, 16))[0].copy()
+    slot = np.full(recs[field][3].shape, value, np.float32)
+    recs[field][3] = from_float32(slot, src.layout.slot_dtype)
+    buf = io.BytesIO()
+    with NativeWriter(buf, {**src.meta, "since": None}) as w:
+        w.write(np.arange(10, 16, dtype=np.int64), recs)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["memory", "lmdb", "sqlite"])
+@pytest.mark.parametrize("case", sorted(_SLOT_CASES))
+def test_import_refuses_slots_the_optimizer_cannot_step_on(new_store_url, kind, case):
+    from embstore.errors import CorruptFileError
+
+    make_opt, options, field, value = _SLOT_CASES[case]
+    blob = _bad_slot_file(make_opt(), options, field, value)
+    with embstore.open(new_store_url(kind), dim=DIM, optimizer=make_opt(), **options) as s:
+        s.update(np.arange(3), np.ones((3, DIM), np.float32))
+        before = s.get_records(np.arange(3))[0].copy()
+        for replace in (False, True):
+            with pytest.raises(CorruptFileError, match=f"row 4: optimizer slot {field} "):
+                s.import_(blob, replace=replace)
+        assert len(s) == 3 and not s.contains(np.arange(10, 16)).any()
+        np.testing.assert_array_equal(s.get_records(np.arange(3))[0], before)
+
+
+def test_torch_snapshot_with_a_bad_slot_is_refused_and_the_store_kept():
+    torch = pytest.importorskip("torch")
+    from embstore.errors import CorruptFileError
+    from embstore_torch import DynamicEmbedding
+
+    opt = embstore.optim.Adagrad(0.1)
+    with embstore.open("memory://", dim=DIM, optimizer=opt) as s:
+        s.update(np.arange(3), np.ones((3, DIM), np.float32))
+        before = s.get_records(np.arange(3))[0].copy()
+        module = DynamicEmbedding(s)
+        sd = module.state_dict()
+        (key,) = [k for k in sd if k.endswith("_extra_state")]
+        sd[key] = {**sd[key], "rows": _bad_slot_file(opt, {}, "accum", float("nan"))}
+        with pytest.raises(CorruptFileError, match="optimizer slot accum"):
+            module.load_state_dict(sd)
+        np.testing.assert_array_equal(s.get_records(np.arange(3))[0], before)
+        module(torch.tensor([0, 1])).sum().backward()       # trains on, no NaN written
+        assert np.isfinite(s.lookup(np.arange(3))).all()
+

@@ -3,6 +3,10 @@ memory:// capacity, ``max_norm`` in the TF op."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -11,6 +15,12 @@ from embstore.errors import InvalidInputError
 from embstore.policies import EventClock
 
 DIM = 4
+
+
+def _env() -> dict:
+    roots = [os.path.dirname(os.path.dirname(embstore.__file__))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [*roots, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 # -- clocks: a reading the store's own import would refuse never stamps a row ---------------------
@@ -139,3 +149,55 @@ def test_torch_snapshot_with_a_bad_slot_is_refused_and_the_store_kept():
         module(torch.tensor([0, 1])).sum().backward()       # trains on, no NaN written
         assert np.isfinite(s.lookup(np.arange(3))).all()
 
+
+# -- memory:// initial_capacity: bounded; a table that cannot be made is a CapacityError -------
+@pytest.mark.parametrize("url,kw", [
+    ("memory://?initial_capacity=4000000000", {}),
+    ("memory://?initial_capacity=1099511627776", {}),
+    ("memory://?initial_capacity=-1", {}),
+    ("memory://?initial_capacity=1.5", {}),
+    ("memory://", {"initial_capacity": 2**40}),
+    ("memory://", {"initial_capacity": -5}),
+    ("memory://", {"initial_capacity": 1e3}),
+    ("memory://", {"initial_capacity": True}),
+])
+def test_memory_initial_capacity_out_of_bounds_is_refused(url, kw):
+    with pytest.raises(InvalidInputError, match="initial_capacity"):
+        embstore.open(url, dim=DIM, **kw)
+
+
+def test_memory_initial_capacity_beyond_half_the_machines_memory_is_refused():
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if physical // 2 >= 40 * 2**31:
+        pytest.skip("a machine this large holds the largest table initial_capacity allows")
+    want = min(physical // 40 + 1, 2**31)   # ~40 bytes of key table a key: more than all of it
+    with pytest.raises(InvalidInputError, match="half this machine's"):
+        embstore.open(f"memory://?initial_capacity={want}", dim=DIM)
+    with embstore.open("memory://?initial_capacity=100000", dim=DIM) as s:
+        s.lookup(np.arange(10))                             # a sensible value still works
+        assert s.stats()["table_capacity"] >= 100000
+
+
+_NO_MEMORY_FOR_THE_TABLE = """
+import resource
+import embstore
+from embstore.errors import CapacityError
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), hard))
+for key_type in ("int64", "bytes"):
+    try:
+        embstore.open("memory://?initial_capacity=20000000", dim=4, key_type=key_type)
+    except MemoryError as e:
+        print(key_type, type(e).__name__, isinstance(e, CapacityError))
+"""
+
+
+def test_a_table_that_cannot_be_allocated_raises_capacity_error():
+    """Under an address-space limit the up-front table (~320 MiB) cannot be allocated: a
+    CapacityError (still a MemoryError), not the compiled table's raw MemoryError."""
+    r = subprocess.run([sys.executable, "-c", _NO_MEMORY_FOR_THE_TABLE], capture_output=True,
+                       text=True, timeout=300, env=_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["int64 CapacityError True", "bytes CapacityError True"]

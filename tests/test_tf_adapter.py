@@ -146,3 +146,56 @@ def test_sampled_logits_learn_with_string_labels():
 
     losses = [float(step(tf.constant(rng.choice(4, 3)))) for _ in range(40)]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_lfu_capacity_keeps_frequent_rows_when_training_through_tf(graph):
+    """The TF training path looks a batch up (inserting) and then updates it: LFU keeps the
+    older, twice-seen rows over the previous batch's once-seen one."""
+    from embstore.policies import Eviction
+
+    store = embstore.open("memory://", dim=DIM, optimizer=SGD(lr=0.1),
+                          eviction=Eviction(3, "lfu", slack=0))
+    trig = trigger_variable(store)
+
+    def step(keys):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dynamic_embedding_lookup(keys, store) ** 2)
+        tape.gradient(loss, [trig])
+
+    if graph:
+        step = tf.function(step)
+    for batch in ([0, 1], [0, 1], [2], [3]):
+        step(tf.constant(batch, tf.int64))
+    assert sorted(np.concatenate([k for k, _ in store.items()]).tolist()) == [0, 1, 3]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_max_norm_clips_like_tf_nn_embedding_lookup(graph):
+    """``max_norm=`` as ``tf.nn.embedding_lookup``'s: rows above it are scaled down to it in
+    the output, the gradient flows through the scaling, the stored rows are not rewritten."""
+    rows = np.array([[3.0, 4.0, 0, 0, 0, 0, 0, 0], [0.1, 0, 0, 0, 0, 0, 0, 0.2],
+                     [0, 0, 6.0, 0, 0, 0, 8.0, 0]], np.float32)
+    store = embstore.open("memory://", dim=DIM, optimizer=SGD(lr=1.0))
+    store.assign([0, 1, 2], rows)
+    table = tf.Variable(rows)
+    trig = trigger_variable(store)
+    keys = tf.constant([[0, 1], [2, 0]], tf.int64)
+    target = tf.constant(np.random.default_rng(3).normal(size=(2, 2, DIM)), tf.float32)
+
+    def step():
+        with tf.GradientTape(persistent=True) as tape:
+            out = dynamic_embedding_lookup(keys, store, max_norm=1.0)
+            ref = tf.nn.embedding_lookup(table, keys, max_norm=1.0)
+            loss, ref_loss = tf.reduce_sum(out * target), tf.reduce_sum(ref * target)
+        tape.gradient(loss, [trig])
+        return out, ref, tape.gradient(ref_loss, table)
+
+    out, ref, g = (tf.function(step) if graph else step)()
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-6)
+    assert np.allclose(np.linalg.norm(out.numpy(), axis=-1)[[0, 1], [0, 1]], 1.0)
+    want = rows - tf.convert_to_tensor(g).numpy()                # SGD(lr=1) on the raw rows
+    np.testing.assert_allclose(store.lookup([0, 1, 2], insert=False), want, rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="max_norm"):
+        dynamic_embedding_lookup(keys, store, max_norm=0.0)

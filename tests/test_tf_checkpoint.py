@@ -191,3 +191,24 @@ def test_saved_model_of_the_training_model_carries_the_rows(tmp_path):
     tf.train.Checkpoint(model).read(str(tmp_path / "sm" / "variables" / "variables")
                                     ).expect_partial()
     assert _records(store) == saved
+
+
+def test_restoring_a_snapshot_with_a_nan_slot_is_refused_and_the_store_kept():
+    import io
+
+    from embstore.errors import CorruptFileError
+    from embstore.io.native import NativeWriter
+    from embstore_tf._checkpoint import replace_rows
+
+    opt = embstore.optim.Adam(0.1)
+    store = embstore.open("memory://", dim=4, optimizer=opt)
+    store.update(np.arange(4), np.ones((4, 4), np.float32))
+    recs = store.get_records(np.arange(4))[0].copy()
+    before = recs.copy()
+    recs["m"][2] = np.nan
+    buf = io.BytesIO()
+    with NativeWriter(buf, {**store.meta, "since": None}) as w:
+        w.write(np.arange(4, dtype=np.int64), recs)
+    with pytest.raises(CorruptFileError, match="optimizer slot m"):
+        replace_rows(store, buf.getvalue())
+    np.testing.assert_array_equal(store.get_records(np.arange(4))[0], before)

@@ -111,6 +111,11 @@ def _cases(evil: str) -> dict:
                          "key_type"),
         "huge_capacity": (lambda s, d: _edit_config(
             s, d, _option_edit(initial_capacity=1 << 40)), "out of bounds"),
+        "huge_capacity_in_url": (lambda s, d: _edit_config(
+            s, d, _spec_edit(url="memory://?initial_capacity=4000000000")), "out of bounds"),
+        "capacity_in_url_above_the_file_bound": (lambda s, d: _edit_config(
+            s, d, _spec_edit(url=f"memory://?initial_capacity={(1 << 24) + 1}")),
+            "out of bounds"),
         "cache_elsewhere": (lambda s, d: _edit_config(
             s, d, _option_edit(cache=f"lmdb://{evil}/c")), "location"),
         "reserved_option": (lambda s, d: _edit_config(s, d, _option_edit(read_only=False)),

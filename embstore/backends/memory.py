@@ -27,8 +27,8 @@ from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
 from .memory_rows import row_plan
+from .memory_url import capacity_hint, check_initial_capacity, url_options
 from .memory_url import flag as _flag
-from .memory_url import url_options
 from .ranges import HashRangeScans, KeyRange, in_hash_range
 
 try:
@@ -106,7 +106,8 @@ class MemoryBackend(HashRangeScans, Backend):
     Options
     -------
     initial_capacity : int
-        Keys to size the table for up front (it grows on its own either way).
+        Keys to size the table for up front (it grows on its own either way); bounded, see
+        :func:`~embstore.backends.memory_url.check_initial_capacity`.
     prefault : bool
         Fault memory in ahead of use on short-lived background threads, so inserting new keys
         rarely waits for the kernel (default True): from four arena chunks on, one per four
@@ -120,7 +121,7 @@ class MemoryBackend(HashRangeScans, Backend):
         store, so keys crafted to collide cannot make the table grow without bound). Give one
         only to reproduce a table layout (scan order) exactly; nothing stored depends on it.
 
-    A table that cannot grow (memory exhausted, or keys that collide under the seed) raises
+    A table that cannot be made or grow (no memory, or keys that collide under the seed) raises
     :class:`~embstore.errors.CapacityError` and leaves every stored key as it was.
     """
 
@@ -139,8 +140,8 @@ class MemoryBackend(HashRangeScans, Backend):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         check_options("memory://", options, accepted_options(MemoryBackend) or ())
         query = url_options(url)
-        if "initial_capacity" in query:
-            initial_capacity = int(query["initial_capacity"])
+        initial_capacity = check_initial_capacity(query.get("initial_capacity",
+                                                            initial_capacity), url)
         if "hash_seed" in query:
             hash_seed = int(query["hash_seed"])
         super().__init__(url, read_only=read_only)
@@ -168,13 +169,16 @@ class MemoryBackend(HashRangeScans, Backend):
         self._row_plans = {}  # worked out for the layout just bound
         self.supports_lookup_insert = True
         if self._arena is None:
-            self._arena = RecordArena(layout.itemsize, prefault=self._prefault,
-                                      huge_pages=self._huge_pages)
-            if key_type == "int64":
-                self._table = CuckooTable(self._capacity, self._prefault, self._hash_seed,
-                                          self._huge_pages)
-            else:
-                self._table = BytesTable(self._capacity, self._hash_seed)
+            try:
+                arena = RecordArena(layout.itemsize, prefault=self._prefault,
+                                    huge_pages=self._huge_pages)
+                self._table = (CuckooTable(self._capacity, self._prefault, self._hash_seed,
+                                           self._huge_pages) if key_type == "int64"
+                               else BytesTable(self._capacity, self._hash_seed))
+            except MemoryError as e:  # the compiled table's own: a CapacityError, as on inserts
+                raise CapacityError(f"{self.url}: cannot allocate a table for "
+                                    f"{self._capacity} keys ({e})") from e
+            self._arena = arena
 
     @property
     def _records(self) -> RecordArena:
@@ -483,7 +487,7 @@ class MemoryBackend(HashRangeScans, Backend):
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """A new table built aside, then installed in one step (see ``_replace.py``)."""
-        staging = MemoryBackend(self.url, initial_capacity=max(int(rows or 0), 16),
+        staging = MemoryBackend(self.url, initial_capacity=capacity_hint(rows),
                                 prefault=self._prefault, hash_seed=self._hash_seed,
                                 huge_pages=self._huge_pages)
         staging.bind(self.layout, self.key_type)

@@ -89,7 +89,8 @@ class RecordWrites:
             return None
         return np.random.default_rng((self.seed & 0xFFFFFFFFFFFFFFFF, self.step, 0x5EED))
 
-    def _update_records(self, uniq: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> None:
+    def _update_records(self, uniq: np.ndarray, summed: np.ndarray, mult: np.ndarray,
+                        now: float | None = None) -> None:
         """One optimizer step on the records of ``uniq``, read and written back by one
         ``Backend.modify``; stats, tombstones and observers follow its last call's outcome."""
         policy = self._policy
@@ -114,10 +115,10 @@ class RecordWrites:
                 if new.any():
                     recs[new] = self._new_records(uniq[new])
             if ok is None or ok.all():
-                drop = self._step(recs, summed, mult)
+                drop = self._step(recs, summed, mult, now)
             else:  # gradients of keys not admitted are dropped: they get no row
                 sub = recs[ok]
-                sub_drop = self._step(sub, summed[ok], mult[ok])
+                sub_drop = self._step(sub, summed[ok], mult[ok], now)
                 recs[ok] = sub
                 drop = None
                 if sub_drop is not None:
@@ -139,7 +140,8 @@ class RecordWrites:
             self._policy.counters["pruned"] += int(np.count_nonzero(drop))
         self._after_modify(uniq, recs, found, keep)
 
-    def _step(self, recs: np.ndarray, summed: np.ndarray, mult: np.ndarray) -> np.ndarray | None:
+    def _step(self, recs: np.ndarray, summed: np.ndarray, mult: np.ndarray,
+              now: float | None = None) -> np.ndarray | None:
         layout = self.layout
         if layout.is_wide:
             drop = self.optimizer.apply(recs, summed, self.step)
@@ -148,20 +150,21 @@ class RecordWrites:
             drop = self.optimizer.apply(wide, summed, self.step)
             layout.narrow_into(wide, recs, self._rounding())
         layout.add_counts(recs, mult)
-        self._stamp(recs)
+        self._stamp(recs, now)
         return drop
 
     def _assign_records(self, uniq: np.ndarray, values: np.ndarray) -> None:
         """Set the vectors of ``uniq`` (new keys get fresh records) in one ``modify``."""
         last: list[Any] = [None]
         stored = self.layout.encode_vectors(values)
+        now = self._stamp_time()
 
         def assign(recs: np.ndarray, found: np.ndarray) -> None:
             if not found.all():
                 new = ~found
                 recs[new] = self._new_records(uniq[new], values[new])
             recs["vector"] = stored
-            self._stamp(recs)
+            self._stamp(recs, now)
             last[0] = (recs, found)
 
         found = self._backend.modify(uniq, assign)
@@ -193,18 +196,18 @@ class RecordWrites:
         """Initial vectors of ``keys`` in the stored dtype."""
         return self.layout.encode_vectors(self.initializer(keys, self.layout.dim, self.seed))
 
-    def _template(self) -> np.ndarray:
+    def _template(self, now: float | None = None) -> np.ndarray:
         """One fresh record (zero vector, initial slots, stamped): what new rows are made of."""
         template = self._new_records(np.zeros(1, dtype=np.int64),
                                      np.zeros((1, self.layout.dim), dtype=np.float32))
-        self._stamp(template)  # slots are per-row constants
+        self._stamp(template, now)  # slots are per-row constants
         return template
 
-    def _insert(self, keys: np.ndarray, vectors: np.ndarray) -> int:
+    def _insert(self, keys: np.ndarray, vectors: np.ndarray, now: float | None = None) -> int:
         """Write new records of ``keys`` with these vectors where no record exists by now
         (another writer may have created one since the caller's read: insert-if-absent);
         return how many were written."""
-        template = self._template()
+        template = self._template(now)
         done = self._backend.insert_rows(keys, self.layout.encode_vectors(vectors), template)
         if done is not None and not done.all():
             keys, vectors = keys[done], vectors[done]
@@ -217,9 +220,11 @@ class RecordWrites:
         """``Backend.lookup_insert``: vectors and which keys were inserted (the first
         occurrence of each new key); observers are told about the new rows."""
         made: list[np.ndarray] = []
+        # read before the backend places new keys: a clock that fails fails before any write
+        now = self._stamp_time()
 
         def template() -> np.ndarray:
-            made.append(self._template())
+            made.append(self._template(now))
             return made[-1]
 
         new = np.zeros(len(keys), dtype=bool)
@@ -245,20 +250,26 @@ class RecordWrites:
         for obs in self._observers:
             obs.on_delete(gone)
 
-    def _stamps(self) -> dict[str, Any]:
+    def _stamp_time(self) -> float | None:
+        """The clock's reading for the stamps of one write (None: the layout keeps no
+        ``last_seen``). Write paths read it before they change anything: a caller's clock is
+        checked (:mod:`embstore.policies.clock`) and one that strays raises here."""
+        return self._clock() if "last_seen" in self.layout.meta_names else None
+
+    def _stamps(self, now: float | None = None) -> dict[str, Any]:
         """The stamps of a write, for the metadata fields the layout keeps (``version``
-        always)."""
+        always); ``now`` is the clock's reading if the caller took one already."""
         names = self.layout.meta_names
         out: dict[str, Any] = {}
         if "last_seen" in names:
-            out["last_seen"] = self._clock()
+            out["last_seen"] = self._clock() if now is None else now
         if "last_step" in names:
             out["last_step"] = self.step
         out["version"] = self._next_version()
         return out
 
-    def _stamp(self, recs: np.ndarray) -> None:
-        for name, value in self._stamps().items():
+    def _stamp(self, recs: np.ndarray, now: float | None = None) -> None:
+        for name, value in self._stamps(now).items():
             recs[name] = value
 
     def _bulk_load(self, batches: Iterable[tuple[Any, np.ndarray]],
@@ -313,7 +324,7 @@ class RecordWrites:
                 self._stats["hits"] += n - misses
                 self._stats["misses"] += misses
                 self._stats["inserts"] += n_new
-                self._policy.maybe_evict(self._as_host())
+                self._policy.maybe_evict(self._as_host(), lookup=k)
             else:
                 self._stats["hits"] += n
             return vectors
@@ -333,6 +344,7 @@ class RecordWrites:
             new_vecs = self._initial(miss_keys)
             vectors[miss] = new_vecs
         if insert and not self.read_only:
+            now = self._stamp_time()  # before admission counts this batch's sightings
             miss_counts = None if c is None else (c if nfound == 0 else c[~found])
             if distinct(miss_keys):
                 uniq, seen = miss_keys, miss_counts
@@ -347,8 +359,8 @@ class RecordWrites:
                 ok = self._policy.admit_lookup(uniq, seen)
                 uniq, new_vecs = uniq[ok], new_vecs[ok]
             if len(uniq):
-                self._stats["inserts"] += self._insert(uniq, new_vecs)
-                self._policy.maybe_evict(self._as_host())
+                self._stats["inserts"] += self._insert(uniq, new_vecs, now)
+                self._policy.maybe_evict(self._as_host(), lookup=k)
         return vectors
 
     def _apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None) -> None:
@@ -356,6 +368,7 @@ class RecordWrites:
         uniq, summed, mult = coalesce(k, g)
         if c is not None:
             mult = sum_counts(k, uniq, c)
+        now = self._stamp_time()
         self.step += 1
         self._stats["updates"] += len(k)
         wide = self.layout.is_wide
@@ -366,7 +379,7 @@ class RecordWrites:
             # alone: the backend applies it where the records live (observers are told the
             # same update); only keys without a record yet go the general way below.
             counts = {"count": mult} if "count" in self.layout.meta_names else {}
-            row_update = RowUpdate(axpy or ("vector", 1.0, summed), counts, self._stamps(), rule)
+            row_update = RowUpdate(axpy or ("vector", 1.0, summed), counts, self._stamps(now), rule)
             found = self._backend.update_rows(uniq, row_update)
             for obs in self._observers:
                 obs.on_row_update(uniq, row_update, found)
@@ -375,7 +388,7 @@ class RecordWrites:
                 return
             new = ~found
             uniq, summed, mult = uniq[new], summed[new], mult[new]
-        self._update_records(uniq, summed, mult)
+        self._update_records(uniq, summed, mult, now)
         self._policy.after_update(self._as_host())
 
     def clear(self, batch_size: int = 65536) -> int:

@@ -8,6 +8,9 @@ message naming the file.
 
 The bounds (see ``docs/cli.md``, "Import limits"):
 
+* optimizer slots are finite, and those the target's optimizer accumulates squares in
+  (Adagrad ``accum``, Adam ``v``, FTRL ``n``) are ``>= 0``: a NaN or negative slot would make
+  the next ``update`` write NaN vectors.
 * record stamps (``count``, ``last_step``, ``version``) and the header's ``step``/``version``
   are integers in ``[0, 2**62]``; ``last_seen`` is finite and in ``[0, 2**62]``. Stamps only
   grow (``version`` by one per write, ``step`` by one per update), so 2**62 leaves 2**62
@@ -27,11 +30,13 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptFileError, InvalidInputError
+from ..valuetypes import to_float32
 
 #: largest stamp, step or count accepted on import
 MAX_STAMP = 1 << 62
@@ -115,6 +120,34 @@ def check_stamps(name: str, records: np.ndarray | None, rows: np.ndarray | None 
     raise CorruptFileError(
         f"{name}: {row_word} {row + row_offset}: {field} {value!r} is out of range "
         f"[0, 2**62]{f' (and {more} more rows)' if more else ''}; nothing imported")
+
+
+def check_slots(name: str, records: np.ndarray | None, slots: Sequence[str], slot_dtype: str,
+                nonnegative: Collection[str], rows: np.ndarray | None = None,
+                row_word: str = "row", row_offset: int = 1) -> None:
+    """Refuse records whose optimizer slots the optimizer could not step on: a NaN or
+    infinite value in any slot, a negative one in a slot of ``nonnegative`` (stored in
+    ``slot_dtype``; the module docstring lists them)."""
+    if records is None or len(records) == 0 or records.dtype.names is None:
+        return
+    for field in slots:
+        if field not in records.dtype.names:
+            continue
+        vals = to_float32(records[field], slot_dtype).reshape(len(records), -1)
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(vals) & ((vals >= 0) if field in nonnegative else True)
+        bad = ~ok.all(axis=1)
+        if not bad.any():
+            continue
+        i = int(np.flatnonzero(bad)[0])
+        value = vals[i][~ok[i]][0].item()
+        row = int(rows[i]) if rows is not None else i
+        more = int(bad.sum()) - 1
+        rule = "finite and >= 0" if field in nonnegative else "finite"
+        raise CorruptFileError(
+            f"{name}: {row_word} {row + row_offset}: optimizer slot {field} holds {value!r} "
+            f"(it must be {rule}){f' (and {more} more rows)' if more else ''}; nothing "
+            "imported")
 
 
 def check_count(name: str, what: str, value: Any) -> int:

@@ -43,6 +43,7 @@ class Adagrad(Optimizer):
     """
 
     name = "adagrad"
+    nonnegative_slots = ("accum",)
 
     def __init__(self, lr: float = 0.01, initial_accumulator_value: float = 0.0,
                  eps: float = 1e-10, rowwise: bool = False) -> None:

@@ -41,6 +41,7 @@ class Adam(Optimizer):
     """
 
     name = "adam"
+    nonnegative_slots = ("v",)
 
     def __init__(self, lr: float = 0.001, betas: tuple[float, float] | list[float] = (0.9, 0.999),
                  eps: float = 1e-8, slot_dtype: str = "float32") -> None:

@@ -25,6 +25,9 @@ class Optimizer:
     name = "base"
     #: storage dtype of the slots (``embstore.valuetypes``); the optimizer computes in float32
     slot_dtype = "float32"
+    #: slots that can never be negative (accumulated squares): a record an import brings in
+    #: with a negative (or NaN/inf in any slot) is refused, as the next step would write NaN
+    nonnegative_slots: tuple[str, ...] = ()
 
     def slots(self, dim: int) -> list[tuple[str, int]]:
         """``(name, width)`` of each float32 slot this optimizer keeps per key."""

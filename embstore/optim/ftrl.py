@@ -61,6 +61,7 @@ class FTRL(Optimizer):
     """
 
     name = "ftrl"
+    nonnegative_slots = ("n",)
 
     def __init__(self, alpha: float = 0.05, beta: float = 1.0, l1: float = 0.0, l2: float = 0.0,
                  l21: float = 0.0, initial_accumulator_value: float = 0.0,

@@ -159,9 +159,11 @@ def expired_keys(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, now: float, s
 
 def eviction_victims(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, n_evict: int,
                      policy: str | EvictionPolicy, step: int,
-                     aging: LFUAging | None = None) -> tuple[np.ndarray | None, int]:
+                     aging: LFUAging | None = None, protect: np.ndarray | None = None
+                     ) -> tuple[np.ndarray | None, int]:
     """The ``n_evict`` rows to evict and the exact row count seen by the scan (LFU counts
-    aged by ``aging`` when given)."""
+    aged by ``aging`` when given). Rows written at ``step`` or later, and the keys in
+    ``protect`` (a lookup's batch), go last."""
     keys_l, last_step_l, last_seen_l, count_l = [], [], [], []
     for keys, recs in scan:
         keys_l.append(keys)
@@ -178,6 +180,8 @@ def eviction_victims(scan: Iterator[tuple[np.ndarray, np.ndarray]], *, n_evict: 
     last_step = np.concatenate(last_step_l)[by_key]
     last_seen = np.concatenate(last_seen_l)[by_key]
     current = last_step >= step
+    if protect is not None and len(protect):
+        current |= np.isin(keys, protect)
     rank = eviction_policy(policy)
     count = np.concatenate(count_l)[by_key] if rank.counts_uses else None
     if count is not None and aging is not None:

@@ -197,7 +197,12 @@ class PolicyRuntime:
         rows = len(store.backend) if exact is None else exact
         self._rows_base = rows - store.counters["inserts"] + store.counters["deletes"]
 
-    def maybe_evict(self, store: PolicyHost, batch_size: int = 65536, force: bool = False) -> int:
+    def maybe_evict(self, store: PolicyHost, batch_size: int = 65536, force: bool = False,
+                    lookup: np.ndarray | None = None) -> int:
+        """Evict down to the low-water mark if over capacity. ``lookup``: the keys of the
+        lookup that just inserted rows, ahead of the update that will train them; they are
+        the batch kept last, and rows the previous update wrote rank as any others (that
+        update's step is over: its once-seen rows must not outrank older, frequent ones)."""
         ev = self.eviction
         if ev is None or (not force and self.rows_estimate(store) <= ev.capacity):
             return 0
@@ -208,7 +213,8 @@ class PolicyRuntime:
             return 0
         victims, _ = eviction_victims(store.records(batch_size),
                                       n_evict=rows - ev.low_water, policy=ev.rank,
-                                      step=store.step, aging=self.lfu_aging)
+                                      step=store.step if lookup is None else store.step + 1,
+                                      aging=self.lfu_aging, protect=lookup)
         if victims is None or not len(victims):
             return 0
         n = 0

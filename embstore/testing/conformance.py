@@ -38,6 +38,7 @@ from embstore.errors import (
     SchemaMismatchError,
     StoreClosedError,
 )
+from embstore.policies import Eviction
 from embstore.sampling import sampling_index
 
 from ..valuetypes import round_trip
@@ -485,6 +486,17 @@ class StoreConformance(BackendPrimitiveConformance):
         # rows: only without a scan by default; always when asked
         assert st.get("rows", 3) == 3 and s.stats(count_rows=True)["rows"] == 3
         assert "rows" not in s.stats(count_rows=False)
+
+    # -- policies ----------------------------------------------------------------------------------
+    def test_capacity_eviction_on_the_training_path(self):
+        """Each batch looked up (inserting) and then updated, as the adapters train: LFU keeps
+        the older, twice-seen rows over the previous batch's once-seen one, LRU the newest."""
+        for policy, keep in {"lfu": [0, 1, 3], "lru": [1, 2, 3]}.items():
+            s = self.open(eviction=Eviction(3, policy, slack=0))
+            for batch in ([0, 1], [0, 1], [2], [3]):
+                s.lookup(batch)
+                s.update(batch, np.ones((len(batch), DIM), np.float32))
+            assert sorted(table_of(s)) == keep, policy
 
     # -- model-based -------------------------------------------------------------------------------
     def test_state_machine_against_dict_model(self):

@@ -145,6 +145,7 @@ class NewStore:
         self.dim = int(self.options["dim"])
         self.key_type = self.options.get("key_type", "int64")
         self.layout = Layout(self.dim, tuple(opt.slots(self.dim)))
+        self.optimizer = opt
 
     def check_writable(self) -> None:
         """A store still to be created accepts writes."""

@@ -19,7 +19,14 @@ import numpy as np
 from ..backends.base import Backend
 from ..engine.protocols import StoreInfo
 from ..errors import CorruptFileError, EmbstoreError, InvalidInputError
-from ..io.limits import check_count, check_header, check_key_lengths, check_stamps, max_key_bytes
+from ..io.limits import (
+    check_count,
+    check_header,
+    check_key_lengths,
+    check_slots,
+    check_stamps,
+    max_key_bytes,
+)
 from ..policies.admission import decode_state
 from ..policies.tombstones import decode_keys
 from ..registry import backend_class
@@ -27,7 +34,9 @@ from ..registry import backend_class
 
 class ImportChecks:
     """File-wide checks done once (header, deletions, policy state) plus per-chunk checks
-    (record stamps, key lengths against the target backend).
+    (record stamps, optimizer slots, key lengths against the target backend). Every import
+    of whole records runs them: ``store.import_`` (``replace=True`` too, so the torch and TF
+    snapshot restores), ``embstore import``, ``import_file``.
 
     Parameters
     ----------
@@ -53,12 +62,17 @@ class ImportChecks:
         if records:
             _check_policy_state(name, header, store)
         self.key_limit, self.target = target_key_limit(store)
+        layout, opt = store.layout, getattr(store, "optimizer", None)
+        self.slots = (layout.slot_names, layout.slot_dtype,
+                      tuple(getattr(opt, "nonnegative_slots", ())))
 
     def chunk(self, keys: np.ndarray, records: np.ndarray | None,
               rows: np.ndarray | None = None) -> None:
         """Refuse the file when a chunk holds a record or key the target cannot take."""
         if self.records:
             check_stamps(self.name, records, rows, self.row_word, self.row_offset)
+            check_slots(self.name, records, *self.slots, rows=rows, row_word=self.row_word,
+                        row_offset=self.row_offset)
         check_key_lengths(self.name, keys, self.key_limit, self.target, rows, self.row_word,
                           self.row_offset)
 

@@ -23,6 +23,7 @@ import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
+from urllib.parse import parse_qsl, urlsplit
 
 import embstore
 from embstore.errors import (
@@ -153,6 +154,12 @@ def _checked_spec(spec: Any, layer: str | None) -> dict[str, Any]:
                               "a saved model cannot create a store elsewhere")
         if dim is None:
             raise _bad(layer, "a memory:// store entry needs its dim")
+        # the URL's query is the file's too: memory://?initial_capacity=... is held to the
+        # bound of the option (the store refuses what is not a number)
+        for k, v in parse_qsl(urlsplit(url).query):
+            bound = _BOUNDED_OPTIONS.get(k)
+            if bound is not None and v.strip().lstrip("-").isdigit() and int(v) > bound:
+                raise _bad(layer, f"store URL option {k}={v} is out of bounds (at most {bound})")
         seed = spec.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
             raise _bad(layer, f"seed must be a non-negative int, got {seed!r}")

@@ -163,9 +163,24 @@ def flat_rows(flat: tf.Tensor, store: Any, *, trigger: Any = None, trainable: bo
     return tf.gather(rows, idx)
 
 
+def check_max_norm(max_norm: Any) -> float | None:
+    """``max_norm`` as a positive finite float (None stays None); ``InvalidInputError``
+    otherwise."""
+    if max_norm is None:
+        return None
+    try:
+        v = float(max_norm)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"max_norm must be a positive number, got {max_norm!r}") from None
+    if isinstance(max_norm, bool) or not (0.0 < v < float("inf")):
+        raise InvalidInputError(f"max_norm must be a positive number, got {max_norm!r}")
+    return v
+
+
 def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
                              trainable: bool | None = None, insert: bool = True,
-                             padding_key: Any = None, name: str | None = None) -> tf.Tensor:
+                             padding_key: Any = None, max_norm: float | None = None,
+                             name: str | None = None) -> tf.Tensor:
     """Look up ``keys`` (any shape) in ``store``; return ``(*keys.shape, dim)`` float32.
 
     Parameters
@@ -181,7 +196,13 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
         Write unknown keys at lookup time (training) or not (serving).
     padding_key : int, str or bytes, optional
         A key that reads as a zero vector, gets no gradient and never gets a row.
+    max_norm : float, optional
+        As ``tf.nn.embedding_lookup``'s (and :func:`embstore_tf.embedding_lookup_sparse`'s):
+        looked-up rows with a larger L2 norm are scaled down to it
+        (``tf.clip_by_norm``); the gradient flows through the scaling, the stored rows are
+        not rewritten.
     """
+    max_norm = check_max_norm(max_norm)
     if trainable is None:
         trainable = not store.read_only
     with tf.name_scope(name or "dynamic_embedding_lookup"):
@@ -189,6 +210,8 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
         flat = tf.reshape(k, [-1])
         out = flat_rows(flat, store, trigger=trigger, trainable=trainable, insert=insert,
                         padding_key=padding_key)
+        if max_norm is not None:
+            out = tf.clip_by_norm(out, max_norm, axes=[1])
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))
 
 

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from embstore.errors import InvalidInputError
 
-from .ops import flat_rows, key_tensor
+from .ops import check_max_norm, flat_rows, key_tensor
 
 __all__ = ["embedding_lookup_sparse", "safe_embedding_lookup_sparse"]
 
@@ -102,6 +102,7 @@ def embedding_lookup_sparse(store: Any, sp_ids: Any, sp_weights: Any = None,
     """
     if combiner not in _COMBINERS:
         raise InvalidInputError(f"combiner must be one of {_COMBINERS}, got {combiner!r}")
+    max_norm = check_max_norm(max_norm)
     if trainable is None:
         trainable = not store.read_only
     with tf.name_scope(name or "embedding_lookup_sparse"):

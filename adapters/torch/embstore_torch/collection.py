@@ -181,7 +181,11 @@ class DynamicEmbeddingBagCollection(nn.Module):
             # One fused pooling + per-key gradient sum over every feature's bags (the
             # grouping of the dedupe reused), as DynamicEmbeddingBag does.
             vectors, sink = table._lookup(batch)
-            size = 1 if len(offs) == len(batch.inv) else 0  # single-id bags: a gather
+            # single-id bags (a gather) only when every bag holds exactly one id: as many ids
+            # as bags is not enough ([[0, 1], [], [2]] has three of each)
+            single = len(offs) == len(batch.inv) and bool(
+                torch.equal(offs, torch.arange(len(offs), dtype=offs.dtype)))
+            size = 1 if single else 0
             if sink is None:
                 pooled = F.embedding_bag(batch.inv, torch.from_numpy(vectors), offs,
                                          mode=mode, per_sample_weights=psw)

@@ -136,6 +136,8 @@ class BigtableBackend(BigtableRestore, Backend):
         self._keys_filter = wire.latest_cell_filter(self.column_family, strip_value=True)
         self._meta_cache: dict | None = None
         self._restore_pending: str | None = None  # staging table of a committed restore
+        self._restore_id: str | None = None  # that restore's id, kept with the marker
+        self._staging_of: dict | None = None  # set on a restore's own staging table
         self._ts_lock = threading.Lock()
         self._table_lock = threading.RLock()
         self._last_ts = 0
@@ -367,8 +369,10 @@ class BigtableBackend(BigtableRestore, Backend):
         return len(keys)
 
     # -- scans ------------------------------------------------------------------------------------
-    def _scan_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
-        """Stream the data row range in key order, resuming after the last row on errors."""
+    def _scan_rows(self, keys_only: bool, batch_size: int,
+                   check: Callable[[], None] | None = None) -> Iterator[tuple[list, list]]:
+        """Stream the data row range in key order, resuming after the last row on errors;
+        ``check()`` runs after every read request, before its rows are handed out."""
         filt = self._keys_filter if keys_only else self._filter
         start, start_open = wire.DATA_PREFIX, False
         while True:
@@ -382,6 +386,8 @@ class BigtableBackend(BigtableRestore, Backend):
 
             self._check_open()
             ks, vs = self._retry("scan", attempt, deadline)
+            if check is not None:
+                check()
             self.counters["rows_read"] += len(ks)
             for i in range(0, len(ks), batch_size):
                 yield ks[i:i + batch_size], vs[i:i + batch_size]
@@ -390,7 +396,9 @@ class BigtableBackend(BigtableRestore, Backend):
             start, start_open = ks[-1], True
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for ks, vs in self._scan_rows(False, batch_size):
+        """Every record, from one table: a scan that overlaps a restore by another process
+        raises ``ConcurrentRestoreError`` (see :mod:`.restore`)."""
+        for ks, vs in self._scan_rows(False, batch_size, self.restore_guard()):
             yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
 
     def __len__(self) -> int:
@@ -445,6 +453,9 @@ class BigtableBackend(BigtableRestore, Backend):
         fields: dict[str, Any] = {"meta": meta, "ts_high": ts}
         if self._restore_pending:
             fields[restore.MARKER] = self._restore_pending
+            fields[restore.RESTORE_ID] = self._restore_id
+        if self._staging_of:
+            fields[restore.STAGING_OF] = self._staging_of
         doc = json.dumps(fields).encode()
         value = np.frombuffer(doc, np.uint8).reshape(1, -1)
         deadline = time.monotonic() + self.retry_deadline

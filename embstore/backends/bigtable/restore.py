@@ -17,6 +17,20 @@ Bigtable cannot rename a table or change several rows in one transaction, so
    staging table without a marker means the crash came before step 2 (or after step 3 had
    cleared the marker), so the staging table is dropped and the live table stays as it is.
 
+The staging table is the restore's own: its metadata row names the live table and carries the
+restore's id (``"staging_of"``), written before any row. Recovery and the next restore drop a
+table at the staging name only when it carries that mark (or holds nothing at all); a user's
+table that happens to be called ``<table>__restore`` is never dropped (a restore then refuses
+to start, saying so). The live marker carries the same id, and roll forward copies only from a
+staging table with that id.
+
+**Scans during a restore** (another process's ``scan``, ``export``): before step 3c clears the
+marker, the restore writes a fresh generation id into the row ``wire.GEN_ROW``. A scan reads the
+generation, then the marker, before its first page, and the marker, then the generation, after
+every page; a marker seen or a generation changed raises
+:class:`~embstore.errors.ConcurrentRestoreError`. Live rows change only while the marker is set,
+so a scan that passes every check read one table.
+
 A crash at any moment therefore leaves, after the next writer open, the old table or the new
 one. The steps are methods of :class:`BigtableRestore`, mixed into the backend. A read-only
 open of a table with the marker raises :class:`~embstore.errors.BackendError` (it cannot finish
@@ -32,17 +46,20 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from ...errors import BackendError
+from ...errors import BackendError, ConcurrentRestoreError
 from ...log import event
 from . import cas, wire
 from .connection import BigtableConnection, log
 
 MARKER = "restore_from"
+RESTORE_ID = "restore_id"
+STAGING_OF = "staging_of"
 _SUFFIX = "__restore"
 _MAX_TABLE_ID = 50
 
@@ -81,6 +98,8 @@ class BigtableRestore(BigtableConnection):
     _write_head: bytes
     _filter: bytes
     _restore_pending: str | None
+    _restore_id: str | None
+    _staging_of: dict | None
 
     def _read_request(self, req: bytes, op: str, deadline: float) -> tuple[list, list]:
         raise NotImplementedError
@@ -92,7 +111,8 @@ class BigtableRestore(BigtableConnection):
     def _next_ts(self) -> int:
         raise NotImplementedError
 
-    def _scan_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
+    def _scan_rows(self, keys_only: bool, batch_size: int,
+                   check: Callable[[], None] | None = None) -> Iterator[tuple[list, list]]:
         raise NotImplementedError
 
     def raw_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
@@ -130,6 +150,38 @@ class BigtableRestore(BigtableConnection):
             return False
         return True
 
+    def staging_owner(self) -> str | None:
+        """The restore id marked in the staging table (``"staging_of"`` naming this table);
+        ``""`` for a table holding nothing at all (a restore killed right after creating it:
+        dropping it loses nothing); None when the table is not a staging table of ours."""
+        try:
+            stage = self.open_staging(create=False)
+        except BackendError:  # not a table this backend can even open as a store
+            return None
+        try:
+            doc = stage.read_meta_doc()
+            if doc is None:
+                return "" if next(stage.raw_rows(True, 1), ([], []))[0] == [] else None
+        except BackendError:  # unreadable as a store: not ours
+            return None
+        finally:
+            stage.close()
+        mark = doc.get(STAGING_OF) if isinstance(doc, dict) else None
+        if (isinstance(mark, dict) and mark.get("table") == self.table_id
+                and isinstance(mark.get(RESTORE_ID), str)):
+            return str(mark[RESTORE_ID])
+        return None
+
+    def drop_own_staging(self) -> bool:
+        """Drop the staging table when a restore of this table made it; return whether the
+        name is free now."""
+        if not self.staging_exists():
+            return True
+        if self.staging_owner() is None:
+            return False
+        self.drop_staging()
+        return True
+
     def drop_staging(self) -> None:
         """Drop the staging table; already gone is fine."""
         from google.api_core import exceptions as gexc
@@ -163,13 +215,20 @@ class BigtableRestore(BigtableConnection):
 
     # -- the steps (each a method: a test fails one to simulate a crash there) ------------------
     def stage_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict) -> None:
-        """Step 1: a fresh staging table holding the new rows and metadata."""
-        self.drop_staging()  # a leftover of an earlier attempt
+        """Step 1: a fresh staging table holding the new rows and metadata, marked as this
+        restore's own before any row is written."""
+        if not self.drop_own_staging():  # a leftover of an earlier attempt goes
+            raise BackendError(
+                f"{self.url}: a table named {staging_table_id(self.table_id)} exists and was "
+                "not made by a restore of this table; a restore stages its rows under that "
+                "name: rename or move that table first (nothing restored)")
+        self._restore_id = uuid.uuid4().hex
         stage = self.open_staging(create=True)
         try:
+            stage._staging_of = {"table": self.table_id, RESTORE_ID: self._restore_id}
             stage.bind(self.layout, self.key_type)
-            stage.bulk_load(batches)
             stage.write_meta(meta)
+            stage.bulk_load(batches)
         finally:
             stage.close()
 
@@ -181,6 +240,7 @@ class BigtableRestore(BigtableConnection):
             out = {k: v for k, v in doc.items() if k != "ts_high"} if (
                 isinstance(doc, dict) and "meta" in doc) else {"meta": doc}
             out[MARKER] = name
+            out[RESTORE_ID] = self._restore_id
             return out
 
         cas.cas_modify_meta_doc(self, mark)
@@ -242,8 +302,9 @@ class BigtableRestore(BigtableConnection):
         if meta is None:
             raise BackendError(f"{self.url}: the restore's staging table has no metadata; it "
                                "was dropped or damaged by hand")
+        self.write_generation()  # before the marker goes: see "Scans during a restore"
         self._meta_cache = dict(meta)
-        self._restore_pending = None
+        self._restore_pending = self._restore_id = None
         self._write_meta_row(meta)
 
     def roll_forward(self) -> int:
@@ -256,6 +317,16 @@ class BigtableRestore(BigtableConnection):
                 f"table {staging_table_id(self.table_id)} is gone ({e}); the table may hold "
                 "a mix of old and new rows: restore it again") from e
         try:
+            marked = self.read_meta_doc()
+            want = marked.get(RESTORE_ID) if isinstance(marked, dict) else None
+            mark = stage.read_meta_doc()
+            mark = mark.get(STAGING_OF) if isinstance(mark, dict) else None
+            if want is not None and not (isinstance(mark, dict)
+                                         and mark.get(RESTORE_ID) == want):
+                raise BackendError(
+                    f"{self.url}: the table {staging_table_id(self.table_id)} is not the "
+                    f"staging table of the committed restore {want}; nothing copied from it")
+            self._restore_id = want
             n = self.copy_rows(stage)
             self.delete_stale(stage)
             self.write_new_meta(stage)
@@ -291,11 +362,48 @@ class BigtableRestore(BigtableConnection):
             event(log, logging.WARNING, "bigtable.restore_rolled_forward",
                   "%s: finishing a restore interrupted after it committed", self.url)
             self.roll_forward()
-        elif self.staging_exists():
+        elif self.staging_exists() and self.staging_owner() is not None:
+            # only a table a restore of this one made (a user's table of that name stays)
             event(log, logging.WARNING, "bigtable.restore_dropped",
                   "%s: dropping the staging table of a restore interrupted before it "
                   "committed (the table is unchanged)", self.url)
             self.drop_staging()
+
+    # -- scans that overlap a restore -------------------------------------------------------------
+    def read_generation(self) -> bytes | None:
+        """The id the last finished restore wrote into ``wire.GEN_ROW`` (None: never one)."""
+        req = wire.read_rows_keys(self._read_head, [wire.GEN_ROW], self._filter)
+        _, vals = self._read_request(req, "read_generation",
+                                     time.monotonic() + self.retry_deadline)
+        return bytes(vals[0]) if vals else None
+
+    def write_generation(self) -> None:
+        value = np.frombuffer(uuid.uuid4().hex.encode(), np.uint8).reshape(1, -1)
+        ts = self._next_ts()
+        self._mutate("write_generation", lambda sel: wire.mutate_rows_generic(
+            self._write_head, self._family_b, ts, [wire.GEN_ROW], value), 1,
+            time.monotonic() + self.retry_deadline)
+
+    def _refuse_restoring(self) -> None:
+        if self.restore_marker() is not None:
+            raise ConcurrentRestoreError(
+                f"{self.url}: a restore of this table is in progress (or was interrupted "
+                "after it committed): its rows are a mix of the old and the new table until "
+                "it finishes; scan again after it")
+
+    def restore_guard(self) -> Callable[[], None]:
+        """Start a scan: the check to run after each page (see "Scans during a restore")."""
+        gen = self.read_generation()
+        self._refuse_restoring()
+
+        def check() -> None:
+            self._refuse_restoring()
+            if self.read_generation() != gen:
+                raise ConcurrentRestoreError(
+                    f"{self.url}: the table was replaced by a restore during this scan; what "
+                    "was read mixes the old and the new table: scan again")
+
+        return check
 
     def refuse_pending_restore(self) -> None:
         """On a read-only open: a committed but unfinished restore leaves a mix of rows."""

@@ -75,6 +75,7 @@ def test_bigtable_writer_open_keeps_a_users_table_with_the_staging_name(bigtable
 def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_factory,
                                                                monkeypatch):
     pytest.importorskip("google.cloud.bigtable")
+    from embstore.backends.bigtable import guard
     from embstore.backends.bigtable.restore import BigtableRestore
 
     live = bigtable_url_factory()
@@ -88,7 +89,7 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
         with pytest.raises(RuntimeError):
             s.import_(_snapshot(), replace=True)
         monkeypatch.undo()
-        assert s.backend.staging_owner()  # marked with the restore's id
+        assert guard.staging_of(s.backend)  # marked with the restore's id
         assert s.import_(_snapshot(), replace=True) == 30  # the leftover is its own: dropped
         assert not s.backend.staging_exists()
     with embstore.open(live) as s:

@@ -4,7 +4,8 @@ A restore (``store.import_(..., replace=True)``, a torch ``load_state_dict``) ch
 snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL during it leaves:
 
 - LMDB: one write transaction drops the records, writes the new ones and the metadata; an
-  aborted or killed transaction is never visible (copy-on-write pages): old table.
+  aborted or killed transaction is never visible (copy-on-write pages): old table. It also
+  writes a fresh generation id, which a scan reads in each of its read transactions.
 - SQLite / PostgreSQL: one transaction (``sql/replace.py``), the same.
 - RocksDB: the new table is built in a staging directory beside the store, then exchanged with
   the live directory in one ``renameat2(RENAME_EXCHANGE)`` call; the staging directory left
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError
-from .lmdb_env import META_KEY
+from .lmdb_env import GEN_KEY, META_KEY
 
 Batches = Iterator[tuple[np.ndarray, np.ndarray]]
 
@@ -72,6 +73,7 @@ def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None) -
     import lmdb
 
     raw = json.dumps(meta, sort_keys=True).encode()
+    gen = uuid.uuid4().hex.encode()  # a scan tells the tables apart by it (LmdbBackend.scan)
     if backend._rec_db is None:
         backend.write_meta(meta)  # creates the databases
     if rows:
@@ -83,7 +85,8 @@ def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None) -
         for keys, recs in batches:
             enc, vals = backend._pairs(keys, recs)
             cur.putmulti(zip(enc, vals))
-        txn.put(META_KEY, raw, db=backend._meta_db)
+        for key, value in ((META_KEY, raw), (GEN_KEY, gen)):
+            txn.put(key, value, db=backend._meta_db)
         return int(txn.stat(backend._rec_db)["entries"])
 
     # Not ``backend._write``: its retry on a full map would run ``write`` again on a consumed

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import (
     CapacityError,
+    ConcurrentRestoreError,
     ForkedProcessError,
     InvalidURLError,
     StoreClosedError,
@@ -467,15 +468,17 @@ class MemoryBackend(Backend):
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._arena is None:
             return
-        # Snapshot of (key, slot) pairs; 12 bytes per key, far below the records themselves.
-        with self._lock:
-            keys, slots = self._all_slots()
+        with self._lock:  # a snapshot of (key, slot) pairs: 12 bytes per key, not the records
+            keys, slots, arena = *self._all_slots(), self._arena
         for i in range(0, len(keys), batch_size):
             s = slots[i:i + batch_size]
             recs = np.empty(len(s), dtype=self.layout.dtype)
             with self._lock:
                 if self._arena is None:
                     return
+                if self._arena is not arena:  # restored: old slots, new records
+                    raise ConcurrentRestoreError(f"{self.url}: the table was replaced by a "
+                                                 "restore during this scan; scan again")
                 self._records.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 

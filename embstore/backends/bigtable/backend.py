@@ -34,7 +34,7 @@ from ...errors import BackendUnavailableError, InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from ..base import Backend, ModifyFn
-from . import cas, restore, wire
+from . import cas, guard, restore, wire
 from .restore import BigtableRestore
 
 try:
@@ -163,9 +163,9 @@ class BigtableBackend(BigtableRestore, Backend):
             self._ensure_table(initial=True)
             # A restore interrupted by a crash: finished or undone here (see .restore).
             if read_only:
-                self.refuse_pending_restore()
+                guard.refuse_pending(self)
             else:
-                self.recover_restore()
+                guard.recover(self)
         except BaseException:
             self.close()
             raise
@@ -398,7 +398,7 @@ class BigtableBackend(BigtableRestore, Backend):
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every record, from one table: a scan that overlaps a restore by another process
         raises ``ConcurrentRestoreError`` (see :mod:`.restore`)."""
-        for ks, vs in self._scan_rows(False, batch_size, self.restore_guard()):
+        for ks, vs in self._scan_rows(False, batch_size, guard.restore_guard(self)):
             yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
 
     def __len__(self) -> int:
@@ -449,18 +449,24 @@ class BigtableBackend(BigtableRestore, Backend):
         return self.replace_via_staging(batches, meta)
 
     def _write_meta_row(self, meta: dict) -> None:
-        ts = self._next_ts()
-        fields: dict[str, Any] = {"meta": meta, "ts_high": ts}
+        fields: dict[str, Any] = {"meta": meta}
         if self._restore_pending:
             fields[restore.MARKER] = self._restore_pending
             fields[restore.RESTORE_ID] = self._restore_id
         if self._staging_of:
             fields[restore.STAGING_OF] = self._staging_of
-        doc = json.dumps(fields).encode()
-        value = np.frombuffer(doc, np.uint8).reshape(1, -1)
+        self.write_row_doc(wire.META_ROW, fields)
+
+    def write_row_doc(self, row: bytes, doc: Any) -> None:
+        """Write ``doc`` as JSON into the control row ``row`` (blind); a dict gets ``ts_high``,
+        the stamp of the write."""
+        ts = self._next_ts()
+        if isinstance(doc, dict):
+            doc = {**doc, "ts_high": ts}
+        value = np.frombuffer(json.dumps(doc).encode(), np.uint8).reshape(1, -1)
         deadline = time.monotonic() + self.retry_deadline
         self._mutate("write_meta", lambda sel: wire.mutate_rows_generic(
-            self._write_head, self._family_b, ts, [wire.META_ROW], value), 1, deadline)
+            self._write_head, self._family_b, ts, [row], value), 1, deadline)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def reopen_options(self) -> dict:

@@ -32,9 +32,10 @@ every page; a marker seen or a generation changed raises
 so a scan that passes every check read one table.
 
 A crash at any moment therefore leaves, after the next writer open, the old table or the new
-one. The steps are methods of :class:`BigtableRestore`, mixed into the backend. A read-only
-open of a table with the marker raises :class:`~embstore.errors.BackendError` (it cannot finish
-the restore, and the live rows are a mix until someone does).
+one. The steps are methods of :class:`BigtableRestore`, mixed into the backend; recovery, the
+staging marks and the scan checks are functions of :mod:`.guard`. A read-only open of a table
+with the marker raises :class:`~embstore.errors.ConcurrentRestoreError` (a ``BackendError``: it
+cannot finish the restore, and the live rows are a mix until someone does).
 
 One restore at a time: a second process writing to the table during a restore has its rows
 replaced or deleted by step 3, as with any restore.
@@ -42,9 +43,7 @@ replaced or deleted by step 3, as with any restore.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,34 +51,15 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BackendError, ConcurrentRestoreError
-from ...log import event
-from . import cas, wire
-from .connection import BigtableConnection, log
+from ...errors import BackendError
+from . import cas, guard, wire
+from .connection import BigtableConnection
 
-MARKER = "restore_from"
-RESTORE_ID = "restore_id"
-STAGING_OF = "staging_of"
-_SUFFIX = "__restore"
-_MAX_TABLE_ID = 50
-
-
-def staging_table_id(table_id: str) -> str:
-    """The staging table of ``table_id``: ``<table>__restore``, or, where that would pass
-    Bigtable's 50-character limit, a shortened name made unique by a hash of the full one."""
-    name = table_id + _SUFFIX
-    if len(name) <= _MAX_TABLE_ID:
-        return name
-    digest = hashlib.sha1(table_id.encode()).hexdigest()[:8]
-    keep = _MAX_TABLE_ID - len(_SUFFIX) - len(digest) - 1
-    return f"{table_id[:keep]}-{digest}{_SUFFIX}"
-
-
-def is_staging_table(table_id: str) -> bool:
-    """Table ids ending in ``__restore`` are reserved for staging tables (never recovered)."""
-    return table_id.endswith(_SUFFIX)
-
-
+MARKER = guard.MARKER
+RESTORE_ID = guard.RESTORE_ID
+STAGING_OF = guard.STAGING_OF
+staging_table_id = guard.staging_table_id
+is_staging_table = guard.is_staging_table
 class BigtableRestore(BigtableConnection):
     """The restore steps and their recovery; mixed into ``BigtableBackend``.
 
@@ -150,38 +130,6 @@ class BigtableRestore(BigtableConnection):
             return False
         return True
 
-    def staging_owner(self) -> str | None:
-        """The restore id marked in the staging table (``"staging_of"`` naming this table);
-        ``""`` for a table holding nothing at all (a restore killed right after creating it:
-        dropping it loses nothing); None when the table is not a staging table of ours."""
-        try:
-            stage = self.open_staging(create=False)
-        except BackendError:  # not a table this backend can even open as a store
-            return None
-        try:
-            doc = stage.read_meta_doc()
-            if doc is None:
-                return "" if next(stage.raw_rows(True, 1), ([], []))[0] == [] else None
-        except BackendError:  # unreadable as a store: not ours
-            return None
-        finally:
-            stage.close()
-        mark = doc.get(STAGING_OF) if isinstance(doc, dict) else None
-        if (isinstance(mark, dict) and mark.get("table") == self.table_id
-                and isinstance(mark.get(RESTORE_ID), str)):
-            return str(mark[RESTORE_ID])
-        return None
-
-    def drop_own_staging(self) -> bool:
-        """Drop the staging table when a restore of this table made it; return whether the
-        name is free now."""
-        if not self.staging_exists():
-            return True
-        if self.staging_owner() is None:
-            return False
-        self.drop_staging()
-        return True
-
     def drop_staging(self) -> None:
         """Drop the staging table; already gone is fine."""
         from google.api_core import exceptions as gexc
@@ -195,10 +143,11 @@ class BigtableRestore(BigtableConnection):
             raise BackendError(f"{self.url}: could not drop the restore's staging table "
                                f"{staging_table_id(self.table_id)}: {e}") from e
 
-    def read_meta_doc(self) -> Any:
-        """The metadata row's JSON document as stored (None: no row)."""
+    def read_meta_doc(self, row: bytes = wire.META_ROW) -> Any:
+        """The metadata row's JSON document as stored (None: no row); ``row``: another
+        control row outside the data range (``wire.GEN_ROW``)."""
         deadline = time.monotonic() + self.retry_deadline
-        req = wire.read_rows_keys(self._read_head, [wire.META_ROW], self._filter)
+        req = wire.read_rows_keys(self._read_head, [row], self._filter)
         _, vals = self._read_request(req, "read_meta", deadline)
         if not vals:
             return None
@@ -217,11 +166,7 @@ class BigtableRestore(BigtableConnection):
     def stage_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict) -> None:
         """Step 1: a fresh staging table holding the new rows and metadata, marked as this
         restore's own before any row is written."""
-        if not self.drop_own_staging():  # a leftover of an earlier attempt goes
-            raise BackendError(
-                f"{self.url}: a table named {staging_table_id(self.table_id)} exists and was "
-                "not made by a restore of this table; a restore stages its rows under that "
-                "name: rename or move that table first (nothing restored)")
+        guard.free_staging_name(self)  # a leftover of an earlier attempt goes
         self._restore_id = uuid.uuid4().hex
         stage = self.open_staging(create=True)
         try:
@@ -302,7 +247,7 @@ class BigtableRestore(BigtableConnection):
         if meta is None:
             raise BackendError(f"{self.url}: the restore's staging table has no metadata; it "
                                "was dropped or damaged by hand")
-        self.write_generation()  # before the marker goes: see "Scans during a restore"
+        guard.write_generation(self)  # before the marker goes: see "Scans during a restore"
         self._meta_cache = dict(meta)
         self._restore_pending = self._restore_id = None
         self._write_meta_row(meta)
@@ -317,16 +262,7 @@ class BigtableRestore(BigtableConnection):
                 f"table {staging_table_id(self.table_id)} is gone ({e}); the table may hold "
                 "a mix of old and new rows: restore it again") from e
         try:
-            marked = self.read_meta_doc()
-            want = marked.get(RESTORE_ID) if isinstance(marked, dict) else None
-            mark = stage.read_meta_doc()
-            mark = mark.get(STAGING_OF) if isinstance(mark, dict) else None
-            if want is not None and not (isinstance(mark, dict)
-                                         and mark.get(RESTORE_ID) == want):
-                raise BackendError(
-                    f"{self.url}: the table {staging_table_id(self.table_id)} is not the "
-                    f"staging table of the committed restore {want}; nothing copied from it")
-            self._restore_id = want
+            self._restore_id = guard.check_committed_stage(self, stage)
             n = self.copy_rows(stage)
             self.delete_stale(stage)
             self.write_new_meta(stage)
@@ -338,7 +274,7 @@ class BigtableRestore(BigtableConnection):
     def replace_via_staging(self, batches: Iterator[tuple[np.ndarray, np.ndarray]],
                             meta: dict) -> int:
         """``replace_rows``: steps 1 to 3 (see the module docstring)."""
-        self.recover_restore()  # one interrupted earlier is finished (or undone) first
+        guard.recover(self)  # one interrupted earlier is finished (or undone) first
         self.stage_rows(batches, meta)
         self.set_marker()
         try:
@@ -347,67 +283,3 @@ class BigtableRestore(BigtableConnection):
             raise BackendError(
                 f"{self.url}: the restore is committed but could not be finished ({e}); the "
                 "next open of the store for writing finishes it") from e
-
-    def recover_restore(self) -> None:
-        """Step 4, on a writer open: finish a committed restore, drop an uncommitted one's
-        staging table."""
-        if is_staging_table(self.table_id):
-            return
-        marker = self.restore_marker()
-        if marker is not None:
-            if marker != staging_table_id(self.table_id):
-                raise BackendError(f"{self.url}: the restore marker names {marker!r}, not "
-                                   "this table's staging table; the metadata row was edited "
-                                   "by hand")
-            event(log, logging.WARNING, "bigtable.restore_rolled_forward",
-                  "%s: finishing a restore interrupted after it committed", self.url)
-            self.roll_forward()
-        elif self.staging_exists() and self.staging_owner() is not None:
-            # only a table a restore of this one made (a user's table of that name stays)
-            event(log, logging.WARNING, "bigtable.restore_dropped",
-                  "%s: dropping the staging table of a restore interrupted before it "
-                  "committed (the table is unchanged)", self.url)
-            self.drop_staging()
-
-    # -- scans that overlap a restore -------------------------------------------------------------
-    def read_generation(self) -> bytes | None:
-        """The id the last finished restore wrote into ``wire.GEN_ROW`` (None: never one)."""
-        req = wire.read_rows_keys(self._read_head, [wire.GEN_ROW], self._filter)
-        _, vals = self._read_request(req, "read_generation",
-                                     time.monotonic() + self.retry_deadline)
-        return bytes(vals[0]) if vals else None
-
-    def write_generation(self) -> None:
-        value = np.frombuffer(uuid.uuid4().hex.encode(), np.uint8).reshape(1, -1)
-        ts = self._next_ts()
-        self._mutate("write_generation", lambda sel: wire.mutate_rows_generic(
-            self._write_head, self._family_b, ts, [wire.GEN_ROW], value), 1,
-            time.monotonic() + self.retry_deadline)
-
-    def _refuse_restoring(self) -> None:
-        if self.restore_marker() is not None:
-            raise ConcurrentRestoreError(
-                f"{self.url}: a restore of this table is in progress (or was interrupted "
-                "after it committed): its rows are a mix of the old and the new table until "
-                "it finishes; scan again after it")
-
-    def restore_guard(self) -> Callable[[], None]:
-        """Start a scan: the check to run after each page (see "Scans during a restore")."""
-        gen = self.read_generation()
-        self._refuse_restoring()
-
-        def check() -> None:
-            self._refuse_restoring()
-            if self.read_generation() != gen:
-                raise ConcurrentRestoreError(
-                    f"{self.url}: the table was replaced by a restore during this scan; what "
-                    "was read mixes the old and the new table: scan again")
-
-        return check
-
-    def refuse_pending_restore(self) -> None:
-        """On a read-only open: a committed but unfinished restore leaves a mix of rows."""
-        if self.restore_marker() is not None:
-            raise BackendError(f"{self.url}: a restore of this table was interrupted after it "
-                               "committed and is not finished; open the store once for "
-                               "writing to finish it (a read-only open cannot)")

@@ -29,6 +29,7 @@ __all__ = [
     "LeaseConflictError",
     "LeaseLostError",
     "LeaseFormatError",
+    "ConcurrentRestoreError",
 ]
 
 
@@ -74,6 +75,12 @@ class BackendUnavailableError(EmbstoreError, ImportError):
 
 class BackendError(EmbstoreError, OSError):
     """The storage engine or remote service failed (I/O error, retries exhausted...)."""
+
+
+class ConcurrentRestoreError(BackendError):
+    """A scan or export overlapped a restore (``import_(..., replace=True)``) of the same store
+    by another process or thread: what it read would mix the old table and the new one, so it
+    fails instead. Retry it; it then reads one table."""
 
 
 class CorruptFileError(EmbstoreError, ValueError):

@@ -95,7 +95,7 @@ PHASES = [
     ("send_rows", 2, "new"),        # half the staged rows copied
     ("delete_stale", 1, "new"),     # every row copied, stale rows still there
     ("write_new_meta", 1, "new"),   # rows exactly new, old metadata + marker
-    ("drop_staging", 2, "new"),     # all done but the staging table is left
+    ("drop_staging", 1, "new"),     # all done but the staging table is left
 ]
 
 

@@ -260,7 +260,7 @@ def test_replace_refuses_options_it_cannot_honour():
 
 
 def test_what_a_killed_rocksdb_restore_leaves_is_recovered_on_open(tmp_path):
-    from embstore.backends._replace import parked_path, staging_path
+    from embstore.backends._replace import make_staging
 
     path = str(tmp_path / "r")
     url = f"rocksdb://{path}"
@@ -268,12 +268,20 @@ def test_what_a_killed_rocksdb_restore_leaves_is_recovered_on_open(tmp_path):
     want = _table(s)
     s.close()
     # killed while building the new table: a half-built staging directory beside the store
-    os.makedirs(os.path.join(staging_path(path), "junk"))
+    stage, _ = make_staging(path)
+    os.makedirs(os.path.join(stage, "new", "junk"))
     with embstore.open(url) as s:
         assert _table(s) == want
-    assert not os.path.exists(staging_path(path))
+    assert not os.path.exists(stage)
     # killed between the renames of the fallback exchange: the live directory is parked
-    os.rename(path, parked_path(path))
+    stage, _ = make_staging(path)
+    os.rename(path, os.path.join(stage, "old"))
     with embstore.open(url) as s:
         assert _table(s) == want
-    assert not os.path.exists(parked_path(path))
+    assert not os.path.exists(stage)
+    # killed right after mkdtemp, before the marker: an empty directory, nothing to lose
+    empty = tmp_path / ".r.restore-xyz"
+    empty.mkdir()
+    with embstore.open(url) as s:
+        assert _table(s) == want
+    assert not empty.exists()

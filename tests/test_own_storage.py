@@ -104,3 +104,23 @@ def test_copy_onto_same_storage_through_another_url_is_refused(tmp_path, capsys)
     # a real second store is still a copy
     assert main(["copy", f"lmdb://{d}", f"lmdb://{tmp_path}/e", "-q"]) == 0
     _intact(f"lmdb://{tmp_path}/e", want)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_torch_checkpoint_save_onto_the_stores_own_files_is_refused(local, inline):
+    # The .pt file is installed by rename: onto <lmdb>/data.mdb, <rocksdb>/CURRENT or the
+    # SQLite file it replaced the store with the checkpoint (issue 34, item 4).
+    pytest.importorskip("torch")
+    import embstore_torch.checkpoint as ckpt
+    from embstore_torch import DynamicEmbedding
+
+    url, inside = local
+    want = _fill(url)
+    with embstore.open(url) as s:
+        model = DynamicEmbedding(s)
+        if not inline:
+            model.checkpoint_rows = False  # a reference: the rows go to <path>.rows/
+        for dest in inside:
+            with pytest.raises(InvalidInputError, match="inside the storage"):
+                ckpt.save(model, dest)
+    _intact(url, want)

@@ -4,12 +4,15 @@ A restore (``store.import_(..., replace=True)``, a torch ``load_state_dict``) ch
 snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL during it leaves:
 
 - LMDB: one write transaction drops the records, writes the new ones and the metadata; an
-  aborted or killed transaction is never visible (copy-on-write pages): old table.
+  aborted or killed transaction is never visible (copy-on-write pages): old table. It also
+  writes a fresh generation id, which a scan reads in each of its read transactions.
 - SQLite / PostgreSQL: one transaction (``sql/replace.py``), the same.
 - RocksDB: the new table is built in a staging directory beside the store, then exchanged with
   the live directory in one ``renameat2(RENAME_EXCHANGE)`` call; the staging directory left
   behind (a half-built new table, or the old one after the exchange) is removed when the store
-  is next opened for writing.
+  is next opened for writing. The staging directory carries a marker file naming the store and
+  the restore's id, written before anything else: cleanup removes only marked directories,
+  never one that merely has a staging-like name (a user's store may).
 - memory://: the new table is built aside and installed in one step under the table's lock.
 - Bigtable: a staging table, a commit marker in the metadata row and roll-forward recovery on
   the next writer open (``bigtable/restore.py``).
@@ -19,11 +22,14 @@ snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL duri
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
 import os
 import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,11 +68,12 @@ def write_then_delete(backend: Any, batches: Batches, meta: dict) -> int:
 
 # -- LMDB: one write transaction ------------------------------------------------------------------
 def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None,
-                 meta_key: bytes) -> int:
+                 meta_key: bytes, gen_key: bytes) -> int:
     # deferred: lmdb is an optional extra; only an LMDB store's restore needs it
     import lmdb
 
     raw = json.dumps(meta, sort_keys=True).encode()
+    gen = uuid.uuid4().hex.encode()  # a scan tells the tables apart by it (LmdbBackend.scan)
     if backend._rec_db is None:
         backend.write_meta(meta)  # creates the databases
     if rows:
@@ -78,7 +85,8 @@ def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None,
         for keys, recs in batches:
             enc, vals = backend._pairs(keys, recs)
             cur.putmulti(zip(enc, vals))
-        txn.put(meta_key, raw, db=backend._meta_db)
+        for key, value in ((meta_key, raw), (gen_key, gen)):
+            txn.put(key, value, db=backend._meta_db)
         return int(txn.stat(backend._rec_db)["entries"])
 
     # Not ``backend._write``: its retry on a full map would run ``write`` again on a consumed
@@ -100,16 +108,41 @@ def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None,
 # -- RocksDB: a staging directory exchanged with the live one -------------------------------------
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+#: the file that proves a directory beside a store was made by one of its restores
+MARKER_FILE = "EMBSTORE-RESTORE"
 
 
-def staging_path(path: str) -> str:
+def staging_prefix(path: str) -> str:
+    """Every restore of the store at ``path`` works in a fresh directory named with this
+    prefix beside it (``.<name>.restore-XXXXXXXX``, made by ``mkdtemp``)."""
     head, tail = os.path.split(path.rstrip("/"))
-    return os.path.join(head, f".{tail}.restore")
+    return os.path.join(head, f".{tail}.restore-")
 
 
-def parked_path(path: str) -> str:
-    """Where the exchange's fallback parks the live directory between two renames."""
-    return staging_path(path) + "-old"
+def make_staging(path: str) -> tuple[str, str]:
+    """A new staging directory for a restore of ``path``, marked as that restore's own (the
+    store's name and a random id); return ``(staging dir, restore id)``. The new table is
+    built in its ``new`` subdirectory."""
+    head, tail = os.path.split(path.rstrip("/"))
+    stage = tempfile.mkdtemp(prefix=os.path.basename(staging_prefix(path)), dir=head)
+    restore_id = uuid.uuid4().hex
+    with open(os.path.join(stage, MARKER_FILE), "x") as f:
+        f.write(json.dumps({"restore_of": tail, "restore_id": restore_id}))
+        f.flush()
+        os.fsync(f.fileno())
+    return stage, restore_id
+
+
+def _own_staging(path: str, candidate: str) -> bool:
+    """Whether ``candidate`` is a staging directory a restore of ``path`` made: its marker
+    names the store. A name alone proves nothing (a user's directory may carry it)."""
+    try:
+        with open(os.path.join(candidate, MARKER_FILE)) as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(doc, dict) and doc.get("restore_of") == os.path.basename(path.rstrip("/"))
+            and isinstance(doc.get("restore_id"), str))
 
 
 def _fsync_dir(path: str) -> None:
@@ -124,8 +157,9 @@ def exchange_dirs(a: str, b: str) -> None:
     """Swap the directories ``a`` and ``b`` in one atomic step (Linux ``renameat2``).
 
     Where the call is missing (another OS, an old kernel, a filesystem without it) the two are
-    swapped by three renames through :func:`parked_path`; :func:`recover_staging` repairs the moment
-    between them (``b`` then missing) by putting the old directory back.
+    swapped by three renames through ``<a>/../old`` (inside the marked staging directory);
+    :func:`recover_staging` repairs the moment between them (``b`` then missing) by putting
+    the old directory back.
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     fn = getattr(libc, "renameat2", None)
@@ -136,7 +170,7 @@ def exchange_dirs(a: str, b: str) -> None:
         err = ctypes.get_errno()
         if err not in (38, 22, 95):  # ENOSYS, EINVAL, EOPNOTSUPP: fall back below
             raise OSError(err, os.strerror(err), b)
-    old = parked_path(b)
+    old = os.path.join(os.path.dirname(a), "old")
     os.rename(b, old)
     os.rename(a, b)
     os.rename(old, a)
@@ -144,15 +178,31 @@ def exchange_dirs(a: str, b: str) -> None:
 
 
 def recover_staging(path: str) -> None:
-    """Finish what a killed restore left beside the store at ``path`` (call before opening)."""
-    stage = staging_path(path)
-    parked = parked_path(path)
-    if not os.path.lexists(path) and os.path.isdir(parked):
-        os.rename(parked, path)  # killed between the fallback's first two renames
-    if os.path.isdir(path):
-        for leftover in (stage, parked):  # half a new table, or the old one
-            if os.path.lexists(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
+    """Finish what a killed restore left beside the store at ``path`` (call before opening).
+
+    Only directories a restore of ``path`` provably made are touched: those carrying its
+    marker file (and empty ones, which hold nothing to lose: a kill right after ``mkdtemp``).
+    A user's directory that merely looks like a staging name is left alone.
+    """
+    prefix = staging_prefix(path)
+    head = os.path.dirname(prefix)
+    try:
+        names = os.listdir(head)
+    except OSError:
+        return
+    for name in names:
+        cand = os.path.join(head, name)
+        if not cand.startswith(prefix) or os.path.islink(cand) or not os.path.isdir(cand):
+            continue
+        if not _own_staging(path, cand):
+            with contextlib.suppress(OSError):  # only succeeds on an empty directory
+                os.rmdir(cand)
+            continue
+        parked = os.path.join(cand, "old")
+        if not os.path.lexists(path) and os.path.isdir(parked):
+            os.rename(parked, path)  # killed between the fallback's first two renames
+        if os.path.isdir(path):  # half a new table, or the old one after the swap
+            shutil.rmtree(cand, ignore_errors=True)
 
 
 def rocksdb_replace(backend: Any, batches: Batches, meta: dict) -> int:
@@ -161,9 +211,13 @@ def rocksdb_replace(backend: Any, batches: Batches, meta: dict) -> int:
         raise BackendError(
             f"{backend.path}: a restore swaps the RocksDB directory, and another store object "
             "of this process has it open; close the others first (nothing restored)")
-    stage = staging_path(backend.path)
-    shutil.rmtree(stage, ignore_errors=True)
-    new = type(backend)(f"rocksdb://{stage}", **backend.reopen_options())
+    stage, _ = make_staging(backend.path)
+    built = os.path.join(stage, "new")
+    try:
+        new = type(backend)(f"rocksdb://{built}", **backend.reopen_options())
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     try:
         new.bind(backend.layout, backend.key_type)
         new.bulk_load(batches)
@@ -176,7 +230,7 @@ def rocksdb_replace(backend: Any, batches: Batches, meta: dict) -> int:
     new.close()
     backend.close()  # RocksDB locks its directory: the live handle goes before the swap
     try:
-        exchange_dirs(stage, backend.path)
+        exchange_dirs(built, backend.path)
     finally:
         backend._open_read_write()
     shutil.rmtree(stage, ignore_errors=True)  # now the old table

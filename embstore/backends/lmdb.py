@@ -30,7 +30,12 @@ import numpy as np
 
 from .._cython.strkeys import prefixed, strip_prefix
 from .._keys import int64_from_ordered, ordered_int64_bytes
-from ..errors import BackendError, InvalidInputError, SchemaMismatchError
+from ..errors import (
+    BackendError,
+    ConcurrentRestoreError,
+    InvalidInputError,
+    SchemaMismatchError,
+)
 from ..layout import Layout
 from ..log import event
 from ._localdir import (
@@ -44,6 +49,7 @@ from ._localdir import (
 from ._replace import lmdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
+from .lmdb_env import GEN_KEY as _GEN_KEY
 from .lmdb_env import META_KEY as _META_KEY
 from .lmdb_env import SharedEnv, acquire_env, release_env
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
@@ -430,10 +436,20 @@ class LmdbBackend(FetchedRecords, Backend):
         if self._rec_db is None:
             return
         last: bytes | None = None
+        gen: Any = False  # the generation the first batch saw (None: no restore yet)
         # One short read transaction per batch, resumed after the last key seen, so a long
         # iteration neither pins old pages (the file would grow) nor blocks a map resize.
+        # A restore (another process's too) commits a new generation with the new table:
+        # every batch's transaction must see the first one's, or the batches mix two tables.
         while True:
             with self._begin() as txn:
+                now = txn.get(_GEN_KEY, db=self._meta_db) if self._meta_db is not None else None
+                if gen is False:
+                    gen = now
+                elif now != gen:
+                    raise ConcurrentRestoreError(
+                        f"{self.url}: the table was replaced by a restore during this scan; "
+                        "what was read mixes the old and the new table: scan again")
                 cur = txn.cursor()
                 start = rng.lo if last is None else last
                 ok = cur.first() if start is None else cur.set_range(start)
@@ -509,7 +525,7 @@ class LmdbBackend(FetchedRecords, Backend):
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """The table and ``meta`` replaced in one write transaction (see ``_replace.py``)."""
-        return lmdb_replace(self, batches, meta, rows, _META_KEY)
+        return lmdb_replace(self, batches, meta, rows, _META_KEY, _GEN_KEY)
 
     def clear(self) -> None:
         if self._rec_db is None:

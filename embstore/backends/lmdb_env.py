@@ -24,6 +24,9 @@ __all__ = ["SharedEnv", "acquire_env", "release_env"]
 
 #: key of the store metadata in the metadata database
 META_KEY = b"meta"
+#: key of the restore generation in the metadata database: a fresh id written by every restore
+#: in its own transaction, so a scan tells a table swapped under it (see ``LmdbBackend.scan``)
+GEN_KEY = b"generation"
 
 
 class SharedEnv:

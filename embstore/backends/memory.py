@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CapacityError, ForkedProcessError, InvalidURLError, StoreClosedError
+from ..errors import (
+    CapacityError,
+    ConcurrentRestoreError,
+    ForkedProcessError,
+    InvalidURLError,
+    StoreClosedError,
+)
 from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
@@ -469,7 +475,7 @@ class MemoryBackend(HashRangeScans, Backend):
         if self._arena is None:
             return
         with self._lock:  # a snapshot of (key, slot) pairs: 12 bytes per key
-            keys, slots = self._all_slots()
+            keys, slots, arena = *self._all_slots(), self._arena
         if rng is not None:  # a hash range (HashRangeScans): its keys, before any gather
             sel = in_hash_range(keys, rng)
             keys, slots = keys[sel], slots[sel]
@@ -479,6 +485,9 @@ class MemoryBackend(HashRangeScans, Backend):
             with self._lock:
                 if self._arena is None:
                     return
+                if self._arena is not arena:  # restored: old slots, new records
+                    raise ConcurrentRestoreError(f"{self.url}: the table was replaced by a "
+                                                 "restore during this scan; scan again")
                 self._records.gather(s, recs.view(np.uint8).reshape(len(s), -1))
             yield keys[i:i + batch_size], recs
 

@@ -48,7 +48,14 @@ from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
-from .rocksdb_handles import INHERITED, POOL, Shared, current_generation, rocksdb_options
+from .rocksdb_handles import (
+    INHERITED,
+    POOL,
+    Shared,
+    current_generation,
+    open_unraced,
+    rocksdb_options,
+)
 
 try:
     import rocksdict as rd
@@ -154,6 +161,9 @@ class RocksDBBackend(FetchedRecords, Backend):
         self._ro_handle = value
 
     def _open_read_only(self) -> None:
+        open_unraced(self.path, self._open_read_only_once, self._close_read_only)
+
+    def _open_read_only_once(self) -> None:
         try:
             cfs = rd.Rdict.list_cf(self.path, rd.Options(raw_mode=True))
             families = {n: rocksdb_options(self._cache_mb, self._bloom, False)

@@ -1,10 +1,12 @@
 """RocksDB handles of the rocksdb backend: tuned options, one shared read-write handle per
-path and process, and the fork guard (a handle must never be used in a forked child)."""
+path and process, the fork guard (a handle must never be used in a forked child), and
+read-only opens that a restore's directory exchange may race."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import BackendUnavailableError
@@ -16,7 +18,44 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"the rocksdb backend needs rocksdict; install it with: {install_hint('rocksdb')}") from e
 
-__all__ = ["INHERITED", "POOL", "Shared", "current_generation", "rocksdb_options"]
+from ..errors import BackendError, ConcurrentRestoreError
+
+__all__ = ["INHERITED", "POOL", "Shared", "current_generation", "open_unraced",
+           "rocksdb_options"]
+
+_RO_OPEN_TRIES = 5
+
+
+def _dir_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def open_unraced(path: str, open_once: Callable[[], None], close: Callable[[], None]) -> None:
+    """``open_once()`` a read-only handle on ``path``, again where a restore raced it.
+
+    A restore by the writer process exchanges the live directory with a staging one (see
+    ``_replace.py``); an open that overlaps the exchange can read the manifest of one table
+    and the files of the other (RocksDB then reports "Corruption"). A changed inode of the
+    directory tells: the open is tried again on the directory now in place. Once open, the
+    handle reads that one table (its files stay readable after the old directory is removed).
+    """
+    for _ in range(_RO_OPEN_TRIES):
+        before = _dir_id(path)
+        try:
+            open_once()
+        except BackendError:
+            if _dir_id(path) == before:
+                raise
+            continue
+        if _dir_id(path) == before:
+            return
+        close()
+    raise ConcurrentRestoreError(f"cannot open RocksDB at {path}: restores kept replacing the "
+                                 f"directory during {_RO_OPEN_TRIES} tries; open it again")
 
 
 def rocksdb_options(block_cache_mb: int, bloom_bits: float, create: bool) -> rd.Options:

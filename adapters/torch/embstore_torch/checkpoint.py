@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from embstore.errors import InvalidInputError
+from embstore.transfer.own_storage import refuse_own_storage
 
 from .modules import StoreModule, store_is_collective
 
@@ -66,10 +67,22 @@ def save(model: torch.nn.Module, path: str | os.PathLike[str]) -> dict[str, Any]
 
     The ``.pt`` file is written last and atomically (it names the versions it needs); export
     files of versions it no longer names are removed afterwards.
+
+    Raises
+    ------
+    InvalidInputError
+        ``path`` (or its ``.rows`` directory) lies inside the storage of one of the model's
+        stores (``<lmdb dir>/data.mdb``, ``<rocksdb dir>/CURRENT``, a SQLite file...): the
+        rename that installs the checkpoint would replace the store's own files. Nothing is
+        written.
     """
+    modules = _store_modules(model)
+    for _, m in modules:  # before anything is written: the rename would destroy the store
+        refuse_own_storage(m.store, path)
+        refuse_own_storage(m.store, rows_dir(path))
     sd = model.state_dict()
     wanted = set()
-    for name, m in _store_modules(model):
+    for name, m in modules:
         state = sd[_key(name)]
         if state.get("rows") is None and isinstance(state.get("version"), int):
             os.makedirs(rows_dir(path), exist_ok=True)

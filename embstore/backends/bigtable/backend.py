@@ -36,7 +36,7 @@ from ...urls import check_url_text
 from ..base import Backend, ModifyFn
 from ..lease_record import check_fence, loads
 from ..ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds
-from . import cas, restore, wire
+from . import cas, guard, restore, wire
 from .restore import BigtableRestore
 from .stubs import data_stubs
 
@@ -133,6 +133,8 @@ class BigtableBackend(BigtableRestore, Backend):
         self._meta_cache: dict | None = None
         self._lease_doc: dict | None = None  # the lease record as this backend last wrote it
         self._restore_pending: str | None = None  # staging table of a committed restore
+        self._restore_id: str | None = None  # that restore's id, kept with the marker
+        self._staging_of: dict | None = None  # set on a restore's own staging table
         self._ts_lock = threading.Lock()
         self._table_lock = threading.RLock()
         self._last_ts = 0
@@ -152,9 +154,9 @@ class BigtableBackend(BigtableRestore, Backend):
             self._ensure_table(initial=True)
             # A restore interrupted by a crash: finished or undone here (see .restore).
             if read_only:
-                self.refuse_pending_restore()
+                guard.refuse_pending(self)
             else:
-                self.recover_restore()
+                guard.recover(self)
         except BaseException:
             self.close()
             raise
@@ -361,9 +363,11 @@ class BigtableBackend(BigtableRestore, Backend):
 
     # -- scans ------------------------------------------------------------------------------------
     def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
-                   end: bytes = wire.DATA_END) -> Iterator[tuple[list, list]]:
+                   end: bytes = wire.DATA_END, check: Callable[[], None] | None = None
+                   ) -> Iterator[tuple[list, list]]:
         """Stream the data rows in ``[start, end)`` in key order, resuming after the last row
-        on errors."""
+        on errors; ``check()`` runs after every read request, before its rows are handed
+        out."""
         filt = self._keys_filter if keys_only else self._filter
         start_open = False
         while True:
@@ -377,6 +381,8 @@ class BigtableBackend(BigtableRestore, Backend):
 
             self._check_open()
             ks, vs = self._retry("scan", attempt, deadline)
+            if check is not None:
+                check()
             self.counters["rows_read"] += len(ks)
             for i in range(0, len(ks), batch_size):
                 yield ks[i:i + batch_size], vs[i:i + batch_size]
@@ -385,6 +391,8 @@ class BigtableBackend(BigtableRestore, Backend):
             start, start_open = ks[-1], True
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every record, from one table: a scan that overlaps a restore by another process
+        raises ``ConcurrentRestoreError`` (see :mod:`.restore`)."""
         return self.scan_range(KeyRange(KIND_BYTES), batch_size)
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
@@ -417,7 +425,8 @@ class BigtableBackend(BigtableRestore, Backend):
         end = wire.DATA_END if rng.hi is None else bytes(rng.hi)
         if start >= end:
             return
-        for ks, vs in self._scan_rows(False, batch_size, start, end):
+        for ks, vs in self._scan_rows(False, batch_size, start, end,
+                                      guard.restore_guard(self)):
             yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
 
     def __len__(self) -> int:
@@ -497,15 +506,24 @@ class BigtableBackend(BigtableRestore, Backend):
         return self.replace_via_staging(batches, meta)
 
     def _write_meta_row(self, meta: dict) -> None:
-        ts = self._next_ts()
-        fields: dict[str, Any] = {"meta": meta, "ts_high": ts}
+        fields: dict[str, Any] = {"meta": meta}
         if self._restore_pending:
             fields[restore.MARKER] = self._restore_pending
-        doc = json.dumps(fields).encode()
-        value = np.frombuffer(doc, np.uint8).reshape(1, -1)
+            fields[restore.RESTORE_ID] = self._restore_id
+        if self._staging_of:
+            fields[restore.STAGING_OF] = self._staging_of
+        self.write_row_doc(wire.META_ROW, fields)
+
+    def write_row_doc(self, row: bytes, doc: Any) -> None:
+        """Write ``doc`` as JSON into the control row ``row`` (blind); a dict gets ``ts_high``,
+        the stamp of the write."""
+        ts = self._next_ts()
+        if isinstance(doc, dict):
+            doc = {**doc, "ts_high": ts}
+        value = np.frombuffer(json.dumps(doc).encode(), np.uint8).reshape(1, -1)
         deadline = time.monotonic() + self.retry_deadline
         self._mutate("write_meta", lambda sel: wire.mutate_rows_generic(
-            self._write_head, self._family_b, ts, [wire.META_ROW], value), 1, deadline)
+            self._write_head, self._family_b, ts, [row], value), 1, deadline)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def reopen_options(self) -> dict:

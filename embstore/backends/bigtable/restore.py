@@ -17,10 +17,25 @@ Bigtable cannot rename a table or change several rows in one transaction, so
    staging table without a marker means the crash came before step 2 (or after step 3 had
    cleared the marker), so the staging table is dropped and the live table stays as it is.
 
+The staging table is the restore's own: its metadata row names the live table and carries the
+restore's id (``"staging_of"``), written before any row. Recovery and the next restore drop a
+table at the staging name only when it carries that mark (or holds nothing at all); a user's
+table that happens to be called ``<table>__restore`` is never dropped (a restore then refuses
+to start, saying so). The live marker carries the same id, and roll forward copies only from a
+staging table with that id.
+
+**Scans during a restore** (another process's ``scan``, ``export``): before step 3c clears the
+marker, the restore writes a fresh generation id into the row ``wire.GEN_ROW``. A scan reads the
+generation, then the marker, before its first page, and the marker, then the generation, after
+every page; a marker seen or a generation changed raises
+:class:`~embstore.errors.ConcurrentRestoreError`. Live rows change only while the marker is set,
+so a scan that passes every check read one table.
+
 A crash at any moment therefore leaves, after the next writer open, the old table or the new
-one. The steps are methods of :class:`BigtableRestore`, mixed into the backend. A read-only
-open of a table with the marker raises :class:`~embstore.errors.BackendError` (it cannot finish
-the restore, and the live rows are a mix until someone does).
+one. The steps are methods of :class:`BigtableRestore`, mixed into the backend; recovery, the
+staging marks and the scan checks are functions of :mod:`.guard`. A read-only open of a table
+with the marker raises :class:`~embstore.errors.ConcurrentRestoreError` (a ``BackendError``: it
+cannot finish the restore, and the live rows are a mix until someone does).
 
 One restore at a time: a second process writing to the table during a restore has its rows
 replaced or deleted by step 3, as with any restore.
@@ -28,41 +43,23 @@ replaced or deleted by step 3, as with any restore.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from ...errors import BackendError
-from ...log import event
-from . import cas, wire
-from .connection import BigtableConnection, log
+from . import cas, guard, wire
+from .connection import BigtableConnection
 
-MARKER = "restore_from"
-_SUFFIX = "__restore"
-_MAX_TABLE_ID = 50
-
-
-def staging_table_id(table_id: str) -> str:
-    """The staging table of ``table_id``: ``<table>__restore``, or, where that would pass
-    Bigtable's 50-character limit, a shortened name made unique by a hash of the full one."""
-    name = table_id + _SUFFIX
-    if len(name) <= _MAX_TABLE_ID:
-        return name
-    digest = hashlib.sha1(table_id.encode()).hexdigest()[:8]
-    keep = _MAX_TABLE_ID - len(_SUFFIX) - len(digest) - 1
-    return f"{table_id[:keep]}-{digest}{_SUFFIX}"
-
-
-def is_staging_table(table_id: str) -> bool:
-    """Table ids ending in ``__restore`` are reserved for staging tables (never recovered)."""
-    return table_id.endswith(_SUFFIX)
-
-
+MARKER = guard.MARKER
+RESTORE_ID = guard.RESTORE_ID
+STAGING_OF = guard.STAGING_OF
+staging_table_id = guard.staging_table_id
+is_staging_table = guard.is_staging_table
 class BigtableRestore(BigtableConnection):
     """The restore steps and their recovery; mixed into ``BigtableBackend``.
 
@@ -81,6 +78,8 @@ class BigtableRestore(BigtableConnection):
     _write_head: bytes
     _filter: bytes
     _restore_pending: str | None
+    _restore_id: str | None
+    _staging_of: dict | None
 
     def _read_request(self, req: bytes, op: str, deadline: float) -> tuple[list, list]:
         raise NotImplementedError
@@ -93,7 +92,8 @@ class BigtableRestore(BigtableConnection):
         raise NotImplementedError
 
     def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
-                   end: bytes = wire.DATA_END) -> Iterator[tuple[list, list]]:
+                   end: bytes = wire.DATA_END, check: Callable[[], None] | None = None
+                   ) -> Iterator[tuple[list, list]]:
         raise NotImplementedError
 
     def raw_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
@@ -144,10 +144,11 @@ class BigtableRestore(BigtableConnection):
             raise BackendError(f"{self.url}: could not drop the restore's staging table "
                                f"{staging_table_id(self.table_id)}: {e}") from e
 
-    def read_meta_doc(self) -> Any:
-        """The metadata row's JSON document as stored (None: no row)."""
+    def read_meta_doc(self, row: bytes = wire.META_ROW) -> Any:
+        """The metadata row's JSON document as stored (None: no row); ``row``: another
+        control row outside the data range (``wire.GEN_ROW``)."""
         deadline = time.monotonic() + self.retry_deadline
-        req = wire.read_rows_keys(self._read_head, [wire.META_ROW], self._filter)
+        req = wire.read_rows_keys(self._read_head, [row], self._filter)
         _, vals = self._read_request(req, "read_meta", deadline)
         if not vals:
             return None
@@ -164,13 +165,16 @@ class BigtableRestore(BigtableConnection):
 
     # -- the steps (each a method: a test fails one to simulate a crash there) ------------------
     def stage_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict) -> None:
-        """Step 1: a fresh staging table holding the new rows and metadata."""
-        self.drop_staging()  # a leftover of an earlier attempt
+        """Step 1: a fresh staging table holding the new rows and metadata, marked as this
+        restore's own before any row is written."""
+        guard.free_staging_name(self)  # a leftover of an earlier attempt goes
+        self._restore_id = uuid.uuid4().hex
         stage = self.open_staging(create=True)
         try:
+            stage._staging_of = {"table": self.table_id, RESTORE_ID: self._restore_id}
             stage.bind(self.layout, self.key_type)
-            stage.bulk_load(batches)
             stage.write_meta(meta)
+            stage.bulk_load(batches)
         finally:
             stage.close()
 
@@ -182,6 +186,7 @@ class BigtableRestore(BigtableConnection):
             out = {k: v for k, v in doc.items() if k != "ts_high"} if (
                 isinstance(doc, dict) and "meta" in doc) else {"meta": doc}
             out[MARKER] = name
+            out[RESTORE_ID] = self._restore_id
             return out
 
         cas.cas_modify_meta_doc(self, mark)
@@ -243,8 +248,9 @@ class BigtableRestore(BigtableConnection):
         if meta is None:
             raise BackendError(f"{self.url}: the restore's staging table has no metadata; it "
                                "was dropped or damaged by hand")
+        guard.write_generation(self)  # before the marker goes: see "Scans during a restore"
         self._meta_cache = dict(meta)
-        self._restore_pending = None
+        self._restore_pending = self._restore_id = None
         self._write_meta_row(meta)
 
     def roll_forward(self) -> int:
@@ -257,6 +263,7 @@ class BigtableRestore(BigtableConnection):
                 f"table {staging_table_id(self.table_id)} is gone ({e}); the table may hold "
                 "a mix of old and new rows: restore it again") from e
         try:
+            self._restore_id = guard.check_committed_stage(self, stage)
             n = self.copy_rows(stage)
             self.delete_stale(stage)
             self.write_new_meta(stage)
@@ -268,7 +275,7 @@ class BigtableRestore(BigtableConnection):
     def replace_via_staging(self, batches: Iterator[tuple[np.ndarray, np.ndarray]],
                             meta: dict) -> int:
         """``replace_rows``: steps 1 to 3 (see the module docstring)."""
-        self.recover_restore()  # one interrupted earlier is finished (or undone) first
+        guard.recover(self)  # one interrupted earlier is finished (or undone) first
         self.stage_rows(batches, meta)
         self.set_marker()
         try:
@@ -277,30 +284,3 @@ class BigtableRestore(BigtableConnection):
             raise BackendError(
                 f"{self.url}: the restore is committed but could not be finished ({e}); the "
                 "next open of the store for writing finishes it") from e
-
-    def recover_restore(self) -> None:
-        """Step 4, on a writer open: finish a committed restore, drop an uncommitted one's
-        staging table."""
-        if is_staging_table(self.table_id):
-            return
-        marker = self.restore_marker()
-        if marker is not None:
-            if marker != staging_table_id(self.table_id):
-                raise BackendError(f"{self.url}: the restore marker names {marker!r}, not "
-                                   "this table's staging table; the metadata row was edited "
-                                   "by hand")
-            event(log, logging.WARNING, "bigtable.restore_rolled_forward",
-                  "%s: finishing a restore interrupted after it committed", self.url)
-            self.roll_forward()
-        elif self.staging_exists():
-            event(log, logging.WARNING, "bigtable.restore_dropped",
-                  "%s: dropping the staging table of a restore interrupted before it "
-                  "committed (the table is unchanged)", self.url)
-            self.drop_staging()
-
-    def refuse_pending_restore(self) -> None:
-        """On a read-only open: a committed but unfinished restore leaves a mix of rows."""
-        if self.restore_marker() is not None:
-            raise BackendError(f"{self.url}: a restore of this table was interrupted after it "
-                               "committed and is not finished; open the store once for "
-                               "writing to finish it (a read-only open cannot)")

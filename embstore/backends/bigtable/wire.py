@@ -39,6 +39,8 @@ DATA_PREFIX = b"r"
 DATA_END = b"s"  # exclusive end of the data row range
 META_ROW = b"m"
 LEASE_ROW = b"l"  # the writer-lease record (embstore.backends.lease_record), outside the data
+#: a restore's generation (a fresh id per restore), outside the data range and the metadata row
+GEN_ROW = b"g"
 MAX_ROW_KEY = 4096  # Bigtable's row-key limit, in bytes
 
 

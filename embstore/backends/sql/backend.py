@@ -365,11 +365,17 @@ class SQLBackend(Backend):
         return self.sql.ops.count()
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every record, page by page (keyset pagination, one statement each). A restore by
+        another connection commits the new table with a new generation id; the id is read
+        before the first page and after every page, and a change raises
+        ``ConcurrentRestoreError``: the pages read so far came from the old table, the next
+        would come from the new one."""
         if self.sql.missing or not self.is_bound:
             return
+        guard = _sql_conn.RestoreGuard(self)
 
         def scan_page(after):
-            return self.sql.ops.page(after, batch_size)
+            return guard.checked(lambda: self.sql.ops.page(after, batch_size))
 
         yield from _sql_conn.read_pages(self, scan_page, False)
 
@@ -403,8 +409,10 @@ class SQLBackend(Backend):
         if self.sql.missing or not self.is_bound:
             return
 
+        guard = _sql_conn.RestoreGuard(self)
+
         def changes_page(after):
-            return self.sql.ops.changes(int(version), after, batch_size)
+            return guard.checked(lambda: self.sql.ops.changes(int(version), after, batch_size))
 
         yield from _sql_conn.read_pages(self, changes_page, True)
 

@@ -11,6 +11,7 @@ transaction (the later record wins, as with ``put``). Every other case upserts b
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +21,8 @@ from . import ops as _sql_ops
 from .rows import record_bytes
 
 _EMPTY = 0xFFFFFFFF
+#: name of the ``<table>_meta`` row holding the id of the last restore (see ``replace_rows``)
+GENERATION = "generation"
 
 
 def bulk_load(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
@@ -71,13 +74,16 @@ def _load(backend, ops, next_batch) -> int:
 
 def replace_rows(backend, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict) -> int:
     """``Backend.replace_rows``: delete every row, load the new ones and write ``meta`` in one
-    transaction; any failure (of the source too) rolls it back, leaving the old table."""
+    transaction; any failure (of the source too) rolls it back, leaving the old table. A fresh
+    generation id commits with it: a scan of another connection compares it around every page
+    (``SQLBackend.scan``)."""
     ops = backend.sql.ops
     it = iter(batches)
     with ops.txn():
         ops.clear()
         _load(backend, ops, lambda: next(it, None))
         ops.meta_put(json.dumps(meta, sort_keys=True))
+        ops.meta_put(uuid.uuid4().hex, GENERATION)
         return ops.count()
 
 

@@ -22,9 +22,15 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.pool import PoolProxiedConnection
 
-from ...errors import BackendError, InvalidInputError, StoreClosedError
+from ...errors import (
+    BackendError,
+    ConcurrentRestoreError,
+    InvalidInputError,
+    StoreClosedError,
+)
 from ...urls import redact_url
 from . import ops as _sql_ops
+from .bulk import GENERATION
 from .schema import table_definitions
 
 # Calls that may run again after the connection was lost in the middle of them: reads, and
@@ -271,6 +277,28 @@ def open_core(b: Any) -> None:
         refuse_case_aliases(b, conn.connection.driver_connection)
     tables = table_definitions(b.table_name, "int64")
     b.sql.ops = _sql_ops.CoreOps(b.sql.conn, tables[0], tables[1], "int64", 0)
+
+
+class RestoreGuard:
+    """The generation id a restore commits with its table (``bulk.GENERATION``), read before a
+    scan's first page and after each page: equal ids around a page prove no restore committed
+    while it was read (ids never repeat, and only a restore writes one)."""
+
+    def __init__(self, b: Any) -> None:
+        self.b = b
+        self.gen: Any = False  # not read yet
+
+    def checked(self, fetch: Callable[[], Any]) -> Any:
+        """``fetch()`` (a page), between two reads of the generation; under the lock."""
+        ops = self.b.sql.ops
+        if self.gen is False:
+            self.gen = ops.meta_get(GENERATION)
+        page = fetch()
+        if ops.meta_get(GENERATION) != self.gen:
+            raise ConcurrentRestoreError(
+                f"{self.b.sql.safe_url}: the table was replaced by a restore during this "
+                "scan; what was read mixes the old and the new table: scan again")
+        return page
 
 
 def read_pages(b: Any, fetch_page: Callable[[Any], tuple[np.ndarray, np.ndarray]],

@@ -128,15 +128,15 @@ class CoreOps:
     def changes_plan(self, version: int) -> str:
         return ""
 
-    def meta_get(self) -> str | None:
+    def meta_get(self, name: str = "meta") -> str | None:
         row = self.conn.execute(self.sa.select(self.meta.c.value)
-                                .where(self.meta.c.name == "meta")).fetchone()
+                                .where(self.meta.c.name == name)).fetchone()
         self._end_read()
         return None if row is None else row[0]
 
-    def meta_put(self, text: str) -> None:
-        self.conn.execute(self.meta.delete().where(self.meta.c.name == "meta"))
-        self.conn.execute(self.meta.insert().values(name="meta", value=text))
+    def meta_put(self, text: str, name: str = "meta") -> None:
+        self.conn.execute(self.meta.delete().where(self.meta.c.name == name))
+        self.conn.execute(self.meta.insert().values(name=name, value=text))
 
     def lease_get(self, lock: str) -> str | None:
         # other dialects: no row locks (docs/concurrency.md), the database's own isolation

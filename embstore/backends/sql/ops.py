@@ -232,8 +232,9 @@ class PostgresOps(PagedReads):
                                      "ORDER BY version, k", (version,)).fetchall()
         return "\n".join(r[0] for r in rows)
 
-    def meta_get(self) -> str | None:
-        row = self.conn.execute(f"SELECT value FROM {self.m} WHERE name = 'meta'").fetchone()
+    def meta_get(self, name: str = "meta") -> str | None:
+        row = self.conn.execute(f"SELECT value FROM {self.m} WHERE name = %s",
+                                (name,)).fetchone()
         return None if row is None else row[0]
 
     def meta_get_for_update(self) -> str | None:
@@ -241,9 +242,9 @@ class PostgresOps(PagedReads):
             f"SELECT value FROM {self.m} WHERE name = 'meta' FOR UPDATE").fetchone()
         return None if row is None else row[0]
 
-    def meta_put(self, text: str) -> None:
-        self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('meta', %s) "
-                          "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value", (text,))
+    def meta_put(self, text: str, name: str = "meta") -> None:
+        self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES (%s, %s) "
+                          "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value", (name, text))
 
     def lease_get(self, lock: str) -> str | None:
         """The writer-lease record; ``lock``: "share" (a fenced write: writes of other holders

@@ -111,13 +111,14 @@ class SQLiteOps(PagedReads):
                                  "WHERE version > ? ORDER BY version, k", (version,)).fetchall()
         return "\n".join(str(r[-1]) for r in rows)
 
-    def meta_get(self) -> str | None:
-        row = self.conn.execute(f"SELECT value FROM {self.m} WHERE name = 'meta'").fetchone()
+    def meta_get(self, name: str = "meta") -> str | None:
+        row = self.conn.execute(f"SELECT value FROM {self.m} WHERE name = ?",
+                                (name,)).fetchone()
         return None if row is None else row[0]
 
-    def meta_put(self, text: str) -> None:
-        self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('meta', ?) "
-                          "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (text,))
+    def meta_put(self, text: str, name: str = "meta") -> None:
+        self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES (?, ?) "
+                          "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, text))
 
     def lease_get(self, lock: str) -> str | None:
         # every write transaction is BEGIN IMMEDIATE: the database lock serializes them all

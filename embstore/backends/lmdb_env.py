@@ -7,12 +7,14 @@ environment inherited through ``fork()`` is never used in the child.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import BackendError, BackendUnavailableError, InvalidInputError
 from ..extras import install_hint
+from ..log import event
 
 try:
     import lmdb
@@ -20,7 +22,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"the lmdb backend needs py-lmdb; install it with: {install_hint('lmdb')}") from e
 
-__all__ = ["SharedEnv", "acquire_env", "release_env"]
+__all__ = ["SharedEnv", "acquire_env", "grow_map", "release_env"]
+# map growth is reported under the backend's own logger name
+log = logging.getLogger("embstore.backends.lmdb")
 
 #: key of the store metadata in the metadata database
 META_KEY = b"meta"
@@ -97,3 +101,24 @@ def release_env(path: str, shared: SharedEnv) -> None:
         if _POOL.get(path) is shared:
             del _POOL[path]
         shared.env.close()
+
+
+def grow_map(env: Any, path: str, row_bytes: int, limit: int) -> bool:
+    """Grow ``env``'s map ahead of a bulk write of ``row_bytes`` of rows, so that no large
+    transaction is thrown away by a full map (one that still fills it is retried); return
+    whether it grew."""
+    info = env.info()
+    # Leaf pages of randomly placed rows end up about half full: reserve twice the bytes.
+    need = (int(info["last_pgno"]) + 1) * int(env.stat()["psize"]) + 2 * row_bytes
+    size = int(info["map_size"])
+    if size >= need:
+        return False
+    while size < need:
+        size *= 2
+    try:
+        env.set_mapsize(min(size, limit))
+    except lmdb.Error as e:
+        raise BackendError(f"{path}: cannot grow the LMDB map: {e}") from e
+    event(log, logging.INFO, "lmdb.map_grow", "%s: grew the LMDB map to %d bytes ahead of a "
+          "bulk write", path, min(size, limit), map_size=min(size, limit))
+    return True

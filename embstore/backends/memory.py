@@ -15,9 +15,7 @@ Calls are serialized by a lock, so threads may share one store.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -32,6 +30,7 @@ from ..errors import (
 from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
+from .forks import ProcessLock
 from .memory_rows import row_plan
 from .memory_url import capacity_hint, check_initial_capacity, url_options
 from .memory_url import flag as _flag
@@ -51,43 +50,12 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 _EMPTY = np.uint32(0xFFFFFFFF)
 
-# Bumped in every forked child: a store remembers the generation it was made in, so telling a
-# forked copy apart costs one comparison per call, no getpid() system call.
-_fork_generation = 0
-
-
-def _after_fork_in_child() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _ProcessLock:
-    """The backend's re-entrant lock, refusing to be taken in a child forked after the store
-    was made (the child's copy of the lock may even be held by a thread that does not exist
-    there)."""
-
-    __slots__ = ("_lock", "_generation", "_pid")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._generation = _fork_generation
-        self._pid = os.getpid()
-
-    def __enter__(self) -> bool:
-        if self._generation != _fork_generation:
-            raise ForkedProcessError(
-                f"a memory:// store made in process {self._pid} is used in forked child "
-                f"{os.getpid()}: the child only has a copy, its updates would never reach the "
-                "parent. Open the store in the child, use a persistent backend (lmdb://, "
-                "rocksdb://, sql, bigtable://) shared by URL, or start workers with 'spawn'")
-        return self._lock.__enter__()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._lock.__exit__(exc_type, exc, tb)
+def _forked(pid: int) -> ForkedProcessError:
+    return ForkedProcessError(
+        f"a memory:// store made in process {pid} is used in forked child {os.getpid()}: the "
+        "child only has a copy, its updates would never reach the parent. Open the store in "
+        "the child, use a persistent backend (lmdb://, rocksdb://, sql, bigtable://) shared "
+        "by URL, or start workers with 'spawn'")
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
@@ -154,7 +122,7 @@ class MemoryBackend(HashRangeScans, Backend):
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.
-        self._lock = _ProcessLock()
+        self._lock = ProcessLock(_forked)
         self._capacity = max(int(initial_capacity), 16)
         # a flag from the query wins over the keyword; _flag reads both forms
         self._prefault = _flag("prefault", query.get("prefault", prefault))

@@ -163,3 +163,16 @@ class HashRangeScans:
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.scan(batch_size, rng)  # type: ignore[attr-defined]
+
+
+def bounds_from_samples(samples: list[tuple[bytes, int]], size: int, n: int) -> list[bytes]:
+    """``n - 1`` cut points from ``(row key, byte offset)`` samples in key order: the sample
+    nearest each ``n``-th of ``size`` bytes (Bigtable's ``SampleRowKeys``)."""
+    bounds, j = [], 0
+    for i in range(1, n):
+        target = size * i // n
+        while j < len(samples) - 1 and abs(samples[j + 1][1] - target) <= abs(
+                samples[j][1] - target):
+            j += 1
+        bounds.append(samples[j][0])
+    return bounds

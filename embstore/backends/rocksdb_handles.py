@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError
 from ..extras import install_hint
+from .forks import current_generation, on_fork_in_child
 
 try:
     import rocksdict as rd
@@ -109,20 +110,12 @@ POOL: dict[str, Shared] = {}
 # copy would flush it into the parent's files. Each child bumps the generation; a backend made
 # in an older one refuses every call, and the child's copies are kept referenced here so that
 # nothing closes (flushes) them.
-_fork_generation = 0
 INHERITED: list[Any] = []
 
 
-def current_generation() -> int:
-    """How many times this process is a forked child of the one that imported rocksdict."""
-    return _fork_generation
-
-
 def _after_fork_in_child() -> None:
-    global _fork_generation
-    _fork_generation += 1
     INHERITED.extend(POOL.values())
     POOL.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+on_fork_in_child(_after_fork_in_child)

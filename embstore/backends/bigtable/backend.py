@@ -1,19 +1,12 @@
 """``bigtable://project/instance/table`` — records in Cloud Bigtable (or its emulator).
 
 One row per key, one binary cell per row holding the record's raw bytes (the layout dtype), in
-column family ``column_family`` (default ``"e"``) with an empty qualifier. The store metadata
-lives in a reserved row that no data key can produce (see :mod:`._bigtable_wire`).
-
-The hot paths talk gRPC directly with hand-encoded requests (the client library's per-row
-objects cost several times the emulator's own work); table administration uses the official
-admin client. Reads are split into shards of ``read_batch`` keys with up to ``inflight``
-streams at once; writes into ``MutateRows`` requests of ``write_batch`` rows, also ``inflight``
-at once. Every read carries a latest-cell filter: the emulator never garbage-collects old
-versions.
-
-Channels, table administration and the retry policy for transient gRPC errors live in
-:mod:`._bigtable_connection`; compare-and-set writes in :mod:`._bigtable_cas`; request encoding
-in :mod:`._bigtable_wire`.
+column family ``column_family`` (default ``"e"``); store metadata, the writer-lease record and
+a restore's generation live in reserved rows no data key can produce (:mod:`.wire`). The hot
+paths send hand-encoded gRPC requests (the client library's per-row objects cost several times
+the emulator's own work), sharded over ``inflight`` streams; every read carries a latest-cell
+filter (the emulator never garbage-collects old versions). Channels, administration and
+retries: :mod:`.connection`; compare-and-set: :mod:`.cas`; restores: :mod:`.restore`.
 """
 
 from __future__ import annotations
@@ -33,9 +26,9 @@ import numpy as np
 from ...errors import InvalidInputError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
+from .. import ranges as kr
 from ..base import Backend, ModifyFn
 from ..lease_record import check_fence, loads
-from ..ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds
 from . import cas, guard, restore, wire
 from .restore import BigtableRestore
 from .stubs import data_stubs
@@ -393,9 +386,9 @@ class BigtableBackend(BigtableRestore, Backend):
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every record, from one table: a scan that overlaps a restore by another process
         raises ``ConcurrentRestoreError`` (see :mod:`.restore`)."""
-        return self.scan_range(KeyRange(KIND_BYTES), batch_size)
+        return self.scan_range(kr.KeyRange(kr.KIND_BYTES), batch_size)
 
-    def plan_ranges(self, n: int) -> list[KeyRange]:
+    def plan_ranges(self, n: int) -> list[kr.KeyRange]:
         """Row ranges cut at every ``size/n``-th byte offset of Bigtable's own row-key samples
         (``SampleRowKeys``: split points the server keeps, no rows read); a table with too
         few samples (a small one) is cut at every ``rows/n``-th row key of a keys-only read."""
@@ -406,19 +399,13 @@ class BigtableBackend(BigtableRestore, Backend):
             time.monotonic() + self.retry_deadline)
         data = [(k, off) for k, off in samples if wire.DATA_PREFIX <= k < wire.DATA_END]
         if n > 1 and len(data) >= 2 * (n - 1):
-            size, bounds, j = max(off for _, off in samples), [], 0
-            for i in range(1, n):  # the sample nearest each n-th of the bytes
-                target = size * i // n
-                while j < len(data) - 1 and abs(data[j + 1][1] - target) <= abs(
-                        data[j][1] - target):
-                    j += 1
-                bounds.append(data[j][0])
-            return ranges_from_bounds(KIND_BYTES, bounds)
+            return kr.ranges_from_bounds(kr.KIND_BYTES, kr.bounds_from_samples(
+                data, max(off for _, off in samples), n))
         walked = [k for ks, _ in self._scan_rows(True, 65536) for k in ks]
-        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(walked, len(walked), n,
+        return kr.ranges_from_bounds(kr.KIND_BYTES, kr.bounds_from_walk(walked, len(walked), n,
                                                                wire.DATA_PREFIX))
 
-    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+    def scan_range(self, rng: kr.KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         # bounds are whole row keys (prefix included), so a range is one Bigtable row range
         start = wire.DATA_PREFIX if rng.lo is None else bytes(rng.lo)

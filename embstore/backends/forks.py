@@ -1,0 +1,62 @@
+"""Which fork of the process this is: handles made before a fork() must not be used after it.
+
+An in-process table (``memory://``) or a RocksDB handle copied into a forked child would take
+the child's writes and never show them to anyone. Each forked child bumps a generation; a
+backend remembers the generation it was made in, so telling a forked copy apart costs one
+comparison per call, no getpid() system call.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+__all__ = ["ProcessLock", "current_generation", "on_fork_in_child"]
+
+_generation = 0
+_hooks: list[Callable[[], None]] = []
+
+
+def current_generation() -> int:
+    """How many times this process is a forked child of the one that imported embstore."""
+    return _generation
+
+
+def on_fork_in_child(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in every child forked from now on (after the generation was bumped)."""
+    _hooks.append(fn)
+
+
+def _after_fork_in_child() -> None:
+    global _generation
+    _generation += 1
+    for fn in _hooks:
+        fn()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ProcessLock:
+    """A re-entrant lock that refuses to be taken in a child forked after it was made (the
+    child's copy of the lock may even be held by a thread that does not exist there);
+    ``refusal(made_in_pid)`` builds the error to raise."""
+
+    __slots__ = ("_lock", "_generation", "_pid", "_refusal")
+
+    def __init__(self, refusal: Callable[[int], BaseException]) -> None:
+        self._lock = threading.RLock()
+        self._generation = _generation
+        self._pid = os.getpid()
+        self._refusal = refusal
+
+    def __enter__(self) -> bool:
+        if self._generation != _generation:
+            raise self._refusal(self._pid)
+        return self._lock.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._lock.__exit__(exc_type, exc, tb)

@@ -86,7 +86,14 @@ def test_the_cache_layer_overrides_every_row_path_of_the_wrapper():
     forwarded = [n for n in _PUBLIC if getattr(CachedBackend, n) is getattr(WrapperBackend, n)]
     flags = {"persistent", "supports_scan", "supports_changes", "thread_safe", "scheme",
              "cheap_len", "cheap_size", "supports_slots"}
-    assert set(forwarded) <= flags | {"partition_of"}, forwarded
+    assert set(forwarded) <= flags | {"partition_of", "plan_ranges", "scan_range"}, forwarded
+    # the wrapper's range methods refuse for a layer that declares no ranges (the cache)
+    assert CachedBackend.supports_ranges is False
+    cache = CachedBackend("memory://")
+    for call in (lambda: cache.plan_ranges(2), lambda: list(cache.scan_range(None, 10))):
+        with pytest.raises(NotImplementedError):
+            call()
+    cache.close()
     # Its own: steps in place on the cached rows (write-back over memory://), never the remote's.
     assert isinstance(CachedBackend.supports_row_update, property)
     assert CachedBackend.supports_lookup_insert is False

@@ -164,11 +164,17 @@ class WrapperBackend(Backend):
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.inner.changes_since(version, batch_size)
 
+    # A layer that declares no ranges of its own (a cache: the remote's ranges would miss its
+    # dirty rows) refuses them rather than forward to its inner backend.
     def plan_ranges(self, n: int) -> list[KeyRange]:
+        if not self.supports_ranges:
+            return Backend.plan_ranges(self, n)
         return self.inner.plan_ranges(n)
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if not self.supports_ranges:
+            return Backend.scan_range(self, rng, batch_size)
         return self.inner.scan_range(rng, batch_size)
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:

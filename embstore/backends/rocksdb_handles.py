@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,14 +44,17 @@ def open_unraced(path: str, open_once: Callable[[], None], close: Callable[[], N
     and the files of the other (RocksDB then reports "Corruption"). A changed inode of the
     directory tells: the open is tried again on the directory now in place. Once open, the
     handle reads that one table (its files stay readable after the old directory is removed).
+    A file the open listed and the writer removed before it was read (a write-ahead log the
+    writer just retired) is the same race inside one directory: tried again too.
     """
     for _ in range(_RO_OPEN_TRIES):
         before = _dir_id(path)
         try:
             open_once()
-        except BackendError:
-            if _dir_id(path) == before:
+        except BackendError as e:
+            if _dir_id(path) == before and "No such file or directory" not in str(e):
                 raise
+            time.sleep(0.01)
             continue
         if _dir_id(path) == before:
             return

@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
 HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
-.PHONY: demo recsys test bench lint clean ext tfra-venv
+.PHONY: demo recsys test bench lint clean ext tfra-venv torchrec-venv
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,20 @@ $(TFRA)/.created:
 	touch $@
 
 tfra-venv: $(TFRA)/.created
+
+# FBGEMM's CPU table-batched embedding op (what TorchRec's fused EmbeddingBagCollection runs), the
+# peer in bench/bench_torchrec.py. fbgemm-gpu-cpu 1.8.0 is the release that loads with torch 2.13
+# (1.7.0 and 1.9.0 fail with undefined symbols); torch==2.13.0 exactly takes the CPU wheel, any
+# other spec pulls GBs of CUDA packages. torchrec --no-deps keeps it from pulling fbgemm-gpu (CUDA).
+TORCHREC := .venv-torchrec
+$(TORCHREC)/.created:
+	$(PYTHON) -m venv $(TORCHREC)
+	$(TORCHREC)/bin/pip -q install --upgrade pip
+	$(TORCHREC)/bin/pip -q install torch==2.13.0
+	$(TORCHREC)/bin/pip -q install fbgemm-gpu-cpu==1.8.0 numpy
+	touch $@
+
+torchrec-venv: $(TORCHREC)/.created
 
 # ruff and mypy come from the test extra; mypy checks embstore (files= in pyproject.toml).
 lint: $(VENV)/.test

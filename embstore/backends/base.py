@@ -63,7 +63,8 @@ class RowRule:
     """An optimizer step that is a pure function of each record and its gradient row.
 
     ``name`` and ``params`` identify it for backends with a native in-place kernel (today
-    ``"adagrad"`` with ``(lr, eps)`` on float32 ``vector`` and ``accum`` fields);
+    ``"adagrad"`` / ``"adagrad_rowwise"`` with ``(lr, eps)`` on float32 ``vector`` and
+    ``accum`` fields);
     ``step(records, grads)`` is the same step on a structured array, in place, for every
     other case (another layout, a backend without the kernel).
     """
@@ -144,10 +145,9 @@ class Backend(abc.ABC):
     accepted_options : frozenset of str or None
         The backend options ``__init__`` takes, where its signature cannot tell (it takes
         ``**options``); None: read them from the signature (:mod:`embstore.options`).
-    supports_slots : bool
-        It is a :class:`SlotAddressed` backend: records have stable integer slots
-        (``find_slots``, ``read_slots``, ``write_slots``, ``update_slots``), which a cache
-        layer uses as its key -> slot index (``memory://``).
+    supports_slots, supports_fused_bags : bool
+        It is a :class:`SlotAddressed` backend (stable integer slots: a cache layer's key ->
+        slot index), a :class:`FusedBagPooling` one (``memory://`` both).
 
     The engine and the layers read these flags and nothing else; a layer declares its own,
     most often forwarding its inner backend's (see :class:`embstore.layers.WrapperBackend`).
@@ -165,6 +165,7 @@ class Backend(abc.ABC):
     max_key_bytes: int | None = None
     accepted_options: ClassVar[frozenset[str] | None] = None
     supports_slots: bool = False
+    supports_fused_bags: bool = False
 
     #: set by :meth:`bind` once the store's layout is known (after metadata is read/written)
     _layout: Layout | None = None
@@ -437,4 +438,21 @@ class SlotAddressed(Protocol):
 
     def update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
         """Apply ``update`` (one row per slot) to the records at occupied ``slots``."""
+        ...
+
+
+class FusedBagPooling(Protocol):
+    """A backend that pools bags of stored vectors in one pass (``supports_fused_bags``):
+    the engine's fused bag path (:mod:`embstore.engine.fused`)."""
+
+    supports_fused_bags: bool
+
+    def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                    template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
+                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+        """:meth:`lookup_insert` of distinct ``keys`` with the vectors pooled into bags instead
+        of returned: row ``b`` of ``out`` sums (``mean``: averages) the vectors of
+        ``keys[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, each times ``weights[e]``
+        where ``weights`` is not empty. Returns how many keys were inserted. Only called when
+        ``supports_fused_bags``."""
         ...

@@ -14,29 +14,22 @@ Calls are serialized by a lock, so threads may share one store.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    CapacityError,
-    ForkedProcessError,
-    InvalidURLError,
-    StoreClosedError,
-)
+from ..errors import CapacityError, InvalidURLError, StoreClosedError
 from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
+from .memory_lock import ProcessLock
 from .memory_rows import row_plan
 from .memory_url import flag as _flag
 from .memory_url import url_options
 
 try:
-    from .._cython import bytestable, cuckoo
+    from .._cython import bytestable, cuckoo, fused
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
@@ -48,45 +41,6 @@ except ImportError as e:  # pragma: no cover - depends on the build
     ) from e
 
 _EMPTY = np.uint32(0xFFFFFFFF)
-
-# Bumped in every forked child: a store remembers the generation it was made in, so telling a
-# forked copy apart costs one comparison per call, no getpid() system call.
-_fork_generation = 0
-
-
-def _after_fork_in_child() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _ProcessLock:
-    """The backend's re-entrant lock, refusing to be taken in a child forked after the store
-    was made (the child's copy of the lock may even be held by a thread that does not exist
-    there)."""
-
-    __slots__ = ("_lock", "_generation", "_pid")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._generation = _fork_generation
-        self._pid = os.getpid()
-
-    def __enter__(self) -> bool:
-        if self._generation != _fork_generation:
-            raise ForkedProcessError(
-                f"a memory:// store made in process {self._pid} is used in forked child "
-                f"{os.getpid()}: the child only has a copy, its updates would never reach the "
-                "parent. Open the store in the child, use a persistent backend (lmdb://, "
-                "rocksdb://, sql, bigtable://) shared by URL, or start workers with 'spawn'")
-        return self._lock.__enter__()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._lock.__exit__(exc_type, exc, tb)
-
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
                  new: np.ndarray | None = None, snapshot: KeySnapshot | None = None) -> int:
@@ -133,6 +87,7 @@ class MemoryBackend(Backend):
     supports_row_update = True
     cheap_len = True  # the table's own size (stats() reads it without a scan)
     supports_slots = True  # SlotAddressed: the cache layer's key -> slot index
+    supports_fused_bags = True  # lookup_pool (int64 keys): the engine's fused bag path
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
@@ -151,7 +106,7 @@ class MemoryBackend(Backend):
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.
-        self._lock = _ProcessLock()
+        self._lock = ProcessLock()
         self._capacity = max(int(initial_capacity), 16)
         # a flag from the query wins over the keyword; _flag reads both forms
         self._prefault = _flag("prefault", query.get("prefault", prefault))
@@ -322,35 +277,52 @@ class MemoryBackend(Backend):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         self._scatter(self._place(keys), records)
 
+    def _place_new(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                   template: Callable[[], np.ndarray], flags: np.ndarray,
+                   snapshot: Any = None) -> tuple[np.ndarray, int]:
+        """Slots of ``keys``, a missing key placed in the table (one probe per key) and given
+        ``template()`` with its ``initial`` vector; ``flags`` marks the keys placed."""
+        n = len(keys)
+        slots = np.empty(n, dtype=np.uint32)
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot))
+        if n_new:
+            self._epoch += 1
+            tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
+            vdt, offset = self.layout.fields["vector"]
+            m = slice(None) if n_new == n else flags.view(bool)
+            self._write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
+                initial(keys[m]), dtype=vdt.base))
+        return slots, n_new
+
     @serialized
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                       template: Callable[[], np.ndarray],
                       new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        # One probe per key: a missing key is placed in the table as it is found missing.
         n = len(keys)
-        slots = np.empty(n, dtype=np.uint32)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
         snapshot = self._new_snapshot(keys)
-        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags,
-                                 snapshot if isinstance(snapshot, KeySnapshot) else None))
+        slots, n_new = self._place_new(keys, initial, template, flags,
+                                       snapshot if isinstance(snapshot, KeySnapshot) else None)
         vdt, offset = self.layout.fields["vector"]
-        if n_new:
-            self._epoch += 1
-            tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
-        out: np.ndarray
-        if n_new == n:
-            out = np.ascontiguousarray(initial(keys), dtype=vdt.base)
-            self._write_rows(slots, tmpl, offset, out)
-        else:
-            if n_new:
-                m = flags.view(bool)
-                self._write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
-                    initial(keys[m]), dtype=vdt.base))
-            out = np.empty((n,) + vdt.shape, dtype=vdt.base)
-            self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
-                                 vdt.itemsize)
+        out = np.empty((n,) + vdt.shape, dtype=vdt.base)
+        self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset, vdt.itemsize)
         self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
+
+    @serialized
+    def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                    template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
+                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+        """:meth:`lookup_insert` of distinct int64 ``keys`` (float32 vectors) whose vectors go
+        straight into bags: row ``b`` of ``out`` pools the vectors of ``keys[inv[e]]`` for
+        ``e`` in ``offsets[b]:offsets[b+1]`` (``fused.pool``). Returns how many keys were new;
+        the slots stay remembered for the ``update_rows`` of the same keys."""
+        flags = np.empty(len(keys), dtype=np.uint8)
+        slots, n_new = self._place_new(keys, initial, template, flags)
+        fused.pool(self._records, slots, inv, offsets, weights,
+                   self.layout.fields["vector"][1], mean, out)
+        self._last_find = (keys.copy(), slots, self._epoch)
+        return n_new
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
@@ -424,7 +396,13 @@ class MemoryBackend(Backend):
         axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
         if rule is not None:
             lr, eps = rule.params
-            self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
+            if rule.name == "adagrad_rowwise":
+                # the float32 reduction of Adagrad(rowwise=True)'s numpy step: the same bits
+                ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
+                self._records.adagrad_rowwise_rows(slots, axpy_offset, acc_offset, x, ms, lr,
+                                                   eps)
+            else:
+                self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
             x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
         n = len(slots)
         adds = update.add.values()

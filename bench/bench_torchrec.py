@@ -11,6 +11,8 @@ the dense part stepped by ``torch.optim.SGD``. Contenders:
 
 - ``embstore``: one ``memory://`` store per table behind ``DynamicEmbeddingBag(mode="sum")``,
   the store's own row-wise Adagrad (``Adagrad(rowwise=True)``, the same rule as FBGEMM's);
+- ``embstore-unfused``: the same with ``use_fused_path = False`` (the path before the fused
+  one: store lookup of the distinct ids, torch ``embedding_bag``, ``store.update``);
 - ``torch``: ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` + ``torch.optim.Adagrad``
   (torch has no row-wise Adagrad: full Adagrad, 64 accumulators per row);
 - ``fbgemm``: ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU, ``EXACT_ROWWISE_ADAGRAD``, its
@@ -101,7 +103,7 @@ class Contender:
         self.dense_opt = torch.optim.SGD(self.linear.parameters(), lr=0.01)
         self.labels = (torch.rand(batch, 1) < 0.5).float()
         self.loss = torch.nn.BCEWithLogitsLoss()
-        getattr(self, f"_init_{kind}")(rows, features, bag, **opts)
+        getattr(self, f"_init_{kind.replace('-', '_')}")(rows, features, bag, **opts)
 
     def _init_embstore(self, rows: int, features: int, bag: int, **opts: object) -> None:
         import embstore
@@ -113,6 +115,11 @@ class Contender:
                        for f in range(features)]
         self.bags = [DynamicEmbeddingBag(s, mode="sum") for s in self.stores]
         self.sparse_opt = None
+
+    def _init_embstore_unfused(self, rows: int, features: int, bag: int, **opts: object) -> None:
+        self._init_embstore(rows, features, bag, **opts)
+        for b in self.bags:
+            b.use_fused_path = False
 
     def _init_torch(self, rows: int, features: int, bag: int) -> None:
         nn = self.torch.nn
@@ -247,7 +254,7 @@ def report(name: str, dims: tuple[int, int, int], times: dict, floor: float,
            for k, v in times.items()}
     ids = dims[0] * dims[1] * dims[2]
     print(f"\n{name}: {ids} ids per step; floor {floor * 1e3:.2f} ms/step")
-    print(f"{'contender':<10}{'thr':>4}{'wall ms':>10}{'cpu ms':>10}{'Mids/s':>8}"
+    print(f"{'contender':<17}{'thr':>4}{'wall ms':>10}{'cpu ms':>10}{'Mids/s':>8}"
           f"{'x fbgemm':>10}{'x fbgemm cpu':>14}{'x floor':>9}")
     out = {}
     for t in threads:
@@ -257,7 +264,7 @@ def report(name: str, dims: tuple[int, int, int], times: dict, floor: float,
                 continue
             vs = f"{ref['wall'] / m['wall']:.2f}" if ref else "-"
             vs_cpu = f"{ref['cpu'] / m['cpu']:.2f}" if ref else "-"
-            print(f"{kind:<10}{t:>4}{m['wall'] * 1e3:>10.2f}{m['cpu'] * 1e3:>10.2f}"
+            print(f"{kind:<17}{t:>4}{m['wall'] * 1e3:>10.2f}{m['cpu'] * 1e3:>10.2f}"
                   f"{ids / m['wall'] / 1e6:>8.2f}{vs:>10}{vs_cpu:>14}{m['wall'] / floor:>9.1f}")
             out[f"{kind}/{t}"] = {**m, "x_fbgemm": ref["wall"] / m["wall"] if ref else None,
                                   "x_floor": m["wall"] / floor}
@@ -272,7 +279,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps per contender per round")
     ap.add_argument("--batches", type=int, default=None, help="distinct batches in the pool")
-    ap.add_argument("--contenders", default="embstore,torch")
+    ap.add_argument("--contenders", default="embstore,embstore-unfused,torch")
     ap.add_argument("--no-peer", action="store_true", help="leave FBGEMM out")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)

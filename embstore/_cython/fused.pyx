@@ -26,10 +26,6 @@ from .arena cimport RecordArena
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
 
-cdef enum:
-    AHEAD = 8
-
-
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     # splitmix64's finalizer: ids that differ in high bits only still spread
     x ^= x >> 30
@@ -105,24 +101,35 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
     order (``weights[e]`` times each when ``weights`` is not empty), divided by the bag's
     length with ``mean``; an empty bag gives zeros."""
     cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b, e, k, end, ln
+    cdef Py_ssize_t nu = slots.shape[0], u
     cdef float* o
     cdef const float* r
     cdef float w, fl
     cdef bint weighted = weights.shape[0] != 0
+    cdef const float** rows
+    cdef uint32_t s
     if vec_offset < 0 or vec_offset + d * 4 > arena.itemsize:
         raise ValueError("pool: the vector field does not fit the record")
-    _check_bags(inv, offsets, weights, n_bags, slots.shape[0], "pool")
+    _check_bags(inv, offsets, weights, n_bags, nu, "pool")
     arena._check_slots(slots, "pool")
     end = offsets[n_bags]
+    rows = <const float**> malloc((nu if nu else 1) * sizeof(float*))
+    if rows == NULL:
+        raise MemoryError("pool: no memory")
     with nogil:
+        # Each distinct key's vector address once (the arena's row arithmetic, inlined), its
+        # first line requested ahead: the bag loop below then reads rows already on their way.
+        for u in range(nu):
+            s = slots[u]
+            rows[u] = <const float*> (arena.chunks[s >> arena.shift]
+                                      + (s & arena.low_mask) * arena.itemsize + vec_offset)
+            ES_PREFETCH(rows[u])
+            ES_PREFETCH(<const char*> rows[u] + d * 4 - 1)
         for b in range(n_bags):
             o = &out[b, 0]
             memset(o, 0, d * sizeof(float))
             for e in range(offsets[b], offsets[b + 1]):
-                if e + AHEAD < end:
-                    ES_PREFETCH(arena._row(slots[inv[e + AHEAD]]) + vec_offset)
-                    ES_PREFETCH(arena._row(slots[inv[e + AHEAD]]) + vec_offset + d * 4 - 1)
-                r = <const float*> (arena._row(slots[inv[e]]) + vec_offset)
+                r = rows[inv[e]]
                 if weighted:
                     w = weights[e]
                     for k in range(d):
@@ -135,21 +142,25 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
                 fl = <float> ln
                 for k in range(d):
                     o[k] = o[k] / fl
+    free(rows)
 
 
 def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::1] weights,
-              bint mean, const float[:, ::1] grad, float[:, ::1] sums):
+              bint mean, const float[:, :] grad, float[:, ::1] sums):
     """Row ``u`` of ``sums``: the gradient of every element ``e`` with ``inv[e] == u``,
     added in element order; an element's gradient is its bag's row of ``grad``, divided by
-    the bag's length with ``mean``, times ``weights[e]`` when weights are given."""
+    the bag's length with ``mean``, times ``weights[e]`` when weights are given. ``grad``
+    may be a strided view of a wider array (a slice of a concatenated output's gradient),
+    its rows contiguous."""
     cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1], b, e, k, ln
     cdef float* s
     cdef const float* g
     cdef float w, fl
     cdef float* scaled
     cdef bint weighted = weights.shape[0] != 0
-    if sums.shape[1] != d:
-        raise ValueError("grad_sums: the sums must have the gradient's width")
+    if sums.shape[1] != d or (d > 1 and grad.strides[1] != sizeof(float)):
+        raise ValueError("grad_sums: the sums must have the gradient's width, and gradient "
+                         "rows must be contiguous")
     _check_bags(inv, offsets, weights, n_bags, sums.shape[0], "grad_sums")
     scaled = <float*> malloc((d if d else 1) * sizeof(float))
     if scaled == NULL:

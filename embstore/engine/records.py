@@ -433,7 +433,9 @@ class RecordWrites:
         applies the per-id sums: one optimizer step per distinct id. ``count`` grows by each
         id's occurrences, or by ``counts`` (one per distinct id, e.g. zeros) when given."""
         self.check_writable()
-        g = np.ascontiguousarray(grad, dtype=np.float32)
+        g = np.asarray(grad, dtype=np.float32)
+        if g.ndim == 2 and g.shape[1] > 1 and g.strides[1] != 4:  # rows may sit apart
+            g = np.ascontiguousarray(g)
         if g.shape != (batch.n_bags, self.layout.dim):
             raise InvalidInputError(f"gradients must have shape ({batch.n_bags}, "
                                     f"{self.layout.dim}), got {g.shape}")

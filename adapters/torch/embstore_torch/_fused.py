@@ -98,8 +98,11 @@ class _FusedBagGrad:
             raise ReadOnlyError(f"{store.url} is open read-only, so this backward cannot "
                                 "update it")
         counts = None if ctx.count else np.zeros(len(batch.uniq), dtype=np.int64)
-        store.update_bags(batch, grad.detach().to("cpu", torch.float32).contiguous().numpy(),
-                          counts=counts)
+        # a slice of a concatenated output's gradient stays a view: its rows are read in place
+        g = grad.detach().to("cpu", torch.float32)
+        if g.dim() != 2 or g.stride(1) != 1:
+            g = g.contiguous()
+        store.update_bags(batch, g.numpy(), counts=counts)
         return None, None, None, None, None, None, None
 
 

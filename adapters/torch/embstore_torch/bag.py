@@ -50,6 +50,9 @@ class DynamicEmbeddingBag(StoreModule):
     #: Take the fused path (``_fused.py``) where the store offers it; False: always the
     #: unfused one (the two give the same bits: tests compare them).
     use_fused_path: bool = True
+    #: Run the fused path through the ``embstore::fused_bag`` custom op instead of its eager
+    #: ``autograd.Function`` (same store calls, same bits; the op costs more to dispatch).
+    fused_custom_op: bool = False
 
     def __init__(self, store: Any, mode: str = "mean", *, trainable: bool | None = None,
                  count: bool = True, padding_key: Any = None, padding_idx: Any = None,
@@ -116,7 +119,7 @@ class DynamicEmbeddingBag(StoreModule):
         if self._fused_usable(input, offsets, per_sample_weights):
             return self._output(_fused.bag(input, offsets, per_sample_weights, self._trigger,
                                            self._handle, self.mode == "mean",
-                                           self.embedding_dim))
+                                           self.embedding_dim, self.fused_custom_op))
         if self.include_last_offset:
             if offsets is None:
                 raise InvalidInputError("include_last_offset=True needs offsets")

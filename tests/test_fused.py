@@ -202,3 +202,18 @@ def test_gradient_slices_of_a_concatenated_output_give_the_same_bits():
         results.append([s.get_records(np.arange(400))[0] for s in stores])
     for a, b in zip(*results, strict=True):
         assert np.array_equal(a["vector"], b["vector"]) and np.array_equal(a["accum"], b["accum"])
+
+
+@pytest.mark.parametrize("eviction", ["lfu", "lru"])
+def test_capacity_eviction_sees_the_same_rows(eviction):
+    """Inserts by the fused forward trigger capacity eviction as the lookup does."""
+    kw = {"capacity": 60, "eviction": eviction, "clock": EventClock(50.0)}
+    a = _train(True, "adagrad-rowwise", "sum", "ragged", **kw)
+    b = _train(False, "adagrad-rowwise", "sum", "ragged", **kw)
+    assert np.array_equal(a[3], b[3])  # the same keys survived
+    assert len(a[3]) < 100
+    for name in ("vector", "accum", "count", "last_step"):
+        assert np.array_equal(a[2][name], b[2][name]), name
+    sa, sb = a[0].stats(), b[0].stats()
+    assert {k: sa[k] for k in (*STAT_NAMES, "deletes")} == {k: sb[k] for k in
+                                                           (*STAT_NAMES, "deletes")}

@@ -414,9 +414,10 @@ class RecordWrites:
         batch = bag_batch(ids, offsets, weights, mean)
         uniq = batch.uniq
         n = len(uniq)
-        out = np.zeros((batch.n_bags, self.layout.dim), dtype=np.float32)
+        out = np.empty((batch.n_bags, self.layout.dim), dtype=np.float32)  # pool sets every bag
         self._stats["lookups"] += n
         if not n:
+            out.fill(0.0)
             return out, batch
         pooling = cast("FusedBagPooling", self._backend)  # supports_fused_bags
         n_new = pooling.lookup_pool(uniq, self._initial_stored, self._template, batch.inv,

@@ -65,7 +65,8 @@ tfra-venv: $(TFRA)/.created
 # FBGEMM's CPU table-batched embedding op (what TorchRec's fused EmbeddingBagCollection runs), the
 # peer in bench/bench_torchrec.py. fbgemm-gpu-cpu 1.8.0 is the release that loads with torch 2.13
 # (1.7.0 and 1.9.0 fail with undefined symbols); torch==2.13.0 exactly takes the CPU wheel, any
-# other spec pulls GBs of CUDA packages. torchrec --no-deps keeps it from pulling fbgemm-gpu (CUDA).
+# other spec pulls GBs of CUDA packages. The bench compares at the op level, so no torchrec (for the
+# module level: torchrec==1.8.0 --no-deps + tensordict, torchmetrics==1.0.3, pyre-extensions, iopath).
 TORCHREC := .venv-torchrec
 $(TORCHREC)/.created:
 	$(PYTHON) -m venv $(TORCHREC)

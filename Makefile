@@ -8,7 +8,7 @@ PIP    := $(VENV)/bin/pip -q --disable-pip-version-check
 PYX    := $(wildcard embstore/_cython/*.pyx)
 HDR    := $(wildcard embstore/_cython/*.h embstore/_cython/vendor/*.h)
 
-.PHONY: demo recsys test bench lint clean ext tfra-venv beam-venv wheel check-install
+.PHONY: demo recsys test bench lint clean ext tfra-venv beam-venv wheel check-install torchrec-venv
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,21 @@ $(BEAM)/.created:
 	touch $@
 
 beam-venv: $(BEAM)/.created
+
+# FBGEMM's CPU table-batched embedding op (what TorchRec's fused EmbeddingBagCollection runs), the
+# peer in bench/bench_torchrec.py. fbgemm-gpu-cpu 1.8.0 is the release that loads with torch 2.13
+# (1.7.0 and 1.9.0 fail with undefined symbols); torch==2.13.0 exactly takes the CPU wheel, any
+# other spec pulls GBs of CUDA packages. The bench compares at the op level, so no torchrec (for the
+# module level: torchrec==1.8.0 --no-deps + tensordict, torchmetrics==1.0.3, pyre-extensions, iopath).
+TORCHREC := .venv-torchrec
+$(TORCHREC)/.created:
+	$(PYTHON) -m venv $(TORCHREC)
+	$(TORCHREC)/bin/pip -q install --upgrade pip
+	$(TORCHREC)/bin/pip -q install torch==2.13.0
+	$(TORCHREC)/bin/pip -q install fbgemm-gpu-cpu==1.8.0 numpy
+	touch $@
+
+torchrec-venv: $(TORCHREC)/.created
 
 # ruff and mypy come from the test extra; mypy checks embstore (files= in pyproject.toml).
 lint: $(VENV)/.test

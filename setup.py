@@ -10,6 +10,9 @@ extensions = [
     # -fno-math-errno: sqrtf becomes the (equally rounded) vector instruction
     Extension("embstore._cython.arena", ["embstore/_cython/arena.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"]),
+    # fused: bag sums and gradient sums round as torch's embedding_bag (fmaf only where it does)
+    Extension("embstore._cython.fused", ["embstore/_cython/fused.pyx"], include_dirs=_HERE,
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"]),
     Extension("embstore._cython.cuckoo", ["embstore/_cython/cuckoo.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], include_dirs=_HERE,

@@ -352,6 +352,43 @@ cdef class RecordArena:
                     a[k] = ak
                     v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps))
 
+    def adagrad_rowwise_rows(self, const uint32_t[::1] slots, Py_ssize_t vec_offset,
+                             Py_ssize_t acc_offset, const float[:, ::1] g,
+                             const float[::1] mean_sq, float lr, float eps):
+        """Row-wise Adagrad in place, per slot j (one float32 accumulator per record)::
+
+            acc += mean_sq[j]                  # the row's mean squared gradient
+            vec[k] -= g[j, k] * (lr / (sqrt(acc) + eps))
+
+        Each float32 operation rounds as ``embstore.optim.Adagrad(rowwise=True)``'s numpy step
+        does (the caller computes ``mean_sq`` with the same numpy reduction)."""
+        cdef Py_ssize_t n = slots.shape[0], d = g.shape[1], j, k
+        cdef uint8_t* row
+        cdef float* v
+        cdef float* a
+        cdef const float* gr
+        cdef float s
+        if g.shape[0] < n or mean_sq.shape[0] < n:
+            raise ValueError("adagrad_rowwise_rows: fewer gradient rows than slots")
+        if vec_offset < 0 or vec_offset + d * 4 > self.itemsize or acc_offset < 0 \
+                or acc_offset + 4 > self.itemsize:
+            raise ValueError("adagrad_rowwise_rows: the float fields do not fit the record")
+        self._check_slots(slots, "adagrad_rowwise_rows")
+        with nogil:
+            for j in range(n):
+                if j + PREFETCH_AHEAD < n:
+                    row = self._row(slots[j + PREFETCH_AHEAD])
+                    ES_PREFETCH_W(row)
+                    ES_PREFETCH_W(row + self.itemsize - 1)
+                row = self._row(slots[j])
+                v = <float*> (row + vec_offset)
+                a = <float*> (row + acc_offset)
+                a[0] = a[0] + mean_sq[j]
+                s = lr / (sqrtf(a[0]) + eps)
+                gr = &g[j, 0]
+                for k in range(d):
+                    v[k] = v[k] - gr[k] * s
+
     def write_rows(self, const uint32_t[::1] slots, const uint8_t[::1] template,
                    Py_ssize_t vec_offset, const float[:, ::1] vectors):
         """Write each slot's record as ``template`` with row j of ``vectors`` (float32) at

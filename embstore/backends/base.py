@@ -65,7 +65,8 @@ class RowRule:
     """An optimizer step that is a pure function of each record and its gradient row.
 
     ``name`` and ``params`` identify it for backends with a native in-place kernel (today
-    ``"adagrad"`` with ``(lr, eps)`` on float32 ``vector`` and ``accum`` fields);
+    ``"adagrad"`` / ``"adagrad_rowwise"`` with ``(lr, eps)`` on float32 ``vector`` and
+    ``accum`` fields);
     ``step(records, grads)`` is the same step on a structured array, in place, for every
     other case (another layout, a backend without the kernel).
     """
@@ -157,6 +158,9 @@ class Backend(abc.ABC):
         It keeps a writer-lease record apart from the metadata (:meth:`modify_leases`) and,
         once a lease holder set ``fence``, every row write checks that the holder still holds
         it (:mod:`embstore.backends.lease_record`).
+    supports_fused_bags : bool
+        It is a :class:`FusedBagPooling` backend: ``lookup_pool`` places keys and pools their
+        vectors into bags in one pass (``memory://``).
 
     The engine and the layers read these flags and nothing else; a layer declares its own,
     most often forwarding its inner backend's (see :class:`embstore.layers.WrapperBackend`).
@@ -179,6 +183,7 @@ class Backend(abc.ABC):
     #: ``(holder id, token)`` of the writer lease the writes of this object must hold (None:
     #: unchecked); set by the lease holder, only where ``supports_fencing``
     fence: tuple[str, int] | None = None
+    supports_fused_bags: bool = False
 
     #: set by :meth:`bind` once the store's layout is known (after metadata is read/written)
     _layout: Layout | None = None
@@ -480,4 +485,21 @@ class SlotAddressed(Protocol):
 
     def update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
         """Apply ``update`` (one row per slot) to the records at occupied ``slots``."""
+        ...
+
+
+class FusedBagPooling(Protocol):
+    """A backend that pools bags of stored vectors in one pass (``supports_fused_bags``):
+    the engine's fused bag path (:mod:`embstore.engine.fused`)."""
+
+    supports_fused_bags: bool
+
+    def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                    template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
+                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+        """:meth:`lookup_insert` of distinct ``keys`` with the vectors pooled into bags instead
+        of returned: row ``b`` of ``out`` sums (``mean``: averages) the vectors of
+        ``keys[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, each times ``weights[e]``
+        where ``weights`` is not empty. Returns how many keys were inserted. Only called when
+        ``supports_fused_bags``."""
         ...

@@ -37,7 +37,7 @@ from .memory_url import flag as _flag
 from .ranges import HashRangeScans, KeyRange, in_hash_range
 
 try:
-    from .._cython import bytestable, cuckoo
+    from .._cython import bytestable, cuckoo, fused
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
@@ -104,6 +104,7 @@ class MemoryBackend(HashRangeScans, Backend):
     supports_row_update = True
     cheap_len = True  # the table's own size (stats() reads it without a scan)
     supports_slots = True  # SlotAddressed: the cache layer's key -> slot index
+    supports_fused_bags = True  # lookup_pool (int64 keys): the engine's fused bag path
     scheme = "memory"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
@@ -180,7 +181,6 @@ class MemoryBackend(HashRangeScans, Backend):
         self._table = None
         self._arena = None
 
-    # -- slot resolution ------------------------------------------------------------------------
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)
         self._key_table.find(keys, out)
@@ -296,35 +296,52 @@ class MemoryBackend(HashRangeScans, Backend):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         self._scatter(self._place(keys), records)
 
+    def _place_new(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                   template: Callable[[], np.ndarray], flags: np.ndarray,
+                   snapshot: Any = None) -> tuple[np.ndarray, int]:
+        """Slots of ``keys``, a missing key placed in the table (one probe per key) and given
+        ``template()`` with its ``initial`` vector; ``flags`` marks the keys placed."""
+        n = len(keys)
+        slots = np.empty(n, dtype=np.uint32)
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot))
+        if n_new:
+            self._epoch += 1
+            tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
+            vdt, offset = self.layout.fields["vector"]
+            m = slice(None) if n_new == n else flags.view(bool)
+            self._write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
+                initial(keys[m]), dtype=vdt.base))
+        return slots, n_new
+
     @serialized
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                       template: Callable[[], np.ndarray],
                       new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        # One probe per key: a missing key is placed in the table as it is found missing.
         n = len(keys)
-        slots = np.empty(n, dtype=np.uint32)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
         snapshot = self._new_snapshot(keys)
-        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags,
-                                 snapshot if isinstance(snapshot, KeySnapshot) else None))
+        slots, n_new = self._place_new(keys, initial, template, flags,
+                                       snapshot if isinstance(snapshot, KeySnapshot) else None)
         vdt, offset = self.layout.fields["vector"]
-        if n_new:
-            self._epoch += 1
-            tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
-        out: np.ndarray
-        if n_new == n:
-            out = np.ascontiguousarray(initial(keys), dtype=vdt.base)
-            self._write_rows(slots, tmpl, offset, out)
-        else:
-            if n_new:
-                m = flags.view(bool)
-                self._write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
-                    initial(keys[m]), dtype=vdt.base))
-            out = np.empty((n,) + vdt.shape, dtype=vdt.base)
-            self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset,
-                                 vdt.itemsize)
+        out = np.empty((n,) + vdt.shape, dtype=vdt.base)
+        self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset, vdt.itemsize)
         self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
+
+    @serialized
+    def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                    template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
+                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+        """:meth:`lookup_insert` of distinct int64 ``keys`` (float32 vectors) whose vectors go
+        straight into bags: row ``b`` of ``out`` pools the vectors of ``keys[inv[e]]`` for
+        ``e`` in ``offsets[b]:offsets[b+1]`` (``fused.pool``). Returns how many keys were new;
+        the slots stay remembered for the ``update_rows`` of the same keys."""
+        flags = np.empty(len(keys), dtype=np.uint8)
+        slots, n_new = self._place_new(keys, initial, template, flags)
+        fused.pool(self._records, slots, inv, offsets, weights,
+                   self.layout.fields["vector"][1], mean, out)
+        self._last_find = (keys.copy(), slots, self._epoch)
+        return n_new
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
@@ -398,7 +415,13 @@ class MemoryBackend(HashRangeScans, Backend):
         axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
         if rule is not None:
             lr, eps = rule.params
-            self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
+            if rule.name == "adagrad_rowwise":
+                # the float32 reduction of Adagrad(rowwise=True)'s numpy step: the same bits
+                ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
+                self._records.adagrad_rowwise_rows(slots, axpy_offset, acc_offset, x, ms, lr,
+                                                   eps)
+            else:
+                self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
             x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
         n = len(slots)
         adds = update.add.values()

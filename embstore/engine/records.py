@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .._cython.rowops import all_finite
 from ..backends.base import RowUpdate
-from ..errors import SchemaMismatchError
+from ..errors import InvalidInputError, SchemaMismatchError
 from ..valuetypes import round_trip
 from .batch import (
     coalesce,
@@ -27,9 +28,10 @@ from .batch import (
     unique_first,
     unique_last,
 )
+from .fused import BagBatch, bag_batch
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend
+    from ..backends.base import Backend, FusedBagPooling
     from ..init import Initializer
     from ..layout import Layout
     from ..optim import Optimizer
@@ -58,8 +60,10 @@ class RecordWrites:
 
     normalize_keys: Callable[[Any], np.ndarray]  # StoreSeams'
     check_writable: Callable[[], None]  # StoreSeams'
+    check_open: Callable[[], None]  # StoreSeams'
     _require_scan: Callable[[str], None]  # StoreSeams'
     read_only: bool
+    key_type: str
 
     def _next_version(self) -> int:
         # A hybrid clock: microseconds since the epoch, forced monotonic, so stamps keep
@@ -368,9 +372,14 @@ class RecordWrites:
         uniq, summed, mult = coalesce(k, g)
         if c is not None:
             mult = sum_counts(k, uniq, c)
+        self._apply_distinct(uniq, summed, mult, len(k))
+
+    def _apply_distinct(self, uniq: np.ndarray, summed: np.ndarray, mult: np.ndarray,
+                        n_rows: int) -> None:
+        """One optimizer step for each of the distinct keys ``uniq`` (``n_rows`` rows given)."""
         now = self._stamp_time()
         self.step += 1
-        self._stats["updates"] += len(k)
+        self._stats["updates"] += n_rows
         wide = self.layout.is_wide
         axpy = self.optimizer.axpy_step(summed) if wide else None
         rule = self.optimizer.row_rule() if (wide and axpy is None) else None
@@ -390,6 +399,67 @@ class RecordWrites:
             uniq, summed, mult = uniq[new], summed[new], mult[new]
         self._update_records(uniq, summed, mult, now)
         self._policy.after_update(self._as_host())
+
+    # -- the fused bag path (embstore.engine.fused) --------------------------------------------
+    def fused_bags(self) -> bool:
+        """Whether :meth:`pool_bags` takes the fused path now: a backend that pools in place
+        (``supports_fused_bags``), int64 keys, float32 rows, writable, and nothing that must
+        see each lookup as today (an admission policy, observers such as sampling indexes)."""
+        return bool(self._backend.supports_fused_bags and self.key_type == "int64"
+                    and self.layout.is_wide and not self.read_only
+                    and self._policy.admission is None and not self._observers)
+
+    def pool_bags(self, ids: Any, offsets: Any = None, *, weights: Any = None,
+                  mean: bool = False) -> tuple[np.ndarray, BagBatch] | None:
+        """Bags of ``ids`` pooled straight from the stored rows, new ids inserted with their
+        initial vectors: ``(pooled (n_bags, dim) float32, batch)``, or None where
+        :meth:`fused_bags` is False (then use :meth:`lookup`).
+
+        ``ids`` is 2-D (one bag per row) or 1-D with ``offsets`` (the start of each bag);
+        ``weights`` (sum pooling only) scale each id's vector. The result equals an
+        ``embedding_bag`` over ``lookup`` of the distinct ids, bit for bit, and the store's
+        counters move as that ``lookup`` moves them. Hand ``batch`` and the pooled gradient to
+        :meth:`update_bags`.
+        """
+        self.check_open()
+        if not self.fused_bags():
+            return None
+        batch = bag_batch(ids, offsets, weights, mean)
+        uniq = batch.uniq
+        n = len(uniq)
+        out = np.empty((batch.n_bags, self.layout.dim), dtype=np.float32)  # pool sets every bag
+        self._stats["lookups"] += n
+        if not n:
+            out.fill(0.0)
+            return out, batch
+        pooling = cast("FusedBagPooling", self._backend)  # supports_fused_bags
+        n_new = pooling.lookup_pool(uniq, self._initial_stored, self._template, batch.inv,
+                                    batch.offsets, batch.weights, batch.mean, out)
+        self._stats["hits"] += n - n_new
+        if n_new:
+            self._stats["misses"] += n_new
+            self._stats["inserts"] += n_new
+            self._policy.maybe_evict(self._as_host())
+        return out, batch
+
+    def update_bags(self, batch: BagBatch, grad: Any, *, counts: Any = None) -> None:
+        """Apply the gradient of :meth:`pool_bags`' output (``(n_bags, dim)``) as ``update``
+        applies the per-id sums: one optimizer step per distinct id. ``count`` grows by each
+        id's occurrences, or by ``counts`` (one per distinct id, e.g. zeros) when given."""
+        self.check_writable()
+        g = np.asarray(grad, dtype=np.float32)
+        if g.ndim == 2 and g.shape[1] > 1 and g.strides[1] != 4:  # rows may sit apart
+            g = np.ascontiguousarray(g)
+        if g.shape != (batch.n_bags, self.layout.dim):
+            raise InvalidInputError(f"gradients must have shape ({batch.n_bags}, "
+                                    f"{self.layout.dim}), got {g.shape}")
+        if not len(batch.uniq):
+            return
+        sums = batch.grad_sums(g)
+        if not all_finite(sums):
+            raise InvalidInputError("gradients contain NaN or inf")
+        mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
+        self._apply_distinct(batch.uniq, sums, mult, len(batch.uniq))
 
     def clear(self, batch_size: int = 65536) -> int:
         """Delete every row (as :meth:`delete` of all keys: policies and observers are told,

@@ -73,8 +73,10 @@ class WrapperBackend(Backend):
     cheap_len = _InnerFlag[bool]()
     cheap_size = _InnerFlag[bool]()
     max_key_bytes = _InnerFlag["int | None"]()
-    #: the slot methods are not forwarded, so a layer is never slot-addressed itself
+    #: the slot and bag-pooling methods are not forwarded: a layer is never slot-addressed,
+    #: nor on the fused bag path, itself
     supports_slots = False
+    supports_fused_bags = False
     replace_mechanism = _InnerFlag[str]()
     supports_ranges = _InnerFlag[bool]()
     supports_fencing = _InnerFlag[bool]()

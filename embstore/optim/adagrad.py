@@ -85,9 +85,8 @@ class Adagrad(Optimizer):
                   np.float32(-1.0))
 
     def row_rule(self) -> RowRule | None:
-        if self.rowwise:  # one accumulator per row: the general path (no native kernel)
-            return None
-        return RowRule("adagrad", (self.lr, self.eps), self._step_rows)
+        return RowRule("adagrad_rowwise" if self.rowwise else "adagrad", (self.lr, self.eps),
+                       self._step_rows)
 
     def _step_rows(self, records: np.ndarray, grads: np.ndarray) -> None:
         self.apply(records, grads, 0)  # the step counter plays no part in Adagrad

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from embstore.errors import InvalidInputError
 
-from . import _compiled
+from . import _compiled, _fused
 from ._bridges import StoreBag, StoreRows
 from ._keys import prepare_bags
 from .modules import StoreModule, empty_output, padding_key_of, store_is_collective
@@ -47,6 +47,13 @@ class DynamicEmbeddingBag(StoreModule):
     input's shape, need ``mode="sum"`` and the module's dtype.
     """
 
+    #: Take the fused path (``_fused.py``) where the store offers it; False: always the
+    #: unfused one (the two give the same bits: tests compare them).
+    use_fused_path: bool = True
+    #: Run the fused path through the ``embstore::fused_bag`` custom op instead of its eager
+    #: ``autograd.Function`` (same store calls, same bits; the op costs more to dispatch).
+    fused_custom_op: bool = False
+
     def __init__(self, store: Any, mode: str = "mean", *, trainable: bool | None = None,
                  count: bool = True, padding_key: Any = None, padding_idx: Any = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
@@ -78,6 +85,15 @@ class DynamicEmbeddingBag(StoreModule):
                 self, input, offsets, per_sample_weights)
         return self._forward(input, offsets, per_sample_weights)
 
+    def _fused_usable(self, input: Any, offsets: Any, psw: torch.Tensor | None) -> bool:
+        """Whether this training call runs as the fused op (``_fused.py``): options that
+        change the rows or the bags (padding, max_norm, ...) take the unfused path."""
+        return (self.use_fused_path and self._writes() and self.padding_key is None
+                and self.max_norm is None and not self.scale_grad_by_freq
+                and not self.include_last_offset and self._counts
+                and _fused.usable_input(input, offsets, psw, self.mode)
+                and _fused.store_pools(self._store_here()))
+
     def _check_weights(self, input: Any, offsets: Any, psw: torch.Tensor | None) -> None:
         """torch's checks on ``offsets`` and ``per_sample_weights``, before any lookup."""
         if isinstance(offsets, torch.Tensor) and offsets.dim() != 1:
@@ -100,6 +116,10 @@ class DynamicEmbeddingBag(StoreModule):
     def _forward(self, input: Any, offsets: Any = None,
                  per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         self._check_weights(input, offsets, per_sample_weights)
+        if self._fused_usable(input, offsets, per_sample_weights):
+            return self._output(_fused.bag(input, offsets, per_sample_weights, self._trigger,
+                                           self._handle, self.mode == "mean",
+                                           self.embedding_dim, self.fused_custom_op))
         if self.include_last_offset:
             if offsets is None:
                 raise InvalidInputError("include_last_offset=True needs offsets")

@@ -1,0 +1,301 @@
+"""A whole training step against FBGEMM's CPU table-batched embedding op (TorchRec's fused path).
+
+Usage::
+
+    make torchrec-venv                       # .venv-torchrec: torch 2.13 + fbgemm-gpu-cpu 1.8.0
+    python bench/bench_torchrec.py [--quick] [--threads 1,2] [--rounds 5] [--json out.json]
+
+The model is the same for every contender: one table per sparse feature (dim 64, ids drawn
+Zipf(1.1) over ``--rows`` ids per table), the pooled (sum) features concatenated -> Linear -> BCE,
+the dense part stepped by ``torch.optim.SGD``. Contenders:
+
+- ``embstore``: one ``memory://`` store per table behind ``DynamicEmbeddingBag(mode="sum")``,
+  the store's own row-wise Adagrad (``Adagrad(rowwise=True)``, the same rule as FBGEMM's);
+- ``embstore-unfused``: the same with ``use_fused_path = False`` (the path before the fused
+  one: store lookup of the distinct ids, torch ``embedding_bag``, ``store.update``);
+- ``torch``: ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` + ``torch.optim.Adagrad``
+  (torch has no row-wise Adagrad: full Adagrad, 64 accumulators per row);
+- ``fbgemm``: ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU, ``EXACT_ROWWISE_ADAGRAD``, its
+  optimizer fused into the backward. FBGEMM needs its own venv (``.venv-torchrec``): the script
+  starts itself there as a long-lived peer process and asks it for one round at a time (JSON
+  lines over stdin/stdout), so rounds alternate between contenders in one run;
+- ``floor``: the bytes every step must move at least (each touched row read and written once:
+  the vector plus the row-wise accumulator) at the copy bandwidth measured on this machine.
+
+Every contender sees the same batches (written once to a temporary ``.npy`` file). Each round
+runs ``--steps`` steps per contender, thread count pinned with ``torch.set_num_threads`` (and
+``OMP_NUM_THREADS`` for the peer); the figures are medians over rounds of the per-step wall and
+CPU time (``time.process_time``: all threads of the process). ``x fbgemm`` is FBGEMM's step
+time over the contender's (above 1: faster than FBGEMM); ``x floor`` is the contender's step
+time over the floor's (how far from moving each byte once). On a loaded machine wall time
+drifts; compare within one run, and read CPU time alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / ".venv-torchrec" / "bin" / "python"
+DIM = 64
+LR, EPS = 0.05, 1e-8
+# name -> (batch size, features, ids per bag)
+SHAPES = {"4096x8 single-hot": (4096, 8, 1), "1024x4 bags of 8": (1024, 4, 8)}
+
+
+def zipf_batches(rows: int, shape: tuple[int, int, int], n: int, seed: int) -> np.ndarray:
+    """``(n, features, batch, bag)`` int64 ids, Zipf(1.1) ranks over ``rows`` ids, the rank ->
+    id map a fixed permutation per table (hot ids are not the small ones)."""
+    batch, features, bag = shape
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -1.1)
+    cdf /= cdf[-1]
+    out = np.empty((n, features, batch, bag), dtype=np.int64)
+    for f in range(features):
+        perm = rng.permutation(rows)
+        ranks = np.searchsorted(cdf, rng.random((n, batch, bag)))
+        out[:, f] = perm[np.minimum(ranks, rows - 1)]
+    return out
+
+
+def copy_bandwidth(mb: int = 256) -> float:
+    """Bytes moved per second (read + written) by a large ``np.copyto``, best of 5."""
+    src = np.ones(mb << 18, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
+
+
+def floor_seconds(batches: np.ndarray, bandwidth: float) -> float:
+    """Mean per step: every distinct (table, id) of the step read and written once (the
+    vector and the row-wise accumulator), at ``bandwidth`` bytes per second."""
+    row_bytes = DIM * 4 + 4
+    touched = [sum(len(np.unique(b[f])) for f in range(b.shape[0])) for b in batches]
+    return float(np.mean(touched)) * row_bytes * 2 / bandwidth
+
+
+# -- contenders ---------------------------------------------------------------------------------
+class Contender:
+    """One model and its optimizers; ``step(batch)`` runs forward, backward and the updates."""
+
+    def __init__(self, kind: str, rows: int, shape: tuple[int, int, int], seed: int = 0,
+                 **opts: object) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        batch, features, bag = shape
+        self.kind, self.shape, self.torch = kind, shape, torch
+        self.linear = torch.nn.Linear(features * DIM, 1)
+        self.dense_opt = torch.optim.SGD(self.linear.parameters(), lr=0.01)
+        self.labels = (torch.rand(batch, 1) < 0.5).float()
+        self.loss = torch.nn.BCEWithLogitsLoss()
+        getattr(self, f"_init_{kind.replace('-', '_')}")(rows, features, bag, **opts)
+
+    def _init_embstore(self, rows: int, features: int, bag: int, **opts: object) -> None:
+        import embstore
+        from embstore.optim import Adagrad
+        from embstore_torch import DynamicEmbeddingBag
+
+        self.stores = [embstore.open("memory://", dim=DIM, seed=f, **opts,  # type: ignore[arg-type]
+                                     optimizer=Adagrad(lr=LR, eps=EPS, rowwise=True))
+                       for f in range(features)]
+        self.bags = [DynamicEmbeddingBag(s, mode="sum") for s in self.stores]
+        self.sparse_opt = None
+
+    def _init_embstore_unfused(self, rows: int, features: int, bag: int, **opts: object) -> None:
+        self._init_embstore(rows, features, bag, **opts)
+        for b in self.bags:
+            b.use_fused_path = False
+
+    def _init_torch(self, rows: int, features: int, bag: int) -> None:
+        nn = self.torch.nn
+        self.bags = [nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True) for _ in range(features)]
+        params = [p for b in self.bags for p in b.parameters()]
+        self.sparse_opt = self.torch.optim.Adagrad(params, lr=LR, eps=EPS)
+
+    def _init_fbgemm(self, rows: int, features: int, bag: int) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        specs = [(rows, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)] * features
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS)
+        batch = self.shape[0]
+        self.offsets = self.torch.arange(0, features * batch * bag + 1, bag, dtype=self.torch.long)
+        self.sparse_opt = None
+
+    def step(self, ids: np.ndarray) -> None:
+        torch = self.torch
+        batch, features, bag = self.shape
+        if self.kind == "fbgemm":  # table-major flat indices, one bag per (table, sample)
+            pooled = self.tbe(torch.from_numpy(ids.reshape(-1)), self.offsets)
+        else:
+            pooled = torch.cat([self.bags[f](torch.from_numpy(ids[f]))
+                                for f in range(features)], dim=1)
+        loss = self.loss(self.linear(pooled), self.labels)
+        self.dense_opt.zero_grad()
+        if self.sparse_opt is not None:
+            self.sparse_opt.zero_grad()
+        loss.backward()
+        self.dense_opt.step()
+        if self.sparse_opt is not None:
+            self.sparse_opt.step()
+
+    def round(self, batches: np.ndarray, steps: int, threads: int) -> dict[str, float]:
+        """``steps`` steps over the batches; per-step wall and CPU seconds."""
+        self.torch.set_num_threads(threads)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for i in range(steps):
+            self.step(batches[i % len(batches)])
+        return {"wall": (time.perf_counter() - wall) / steps,
+                "cpu": (time.process_time() - cpu) / steps}
+
+
+def serve_peer() -> None:
+    """The FBGEMM side: one JSON command per stdin line, one JSON answer per stdout line."""
+    models: dict[str, Contender] = {}
+    data: dict[str, np.ndarray] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        name = cmd["shape"]
+        if cmd["op"] == "setup":
+            models.clear()  # one shape's tables at a time: they are large
+            data[name] = np.load(cmd["batches"])
+            models[name] = Contender("fbgemm", cmd["rows"], tuple(cmd["dims"]))
+            models[name].round(data[name], len(data[name]), 1)  # warm up
+            out: dict[str, object] = {"ok": True}
+        else:
+            out = models[name].round(data[name], cmd["steps"], cmd["threads"])
+        print(json.dumps(out), flush=True)
+
+
+class Peer:
+    """The FBGEMM contender in ``.venv-torchrec``, driven round by round."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("PYTHONPATH", None)  # the peer venv has no embstore; nothing of ours to find
+        self.proc = subprocess.Popen([str(PEER_PYTHON), __file__, "--peer"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, **cmd: object) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the FBGEMM peer exited; run `make torchrec-venv`")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    threads = [int(t) for t in args.threads.split(",")]
+    peer = Peer() if PEER_PYTHON.exists() and not args.no_peer else None
+    if peer is None:
+        print("(no .venv-torchrec: FBGEMM left out; `make torchrec-venv` adds it)")
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), torch {torch.__version__}"
+          f", {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    results: dict = {"bandwidth": bandwidth, "shapes": {}}
+    tmp = tempfile.mkdtemp(prefix="bench_torchrec_")
+    for name, dims in SHAPES.items():
+        batches = zipf_batches(args.rows, dims, args.batches, seed=7)
+        path = os.path.join(tmp, "batches.npy")
+        np.save(path, batches)
+        floor = floor_seconds(batches, bandwidth)
+        models = {kind: Contender(kind, args.rows, dims) for kind in args.contenders}
+        for m in models.values():  # warm up: every id of the pool inserted / paged in
+            m.round(batches, len(batches), 1)
+        if peer is not None:
+            peer.ask(op="setup", shape=name, rows=args.rows, dims=list(dims), batches=path)
+        times: dict[tuple[str, int], list[dict]] = {}
+        for _ in range(args.rounds):
+            for t in threads:
+                for kind, m in models.items():
+                    times.setdefault((kind, t), []).append(m.round(batches, args.steps, t))
+                if peer is not None:
+                    times.setdefault(("fbgemm", t), []).append(
+                        peer.ask(op="round", shape=name, steps=args.steps, threads=t))
+        del models
+        results["shapes"][name] = report(name, dims, times, floor, threads)
+    if peer is not None:
+        peer.close()
+    return results
+
+
+def report(name: str, dims: tuple[int, int, int], times: dict, floor: float,
+           threads: list[int]) -> dict:
+    med = {k: {f: statistics.median(r[f] for r in v) for f in ("wall", "cpu")}
+           for k, v in times.items()}
+    ids = dims[0] * dims[1] * dims[2]
+    print(f"\n{name}: {ids} ids per step; floor {floor * 1e3:.2f} ms/step")
+    print(f"{'contender':<17}{'thr':>4}{'wall ms':>10}{'cpu ms':>10}{'Mids/s':>8}"
+          f"{'x fbgemm':>10}{'x fbgemm cpu':>14}{'x floor':>9}")
+    out = {}
+    for t in threads:
+        ref = med.get(("fbgemm", t))
+        for (kind, tt), m in sorted(med.items()):
+            if tt != t:
+                continue
+            vs = f"{ref['wall'] / m['wall']:.2f}" if ref else "-"
+            vs_cpu = f"{ref['cpu'] / m['cpu']:.2f}" if ref else "-"
+            print(f"{kind:<17}{t:>4}{m['wall'] * 1e3:>10.2f}{m['cpu'] * 1e3:>10.2f}"
+                  f"{ids / m['wall'] / 1e6:>8.2f}{vs:>10}{vs_cpu:>14}{m['wall'] / floor:>9.1f}")
+            out[f"{kind}/{t}"] = {**m, "x_fbgemm": ref["wall"] / m["wall"] if ref else None,
+                                  "x_floor": m["wall"] / floor}
+    return {"floor": floor, "contenders": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small tables, few steps")
+    ap.add_argument("--rows", type=int, default=None, help="ids per table (default 1M)")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="steps per contender per round")
+    ap.add_argument("--batches", type=int, default=None, help="distinct batches in the pool")
+    ap.add_argument("--contenders", default="embstore,embstore-unfused,torch")
+    ap.add_argument("--no-peer", action="store_true", help="leave FBGEMM out")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer:
+        serve_peer()
+        return
+    args.rows = args.rows or (100_000 if args.quick else 1_000_000)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.steps = args.steps or (5 if args.quick else 20)
+    args.batches = args.batches or (8 if args.quick else 16)
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    results = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+import numpy as np
+import numpy.typing as npt
+
+from .arena import RecordArena
+
+def dedupe(keys: npt.NDArray[np.int64], uniq: npt.NDArray[np.int64],
+           inv: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> int: ...
+def pool(arena: RecordArena, slots: npt.NDArray[np.uint32], inv: npt.NDArray[np.int64],
+         offsets: npt.NDArray[np.int64], weights: npt.NDArray[np.float32], vec_offset: int,
+         mean: bool, out: npt.NDArray[np.float32]) -> None: ...
+def grad_sums(inv: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64],
+              weights: npt.NDArray[np.float32], mean: bool, grad: npt.NDArray[np.float32],
+              sums: npt.NDArray[np.float32]) -> None: ...

@@ -1,0 +1,98 @@
+"""One batch of the fused bag path: the ids of one table's bags, deduplicated once.
+
+``EmbeddingStore.pool_bags`` makes a :class:`BagBatch` (validated at the edge, then one
+compiled :func:`~embstore._cython.fused.dedupe` pass), has the backend place its keys and pool
+their vectors straight into the bags (``Backend.lookup_pool``), and hands it back to the
+caller; ``update_bags`` later turns the pooled gradient into per-key sums with
+:meth:`BagBatch.grad_sums` (compiled) and applies them as ``update`` does (no regrouping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._cython import fused
+from ..errors import InvalidInputError
+
+__all__ = ["BagBatch", "bag_batch"]
+
+_NO_WEIGHTS = np.zeros(0, dtype=np.float32)
+
+
+class BagBatch:
+    """The bags of one ``pool_bags`` call.
+
+    Attributes
+    ----------
+    uniq : int64 array
+        The distinct ids, in first-seen order.
+    inv : int64 array
+        Row of ``uniq`` of each element.
+    counts : int64 array
+        Occurrences of each distinct id.
+    offsets : int64 array
+        ``n_bags + 1`` bounds: bag ``b`` holds elements ``offsets[b]:offsets[b+1]``.
+    weights : float32 array
+        Per-element weights (empty: none).
+    mean : bool
+        Bags are averaged, not summed.
+    """
+
+    __slots__ = ("uniq", "inv", "counts", "offsets", "weights", "mean")
+
+    def __init__(self, uniq: np.ndarray, inv: np.ndarray, counts: np.ndarray,
+                 offsets: np.ndarray, weights: np.ndarray, mean: bool) -> None:
+        self.uniq, self.inv, self.counts = uniq, inv, counts
+        self.offsets, self.weights, self.mean = offsets, weights, mean
+
+    @property
+    def n_bags(self) -> int:
+        return len(self.offsets) - 1
+
+    def grad_sums(self, grad: np.ndarray) -> np.ndarray:
+        """Per distinct id, the gradient of its elements (``(n_bags, dim)`` pooled gradient
+        in), added in element order as the unfused path adds them."""
+        sums = np.empty((len(self.uniq), grad.shape[1]), dtype=np.float32)
+        fused.grad_sums(self.inv, self.offsets, self.weights, self.mean, grad, sums)
+        return sums
+
+
+def bag_batch(ids: Any, offsets: Any, weights: Any, mean: bool) -> BagBatch:
+    """A :class:`BagBatch` of int64 ``ids`` (1-D with ``offsets``, the start of each bag, or
+    2-D: one bag per row), checked as ``nn.EmbeddingBag`` checks them."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise InvalidInputError(f"bag ids must be integers, got dtype {ids.dtype}")
+    if ids.ndim == 2:
+        if offsets is not None:
+            raise InvalidInputError("offsets must be None when bags are a 2-D input")
+        n_bags, size = ids.shape
+        bounds = np.arange(0, n_bags * size + 1, size) if size else np.zeros(n_bags + 1)
+    elif ids.ndim == 1:
+        if offsets is None:
+            raise InvalidInputError("1-D bag input needs offsets")
+        starts = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        bounds = np.append(starts, len(ids)) if len(starts) else np.zeros(1, np.int64)
+        if len(starts) and (starts[0] != 0 or (np.diff(bounds) < 0).any()):
+            raise InvalidInputError("offsets must start at 0, be non-decreasing and within "
+                                    "input")
+    else:
+        raise InvalidInputError(f"bag input must be 1-D with offsets or 2-D, got shape "
+                                f"{ids.shape}")
+    flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
+    n = len(flat)
+    w = _NO_WEIGHTS
+    if weights is not None:
+        w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+        if len(w) != n:
+            raise InvalidInputError("per_sample_weights must have one weight per id")
+        if mean:
+            raise InvalidInputError("per_sample_weights only work with sum pooling")
+    uniq = np.empty(n, dtype=np.int64)
+    inv = np.empty(n, dtype=np.int64)
+    counts = np.empty(n, dtype=np.int64)
+    nu = fused.dedupe(flat, uniq, inv, counts)
+    return BagBatch(uniq[:nu], inv, counts[:nu], np.ascontiguousarray(bounds, dtype=np.int64),
+                    w, bool(mean))

@@ -439,7 +439,7 @@ class RecordWrites:
         if n_new:
             self._stats["misses"] += n_new
             self._stats["inserts"] += n_new
-            self._policy.maybe_evict(self._as_host())
+            self._policy.maybe_evict(self._as_host(), lookup=uniq)
         return out, batch
 
     def update_bags(self, batch: BagBatch, grad: Any, *, counts: Any = None) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 import embstore
+from embstore.errors import ConcurrentRestoreError
 from embstore_torch import DynamicEmbedding
 
 
@@ -68,9 +69,16 @@ def make_snapshots(dim: int = 8, rows: int = 2000) -> tuple[dict, dict, dict[str
 
 
 def _stored(url: str, options: dict[str, Any]) -> tuple[str, int]:
-
-    with embstore.open(url, **options) as s:
-        return table_digest(s), int(s.step)
+    # The killed restorer's last COMMIT may still land while this reads (the server notices
+    # the dead client later): a scan that sees it raises ConcurrentRestoreError, and a read
+    # after it finds one table whole.
+    for _ in range(50):
+        try:
+            with embstore.open(url, **options) as s:
+                return table_digest(s), int(s.step)
+        except ConcurrentRestoreError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url}: restores kept landing after the restorer was killed")
 
 
 # -- SIGKILL trials (persistent backends) ---------------------------------------------------------

@@ -91,3 +91,15 @@ def test_multi_process_backends_in_forked_child_write_for_real(shared_url):
     assert sorted(k for ks, _ in s.items() for k in ks.tolist()) == [1, 2, 3, 4]
     assert s.backend.counters.get("reconnects", 0) == 0   # the child never touched its session
     s.close()
+
+
+def test_a_backend_thread_pool_serves_a_forked_child():
+    """A pool whose worker threads were started in the parent has none in a forked child: a
+    plain ThreadPoolExecutor would queue the child's work forever (Bigtable's sharded calls)."""
+    from embstore.backends.forks import ForkSafePool
+
+    pool = ForkSafePool(1, "test-pool")
+    assert pool.submit(lambda: 1).result(timeout=10) == 1   # a worker thread now exists
+    out = _in_child(lambda: pool.submit(lambda: 5).result(timeout=10))
+    assert out == "ok 5", out
+    pool.shutdown()

@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
+from typing import Any
 
-__all__ = ["ProcessLock", "current_generation", "on_fork_in_child"]
+__all__ = ["ForkSafePool", "ProcessLock", "current_generation", "on_fork_in_child"]
 
 _generation = 0
 _hooks: list[Callable[[], None]] = []
@@ -60,3 +62,24 @@ class ProcessLock:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._lock.__exit__(exc_type, exc, tb)
+
+
+class ForkSafePool:
+    """A thread pool that a forked child replaces with one of its own: the parent's worker
+    threads do not exist there, and a lock one of them held at the fork (the work queue's)
+    would never be released, so a submit in the child would hang."""
+
+    def __init__(self, workers: int, prefix: str) -> None:
+        self._workers, self._prefix = workers, prefix
+        self._generation = _generation
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=prefix)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._generation != _generation:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._prefix)
+            self._generation = _generation
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._generation == _generation:  # a child never waits for its parent's threads
+            self._pool.shutdown(wait=wait)

@@ -17,7 +17,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlencode
 
@@ -28,6 +27,7 @@ from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from .. import ranges as kr
 from ..base import Backend, ModifyFn
+from ..forks import ForkSafePool
 from ..lease_record import check_fence, loads
 from . import cas, guard, restore, wire
 from .restore import BigtableRestore
@@ -140,8 +140,7 @@ class BigtableBackend(BigtableRestore, Backend):
         self._read_rows, self._mutate_rows, self._sample_row_keys = data_stubs(self._channel)
         self._check_and_mutate = cas.check_and_mutate_stub(self._channel)
         # The calling thread is one of the ``inflight`` senders (see _run_sharded).
-        self._pool = ThreadPoolExecutor(max(self.inflight - 1, 1),
-                                        thread_name_prefix="embstore-bigtable")
+        self._pool = ForkSafePool(max(self.inflight - 1, 1), "embstore-bigtable")
         self._admin = None
         try:
             self._ensure_table(initial=True)

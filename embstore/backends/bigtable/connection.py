@@ -19,11 +19,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ...errors import BackendError, ReadOnlyError, StoreNotFoundError
 from ...log import event
+from ..forks import ForkSafePool
 from . import wire
 
 # The backend's public logger name: retry / recovery / recreation events are documented (and
@@ -67,7 +67,7 @@ class BigtableConnection:
     _channel: Any
     _admin_channel: Any
     _admin: Any
-    _pool: ThreadPoolExecutor
+    _pool: ForkSafePool
     _table_lock: threading.RLock
     _meta_cache: dict | None
     _closed: bool

@@ -97,21 +97,25 @@ class AnnIndex:
                 "ann_indexed": len(self._labels)}
 
     # -- building ----------------------------------------------------------------------------
-    def _snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every key and vector, read under the guard; starts collecting fresh keys anew."""
-        parts = []
-        with self.guard:
-            for keys, recs in self.store.records(65536):
-                parts.append((keys, self.store.layout.vectors(recs["vector"])))
-            with self._lock:
-                self._since_snapshot = set()
+    def _read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every key and vector (the caller holds the guard); fresh keys collected anew from
+        here on."""
+        parts = [(k, self.store.layout.vectors(r["vector"])) for k, r in self.store.records(65536)]
+        with self._lock:
+            self._since_snapshot = set()
         if not parts:
             return self.store.normalize_keys([]), np.zeros((0, self.store.dim), np.float32)
         return (np.concatenate([k for k, _ in parts]),
                 np.ascontiguousarray(np.concatenate([v for _, v in parts]), np.float32))
 
-    def _build(self) -> None:
-        keys, vecs = self._snapshot()
+    def _build(self, guard_held: bool = False) -> None:
+        """A new index from a snapshot, swapped in; the keys written since the snapshot stay
+        fresh. ``guard_held``: the caller holds the guard (a query's first build)."""
+        if guard_held:
+            keys, vecs = self._read_table()
+        else:
+            with self.guard:
+                keys, vecs = self._read_table()
         index = self._new_index()
         if len(keys):
             index.add(np.arange(len(keys), dtype=np.uint64), vecs)
@@ -143,7 +147,7 @@ class AnnIndex:
               ) -> TopKResult:
         """Approximate top-``k`` of each query row (the caller holds the guard)."""
         if self._index is None:
-            self.guard_free_build()
+            self._build(guard_held=True)
         fresh = self._fresh_keys()
         with self._lock:
             index, labels = self._index, self._labels
@@ -192,22 +196,6 @@ class AnnIndex:
             m = min(width, len(rows_k[i]))
             out_k[i, :m], out_s[i, :m], valid[i, :m] = rows_k[i][:m], rows_s[i][:m], True
         return TopKResult(out_k, out_s, valid)
-
-    def guard_free_build(self) -> None:
-        """The first build, on a query: the caller already holds the guard, so read the table
-        directly."""
-        parts = [(k, self.store.layout.vectors(r["vector"])) for k, r in self.store.records(65536)]
-        keys = (np.concatenate([k for k, _ in parts]) if parts
-                else self.store.normalize_keys([]))
-        vecs = (np.ascontiguousarray(np.concatenate([v for _, v in parts]), np.float32)
-                if parts else np.zeros((0, self.store.dim), np.float32))
-        index = self._new_index()
-        if len(keys):
-            index.add(np.arange(len(keys), dtype=np.uint64), vecs)
-        with self._lock:
-            self._index, self._labels, self._fresh = index, keys, set()
-            self._fresh_arr = None
-            self.builds += 1
 
 
 def _isin(keys: np.ndarray, among: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ workers by their share of the sampling weight, as the distributed store does.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -114,8 +115,6 @@ class DesStore:
         return {"shard": s, "shards": len(self._addrs)}
 
     def _action(self, s: int, op: str, **fields: Any) -> Any:
-        import json
-
         body = json.dumps({**self._head(s), **fields}).encode()
         try:
             results = list(self._clients[s].do_action(flight.Action(op, body), self._call))

@@ -376,3 +376,19 @@ def test_bytes_update_sums_duplicates_like_int64(dups):
         u = np.unique(ids)
         np.testing.assert_array_equal(a.lookup(u, insert=False),
                                       b.lookup([b"k%d" % i for i in u.tolist()], insert=False))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=40), st.lists(st.integers(0, 30), max_size=40))
+def test_keys_in_matches_isin_for_both_key_types(ids, among):
+    from embstore._keys import keys_in
+
+    def as_bytes(xs):
+        out = np.empty(len(xs), dtype=object)
+        out[:] = [b"k%d" % i for i in xs]
+        return out
+
+    expected = np.isin(np.array(ids, np.int64), np.array(among, np.int64))
+    np.testing.assert_array_equal(keys_in(np.array(ids, np.int64), np.array(among, np.int64)),
+                                  expected)
+    np.testing.assert_array_equal(keys_in(as_bytes(ids), as_bytes(among)), expected)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .._keys import keys_in
 from ..errors import BackendUnavailableError, InvalidInputError
 from ..retrieval import TopKResult
 
@@ -162,7 +163,7 @@ class AnnIndex:
         ok = (found >= 0) & (found < len(labels))
         cand = labels[np.where(ok, found, 0)]
         if len(fresh):  # a fresh key's graph vector is stale: it is scored below instead
-            ok &= ~_isin(cand, fresh)
+            ok &= ~keys_in(cand, fresh)
         # every candidate's current vector, read once per call (deleted ones drop out)
         uniq = np.unique(cand[ok]) if cand.dtype != object else np.array(
             list(dict.fromkeys(cand[ok].tolist())), dtype=object)
@@ -181,7 +182,7 @@ class AnnIndex:
             hits = [pos[c] for c in cand[i][ok[i]].tolist() if c in pos]
             idx = np.concatenate((np.asarray(hits, np.int64), fresh_idx))
             if exclude is not None and len(exclude[i]):
-                idx = idx[~_isin(pool[idx], exclude[i])]
+                idx = idx[~keys_in(pool[idx], exclude[i])]
             sc = scores_all[i, idx]
             keys = pool[idx]
             tie = np.unique(keys, return_inverse=True)[1] if key_dtype is object else keys
@@ -196,11 +197,3 @@ class AnnIndex:
             m = min(width, len(rows_k[i]))
             out_k[i, :m], out_s[i, :m], valid[i, :m] = rows_k[i][:m], rows_s[i][:m], True
         return TopKResult(out_k, out_s, valid)
-
-
-def _isin(keys: np.ndarray, among: np.ndarray) -> np.ndarray:
-    """``np.isin`` that stays linear for bytes keys (object arrays)."""
-    if keys.dtype != object:
-        return np.isin(keys, among)
-    s = set(among.tolist())
-    return np.array([k in s for k in keys.reshape(-1).tolist()], bool).reshape(keys.shape)

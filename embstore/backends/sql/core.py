@@ -77,7 +77,7 @@ class CoreOps:
 
     def insert_absent(self, keys: np.ndarray, raw: np.ndarray,
                       versions: np.ndarray) -> np.ndarray:
-        new = absent(keys, self.present(keys), self.key_type)
+        new = absent(keys, self.present(keys))
         if new.any():
             self.upsert(keys[new], raw[new], versions[new])
         return keys[new]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._cython.strkeys import strip_prefix
+from ..._keys import keys_in
 from ...errors import SchemaMismatchError
 from ...layout import Layout
 
@@ -111,10 +112,6 @@ def align_rows(key_type: str, keys: np.ndarray,
     return np.maximum(rows, 0), found
 
 
-def absent(keys: np.ndarray, present: np.ndarray, key_type: str) -> np.ndarray:
-    """Bool mask of ``keys`` not among ``present`` (bytes keys are compared as Python objects,
-    which ``np.isin`` cannot do for object arrays)."""
-    if key_type == "int64":
-        return ~np.isin(keys, present)
-    have = set(present.tolist())
-    return np.array([k not in have for k in keys.tolist()], dtype=bool)
+def absent(keys: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """Bool mask of ``keys`` not among ``present``."""
+    return ~keys_in(keys, present)

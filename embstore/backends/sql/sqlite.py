@@ -83,7 +83,7 @@ class SQLiteOps(PagedReads):
         """Insert the rows whose key has no record; return the inserted keys. Inside
         ``txn()`` (``BEGIN IMMEDIATE`` holds the write lock, so nothing changes between the
         check and the insert)."""
-        new = absent(keys, self.present(keys), self.key_type)
+        new = absent(keys, self.present(keys))
         if new.any():
             self.upsert(keys[new], raw[new], versions[new])
         return keys[new]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._keys import key_hash64
+from .._keys import key_hash64, keys_in
 from ..errors import SchemaMismatchError
 from .client import DesStore
 
@@ -80,8 +80,7 @@ class Follower:
             have = self._shard_keys(s)
             if batches:
                 fresh = np.concatenate([k for k, _ in batches])
-                gone = have[~np.isin(have, fresh)] if have.dtype != object else np.array(
-                    sorted(set(have.tolist()) - set(fresh.tolist())), dtype=object)
+                gone = have[~keys_in(have, fresh)]
             else:
                 gone = have
             if len(gone):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import traceback
 
 import numpy as np
 import pytest
+
+from tests.subprocs import run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -25,12 +26,6 @@ WORLD = 2
 DIM = 4
 TIMEOUT = 5.0     # seconds a rank waits for a peer that gave up
 HUGE = 1 << 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(scenario: str, rank: int, port: int, outdir: str) -> None:
@@ -50,25 +45,7 @@ def _entry(scenario: str, rank: int, port: int, outdir: str) -> None:
 
 
 def _run(scenario: str, tmp_path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(scenario, r, port, str(tmp_path)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    # a rank killed by a signal inside gloo (SIGABRT: exitcode -6) writes no result
-    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
-    res = [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(WORLD)]
+    res = run_ranks(_entry, scenario, tmp_path, world=WORLD)
     for out in res:
         assert "unexpected" not in out, out["unexpected"]
     return res

@@ -11,23 +11,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import traceback
 
 import numpy as np
 import pytest
+
+from tests.subprocs import run_ranks
 
 torch = pytest.importorskip("torch")
 
 WORLD = 2
 DIM = 4
 TIMEOUT = 5.0     # seconds a rank waits for a peer that gave up
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(scenario: str, rank: int, port: int, outdir: str, url: str) -> None:
@@ -274,25 +269,7 @@ SCENARIOS = {"short_header": _short_header, "garbage_header": _garbage_header,
 
 
 def _run(scenario: str, tmp_path, url: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(scenario, r, port, str(tmp_path), url))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    # a rank killed by a signal inside gloo (SIGABRT: exitcode -6) writes no result
-    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
-    return [json.load(open(tmp_path / f"rank-{r}.json")) for r in range(WORLD)]
+    return run_ranks(_entry, scenario, tmp_path, url, world=WORLD)
 
 
 @pytest.mark.parametrize("scenario", ["short_header", "garbage_header", "foreign_keys"])

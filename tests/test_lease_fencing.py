@@ -23,17 +23,12 @@ import pytest
 import embstore
 from embstore.errors import EmbstoreError, LeaseConflictError, LeaseFormatError, LeaseLostError
 from embstore.layers.cache.lease import modify_leases, read_leases
+from tests.subprocs import child_env
 
 DIM = 4
 LONG = 301.0  # a lease nobody waits for in a test
 KEYS = np.arange(6, dtype=np.int64)
 ONES = np.ones((len(KEYS), DIM), np.float32)
-
-
-def _child_env() -> dict:
-    roots = [os.path.dirname(os.path.dirname(embstore.__file__))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [*roots, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 @pytest.fixture(params=["postgresql", "bigtable"])
@@ -110,7 +105,7 @@ def _skewed_writer(url: str, ahead: float) -> str:
         s.update(np.arange({len(KEYS)}), np.ones(({len(KEYS)}, {DIM}), np.float32))
         s.close()
     """)
-    res = subprocess.run([sys.executable, "-c", code], env=_child_env(), timeout=120,
+    res = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=120,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     return res.stderr

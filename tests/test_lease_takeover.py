@@ -22,15 +22,10 @@ from embstore.layers.cache.lease import (
     process_start,
     read_leases,
 )
+from tests.subprocs import child_env
 
 DIM = 4
 LONG = 301.0   # the lease of the report: waiting for it would take five minutes
-
-
-def _child_env() -> dict:
-    roots = [os.path.dirname(os.path.dirname(embstore.__file__))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [*roots, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 @pytest.fixture(params=["postgresql", "bigtable"])
@@ -52,7 +47,7 @@ def _crashed_writer(url: str) -> None:
         s.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    res = subprocess.run([sys.executable, "-c", code], env=_child_env(), timeout=120,
+    res = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=120,
                          capture_output=True, text=True)
     assert res.returncode == -signal.SIGKILL, res.stderr
 

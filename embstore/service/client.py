@@ -470,6 +470,13 @@ class DesStore:
         self.check_open()
         return sum(self._each(lambda s: int(self._action(s, "len"))))
 
+    @property
+    def version(self) -> int:
+        """The newest version of any worker's store: pass it to ``export(since=)`` later for
+        the rows written after now (each worker answers from its change log)."""
+        self.check_open()
+        return max(int(i["version"]) for i in self._each(lambda s: self._action(s, "info")))
+
     def stats(self) -> dict[str, Any]:
         """Counters summed over the workers, and ``shards``."""
         self.check_open()

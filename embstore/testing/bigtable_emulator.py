@@ -27,6 +27,7 @@ import subprocess
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 
 import grpc
 
@@ -65,13 +66,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float,
+                    address: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"cbtemulator exited with code {proc.returncode} on port {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((address, port), timeout=0.2):
                 return
         except OSError as e:
             if time.monotonic() > deadline:
@@ -86,16 +88,21 @@ class EmulatorHandle:
     Attributes
     ----------
     port : int
-        The loopback port it listens on (kept across :meth:`restart`).
+        The port it listens on (kept across :meth:`restart`).
     host : str
-        ``"127.0.0.1:PORT"``, the value for ``BIGTABLE_EMULATOR_HOST``.
+        ``"ADDRESS:PORT"`` (``127.0.0.1`` unless started with another ``address``), the
+        value for ``BIGTABLE_EMULATOR_HOST``.
     pid : int or None
         PID of the current process, None once stopped.
     """
 
-    def __init__(self, binary: str, port: int, start_timeout: float = 10.0) -> None:
+    def __init__(self, binary: str, port: int, start_timeout: float = 10.0, *,
+                 address: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
         self.binary = binary
         self.port = int(port)
+        self.address = address
+        # a command it runs under, e.g. ``ip netns exec NAME`` (a network namespace)
+        self.prefix = list(prefix)
         self.start_timeout = start_timeout
         self._proc: subprocess.Popen | None = None
         self._start()
@@ -103,7 +110,7 @@ class EmulatorHandle:
 
     @property
     def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.address}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -115,14 +122,14 @@ class EmulatorHandle:
 
     def _start(self) -> None:
         proc = subprocess.Popen(
-            [self.binary, "-host", "127.0.0.1", "-port", str(self.port)],
+            [*self.prefix, self.binary, "-host", self.address, "-port", str(self.port)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             # Its own process group: a Ctrl-C at the terminal reaches the test runner, which
             # then stops the emulator itself, instead of racing it.
             start_new_session=True,
         )
         try:
-            _wait_listening(self.port, proc, self.start_timeout)
+            _wait_listening(self.port, proc, self.start_timeout, self.address)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -163,8 +170,9 @@ class EmulatorHandle:
 
 
 def start_emulator(port: int | None = None, *, binary: str | None = None,
-                   start_timeout: float = 10.0) -> EmulatorHandle:
-    """Start ``cbtemulator -host 127.0.0.1 -port PORT`` and wait until it accepts connections.
+                   start_timeout: float = 10.0, address: str = "127.0.0.1",
+                   prefix: Sequence[str] = ()) -> EmulatorHandle:
+    """Start ``cbtemulator -host ADDRESS -port PORT`` and wait until it accepts connections.
 
     Parameters
     ----------
@@ -174,13 +182,19 @@ def start_emulator(port: int | None = None, *, binary: str | None = None,
         Path of ``cbtemulator`` (default: :func:`find_emulator`).
     start_timeout : float
         Seconds to wait for the port to accept connections.
+    address : str
+        The address it listens on (default loopback).
+    prefix : sequence of str
+        A command it runs under, e.g. ``["ip", "netns", "exec", NAME]`` to start it in a
+        network namespace (:mod:`embstore.testing.netns`).
 
     Returns
     -------
     EmulatorHandle
         Call ``.stop()`` (or use it as a context manager); ``.host`` is the address.
     """
-    return EmulatorHandle(binary or find_emulator(), port or free_port(), start_timeout)
+    return EmulatorHandle(binary or find_emulator(), port or free_port(), start_timeout,
+                          address=address, prefix=prefix)
 
 
 @atexit.register

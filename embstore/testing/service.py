@@ -113,16 +113,18 @@ class Workers:
 
 
 def start_worker(url: str, shard: tuple[int, int] = (0, 1), port: int = 0,
-                 extra: Sequence[str] = (), **options: Any) -> WorkerProcess:
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                 **options: Any) -> WorkerProcess:
     """Start ``embstore serve url --shard I/N`` on 127.0.0.1; ``options`` become ``-o k=v``
-    (``dim``, ``key_type``, ``optimizer`` and ``cache`` become their own flags)."""
+    (``dim``, ``key_type``, ``optimizer`` and ``cache`` become their own flags); ``env``
+    adds to the process's environment."""
     args = [url, "--listen", f"127.0.0.1:{port}", "--shard", f"{shard[0]}/{shard[1]}"]
     for name in ("dim", "key_type", "optimizer", "cache"):
         if name in options:
             args += [f"--{name.replace('_', '-')}", str(options.pop(name))]
     for k, v in options.items():
         args += ["-o", f"{k}={v}"]
-    return WorkerProcess([*args, *extra])
+    return WorkerProcess([*args, *extra], env=env)
 
 
 def start_workers(urls: Sequence[str], extra: Sequence[str] = (), **options: Any) -> Workers:

@@ -40,6 +40,7 @@ from ..sampling.candidate import (
 from ..sampling.samplers import resolve_sampler
 from . import wire
 from .merge import check_infos, merge_top_k
+from .streams import STREAM_OPS, Streams
 from .wire import SCHEME, parse_des_url
 
 _T = TypeVar("_T")
@@ -93,6 +94,7 @@ class DesStore:
                                                                wire.GRPC_MESSAGE_BYTES)])
                          for a in addrs]
         self._pool = ThreadPoolExecutor(len(addrs), thread_name_prefix="embstore-des")
+        self._streams = Streams(self._clients, headers, timeout)
         self._closed = False
         try:
             infos = self._each(lambda s: self._action(s, "info"))
@@ -123,6 +125,8 @@ class DesStore:
         return json.loads(results[0].body.to_pybytes())
 
     def _exchange(self, s: int, op: str, batch: pa.RecordBatch, **fields: Any) -> pa.Table:
+        if op in STREAM_OPS:
+            return self._streams.exchange(s, self._head(s), op, batch, fields, self._where(s))
         desc = wire.command(op, **self._head(s), **fields)
         try:
             writer, reader = self._clients[s].do_exchange(desc, self._call)
@@ -499,6 +503,7 @@ class DesStore:
             return
         self._closed = True
         self._pool.shutdown(wait=False)
+        self._streams.close()
         for c in self._clients:
             c.close()
 

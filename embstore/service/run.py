@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -96,7 +98,6 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
 
     def shutdown(*_: Any) -> None:
         stop.set()
-        threading.Thread(target=worker.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
@@ -116,15 +117,24 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
     (ready or (lambda p: print(f"embstore: serving {store.url} as shard {i}/{n} on "
                                f"{host}:{p}", flush=True)))(worker.port)
     try:
-        worker.serve()
+        # The server has served since it was made. Not worker.serve(): its own signal
+        # handling would shut the server down first, which waits for every stream a client
+        # keeps open (embstore.service.streams), possibly forever, before the store closes.
+        while not stop.wait(0.5):
+            pass
     finally:
         stop.set()
         if ops is not None:
             ops.close()
         with worker.lock:
+            # clients' kept streams (embstore.service.streams) may still send calls: from
+            # here they are refused, and what was acknowledged is flushed by the close
+            worker.stopping = True
             store.close()
         if upstream is not None:
             upstream.close()
+        # new calls get an answer at once (GOAWAY); this waits for kept streams: not joined
+        threading.Thread(target=worker.shutdown, daemon=True).start()
     return 0
 
 
@@ -138,7 +148,13 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
             # --optimizer '{"name": "sgd", "lr": 1.0}' gives a whole config
             options[name] = (json.loads(value) if name == "optimizer" and value.startswith("{")
                              else value)
-    return serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
-                 tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
-                 follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
-                 metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild, **options)
+    rc = serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
+               tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
+               follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
+               metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild, **options)
+    # The store is closed and flushed. The Flight server, torn down at interpreter exit,
+    # would wait for every stream a client still keeps open (embstore.service.streams),
+    # possibly forever: the process ends here instead.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

@@ -23,6 +23,7 @@ import pyarrow.flight as flight
 from .._keys import key_hash64
 from ..errors import (
     AuthenticationError,
+    BackendError,
     EmbstoreError,
     InvalidInputError,
     ShardMismatchError,
@@ -31,6 +32,7 @@ from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
 from .metrics import RequestMetrics, gauges
+from .streams import STREAM_OPS
 
 log = logging.getLogger("embstore.service")
 
@@ -62,12 +64,18 @@ _WRITES = frozenset({"update", "assign", "delete"})
 _OPS = READ_OPS | _WRITES | {"flush"}
 
 
+def _peek_header(raw: bytes) -> dict[str, Any]:
+    """A request's header, or ``{}`` when it is not a JSON object (refused later)."""
+    try:
+        head = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return head if isinstance(head, dict) else {}
+
+
 def _peek_op(raw: bytes) -> str:
     """The op a request names, for its metrics (``"other"`` when it names none)."""
-    try:
-        op = json.loads(raw).get("op")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        return "other"
+    op = _peek_header(raw).get("op")
     return op if isinstance(op, str) and op in _OPS else "other"
 
 
@@ -118,6 +126,8 @@ class Worker(flight.FlightServerBase):
         #: held around every call on the store (per key, arrival order; no lost update)
         self.lock = threading.Lock()
         self.requests = 0
+        #: set once a stop began: calls are refused from then on (the store is being closed)
+        self.stopping = False
 
     def flush(self) -> None:
         """Flush the store between calls (a timer's flush; errors are logged)."""
@@ -133,7 +143,9 @@ class Worker(flight.FlightServerBase):
         if self.read_only:
             role = "serve"
         op = header["op"]
-        if role != "train" and (op not in READ_OPS or (op == "lookup" and header.get("insert"))):
+        # a lookup inserts unless told not to (as _exchange reads it): a write
+        inserts = op == "lookup" and header.get("insert", True)
+        if role != "train" and (op not in READ_OPS or inserts):
             raise AuthenticationError(f"a {role!r} token may not call {op!r}")
         if header.get("shards") != self.shards or header.get("shard") != self.shard:
             raise ShardMismatchError(
@@ -155,6 +167,8 @@ class Worker(flight.FlightServerBase):
         failed = True
         try:
             with self.lock:
+                if self.stopping:
+                    raise BackendError("this worker is stopping: it takes no more calls")
                 self.requests += 1
                 out = fn()
             failed = False
@@ -241,6 +255,11 @@ class Worker(flight.FlightServerBase):
 
     # -- batches -----------------------------------------------------------------------------
     def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        head = _peek_header(descriptor.command)
+        if head.get("op") == "stream":
+            self._serve_stream(context, head, reader, writer)
+            return
+
         def run() -> pa.RecordBatch:
             header = wire.parse_header(descriptor.command)
             self._check(context, header)
@@ -249,6 +268,37 @@ class Worker(flight.FlightServerBase):
         out = self._guard(run, _peek_op(descriptor.command))
         writer.begin(out.schema)
         writer.write_batch(out)
+
+    def _serve_stream(self, context: Any, head: dict[str, Any], reader: Any,
+                      writer: Any) -> None:
+        """A client's kept stream (``embstore.service.streams``): each message is one request
+        (its header in the message's metadata; shard and N from the stream's), answered with
+        one batch, or with a metadata-only error line that leaves the stream open."""
+        route = {k: head.get(k) for k in ("shard", "shards")}
+        started = False
+        while not self.stopping:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            raw = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b"{}"
+
+            def run(raw: bytes = raw, data: Any = chunk.data) -> pa.RecordBatch:
+                h = {**wire.parse_header(raw), **route}
+                if h["op"] not in STREAM_OPS or data is None:
+                    raise InvalidInputError(f"{h['op']!r} is not a request a stream carries")
+                self._check(context, h)
+                return self._exchange(h, wire.request_table(data))
+
+            try:
+                out = self._guard(run, _peek_op(raw))
+            except flight.FlightServerError as e:
+                writer.write_metadata(pa.py_buffer(str(e).encode()))
+                continue
+            if not started:
+                writer.begin(out.schema)
+                started = True
+            writer.write_batch(out)
 
     def _keys(self, table: pa.Table) -> np.ndarray:
         return self._own(wire.keys_from(table.column("key"), self.store.key_type))

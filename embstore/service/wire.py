@@ -171,7 +171,12 @@ def batch(**columns: Any) -> pa.RecordBatch:
 
 def read_request(reader: Any) -> pa.Table:
     """The one batch of a request, bounded by :data:`MAX_ROWS` and :data:`MAX_BYTES`."""
-    table = reader.read_all()
+    return request_table(reader.read_all())
+
+
+def request_table(data: pa.Table | pa.RecordBatch) -> pa.Table:
+    """A request's rows as a table, bounded by :data:`MAX_ROWS` and :data:`MAX_BYTES`."""
+    table = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
     if table.num_rows > MAX_ROWS or table.nbytes > MAX_BYTES:
         raise InvalidInputError(f"request of {table.num_rows} rows / {table.nbytes} bytes is "
                                 f"over the limit ({MAX_ROWS} rows, {MAX_BYTES} bytes)")

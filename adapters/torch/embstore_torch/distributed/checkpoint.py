@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from embstore.engine.protocols import StoreProtocol
-from embstore.errors import CorruptFileError, SchemaMismatchError
+from embstore.errors import CorruptFileError, InvalidInputError, SchemaMismatchError
 from embstore.layers import WrapperBackend
 from embstore.layers.cache import CachedBackend
 from embstore.store import EmbeddingStore
@@ -126,8 +126,8 @@ class ShardCheckpointing(Protocol):
 
 def _checkpointing(store: StoreProtocol) -> ShardCheckpointing:
     if not isinstance(store, ShardCheckpointing):
-        raise TypeError(f"{type(store).__name__} is not a distributed store: its snapshot is "
-                        "a plain store's (embstore_torch._checkpoint.store_state)")
+        raise InvalidInputError(f"{type(store).__name__} is not a distributed store: its "
+                                "snapshot is a plain store's (embstore_torch._checkpoint)")
     return store
 
 

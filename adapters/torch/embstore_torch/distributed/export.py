@@ -81,13 +81,7 @@ class ExportOp:
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536) -> int:
-        """Collective: write every record (or those changed after ``since``) to a native file.
-
-        ``dest`` with ``{rank}`` in it: every rank writes its own shard's file. Otherwise
-        rank 0 writes one file with the records of all ranks (the others' ``dest`` is
-        ignored), equal to what one store holding every key would export. Returns the number
-        of rows written over all ranks. Deletions are not carried by distributed deltas.
-        """
+        """:meth:`~embstore_torch.distributed.DistributedStore.export` on this rank."""
         c = self.collectives
         st = c.live()
         if isinstance(dest, (str, os.PathLike)) and "{rank}" in os.fspath(dest):

@@ -45,8 +45,7 @@ class KeyedOps:
 
     # -- the training interface --------------------------------------------------------------------
     def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
-        """Collective: vectors of ``keys`` (``(n, dim)`` float32, request order), read from
-        (and, with ``insert``, created on) their owners."""
+        """:meth:`~embstore_torch.distributed.DistributedStore.lookup` on this rank."""
         st = self.collectives.live()
         uniq, inv = dedupe(st.normalize_keys(keys))
         vec = self.collectives.ask_owners(
@@ -73,8 +72,7 @@ class KeyedOps:
         return out
 
     def prefetch(self, keys: Any) -> None:
-        """Collective: the owners start loading the rows of ``keys`` in the background (a
-        cache layer's prefetch; other backends ignore it). Call it with the next batch."""
+        """:meth:`~embstore_torch.distributed.DistributedStore.prefetch` on this rank."""
         st = self.collectives.live()
         uniq, _ = dedupe(st.normalize_keys(keys))
         w, me = self.collectives.world, self.collectives.rank
@@ -92,7 +90,7 @@ class KeyedOps:
             st.prefetch(dedupe(mine)[0])
 
     def contains(self, keys: Any) -> np.ndarray:
-        """Collective: which keys have a stored record on their owner."""
+        """:meth:`~embstore_torch.distributed.DistributedStore.contains` on this rank."""
         st = self.collectives.live()
         uniq, inv = dedupe(st.normalize_keys(keys))
         found = self.collectives.ask_owners(
@@ -102,13 +100,7 @@ class KeyedOps:
         return found if inv is None else found[inv]
 
     def update(self, keys: Any, grads: Any, *, counts: Any = None) -> None:
-        """Collective: one global optimizer step.
-
-        Every rank's gradient rows of a key are summed on its owner (divided by the world
-        size when ``average``) and the store's optimizer is applied once per key; ``count``
-        grows by the occurrences (or ``counts``) summed over ranks. A rank with no keys still
-        calls (with empty arrays).
-        """
+        """:meth:`~embstore_torch.distributed.DistributedStore.update` on this rank."""
         c = self.collectives
         st = c.live()
         st.check_writable()
@@ -175,8 +167,7 @@ class KeyedOps:
 
     # -- keyed writes ---------------------------------------------------------------------------
     def assign(self, keys: Any, values: Any) -> None:
-        """Collective: set vectors directly on the keys' owners (the last value of a key
-        repeated in one rank's batch wins; keys sent by several ranks: the highest rank's)."""
+        """:meth:`~embstore_torch.distributed.DistributedStore.assign` on this rank."""
         st = self.collectives.live()
         st.check_writable()
         k = st.normalize_keys(keys)
@@ -210,8 +201,7 @@ class KeyedOps:
                 raise
 
     def delete(self, keys: Any) -> int:
-        """Collective: delete keys on their owners; returns how many of this rank's keys
-        were present."""
+        """:meth:`~embstore_torch.distributed.DistributedStore.delete` on this rank."""
         st = self.collectives.live()
         st.check_writable()
 

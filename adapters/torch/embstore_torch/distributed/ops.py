@@ -66,14 +66,7 @@ class QueryOps:
 
     # -- top_k -------------------------------------------------------------------------------
     def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Collective: exact top-``k`` keys by dot product for this rank's queries.
-
-        Every shard scores the queries of every rank (with that rank's ``exclude``); the
-        asking rank merges the up to ``world x k`` candidates of each query. Same result as
-        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (a
-        :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
-        rank's queries).
-        """
+        """:meth:`~embstore_torch.distributed.DistributedStore.top_k` on this rank."""
         c = self.collectives
         st = c.live()
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
@@ -144,15 +137,7 @@ class QueryOps:
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
                offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
                seed: Any = None) -> Any:
-        """Collective candidate sampling over every shard's keys (see
-        :meth:`embstore.EmbeddingStore.sample` for the arguments and result).
-
-        The draws of a call are split over the shards by a multinomial on each shard's share
-        of the sampling weight; each owner draws its part from its own keys and the asking
-        rank shuffles and merges them. For samplers whose weight is a function of a key's
-        count (uniform, unigram) this is the same distribution as one store holding every
-        key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
-        """
+        """:meth:`~embstore_torch.distributed.DistributedStore.sample` on this rank."""
         c = self.collectives
         st = c.live()
         if not c.sharded:

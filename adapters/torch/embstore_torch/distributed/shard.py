@@ -9,7 +9,10 @@ rank}``). The shards of a distributed run therefore reopen offline as one ordina
 refused with ``SchemaMismatchError`` instead of looking for rows on the wrong shard.
 
 Built on :class:`embstore.layers.wrapper.WrapperBackend` (every method and capability
-forwarded explicitly); only the metadata is translated.
+forwarded explicitly); only the metadata is translated. The other checks of opening a rank's
+shard live here too: the schema every rank must agree on (:func:`schema_blob`) and the
+refusal of fresh shards where a run with another world size left its own
+(:func:`refuse_other_worlds`).
 """
 
 from __future__ import annotations

@@ -214,23 +214,41 @@ class DistributedStore:
 
     # -- the collectives over every shard (:mod:`.ops`, :mod:`.export`) -------------------------
     def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Collective: exact top-``k`` keys by dot product for this rank's queries (see
-        :meth:`QueryOps.top_k`)."""
+        """Collective: exact top-``k`` keys by dot product for this rank's queries.
+
+        Every shard scores the queries of every rank (with that rank's ``exclude``); the
+        asking rank merges the up to ``world x k`` candidates of each query. Same result as
+        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (a
+        :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
+        rank's queries).
+        """
         return self.queries.top_k(queries, k, exclude)
 
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
                offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
                seed: Any = None) -> Any:
         """Collective candidate sampling over every shard's keys (see
-        :meth:`QueryOps.sample`)."""
+        :meth:`embstore.EmbeddingStore.sample` for the arguments and result).
+
+        The draws of a call are split over the shards by a multinomial on each shard's share
+        of the sampling weight; each owner draws its part from its own keys and the asking
+        rank shuffles and merges them. For samplers whose weight is a function of a key's
+        count (uniform, unigram) this is the same distribution as one store holding every
+        key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
+        """
         return self.queries.sample(positive_keys, num_sampled, sampler, offsets=offsets,
                                    remove_accidental_hits=remove_accidental_hits,
                                    unique=unique, seed=seed)
 
     def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536) -> int:
-        """Collective: write every record (or those changed after ``since``) to a native file
-        (see :meth:`ExportOp.export`); returns the rows written over all ranks."""
+        """Collective: write every record (or those changed after ``since``) to a native file.
+
+        ``dest`` with ``{rank}`` in it: every rank writes its own shard's file. Otherwise
+        rank 0 writes one file with the records of all ranks (the others' ``dest`` is
+        ignored), equal to what one store holding every key would export. Returns the number
+        of rows written over all ranks. Deletions are not carried by distributed deltas.
+        """
         return self.exports.export(dest, since=since, batch_size=batch_size)
 
     def __len__(self) -> int:

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from embstore import errors as _errors
+from embstore.backends.base import Backend
 from embstore.errors import SchemaMismatchError, StoreClosedError
 from embstore.store import EmbeddingStore
 
@@ -128,7 +130,7 @@ class Collectives:
                 self.agree("open", err)
         return self._check_schema()
 
-    def _open_engine(self, backend: Any, engine: dict[str, Any], dim: int | None,
+    def _open_engine(self, backend: Backend, engine: dict[str, Any], dim: int | None,
                      agree: bool = True) -> BaseException | None:
         """The engine over this rank's backend; its error is agreed on (or returned)."""
         err = None
@@ -269,7 +271,7 @@ class Collectives:
         return rows_of(lo + extra, hi + extra)
 
     def ask_owners(self, op: str, keys: np.ndarray, flag: int, answer: Answer,
-                   row_dtype: Any, row_shape: tuple[int, ...],
+                   row_dtype: npt.DTypeLike, row_shape: tuple[int, ...],
                    check: Callable[[np.ndarray, int], Any] | None = None) -> np.ndarray:
         """Send distinct ``keys`` to their owners; return one answer row per key.
 
@@ -325,7 +327,7 @@ class Collectives:
         return out
 
 
-def _attempt(fn: Callable[[], tuple[Any, Any, bool]]
+def _attempt(fn: Callable[[], tuple[Backend, dict[str, Any], bool]]
              ) -> tuple[Any, Any, bool, BaseException | None]:
     """``fn()``'s ``(backend, engine options, existed)`` and no error, or its error."""
     try:

@@ -24,6 +24,7 @@ from embstore.sampling.candidate import (
     merge_candidates,
     sampling_index,
 )
+from embstore.sampling.index import SamplingIndex, Snapshot
 from embstore.sampling.samplers import resolve_sampler
 from embstore.store import EmbeddingStore
 
@@ -184,7 +185,8 @@ class QueryOps:
                                    remove_accidental_hits)
         return results if batch else results[0]
 
-    def _draw_rounds(self, st: EmbeddingStore, idx: Any, snap: Any, rng: np.random.Generator,
+    def _draw_rounds(self, st: EmbeddingStore, idx: SamplingIndex, snap: Snapshot,
+                     rng: np.random.Generator,
                      m: int, shard_w: np.ndarray, unique: bool
                      ) -> tuple[np.ndarray, np.ndarray, int]:
         """Rounds of draws until this rank has ``m`` (distinct, with ``unique``) candidates;

@@ -24,9 +24,10 @@ reshards it. Without ``{rank}`` every rank opens the same store (e.g. one Bigtab
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 import numpy as np
+import torch.distributed as dist
 
 from embstore.layers.sharded import sharded_url
 from embstore.layout import Layout
@@ -57,8 +58,9 @@ __all__ = [
 ]
 
 
-def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float = 300.0,  # noqa: A001
-         average: bool = True, **options: Any) -> DistributedStore:
+def open(url: str, dim: int | None = None, *,  # noqa: A001
+         group: dist.ProcessGroup | None = None, timeout: float = 300.0, average: bool = True,
+         **options: Any) -> DistributedStore:
     """Open this rank's part of a distributed store (a collective: every rank calls it).
 
     Parameters
@@ -302,7 +304,7 @@ class DistributedStore:
         """Raise unless this rank's store accepts writes (open, usable, not read-only)."""
         self.collectives.live().check_writable()
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> NoReturn:
         import pickle
 
         raise pickle.PicklingError(

@@ -63,8 +63,8 @@ class Collectives:
     rank, world : int
     sharded : bool
     local : embstore.EmbeddingStore or None
-        This rank's store; None before :meth:`open` and once closed (also by a failed
-        collective). Parts reach it through :meth:`live`.
+        This rank's store (read-only); None before :meth:`open` and once closed (also by a
+        failed collective). Parts reach it through :meth:`live`.
     step : int
         The global step, the same on every rank; :meth:`set_step` keeps ``local.step`` equal.
     key_type : str
@@ -75,9 +75,14 @@ class Collectives:
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.sharded = sharded
-        self.local: EmbeddingStore | None = None
+        self._local: EmbeddingStore | None = None
         self.step = 0
         self.key_type = "int64"
+
+    @property
+    def local(self) -> EmbeddingStore | None:
+        """This rank's store, None before :meth:`open` and once closed."""
+        return self._local
 
     # -- opening ---------------------------------------------------------------------------------
     def open(self, url: str, dim: int | None, options: dict[str, Any]) -> EmbeddingStore:
@@ -135,7 +140,7 @@ class Collectives:
         """The engine over this rank's backend; its error is agreed on (or returned)."""
         err = None
         try:
-            self.local = EmbeddingStore(backend, dim=dim, **engine)
+            self._local = EmbeddingStore(backend, dim=dim, **engine)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             err = e
         if agree:
@@ -184,9 +189,9 @@ class Collectives:
 
     def opened(self) -> EmbeddingStore:
         """This rank's store while open (usable or not), else ``StoreClosedError``."""
-        if self.local is None:
+        if self._local is None:
             raise StoreClosedError(f"operation on a closed distributed store (rank {self.rank})")
-        return self.local
+        return self._local
 
     def live(self) -> EmbeddingStore:
         """This rank's store, if the distributed store is open and usable: else
@@ -200,12 +205,12 @@ class Collectives:
 
     def close_quietly(self) -> None:
         """Close this rank's store alone, keeping the first error the one reported."""
-        if self.local is not None:
+        if self._local is not None:
             try:
-                self.local.close()
+                self._local.close()
             except Exception:  # noqa: BLE001, S110 - the first error is the one reported
                 pass
-            self.local = None
+            self._local = None
 
     @property
     def answers(self) -> bool:
@@ -217,15 +222,15 @@ class Collectives:
     def set_step(self, step: int) -> None:
         """Make ``step`` the global step, on this rank's store too."""
         self.step = int(step)
-        if self.local is not None:
-            self.local.step = self.step
+        if self._local is not None:
+            self._local.step = self.step
 
     def count_steps_once(self) -> None:
         """Before this rank syncs a shared store's metadata: every rank counts each global
         step, so only rank 0's are added to the stored step (the engine adds a writer's steps
         since its last sync); the others add none and keep the global step afterwards."""
-        if not self.sharded and self.rank != 0 and self.local is not None:
-            self.local.mark_steps_synced()
+        if not self.sharded and self.rank != 0 and self._local is not None:
+            self._local.mark_steps_synced()
 
     # -- flush and close --------------------------------------------------------------------------
     def flush(self) -> None:
@@ -250,7 +255,7 @@ class Collectives:
     def close(self) -> None:
         """Collective: flush and close every rank's store; this rank's alone on a store an
         earlier collective failure left unusable. Safe to call twice."""
-        if self.local is None:
+        if self._local is None:
             return
         if self.comm.broken is not None:  # the other ranks may be gone: no collective
             self.close_quietly()
@@ -258,10 +263,10 @@ class Collectives:
         err = None
         try:
             self.count_steps_once()
-            self.local.close()
+            self._local.close()
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             err = e
-        self.local = None
+        self._local = None
         self.agree("close", err)
 
     # -- routing keys to their owners -------------------------------------------------------------

@@ -319,6 +319,7 @@ class Comm:
         recv = [int(n) for n in recv_nbytes]
         out = self._all_to_all(buf, sizes, recv, op, keep)
         if mismatch:
+            assert announced is not None
             self.broken = f"{op}: payload sizes differ from the header"
             raise CollectiveError(
                 f"rank {self.rank}: the {op} payload ({sum(len(s) for s in segs)} bytes) "

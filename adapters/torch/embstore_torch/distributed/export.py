@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from typing import Any, BinaryIO
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import numpy as np
 
 from embstore.io.native import NativeWriter
 
-from .comm import rows_of
+from .collectives import Collectives
+from .comm import Fits, rows_of
 from .wire import bad_payload, check_unique, key_bytes, pack_records, unpack_records
 
 __all__ = ["ExportOp", "SeenKeys"]
@@ -64,52 +66,46 @@ class SeenKeys:
 
 
 class ExportOp:
-    """:meth:`export` of :class:`~embstore_torch.distributed.DistributedStore`."""
+    """:meth:`export` of :class:`~embstore_torch.distributed.DistributedStore`.
 
-    comm: Any
-    local: Any
-    rank: int
-    world_size: int
-    key_type: str
-    step: int
-    sharded: bool
-    _answers: bool
-    _sync_shared: Any
-    _agree: Any
-    _live: Any
+    Parameters
+    ----------
+    collectives : Collectives
+        The comm, this rank's store, the global step (the file's) and the ranks' agreement.
+    """
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+        self.comm = collectives.comm
+        self.key_type = collectives.key_type
 
     def export(self, dest: str | os.PathLike | BinaryIO, *, since: int | None = None,
                batch_size: int = 65536) -> int:
-        """Collective: write every record (or those changed after ``since``) to a native file.
-
-        ``dest`` with ``{rank}`` in it: every rank writes its own shard's file. Otherwise
-        rank 0 writes one file with the records of all ranks (the others' ``dest`` is
-        ignored), equal to what one store holding every key would export. Returns the number
-        of rows written over all ranks. Deletions are not carried by distributed deltas.
-        """
-        self._live()
+        """:meth:`~embstore_torch.distributed.DistributedStore.export` on this rank."""
+        c = self.collectives
+        st = c.live()
         if isinstance(dest, (str, os.PathLike)) and "{rank}" in os.fspath(dest):
-            path = os.fspath(dest).replace("{rank}", str(self.rank)).replace(
-                "{world}", str(self.world_size))
+            path = os.fspath(dest).replace("{rank}", str(c.rank)).replace(
+                "{world}", str(c.world))
             err, n = None, 0
             try:
-                n = self.local.export(path, since=since, batch_size=batch_size)
+                n = st.export(path, since=since, batch_size=batch_size)
             except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
                 err = e
-            return self._agree("export", err, items=n)
-        self._sync_shared()
-        versions, _, _ = self.comm.begin("export", self.local.version, fits=rows_of(0, 0))
-        header = self.local.meta
-        header.update(step=self.step, version=int(versions.max()), since=since)
+            return c.agree("export", err, items=n)
+        c.sync_shared()
+        versions, _, _ = self.comm.begin("export", st.version, fits=rows_of(0, 0))
+        header = st.meta
+        header.update(step=c.step, version=int(versions.max()), since=since)
         if since is not None:
             header["deletions_complete"] = False
-        src = (self.local.records(batch_size) if since is None
-               else self.local.changes_since(since, batch_size))
-        writer = NativeWriter(dest, header, background=True) if self.rank == 0 else None
+        src = (st.records(batch_size) if since is None
+               else st.changes_since(since, batch_size))
+        writer = NativeWriter(dest, header, background=True) if c.rank == 0 else None
         err, total = None, 0
         with writer if writer is not None else contextlib.nullcontext():
             try:
-                total = self._rounds(src, writer)
+                total = self._rounds(src, writer, st.layout.dtype)
             except Exception as e:  # noqa: BLE001 - reported in the closing exchange
                 err = e
             if err is not None and writer is not None:
@@ -117,32 +113,36 @@ class ExportOp:
         if err is not None and self.comm.broken is not None:
             raise err  # an exchange failed: the ranks cannot agree on anything any more
         # a bad payload: RankFailureError on every rank; rank 0 counted the rows
-        return self._agree("export", err, items=total)
+        return c.agree("export", err, items=total)
 
-    def _fits(self) -> tuple[Any, Any]:
+    def _fits(self, rec: int) -> tuple[Fits, Fits]:
         """Header bounds of an export round: rows of key + record bytes, to rank 0 only,
-        from every shard (one store per rank) or from rank 0 alone (one shared store)."""
-        w, me = self.world_size, self.rank
-        rec = int(self.local.layout.dtype.itemsize)
+        from every shard (one store per rank) or from rank 0 alone (one shared store);
+        ``rec``: the bytes of a record."""
+        c = self.collectives
+        w, me = c.world, c.rank
         lo, hi = key_bytes(self.key_type)
-        sends = np.ones(w, bool) if self.sharded else np.arange(w) == 0
+        sends = np.ones(w, bool) if c.sharded else np.arange(w) == 0
         # exclusive bounds on items: a rank that sends nothing may announce only 0
         bound_in = np.where(sends & (me == 0), _ANY, 1)
         bound_out = np.where((np.arange(w) == 0) & sends[me], _ANY, 1)
         return (rows_of(lo + rec, hi + rec, max_items=bound_in),
                 rows_of(lo + rec, hi + rec, max_items=bound_out))
 
-    def _rounds(self, src: Any, writer: NativeWriter | None) -> int:
-        """Stream the shards' batches to rank 0 until every rank is done; the rows rank 0
-        received (0 elsewhere). After a bad payload the rounds go on (every rank must finish
-        them) but nothing more is written, and the error is raised at the end."""
-        w = self.world_size
-        fits, fits_out = self._fits()
+    def _rounds(self, src: Iterator[tuple[np.ndarray, np.ndarray]], writer: NativeWriter | None,
+                dtype: np.dtype) -> int:
+        """Stream the shards' batches (records of ``dtype``) to rank 0 until every rank is
+        done; the rows rank 0 received (0 elsewhere). After a bad payload the rounds go on
+        (every rank must finish them) but nothing more is written, and the error is raised at
+        the end."""
+        c = self.collectives
+        w = c.world
+        fits, fits_out = self._fits(int(dtype.itemsize))
         seen = SeenKeys() if writer is not None else None
         err: Exception | None = None
         total = 0
         while True:
-            batch = next(src, None) if self._answers else None
+            batch = next(src, None) if c.answers else None
             payload = np.zeros(0, np.uint8)
             n = 0
             if batch is not None:
@@ -163,9 +163,8 @@ class ExportOp:
             try:
                 for s in range(w):
                     # a shard's records: sizes, (per-rank stores) its own keys, no key twice
-                    k, recs = unpack_records(got[s], int(items[s]), self.key_type,
-                                             self.local.layout.dtype,
-                                             owner=(s, w) if self.sharded else None, source=s)
+                    k, recs = unpack_records(got[s], int(items[s]), self.key_type, dtype,
+                                             owner=(s, w) if c.sharded else None, source=s)
                     check_unique(k, s, "export rows")
                     if len(k):
                         assert seen is not None

@@ -24,9 +24,12 @@ from embstore.sampling.candidate import (
     merge_candidates,
     sampling_index,
 )
+from embstore.sampling.index import SamplingIndex, Snapshot
 from embstore.sampling.samplers import resolve_sampler
+from embstore.store import EmbeddingStore
 
-from .comm import MAX_PAYLOAD, rows_of
+from .collectives import Collectives
+from .comm import MAX_PAYLOAD, Fits, rows_of
 from .wire import (
     MAX_DRAWS,
     MAX_TOP_K,
@@ -43,36 +46,30 @@ from .wire import (
     unpack_shard_weight,
 )
 
-__all__ = ["CollectiveOps"]
+__all__ = ["QueryOps"]
 
 
-class CollectiveOps:
-    """``top_k`` and ``sample`` of :class:`~embstore_torch.distributed.DistributedStore`."""
+class QueryOps:
+    """``top_k`` and ``sample`` of :class:`~embstore_torch.distributed.DistributedStore`.
 
-    comm: Any
-    local: Any
-    rank: int
-    world_size: int
-    dim: int
-    key_type: str
-    step: int
-    sharded: bool
-    _answers: bool
-    _sync_shared: Any
-    _ask_owners: Any
-    _live: Any
+    Parameters
+    ----------
+    collectives : Collectives
+        The comm, this rank's store and the routing of keys to their owners.
+    dim : int
+    """
+
+    def __init__(self, collectives: Collectives, dim: int) -> None:
+        self.collectives = collectives
+        self.comm = collectives.comm
+        self.dim = dim
+        self.key_type = collectives.key_type
 
     # -- top_k -------------------------------------------------------------------------------
     def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Collective: exact top-``k`` keys by dot product for this rank's queries.
-
-        Every shard scores the queries of every rank (with that rank's ``exclude``); the
-        asking rank merges the up to ``world x k`` candidates of each query. Same result as
-        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (a
-        :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
-        rank's queries).
-        """
-        self._live()
+        """:meth:`~embstore_torch.distributed.DistributedStore.top_k` on this rank."""
+        c = self.collectives
+        st = c.live()
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
             raise InvalidInputError(f"k must be a positive int, got {k!r}")
         if k >= MAX_TOP_K:
@@ -82,9 +79,9 @@ class CollectiveOps:
                 exclude[0], (list, tuple, np.ndarray)):
             raise InvalidInputError("distributed top_k takes one exclude key array for all "
                                     "queries, not one per query")
-        q = check_queries(self.local, queries)
-        ex = self.local.normalize_keys([] if exclude is None else exclude)
-        self._sync_shared()
+        q = check_queries(st, queries)
+        ex = st.normalize_keys([] if exclude is None else exclude)
+        c.sync_shared()
         # every rank's queries, k and exclusions, to every shard
         # (the header: the number of queries and of exclusions, so its size is checked)
         blobs, _, _ = self.comm.allgather("top_k", pack_queries(q, int(k), ex), len(q),
@@ -92,13 +89,13 @@ class CollectiveOps:
         key_dtype = np.int64 if self.key_type == "int64" else object
         parts, widths, asked = [], [], []
         try:
-            rows = len(self.local) if self._answers else 0
+            rows = len(st) if c.answers else 0
             for s, b in enumerate(blobs):  # this shard's candidates for each rank's queries
                 qs, ks, exs = unpack_queries(b, self.dim, self.key_type, source=s)
                 asked.append((len(qs), ks))
                 if len(qs) and rows:
                     # never wider than the shard: a k above its rows allocates for nothing
-                    res = self.local.top_k(qs, min(ks, rows), exs if len(exs) else None)
+                    res = st.top_k(qs, min(ks, rows), exs if len(exs) else None)
                     kk, ss = res
                     vv = np.asarray(getattr(res, "valid", np.ones(kk.shape, bool)))
                 else:
@@ -109,7 +106,7 @@ class CollectiveOps:
         except Exception as e:
             # a bad query buffer (or this shard's own failure): the others, waiting for the
             # candidates, get an abort header instead of the timeout
-            self.comm.abort(f"rank {self.rank}'s top_k failed: {e}")
+            self.comm.abort(f"rank {c.rank}'s top_k failed: {e}")
             raise
         # a shard answers at most k candidates per query, each key + score + flag
         lo, hi = key_bytes(self.key_type)
@@ -119,11 +116,11 @@ class CollectiveOps:
             fits=rows_of(len(q) * (lo + 5), len(q) * (hi + 5), max_items=int(k) + 1),
             fits_out=rows_of(nq_to * (lo + 5), nq_to * (hi + 5), max_items=k_to + 1))
         got = self.comm.exchange(parts, nbytes, "top_k")
-        owner = (lambda s: (s, self.world_size)) if self.sharded else (lambda s: None)
+        owner = (lambda s: (s, c.world)) if c.sharded else (lambda s: None)
         with self.comm.aborting():  # the last exchange: the others stop at their next call
             cands = [unpack_candidates(got[s], len(q), int(cols[s]), int(k), self.key_type,
                                        owner=owner(s), source=s)
-                     for s in range(self.world_size)]
+                     for s in range(c.world)]
         ck, cs, cv = (np.concatenate([c[i] for c in cands], axis=1) for i in range(3))
         width = min(int(k), ck.shape[1])
         # As one store orders them: real items first, score descending (NaN after every
@@ -141,27 +138,20 @@ class CollectiveOps:
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
                offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
                seed: Any = None) -> Any:
-        """Collective candidate sampling over every shard's keys (see
-        :meth:`embstore.EmbeddingStore.sample` for the arguments and result).
-
-        The draws of a call are split over the shards by a multinomial on each shard's share
-        of the sampling weight; each owner draws its part from its own keys and the asking
-        rank shuffles and merges them. For samplers whose weight is a function of a key's
-        count (uniform, unigram) this is the same distribution as one store holding every
-        key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
-        """
-        self._live()
-        if not self.sharded:
+        """:meth:`~embstore_torch.distributed.DistributedStore.sample` on this rank."""
+        c = self.collectives
+        st = c.live()
+        if not c.sharded:
             raise InvalidInputError(
                 "distributed sample needs a store per rank ({rank} in the URL): over one "
                 "shared store a rank's sampling index does not see the other ranks' writes"
             )
         sampler = resolve_sampler(sampler)
         m = check_num_sampled(num_sampled)
-        batch, positives = group_positives(self.local, positive_keys, offsets)
+        batch, positives = group_positives(st, positive_keys, offsets)
         flat_pos = (np.concatenate(positives) if len(positives) > 1
-                    else positives[0] if positives else self.local.normalize_keys([]))
-        idx = sampling_index(self.local)
+                    else positives[0] if positives else st.normalize_keys([]))
+        idx = sampling_index(st)
         snap = idx.snapshot(sampler)
         blobs, _, _ = self.comm.allgather(
             "sample", pack_shard_weight(snap.total, snap.support - snap.dead_support),
@@ -172,19 +162,19 @@ class CollectiveOps:
         support = sum(n for _, n in shards)
         total = float(shard_w.sum())
         rng = (seed if isinstance(seed, np.random.Generator)
-               else np.random.default_rng(None if seed is None else (int(seed), self.rank)))
+               else np.random.default_rng(None if seed is None else (int(seed), c.rank)))
         problem = None
         if m and total <= 0:
             problem = "the store has no key with a positive sampling weight"
         elif m and unique and m > support:
             problem = (f"unique sampling of {m} candidates needs at least {m} keys with a "
                        f"positive weight; the store has {support}")
-        neg, weights, tries = self._draw_rounds(idx, snap, rng, m if not problem else 0,
+        neg, weights, tries = self._draw_rounds(st, idx, snap, rng, m if not problem else 0,
                                                 shard_w, unique)
         neg_prob = expected_count(weights / total if total > 0 else weights, tries, unique)
         uniq_pos, inv = np.unique(flat_pos, return_inverse=True) if len(flat_pos) else (
             flat_pos, np.zeros(0, np.int64))
-        pw = self._ask_owners("sample_prob", uniq_pos, 0, lambda asked, _: [
+        pw = c.ask_owners("sample_prob", uniq_pos, 0, lambda asked, _: [
             idx.prob_of(snap, a) * snap.total for a in asked], np.float64, (),
             check=lambda rows, s: check_weights(rows, "a positive key's sampling weight", s))
         if problem:  # raised after the owners' last exchange, which every rank joins
@@ -195,13 +185,15 @@ class CollectiveOps:
                                    remove_accidental_hits)
         return results if batch else results[0]
 
-    def _draw_rounds(self, idx: Any, snap: Any, rng: np.random.Generator, m: int,
-                     shard_w: np.ndarray, unique: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    def _draw_rounds(self, st: EmbeddingStore, idx: SamplingIndex, snap: Snapshot,
+                     rng: np.random.Generator,
+                     m: int, shard_w: np.ndarray, unique: bool
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Rounds of draws until this rank has ``m`` (distinct, with ``unique``) candidates;
         every rank takes part in every round (serving the others) until all are done."""
-        w = self.world_size
+        w = self.collectives.world
         total = float(shard_w.sum())
-        keys = self.local.normalize_keys([])
+        keys = st.normalize_keys([])
         wts = np.zeros(0, np.float64)
         need = m if not unique else int(m * 1.03) + 16 if m else 0
         tries, done = 0, m == 0
@@ -222,7 +214,7 @@ class CollectiveOps:
                     answers.append(pack_draws(k, p * snap.total))
                     drawn.append(len(k))
             except Exception as e:  # the askers wait for these draws: tell them at once
-                self.comm.abort(f"rank {self.rank}'s sample failed: {e}")
+                self.comm.abort(f"rank {self.collectives.rank}'s sample failed: {e}")
                 raise
             # the header says how many keys were drawn; the asker checks it is what it asked
             n_in, nbytes, _ = self.comm.begin("sample_round", drawn, [len(a) for a in answers],
@@ -259,7 +251,7 @@ class CollectiveOps:
         return keys, wts, tries
 
 
-def _query_fits(dim: int, key_type: str) -> Any:
+def _query_fits(dim: int, key_type: str) -> Fits:
     """Header bounds of the top_k query exchange: items = queries, flag = exclusion keys."""
     lo, hi = key_bytes(key_type)
 

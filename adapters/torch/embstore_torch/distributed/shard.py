@@ -9,7 +9,10 @@ rank}``). The shards of a distributed run therefore reopen offline as one ordina
 refused with ``SchemaMismatchError`` instead of looking for rows on the wrong shard.
 
 Built on :class:`embstore.layers.wrapper.WrapperBackend` (every method and capability
-forwarded explicitly); only the metadata is translated.
+forwarded explicitly); only the metadata is translated. The other checks of opening a rank's
+shard live here too: the schema every rank must agree on (:func:`schema_blob`) and the
+refusal of fresh shards where a run with another world size left its own
+(:func:`refuse_other_worlds`).
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ from typing import Any
 
 import numpy as np
 
+import embstore
 from embstore.backends.base import Backend
 from embstore.engine.opening import open_backend, split_options
-from embstore.errors import SchemaMismatchError
+from embstore.errors import SchemaMismatchError, StoreNotFoundError
 from embstore.layers.sharded import SHARD_FORMAT
 from embstore.layers.wrapper import WrapperBackend
+from embstore.store import EmbeddingStore
 
-__all__ = ["ShardView", "open_rank_backend"]
+__all__ = ["RESHARD", "ShardView", "open_rank_backend", "refuse_other_worlds"]
+
+#: how to move a run's shards to another world size, for the errors that refuse it
+RESHARD = ("`embstore copy 'sharded://?shard=...' 'sharded://?shard=...' --shards N` (or "
+           "export the old run's shards and import them into the new world)")
 
 
 class ShardView(WrapperBackend):
@@ -82,7 +91,8 @@ class ShardView(WrapperBackend):
         return out
 
 
-def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None):
+def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple[int, int] | None
+                      ) -> tuple[Backend, dict[str, Any], bool]:
     """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
     shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
     engine, read_only, layer, backend_opts = split_options(options)
@@ -99,7 +109,7 @@ def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple | None)
     return ShardView(backend, *sharding), engine, existed
 
 
-def schema_blob(store: Any) -> bytes:
+def schema_blob(store: EmbeddingStore) -> bytes:
     """What every rank's store must agree on at open (dim, key type, layout, optimizer,
     initializer, seed, read_only), as canonical JSON."""
     mine = {"dim": store.dim, "key_type": store.key_type, "layout": store.layout.to_json(),
@@ -115,3 +125,31 @@ def first_schema_difference(blobs: list[bytes]) -> str | None:
             return (f"rank {r}'s store has other metadata (dim, key type, optimizer, "
                     f"read_only...) than rank 0's: {b.decode()} vs {blobs[0].decode()}")
     return None
+
+
+def refuse_other_worlds(url: str, world: int, most: int = 64) -> BaseException | None:
+    """A ``SchemaMismatchError`` when rank 0's store of a run with another world size (up to
+    ``most`` ranks) exists under the ``{world}`` URL template, else None. Probes open
+    read-only and create nothing."""
+    if url.lower().startswith("memory:"):
+        return None
+    found = []
+    for w in range(1, max(most, 2 * world) + 1):
+        if w == world:
+            continue
+        u = url.replace("{rank}", "0").replace("{world}", str(w))
+        try:
+            with embstore.open(u, read_only=True):
+                found.append(w)
+        except SchemaMismatchError:  # a store is there (a shard, or another layout)
+            found.append(w)
+        except StoreNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001, S112 - unreachable or unreadable: nothing to keep
+            continue
+    if not found:
+        return None
+    return SchemaMismatchError(
+        f"{url} names shards of a run with {found[0]} ranks ("
+        f"{url.replace('{rank}', '0').replace('{world}', str(found[0]))} exists), this run has "
+        f"{world}; restart with {found[0]} ranks, or reshard with {RESHARD}")

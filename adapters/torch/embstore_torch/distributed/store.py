@@ -23,19 +23,20 @@ reshards it. Without ``{rank}`` every rank opens the same store (e.g. one Bigtab
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, BinaryIO, NoReturn
 
 import numpy as np
+import torch.distributed as dist
 
-from embstore import errors as _errors
-from embstore.errors import SchemaMismatchError, StoreClosedError
 from embstore.layers.sharded import sharded_url
 from embstore.layout import Layout
+from embstore.optim.base import Optimizer
 from embstore.store import EmbeddingStore
 
-from .checkpoint import RESHARD, refuse_other_worlds
+from .checkpoint import ShardCheckpoint
+from .collectives import Collectives
 from .comm import (
-    MAX_MESSAGE,
     CollectiveError,
     CollectiveMismatchError,
     Comm,
@@ -45,8 +46,7 @@ from .comm import (
 )
 from .export import ExportOp
 from .keyed import KeyedOps
-from .ops import CollectiveOps
-from .shard import first_schema_difference, open_rank_backend, schema_blob
+from .ops import QueryOps
 
 __all__ = [
     "CollectiveError",
@@ -58,8 +58,9 @@ __all__ = [
 ]
 
 
-def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float = 300.0,  # noqa: A001
-         average: bool = True, **options: Any) -> DistributedStore:
+def open(url: str, dim: int | None = None, *,  # noqa: A001
+         group: dist.ProcessGroup | None = None, timeout: float = 300.0, average: bool = True,
+         **options: Any) -> DistributedStore:
     """Open this rank's part of a distributed store (a collective: every rank calls it).
 
     Parameters
@@ -87,7 +88,7 @@ def open(url: str, dim: int | None = None, *, group: Any = None, timeout: float 
     return DistributedStore(comm, url, dim, average=average, options=options)
 
 
-class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
+class DistributedStore:
     """This rank's handle on a store whose keys are split over the ranks by ownership.
 
     Offers the store interface the torch modules use (``lookup``, ``update`` with
@@ -101,12 +102,21 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
         The keys this rank owns (use it only for inspection: writes to it bypass routing).
     step : int
         The global step (one per ``update`` call), the same on every rank and shard.
+    collectives : Collectives
+        This rank's comm, own store and global step, which the parts below share.
+    keyed, queries, exports : KeyedOps, QueryOps, ExportOp
+        The collectives on keys (lookup, update...), over every shard (top_k, sample) and
+        the export.
+    checkpoint : ShardCheckpoint
+        This rank's snapshot and restore (no collective; ``DynamicEmbedding.state_dict``).
     """
 
     #: every rank calls each method in step; the torch modules call it for empty batches too
     collective = True
     read_only: bool
     layout: Layout
+    dim: int
+    key_type: str
 
     def __init__(self, comm: Comm, url: str, dim: int | None, *, average: bool,
                  options: dict[str, Any]) -> None:
@@ -115,128 +125,34 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
         self.average = bool(average)
         # memory:// lives in each process: always one store per rank
         self.sharded = "{rank}" in url or url.lower().startswith("memory:")
-        local_url = url.replace("{rank}", str(self.rank)).replace("{world}",
-                                                                   str(self.world_size))
-        self.local: Any = None
-        if self.sharded:
-            # Whether each shard holds data is agreed on before any rank writes: a run that
-            # finds some shards missing refuses to start instead of creating empty ones.
-            backend, engine, existed, err = self._try(
-                lambda: open_rank_backend(local_url, options, (self.rank, self.world_size)))
-            try:
-                self._agree("open", err)
-            except BaseException:
-                if backend is not None:
-                    backend.close()
-                raise
-            _, _, held = self.comm.allgather("open", np.zeros(0, np.uint8), flag=int(existed))
-            if len(set(held.tolist())) > 1:
-                backend.close()
-                raise SchemaMismatchError(
-                    f"the shards of ranks {np.flatnonzero(held == 0).tolist()} hold no store "
-                    f"while the others do ({local_url}); open every shard of the original run "
-                    f"(the same number of ranks), or reshard with {RESHARD}"
-                )
-            if not held.any() and "{world}" in url:
-                # Fresh shards under a {world} URL: a run with another world size would have
-                # written other paths, which must not be silently replaced by empty shards.
-                err = None
-                if self.rank == 0:
-                    err = refuse_other_worlds(url, self.world_size)
-                try:
-                    self._agree("open", err)
-                except BaseException:
-                    backend.close()
-                    raise
-            self._open_engine(backend, engine, dim)
-        else:
-            # One shared store: rank 0 creates it (metadata) before the others open it. A
-            # per-rank cache writes only the keys its rank owns, and its writer lease says so.
-            if options.get("cache") and options.get("writer_keys") is None:
-                options = {**options, "writer_keys": (self.rank, self.world_size)}
-            for turn in (self.rank == 0, self.rank != 0):
-                err = None
-                if turn:
-                    backend, engine, _, err = self._try(
-                        lambda: open_rank_backend(local_url, options, None))
-                    if err is None:
-                        err = self._open_engine(backend, engine, dim, agree=False)
-                self._agree("open", err)
-        self._check_schema()
-        self.read_only = self.local.read_only
-        self.key_type = self.local.key_type
-        self.layout = self.local.layout
-        self.dim = int(self.local.dim)
-        self._optimizer = self.local.optimizer
+        self.collectives = Collectives(comm, self.sharded)
+        local = self.collectives.open(url, dim, options)
+        self.read_only = local.read_only
+        self.key_type = local.key_type
+        self.layout = local.layout
+        self.dim = int(local.dim)
+        self._optimizer = local.optimizer
         self.gather_url()
-
-    # -- opening ---------------------------------------------------------------------------------
-    @staticmethod
-    def _try(fn: Any) -> tuple:
-        try:
-            return (*fn(), None)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            return None, None, True, e
-
-    def _open_engine(self, backend: Any, engine: dict[str, Any], dim: int | None,
-                     agree: bool = True) -> BaseException | None:
-        """The engine over this rank's backend; its error is agreed on (or returned)."""
-        err = None
-        try:
-            self.local = EmbeddingStore(backend, dim=dim, **engine)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            err = e
-        if agree:
-            self._agree("open", err)
-        return err
-
-    def _agree(self, op: str, err: BaseException | None, items: int = 0) -> int:
-        """Exchange success; raise on every rank when one failed (its own error there, the
-        same error class with the failing rank's message on the others). Returns the sum of
-        ``items`` over the ranks."""
-        msg = b"" if err is None else f"{type(err).__name__}\n{err}".encode()[:MAX_MESSAGE - 1]
-        blobs, counts, flags = self.comm.allgather(op, np.frombuffer(msg, np.uint8),
-                                                   items=items, flag=int(err is not None))
-        if err is not None:
-            self._close_quietly()
-            if isinstance(err, RankFailureError):  # a peer sent garbage: no more collectives
-                self.comm.broken = f"{op}: {err}"
-            raise err
-        failed = np.flatnonzero(flags)
-        if len(failed):
-            r = int(failed[0])
-            name, _, text = blobs[r].tobytes().decode(errors="replace").partition("\n")
-            self._close_quietly()
-            if name == RankFailureError.__name__:  # rank r received a bad payload (its
-                # message names the sender): this store is as unusable here as there
-                self.comm.broken = f"rank {r} failed in {op}"
-                raise RankFailureError(f"rank {r} failed in {op}: {text}", failed_rank=r)
-            cls = getattr(_errors, name, None)
-            if not (isinstance(cls, type) and issubclass(cls, _errors.EmbstoreError)):
-                cls = CollectiveError
-            raise cls(f"rank {r} failed in {op}: {text}")
-        return int(counts.sum())
-
-    def _close_quietly(self) -> None:
-        if self.local is not None:
-            try:
-                self.local.close()
-            except Exception:  # noqa: BLE001, S110 - the first error is the one reported
-                pass
-            self.local = None
-
-    def _check_schema(self) -> None:
-        st = self.local
-        blob = np.frombuffer(schema_blob(st), np.uint8)
-        blobs, steps, _ = self.comm.allgather("open", blob, items=st.step)
-        problem = first_schema_difference([b.tobytes() for b in blobs])
-        if problem is not None:
-            self._close_quietly()
-            raise SchemaMismatchError(problem)
-        self.step = int(steps.max())
-        self.local.step = self.step
+        self.keyed = KeyedOps(self.collectives, self.dim, self.average)
+        self.queries = QueryOps(self.collectives, self.dim)
+        self.exports = ExportOp(self.collectives)
+        self.checkpoint = ShardCheckpoint(self.collectives, self._url)
 
     # -- properties --------------------------------------------------------------------------------
+    @property
+    def local(self) -> EmbeddingStore | None:
+        """This rank's own store (None once closed)."""
+        return self.collectives.local
+
+    @property
+    def step(self) -> int:
+        """The global step, the same on every rank."""
+        return self.collectives.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.collectives.set_step(value)
+
     @property
     def url(self) -> str:
         """``sharded://?shard=...`` naming every rank's store (reopens offline), or the shared
@@ -245,11 +161,11 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
 
     def gather_url(self) -> str:
         """Collective (run by :func:`open`): learn every rank's store URL."""
+        local = self.collectives.opened()
         if not self.sharded:
-            self._url = self.local.url
+            self._url = local.url
             return self._url
-        blobs, _, _ = self.comm.allgather("open", np.frombuffer(self.local.url.encode(),
-                                                                np.uint8))
+        blobs, _, _ = self.comm.allgather("open", np.frombuffer(local.url.encode(), np.uint8))
         self._url = sharded_url([b.tobytes().decode() for b in blobs])
         return self._url
 
@@ -258,74 +174,110 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
         """Bytes this rank sent to the other ranks (headers and payloads) since open."""
         return self.comm.bytes_sent
 
-    # -- whole-store collectives -----------------------------------------------------------------
     @property
-    def _answers(self) -> bool:
-        """Whether this rank answers whole-store queries (len, export, top_k): every rank
-        for per-rank stores; rank 0 alone for one shared store (it sees the whole table)."""
-        return self.sharded or self.rank == 0
+    def optimizer(self) -> Optimizer:
+        """The optimizer every rank's store applies (the same on every rank)."""
+        return self._optimizer
 
-    def _sync_shared(self) -> None:
-        # A shared store holds other ranks' rows in their write-back caches: flush them all
-        # before rank 0 reads the whole table.
-        if not self.sharded:
-            self.flush()
+    # -- the keyed collectives (:mod:`.keyed`) ---------------------------------------------------
+    def lookup(self, keys: Any, *, insert: bool = True) -> np.ndarray:
+        """Collective: vectors of ``keys`` (``(n, dim)`` float32, request order), read from
+        (and, with ``insert``, created on) their owners."""
+        return self.keyed.lookup(keys, insert=insert)
 
-    def _live(self) -> EmbeddingStore:
-        """This rank's store, if the distributed store is open and usable: else
-        ``StoreClosedError`` (closed, or closed by a failed collective) or
-        ``StoreUnusableError`` (a ``StoreClosedError`` too: an earlier collective failed)."""
-        if self.local is None:
-            raise StoreClosedError(f"operation on a closed distributed store (rank {self.rank})")
-        if self.comm.broken is not None:
-            raise StoreUnusableError(f"the distributed store is unusable after an earlier "
-                                     f"failure ({self.comm.broken}); restart the job")
-        return self.local
+    def update(self, keys: Any, grads: Any, *, counts: Any = None) -> None:
+        """Collective: one global optimizer step.
+
+        Every rank's gradient rows of a key are summed on its owner (divided by the world
+        size when ``average``) and the store's optimizer is applied once per key; ``count``
+        grows by the occurrences (or ``counts``) summed over ranks. A rank with no keys still
+        calls (with empty arrays).
+        """
+        self.keyed.update(keys, grads, counts=counts)
+
+    def prefetch(self, keys: Any) -> None:
+        """Collective: the owners start loading the rows of ``keys`` in the background (a
+        cache layer's prefetch; other backends ignore it). Call it with the next batch."""
+        self.keyed.prefetch(keys)
+
+    def contains(self, keys: Any) -> np.ndarray:
+        """Collective: which keys have a stored record on their owner."""
+        return self.keyed.contains(keys)
+
+    def assign(self, keys: Any, values: Any) -> None:
+        """Collective: set vectors directly on the keys' owners (the last value of a key
+        repeated in one rank's batch wins; keys sent by several ranks: the highest rank's)."""
+        self.keyed.assign(keys, values)
+
+    def delete(self, keys: Any) -> int:
+        """Collective: delete keys on their owners; returns how many of this rank's keys
+        were present."""
+        return self.keyed.delete(keys)
+
+    # -- the collectives over every shard (:mod:`.ops`, :mod:`.export`) -------------------------
+    def top_k(self, queries: Any, k: int, exclude: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Collective: exact top-``k`` keys by dot product for this rank's queries.
+
+        Every shard scores the queries of every rank (with that rank's ``exclude``); the
+        asking rank merges the up to ``world x k`` candidates of each query. Same result as
+        :meth:`embstore.EmbeddingStore.top_k` on one store holding every key (a
+        :class:`~embstore.retrieval.TopKResult`; ``exclude``: one key array for all of this
+        rank's queries).
+        """
+        return self.queries.top_k(queries, k, exclude)
+
+    def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
+               offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
+               seed: Any = None) -> Any:
+        """Collective candidate sampling over every shard's keys (see
+        :meth:`embstore.EmbeddingStore.sample` for the arguments and result).
+
+        The draws of a call are split over the shards by a multinomial on each shard's share
+        of the sampling weight; each owner draws its part from its own keys and the asking
+        rank shuffles and merges them. For samplers whose weight is a function of a key's
+        count (uniform, unigram) this is the same distribution as one store holding every
+        key; the log-uniform sampler ranks keys per shard (TF's partitioned strategy).
+        """
+        return self.queries.sample(positive_keys, num_sampled, sampler, offsets=offsets,
+                                   remove_accidental_hits=remove_accidental_hits,
+                                   unique=unique, seed=seed)
+
+    def export(self, dest: str | os.PathLike[str] | BinaryIO, *, since: int | None = None,
+               batch_size: int = 65536) -> int:
+        """Collective: write every record (or those changed after ``since``) to a native file.
+
+        ``dest`` with ``{rank}`` in it: every rank writes its own shard's file. Otherwise
+        rank 0 writes one file with the records of all ranks (the others' ``dest`` is
+        ignored), equal to what one store holding every key would export. Returns the number
+        of rows written over all ranks. Deletions are not carried by distributed deltas.
+        """
+        return self.exports.export(dest, since=since, batch_size=batch_size)
 
     def __len__(self) -> int:
         """Collective: rows over all ranks."""
-        self._live()
-        self._sync_shared()
-        items, _, _ = self.comm.begin("len", len(self.local) if self._answers else 0,
+        c = self.collectives
+        local = c.live()
+        c.sync_shared()
+        items, _, _ = self.comm.begin("len", len(local) if c.answers else 0,
                                       fits=rows_of(0, 0))
         return int(items.sum())
 
+    # -- lifecycle -------------------------------------------------------------------------------
     def count_steps_once(self) -> None:
         """Before this rank syncs a shared store's metadata: every rank counts each global
         step, so only rank 0's are added to the stored step (the engine adds a writer's steps
         since its last sync); the others add none and keep the global step afterwards."""
-        if not self.sharded and self.rank != 0 and self.local is not None:
-            self.local.mark_steps_synced()
+        self.collectives.count_steps_once()
 
     def flush(self) -> None:
         """Collective: every rank makes its writes durable; returns on a rank only when all
         ranks did (the acknowledgment point: those writes survive a later rank failure)."""
-        self._live()
-        err = None
-        try:
-            self.count_steps_once()
-            self.local.flush()
-            self.local.step = self.step
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            err = e
-        self._agree("flush", err)
+        self.collectives.flush()
 
     def close(self) -> None:
         """Collective: flush and close every rank's store. Safe to call twice; on a store an
         earlier collective failure left unusable, closes this rank's store alone."""
-        if self.local is None:
-            return
-        if self.comm.broken is not None:  # the other ranks may be gone: no collective
-            self._close_quietly()
-            return
-        err = None
-        try:
-            self.count_steps_once()
-            self.local.close()
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            err = e
-        self.local = None
-        self._agree("close", err)
+        self.collectives.close()
 
     def __enter__(self) -> DistributedStore:
         return self
@@ -335,14 +287,12 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
             self.close()
         else:  # another rank may be gone: do not wait for it, keep what is flushed
             self.comm.broken = self.comm.broken or "left by an exception"
-            self._close_quietly()
+            self.collectives.close_quietly()
 
     def stats(self) -> dict[str, Any]:
         """This rank's local store stats plus ``bytes_sent`` and the global ``step``
         (not a collective; answers after a collective failure too, until closed)."""
-        if self.local is None:
-            raise StoreClosedError(f"operation on a closed distributed store (rank {self.rank})")
-        out = self.local.stats()
+        out = self.collectives.opened().stats()
         out["bytes_sent"] = self.comm.bytes_sent
         out["exchanges"] = self.comm.exchanges
         out["exchange_seconds"] = self.comm.seconds
@@ -350,17 +300,11 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
         out["rank"], out["world_size"] = self.rank, self.world_size
         return out
 
-    # -- the rest of the store protocol --------------------------------------------------------
-    @property
-    def optimizer(self) -> Any:
-        """The optimizer every rank's store applies (the same on every rank)."""
-        return self._optimizer
-
     def check_writable(self) -> None:
         """Raise unless this rank's store accepts writes (open, usable, not read-only)."""
-        self._live().check_writable()
+        self.collectives.live().check_writable()
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         import pickle
 
         raise pickle.PicklingError(
@@ -372,4 +316,3 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
     def __repr__(self) -> str:
         return (f"<DistributedStore rank {self.rank}/{self.world_size} "
                 f"local={self.local!r}>")
-

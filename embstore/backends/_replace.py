@@ -17,7 +17,8 @@ snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL duri
 - Bigtable: a staging table, a commit marker in the metadata row and roll-forward recovery on
   the next writer open (``bigtable/restore.py``).
 - others (layers over several backends): the new rows are written before the stale ones are
-  deleted: no row is ever lost, but a crash part-way leaves a mix.
+  deleted (``defaults.write_then_delete``): no row is ever lost, but a crash part-way leaves a
+  mix.
 """
 
 from __future__ import annotations
@@ -38,32 +39,6 @@ import numpy as np
 from ..errors import BackendError
 
 Batches = Iterator[tuple[np.ndarray, np.ndarray]]
-
-
-# -- the fallback: write the new rows, then delete the stale ones ---------------------------------
-def write_then_delete(backend: Any, batches: Batches, meta: dict) -> int:
-    seen: list[np.ndarray] = []
-
-    def tap() -> Batches:
-        for keys, recs in batches:
-            seen.append(keys)
-            yield keys, recs
-
-    backend.bulk_load(tap())
-    if backend.key_type == "int64":
-        keep_int = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
-        n = len(keep_int)
-        stale = [k[~np.isin(k, keep_int)] for k, _ in backend.scan(65536)]
-    else:
-        keep = {bytes(k) for ks in seen for k in ks}
-        n = len(keep)
-        stale = [k[np.fromiter((bytes(x) not in keep for x in k), bool, len(k))]
-                 for k, _ in backend.scan(65536)]
-    for keys in stale:  # after the scan: deleting while scanning could skip rows
-        if len(keys):
-            backend.delete(keys)
-    backend.write_meta(meta)
-    return n
 
 
 # -- LMDB: one write transaction ------------------------------------------------------------------

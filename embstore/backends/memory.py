@@ -492,12 +492,21 @@ class MemoryBackend(HashRangeScans, Backend):
                                 huge_pages=self._huge_pages)
         staging.bind(self.layout, self.key_type)
         staging.bulk_load(batches)
+        table, arena = staging.hand_over()
         with self._lock:
             # One dict update (a single C call): no signal handler or other thread runs between
             # installing the key table and the records, so nothing ever sees half of each.
-            self.__dict__.update(_table=staging._table, _arena=staging._arena,
-                                 _epoch=self._epoch + 1, _last_find=None, _meta=dict(meta))
+            self.__dict__.update(_table=table, _arena=arena, _epoch=self._epoch + 1,
+                                 _last_find=None, _meta=dict(meta))
             return len(self)
+
+    @serialized
+    def hand_over(self) -> tuple[CuckooTable | BytesTable, RecordArena]:
+        """Give up the key table and the records to another store (a restore installs a
+        table built aside); this one is closed afterwards."""
+        table, arena = self._key_table, self._records
+        self._table = self._arena = None
+        return table, arena
 
     @serialized
     def clear(self) -> None:

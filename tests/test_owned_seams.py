@@ -39,3 +39,26 @@ def test_a_tombstone_log_made_with_entries_holds_them():
 def test_a_fixed_sampler_tells_its_expected_counts():
     s = FixedCandidatesSampler([4, 5, 6], prob=0.5)
     assert s.expected_counts.tolist() == [0.5, 0.5, 0.5]
+
+
+def test_a_read_only_lmdb_store_refuses_a_restore_and_keeps_its_table(tmp_path):
+    from embstore.backends.lmdb import LmdbBackend
+    from embstore.errors import BackendError
+
+    layout = Layout(4)
+    url = f"lmdb://{tmp_path}/s"
+    w = LmdbBackend(url)
+    w.bind(layout, "int64")
+    w.write_meta({"v": 1})
+    w.put(np.array([1, 2]), layout.empty(2))
+    w.close()
+    ro = LmdbBackend(url, read_only=True)
+    ro.bind(layout, "int64")
+    with pytest.raises(BackendError):
+        ro.replace_rows(iter([(np.array([9]), layout.empty(1))]), {"v": 2}, rows=1)
+    assert sorted(ro.scan().__next__()[0].tolist()) == [1, 2] and ro.read_meta() == {"v": 1}
+    ro.close()
+    missing = LmdbBackend(f"lmdb://{tmp_path}/none", read_only=True)
+    with pytest.raises(BackendError):
+        missing.replace_rows(iter([]), {"v": 2})
+    assert not (tmp_path / "none").exists()

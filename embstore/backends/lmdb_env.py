@@ -174,6 +174,8 @@ class LmdbEnv:
 
     def create(self) -> None:
         """Make the directory, environment and databases of a new store where missing."""
+        if self.read_only:  # nothing is created beside a read-only store
+            raise BackendError(f"{self.path}: the LMDB store is open read-only")
         if self.env is None:
             top = make_store_dir(self.path)
             try:

@@ -7,12 +7,11 @@ to something else is refused with nothing created or touched.
 from __future__ import annotations
 
 import os
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from ..errors import BackendError, InvalidURLError
+from ..errors import BackendError, InvalidURLError, SchemaMismatchError
 
 
 def parse_dir_url(url: str, scheme: str) -> str:
@@ -126,43 +125,38 @@ def as_void(records: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(records, dtype=dtype).view(void)
 
 
-class FetchedRecords:
-    """Row reads for key-value backends whose ``_fetch(keys)`` returns the concatenated bytes
-    of the records found (in request order) and the found mask."""
+def found_mask(vals: list, buf: bytes | bytearray, itemsize: int, what: str) -> np.ndarray:
+    """Which of a multi-get's values (``b""`` for a missing key) were found; ``buf`` is their
+    concatenation. Raises ``SchemaMismatchError`` where records are not ``itemsize`` long."""
+    # Every stored record has the layout's size, so a full-length result means all hits
+    # and the per-value lengths are only needed when some keys missed.
+    if len(buf) == len(vals) * itemsize:
+        return np.ones(len(vals), dtype=bool)
+    found = np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
+    if len(buf) != int(found.sum()) * itemsize:
+        raise SchemaMismatchError(f"{what}: stored records are not {itemsize} bytes long; the "
+                                  "data was written with another layout")
+    return found
 
-    _itemsize: int
-    layout: Any
 
-    def _fetch(self, keys: np.ndarray) -> tuple[bytes | bytearray, np.ndarray]:
-        raise NotImplementedError
+def unpack_records(buf: bytes | bytearray, found: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Records in request order from the concatenated bytes of the found ones (zero rows
+    where not found)."""
+    got = np.frombuffer(buf, dtype=dtype)
+    if len(got) == len(found):
+        return got
+    recs = np.zeros(len(found), dtype=dtype)
+    recs[found] = got
+    return recs
 
-    def _found(self, vals: list, buf: bytearray) -> np.ndarray:
-        # Every stored record has the layout's size, so a full-length result means all hits
-        # and the per-value lengths are only needed when some keys missed.
-        if len(buf) == len(vals) * self._itemsize:
-            return np.ones(len(vals), dtype=bool)
-        return np.fromiter(map(len, vals), dtype=np.intp, count=len(vals)) != 0
 
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        dt = self.layout.dtype
-        got = np.frombuffer(buf, dtype=dt)
-        if len(got) == len(keys):
-            return got, found
-        recs = np.zeros(len(keys), dtype=dt)
-        recs[found] = got
-        return recs, found
-
-    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        dt = self.layout.dtype
-        fdt = dt.fields[field][0]
-        got = np.frombuffer(buf, dtype=dt)[field]
-        if len(got) == len(keys):
-            return np.ascontiguousarray(got), found
-        out = np.zeros((len(keys),) + fdt.shape, dtype=fdt.base)
-        out[found] = got
-        return out, found
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        return self._fetch(keys)[1]
+def unpack_field(buf: bytes | bytearray, found: np.ndarray, dtype: np.dtype,
+                 field: str) -> np.ndarray:
+    """One field of :func:`unpack_records`, as a contiguous array."""
+    got = np.frombuffer(buf, dtype=dtype)[field]
+    if len(got) == len(found):
+        return np.ascontiguousarray(got)
+    fdt = dtype[field]
+    out = np.zeros((len(found),) + fdt.shape, dtype=fdt.base)
+    out[found] = got
+    return out

@@ -5,7 +5,8 @@ snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL duri
 
 - LMDB: one write transaction drops the records, writes the new ones and the metadata; an
   aborted or killed transaction is never visible (copy-on-write pages): old table. It also
-  writes a fresh generation id, which a scan reads in each of its read transactions.
+  writes a fresh generation id, which a scan reads in each of its read transactions
+  (``LmdbEnv.replace_table`` in ``lmdb_env.py``).
 - SQLite / PostgreSQL: one transaction (``sql/replace.py``), the same.
 - RocksDB: the new table is built in a staging directory beside the store, then exchanged with
   the live directory in one ``renameat2(RENAME_EXCHANGE)`` call; the staging directory left
@@ -17,7 +18,8 @@ snapshot first and then calls ``replace_rows``. What a failure or a SIGKILL duri
 - Bigtable: a staging table, a commit marker in the metadata row and roll-forward recovery on
   the next writer open (``bigtable/restore.py``).
 - others (layers over several backends): the new rows are written before the stale ones are
-  deleted: no row is ever lost, but a crash part-way leaves a mix.
+  deleted (``defaults.write_then_delete``): no row is ever lost, but a crash part-way leaves a
+  mix.
 """
 
 from __future__ import annotations
@@ -30,79 +32,13 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
-from typing import Any
-
-import numpy as np
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import BackendError
 
-Batches = Iterator[tuple[np.ndarray, np.ndarray]]
-
-
-# -- the fallback: write the new rows, then delete the stale ones ---------------------------------
-def write_then_delete(backend: Any, batches: Batches, meta: dict) -> int:
-    seen: list[np.ndarray] = []
-
-    def tap() -> Batches:
-        for keys, recs in batches:
-            seen.append(keys)
-            yield keys, recs
-
-    backend.bulk_load(tap())
-    if backend.key_type == "int64":
-        keep_int = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
-        n = len(keep_int)
-        stale = [k[~np.isin(k, keep_int)] for k, _ in backend.scan(65536)]
-    else:
-        keep = {bytes(k) for ks in seen for k in ks}
-        n = len(keep)
-        stale = [k[np.fromiter((bytes(x) not in keep for x in k), bool, len(k))]
-                 for k, _ in backend.scan(65536)]
-    for keys in stale:  # after the scan: deleting while scanning could skip rows
-        if len(keys):
-            backend.delete(keys)
-    backend.write_meta(meta)
-    return n
-
-
-# -- LMDB: one write transaction ------------------------------------------------------------------
-def lmdb_replace(backend: Any, batches: Batches, meta: dict, rows: int | None,
-                 meta_key: bytes, gen_key: bytes) -> int:
-    # deferred: lmdb is an optional extra; only an LMDB store's restore needs it
-    import lmdb
-
-    raw = json.dumps(meta, sort_keys=True).encode()
-    gen = uuid.uuid4().hex.encode()  # a scan tells the tables apart by it (LmdbBackend.scan)
-    if backend._rec_db is None:
-        backend.write_meta(meta)  # creates the databases
-    if rows:
-        backend._reserve(int(rows))
-
-    def write(txn: Any) -> int:
-        txn.drop(backend._rec_db, delete=False)
-        cur = txn.cursor()
-        for keys, recs in batches:
-            enc, vals = backend._pairs(keys, recs)
-            cur.putmulti(zip(enc, vals))
-        for key, value in ((meta_key, raw), (gen_key, gen)):
-            txn.put(key, value, db=backend._meta_db)
-        return int(txn.stat(backend._rec_db)["entries"])
-
-    # Not ``backend._write``: its retry on a full map would run ``write`` again on a consumed
-    # iterator. The map was grown for ``rows`` above; if it is still too small, the
-    # transaction aborts and the old table stays.
-    try:
-        with backend._begin(write=True) as txn:
-            n = write(txn)
-    except lmdb.MapFullError as e:
-        raise BackendError(f"{backend.path}: LMDB map full while restoring; the old table is "
-                           "kept (open the store with a larger map_size)") from e
-    except lmdb.Error as e:
-        raise BackendError(f"{backend.path}: LMDB restore failed ({e}); the old table is "
-                           "kept") from e
-    backend.counters["commits"] += 1
-    return n
+if TYPE_CHECKING:
+    from .rocksdb_handles import RocksHandles
 
 
 # -- RocksDB: a staging directory exchanged with the live one -------------------------------------
@@ -205,33 +141,27 @@ def recover_staging(path: str) -> None:
             shutil.rmtree(cand, ignore_errors=True)
 
 
-def rocksdb_replace(backend: Any, batches: Batches, meta: dict) -> int:
-    shared = backend._shared
+def rocksdb_replace(handles: RocksHandles, build: Callable[[str], int]) -> int:
+    """Replace the table of the RocksDB store ``handles`` by the
+    one ``build(directory)`` writes into a fresh directory (returning its row count): build it
+    in a marked staging directory, close the live handle, exchange the two directories, and
+    open the new table for writing again. The old table is removed last."""
+    shared = handles.shared
     if shared is None or shared.refs != 1:
         raise BackendError(
-            f"{backend.path}: a restore swaps the RocksDB directory, and another store object "
+            f"{handles.path}: a restore swaps the RocksDB directory, and another store object "
             "of this process has it open; close the others first (nothing restored)")
-    stage, _ = make_staging(backend.path)
+    stage, _ = make_staging(handles.path)
     built = os.path.join(stage, "new")
     try:
-        new = type(backend)(f"rocksdb://{built}", **backend.reopen_options())
+        n = build(built)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    handles.close()  # RocksDB locks its directory: the live handle goes before the swap
     try:
-        new.bind(backend.layout, backend.key_type)
-        new.bulk_load(batches)
-        new.write_meta(meta)
-        n = len(new)
-    except BaseException:
-        new.close()
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    new.close()
-    backend.close()  # RocksDB locks its directory: the live handle goes before the swap
-    try:
-        exchange_dirs(built, backend.path)
+        exchange_dirs(built, handles.path)
     finally:
-        backend._open_read_write()
+        handles.open_read_write(recover_staging)
     shutil.rmtree(stage, ignore_errors=True)  # now the old table
     return n

@@ -18,9 +18,6 @@ never fails for map space while the disk has room.
 from __future__ import annotations
 
 import json
-import logging
-import os
-import shutil
 from collections.abc import Iterator
 from itertools import islice
 from operator import itemgetter
@@ -28,49 +25,36 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    BackendError,
-    ConcurrentRestoreError,
-    InvalidInputError,
-    SchemaMismatchError,
-)
+from ..errors import BackendError, ConcurrentRestoreError, InvalidInputError
 from ..layout import Layout
-from ..log import event
 from . import ordered_keys
 from ._localdir import (
-    FetchedRecords,
     as_void,
     check_store_dir,
-    make_store_dir,
+    found_mask,
     parse_dir_url,
     sorted_last_wins,
+    unpack_field,
+    unpack_records,
 )
-from ._replace import lmdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
-from .lmdb_env import GEN_KEY as _GEN_KEY
-from .lmdb_env import META_KEY as _META_KEY
-from .lmdb_env import SharedEnv, acquire_env, grow_map, release_env
+from .lmdb_env import GEN_KEY, META_KEY, LmdbEnv
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
-
-log = logging.getLogger(__name__)
 
 try:
     import lmdb
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("the lmdb backend needs py-lmdb: pip install -e '.[lmdb]'") from e
 
-_REC_DB = b"records"
-_META_DB = b"meta"
 _BYTES_PREFIX = b"\x00"
-_GROW_LIMIT = 1 << 46  # 64 TiB: beyond that a MapFullError is a real error, not a small map
 # Bytes of records per bulk-load transaction: keys are sorted over a whole chunk, and only a
 # chunk that extends the end of the table can use MDB_APPEND, so chunks are large.
 _BULK_BYTES = 320 << 20
 _BULK_TXN_ROWS = 1 << 17  # a sorted chunk is committed in slices: smaller dirty-page lists
 
 
-class LmdbBackend(FetchedRecords, Backend):
+class LmdbBackend(Backend):
     """Row store in an LMDB environment directory.
 
     Parameters
@@ -103,6 +87,7 @@ class LmdbBackend(FetchedRecords, Backend):
     scheme = "lmdb"
     #: longest bytes key: LMDB's 511-byte key limit minus the one-byte key prefix
     max_key_bytes = 510
+    replace_mechanism = "transaction"
 
     def __init__(self, url: str, *, read_only: bool = False, map_size: int = 1 << 30,
                  durable: bool = True, writemap: bool = False, lock: bool = True,
@@ -119,165 +104,48 @@ class LmdbBackend(FetchedRecords, Backend):
         self.path = path
         self.durable = bool(durable)
         self.writemap = bool(writemap)
-        self._map_size = int(map_size)
-        self._lock = bool(lock)
-        self._max_readers = int(max_readers)
-        self._env: lmdb.Environment | None = None
-        self._rec_db = None
-        self._meta_db = None
-        self._shared: SharedEnv | None = None
+        self.env = LmdbEnv(path, self.url, read_only=read_only, map_size=int(map_size),
+                           durable=self.durable, writemap=self.writemap, lock=bool(lock),
+                           max_readers=int(max_readers))
+        self.counters = self.env.counters  # commits and map growths, counted by the env
         self._itemsize = 0
-        self.counters = {"commits": 0, "map_grows": 0}
         if check_store_dir(path, "data.mdb", "LMDB"):
-            self._open_env()
+            self.env.open()
 
-    # -- environment -----------------------------------------------------------------------------
-    def _open_env(self) -> None:
-        shared = acquire_env(self.path, self.read_only, (self.durable, self.writemap, self._lock),
-                             self._new_env)
-        self._shared = shared
-        self._env = shared.env
-        self._rec_db = shared.db(_REC_DB)
-        self._meta_db = shared.db(_META_DB)
-
-    def _new_env(self) -> lmdb.Environment:
-        try:
-            return lmdb.open(
-                self.path, map_size=self._map_size, subdir=True, max_dbs=4,
-                readonly=self.read_only, lock=self._lock, sync=self.durable,
-                metasync=self.durable, writemap=self.writemap and not self.read_only,
-                max_readers=self._max_readers, create=not self.read_only, readahead=False,
-            )
-        except lmdb.Error as e:
-            raise BackendError(f"cannot open LMDB environment {self.path}: {e}") from e
-
-    def _require_env(self) -> lmdb.Environment:
-        if self._shared is not None and self._shared.pid != os.getpid():
-            # Used in a child forked after it opened: LMDB forbids using the parent's
-            # environment there; the child opens its own on the same files (multi-process
-            # safe), and its writes land for every process to see.
-            self._shared = self._env = None
-            self._open_env()
-        if self._env is None:
-            raise BackendError(f"{self.path}: LMDB environment is not open")
-        return self._env
-
-    def _begin(self, write: bool = False):
-        # buffers=False: values come back as bytes objects, which measured faster than py-lmdb's
-        # buffer objects both for get loops (~10%) and cursor walks (~2x), and nothing then
-        # depends on the transaction staying open.
-        env = self._require_env()
-        try:
-            return env.begin(db=self._rec_db, write=write, buffers=False)
-        except lmdb.MapResizedError:
-            # Another process grew the map: adopt its size, then start again.
-            env.set_mapsize(0)
-            return env.begin(db=self._rec_db, write=write, buffers=False)
-
-    def _write(self, fn) -> Any:
-        """Run ``fn(txn)`` in one write transaction; grow the map and retry when full."""
-        env = self._require_env()
-        while True:
-            try:
-                with self._begin(write=True) as txn:
-                    out = fn(txn)
-                self.counters["commits"] += 1
-                return out
-            except lmdb.MapFullError as e:
-                size = env.info()["map_size"]
-                if size >= _GROW_LIMIT:
-                    raise BackendError(f"{self.path}: LMDB map full at {size} bytes") from e
-                env.set_mapsize(size * 2)
-                self.counters["map_grows"] += 1
-                event(log, logging.INFO, "lmdb.map_grow", "%s: LMDB map full; grew it to %d "
-                      "bytes", self.path, size * 2, map_size=size * 2)
-            except lmdb.Error as e:
-                raise BackendError(f"{self.path}: LMDB write failed: {e}") from e
-
-    # -- metadata --------------------------------------------------------------------------------
+    # -- metadata and lifecycle ------------------------------------------------------------------
     def read_meta(self) -> dict | None:
-        if self._env is None:
-            return None
-        if self._meta_db is None or self._rec_db is None:
-            try:
-                with self._env.begin() as txn:
-                    empty = txn.stat()["entries"] == 0
-            except lmdb.Error as e:
-                raise BackendError(f"{self.path}: cannot read LMDB environment: {e}") from e
-            if empty:
-                return None
-            raise SchemaMismatchError(f"{self.url}: the LMDB environment holds data that is "
-                                      "not an embstore store; refusing to touch it")
-        try:
-            with self._env.begin(db=self._meta_db) as txn:
-                raw = txn.get(_META_KEY)
-                empty = txn.stat(self._rec_db)["entries"] == 0
-        except lmdb.Error as e:
-            raise BackendError(f"{self.path}: cannot read metadata: {e}") from e
-        if raw is None:
-            if empty:
-                return None
-            raise SchemaMismatchError(f"{self.url}: records without metadata; not a store")
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise SchemaMismatchError(f"{self.url}: unreadable metadata: {e}") from e
+        return self.env.read_meta()
 
     def write_meta(self, meta: dict) -> None:
         if self.read_only:
             return
-        if self._env is None:
-            top = make_store_dir(self.path)
-            try:
-                self._open_env()
-            except Exception:
-                if top is not None:
-                    shutil.rmtree(top, ignore_errors=True)
-                raise
-        if self._meta_db is None or self._rec_db is None:
-            assert self._shared is not None  # invariant: set with _env
-            self._rec_db = self._shared.db(_REC_DB, create=True)
-            self._meta_db = self._shared.db(_META_DB, create=True)
+        self.env.create()
         raw = json.dumps(meta, sort_keys=True).encode()
-        self._write(lambda txn: txn.put(_META_KEY, raw, db=self._meta_db))
+        self.env.write(lambda txn: txn.put(META_KEY, raw, db=self.env.meta))
 
     def modify_meta(self, fn) -> dict:
         """Read, ``fn`` and write the metadata in one write transaction (writers merge)."""
-        if self.read_only or self._env is None or self._meta_db is None:
+        if self.read_only or self.env.env is None or self.env.meta is None:
             return super().modify_meta(fn)
-
-        def merge(txn):
-            raw = txn.get(_META_KEY, db=self._meta_db)
-            meta = fn(json.loads(raw) if raw is not None else None)
-            txn.put(_META_KEY, json.dumps(meta, sort_keys=True).encode(), db=self._meta_db)
-            return meta
-
-        return self._write(merge)
+        return self.env.modify_meta(fn)
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         self._itemsize = layout.itemsize
 
     def flush(self) -> None:
-        if self._env is not None and not self.read_only:
-            try:
-                self._env.sync(True)
-            except lmdb.Error as e:
-                raise BackendError(f"{self.path}: sync failed: {e}") from e
+        self.env.sync()
 
     def close(self) -> None:
-        if self._env is not None:
-            self._env = self._rec_db = self._meta_db = None
-            shared, self._shared = self._shared, None
-            assert shared is not None  # invariant: set with _env
-            release_env(self.path, shared)
+        self.env.close()
 
     def storage_paths(self) -> tuple[str, ...]:
         return (self.path,)
 
     def reopen_options(self) -> dict:
-        return {"durable": self.durable, "writemap": self.writemap, "lock": self._lock}
+        return {"durable": self.durable, "writemap": self.writemap, "lock": self.env.lock}
 
+    # -- keys ------------------------------------------------------------------------------------
     def _decode_rows(self, rows: list[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """Keys and records of a scanned ``[(key, value), ...]`` list of bytes."""
         # list comprehensions, not generators, into join: measured ~4x faster
@@ -289,41 +157,58 @@ class LmdbBackend(FetchedRecords, Backend):
         if self.key_type == "int64":
             return None
         lens = np.fromiter(map(len, enc), dtype=np.intp, count=len(enc))
-        bad = lens > self._require_env().max_key_size()
+        bad = lens > self.env.require().max_key_size()
         return bad if bad.any() else None
 
-    # -- rows ------------------------------------------------------------------------------------
-    def _fetch(self, keys: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """Raw bytes of the found records (concatenated, request order) and the found mask."""
+    def _encode(self, keys: np.ndarray) -> tuple[list[bytes], np.ndarray | None]:
+        """Stored keys for a read or delete: a key too long to store becomes ``b"\x00"``
+        (never stored: it cannot be found); the mask of such keys, or None."""
         enc = ordered_keys.encode(keys, self.key_type, _BYTES_PREFIX)
         long_keys = self._too_long(enc)
-        if long_keys is not None:  # cannot be stored, so cannot be found
+        if long_keys is not None:
             enc = [b"\x00" if b else k for k, b in zip(enc, long_keys.tolist())]
-        if self._rec_db is None:
+        return enc, long_keys
+
+    def _encode_for_write(self, keys: np.ndarray) -> list[bytes]:
+        enc = ordered_keys.encode(keys, self.key_type, _BYTES_PREFIX)
+        if self._too_long(enc) is not None:
+            raise InvalidInputError(
+                f"bytes keys longer than {self.env.require().max_key_size() - 1} bytes do not "
+                "fit an LMDB store"
+            )
+        return enc
+
+    def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
+        return self._encode_for_write(keys), as_void(records, self.layout.dtype).tolist()
+
+    # -- rows ------------------------------------------------------------------------------------
+    def _fetch(self, keys: np.ndarray) -> tuple[bytes | bytearray, np.ndarray]:
+        """Raw bytes of the found records (concatenated, request order) and the found mask."""
+        enc, long_keys = self._encode(keys)
+        if self.env.records is None:
             return b"", np.zeros(len(keys), dtype=bool)
         try:
-            with self._begin() as txn:
+            with self.env.begin() as txn:
                 get = txn.get
                 vals = [get(k, b"") for k in enc]
                 buf = bytearray().join(vals)
         except lmdb.Error as e:
             raise BackendError(f"{self.path}: LMDB read failed: {e}") from e
-        found = self._found(vals, buf)
-        if len(buf) != int(found.sum()) * self._itemsize:
-            raise SchemaMismatchError(f"{self.url}: stored records are not {self._itemsize} "
-                                      "bytes long; the data was written with another layout")
+        found = found_mask(vals, buf, self._itemsize, self.url)
         if long_keys is not None:
             found &= ~long_keys
         return buf, found
 
-    def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
-        enc = ordered_keys.encode(keys, self.key_type, _BYTES_PREFIX)
-        if self._too_long(enc) is not None:
-            raise InvalidInputError(
-                f"bytes keys longer than {self._require_env().max_key_size() - 1} bytes do not "
-                "fit an LMDB store"
-            )
-        return enc, as_void(records, self.layout.dtype).tolist()
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        return unpack_records(buf, found, self.layout.dtype), found
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        return unpack_field(buf, found, self.layout.dtype, field), found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self._fetch(keys)[1]
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
@@ -331,7 +216,7 @@ class LmdbBackend(FetchedRecords, Backend):
         enc, vals = self._pairs(keys, records)
         # putmulti loops in C: measurably faster than a txn.put loop in Python. A fresh zip
         # per attempt (a full map retries the batch), no list of pairs built.
-        self._write(lambda txn: txn.cursor().putmulti(zip(enc, vals)))
+        self.env.write(lambda txn: txn.cursor().putmulti(zip(enc, vals)))
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         """Read, ``fn`` and write in one LMDB write transaction: LMDB admits one writer at a
@@ -339,12 +224,7 @@ class LmdbBackend(FetchedRecords, Backend):
         aborts the transaction and runs it again (``fn`` included)."""
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        enc = ordered_keys.encode(keys, self.key_type, _BYTES_PREFIX)
-        if self._too_long(enc) is not None:
-            raise InvalidInputError(
-                f"bytes keys longer than {self._require_env().max_key_size() - 1} bytes do not "
-                "fit an LMDB store"
-            )
+        enc = self._encode_for_write(keys)
         dtype = self.layout.dtype
 
         def read_modify_write(txn):
@@ -363,7 +243,7 @@ class LmdbBackend(FetchedRecords, Backend):
                     txn.delete(k)
             return found
 
-        return self._write(read_modify_write)
+        return self.env.write(read_modify_write)
 
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
                     template: np.ndarray) -> np.ndarray:
@@ -382,46 +262,37 @@ class LmdbBackend(FetchedRecords, Backend):
             get = txn.get
             return np.array([get(k) == v for k, v in zip(enc, vals)], dtype=bool)
 
-        return self._write(write)
+        return self.env.write(write)
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
-        if len(keys) == 0 or self._rec_db is None:
+        if len(keys) == 0 or self.env.records is None:
             return np.zeros(len(keys), dtype=bool)
-        enc = ordered_keys.encode(keys, self.key_type, _BYTES_PREFIX)
-        long_keys = self._too_long(enc)
-        if long_keys is not None:
-            enc = [b"\x00" if b else k for k, b in zip(enc, long_keys.tolist())]
+        enc, _ = self._encode(keys)
 
         def write(txn):
             rm = txn.delete
             return np.fromiter((rm(k) for k in enc), dtype=bool, count=len(enc))
 
-        return self._write(write)
+        return self.env.write(write)
 
     def __len__(self) -> int:
-        if self._rec_db is None:
-            return 0
-        try:
-            with self._begin() as txn:
-                return int(txn.stat(self._rec_db)["entries"])
-        except lmdb.Error as e:
-            raise BackendError(f"{self.path}: LMDB stat failed: {e}") from e
+        return self.env.entries()
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.scan_range(KeyRange(KIND_BYTES), batch_size)
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
         """Cut at every ``len/n``-th stored key: a keys-only cursor walk, skipped in C."""
-        if self._rec_db is None:
+        if self.env.records is None:
             return ranges_from_bounds(KIND_BYTES, [b""] * (n - 1))
-        with self._begin() as txn:
-            cur, total = txn.cursor(), int(txn.stat(self._rec_db)["entries"])
+        with self.env.begin() as txn:
+            cur, total = txn.cursor(), int(txn.stat(self.env.records)["entries"])
             walk = cur.iternext(keys=True, values=False) if cur.first() else iter(())
             return ranges_from_bounds(KIND_BYTES, bounds_from_walk(walk, total, n, b""))
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        if self._rec_db is None:
+        if self.env.records is None:
             return
         last: bytes | None = None
         gen: Any = False  # the generation the first batch saw (None: no restore yet)
@@ -430,8 +301,9 @@ class LmdbBackend(FetchedRecords, Backend):
         # A restore (another process's too) commits a new generation with the new table:
         # every batch's transaction must see the first one's, or the batches mix two tables.
         while True:
-            with self._begin() as txn:
-                now = txn.get(_GEN_KEY, db=self._meta_db) if self._meta_db is not None else None
+            with self.env.begin() as txn:
+                meta_db = self.env.meta
+                now = txn.get(GEN_KEY, db=meta_db) if meta_db is not None else None
                 if gen is False:
                     gen = now
                 elif now != gen:
@@ -474,7 +346,7 @@ class LmdbBackend(FetchedRecords, Backend):
     def _write_sorted(self, pending: list[tuple[np.ndarray, np.ndarray]]) -> int:
         keys, recs = sorted_last_wins(pending, self.layout.dtype)
         enc, vals = self._pairs(keys, recs)
-        self._reserve(len(enc))
+        self.env.reserve(len(enc) * (self._itemsize + 24))
         for i in range(0, len(enc), _BULK_TXN_ROWS):
             j = i + _BULK_TXN_ROWS
 
@@ -484,35 +356,26 @@ class LmdbBackend(FetchedRecords, Backend):
                 # a fresh zip per attempt (a full map retries): no list of pairs to build
                 cur.putmulti(zip(enc[i:j], vals[i:j]), append=append)
 
-            self._write(write)
+            self.env.write(write)
         return len(enc)
-
-    def _reserve(self, rows: int) -> None:
-        """Grow the map ahead of a bulk write of ``rows`` records (see ``grow_map``)."""
-        if grow_map(self._require_env(), self.path, rows * (self._itemsize + 24), _GROW_LIMIT):
-            self.counters["map_grows"] += 1
-
-    replace_mechanism = "transaction"
 
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """The table and ``meta`` replaced in one write transaction (see ``_replace.py``)."""
-        return lmdb_replace(self, batches, meta, rows, _META_KEY, _GEN_KEY)
+        pairs = (self._pairs(keys, recs) for keys, recs in batches)
+        return self.env.replace_table(pairs, meta, rows and rows * (self._itemsize + 24))
 
     def clear(self) -> None:
-        if self._rec_db is None:
+        if self.env.records is None:
             return
-        self._write(lambda txn: txn.drop(self._rec_db, delete=False))
+        self.env.write(lambda txn: txn.drop(self.env.records, delete=False))
 
     def size_bytes(self) -> int | None:
-        if self._env is None:
-            return 0
-        st = self._env.stat()
-        info = self._env.info()
-        return int(st["psize"]) * int(info["last_pgno"] + 1)
+        return self.env.size_bytes()
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.counters)
-        if self._env is not None:
-            out["map_size"] = int(self._env.info()["map_size"])
+        map_size = self.env.map_size()
+        if map_size is not None:
+            out["map_size"] = map_size
         return out

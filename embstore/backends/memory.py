@@ -31,10 +31,8 @@ from ..layout import Layout
 from ..options import accepted_options, check_options
 from .base import Backend, ModifyFn, RowUpdate, serialized
 from .forks import ProcessLock
-from .memory_rows import row_plan
-from .memory_url import capacity_hint, check_initial_capacity, url_options
-from .memory_url import flag as _flag
-from .ranges import HashRangeScans, KeyRange, in_hash_range
+from .memory_url import TableOptions, capacity_hint
+from .ranges import KeyRange, hash_ranges, in_hash_range
 
 try:
     from .._cython import bytestable, cuckoo, fused
@@ -42,6 +40,15 @@ try:
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
     from .._cython.strkeys import KeySnapshot
+    from .memory_rows import (
+        RowKernels,
+        find_kept,
+        new_snapshot,
+        new_table,
+        recall,
+        table_items,
+        table_stats,
+    )
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError(
         "embstore's compiled extension is missing; build it with `pip install -e .` "
@@ -71,7 +78,7 @@ def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
                             "is unchanged") from e
 
 
-class MemoryBackend(HashRangeScans, Backend):
+class MemoryBackend(Backend):
     """In-process row store on a cuckoo hash table; not persistent.
 
     Calls are serialized by a lock: ``modify`` is one unit, and ``insert_rows`` /
@@ -105,7 +112,9 @@ class MemoryBackend(HashRangeScans, Backend):
     cheap_len = True  # the table's own size (stats() reads it without a scan)
     supports_slots = True  # SlotAddressed: the cache layer's key -> slot index
     supports_fused_bags = True  # lookup_pool (int64 keys): the engine's fused bag path
+    supports_ranges = True  # slices of the 64-bit key hash: a hash table has no key order
     scheme = "memory"
+    replace_mechanism = "staging-table"
 
     def __init__(self, url: str = "memory://", *, read_only: bool = False,
                  initial_capacity: int = 1024, prefault: bool = True,
@@ -114,21 +123,13 @@ class MemoryBackend(HashRangeScans, Backend):
         if not url.startswith("memory://"):
             raise InvalidURLError(f"not a memory:// URL: {url!r}")
         check_options("memory://", options, accepted_options(MemoryBackend) or ())
-        query = url_options(url)
-        initial_capacity = check_initial_capacity(query.get("initial_capacity",
-                                                            initial_capacity), url)
-        if "hash_seed" in query:
-            hash_seed = int(query["hash_seed"])
+        self.table_options = TableOptions.resolve(url, initial_capacity, prefault, hash_seed,
+                                                  huge_pages)
         super().__init__(url, read_only=read_only)
         self._meta: dict | None = None
         # The compiled loops release the GIL, and a table that grows (moving its buckets)
         # under a concurrent reader would crash it: calls are serialized.
         self._lock = ProcessLock(_forked)
-        self._capacity = max(int(initial_capacity), 16)
-        # a flag from the query wins over the keyword; _flag reads both forms
-        self._prefault = _flag("prefault", query.get("prefault", prefault))
-        self._huge_pages = _flag("huge_pages", query.get("huge_pages", huge_pages))
-        self._hash_seed = None if hash_seed is None else int(hash_seed)
         self._table: CuckooTable | BytesTable | None = None
         self._arena: RecordArena | None = None
         # Bumped whenever a key is inserted or removed: slots remembered across calls are
@@ -137,34 +138,28 @@ class MemoryBackend(HashRangeScans, Backend):
         # A training step reads its keys (lookup -> get_field) and then updates the same keys:
         # the slots of the last get_field, with a copy of its keys to prove the match.
         self._last_find: tuple[np.ndarray | KeySnapshot, np.ndarray, int] | None = None
-        self._row_plans: dict[tuple, Any] = {}  # see _row_plan
+        self._kernels = RowKernels(None)  # for the layout bind() sets
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
-        self._row_plans = {}  # worked out for the layout just bound
+        self._kernels = RowKernels(layout)
         self.supports_lookup_insert = True
         if self._arena is None:
             try:
-                arena = RecordArena(layout.itemsize, prefault=self._prefault,
-                                    huge_pages=self._huge_pages)
-                self._table = (CuckooTable(self._capacity, self._prefault, self._hash_seed,
-                                           self._huge_pages) if key_type == "int64"
-                               else BytesTable(self._capacity, self._hash_seed))
+                self._table, self._arena = new_table(key_type, layout.itemsize,
+                                                     self.table_options)
             except MemoryError as e:  # the compiled table's own: a CapacityError, as on inserts
                 raise CapacityError(f"{self.url}: cannot allocate a table for "
-                                    f"{self._capacity} keys ({e})") from e
-            self._arena = arena
+                                    f"{self.table_options.capacity} keys ({e})") from e
 
     @property
     def _records(self) -> RecordArena:
-        """The record arena, from :meth:`bind` until :meth:`close`."""
         if self._arena is None:
             raise StoreClosedError(f"{self.url}: the memory:// table is closed (or not bound)")
         return self._arena
 
     @property
     def _key_table(self) -> CuckooTable | BytesTable:
-        """The key -> slot table, from :meth:`bind` until :meth:`close`."""
         if self._table is None:
             raise StoreClosedError(f"{self.url}: the memory:// table is closed (or not bound)")
         return self._table
@@ -188,13 +183,7 @@ class MemoryBackend(HashRangeScans, Backend):
 
     def _slots_kept(self, keys: np.ndarray) -> np.ndarray:
         """:meth:`_slots`, remembered with a copy of ``keys`` for :meth:`update_rows`."""
-        out = np.empty(len(keys), dtype=np.uint32)
-        snapshot = self._new_snapshot(keys)
-        table = self._key_table
-        if isinstance(table, BytesTable) and isinstance(snapshot, KeySnapshot):
-            table.find(keys, out, snapshot)
-        else:
-            table.find(keys, out)
+        snapshot, out = find_kept(self._key_table, keys)
         self._last_find = (snapshot, out, self._epoch)
         return out
 
@@ -206,13 +195,10 @@ class MemoryBackend(HashRangeScans, Backend):
         return slots
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
-        recs = np.empty(len(slots), dtype=self.layout.dtype)
-        self._records.gather(slots, recs.view(np.uint8).reshape(len(slots), -1))
-        return recs
+        return self._kernels.gather(self._records, slots)
 
     def _scatter(self, slots: np.ndarray, records: np.ndarray) -> None:
-        src = np.ascontiguousarray(records).view(np.uint8).reshape(len(slots), -1)
-        self._records.scatter(slots, src)
+        self._kernels.scatter(self._records, slots, records)
 
     # -- slot-addressed access (the cache layer keeps its bookkeeping per slot) ---------------
     @serialized
@@ -226,29 +212,12 @@ class MemoryBackend(HashRangeScans, Backend):
         """Records (or one field) stored at ``slots``; zero rows for empty slots."""
         if field is None:
             return self._gather(slots)
-        n = len(slots)
-        fdt, offset = self.layout.fields[field]
-        out = np.empty((n,) + fdt.shape, dtype=fdt.base)
-        self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
-        return out
+        return self._kernels.gather_field(self._records, slots, field)
 
     @serialized
     def write_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
         """Overwrite the records at occupied ``slots`` (their keys do not change)."""
         self._scatter(slots, records)
-
-    @staticmethod
-    def _new_snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:
-        """A copy of a looked-up batch, for :meth:`update_rows` to recognise it. String keys
-        get an empty :class:`KeySnapshot` that the table's probe fills from the keys it
-        reads anyway."""
-        return KeySnapshot() if keys.dtype == object else keys.copy()
-
-    @staticmethod
-    def _same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
-        if isinstance(snapshot, KeySnapshot):
-            return keys.dtype == object and snapshot.same(keys)  # numpy compares in Python
-        return keys.dtype != object and np.array_equal(snapshot, keys)
 
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -282,11 +251,7 @@ class MemoryBackend(HashRangeScans, Backend):
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots_kept(keys)
-        fdt, offset = self.layout.fields[field]
-        out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
-        self._records.gather(slots, out.view(np.uint8).reshape(len(keys), -1),
-                             offset, fdt.itemsize)
-        return out, slots != _EMPTY
+        return self._kernels.gather_field(self._records, slots, field), slots != _EMPTY
 
     @serialized
     def contains(self, keys: np.ndarray) -> np.ndarray:
@@ -306,11 +271,8 @@ class MemoryBackend(HashRangeScans, Backend):
         n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot))
         if n_new:
             self._epoch += 1
-            tmpl = np.ascontiguousarray(template()[:1]).view(np.uint8)
-            vdt, offset = self.layout.fields["vector"]
             m = slice(None) if n_new == n else flags.view(bool)
-            self._write_rows(slots[m], tmpl, offset, np.ascontiguousarray(
-                initial(keys[m]), dtype=vdt.base))
+            self._kernels.write_new(self._records, slots[m], template(), initial(keys[m]))
         return slots, n_new
 
     @serialized
@@ -319,12 +281,10 @@ class MemoryBackend(HashRangeScans, Backend):
                       new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         n = len(keys)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
-        snapshot = self._new_snapshot(keys)
+        snapshot = new_snapshot(keys)
         slots, n_new = self._place_new(keys, initial, template, flags,
                                        snapshot if isinstance(snapshot, KeySnapshot) else None)
-        vdt, offset = self.layout.fields["vector"]
-        out = np.empty((n,) + vdt.shape, dtype=vdt.base)
-        self._records.gather(slots, out.view(np.uint8).reshape(n, -1), offset, vdt.itemsize)
+        out = self._kernels.gather_field(self._records, slots, "vector")
         self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
 
@@ -332,9 +292,7 @@ class MemoryBackend(HashRangeScans, Backend):
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                     template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
                     weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
-        """:meth:`lookup_insert` of distinct int64 ``keys`` (float32 vectors) whose vectors go
-        straight into bags: row ``b`` of ``out`` pools the vectors of ``keys[inv[e]]`` for
-        ``e`` in ``offsets[b]:offsets[b+1]`` (``fused.pool``). Returns how many keys were new;
+        """``FusedBagPooling.lookup_pool`` for int64 keys and float32 vectors (``fused.pool``);
         the slots stay remembered for the ``update_rows`` of the same keys."""
         flags = np.empty(len(keys), dtype=np.uint8)
         slots, n_new = self._place_new(keys, initial, template, flags)
@@ -348,91 +306,26 @@ class MemoryBackend(HashRangeScans, Backend):
                     template: np.ndarray) -> np.ndarray:
         # Insert-if-absent: a key another thread created since the caller saw it missing
         # keeps its record. Returns which keys were written.
-        n = len(keys)
-        slots = np.empty(n, dtype=np.uint32)
-        new = np.empty(n, dtype=np.uint8)
-        n_new = int(_insert_keys(self._table, self._arena, keys, slots, new))
-        if n_new:
-            self._epoch += 1
-        if n_new < n:
-            m = new.view(bool)
-            slots, vectors = slots[m], vectors[m]
-        vdt, offset = self.layout.fields["vector"]
-        self._write_rows(slots, np.ascontiguousarray(template[:1]).view(np.uint8), offset,
-                         np.ascontiguousarray(vectors, dtype=vdt.base))
+        new = np.empty(len(keys), dtype=np.uint8)
+        self._place_new(keys, lambda placed: vectors if len(placed) == len(keys)
+                        else vectors[new.view(bool)], lambda: template, new)
         return new.view(bool)
-
-    def _write_rows(self, slots: np.ndarray, template: np.ndarray, offset: int,
-                    vectors: np.ndarray) -> None:
-        """New records at ``slots``: ``template`` with each row of ``vectors`` (the stored
-        dtype) as the vector. The compiled writer takes float32 rows; 16-bit rows of an even
-        width pass as float32 of half the width, bit for bit."""
-        n = len(slots)
-        if not n:
-            return
-        if vectors.dtype == np.float32 or vectors.shape[1] * vectors.itemsize % 4 == 0:
-            rows = vectors.reshape(n, -1).view(np.float32)
-            self._records.write_rows(slots, template, offset, rows)
-            return
-        recs = np.repeat(template.view(self.layout.dtype)[:1], n)
-        recs["vector"] = vectors
-        self._scatter(slots, recs)
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
-        last = self._last_find
-        if last is not None and last[2] == self._epoch and self._same_keys(last[0], keys):
-            slots = last[1]
-        else:
+        slots = recall(self._last_find, self._epoch, keys)
+        if slots is None:
             slots = self._slots(keys)
         found = slots != _EMPTY
         if not found.all():
             slots, update = slots[found], update.subset(found)
-        self._update_slots(slots, update)
+        self._kernels.update(self._records, slots, update)
         return found
 
     @serialized
     def update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
         """Apply ``update`` (one row per slot) to the records at occupied ``slots``, in place."""
-        self._update_slots(slots, update)
-
-    def _update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
-        if not len(slots):
-            return
-        x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
-        name, alpha, _ = update.axpy
-        rule = update.rule
-        key = (name, x.shape[1:], tuple(update.add), tuple(update.assign),
-               None if rule is None else (rule.name, len(rule.params)))
-        if key not in self._row_plans:  # worked out once per shape of update
-            self._row_plans[key] = row_plan(self.layout.fields, *key)
-        plan = self._row_plans[key]
-        if plan is None:
-            recs = self._gather(slots)  # a layout (or rule) the kernels were not built for
-            update.apply(recs)
-            self._scatter(slots, recs)
-            return
-        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
-        if rule is not None:
-            lr, eps = rule.params
-            if rule.name == "adagrad_rowwise":
-                # the float32 reduction of Adagrad(rowwise=True)'s numpy step: the same bits
-                ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
-                self._records.adagrad_rowwise_rows(slots, axpy_offset, acc_offset, x, ms, lr,
-                                                   eps)
-            else:
-                self._records.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
-            x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
-        n = len(slots)
-        adds = update.add.values()
-        counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
-                  if len(adds) == 1 else
-                  np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
-        # each assigned value in its field's dtype, as the 8 bytes the kernel copies
-        bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
-                if len(set_offsets) else np.empty(0, dtype=np.uint64))
-        self._records.update_rows(slots, axpy_offset, x, float(alpha), add_offsets, counts,
-                                  set_offsets, bits)
+        self._kernels.update(self._records, slots, update)
 
     @serialized
     def delete(self, keys: np.ndarray) -> np.ndarray:
@@ -448,56 +341,56 @@ class MemoryBackend(HashRangeScans, Backend):
             return 0
         return len(self._key_table)
 
-    def _all_slots(self) -> tuple[np.ndarray, np.ndarray]:
-        n = len(self)
-        keys: np.ndarray
-        slots: np.ndarray
-        table = self._key_table
-        if isinstance(table, CuckooTable):  # int64 keys
-            keys = np.empty(n, dtype=np.int64)
-            slots = np.empty(n, dtype=np.uint32)
-            table.items(keys, slots)
-        else:
-            keys, slots = table.items()
-        return keys, slots
-
     def scan(self, batch_size: int = 4096, rng: KeyRange | None = None
              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if self._arena is None:
             return
         with self._lock:  # a snapshot of (key, slot) pairs: 12 bytes per key
-            keys, slots, arena = *self._all_slots(), self._arena
-        if rng is not None:  # a hash range (HashRangeScans): its keys, before any gather
+            keys, slots, arena = *table_items(self._key_table, len(self)), self._arena
+        if rng is not None:  # a hash range (scan_range): its keys, before any gather
             sel = in_hash_range(keys, rng)
             keys, slots = keys[sel], slots[sel]
         for i in range(0, len(keys), batch_size):
-            s = slots[i:i + batch_size]
-            recs = np.empty(len(s), dtype=self.layout.dtype)
             with self._lock:
                 if self._arena is None:
                     return
                 if self._arena is not arena:  # restored: old slots, new records
                     raise ConcurrentRestoreError(f"{self.url}: the table was replaced by a "
                                                  "restore during this scan; scan again")
-                self._records.gather(s, recs.view(np.uint8).reshape(len(s), -1))
+                recs = self._kernels.gather(arena, slots[i:i + batch_size])
             yield keys[i:i + batch_size], recs
 
-    replace_mechanism = "staging-table"
+    def plan_ranges(self, n: int) -> list[KeyRange]:
+        """Equal slices of the 64-bit key hash (``ranges.hash_ranges``)."""
+        return hash_ranges(n)
+
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.scan(batch_size, rng)
 
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """A new table built aside, then installed in one step (see ``_replace.py``)."""
+        opts = self.table_options
         staging = MemoryBackend(self.url, initial_capacity=capacity_hint(rows),
-                                prefault=self._prefault, hash_seed=self._hash_seed,
-                                huge_pages=self._huge_pages)
+                                prefault=opts.prefault, hash_seed=opts.hash_seed,
+                                huge_pages=opts.huge_pages)
         staging.bind(self.layout, self.key_type)
         staging.bulk_load(batches)
+        table, arena = staging.hand_over()
         with self._lock:
             # One dict update (a single C call): no signal handler or other thread runs between
             # installing the key table and the records, so nothing ever sees half of each.
-            self.__dict__.update(_table=staging._table, _arena=staging._arena,
-                                 _epoch=self._epoch + 1, _last_find=None, _meta=dict(meta))
+            self.__dict__.update(_table=table, _arena=arena, _epoch=self._epoch + 1,
+                                 _last_find=None, _meta=dict(meta))
             return len(self)
+
+    @serialized
+    def hand_over(self) -> tuple[CuckooTable | BytesTable, RecordArena]:
+        """Give the key table and records up to a restore that installs them; closes this."""
+        table, arena = self._key_table, self._records
+        self._table = self._arena = None
+        return table, arena
 
     @serialized
     def clear(self) -> None:
@@ -512,19 +405,10 @@ class MemoryBackend(HashRangeScans, Backend):
     def size_bytes(self) -> int:
         """Bytes of the live records plus the key table: falls when rows are deleted (the
         arena keeps freed slots for reuse; ``stats()["arena_bytes"]`` is what it holds)."""
-        if self._arena is None:
-            return 0
-        n = self._records.live * self._records.itemsize
-        if self._table is not None:
-            n += self._key_table.nbytes
-        return int(n)
+        return table_stats(self._table, self._arena).get("bytes", 0)
 
     @serialized
     def stats(self) -> dict[str, Any]:
-        out = dict(self.counters)
-        if self._table is not None:
-            out["table_capacity"] = int(self._key_table.capacity)
-            out["table_rehashes"] = int(self._key_table.rehashes)
-        if self._arena is not None:
-            out["arena_bytes"] = int(self._records.nbytes)
-        return out
+        figures = table_stats(self._table, self._arena)
+        figures.pop("bytes", None)
+        return {**self.counters, **figures}

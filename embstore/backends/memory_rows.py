@@ -1,4 +1,5 @@
-"""Where memory://'s in-place row kernels apply: field offsets of an update, or None."""
+"""memory:// records by arena slot: the in-place row kernels and where they apply, and the
+key-table helpers of :class:`~embstore.backends.memory.MemoryBackend`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["row_plan"]
+from .._cython.arena import RecordArena
+from .._cython.bytestable import BytesTable
+from .._cython.cuckoo import CuckooTable
+from .._cython.strkeys import KeySnapshot
+
+__all__ = ["RowKernels", "new_snapshot", "row_plan", "same_keys", "table_items"]
 
 
 def row_plan(fields: Any, name: str, width: tuple[int, ...], add: tuple[str, ...],
@@ -31,3 +37,159 @@ def row_plan(fields: Any, name: str, width: tuple[int, ...], add: tuple[str, ...
             np.array([fields[f][1] for f in add], dtype=np.intp),
             np.array([fields[f][1] for f in assign], dtype=np.intp),
             np.dtype([(f, fields[f][0]) for f in assign]))
+
+
+class RowKernels:
+    """Reads and writes of ``memory://`` records by arena slot, for one bound layout.
+
+    Every call takes the arena (a :class:`~embstore._cython.arena.RecordArena`), so a table
+    swapped in by a restore needs no new object. It keeps the kernel plans of the update
+    shapes it has seen (:func:`row_plan`, worked out once per shape).
+    """
+
+    def __init__(self, layout: Any) -> None:
+        self.layout = layout
+        self._plans: dict[tuple, Any] = {}
+
+    def gather(self, arena: Any, slots: np.ndarray) -> np.ndarray:
+        """Whole records at ``slots`` (zero rows for empty slots)."""
+        recs = np.empty(len(slots), dtype=self.layout.dtype)
+        arena.gather(slots, recs.view(np.uint8).reshape(len(slots), -1))
+        return recs
+
+    def gather_field(self, arena: Any, slots: np.ndarray, field: str) -> np.ndarray:
+        """One field of the records at ``slots``, contiguous."""
+        n = len(slots)
+        fdt, offset = self.layout.fields[field]
+        out = np.empty((n,) + fdt.shape, dtype=fdt.base)
+        arena.gather(slots, out.view(np.uint8).reshape(n, -1), offset, fdt.itemsize)
+        return out
+
+    def scatter(self, arena: Any, slots: np.ndarray, records: np.ndarray) -> None:
+        """Overwrite the records at ``slots``."""
+        arena.scatter(slots, np.ascontiguousarray(records).view(np.uint8).reshape(len(slots), -1))
+
+    def write_new(self, arena: Any, slots: np.ndarray, template: np.ndarray,
+                  vectors: np.ndarray) -> None:
+        """New records at ``slots``: ``template`` (a 1-row record array) with each row of
+        ``vectors`` as the vector. The compiled writer takes float32 rows; 16-bit rows of an
+        even width pass as float32 of half the width, bit for bit."""
+        n = len(slots)
+        if not n:
+            return
+        vdt, offset = self.layout.fields["vector"]
+        tmpl = np.ascontiguousarray(template[:1]).view(np.uint8)
+        vectors = np.ascontiguousarray(vectors, dtype=vdt.base)
+        if vectors.dtype == np.float32 or vectors.shape[1] * vectors.itemsize % 4 == 0:
+            arena.write_rows(slots, tmpl, offset, vectors.reshape(n, -1).view(np.float32))
+            return
+        recs = np.repeat(tmpl.view(self.layout.dtype)[:1], n)
+        recs["vector"] = vectors
+        self.scatter(arena, slots, recs)
+
+    def update(self, arena: Any, slots: np.ndarray, update: Any) -> None:
+        """Apply a ``RowUpdate`` (one row per slot) to the records at occupied ``slots`` in
+        place: the compiled kernels where the layout fits them, else gather, apply, scatter."""
+        if not len(slots):
+            return
+        x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
+        name, alpha, _ = update.axpy
+        rule = update.rule
+        key = (name, x.shape[1:], tuple(update.add), tuple(update.assign),
+               None if rule is None else (rule.name, len(rule.params)))
+        if key not in self._plans:  # worked out once per shape of update
+            self._plans[key] = row_plan(self.layout.fields, *key)
+        plan = self._plans[key]
+        if plan is None:
+            recs = self.gather(arena, slots)  # a layout (or rule) the kernels were not built for
+            update.apply(recs)
+            self.scatter(arena, slots, recs)
+            return
+        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
+        if rule is not None:
+            lr, eps = rule.params
+            if rule.name == "adagrad_rowwise":
+                # the float32 reduction of Adagrad(rowwise=True)'s numpy step: the same bits
+                ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
+                arena.adagrad_rowwise_rows(slots, axpy_offset, acc_offset, x, ms, lr, eps)
+            else:
+                arena.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
+            x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
+        n = len(slots)
+        adds = update.add.values()
+        counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
+                  if len(adds) == 1 else
+                  np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
+        # each assigned value in its field's dtype, as the 8 bytes the kernel copies
+        bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
+                if len(set_offsets) else np.empty(0, dtype=np.uint64))
+        arena.update_rows(slots, axpy_offset, x, float(alpha), add_offsets, counts,
+                          set_offsets, bits)
+
+
+def new_snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:
+    """A copy of a looked-up batch, to recognise it when its update comes. String keys get an
+    empty :class:`KeySnapshot` that the table's probe fills from the keys it reads anyway."""
+    return KeySnapshot() if keys.dtype == object else keys.copy()
+
+
+def recall(last: tuple[Any, np.ndarray, int] | None, epoch: int,
+           keys: np.ndarray) -> np.ndarray | None:
+    """The slots of ``last = (snapshot, slots, epoch)`` where ``keys`` are its batch and no key
+    was inserted or removed since (``epoch`` unchanged); None otherwise."""
+    if last is not None and last[2] == epoch and same_keys(last[0], keys):
+        return last[1]
+    return None
+
+
+def same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
+    """Whether ``keys`` are the batch ``snapshot`` was taken of."""
+    if isinstance(snapshot, KeySnapshot):
+        return keys.dtype == object and snapshot.same(keys)  # numpy compares in Python
+    return keys.dtype != object and np.array_equal(snapshot, keys)
+
+
+def find_kept(table: Any, keys: np.ndarray) -> tuple[np.ndarray | KeySnapshot, np.ndarray]:
+    """``(snapshot, slots)``: the slot of each key and a :func:`new_snapshot` of ``keys``
+    (a bytes table fills a string snapshot during its probe)."""
+    out = np.empty(len(keys), dtype=np.uint32)
+    snapshot = new_snapshot(keys)
+    if isinstance(table, BytesTable) and isinstance(snapshot, KeySnapshot):
+        table.find(keys, out, snapshot)
+    else:
+        table.find(keys, out)
+    return snapshot, out
+
+
+def new_table(key_type: str, itemsize: int, opts: Any) -> tuple[Any, RecordArena]:
+    """An empty key table (int64 or bytes keys) and record arena made as ``opts``
+    (``memory_url.TableOptions``) say; ``MemoryError`` where the memory cannot be had."""
+    arena = RecordArena(itemsize, prefault=opts.prefault, huge_pages=opts.huge_pages)
+    table = (CuckooTable(opts.capacity, opts.prefault, opts.hash_seed, opts.huge_pages)
+             if key_type == "int64" else BytesTable(opts.capacity, opts.hash_seed))
+    return table, arena
+
+
+def table_stats(table: Any, arena: Any) -> dict[str, int]:
+    """Figures of an open key table and arena (none when closed): ``stats()``'s, and
+    ``bytes``, the live records plus the key table (falls when rows are deleted; the arena
+    keeps freed slots for reuse, ``arena_bytes`` is what it holds)."""
+    out = {}
+    if table is not None:
+        out["table_capacity"] = int(table.capacity)
+        out["table_rehashes"] = int(table.rehashes)
+    if arena is not None:
+        out["arena_bytes"] = int(arena.nbytes)
+        table_bytes = 0 if table is None else int(table.nbytes)
+        out["bytes"] = int(arena.live * arena.itemsize) + table_bytes
+    return out
+
+
+def table_items(table: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(key, slot)`` of a key table holding ``n`` keys."""
+    if isinstance(table, CuckooTable):  # int64 keys
+        keys = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.uint32)
+        table.items(keys, slots)
+        return keys, slots
+    return table.items()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import InvalidInputError, InvalidURLError
 from ..options import check_options
 
-__all__ = ["MAX_INITIAL_CAPACITY", "capacity_hint", "check_initial_capacity", "flag",
-           "url_options"]
+__all__ = ["MAX_INITIAL_CAPACITY", "TableOptions", "capacity_hint", "check_initial_capacity",
+           "flag", "url_options"]
 
 #: largest ``initial_capacity``: the records of a memory:// table are numbered by uint32, so
 #: no table holds more keys than this; larger asks are a mistake (or a hostile saved model)
@@ -104,3 +105,24 @@ def flag(name: str, value: Any) -> bool:
             return False
         raise InvalidInputError(f"{name} must be true or false, got {value!r}")
     return bool(value)
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """How a ``memory://`` table is made: the checked keyword options, each overridden by the
+    same name in the URL's query (a flag from the query wins over the keyword)."""
+
+    capacity: int
+    prefault: bool
+    hash_seed: int | None
+    huge_pages: bool
+
+    @classmethod
+    def resolve(cls, url: str, initial_capacity: Any, prefault: Any, hash_seed: Any,
+                huge_pages: Any) -> TableOptions:
+        query = url_options(url)
+        capacity = check_initial_capacity(query.get("initial_capacity", initial_capacity), url)
+        seed = query.get("hash_seed", hash_seed)
+        return cls(max(int(capacity), 16), flag("prefault", query.get("prefault", prefault)),
+                   None if seed is None else int(seed),
+                   flag("huge_pages", query.get("huge_pages", huge_pages)))

@@ -10,7 +10,7 @@ above only pickle it, write it into a manifest and check that the ranges of a pl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -21,7 +21,7 @@ from .._keys import key_hash64
 from ..errors import InvalidInputError
 
 __all__ = ["KIND_BYTES", "KIND_HASH", "KIND_KEY", "KeyRange", "bounds_from_walk", "check_plan",
-           "HashRangeScans", "hash_ranges", "in_hash_range", "ranges_from_bounds", "stop_at"]
+           "hash_ranges", "in_hash_range", "ranges_from_bounds", "stop_at"]
 
 #: bounds are stored key bytes, compared bytewise (LMDB, RocksDB, Bigtable row keys)
 KIND_BYTES = "bytes"
@@ -148,21 +148,6 @@ def check_plan(ranges: list[KeyRange]) -> None:
         if a.hi != b.lo or a.hi is None:
             raise InvalidInputError(f"ranges {a} and {b} do not meet: rows between them would "
                                     "be in no part, or in two")
-
-
-class HashRangeScans:
-    """Ranges of a hash table (``memory://``): equal slices of the 64-bit key hash, since a
-    hash table has no key order to cut. The backend's ``scan(batch_size, rng)`` takes the
-    range and drops other keys before reading any record."""
-
-    supports_ranges = True
-
-    def plan_ranges(self, n: int) -> list[KeyRange]:
-        return hash_ranges(n)
-
-    def scan_range(self, rng: KeyRange, batch_size: int = 4096
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        return self.scan(batch_size, rng)  # type: ignore[attr-defined]
 
 
 def bounds_from_samples(samples: list[tuple[bytes, int]], size: int, n: int) -> list[bytes]:

@@ -26,36 +26,24 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..errors import (
-    BackendError,
-    BackendUnavailableError,
-    ForkedProcessError,
-    InvalidInputError,
-    SchemaMismatchError,
-)
+from ..errors import BackendError, BackendUnavailableError, InvalidInputError
 from ..extras import install_hint
 from ..layout import Layout
 from . import ordered_keys
 from ._localdir import (
-    FetchedRecords,
     as_void,
     check_store_dir,
-    make_store_dir,
+    found_mask,
     parse_dir_url,
     sorted_last_wins,
+    unpack_field,
+    unpack_records,
 )
 from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import Backend, ModifyFn
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
-from .rocksdb_handles import (
-    INHERITED,
-    POOL,
-    Shared,
-    current_generation,
-    open_unraced,
-    rocksdb_options,
-)
+from .rocksdb_handles import META_KEY, POOL, RocksHandles
 
 try:
     import rocksdict as rd
@@ -63,12 +51,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"the rocksdb backend needs rocksdict; install it with: {install_hint('rocksdb')}") from e
 
-_META_CF = "embstore_meta"
-_META_KEY = b"meta"
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
 
 
-class RocksDBBackend(FetchedRecords, Backend):
+class RocksDBBackend(Backend):
     """Row store in a RocksDB directory.
 
     Parameters
@@ -92,6 +78,7 @@ class RocksDBBackend(FetchedRecords, Backend):
     supports_scan = True
     supports_ranges = True
     scheme = "rocksdb"
+    replace_mechanism = "staging-directory"
 
     def __init__(self, url: str, *, read_only: bool = False, durable: bool = True,
                  block_cache_mb: int = 256, bloom_bits: float = 10.0, **options: Any) -> None:
@@ -101,236 +88,81 @@ class RocksDBBackend(FetchedRecords, Backend):
         super().__init__(f"rocksdb://{path}", read_only=read_only)
         self.path = path
         self.durable = bool(durable)
-        self._cache_mb = int(block_cache_mb)
-        self._bloom = float(bloom_bits)
-        self._generation = current_generation()
-        self._opened_in = os.getpid()
-        self._shared: Shared | None = None
-        self._ro: rd.Rdict | None = None
-        self._ro_meta: rd.Rdict | None = None
-        self._db: rd.Rdict | None = None
+        self.handles = RocksHandles(path, self.url, read_only=read_only, durable=self.durable,
+                                    block_cache_mb=int(block_cache_mb),
+                                    bloom_bits=float(bloom_bits))
         self._itemsize = 0
-        self._wopt = rd.WriteOptions()
-        self._wopt.sync = self.durable
         self.counters = {"write_batches": 0, "sst_ingests": 0}
         shared = POOL.get(path)
         if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
-            self._attach(shared)
+            self.handles.attach(shared)
             return
         if not os.path.lexists(path):  # a restore killed between two renames (see _replace)
             recover_staging(path)
         if check_store_dir(path, "CURRENT", "RocksDB"):
-            self._open_read_only()
-
-    # -- handles ---------------------------------------------------------------------------------
-    # Every use of a handle goes through these properties, so a forked child is refused on
-    # any call (one integer comparison).
-    def _check_process(self) -> None:
-        if self._generation != current_generation():
-            raise ForkedProcessError(
-                f"{self.url} was opened in process {self._opened_in} and is used in forked "
-                f"child {os.getpid()}: RocksDB handles do not survive fork() (the child's writes "
-                "would be lost). Open the store in the child (read_only=True while the parent "
-                "writes), or start workers with 'spawn'")
-
-    @property
-    def _db(self) -> rd.Rdict | None:
-        self._check_process()
-        return self._db_handle
-
-    @_db.setter
-    def _db(self, value: rd.Rdict | None) -> None:
-        self._db_handle = value
-
-    @property
-    def _shared(self) -> Shared | None:
-        self._check_process()
-        return self._shared_handle
-
-    @_shared.setter
-    def _shared(self, value: Shared | None) -> None:
-        self._shared_handle = value
-
-    @property
-    def _ro(self) -> rd.Rdict | None:
-        self._check_process()
-        return self._ro_handle
-
-    @_ro.setter
-    def _ro(self, value: rd.Rdict | None) -> None:
-        self._ro_handle = value
-
-    def _open_read_only(self) -> None:
-        open_unraced(self.path, self._open_read_only_once, self._close_read_only)
-
-    def _open_read_only_once(self) -> None:
-        try:
-            cfs = rd.Rdict.list_cf(self.path, rd.Options(raw_mode=True))
-            families = {n: rocksdb_options(self._cache_mb, self._bloom, False)
-                        for n in cfs if n != "default"}
-            self._ro = rd.Rdict(self.path, rocksdb_options(self._cache_mb, self._bloom, False),
-                                column_families=families,
-                                access_type=rd.AccessType.read_only())
-        except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
-            raise BackendError(f"cannot open RocksDB at {self.path}: {e}") from e
-        self._ro_meta = self._ro.get_column_family(_META_CF) if _META_CF in cfs else None
-        self._db = self._ro
-
-    def _attach(self, shared: Shared) -> None:
-        if not self.read_only and shared.durable != self.durable:
-            raise InvalidInputError(f"{self.path} is already open in this process with "
-                                    f"durable={shared.durable}; open it with the same option")
-        shared.refs += 1
-        self._shared = shared
-        self._db = shared.db
-
-    def _open_read_write(self) -> None:
-        shared = POOL.get(self.path)
-        if shared is not None and shared.pid == os.getpid() and shared.refs > 0:
-            self._attach(shared)
-            return
-        top = make_store_dir(self.path)
-        try:
-            opts = rocksdb_options(self._cache_mb, self._bloom, True)
-            meta_opts = rocksdb_options(self._cache_mb, self._bloom, True)
-            db = rd.Rdict(self.path, opts, column_families={_META_CF: meta_opts})
-            meta = db.get_column_family(_META_CF)
-        except Exception as e:
-            if top is not None:
-                shutil.rmtree(top, ignore_errors=True)
-            hint = ("; another process has it open for writing (RocksDB allows one writer "
-                    "process; threads of that process may share it) - open it with "
-                    "read_only=True, or use LMDB / SQL for several writer processes"
-                    if "lock" in str(e).lower() else "")
-            raise BackendError(f"cannot open RocksDB at {self.path} for writing: {e}{hint}") from e
-        shared = Shared(db, meta, self.durable)
-        POOL[self.path] = shared
-        self._attach(shared)
-        # This process holds the directory's write lock: what a killed restore left beside it
-        # (a half-built new table, or the old one after the swap) can go.
-        recover_staging(self.path)
-
-    def _close_read_only(self) -> None:
-        if self._ro is not None:
-            ro, meta = self._ro, self._ro_meta
-            self._ro = self._ro_meta = None
-            if meta is not None:
-                meta.close()
-            ro.close()
+            self.handles.open_read_only()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def read_meta(self) -> dict | None:
-        meta_cf: rd.Rdict | None
-        if self._shared is not None:
-            meta_cf = self._shared.meta
-        elif self._ro is not None:
-            meta_cf = self._ro_meta
-        else:
-            return None
-        try:
-            raw = meta_cf.get(_META_KEY) if meta_cf is not None else None
-            assert self._db is not None  # invariant: set with _shared / _ro
-            has_rows = next(iter(self._db.keys()), None) is not None
-        except Exception as e:
-            raise BackendError(f"{self.path}: cannot read metadata: {e}") from e
-        if raw is None:
-            if not has_rows:
-                return None
-            raise SchemaMismatchError(f"{self.url}: the RocksDB database holds data that is not "
-                                      "an embstore store; refusing to touch it")
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise SchemaMismatchError(f"{self.url}: unreadable metadata: {e}") from e
+        return self.handles.read_meta()
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         self._itemsize = layout.itemsize
-        if not self.read_only and self._shared is None:
+        if not self.read_only and self.handles.shared is None:
             # The engine accepted the metadata: only now take the write handle.
-            self._close_read_only()
-            self._open_read_write()
+            self.handles.close_read_only()
+            # This process then holds the directory's write lock: what a killed restore left
+            # beside it (a half-built new table, or the old one after the swap) can go.
+            self.handles.open_read_write(recover_staging)
 
     def write_meta(self, meta: dict) -> None:
-        if self.read_only or self._shared is None:
+        if self.read_only or self.handles.shared is None:
             return
-        raw = json.dumps(meta, sort_keys=True).encode()
-        try:
-            self._shared.meta.put(_META_KEY, raw, self._wopt)
-        except Exception as e:
-            raise BackendError(f"{self.path}: cannot write metadata: {e}") from e
+        self.handles.write_meta(json.dumps(meta, sort_keys=True).encode())
 
     def flush(self) -> None:
-        if self._shared is not None:
-            try:
-                self._shared.db.flush_wal(True)
-            except Exception as e:
-                raise BackendError(f"{self.path}: flush failed: {e}") from e
+        self.handles.flush()
 
     def close(self) -> None:
-        if self._generation != current_generation():
-            # a forked child's copy: drop it, never close (flush) it into the parent's files
-            INHERITED.extend(h for h in (self._db_handle, self._ro_handle, self._ro_meta)
-                              if h is not None)
-            self._db = self._ro = self._ro_meta = self._shared = None
-            return
-        self._close_read_only()
-        shared, self._shared = self._shared, None
-        self._db = None
-        if shared is not None:
-            shared.refs -= 1
-            if shared.refs == 0:
-                if POOL.get(self.path) is shared:
-                    del POOL[self.path]
-                errors = []
-                for handle in (shared.meta, shared.db):  # both, even when the first fails
-                    try:
-                        handle.close()
-                    except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
-                        errors.append(e)
-                if errors:  # e.g. the disk is full and the last memtable cannot be written
-                    raise BackendError(f"{self.path}: RocksDB close failed: {errors[0]}") \
-                        from errors[0]
+        self.handles.close()
 
     def storage_paths(self) -> tuple[str, ...]:
         return (self.path,)
 
     def reopen_options(self) -> dict:
-        return {"durable": self.durable, "block_cache_mb": self._cache_mb,
-                "bloom_bits": self._bloom}
-
-    # -- keys ------------------------------------------------------------------------------------
-    def _writable(self) -> Shared:
-        if self._shared is None:
-            raise BackendError(f"{self.path}: RocksDB is not open for writing")
-        return self._shared
+        return {"durable": self.durable, "block_cache_mb": self.handles.cache_mb,
+                "bloom_bits": self.handles.bloom}
 
     def _commit(self, wb: rd.WriteBatch) -> None:
-        try:
-            shared = self._writable()
-            shared.db.write(wb, self._wopt)
-        except Exception as e:
-            raise BackendError(f"{self.path}: RocksDB write failed: {e}") from e
+        self.handles.write(wb)
         self.counters["write_batches"] += 1
-        shared.count = None
 
     # -- rows ------------------------------------------------------------------------------------
     def _fetch(self, keys: np.ndarray) -> tuple[bytearray, np.ndarray]:
-        if self._db is None or len(keys) == 0:
+        db = self.handles.db
+        if db is None or len(keys) == 0:
             return bytearray(), np.zeros(len(keys), dtype=bool)
         try:
             # rocksdict's stub takes a List[Union[str, int, ...]] (invariant), not list[bytes]
             enc = ordered_keys.encode(keys, self.key_type)
-            vals = self._db.get(enc, b"")  # type: ignore[arg-type]
+            vals = db.get(enc, b"")  # type: ignore[arg-type]
         except Exception as e:
             raise BackendError(f"{self.path}: RocksDB read failed: {e}") from e
         assert vals is not None  # a list of keys gets a list (b"" for missing ones)
         buf = bytearray().join(vals)
-        found = self._found(vals, buf)
-        if len(buf) != int(found.sum()) * self._itemsize:
-            raise SchemaMismatchError(f"{self.url}: stored records are not {self._itemsize} "
-                                      "bytes long; the data was written with another layout")
-        return buf, found
+        return buf, found_mask(vals, buf, self._itemsize, self.url)
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        return unpack_records(buf, found, self.layout.dtype), found
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        return unpack_field(buf, found, self.layout.dtype, field), found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self._fetch(keys)[1]
 
     def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
         return (ordered_keys.encode(keys, self.key_type),
@@ -351,7 +183,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         RocksDB refuses a second writing process, so the lock serializes every writer."""
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        shared = self._writable()
+        shared = self.handles.writable()
         db = shared.db
         enc = ordered_keys.encode(keys, self.key_type)
         with shared.lock:
@@ -384,7 +216,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         written."""
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        shared = self._writable()
+        shared = self.handles.writable()
         with shared.lock:
             new = ~self._fetch(keys)[1]
             if new.any():
@@ -394,11 +226,12 @@ class RocksDBBackend(FetchedRecords, Backend):
         return new
 
     def modify_meta(self, fn) -> dict:
-        if self.read_only or self._shared is None:
+        shared = self.handles.shared
+        if self.read_only or shared is None:
             return super().modify_meta(fn)
-        with self._shared.lock:
+        with shared.lock:
             try:
-                raw = self._shared.meta.get(_META_KEY)
+                raw = shared.meta.get(META_KEY)
             except Exception as e:
                 raise BackendError(f"{self.path}: cannot read metadata: {e}") from e
             meta = fn(json.loads(raw) if raw is not None else None)
@@ -408,7 +241,7 @@ class RocksDBBackend(FetchedRecords, Backend):
     def delete(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        shared = self._writable()
+        shared = self.handles.writable()
         with shared.lock:  # not between another thread's read and write of a row
             present = self._fetch(keys)[1]
             if present.any():
@@ -420,16 +253,17 @@ class RocksDBBackend(FetchedRecords, Backend):
 
     def __len__(self) -> int:
         # RocksDB only estimates its key count; count exactly and cache until the next write.
-        if self._db is None:
+        db, shared = self.handles.db, self.handles.shared
+        if db is None:
             return 0
-        if self._shared is not None and self._shared.count is not None:
-            return self._shared.count
+        if shared is not None and shared.count is not None:
+            return shared.count
         try:
-            n = sum(1 for _ in self._db.keys())
+            n = sum(1 for _ in db.keys())
         except Exception as e:
             raise BackendError(f"{self.path}: RocksDB scan failed: {e}") from e
-        if self._shared is not None:
-            self._shared.count = n
+        if shared is not None:
+            shared.count = n
         return n
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -437,16 +271,18 @@ class RocksDBBackend(FetchedRecords, Backend):
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
         """Cut at every ``len/n``-th stored key (a walk of the keys, skipped in C)."""
-        if self._db is None:
+        db = self.handles.db
+        if db is None:
             return ranges_from_bounds(KIND_BYTES, [b""] * (n - 1))
         total = len(self)
-        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(self._db.keys(), total, n, b""))
+        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(db.keys(), total, n, b""))
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        if self._db is None:
+        db = self.handles.db
+        if db is None:
             return
-        items = self._db.items() if rng.lo is None else self._db.items(from_key=rng.lo)
+        items = db.items() if rng.lo is None else db.items(from_key=rng.lo)
         while True:
             # raw mode: keys are bytes (rocksdict's stub types them for every mode)
             chunk = cast("list[tuple[bytes, bytes]]", list(islice(items, batch_size)))
@@ -462,7 +298,7 @@ class RocksDBBackend(FetchedRecords, Backend):
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Write sorted SST files (about 320 MiB of records each) and ingest them."""
-        shared = self._writable()
+        shared = self.handles.writable()
         db = shared.db
         total = 0
         tmpdir = tempfile.mkdtemp(prefix=".ingest-", dir=self.path)
@@ -490,7 +326,7 @@ class RocksDBBackend(FetchedRecords, Backend):
         enc, vals = self._pairs(keys, recs)
         path = os.path.join(tmpdir, f"chunk{self.counters['sst_ingests']}.sst")
         try:
-            writer = rd.SstFileWriter(rocksdb_options(self._cache_mb, self._bloom, True))
+            writer = rd.SstFileWriter(self.handles.options(True))
             writer.open(path)
             for k, v in zip(enc, vals):
                 writer[k] = v
@@ -503,26 +339,35 @@ class RocksDBBackend(FetchedRecords, Backend):
         self.counters["sst_ingests"] += 1
         return len(enc)
 
-    replace_mechanism = "staging-directory"
-
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """A new database built in a staging directory, exchanged with the live one in one
         rename (see ``_replace.py``)."""
-        return rocksdb_replace(self, batches, meta)
+        def build(directory: str) -> int:
+            new = type(self)(f"rocksdb://{directory}", **self.reopen_options())
+            try:
+                new.bind(self.layout, self.key_type)
+                new.bulk_load(batches)
+                new.write_meta(meta)
+                return len(new)
+            finally:
+                new.close()
+
+        return rocksdb_replace(self.handles, build)
 
     def clear(self) -> None:
-        if self._shared is None:
+        if self.handles.shared is None:
             return
         for keys, _ in list(self.scan(65536)):
             self.delete(keys)
 
     def size_bytes(self) -> int | None:
-        if self._db is None:
+        db = self.handles.db
+        if db is None:
             return 0
         try:
-            return int(self._db.property_int_value("rocksdb.total-sst-files-size") or 0) + int(
-                self._db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
+            return int(db.property_int_value("rocksdb.total-sst-files-size") or 0) + int(
+                db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0)
         except Exception:  # noqa: BLE001 - a size estimate is optional
             return None
 

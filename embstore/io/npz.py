@@ -93,6 +93,10 @@ class _NpyMember:
             )
         self.row_bytes = dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
 
+    def open(self) -> IO[bytes]:
+        """A fresh stream of the member, from its start."""
+        return self._opener()
+
     def reader(self) -> _RowStream:
         return _RowStream(self)
 
@@ -101,7 +105,7 @@ class _RowStream:
     def __init__(self, m: _NpyMember) -> None:
         self.m = m
         with _member_errors(m.name):
-            self.f = m._opener()
+            self.f = m.open()
             np.lib.format.read_magic(self.f)
             assert m.offset is not None  # members open seekable (a file, a zip member of one)
             self.f.seek(m.offset)

@@ -20,13 +20,18 @@ import numpy as np
 
 class TombstoneLog:
     def __init__(self, key_type: str, floor: int = 0, max_entries: int = 1 << 20,
-                 persist_entries: int = 1 << 14) -> None:
+                 persist_entries: int = 1 << 14, *,
+                 entries: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.key_type = key_type
         self.floor = int(floor)
         self.max_entries, self.persist_entries = int(max_entries), int(persist_entries)
         self._keys: list[np.ndarray] = []
         self._versions: list[np.ndarray] = []
         self._n = 0
+        if entries is not None and len(entries[0]):  # (keys, versions), oldest first
+            keys, versions = entries
+            self._keys, self._versions = [keys], [versions.astype(np.int64)]
+            self._n = len(keys)
 
     def __len__(self) -> int:
         return self._n
@@ -40,17 +45,11 @@ class TombstoneLog:
         if self._n > self.max_entries:
             self._trim(self.max_entries // 2)
 
-    def _load(self, keys: np.ndarray, versions: np.ndarray) -> None:
-        self._keys, self._versions, self._n = [keys], [versions.astype(np.int64)], len(keys)
-
     @classmethod
     def from_entries(cls, key_type: str, keys: np.ndarray, versions: np.ndarray,
                      floor: int = 0) -> TombstoneLog:
         """A log holding ``(key, version)`` entries (aligned arrays, oldest first)."""
-        log = cls(key_type, floor=floor)
-        if len(keys):
-            log._load(keys, versions)
-        return log
+        return cls(key_type, floor=floor, entries=(keys, versions))
 
     def entries(self) -> tuple[np.ndarray, np.ndarray]:
         """Every ``(key, version)`` entry as two aligned arrays, oldest first."""
@@ -98,12 +97,10 @@ class TombstoneLog:
         if not obj:
             # A store from before the log existed: nothing is known before its current version.
             return cls(key_type, floor=version)
-        log = cls(key_type, floor=int(obj.get("floor", version)))
         keys = decode_keys(obj.get("keys"), key_type)
         vers = np.frombuffer(base64.b64decode(obj.get("versions", "")), dtype="<i8")
-        if len(keys) == len(vers) and len(keys):
-            log._load(keys, vers)
-        return log
+        return cls(key_type, floor=int(obj.get("floor", version)),
+                   entries=(keys, vers) if len(keys) == len(vers) else None)
 
 
 def encode_keys(keys: np.ndarray, key_type: str) -> Any:

@@ -147,13 +147,13 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
         if len(cand) < m:
             raise InvalidInputError(f"FixedCandidatesSampler has {len(cand)} candidates, "
                                     f"{m} requested")
-        neg, neg_prob, tries = cand[:m], sampler._p[:m], m
+        neg, neg_prob, tries = cand[:m], sampler.expected_counts[:m], m
         pos_prob = np.zeros(len(flat_pos), dtype=np.float64)
         if len(cand) and len(flat_pos):
             order = np.argsort(cand, kind="stable")
             where = np.minimum(np.searchsorted(cand[order], flat_pos), len(cand) - 1)
             hit = cand[order][where] == flat_pos
-            pos_prob[hit] = sampler._p[order][where[hit]]
+            pos_prob[hit] = sampler.expected_counts[order][where[hit]]
     else:
         idx = sampling_index(store)
         rng = _rng(idx.rng, seed)

@@ -153,6 +153,11 @@ class FixedCandidatesSampler(Sampler):
             raise InvalidInputError("FixedCandidatesSampler: prob must be finite and >= 0")
         object.__setattr__(self, "_p", p)
 
+    @property
+    def expected_counts(self) -> np.ndarray:
+        """The expected count reported for each candidate (``prob`` broadcast, float64)."""
+        return self._p
+
     def cache_key(self) -> tuple:
         return ("fixed", id(self))
 

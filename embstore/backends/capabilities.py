@@ -1,0 +1,58 @@
+"""The methods behind two capability flags of ``Backend``, declared as protocols.
+
+A backend with ``supports_slots`` is :class:`SlotAddressed`; one with
+``supports_fused_bags`` is :class:`FusedBagPooling` (``memory://`` is both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .rows import RowUpdate
+
+
+@runtime_checkable
+class SlotAddressed(Protocol):
+    """A backend whose records sit at stable integer slots (``supports_slots``).
+
+    A slot stays valid until its key is deleted; ``0xFFFFFFFF`` marks an absent key. The
+    cache layer keeps its eviction bookkeeping per slot (``embstore.layers.cache``).
+    """
+
+    supports_slots: bool
+
+    def find_slots(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each key (uint32), ``0xFFFFFFFF`` where absent."""
+        ...
+
+    def read_slots(self, slots: np.ndarray, field: str | None = None) -> np.ndarray:
+        """Records (or one field) stored at ``slots``; zero rows for empty slots."""
+        ...
+
+    def write_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
+        """Overwrite the records at occupied ``slots`` (their keys do not change)."""
+        ...
+
+    def update_slots(self, slots: np.ndarray, update: RowUpdate) -> None:
+        """Apply ``update`` (one row per slot) to the records at occupied ``slots``."""
+        ...
+
+
+class FusedBagPooling(Protocol):
+    """A backend that pools bags of stored vectors in one pass (``supports_fused_bags``):
+    the engine's fused bag path (:mod:`embstore.engine.fused`)."""
+
+    supports_fused_bags: bool
+
+    def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                    template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
+                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+        """``Backend.lookup_insert`` of distinct ``keys`` with the vectors pooled into bags
+        instead of returned: row ``b`` of ``out`` sums (``mean``: averages) the vectors of
+        ``keys[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, each times ``weights[e]``
+        where ``weights`` is not empty. Returns how many keys were inserted. Only called when
+        ``supports_fused_bags``."""
+        ...

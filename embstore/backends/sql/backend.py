@@ -29,7 +29,7 @@ from ..lease_record import check_fence, loads
 from ..ranges import KIND_KEY, KeyRange, ranges_from_bounds
 
 try:
-    import sqlalchemy as sa
+    import sqlalchemy  # noqa: F401 - a missing SQLAlchemy is named before the modules below fail
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"the SQL backend needs SQLAlchemy; install it with: {install_hint('sql')}") from e
@@ -131,29 +131,19 @@ class SQLBackend(Backend):
         text = json.dumps(meta, sort_keys=True)
         with self.sql.ops.txn():
             self.sql.ops.meta_put(text)
-        self.sql.created_file = None  # a store lives here now
+        self.sql.keep_file()  # a store lives here now
 
     @_wrap_errors
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
-        data, meta, index = _sql_schema.table_definitions(self.table_name, key_type)
-        self.sql.index_name = index.name
-        self.sql.create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
-                                     .compile(dialect=self.sql.db.dialect))
         cols = self.sql.ops.columns(self.table_name)
         if cols is None:
             if self.read_only:
                 raise SchemaMismatchError(f"{self.sql.safe_url}: table {self.table_name!r} missing")
-            if isinstance(self.sql.ops, _sql_ops.CoreOps):
-                ddl: list = [sa.schema.CreateTable(data, if_not_exists=True),
-                             sa.schema.CreateTable(meta, if_not_exists=True),
-                             sa.schema.CreateIndex(index, if_not_exists=True)]
-            else:
-                d = self.sql.db.dialect
-                ddl = [str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=d))
-                       for t in (data, meta)]
-                ddl.append(self.sql.create_index_sql)
-            self.sql.ops.execute_ddl(ddl)
+            # the portable path runs DDL objects, the fast paths DDL text of this dialect
+            dialect = None if isinstance(self.sql.ops, _sql_ops.CoreOps) else self.sql.db.dialect
+            self.sql.ops.execute_ddl(
+                _sql_schema.create_statements(self.table_name, key_type, dialect))
         else:
             _sql_schema.check_data_columns(self.sql.safe_url, self.table_name, cols, key_type)
         self.sql.configure_ops(key_type, layout.itemsize)

@@ -21,7 +21,7 @@ from ...layout import Layout
 from . import ops as _sql_ops
 from .connection import SqlConnection
 from .rows import record_bytes
-from .schema import GENERATION
+from .schema import GENERATION, index_ddl, table_definitions
 
 _EMPTY = 0xFFFFFFFF
 
@@ -32,6 +32,10 @@ class BulkLoader:
 
     def __init__(self, sql: SqlConnection, layout: Layout, key_type: str) -> None:
         self.sql, self.layout, self.key_type = sql, layout, key_type
+        # the version index, dropped before a load into an empty table and built after it
+        index = table_definitions(sql.table_name, key_type)[2]
+        self.index_name = str(index.name)
+        self.create_index_sql = index_ddl(index, sql.db.dialect)
 
     def load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """``Backend.bulk_load``: every batch in one transaction (see the module docstring)."""
@@ -78,7 +82,7 @@ class BulkLoader:
         if empty:
             # Building the version index once, sorted, after the load beats maintaining it
             # row by row; DDL is transactional in both databases, so a failure restores it.
-            ops.conn.execute(f"DROP INDEX IF EXISTS {self.sql.quote(self.sql.index_name)}")
+            ops.conn.execute(f"DROP INDEX IF EXISTS {self.sql.quote(self.index_name)}")
         if empty and isinstance(ops, _sql_ops.PostgresOps) and self.key_type == "int64":
             n, pending = self._pg_copy(ops, next_batch)
         batch = pending if pending is not None else next_batch()
@@ -90,7 +94,7 @@ class BulkLoader:
                 n += len(keys)
             batch = next_batch()
         if empty:
-            ops.conn.execute(self.sql.create_index_sql)
+            ops.conn.execute(self.create_index_sql)
         return n
 
     def _pg_copy(self, ops, next_batch):

@@ -78,8 +78,6 @@ class SqlConnection:
         Closed; opened read-only where no SQLite file exists (no store).
     created_file : str or None
         A SQLite file this connection created, removed by ``close`` while it holds no store.
-    index_name, create_index_sql : str
-        The version index and its DDL (``bulk_load`` drops and rebuilds it).
     """
 
     def __init__(self, sa_url: sa.URL, table_name: str, pg_upsert: str, *,
@@ -106,8 +104,6 @@ class SqlConnection:
         self.lock = threading.RLock()
         self.pid = os.getpid()  # a forked child opens its own connection (adopt_after_fork)
         self.driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
-        self.index_name: Any = ""
-        self.create_index_sql = ""
 
     @property
     def db(self) -> sa.Engine:
@@ -130,6 +126,11 @@ class SqlConnection:
             self.ops.configure(self.conn, data, meta, key_type, itemsize)
         elif isinstance(self.ops, _sql_ops.PostgresOps):
             self.ops.key_array_type = "int8[]" if key_type == "int64" else "bytea[]"
+
+    def keep_file(self) -> None:
+        """A store was written: ``close`` leaves the SQLite file even if this connection
+        created it."""
+        self.created_file = None
 
     def storage_paths(self) -> tuple[str, ...]:
         """The SQLite file and its companions (none for a server database)."""

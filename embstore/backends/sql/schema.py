@@ -36,6 +36,23 @@ def table_definitions(table_name: str, key_type: str) -> tuple[sa.Table, sa.Tabl
     return data, meta, index
 
 
+def index_ddl(index: sa.Index, dialect: Any) -> str:
+    """``CREATE INDEX IF NOT EXISTS`` of ``index`` as text of ``dialect``."""
+    return str(sa.schema.CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
+
+
+def create_statements(table_name: str, key_type: str, dialect: Any) -> list:
+    """The DDL creating a store's tables and index: statement objects (``dialect`` None, for
+    SQLAlchemy Core) or their text in ``dialect``."""
+    data, meta, index = table_definitions(table_name, key_type)
+    if dialect is None:
+        return [sa.schema.CreateTable(data, if_not_exists=True),
+                sa.schema.CreateTable(meta, if_not_exists=True),
+                sa.schema.CreateIndex(index, if_not_exists=True)]
+    return [*(str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=dialect))
+              for t in (data, meta)), index_ddl(index, dialect)]
+
+
 def check_data_columns(safe_url: str, table_name: str, cols: dict[str, str],
                        key_type: str) -> None:
     """Refuse an existing table that is not an embstore data table of this key type."""

@@ -331,13 +331,7 @@ class SQLBackend(Backend):
     def flush(self) -> None:
         if self.read_only or self.sql.ops is None or self.durable:
             return
-        if isinstance(self.sql.ops, _sql_ops.SQLiteOps):
-            self.sql.ops.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        elif isinstance(self.sql.ops, _sql_ops.PostgresOps):
-            # A synchronous commit that writes WAL flushes every earlier commit with it.
-            with self.sql.ops.conn.transaction():
-                self.sql.ops.conn.execute("SET LOCAL synchronous_commit = on")
-                self.sql.ops.conn.execute("SELECT txid_current()")
+        self.sql.ops.sync()
 
     @property
     def cheap_size(self) -> bool:  # type: ignore[override]

@@ -89,6 +89,12 @@ class FormatReader(abc.ABC):
         damage (truncation, bad checksum, bad header) — damage no row-skipping can repair.
         ``validate=True`` (a checking pass) allows leaving ``records`` out."""
 
+    def assume_dim(self, dim: int) -> None:
+        """A file without rows (``dim == 0``) has no dimension of its own: take ``dim`` (the
+        store's), so that it imports into that store as an empty file."""
+        if self.dim == 0:
+            self.dim = dim
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release file handles."""
 

@@ -19,27 +19,22 @@ whole set, so ``store.url`` reopens it and a store pickles by URL.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from .._keys import BYTES_KEY_HASH, key_hash64, normalize_keys
 from ..backends.base import Backend
 from ..engine.row_count import count_is_cheap
-from ..errors import InvalidInputError, InvalidURLError, SchemaMismatchError
+from ..errors import InvalidInputError, InvalidURLError
 from ..layout import Layout
 from ..registry import backend_class
 from ..urls import query_string
+from .shard_parts import SHARD_FORMAT as SHARD_FORMAT
+from .shard_parts import ShardFanOut, merge_shard_metas, shard_meta
 
 SCHEME = "sharded"
-#: the ``format`` recorded in each shard's metadata (the engine's is ``"embstore"``)
-SHARD_FORMAT = "embstore-shard"
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-_VOLATILE = ("step", "version", "extra", "sharding")
 
 
 def sharded_url(urls: Sequence[str]) -> str:
@@ -78,6 +73,8 @@ class ShardedBackend(Backend):
     Attributes
     ----------
     shards : list of Backend
+    fan_out : ShardFanOut
+        Routes keys to the shards and calls them.
     """
 
     def __init__(self, shards: Sequence[Backend | str] | str, *, read_only: bool = False,
@@ -119,8 +116,7 @@ class ShardedBackend(Backend):
         self.thread_safe = all(b.thread_safe for b in opened)
         if parallel is None:
             parallel = any(b.persistent for b in opened)
-        self._pool = ThreadPoolExecutor(self.n, "embstore-shard") if parallel and self.n > 1 \
-            else None
+        self.fan_out = ShardFanOut(opened, parallel)
 
     # -- routing ----------------------------------------------------------------------------------
     def shard_of(self, keys: np.ndarray) -> np.ndarray:
@@ -129,29 +125,13 @@ class ShardedBackend(Backend):
         Takes normalized keys (an int64 array or an object array of bytes) or anything
         :func:`embstore._keys.normalize_keys` accepts for this store's key type.
         """
-        if not (isinstance(keys, np.ndarray) and keys.ndim == 1
-                and (keys.dtype == np.int64 or keys.dtype == object)):
-            keys = normalize_keys(keys, self.key_type)
-        return (key_hash64(keys) % np.uint64(self.n)).astype(np.int64)
+        return self.fan_out.shard_of(keys, self.key_type)
 
     def partitions(self) -> list[Backend]:
         return list(self.shards)
 
     def partition_of(self, keys: np.ndarray) -> np.ndarray:
         return self.shard_of(keys)
-
-    def _partition(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """``(shard, positions)`` for every shard that receives keys, positions ascending."""
-        sid = self.shard_of(keys)
-        order = np.argsort(sid, kind="stable")
-        bounds = np.searchsorted(sid[order], np.arange(self.n + 1))
-        return [(i, order[bounds[i]:bounds[i + 1]]) for i in range(self.n)
-                if bounds[i + 1] > bounds[i]]
-
-    def _map(self, fn: Callable[[_T], _R], which: Sequence[_T]) -> list[_R]:
-        if self._pool is None or len(which) < 2:
-            return [fn(i) for i in which]
-        return list(self._pool.map(fn, which))
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
@@ -160,74 +140,18 @@ class ShardedBackend(Backend):
             b.bind(layout, key_type)
 
     def read_meta(self) -> dict | None:
-        metas = self._map(lambda i: self.shards[i].read_meta(), range(self.n))
-        if all(m is None for m in metas):
-            return None
-        first = next(m for m in metas if m is not None)
-        schema = {k: v for k, v in first.items() if k not in _VOLATILE}
-        checked: list[dict[str, Any]] = []
-        for i, m in enumerate(metas):
-            if m is None:
-                raise SchemaMismatchError(f"{self.url}: shard {i} ({self.shards[i].url}) holds "
-                                          "no store while other shards do")
-            if m.get("format") != SHARD_FORMAT:
-                raise SchemaMismatchError(
-                    f"{self.url}: shard {i} ({self.shards[i].url}) holds a store that is not "
-                    "a shard of a sharded store"
-                )
-            placed = {k: v for k, v in (m.get("sharding") or {}).items() if k != "hash"}
-            if placed != {"count": self.n, "index": i}:
-                raise SchemaMismatchError(
-                    f"{self.url}: shard {i} ({self.shards[i].url}) was written as shard "
-                    f"{m.get('sharding')} but is opened as shard {i} of {self.n}; open the "
-                    "shards in their original number and order"
-                )
-            if m.get("key_type") == "bytes" and \
-                    (m.get("sharding") or {}).get("hash") != BYTES_KEY_HASH:
-                raise SchemaMismatchError(
-                    f"{self.url}: shard {i} ({self.shards[i].url}) placed its bytes keys by "
-                    f"blake2b-8 (an older embstore); this version places them by "
-                    f"{BYTES_KEY_HASH}, so keys would be looked for on the wrong shards. Export "
-                    "it with the embstore that wrote it and import the file into a new set"
-                )
-            if {k: v for k, v in m.items() if k not in _VOLATILE} != schema:
-                raise SchemaMismatchError(
-                    f"{self.url}: shard {i} ({self.shards[i].url}) has other store metadata "
-                    "(dim, key type, optimizer...) than shard 0"
-                )
-            checked.append(m)
-        # step/version may lag on a shard if a crash hit between shard writes: take the newest.
-        out = {k: v for k, v in first.items() if k != "sharding"}
-        out["format"] = "embstore"
-        out["step"] = max(int(m.get("step", 0)) for m in checked)
-        out["version"] = max(int(m.get("version", 0)) for m in checked)
-        return out
+        metas = self.fan_out.each(lambda b: b.read_meta())
+        return merge_shard_metas(self.url, [b.url for b in self.shards], metas)
 
     def write_meta(self, meta: dict) -> None:
-        def one(i: int) -> None:
-            # A distinct format name: opening one shard alone as a plain store is refused.
-            placed: dict[str, Any] = {"count": self.n, "index": i}
-            if meta.get("key_type") == "bytes":
-                placed["hash"] = BYTES_KEY_HASH
-            self.shards[i].write_meta({**meta, "format": SHARD_FORMAT, "sharding": placed})
-
-        self._map(one, range(self.n))
+        self.fan_out.map(lambda i: self.shards[i].write_meta(shard_meta(meta, i, self.n)),
+                         range(self.n))
 
     def flush(self) -> None:
-        self._map(lambda i: self.shards[i].flush(), range(self.n))
+        self.fan_out.each(lambda b: b.flush())
 
     def close(self) -> None:
-        errors = []
-        for b in self.shards:
-            try:
-                b.close()
-            except Exception as e:  # noqa: BLE001 - close every shard, then report
-                errors.append(e)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if errors:
-            raise errors[0]
+        self.fan_out.close()
 
     def storage_paths(self) -> tuple[str, ...]:
         return tuple(p for s in self.shards for p in s.storage_paths())
@@ -241,45 +165,28 @@ class ShardedBackend(Backend):
 
     # -- rows -------------------------------------------------------------------------------------
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        parts = self._partition(keys)
-        got = self._map(lambda p: self.shards[p[0]].get(keys[p[1]]), parts)
-        recs = np.empty(len(keys), dtype=self.layout.dtype)
-        found = np.empty(len(keys), dtype=bool)
-        for (_, pos), (r, f) in zip(parts, got):
-            recs[pos] = r
-            found[pos] = f
-        return recs, found
+        parts, got = self.fan_out.scatter(keys, self.key_type, lambda b, pos: b.get(keys[pos]))
+        return self.fan_out.gather_rows(np.empty(len(keys), self.layout.dtype), parts, got)
 
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        parts = self._partition(keys)
-        got = self._map(lambda p: self.shards[p[0]].get_field(keys[p[1]], field), parts)
+        parts, got = self.fan_out.scatter(keys, self.key_type,
+                                          lambda b, pos: b.get_field(keys[pos], field))
         fdt = self.layout.fields[field][0]
         out = np.empty((len(keys),) + fdt.shape, dtype=fdt.base)
-        found = np.empty(len(keys), dtype=bool)
-        for (_, pos), (v, f) in zip(parts, got):
-            out[pos] = v
-            found[pos] = f
-        return out, found
+        return self.fan_out.gather_rows(out, parts, got)
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        parts = self._partition(keys)
-        got = self._map(lambda p: self.shards[p[0]].contains(keys[p[1]]), parts)
-        found = np.empty(len(keys), dtype=bool)
-        for (_, pos), f in zip(parts, got):
-            found[pos] = f
-        return found
+        parts, got = self.fan_out.scatter(keys, self.key_type,
+                                          lambda b, pos: b.contains(keys[pos]))
+        return self.fan_out.gather_mask(len(keys), parts, got)
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
-        parts = self._partition(keys)
-        self._map(lambda p: self.shards[p[0]].put(keys[p[1]], records[p[1]]), parts)
+        self.fan_out.scatter(keys, self.key_type, lambda b, pos: b.put(keys[pos], records[pos]))
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
-        parts = self._partition(keys)
-        got = self._map(lambda p: self.shards[p[0]].delete(keys[p[1]]), parts)
-        present = np.zeros(len(keys), dtype=bool)
-        for (_, pos), f in zip(parts, got):
-            present[pos] = f
-        return present
+        parts, got = self.fan_out.scatter(keys, self.key_type,
+                                          lambda b, pos: b.delete(keys[pos]))
+        return self.fan_out.gather_mask(len(keys), parts, got)
 
     # -- capabilities: those of every shard --------------------------------------------------------
     @property
@@ -299,7 +206,7 @@ class ShardedBackend(Backend):
         return min(limits) if limits else None
 
     def __len__(self) -> int:
-        return int(sum(self._map(lambda i: len(self.shards[i]), range(self.n))))
+        return int(sum(self.fan_out.each(len)))
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return itertools.chain.from_iterable(b.scan(batch_size) for b in self.shards)
@@ -312,18 +219,17 @@ class ShardedBackend(Backend):
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         n = 0
         for keys, recs in batches:
-            parts = self._partition(keys)
 
-            def load(p: tuple[int, np.ndarray], k: np.ndarray = keys,
+            def load(b: Backend, pos: np.ndarray, k: np.ndarray = keys,
                      r: np.ndarray = recs) -> int:
-                return self.shards[p[0]].bulk_load(iter([(k[p[1]], r[p[1]])]))
+                return b.bulk_load(iter([(k[pos], r[pos])]))
 
-            self._map(load, parts)
+            self.fan_out.scatter(keys, self.key_type, load)
             n += len(keys)
         return n
 
     def clear(self) -> None:
-        self._map(lambda i: self.shards[i].clear(), range(self.n))
+        self.fan_out.each(lambda b: b.clear())
 
     def size_bytes(self) -> int | None:
         sizes = [b.size_bytes() for b in self.shards]

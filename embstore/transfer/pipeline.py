@@ -122,8 +122,7 @@ def check_compatible(reader: FormatReader, store: StoreInfo, project: str | None
         raise SchemaMismatchError(
             f"{reader.name} holds {reader.key_kind} keys, the store has {store.key_type} keys; "
             "nothing imported")
-    if reader.dim == 0:  # no rows, so no dimension to disagree with
-        reader.dim = store.dim
+    reader.assume_dim(store.dim)  # no rows, so no dimension to disagree with
     if reader.dim != store.dim and project is None:
         raise SchemaMismatchError(
             f"{reader.name} holds vectors of dim {reader.dim}, the store has dim {store.dim}; "

@@ -64,12 +64,12 @@ class VerifyReport:
         same 64-bit value as an int."""
         return f"{self.digest:016x}"
 
-
-def _add_digest(rep: VerifyReport, keys: np.ndarray, vectors: np.ndarray) -> None:
-    if len(keys):
-        with np.errstate(over="ignore"):
-            rep.digest = int((np.uint64(rep.digest) + row_digests(keys, vectors).sum(
-                dtype=np.uint64)) & np.uint64(0xFFFFFFFFFFFFFFFF))
+    def add_rows(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        """Add the rows' digests to ``digest`` (a sum modulo 2**64: order does not matter)."""
+        if len(keys):
+            with np.errstate(over="ignore"):
+                self.digest = int((np.uint64(self.digest) + row_digests(keys, vectors).sum(
+                    dtype=np.uint64)) & np.uint64(0xFFFFFFFFFFFFFFFF))
 
 
 def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
@@ -92,7 +92,7 @@ def verify_store(store: Any, *, batch_size: int = CHUNK_ROWS,
                 if len(rep.problems) < 20:
                     rep.problems.append(f"key {keys[~fin][0]!r}: NaN or infinite value")
             rep.rows += len(keys)
-            _add_digest(rep, keys, vec)
+            rep.add_rows(keys, vec)
             bar.update(len(keys))
     if declared is not None and rep.rows != declared:
         rep.problems.append(f"the store reports {declared} rows, a full scan read {rep.rows}")
@@ -125,7 +125,7 @@ def verify_file(path: str | os.PathLike, *, fmt: str | None = None,
                 rep.bad += len(bad)
                 rep.problems += bad[:max(0, 20 - len(rep.problems))]
                 rep.rows += len(clean.keys)
-                _add_digest(rep, clean.keys, clean.vectors)
+                rep.add_rows(clean.keys, clean.vectors)
                 bar.update(len(chunk.keys) + len(chunk.bad))
         if reader.declared_rows is not None and rep.rows + rep.bad != reader.declared_rows:
             rep.problems.append(f"the file declares {reader.declared_rows} rows, "

@@ -14,43 +14,31 @@ The table name travels in the URL (``?table=name``) so ``store.url`` reopens the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
-import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ...errors import (
-    BackendError,
-    BackendUnavailableError,
-    InvalidInputError,
-    InvalidURLError,
-    SchemaMismatchError,
-)
+from ...errors import BackendUnavailableError, InvalidInputError, SchemaMismatchError
 from ...extras import install_hint
 from ...layout import Layout
-from ..base import Backend, ModifyFn, serialized
+from ..base import Backend, ModifyFn
 from ..lease_record import check_fence, loads
 from ..ranges import KIND_KEY, KeyRange, ranges_from_bounds
 
 try:
-    import sqlalchemy as sa
-    from sqlalchemy.pool import NullPool
+    import sqlalchemy  # noqa: F401 - a missing SQLAlchemy is named before the modules below fail
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"the SQL backend needs SQLAlchemy; install it with: {install_hint('sql')}") from e
 
-from . import connection as _sql_conn
-from . import modify as _sql_modify
 from . import ops as _sql_ops
 from . import schema as _sql_schema
-from .bulk import bulk_load
-from .bulk import replace_rows as replace_all_rows
-from .rows import align_rows, record_bytes
+from .bulk import BulkLoader
+from .connection import RestoreGuard, SqlConnection
+from .modify import SqlRows
 from .url import DEFAULT_TABLE as DEFAULT_TABLE
 from .url import parse_store_url as _parse  # tests split URLs through this name
 from .url import validate_table_name as validate_table_name
@@ -59,36 +47,20 @@ from .url import validate_table_name as validate_table_name
 # own ``?connect_timeout=`` wins.
 DEFAULT_CONNECT_TIMEOUT = 10
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-def _wrap_errors(fn):
-    # One DBAPI connection per backend: threads take turns, so a batch's transaction never
-    # interleaves with another thread's statements.
-    locked = serialized(fn)
-    replayable = fn.__name__ in _sql_conn.REPLAYABLE
+
+def _wrap_errors(fn: _F) -> _F:
+    # One DBAPI connection per backend: the connection runs the call under its lock (a batch's
+    # transaction never interleaves with another thread's statements), reconnects after a
+    # lost connection and replays the call when that is harmless.
+    name = fn.__name__
 
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
-        if self.sql.pid != os.getpid():
-            _sql_conn.adopt_after_fork(self)
-        _sql_conn.ensure_connection(self)
-        try:
-            return locked(self, *args, **kwargs)
-        except self.sql.driver_errors as e:
-            # The server went away (restart, failover, idle-connection kill): connect again
-            # so the store recovers, and replay the call when that is harmless.
-            if not _sql_conn.recover_connection(self, e):
-                raise BackendError(f"{self.sql.safe_url}: {type(e).__name__}: {e}".strip()) from e
-            if not replayable:
-                raise BackendError(
-                    f"{self.sql.safe_url}: the connection was lost during {fn.__name__} "
-                    f"({type(e).__name__}: {e}); reconnected, but the call may or may not "
-                    "have taken effect") from e
-        try:
-            return locked(self, *args, **kwargs)
-        except self.sql.driver_errors as e:
-            raise BackendError(f"{self.sql.safe_url}: {type(e).__name__}: {e}".strip()) from e
+        return self.sql.call(name, lambda: fn(self, *args, **kwargs))
 
-    return inner
+    return inner  # type: ignore[return-value]
 
 
 class SQLBackend(Backend):
@@ -130,23 +102,16 @@ class SQLBackend(Backend):
         sa_url, name, public = _parse(url, table)
         super().__init__(public, read_only=read_only)
         self.table_name, self.durable = name, bool(durable)
-        self.sql = _sql_conn.SqlConnection(sa_url, name, pg_upsert)
+        self.sql = SqlConnection(sa_url, name, pg_upsert, read_only=read_only,
+                                 durable=self.durable, counters=self.counters)
         try:
-            self._connect(fast_path)
+            self.sql.open(fast_path, DEFAULT_CONNECT_TIMEOUT)
         except BaseException:
             self.close()
             raise
 
-    @property
-    def _lock(self) -> threading.RLock:
-        # what the serialized methods take: the connection's (replaced in a forked child)
-        return self.sql.lock
-
     def storage_paths(self) -> tuple[str, ...]:
-        if self.sql.dialect_name != "sqlite" or not self.sql.sa_url.database:
-            return ()
-        path = os.path.abspath(self.sql.sa_url.database)
-        return (path, *(path + s for s in ("-wal", "-shm", "-journal")))
+        return self.sql.storage_paths()
 
     @property
     def max_key_bytes(self) -> int | None:  # type: ignore[override]
@@ -154,132 +119,60 @@ class SQLBackend(Backend):
         of key after the row overheads), MySQL keys are VARBINARY(767); SQLite has no limit."""
         return {"postgresql": 2680, "mysql": 767}.get(self.sql.dialect_name)
 
-    # -- connection -------------------------------------------------------------------------------
-    def _connect(self, fast_path: bool) -> None:
-        kind = self.sql.dialect_name
-        connect_args: dict[str, Any] = {}
-        if kind == "sqlite":
-            path = self.sql.sa_url.database
-            if not os.path.exists(path):
-                parent = os.path.dirname(path)
-                if self.read_only:
-                    self.sql.missing = True  # read_meta says "no store"; nothing is created
-                    return
-                if not os.path.isdir(parent):
-                    raise BackendError(f"{self.sql.safe_url}: directory {parent!r} does not exist")
-                if not os.access(parent, os.W_OK):
-                    raise BackendError(f"{self.sql.safe_url}: directory {parent!r} is not writable")
-                self.sql.created_file = path
-            connect_args = {"check_same_thread": False, "timeout": 60.0,
-                            "cached_statements": 256}
-        elif (kind == "postgresql" and self.sql.sa_url.get_driver_name() in ("psycopg", "psycopg2")
-              and "connect_timeout" not in self.sql.sa_url.query):
-            # libpq waits forever for a server that accepts and never answers
-            connect_args = {"connect_timeout": DEFAULT_CONNECT_TIMEOUT}
-        try:
-            self.sql.engine = sa.create_engine(self.sql.sa_url, poolclass=NullPool,
-                                            connect_args=connect_args)
-        except ImportError as e:
-            hint = (f"install the 'postgres' extra: {install_hint('postgres')}"
-                    if kind == "postgresql" else "install that module")
-            raise BackendUnavailableError(
-                f"the {kind!r} backend needs the driver of {self.sql.sa_url.drivername!r}, "
-                f"which is not installed ({e}); {hint}") from e
-        except Exception as e:  # noqa: BLE001 - unknown dialect, bad URL arguments
-            raise InvalidURLError(f"{self.sql.safe_url}: {e}") from e
-        dbapi = self.sql.engine.dialect.dbapi
-        if dbapi is not None and hasattr(dbapi, "Error"):
-            self.sql.driver_errors = (sa.exc.SQLAlchemyError, dbapi.Error)
-        driver = self.sql.sa_url.get_driver_name()
-        try:
-            if fast_path and kind == "sqlite" and driver == "pysqlite":
-                _sql_conn.open_sqlite(self)
-            elif fast_path and kind == "postgresql" and driver == "psycopg":
-                _sql_conn.open_postgres(self)
-            else:
-                _sql_conn.open_core(self)
-        except self.sql.driver_errors as e:
-            raise BackendError(f"{self.sql.safe_url}: cannot connect: {e}") from e
-
     # -- metadata and schema ----------------------------------------------------------------------
     @_wrap_errors
     def read_meta(self) -> dict | None:
-        return _sql_schema.read_store_meta(self)
+        if self.sql.missing:
+            return None
+        return _sql_schema.read_store_meta(self.sql.ops, self.sql.safe_url, self.table_name)
 
     @_wrap_errors
     def write_meta(self, meta: dict) -> None:
         text = json.dumps(meta, sort_keys=True)
         with self.sql.ops.txn():
             self.sql.ops.meta_put(text)
-        self.sql.created_file = None  # a store lives here now
+        self.sql.keep_file()  # a store lives here now
 
     @_wrap_errors
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
-        data, meta, index = _sql_schema.table_definitions(self.table_name, key_type)
-        self.sql.index_name = index.name
-        self.sql.create_index_sql = str(sa.schema.CreateIndex(index, if_not_exists=True)
-                                     .compile(dialect=self.sql.db.dialect))
         cols = self.sql.ops.columns(self.table_name)
         if cols is None:
             if self.read_only:
                 raise SchemaMismatchError(f"{self.sql.safe_url}: table {self.table_name!r} missing")
-            if isinstance(self.sql.ops, _sql_ops.CoreOps):
-                ddl: list = [sa.schema.CreateTable(data, if_not_exists=True),
-                             sa.schema.CreateTable(meta, if_not_exists=True),
-                             sa.schema.CreateIndex(index, if_not_exists=True)]
-            else:
-                d = self.sql.db.dialect
-                ddl = [str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=d))
-                       for t in (data, meta)]
-                ddl.append(self.sql.create_index_sql)
-            self.sql.ops.execute_ddl(ddl)
+            # the portable path runs DDL objects, the fast paths DDL text of this dialect
+            dialect = None if isinstance(self.sql.ops, _sql_ops.CoreOps) else self.sql.db.dialect
+            self.sql.ops.execute_ddl(
+                _sql_schema.create_statements(self.table_name, key_type, dialect))
         else:
-            _sql_schema.check_data_columns(self, cols, key_type)
+            _sql_schema.check_data_columns(self.sql.safe_url, self.table_name, cols, key_type)
         self.sql.configure_ops(key_type, layout.itemsize)
-        self.sql.bound = (key_type, layout.itemsize)
+        self.rows = SqlRows(self.sql, layout, key_type)
+        self.loader = BulkLoader(self.sql, layout, key_type)
 
     # -- rows -------------------------------------------------------------------------------------
-    def _gather(self, keys: np.ndarray, offset: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        fkeys, recbytes = self.sql.ops.fetch(keys)
-        rows, found = align_rows(self.key_type, keys, fkeys)
-        n = len(keys)
-        if len(fkeys) == 0:
-            return np.zeros((n, width), np.uint8), found
-        src = recbytes if (offset == 0 and width == recbytes.shape[1]) else \
-            recbytes[:, offset:offset + width]
-        out = np.take(src, rows, axis=0)
-        if not found.all():
-            out[~found] = 0
-        return out, found
-
     @_wrap_errors
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out, found = self._gather(keys, 0, self.layout.itemsize)
+        out, found = self.rows.gather(keys, 0, self.layout.itemsize)
         return out.view(self.layout.dtype).reshape(len(keys)), found
 
     @_wrap_errors
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
         fdt, offset = self.layout.fields[field]
-        out, found = self._gather(keys, offset, fdt.itemsize)
+        out, found = self.rows.gather(keys, offset, fdt.itemsize)
         return out.view(fdt.base).reshape((len(keys),) + fdt.shape), found
 
     @_wrap_errors
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        present = self.sql.ops.present(keys)
-        if self.key_type == "int64":
-            return np.isin(keys, present)
-        s = set(present.tolist())
-        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+        return self.rows.mask(keys, self.sql.ops.present(keys))
 
     @_wrap_errors
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:
             return
-        raw = record_bytes(self.layout, records)
         with self.sql.ops.txn():  # one transaction per batch: all of it or nothing
             self._check_fence()
-            self.sql.ops.upsert(keys, raw, np.ascontiguousarray(records["version"]))
+            self.rows.upsert(keys, records)
 
     @_wrap_errors
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
@@ -290,16 +183,7 @@ class SQLBackend(Backend):
             return np.zeros(0, bool)
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
-        with self.sql.ops.txn():
-            done = self.sql.ops.insert_absent(keys, record_bytes(self.layout, records),
-                                           np.ascontiguousarray(records["version"]))
-        return self._mask(keys, done)
-
-    def _mask(self, keys: np.ndarray, subset: np.ndarray) -> np.ndarray:
-        if self.key_type == "int64":
-            return np.isin(keys, subset)
-        s = set(subset.tolist())
-        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+        return self.rows.insert_absent(keys, records)
 
     @_wrap_errors
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
@@ -308,7 +192,7 @@ class SQLBackend(Backend):
         ``PostgresOps.lock_rows``), retried whole on a deadlock or serialization failure."""
         if len(keys) == 0:
             return np.zeros(0, bool)
-        return _sql_modify.modify_rows(self, keys, fn)
+        return self.rows.modify(keys, fn)
 
     @_wrap_errors
     def modify_meta(self, fn) -> dict:
@@ -353,10 +237,7 @@ class SQLBackend(Backend):
         with self.sql.ops.txn():
             self._check_fence()
             gone = self.sql.ops.delete(keys)
-        if self.key_type == "int64":
-            return np.isin(keys, gone)
-        s = set(gone.tolist())
-        return np.fromiter((k in s for k in keys.tolist()), dtype=bool, count=len(keys))
+        return self.rows.mask(keys, gone)
 
     @_wrap_errors
     def __len__(self) -> int:
@@ -372,12 +253,12 @@ class SQLBackend(Backend):
         would come from the new one."""
         if self.sql.missing or not self.is_bound:
             return
-        guard = _sql_conn.RestoreGuard(self)
+        guard = RestoreGuard(self.sql)
 
         def scan_page(after):
             return guard.checked(lambda: self.sql.ops.page(after, batch_size))
 
-        yield from _sql_conn.read_pages(self, scan_page, False)
+        yield from self.sql.read_pages(scan_page, self.layout.dtype, False)
 
     @_wrap_errors
     def plan_ranges(self, n: int) -> list[KeyRange]:
@@ -401,7 +282,7 @@ class SQLBackend(Backend):
         def range_page(after):
             return self.sql.ops.page_range(after, batch_size, rng.lo, rng.hi)
 
-        yield from _sql_conn.read_pages(self, range_page, False)
+        yield from self.sql.read_pages(range_page, self.layout.dtype, False)
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -409,12 +290,12 @@ class SQLBackend(Backend):
         if self.sql.missing or not self.is_bound:
             return
 
-        guard = _sql_conn.RestoreGuard(self)
+        guard = RestoreGuard(self.sql)
 
         def changes_page(after):
             return guard.checked(lambda: self.sql.ops.changes(int(version), after, batch_size))
 
-        yield from _sql_conn.read_pages(self, changes_page, True)
+        yield from self.sql.read_pages(changes_page, self.layout.dtype, True)
 
     @_wrap_errors
     def changes_plan(self, version: int = 0) -> str:
@@ -430,7 +311,7 @@ class SQLBackend(Backend):
         part-way, the rows before the failure are committed and the error is re-raised (as
         ``put`` per batch would have left them).
         """
-        return bulk_load(self, batches)
+        return self.loader.load(batches)
 
     replace_mechanism = "transaction"
 
@@ -438,7 +319,7 @@ class SQLBackend(Backend):
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """The table and ``meta`` replaced in one transaction (see ``bulk.py``)."""
-        return replace_all_rows(self, batches, meta)
+        return self.loader.replace(batches, meta)
 
     @_wrap_errors
     def clear(self) -> None:
@@ -450,13 +331,7 @@ class SQLBackend(Backend):
     def flush(self) -> None:
         if self.read_only or self.sql.ops is None or self.durable:
             return
-        if isinstance(self.sql.ops, _sql_ops.SQLiteOps):
-            self.sql.ops.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        elif isinstance(self.sql.ops, _sql_ops.PostgresOps):
-            # A synchronous commit that writes WAL flushes every earlier commit with it.
-            with self.sql.ops.conn.transaction():
-                self.sql.ops.conn.execute("SET LOCAL synchronous_commit = on")
-                self.sql.ops.conn.execute("SELECT txid_current()")
+        self.sql.ops.sync()
 
     @property
     def cheap_size(self) -> bool:  # type: ignore[override]
@@ -486,21 +361,4 @@ class SQLBackend(Backend):
         return opts
 
     def close(self) -> None:
-        if self.sql.pid != os.getpid():
-            # a forked child: closing the inherited connection would end the parent's session
-            _sql_conn.adopt_after_fork(self)
-        with self.sql.lock:
-            if self.sql.closed:
-                return
-            self.sql.closed = True
-            _sql_conn.release_connection(self)
-            self.sql.ops = None
-            if self.sql.engine is not None:
-                self.sql.engine.dispose()
-                self.sql.engine = None
-            created = self.sql.created_file
-            if created is not None and _sql_conn.sqlite_file_is_empty(created):
-                # opened without dim (or failed before the store was made): no empty file left
-                for suffix in ("", "-wal", "-shm", "-journal"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(created + suffix)
+        self.sql.close()

@@ -163,5 +163,8 @@ class CoreOps:
             for s in statements:
                 self.conn.execute(s)
 
+    def sync(self) -> None:
+        """Nothing to do: the portable path leaves durability to the database's settings."""
+
     def size_bytes(self) -> int | None:
         return None

@@ -13,6 +13,7 @@ Each ``*Ops`` class owns one DBAPI connection and speaks one dialect. The backen
     upsert(keys, raw, ver) insert-or-replace whole records (unique keys), inside txn()
     delete(keys)           -> deleted keys, inside txn()
     count(), page(after, n), changes(after, n), meta_get(), meta_put(text), columns(name)
+    sync()                 make every acknowledged commit durable (``flush``)
 
 Choices below were measured (bench/bench_sql.py, docs/sql.md): SQLite runs in autocommit mode
 with explicit ``BEGIN IMMEDIATE`` per batch; PostgreSQL lookups aggregate the hit rows into one
@@ -271,6 +272,13 @@ class PostgresOps(PagedReads):
         with self.txn():
             for s in statements:
                 self.conn.execute(s)
+
+    def sync(self) -> None:
+        """Make every acknowledged commit durable: a synchronous commit that writes WAL
+        flushes every earlier (``synchronous_commit = off``) commit with it."""
+        with self.conn.transaction():
+            self.conn.execute("SET LOCAL synchronous_commit = on")
+            self.conn.execute("SELECT txid_current()")
 
     def size_bytes(self) -> int | None:
         row = self.conn.execute("SELECT pg_total_relation_size(%s::regclass)",

@@ -10,6 +10,10 @@ import sqlalchemy as sa
 
 from ...errors import SchemaMismatchError
 
+#: name of the ``<table>_meta`` row holding the id of the last restore
+#: (``BulkLoader.replace``; a scan compares it around every page)
+GENERATION = "generation"
+
 
 def table_definitions(table_name: str, key_type: str) -> tuple[sa.Table, sa.Table, sa.Index]:
     """The data table, the ``_meta`` table and the version index of one store."""
@@ -32,42 +36,59 @@ def table_definitions(table_name: str, key_type: str) -> tuple[sa.Table, sa.Tabl
     return data, meta, index
 
 
-def check_data_columns(b: Any, cols: dict[str, str], key_type: str) -> None:
+def index_ddl(index: sa.Index, dialect: Any) -> str:
+    """``CREATE INDEX IF NOT EXISTS`` of ``index`` as text of ``dialect``."""
+    return str(sa.schema.CreateIndex(index, if_not_exists=True).compile(dialect=dialect))
+
+
+def create_statements(table_name: str, key_type: str, dialect: Any) -> list:
+    """The DDL creating a store's tables and index: statement objects (``dialect`` None, for
+    SQLAlchemy Core) or their text in ``dialect``."""
+    data, meta, index = table_definitions(table_name, key_type)
+    if dialect is None:
+        return [sa.schema.CreateTable(data, if_not_exists=True),
+                sa.schema.CreateTable(meta, if_not_exists=True),
+                sa.schema.CreateIndex(index, if_not_exists=True)]
+    return [*(str(sa.schema.CreateTable(t, if_not_exists=True).compile(dialect=dialect))
+              for t in (data, meta)), index_ddl(index, dialect)]
+
+
+def check_data_columns(safe_url: str, table_name: str, cols: dict[str, str],
+                       key_type: str) -> None:
     """Refuse an existing table that is not an embstore data table of this key type."""
     if set(cols) != {"k", "rec", "version"}:
         raise SchemaMismatchError(
-            f"{b.sql.safe_url}: table {b.table_name!r} has columns {sorted(cols)}, not "
+            f"{safe_url}: table {table_name!r} has columns {sorted(cols)}, not "
             "an embstore table (k, rec, version)"
         )
     kt = cols["k"]
     is_int = "INT" in kt
     if is_int != (key_type == "int64"):
         raise SchemaMismatchError(
-            f"{b.sql.safe_url}: key column is {kt}, the store has {key_type} keys")
+            f"{safe_url}: key column is {kt}, the store has {key_type} keys")
 
 
-def read_store_meta(b: Any) -> dict | None:
-    """The store metadata of backend ``b``, ``None`` when no store exists in its table."""
-    if b.sql.missing:
-        return None
-    meta_cols = b.sql.ops.columns(b.table_name + "_meta")
+def read_store_meta(ops: Any, safe_url: str, table_name: str) -> dict | None:
+    """The store metadata in ``table_name``'s ``_meta`` table, read through the statements
+    object ``ops``; ``None`` when no store exists there."""
+    meta_cols = ops.columns(table_name + "_meta")
     if meta_cols is None:
-        if b.sql.ops.columns(b.table_name) is not None:
+        if ops.columns(table_name) is not None:
             raise SchemaMismatchError(
-                f"{b.sql.safe_url}: table {b.table_name!r} exists but is not an embstore "
-                f"store (no {b.table_name}_meta table); choose another table name"
+                f"{safe_url}: table {table_name!r} exists but is not an embstore "
+                f"store (no {table_name}_meta table); choose another table name"
             )
         return None
     if set(meta_cols) != {"name", "value"}:
         raise SchemaMismatchError(
-            f"{b.sql.safe_url}: table {b.table_name}_meta is not embstore metadata")
-    text = b.sql.ops.meta_get()
+            f"{safe_url}: table {table_name}_meta is not embstore metadata")
+    text = ops.meta_get()
     if text is None:
         return None
     try:
         meta = json.loads(text)
     except ValueError as e:
-        raise SchemaMismatchError(f"{b.sql.safe_url}: unreadable metadata: {e}") from e
+        raise SchemaMismatchError(f"{safe_url}: unreadable metadata: {e}") from e
     if not isinstance(meta, dict):
-        raise SchemaMismatchError(f"{b.sql.safe_url}: metadata is not a JSON object")
+        raise SchemaMismatchError(f"{safe_url}: metadata is not a JSON object")
     return meta

@@ -143,6 +143,10 @@ class SQLiteOps(PagedReads):
             for s in statements:
                 self.conn.execute(s)
 
+    def sync(self) -> None:
+        """Make every acknowledged commit durable (``durable=False`` commits skip fsync)."""
+        self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
     def size_bytes(self) -> int | None:
         try:
             row = self.conn.execute(

@@ -83,7 +83,8 @@ def store_spec(store: StoreProtocol) -> dict[str, Any]:
     out: pass the open store with ``load_model(..., stores={url: store})`` instead.
     """
     options: dict[str, Any] = {}
-    for k, v in dict(getattr(store, "_reopen_options", {}) or {}).items():
+    # what embstore.open and reopen hand the store: its backend's own reopen options
+    for k, v in dict(store.backend.reopen_options() or {}).items():
         try:
             json.dumps(v)
         except TypeError:

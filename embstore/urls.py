@@ -8,12 +8,13 @@ redacted too.
 
 from __future__ import annotations
 
+import os
 import re
-from urllib.parse import parse_qsl, quote
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from .errors import InvalidURLError
 
-__all__ = ["REDACTED", "check_url_text", "redact_text", "redact_url"]
+__all__ = ["REDACTED", "check_url_text", "parse_dir_url", "redact_text", "redact_url"]
 
 REDACTED = "***"
 # userinfo "user:password@" right after "scheme://"; the password runs to the last "@" before
@@ -88,3 +89,33 @@ def redact_text(text: str) -> str:
     text = _USERINFO_ANY.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
     text = _ENCODED_USERINFO_ANY.sub(lambda m: f"{m.group('head')}%3A{REDACTED}%40", text)
     return _PARAM_ANY.sub(lambda m: f"{m.group('head')}{REDACTED}", text)
+
+
+def parse_dir_url(url: str, scheme: str) -> str:
+    """Return the absolute directory path of a ``scheme:///abs/dir`` URL.
+
+    Raises
+    ------
+    InvalidURLError
+        For another scheme, a host part, a relative or empty path, a query or fragment.
+    """
+    if not isinstance(url, str):
+        raise InvalidURLError(f"store URL must be a string, got {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.scheme.lower() != scheme or not url.lower().startswith(f"{scheme}://"):
+        raise InvalidURLError(f"not a {scheme}:// URL: {url!r}")
+    if parts.netloc:
+        raise InvalidURLError(
+            f"{url!r}: {scheme} URLs need an absolute path and no host, e.g. "
+            f"'{scheme}:///data/store' (three slashes); got host/relative part {parts.netloc!r}"
+        )
+    if parts.query or parts.fragment:
+        raise InvalidURLError(f"{url!r}: {scheme} URLs take no query or fragment; "
+                              "pass options as keyword arguments")
+    path = unquote(parts.path)
+    if not path.startswith("/") or path.rstrip("/") == "":
+        raise InvalidURLError(f"{url!r}: need an absolute directory path, e.g. "
+                              f"'{scheme}:///data/store'")
+    if "\x00" in path:
+        raise InvalidURLError(f"{url!r}: NUL byte in path")
+    return os.path.normpath(path)

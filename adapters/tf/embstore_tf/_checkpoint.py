@@ -24,40 +24,43 @@ import numpy as np
 import tensorflow as tf
 
 import embstore
+from embstore import EmbeddingStore, StoreProtocol
 from embstore.errors import CorruptFileError, EmbstoreError, ReadOnlyError, SchemaMismatchError
 
 FORMAT = "embstore.rows/1"
 
-__all__ = ["FORMAT", "RowsCheckpoint", "replace_rows", "snapshot_meta", "snapshot_rows"]
+__all__ = ["FORMAT", "RowsCheckpoint", "RowsReplacement", "replace_rows", "snapshot_meta",
+           "snapshot_rows"]
 
 
-def snapshot_rows(store: Any) -> bytes:
+def snapshot_rows(store: StoreProtocol) -> bytes:
     """Every record of ``store`` in the native format."""
     buf = io.BytesIO()
     store.export(buf)
     return buf.getvalue()
 
 
-def snapshot_meta(store: Any) -> dict[str, Any]:
+def snapshot_meta(store: StoreProtocol) -> dict[str, Any]:
     """What a restore checks before it writes: format, dim, key type, step."""
     return {"format": FORMAT, "url": store.url, "dim": int(store.dim),
             "key_type": store.key_type, "step": int(store.step)}
 
 
-def _concat_keys(store: Any, parts: list[np.ndarray]) -> np.ndarray:
+def _concat_keys(store: StoreProtocol, parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
         return np.empty(0, np.int64) if store.key_type == "int64" else np.empty(0, object)
     return np.concatenate(parts)
 
 
-def _all_records(store: Any) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+def _all_records(store: EmbeddingStore) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     batches = [(np.asarray(k), np.array(r)) for k, r in store.records(65536)]
     return _concat_keys(store, [k for k, _ in batches]), batches
 
 
-def replace_rows(store: Any, rows: bytes, *, step: int | None = None, what: str = "") -> None:
+def replace_rows(store: EmbeddingStore, rows: bytes, *, step: int | None = None,
+                 what: str = "") -> None:
     """Make ``store`` hold exactly the records of the native snapshot ``rows`` and its step
-    (``step``, or the snapshot header's).
+    (``step``, or the snapshot header's): :meth:`RowsReplacement.run`.
 
     Raises
     ------
@@ -66,39 +69,66 @@ def replace_rows(store: Any, rows: bytes, *, step: int | None = None, what: str 
     ReadOnlyError
         The store is open read-only.
     """
-    what = what or f"restore into {store.url}"
-    if store.read_only:
-        raise ReadOnlyError(f"{what}: the store is open read-only; restoring rows writes it")
-    with embstore.open("memory://", dim=store.dim, key_type=store.key_type,
-                       optimizer=store.optimizer) as probe:
+    RowsReplacement(store, what or f"restore into {store.url}").run(rows, step)
+
+
+class RowsReplacement:
+    """One replacement of a store's rows by a native snapshot's, undone if it fails.
+
+    Parameters
+    ----------
+    store : embstore.EmbeddingStore
+        The store whose rows, and step, are replaced.
+    what : str
+        What is being done, for error messages (e.g. "checkpoint restore of ...").
+    """
+
+    def __init__(self, store: EmbeddingStore, what: str) -> None:
+        self.store = store
+        self.what = what
+
+    def run(self, rows: bytes, step: int | None = None) -> None:
+        """Make the store hold exactly the records of ``rows`` and ``step`` (``None``: the
+        snapshot header's); on an error the rows and step it held before are put back."""
+        store, what = self.store, self.what
+        if store.read_only:
+            raise ReadOnlyError(f"{what}: the store is open read-only; restoring rows writes it")
+        new_keys, new_batches, header_step = self._verified(rows)
+        step = header_step if step is None else step
+        old_keys, old_batches = _all_records(store)
+        old_step = int(store.step)
+        stale = old_keys[~_isin(old_keys, new_keys)]
         try:
-            probe.import_(bytes(rows), apply_deletes=True)
-        except SchemaMismatchError as e:
-            raise SchemaMismatchError(f"{what}: {e}") from e
-        except EmbstoreError as e:
-            raise CorruptFileError(f"{what}: {e}") from e
-        new_keys, new_batches = _all_records(probe)
-        if step is None:  # the native header's step (the import takes it over)
-            step = int(probe.step)
-    old_keys, old_batches = _all_records(store)
-    old_step = int(store.step)
-    stale = old_keys[~_isin(old_keys, new_keys)]
-    try:
-        if new_batches:
-            store.load_records(iter(new_batches))
-        if len(stale):
-            store.delete(stale)
-        store.step = int(step)
-        store.flush()
-    except BaseException:
-        # Put the old table back: drop rows only the snapshot had, rewrite the old records.
-        added = new_keys[~_isin(new_keys, old_keys)]
-        if len(added):
-            store.delete(added)
-        if old_batches:
-            store.load_records(iter(old_batches))
-        store.step = old_step
-        raise
+            if new_batches:
+                store.load_records(iter(new_batches))
+            if len(stale):
+                store.delete(stale)
+            store.step = int(step)
+            store.flush()
+        except BaseException:
+            # Put the old table back: drop rows only the snapshot had, rewrite the old records.
+            added = new_keys[~_isin(new_keys, old_keys)]
+            if len(added):
+                store.delete(added)
+            if old_batches:
+                store.load_records(iter(old_batches))
+            store.step = old_step
+            raise
+
+    def _verified(self, rows: bytes) -> tuple[np.ndarray, list, int]:
+        """The snapshot's keys, record batches and header step, read through a scratch
+        ``memory://`` store (a damaged or mismatched snapshot raises here, nothing written)."""
+        store = self.store
+        with embstore.open("memory://", dim=store.dim, key_type=store.key_type,
+                           optimizer=store.optimizer) as probe:
+            try:
+                probe.import_(bytes(rows), apply_deletes=True)
+            except SchemaMismatchError as e:
+                raise SchemaMismatchError(f"{self.what}: {e}") from e
+            except EmbstoreError as e:
+                raise CorruptFileError(f"{self.what}: {e}") from e
+            keys, batches = _all_records(probe)
+            return keys, batches, int(probe.step)  # the native header's (the import takes it)
 
 
 def _isin(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -108,7 +138,7 @@ def _isin(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.isin(a, b)
 
 
-def check_meta(store: Any, meta: Any, what: str) -> dict[str, Any]:
+def check_meta(store: StoreProtocol, meta: Any, what: str) -> dict[str, Any]:
     """The snapshot header, checked against ``store`` (CorruptFileError if unreadable)."""
     if isinstance(meta, (bytes, str)):
         try:

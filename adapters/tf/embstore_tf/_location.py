@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
-from embstore.backends._localdir import parse_dir_url
 from embstore.errors import CorruptFileError, EmbstoreError, InvalidInputError
-from embstore.urls import redact_url
+from embstore.urls import parse_dir_url, redact_url
 
 __all__ = ["check_store_dir", "check_store_location"]
 

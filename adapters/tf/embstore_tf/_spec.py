@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 import embstore
+from embstore import StoreProtocol
 from embstore.errors import (
     CorruptFileError,
     EmbstoreError,
@@ -46,9 +47,9 @@ class LoadRules(NamedTuple):
     #: reopen persistent stores writable
     writable: bool = False
     #: {layer name or URL: open store, or a URL the user chose to open}
-    stores: Mapping[str, Any] = MappingProxyType({})
+    stores: Mapping[str, StoreProtocol | str] = MappingProxyType({})
     #: {url: store opened by this load} (layers that shared a store share it again)
-    opened: dict[str, Any] | None = None
+    opened: dict[str, StoreProtocol] | None = None
     #: real path of the directory whose file-based stores a file may name (None: none)
     store_dir: str | None = None
 
@@ -75,14 +76,15 @@ _MAX_OPTION_INT = 1 << 31
 _RESERVED = ("dim", "key_type", "read_only", "optimizer", "initializer", "seed")
 
 
-def store_spec(store: Any) -> dict[str, Any]:
+def store_spec(store: StoreProtocol) -> dict[str, Any]:
     """What a saved layer records to reopen (or rebuild) ``store``: JSON only.
 
     Reopen options that are not plain JSON values (gRPC interceptors, credentials) are left
     out: pass the open store with ``load_model(..., stores={url: store})`` instead.
     """
     options: dict[str, Any] = {}
-    for k, v in dict(getattr(store, "_reopen_options", {}) or {}).items():
+    # what embstore.open and reopen hand the store: its backend's own reopen options
+    for k, v in dict(store.backend.reopen_options() or {}).items():
         try:
             json.dumps(v)
         except TypeError:
@@ -170,7 +172,7 @@ def _checked_spec(spec: Any, layer: str | None) -> dict[str, Any]:
             "options": _checked_options(spec, layer, persistent)}
 
 
-def open_store(spec: Any, layer_name: str | None = None) -> Any:
+def open_store(spec: Any, layer_name: str | None = None) -> StoreProtocol:
     """Open the store a saved layer names (see :func:`embstore_tf.load_model` for the rules).
 
     Raises

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from embstore import StoreProtocol
 from embstore.errors import CorruptFileError, EmbstoreError, InvalidInputError, ReadOnlyError
 from embstore.io.limits import check_inflation
 
@@ -103,7 +104,7 @@ class DynamicEmbedding(keras.layers.Layer):
 
     supports_jit = False
 
-    def __init__(self, store: Any, *, mask_zero: bool = False, padding_key: Any = None,
+    def __init__(self, store: StoreProtocol, *, mask_zero: bool = False, padding_key: Any = None,
                  trainable: bool | None = None, checkpoint_rows: bool = True,
                  **kwargs: Any) -> None:
         if trainable and store.read_only:
@@ -129,6 +130,12 @@ class DynamicEmbedding(keras.layers.Layer):
         # tf.train.Checkpoint(model=...) reaches the rows through this dependency
         self._track_rows = RowsCheckpoint(self)
         self._rows_from_file_allowed = True
+
+    def refuse_rows_from_file(self) -> None:
+        """Make loading a weights file that holds rows into this layer raise
+        ``CorruptFileError`` (a layer rebuilt from a file over a persistent store: its rows
+        are never overwritten by the file's). There is no way back: a guard, not an option."""
+        self._rows_from_file_allowed = False
 
     def build(self, input_shape: Any = None) -> None:
         """Nothing to create (the store is the table): ``build()`` needs no shape."""
@@ -199,7 +206,8 @@ class DynamicEmbedding(keras.layers.Layer):
                                    ) from e
         # rows in a file may fill only the memory:// copy a load builds, never a store
         # that lives elsewhere
-        layer._rows_from_file_allowed = not store.backend.persistent
+        if store.backend.persistent:
+            layer.refuse_rows_from_file()
         return layer
 
     def save_own_variables(self, store: Any) -> None:
@@ -240,7 +248,8 @@ class DynamicEmbedding(keras.layers.Layer):
 
 
 @contextlib.contextmanager
-def loading_stores(*, writable: bool = False, stores: Mapping[str, Any] | None = None,
+def loading_stores(*, writable: bool = False,
+                   stores: Mapping[str, StoreProtocol | str] | None = None,
                    store_dir: str | os.PathLike[str] | None = None,
                    ) -> Iterator[dict[str, Any]]:
     """Within the block, layers rebuilt from a config open their stores this way.
@@ -293,7 +302,8 @@ def _one_line(e: BaseException) -> str:
     return text[0][:600] if text else type(e).__name__
 
 
-def load_model(path: Any, *, writable: bool = False, stores: Mapping[str, Any] | None = None,
+def load_model(path: Any, *, writable: bool = False,
+               stores: Mapping[str, StoreProtocol | str] | None = None,
                store_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
     """``keras.models.load_model`` with a say over the stores of :class:`DynamicEmbedding`.
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError, KeyTypeError
 from embstore.keys import factorize_keys
 
@@ -25,7 +26,7 @@ __all__ = ["dynamic_embedding_lookup", "flat_rows", "sampled_logits", "trigger_v
 _TRIGGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def trigger_variable(store: Any) -> tf.Variable:
+def trigger_variable(store: StoreProtocol) -> tf.Variable:
     """The default trigger variable of ``store`` (one per store object).
 
     Include it among the sources of ``tape.gradient`` so the store receives its update.
@@ -38,7 +39,7 @@ def trigger_variable(store: Any) -> tf.Variable:
     return var
 
 
-def key_tensor(keys: Any, store: Any) -> tf.Tensor:
+def key_tensor(keys: Any, store: StoreProtocol) -> tf.Tensor:
     keys = tf.convert_to_tensor(keys)
     if store.key_type == "bytes":
         if keys.dtype != tf.string:
@@ -49,7 +50,7 @@ def key_tensor(keys: Any, store: Any) -> tf.Tensor:
     return tf.cast(keys, tf.int64)
 
 
-def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
+def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: StoreProtocol, trigger: Any,
                 insert: bool, trainable: bool, vectors: tf.Tensor | None = None) -> tf.Tensor:
     """Vectors of distinct keys ``uniq`` as ``(n, dim)``; the gradient goes to the store.
 
@@ -85,7 +86,7 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: Any, trigger: Any,
     return rows(tf.convert_to_tensor(trig))
 
 
-def pad_value(padding_key: Any, store: Any) -> Any:
+def pad_value(padding_key: Any, store: StoreProtocol) -> Any:
     """``padding_key`` as the numpy scalar the flat key array holds (None: no padding)."""
     if padding_key is None:
         return None
@@ -102,7 +103,7 @@ def pad_value(padding_key: Any, store: Any) -> Any:
     return np.int64(padding_key)
 
 
-def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool, padding_key: Any = None):
+def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool, padding_key: Any = None):
     """Dedupe the keys and read their rows in one ``numpy_function`` call: each such call
     costs ~0.1 ms of TF/Python hand-over, and numpy's sort-based unique is cheaper than TF's
     ``unique_with_counts`` plus the argsort that sorts its output. int64 keys come out sorted,
@@ -152,7 +153,7 @@ def _unique_lookup(flat: tf.Tensor, store: Any, insert: bool, padding_key: Any =
             tf.ensure_shape(counts, [None]), vectors)
 
 
-def flat_rows(flat: tf.Tensor, store: Any, *, trigger: Any = None, trainable: bool,
+def flat_rows(flat: tf.Tensor, store: StoreProtocol, *, trigger: Any = None, trainable: bool,
               insert: bool, padding_key: Any = None) -> tf.Tensor:
     """``(n, dim)`` float32 rows of the flat key vector ``flat`` (padding rows zero), wired
     to ``store.update`` through ``trigger``."""
@@ -177,7 +178,7 @@ def check_max_norm(max_norm: Any) -> float | None:
     return v
 
 
-def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
+def dynamic_embedding_lookup(keys: Any, store: StoreProtocol, *, trigger: Any = None,
                              trainable: bool | None = None, insert: bool = True,
                              padding_key: Any = None, max_norm: float | None = None,
                              name: str | None = None) -> tf.Tensor:
@@ -215,9 +216,10 @@ def dynamic_embedding_lookup(keys: Any, store: Any, *, trigger: Any = None,
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))
 
 
-def sampled_logits(hidden: Any, labels: Any, store: Any, num_sampled: int, sampler: Any = None,
-                   *, subtract_log_q: bool = True, unique: bool = True, trigger: Any = None,
-                   trainable: bool | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+def sampled_logits(hidden: Any, labels: Any, store: StoreProtocol, num_sampled: int,
+                   sampler: Any = None, *, subtract_log_q: bool = True, unique: bool = True,
+                   trigger: Any = None, trainable: bool | None = None,
+                   ) -> tuple[tf.Tensor, tf.Tensor]:
     """Sampled-softmax logits over the batch's labels merged with sampled negatives.
 
     Candidates are the distinct labels followed by ``num_sampled`` negatives from

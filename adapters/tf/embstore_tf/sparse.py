@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
 
 from .ops import check_max_norm, flat_rows, key_tensor
@@ -80,7 +81,7 @@ def _combine(rows: tf.Tensor, seg: tf.Tensor, w: tf.Tensor | None, n: Any,
     return tf.math.divide_no_nan(total, denom[:, None])  # an empty bag reads zeros
 
 
-def embedding_lookup_sparse(store: Any, sp_ids: Any, sp_weights: Any = None,
+def embedding_lookup_sparse(store: StoreProtocol, sp_ids: Any, sp_weights: Any = None,
                             combiner: str = "mean", *, max_norm: float | None = None,
                             trigger: Any = None, trainable: bool | None = None,
                             insert: bool = True, name: str | None = None) -> tf.Tensor:
@@ -115,7 +116,7 @@ def embedding_lookup_sparse(store: Any, sp_ids: Any, sp_weights: Any = None,
         return _combine(rows, seg, w, n, combiner)
 
 
-def safe_embedding_lookup_sparse(store: Any, sparse_ids: Any, sparse_weights: Any = None,
+def safe_embedding_lookup_sparse(store: StoreProtocol, sparse_ids: Any, sparse_weights: Any = None,
                                  combiner: str = "mean", default_id: Any = None, *,
                                  max_norm: float | None = None, trigger: Any = None,
                                  trainable: bool | None = None, insert: bool = True,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from embstore import StoreProtocol
 from embstore.errors import ReadOnlyError
 
 from ._keys import KeyBatch, per_key_sum
@@ -27,7 +28,7 @@ class Sink:
 
     __slots__ = ("store", "keys", "counts", "applied", "skip", "freq")
 
-    def __init__(self, store: Any, keys: Any, counts: np.ndarray | None,
+    def __init__(self, store: StoreProtocol, keys: Any, counts: np.ndarray | None,
                  skip: int | None = None, freq: np.ndarray | None = None) -> None:
         self.store, self.keys, self.counts, self.applied = store, keys, counts, 0
         self.skip = skip  # row of the padding key: its gradient is dropped

@@ -40,7 +40,7 @@ FORMAT = "embstore.rows/1"
 INLINE_BYTES = 64 << 20
 
 
-def _inline(store: Any, rows: bool | int) -> bool:
+def _inline(store: StoreProtocol, rows: bool | int) -> bool:
     """Whether ``store``'s rows go into the snapshot. ``rows``: the module's
     ``checkpoint_rows`` (True: memory stores always, persistent ones up to INLINE_BYTES;
     False: never; an int: up to that many bytes of records)."""
@@ -53,7 +53,7 @@ def _inline(store: Any, rows: bool | int) -> bool:
     return _rows_at_most(store, limit // int(store.layout.itemsize))
 
 
-def _rows_at_most(store: Any, most: int) -> bool:
+def _rows_at_most(store: StoreProtocol, most: int) -> bool:
     """``len(store) <= most``, reading at most ``most`` rows where counting means a scan
     (RocksDB, Bigtable): a large table is told apart without reading all of it."""
     backend = getattr(store, "backend", None)
@@ -67,7 +67,7 @@ def _rows_at_most(store: Any, most: int) -> bool:
     return True
 
 
-def store_state(store: Any, rows: bool | int = True) -> dict[str, Any]:
+def store_state(store: StoreProtocol, rows: bool | int = True) -> dict[str, Any]:
     """A snapshot of every record of ``store`` and its step, as plain Python values; or a
     reference to the store's flushed version (``"rows"`` None, ``"version"`` set) when the
     rows are not carried (see :func:`_inline`)."""

@@ -2,7 +2,7 @@
 
 Eagerly the modules use their ``torch.autograd.Function`` bridges (no dispatcher overhead).
 While Dynamo traces, ``DynamicEmbedding`` and ``DynamicEmbeddingBag`` over an int64 store with
-an integer tensor input call :func:`lookup` / :func:`bag` instead:
+an integer tensor input call :func:`lookup` (pooled by :func:`bag`) instead:
 
 - ``embstore::lookup(ids, trigger, handle, dim, insert)`` returns the ``(*ids.shape, dim)``
   vectors; its fake kernel gives the shape without touching the store.
@@ -11,35 +11,46 @@ an integer tensor input call :func:`lookup` / :func:`bag` instead:
   bit-identical to the eager bridge's) and hands them to ``store.update``.
 
 The store is a Python object, so the ops receive an integer *handle* naming the module
-(:func:`register`); the module's zero-size ``_trigger`` buffer, which requires grad, is the
+(:func:`register`), and call its public entry points ``lookup_rows`` / ``apply_gradient``; the
+module's zero-size ``_trigger`` buffer, which requires grad, is the
 graph input the backward hangs on: the update op's result is that input's gradient, a graph
 output, so no compiler drops the side-effecting op as dead code.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._keys import per_key_sum, prepare
+from ._keys import KeyBatch, prepare
 
 _MODULES: dict[int, weakref.ref] = {}
 _HANDLES = itertools.count(1)
+# A forward's ids and their grouping (a sort), kept by handle for its backward: the backward
+# gets the same ids again and checks them by equality, so a call between forward and backward
+# only costs a regrouping.
+_GROUPINGS: dict[int, tuple[torch.Tensor, KeyBatch]] = {}
+
+
+def _forget(handle: int) -> None:
+    _MODULES.pop(handle, None)
+    _GROUPINGS.pop(handle, None)
 
 
 def register(module: Any) -> int:
     """A fresh handle naming ``module`` in the ops (one per module object, copies included)."""
     handle = next(_HANDLES)
-    _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None))
+    _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _forget(h))
     return handle
 
 
-def _module(handle: int) -> Any:
+def module_of(handle: int) -> Any:
+    """The module a handle names (``RuntimeError`` once it no longer exists)."""
     ref = _MODULES.get(handle)
     module = ref() if ref is not None else None
     if module is None:  # pragma: no cover - a compiled graph outliving its module
@@ -50,14 +61,12 @@ def _module(handle: int) -> Any:
 @torch.library.custom_op("embstore::lookup", mutates_args=())
 def _lookup_op(ids: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,
                insert: bool) -> torch.Tensor:
-    module = _module(handle)
+    module = module_of(handle)
     batch = prepare(ids)
-    # The backward gets the same ids again: keep their grouping (a sort) for it, checked by
-    # equality there, so a call between forward and backward only costs a regrouping.
-    module._compiled_batch = (ids.detach().reshape(-1).clone(), batch)
+    _GROUPINGS[handle] = (ids.detach().reshape(-1).clone(), batch)
     if len(batch.uniq) == 0:
         return torch.zeros(*ids.shape, dim, device=ids.device)
-    vectors, _, _ = module._vectors(batch, insert)
+    vectors = module.lookup_rows(batch, insert)
     return F.embedding(batch.inv, torch.from_numpy(vectors)).to(ids.device)
 
 
@@ -68,19 +77,15 @@ def _(ids, trigger, handle, dim, insert):
 
 @torch.library.custom_op("embstore::update", mutates_args=())
 def _update_op(ids: torch.Tensor, grad: torch.Tensor, handle: int) -> torch.Tensor:
-    module = _module(handle)
-    batch = _grouped(module, ids)
+    module = module_of(handle)
+    batch = _grouped(handle, ids)
     if len(batch.uniq):
-        pad = module._pad_row(batch.uniq)  # int64 keys only on this path
-        keys = batch.uniq if pad is None else np.delete(batch.uniq, pad)
-        g = grad.to("cpu", torch.float32).reshape(-1, grad.shape[-1])
-        order, starts, _ = batch.group()
-        module._sink(batch, keys, pad).apply(per_key_sum(g, order, starts))
+        module.apply_gradient(batch, grad.to("cpu", torch.float32).reshape(-1, grad.shape[-1]))
     return grad.new_zeros(0)
 
 
-def _grouped(module: Any, ids: torch.Tensor) -> Any:
-    cached = module.__dict__.pop("_compiled_batch", None)
+def _grouped(handle: int, ids: torch.Tensor) -> KeyBatch:
+    cached = _GROUPINGS.pop(handle, None)
     flat = ids.detach().reshape(-1)
     if (cached is not None and cached[0].dtype == flat.dtype and cached[0].shape == flat.shape
             and torch.equal(cached[0], flat.to(cached[0].device))):
@@ -93,31 +98,39 @@ def _(ids, grad, handle):
     return grad.new_empty(0)
 
 
-def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ids, _, handle, _, _ = inputs
-    ctx.save_for_backward(ids)
-    ctx.handle = handle
+class _LookupGrad:
+    """The lookup op's autograd formula, as the bridges' ``autograd.Function`` classes keep
+    theirs: ``setup`` keeps the ids and handle in ``ctx``, ``backward`` hands the gradient to
+    ``embstore::update``."""
+
+    @staticmethod
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ids, _, handle, _, _ = inputs
+        ctx.save_for_backward(ids)
+        ctx.handle = handle
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (ids,) = ctx.saved_tensors
+        return None, _update_op(ids, grad, ctx.handle), None, None, None
 
 
-def _backward(ctx: Any, grad: torch.Tensor):
-    (ids,) = ctx.saved_tensors
-    return None, _update_op(ids, grad, ctx.handle), None, None, None
-
-
-_lookup_op.register_autograd(_backward, setup_context=_setup)
+_lookup_op.register_autograd(_LookupGrad.backward, setup_context=_LookupGrad.setup)
 
 
 _GRAPH_BREAKS: dict[Any, Any] = {}
 
 
-def graph_break(fn: Any) -> Any:
-    """``torch.compiler.disable(fn)``, made on first use: called while Dynamo traces, so
-    ``import embstore_torch`` never imports ``torch._dynamo`` (it doubles ``import torch``).
-    The first trace breaks once more on the ``disable`` call itself; later ones find it here."""
+def graph_break(method: Any) -> Any:
+    """The bound ``method`` as ``torch.compiler.disable`` of its function, made on first use:
+    called while Dynamo traces, so ``import embstore_torch`` never imports ``torch._dynamo``
+    (it doubles ``import torch``). The first trace breaks once more on the ``disable`` call
+    itself; later ones find it here (cached per function, so no module is kept alive)."""
+    fn = method.__func__
     disabled = _GRAPH_BREAKS.get(fn)
     if disabled is None:
         disabled = _GRAPH_BREAKS[fn] = torch.compiler.disable(fn)
-    return disabled
+    return functools.partial(disabled, method.__self__)
 
 
 def traceable(module: Any, input: Any) -> bool:
@@ -127,23 +140,24 @@ def traceable(module: Any, input: Any) -> bool:
             and input.dtype != torch.bool)
 
 
-def lookup(module: Any, input: torch.Tensor) -> torch.Tensor:
-    """``module(input)`` as the custom op (see the module docstring)."""
-    trigger = module._trigger if module.trainable else module._trigger.detach()
-    return _lookup_op(input, trigger, module._handle, module.embedding_dim, module._writes())
+def lookup(input: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,
+           insert: bool) -> torch.Tensor:
+    """The rows of ``input`` through the custom op (see the module docstring): ``handle``
+    names the module, ``trigger`` is its grad-requiring buffer (detached: frozen)."""
+    return _lookup_op(input, trigger, handle, dim, insert)
 
 
-def bag(module: Any, input: torch.Tensor, offsets: Any,
-        per_sample_weights: torch.Tensor | None) -> torch.Tensor:
-    """``DynamicEmbeddingBag(input, offsets, per_sample_weights)`` through the custom op: the
-    vectors of every element, pooled by position with the same ``embedding_bag`` kernel as the
-    eager bridge (its backward hands the op per-element rows, summed per key as eagerly)."""
-    rows = lookup(module, input.reshape(-1))
-    if input.dim() == 2 and module.mode in ("sum", "mean") and per_sample_weights is None:
+def bag(rows: torch.Tensor, input: torch.Tensor, offsets: Any,
+        per_sample_weights: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """``DynamicEmbeddingBag(input, offsets, per_sample_weights)`` from ``rows``, the custom
+    op's vectors of every element of ``input`` (flattened): pooled by position with the same
+    ``embedding_bag`` kernel as the eager bridge (its backward hands the op per-element rows,
+    summed per key as eagerly)."""
+    if input.dim() == 2 and mode in ("sum", "mean") and per_sample_weights is None:
         pooled = rows.reshape(*input.shape, -1)
-        return pooled.sum(1) if module.mode == "sum" else pooled.mean(1)
+        return pooled.sum(1) if mode == "sum" else pooled.mean(1)
     positions = torch.arange(rows.shape[0]).reshape(input.shape)
     psw = (None if per_sample_weights is None
            else per_sample_weights.reshape(-1).to("cpu", torch.float32))
     offs = None if offsets is None else torch.as_tensor(offsets).to("cpu", torch.long)
-    return F.embedding_bag(positions, rows, offs, mode=module.mode, per_sample_weights=psw)
+    return F.embedding_bag(positions, rows, offs, mode=mode, per_sample_weights=psw)

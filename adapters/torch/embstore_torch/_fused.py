@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embstore import StoreProtocol
 from embstore.errors import ReadOnlyError
 
 from . import _compiled
@@ -47,7 +48,7 @@ def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) 
     return psw is None or (not psw.requires_grad and mode == "sum")
 
 
-def store_pools(store: Any) -> bool:
+def store_pools(store: StoreProtocol) -> bool:
     """Whether ``store`` offers the fused bag path now (``EmbeddingStore.fused_bags``)."""
     fused = getattr(store, "fused_bags", None)
     return fused is not None and bool(fused())
@@ -61,11 +62,11 @@ def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: to
     weights = _NONE if psw is None else psw.detach().reshape(-1).to(torch.float32)
     if custom_op:
         return _bag_op(input, offs, weights, trigger, handle, mean, dim)
-    module = _compiled._module(handle)
+    module = _compiled.module_of(handle)
     return FusedBag.apply(trigger, input, offs, weights, mean, module.store, module.count)
 
 
-def _pool(store: Any, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
           mean: bool) -> tuple[torch.Tensor, Any]:
     got = store.pool_bags(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
                           weights=weights.numpy() if weights.numel() else None, mean=mean)
@@ -74,7 +75,7 @@ def _pool(store: Any, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.T
     return torch.from_numpy(got[0]), got[1]
 
 
-def _update(store: Any, batch: Any, count: bool, grad: torch.Tensor) -> None:
+def _update(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:
     if store.read_only:
         raise ReadOnlyError(f"{store.url} is open read-only, so this backward cannot update it")
     counts = None if count else np.zeros(len(batch.uniq), dtype=np.int64)
@@ -90,7 +91,7 @@ class FusedBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                weights: torch.Tensor, mean: bool, store: Any, count: bool):
+                weights: torch.Tensor, mean: bool, store: StoreProtocol, count: bool):
         pooled, ctx.batch = _pool(store, ids, offsets, weights, mean)
         ctx.store, ctx.count = store, count
         return pooled
@@ -108,7 +109,7 @@ _PENDING: dict[int, Any] = {}
 @torch.library.custom_op("embstore::fused_bag", mutates_args=())
 def _bag_op(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
             trigger: torch.Tensor, handle: int, mean: bool, dim: int) -> torch.Tensor:
-    pooled, _PENDING[handle] = _pool(_compiled._module(handle).store, ids, offsets, weights,
+    pooled, _PENDING[handle] = _pool(_compiled.module_of(handle).store, ids, offsets, weights,
                                      mean)
     return pooled
 
@@ -126,7 +127,7 @@ class _FusedBagGrad:
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         # the graph keeps the store, not the module: a module made for one call may be gone
         # by the backward (as the unfused path's Sink keeps only the store)
-        module = _compiled._module(inputs[4])
+        module = _compiled.module_of(inputs[4])
         ctx.store, ctx.count = module.store, module.count
         ctx.batch = _PENDING.pop(inputs[4])
 

@@ -7,12 +7,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
 
 from . import _compiled, _fused
 from ._bridges import StoreBag, StoreRows
 from ._keys import prepare_bags
-from .modules import StoreModule, empty_output, padding_key_of, store_is_collective
+from .modules import StoreModule, padding_key_of, store_is_collective
 
 __all__ = ["DynamicEmbeddingBag"]
 
@@ -54,7 +55,7 @@ class DynamicEmbeddingBag(StoreModule):
     #: ``autograd.Function`` (same store calls, same bits; the op costs more to dispatch).
     fused_custom_op: bool = False
 
-    def __init__(self, store: Any, mode: str = "mean", *, trainable: bool | None = None,
+    def __init__(self, store: StoreProtocol, mode: str = "mean", *, trainable: bool | None = None,
                  count: bool = True, padding_key: Any = None, padding_idx: Any = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False, include_last_offset: bool = False) -> None:
@@ -79,10 +80,11 @@ class DynamicEmbeddingBag(StoreModule):
                     and (input.dim(), offsets is None) in ((2, True), (1, False))
                     and (per_sample_weights is None or self.mode == "sum")):
                 self._check_weights(input, offsets, per_sample_weights)
-                return self._output(_compiled.bag(self, input, offsets, per_sample_weights))
+                rows = self._compiled_rows(input.reshape(-1))
+                return self._output(_compiled.bag(rows, input, offsets, per_sample_weights,
+                                                  self.mode))
             # inputs the custom op path does not take: a graph break
-            return _compiled.graph_break(DynamicEmbeddingBag._forward)(
-                self, input, offsets, per_sample_weights)
+            return _compiled.graph_break(self._forward)(input, offsets, per_sample_weights)
         return self._forward(input, offsets, per_sample_weights)
 
     def _fused_usable(self, input: Any, offsets: Any, psw: torch.Tensor | None) -> bool:
@@ -137,7 +139,7 @@ class DynamicEmbeddingBag(StoreModule):
         batch, offs, size, psw = self._drop_padding(batch, offs, size, psw)
         inv = batch.inv
         if len(batch.uniq) == 0 and not store_is_collective(self.store):
-            return empty_output((len(offs), self.embedding_dim), self)
+            return self._empty_output((len(offs), self.embedding_dim))
         vectors, sink = self._lookup(batch)
         if sink is None:
             out = F.embedding_bag(inv, torch.from_numpy(vectors), offs, mode=self.mode,

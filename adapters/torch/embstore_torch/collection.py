@@ -23,7 +23,7 @@ from embstore.errors import InvalidInputError
 from embstore.keys import normalize_keys
 
 from . import _compiled
-from ._bridges import StoreBag, StoreGather, StoreRows
+from ._bridges import Sink, StoreBag, StoreGather, StoreRows
 from ._keys import KeyBatch, factorize, int_batch
 from .jagged import PooledFeatures, as_keyed_jagged
 from .modules import StoreModule, padding_key_of
@@ -42,10 +42,27 @@ class _Table(StoreModule):
         super().__init__(store, trainable, count, padding_key)
 
     def rows(self, batch: KeyBatch) -> torch.Tensor:
+        """The rows of ``batch.uniq``, wired to the store's update where trainable."""
         vectors, sink = self._lookup(batch)
         if sink is None:
             return torch.from_numpy(vectors)
         return StoreRows.apply(torch.empty(0, requires_grad=True), vectors, sink)
+
+    def vectors(self, batch: KeyBatch) -> tuple[np.ndarray, Sink | None]:
+        """The vectors of ``batch.uniq`` and the sink of their gradient (None: frozen)."""
+        return self._lookup(batch)
+
+    def drop_padding(self, batch: KeyBatch, offs: torch.Tensor,
+                     psw: torch.Tensor | None) -> tuple[KeyBatch, torch.Tensor,
+                                                        torch.Tensor | None]:
+        """The bags without their padding elements (``StoreModule._drop_padding``)."""
+        batch, offs, _, psw = self._drop_padding(batch, offs, 0, psw)
+        return batch, offs, psw
+
+    def placed(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` in this table's device and dtype (the collection's output follows its
+        first table's)."""
+        return self._output(out)
 
 
 class DynamicEmbeddingBagCollection(nn.Module):
@@ -84,7 +101,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
     a 2-D tensor (fixed-size bags), a 1-D tensor or flat list (one id per sample).
     """
 
-    def __init__(self, tables: Mapping[str, Any], features: Mapping[str, str] | None = None,
+    def __init__(self, tables: Mapping[str, StoreProtocol],
+                 features: Mapping[str, str] | None = None,
                  pooling: str | Mapping[str, str] = "sum", *, trainable: bool | None = None,
                  count: bool = True, padding_key: Any = None,
                  namespaces: Mapping[str, Any] | bool | None = None) -> None:
@@ -124,7 +142,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: Any) -> PooledFeatures:
         if torch.compiler.is_compiling():  # the store calls: a graph break, the model compiles
-            return _compiled.graph_break(DynamicEmbeddingBagCollection._forward)(self, features)
+            return _compiled.graph_break(self._forward)(features)
         return self._forward(features)
 
     def _forward(self, features: Any) -> PooledFeatures:
@@ -159,7 +177,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if (not out.requires_grad and torch.is_grad_enabled()
                 and any(t.trainable for t in self.embedding_bags.values())):
             out.requires_grad_(True)  # a batch without ids: backward runs, writes nothing
-        return PooledFeatures(order, [pooled[f].shape[1] for f in order], first._output(out))
+        return PooledFeatures(order, [pooled[f].shape[1] for f in order], first.placed(out))
 
     def _pool_table(self, table: _Table, feats: list[str], values: Any, lengths: np.ndarray,
                     bounds: np.ndarray, where: dict[str, int], stride: int,
@@ -174,13 +192,13 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if weights is not None:
             w = torch.as_tensor(weights, dtype=torch.float32).reshape(-1).cpu()
             psw = torch.cat([w[a:b] for a, b in spans])
-        batch, offs, _, psw = table._drop_padding(batch, offs, 0, psw)
+        batch, offs, psw = table.drop_padding(batch, offs, psw)
         modes = {self.pooling[f] for f in feats}
         mode = modes.pop() if len(modes) == 1 else None
         if mode in ("sum", "mean") and len(batch.uniq):
             # One fused pooling + per-key gradient sum over every feature's bags (the
             # grouping of the dedupe reused), as DynamicEmbeddingBag does.
-            vectors, sink = table._lookup(batch)
+            vectors, sink = table.vectors(batch)
             # single-id bags (a gather) only when every bag holds exactly one id: as many ids
             # as bags is not enough ([[0, 1], [], [2]] has three of each)
             single = len(offs) == len(batch.inv) and bool(
@@ -273,7 +291,7 @@ def _objects(values: Any) -> np.ndarray:
 
 
 def _namespaces(spec: Any, features: Mapping[str, str],
-                tables: Mapping[str, Any]) -> dict[str, Any]:
+                tables: Mapping[str, StoreProtocol]) -> dict[str, Any]:
     """Validated ``{feature: namespace}``: bytes for bytes tables, an int for int64 ones."""
     if spec is None or spec is False:
         return {}

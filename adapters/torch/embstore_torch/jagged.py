@@ -134,6 +134,10 @@ class KeyedJagged:
     def lengths(self) -> torch.Tensor:
         return torch.from_numpy(self._lengths)
 
+    def lengths_array(self) -> np.ndarray:
+        """The bag lengths as the int64 array held (no copy: do not modify)."""
+        return self._lengths
+
     def offsets(self) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(([0], np.cumsum(self._lengths))))
 
@@ -168,7 +172,7 @@ def as_keyed_jagged(input: Any) -> tuple[list[str], Any, np.ndarray, int, Any]:
     keys = list(input.keys())
     values = input.values()
     if isinstance(input, KeyedJagged):
-        lengths = input._lengths
+        lengths = input.lengths_array()
     elif hasattr(input, "lengths") and input.lengths() is not None:
         lengths = _int_array(input.lengths(), "lengths")
     else:

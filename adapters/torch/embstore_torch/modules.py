@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
 from embstore.keys import normalize_keys
 
 from . import _compiled
 from ._bridges import Sink, StoreGather, StoreRows
 from ._checkpoint import restore_store, store_state
-from ._keys import KeyBatch, factorize, int_batch, prepare
+from ._keys import KeyBatch, factorize, int_batch, per_key_sum, prepare
 from .distributed.checkpoint import restore_shard, shard_state
 
 __all__ = ["DynamicEmbedding", "TracingUnsupportedError", "store_rows"]
@@ -55,14 +56,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _supports_counts(store: Any, method: str = "update") -> bool:
+def _supports_counts(store: StoreProtocol, method: str = "update") -> bool:
     try:
         return "counts" in inspect.signature(getattr(store, method)).parameters
     except (TypeError, ValueError, AttributeError):  # pragma: no cover - exotic store objects
         return False
 
 
-def _process_copy(store: Any) -> Any:
+def _process_copy(store: StoreProtocol) -> StoreProtocol:
     """The store a module uses in a forked child (a DataLoader worker started by fork): the
     inherited handle is the parent's writer, so reopen it as an unpickled copy is reopened,
     read-only (see ``embstore.writable_unpickling``). A store that refuses to pickle
@@ -74,7 +75,7 @@ def _process_copy(store: Any) -> Any:
     return pickle.loads(blob)
 
 
-def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = True,
+def store_rows(store: StoreProtocol, keys: Any, *, insert: bool = True, trainable: bool = True,
                counts: np.ndarray | None = None) -> torch.Tensor:
     """Vectors of distinct ``keys`` as a ``(n, dim)`` float32 tensor wired to ``store.update``.
 
@@ -104,13 +105,13 @@ def store_rows(store: Any, keys: Any, *, insert: bool = True, trainable: bool = 
     return StoreRows.apply(trigger, vectors, Sink(store, keys, counts))
 
 
-def store_is_collective(store: Any) -> bool:
+def store_is_collective(store: StoreProtocol) -> bool:
     """Whether every rank must call ``store`` in step (``embstore_torch.distributed.store``): an
     empty batch then still looks up, and its backward still updates, with no keys."""
     return bool(getattr(store, "collective", False))
 
 
-def padding_key_of(store: Any, padding_key: Any, padding_idx: Any) -> Any:
+def padding_key_of(store: StoreProtocol, padding_key: Any, padding_idx: Any) -> Any:
     """The padding key in the store's key form (int, or bytes), or None."""
     if padding_idx is not None:
         if padding_key is not None:
@@ -126,7 +127,7 @@ class StoreModule(nn.Module):
     #: store (url, dim, key type, step) for tables too large to snapshot per checkpoint.
     checkpoint_rows: bool = True
 
-    def __init__(self, store: Any, trainable: bool | None, count: bool = True,
+    def __init__(self, store: StoreProtocol, trainable: bool | None, count: bool = True,
                  padding_key: Any = None, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> None:
         super().__init__()
@@ -155,7 +156,9 @@ class StoreModule(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_compiled_batch", None)  # a forward's grouping kept for its backward
+        # a forward's grouping kept for its backward, by modules pickled before the compiled
+        # ops kept it themselves
+        state.pop("_compiled_batch", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -178,9 +181,8 @@ class StoreModule(nn.Module):
         memo[id(self)] = new
         state = self.__getstate__()
         state.pop("_handle", None)
-        for name, value in state.items():
-            new.__dict__[name] = copy.deepcopy(value, memo)
-        new._handle = _compiled.register(new)
+        new.__dict__.update({name: copy.deepcopy(value, memo) for name, value in state.items()},
+                            _handle=_compiled.register(new))
         return new
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
@@ -201,12 +203,43 @@ class StoreModule(nn.Module):
         """The float32 rows in the module's device and dtype (autograd casts gradients back)."""
         return out.to(self._anchor.device, self._anchor.dtype)
 
-    def _store_here(self) -> Any:
+    def _store_here(self) -> StoreProtocol:
         """``self.store``, reopened read-only first where this is a forked child."""
         if self._forks != _FORKS[0]:
             self._forks = _FORKS[0]
             self.store = _process_copy(self.store)
         return self.store
+
+    def _compiled_rows(self, input: torch.Tensor) -> torch.Tensor:
+        """The rows of ``input`` through the ``embstore::lookup`` custom op (``_compiled.py``):
+        its backward reaches this module's :meth:`apply_gradient` by the module's handle."""
+        trigger = self._trigger if self.trainable else self._trigger.detach()
+        return _compiled.lookup(input, trigger, self._handle, self.embedding_dim, self._writes())
+
+    def lookup_rows(self, batch: KeyBatch, insert: bool) -> np.ndarray:
+        """The vectors of ``batch.uniq`` (the padding key's row included), inserting unknown
+        keys where ``insert``: the forward of the ``embstore::lookup`` custom op."""
+        return self._vectors(batch, insert)[0]
+
+    def apply_gradient(self, batch: KeyBatch, grad: torch.Tensor) -> None:
+        """Hand ``grad``, float32 ``(n, dim)`` rows aligned with ``batch``'s flattened input,
+        to the store, summed per key (the padding key's dropped): the backward of the
+        ``embstore::lookup`` custom op."""
+        pad = self._pad_row(batch.uniq)
+        keys = batch.uniq
+        if pad is not None:
+            keys = (np.delete(keys, pad) if isinstance(keys, np.ndarray)
+                    else keys[:pad] + keys[pad + 1:])
+        order, starts, _ = batch.group()
+        self._sink(batch, keys, pad).apply(per_key_sum(grad, order, starts))
+
+    def _empty_output(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The output of an empty batch: zeros in the module's dtype and device, requiring
+        grad where a trainable module's would, so ``loss.backward()`` runs (and writes
+        nothing)."""
+        grad = self.trainable and torch.is_grad_enabled()
+        return torch.zeros(shape, device=self._anchor.device, dtype=self._anchor.dtype,
+                           requires_grad=grad)
 
     def _writes(self) -> bool:
         """Whether this forward may write: a training step that a backward can follow."""
@@ -262,7 +295,7 @@ class StoreModule(nn.Module):
             vectors = np.insert(vectors, pad, self._pad_vector(store), axis=0)
         return vectors, keys, pad
 
-    def _pad_vector(self, store: Any) -> np.ndarray:
+    def _pad_vector(self, store: StoreProtocol) -> np.ndarray:
         """What the store holds for the padding key, zeros where it holds nothing."""
         if bool(store.contains([self.padding_key])[0]):
             return store.lookup([self.padding_key], insert=False)[0]
@@ -340,14 +373,6 @@ class StoreModule(nn.Module):
                 f"trainable={self.trainable}{pad}")
 
 
-def empty_output(shape: tuple[int, ...], module: StoreModule) -> torch.Tensor:
-    """The output of an empty batch: zeros in the module's dtype and device, requiring grad
-    where a trainable module's would, so ``loss.backward()`` runs (and writes nothing)."""
-    grad = module.trainable and torch.is_grad_enabled()
-    return torch.zeros(shape, device=module._anchor.device, dtype=module._anchor.dtype,
-                       requires_grad=grad)
-
-
 class DynamicEmbedding(StoreModule):
     """An embedding layer over an :class:`embstore.EmbeddingStore`: no vocabulary, no size.
 
@@ -401,7 +426,7 @@ class DynamicEmbedding(StoreModule):
       ``torch.jit.trace`` raises :class:`TracingUnsupportedError`.
     """
 
-    def __init__(self, store: Any, *, trainable: bool | None = None, count: bool = True,
+    def __init__(self, store: StoreProtocol, *, trainable: bool | None = None, count: bool = True,
                  padding_key: Any = None, padding_idx: Any = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
                  scale_grad_by_freq: bool = False) -> None:
@@ -411,15 +436,15 @@ class DynamicEmbedding(StoreModule):
     def forward(self, input: Any) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if _compiled.traceable(self, input) and self.max_norm is None:
-                return self._output(_compiled.lookup(self, input))
+                return self._output(self._compiled_rows(input))
             # inputs the custom op cannot take (strings): a graph break
-            return _compiled.graph_break(DynamicEmbedding._forward)(self, input)
+            return _compiled.graph_break(self._forward)(input)
         return self._forward(input)
 
     def _forward(self, input: Any) -> torch.Tensor:
         batch = prepare(input)
         if len(batch.uniq) == 0 and not store_is_collective(self.store):
-            return empty_output((*batch.shape, self.embedding_dim), self)
+            return self._empty_output((*batch.shape, self.embedding_dim))
         vectors, sink = self._lookup(batch)
         if sink is None:
             out = F.embedding(batch.inv, torch.from_numpy(vectors))

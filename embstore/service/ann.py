@@ -62,7 +62,12 @@ class AnnIndex:
         self._index: Any = None
         self._labels = store.normalize_keys([])     # label -> key of the built index
         self._fresh: set[Any] = set()               # written since the build's snapshot
-        self._fresh_arr: np.ndarray | None = None   # the same as an array, made on demand
+        self._fresh_arr: np.ndarray | None = None   # the same, sorted, made on demand
+        # the fresh keys that exist and their current vectors, kept between queries: a query
+        # re-reads only the keys written since the last one (``_stale``)
+        self._seg_keys: np.ndarray | None = None
+        self._seg_vecs = np.zeros((0, store.dim), np.float32)
+        self._stale: set[Any] = set()
         self._since_snapshot: set[Any] | None = None  # collected while a rebuild runs
         self._building: threading.Thread | None = None
         self.builds = 0
@@ -73,6 +78,7 @@ class AnnIndex:
         ks = keys.tolist()
         with self._lock:
             self._fresh.update(ks)
+            self._stale.update(ks)
             self._fresh_arr = None
             if self._since_snapshot is not None:
                 self._since_snapshot.update(ks)
@@ -92,6 +98,7 @@ class AnnIndex:
     def on_bulk_load(self) -> None:
         with self._lock:
             self._index = None    # rows changed around the engine: rebuild on next query
+            self._seg_keys = None
 
     def stats(self) -> dict[str, Any]:
         return {"ann_builds": self.builds, "ann_fresh_keys": len(self._fresh),
@@ -124,6 +131,7 @@ class AnnIndex:
             self._index, self._labels = index, keys
             self._fresh = self._since_snapshot or set()
             self._fresh_arr = None
+            self._seg_keys = None         # another fresh set: the segment is read anew
             self._since_snapshot = None
             self.builds += 1
 
@@ -139,10 +147,37 @@ class AnnIndex:
 
     # -- querying ----------------------------------------------------------------------------
     def _fresh_keys(self) -> np.ndarray:
+        """Every fresh key, sorted (deleted ones too: their graph entries must drop out)."""
         with self._lock:
             if self._fresh_arr is None:
-                self._fresh_arr = self.store.normalize_keys(list(self._fresh))
+                self._fresh_arr = np.sort(self.store.normalize_keys(list(self._fresh)))
             return self._fresh_arr
+
+    def _segment(self, fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, vectors)`` of the fresh keys that exist, sorted by key: the kept segment
+        with the keys written since the last query read again (the caller holds the guard,
+        so no write runs meanwhile)."""
+        with self._lock:
+            old_keys, old_vecs, stale = self._seg_keys, self._seg_vecs, self._stale
+            self._stale = set()
+        s = self.store
+        held = np.zeros(len(fresh), bool)
+        at = np.zeros(len(fresh), np.int64)
+        if old_keys is not None and len(old_keys) and len(fresh):
+            at = np.minimum(np.searchsorted(old_keys, fresh), len(old_keys) - 1)
+            held = old_keys[at] == fresh
+            if stale:
+                held &= ~keys_in(fresh, s.normalize_keys(list(stale)))
+        todo = fresh[~held]
+        todo = todo[s.contains(todo)] if len(todo) else todo
+        keys = np.concatenate((fresh[held], todo))
+        vecs = np.concatenate((old_vecs[at[held]], s.lookup(todo, insert=False) if len(todo)
+                               else np.zeros((0, s.dim), np.float32)))
+        order = np.argsort(keys, kind="stable")
+        keys, vecs = keys[order], np.ascontiguousarray(vecs[order], np.float32)
+        with self._lock:
+            self._seg_keys, self._seg_vecs = keys, vecs
+        return keys, vecs
 
     def top_k(self, q: np.ndarray, k: int, exclude: list[np.ndarray] | None = None
               ) -> TopKResult:
@@ -155,6 +190,7 @@ class AnnIndex:
             stale = len(fresh) > self.rebuild_at * max(len(labels), 1)
         if stale:
             self.rebuild(wait=False)
+        seg_keys, seg_vecs = self._segment(fresh)
         s = self.store
         nq = len(q)
         want = min(len(labels), k * self.oversample)
@@ -162,38 +198,54 @@ class AnnIndex:
                  else np.zeros((nq, 0), np.int64))
         ok = (found >= 0) & (found < len(labels))
         cand = labels[np.where(ok, found, 0)]
-        if len(fresh):  # a fresh key's graph vector is stale: it is scored below instead
-            ok &= ~keys_in(cand, fresh)
-        # every candidate's current vector, read once per call (deleted ones drop out)
+        if len(fresh):  # a fresh key's graph vector is stale: it is scored from the segment
+            at = np.minimum(np.searchsorted(fresh, cand), len(fresh) - 1)
+            ok &= fresh[at] != cand
+        # the candidates' current vectors, read once per call (deleted ones drop out)
         uniq = np.unique(cand[ok]) if cand.dtype != object else np.array(
-            list(dict.fromkeys(cand[ok].tolist())), dtype=object)
-        pool = np.concatenate((uniq, fresh)) if len(fresh) else uniq
-        live = s.contains(pool)
-        pool = pool[live]
-        vecs = s.lookup(pool, insert=False)
-        pos = {key: i for i, key in enumerate(pool.tolist())}
-        n_fresh_live = int(np.count_nonzero(live[len(uniq):]))
-        fresh_idx = np.arange(len(pool) - n_fresh_live, len(pool))
-        scores_all = q @ vecs.T if len(pool) else np.zeros((nq, 0), np.float32)
+            sorted(set(cand[ok].tolist())), dtype=object)
+        uniq = uniq[s.contains(uniq)] if len(uniq) else uniq
+        vecs = s.lookup(uniq, insert=False) if len(uniq) else np.zeros((0, s.dim), np.float32)
+        # (rows, dim) @ (dim, queries): BLAS runs q @ vecs.T for one query ~5x slower
+        c_scores = (vecs @ q.T).T
+        f_scores = (seg_vecs @ q.T).T
+        rows = [self._best(k, cand[i][ok[i]], uniq, c_scores[i], seg_keys, f_scores[i],
+                           None if exclude is None else exclude[i]) for i in range(nq)]
         key_dtype = np.int64 if s.key_type == "int64" else object
-        rows_k: list[np.ndarray] = []
-        rows_s: list[np.ndarray] = []
-        for i in range(nq):
-            hits = [pos[c] for c in cand[i][ok[i]].tolist() if c in pos]
-            idx = np.concatenate((np.asarray(hits, np.int64), fresh_idx))
-            if exclude is not None and len(exclude[i]):
-                idx = idx[~keys_in(pool[idx], exclude[i])]
-            sc = scores_all[i, idx]
-            keys = pool[idx]
-            tie = np.unique(keys, return_inverse=True)[1] if key_dtype is object else keys
-            order = np.lexsort((tie, -sc))[:k]
-            rows_k.append(keys[order])
-            rows_s.append(sc[order].astype(np.float32))
-        width = min(k, max((len(x) for x in rows_k), default=0))
+        width = min(k, max((len(r[0]) for r in rows), default=0))
         out_k = np.full((nq, width), b"" if key_dtype is object else -1, dtype=key_dtype)
         out_s = np.full((nq, width), -np.inf, np.float32)
         valid = np.zeros((nq, width), bool)
-        for i in range(nq):
-            m = min(width, len(rows_k[i]))
-            out_k[i, :m], out_s[i, :m], valid[i, :m] = rows_k[i][:m], rows_s[i][:m], True
+        for i, (keys, sc) in enumerate(rows):
+            m = min(width, len(keys))
+            out_k[i, :m], out_s[i, :m], valid[i, :m] = keys[:m], sc[:m], True
         return TopKResult(out_k, out_s, valid)
+
+    @staticmethod
+    def _best(k: int, cand: np.ndarray, uniq: np.ndarray, c_scores: np.ndarray,
+              seg_keys: np.ndarray, f_scores: np.ndarray, exclude: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """One query's top ``k`` over its graph candidates and the fresh segment, by score
+        (NaN last), ties by key, as an exact top-k orders them."""
+        at = np.searchsorted(uniq, cand) if len(uniq) else np.zeros(len(cand), np.int64)
+        at = np.minimum(at, max(len(uniq) - 1, 0))
+        hit = (uniq[at] == cand) if len(uniq) else np.zeros(len(cand), bool)
+        at = np.unique(at[hit])
+        keys, sc = uniq[at], c_scores[at]
+        if len(seg_keys):
+            neg = -f_scores
+            if exclude is not None and len(exclude):   # picked last, dropped below
+                neg = np.where(keys_in(seg_keys, exclude), np.inf, neg)
+            if len(neg) > k:   # the segment's k best, ties at the k-th kept for the key order
+                kth = neg[np.argpartition(neg, k - 1)[k - 1]]
+                pick = np.flatnonzero(neg <= kth) if kth == kth else np.arange(len(neg))
+            else:
+                pick = np.arange(len(neg))
+            keys = np.concatenate((keys, seg_keys[pick]))
+            sc = np.concatenate((sc, -neg[pick]))
+        if exclude is not None and len(exclude) and len(keys):
+            drop = keys_in(keys, exclude)
+            keys, sc = keys[~drop], sc[~drop]
+        tie = np.unique(keys, return_inverse=True)[1] if keys.dtype == object else keys
+        order = np.lexsort((tie, -sc))[:k]
+        return keys[order], sc[order].astype(np.float32)

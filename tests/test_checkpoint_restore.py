@@ -22,8 +22,9 @@ from embstore.errors import (
 from embstore.io.native import NativeWriter
 from embstore.testing.conformance import table_of
 from tests import hostile as h
+from tests.builtin_backends import NAMES
 
-BACKENDS = ("memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable")
+BACKENDS = NAMES  # every built-in backend (tests/builtin_backends.py)
 ATOMIC = {"memory": "staging-table", "lmdb": "transaction", "rocksdb": "staging-directory",
           "sqlite": "transaction", "postgres": "transaction", "bigtable": "staging-table"}
 

@@ -1,47 +1,19 @@
 """Crash consistency: a writer killed with SIGKILL at random moments loses no acknowledged batch
-and never leaves one half-applied (real stores, real processes)."""
+and never leaves one half-applied (real stores, real processes): the scenario is
+:class:`~embstore.testing.conformance_crash.CrashConformance`, run here once per built-in backend
+that runs kill loops (``tests/builtin_backends.py``), and a check of its verifier."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import numpy as np
 import pytest
 
 import embstore
-from embstore.testing.crash import keys_of, run_crash_trials, setup_store, verify_store
+from embstore.testing.conformance_crash import CrashConformance
+from embstore.testing.crash import keys_of, setup_store, verify_store
+from tests.builtin_backends import conformance_tests
 
-TRIALS = 8
-
-
-def _url(backend: str, tmp_path, request) -> str:
-    if backend == "lmdb":
-        return f"lmdb://{tmp_path}/store"
-    if backend == "rocksdb":
-        return f"rocksdb://{tmp_path}/store"
-    if importlib.util.find_spec("embstore.backends.sql.backend") is None:
-        pytest.skip("the SQL backend (embstore/backends/sql.py) is not available")
-    if backend == "sqlite":
-        return f"sqlite:///{tmp_path}/store.db"
-    try:
-        factory = request.getfixturevalue("postgres_url_factory")
-    except pytest.FixtureLookupError:
-        pytest.skip("the postgres_url_factory fixture (tests/fixtures_postgres.py) is missing")
-    return factory()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["lmdb", "rocksdb", "sqlite", "postgres"])
-def test_sigkill_never_loses_acknowledged_or_half_applies(backend, tmp_path, request):
-    url = _url(backend, tmp_path, request)
-    report = run_crash_trials(url, trials=TRIALS, options={"durable": True},
-                              seed=len(backend))
-    assert report.trials == TRIALS
-    assert report.batches_acked > 0, "no batch was acknowledged: the test proved nothing"
-    # The store is still a normal, writable store afterwards.
-    with embstore.open(url, optimizer=embstore.optim.SGD(lr=1.0), durable=True) as s:
-        s.assign([10_000], np.ones((1, s.dim)))
-        assert len(s) == 513
+globals().update(conformance_tests(CrashConformance, lambda b: b.crash))
 
 
 def test_verifier_detects_half_applied_and_lost_batches(tmp_path):

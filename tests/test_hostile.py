@@ -26,8 +26,9 @@ from embstore.io import limits
 from embstore.io.formats import open_reader
 from embstore.transfer import export_file, import_file
 from tests import hostile as h
+from tests.builtin_backends import NAMES
 
-BACKENDS = ("memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable")
+BACKENDS = NAMES  # every built-in backend (tests/builtin_backends.py)
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ import pytest
 
 import embstore
 from embstore.optim import FTRL
+from tests.builtin_backends import NAMES
 
 DIM = 8
-BACKENDS = ["memory", "lmdb", "rocksdb", "sqlite", "postgres", "bigtable", "lmdb+cache"]
+BACKENDS = [*NAMES, "lmdb+cache"]  # every built-in backend, and a cache layer
 STRONG, WEAK, IDLE = np.arange(0, 6), np.arange(100, 106), np.arange(200, 206)
 
 

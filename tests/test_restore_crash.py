@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import embstore  # noqa: E402
+from tests.builtin_backends import names  # noqa: E402
 from tests.restore_crash import make_snapshots, run_kill_trials  # noqa: E402
 
 KILLS = 20
@@ -28,7 +29,7 @@ def snapshots(tmp_path_factory):
     return a, paths, expect
 
 
-@pytest.mark.parametrize("kind", ["lmdb", "rocksdb", "sqlite", "postgres"])
+@pytest.mark.parametrize("kind", names(lambda b: b.crash))
 def test_sigkill_during_load_state_dict_leaves_the_old_or_the_new_table(new_store_url,
                                                                          snapshots, kind):
     from embstore_torch import DynamicEmbedding

@@ -1,4 +1,5 @@
-"""Harness for scans and exports that overlap another process's restore (issue 34, item 8).
+"""Harness for scans and exports that overlap another process's restore (issue 34, item 8;
+:class:`~embstore.testing.conformance_restore.RestoreConformance` runs it).
 
 A store holds table ``A``; a restorer process (started with ``spawn``: a fresh interpreter, as
 a separate job would be) swaps ``B`` and ``A`` in turn with ``import_(..., replace=True)``

@@ -17,10 +17,10 @@ import embstore
 from embstore.backends.bigtable import wire
 from embstore.errors import BackendError, InvalidInputError, InvalidURLError, StoreNotFoundError
 from embstore.testing.bigtable_emulator import FaultInjector
-from embstore.testing.conformance import LayoutMatrix, StoreConformance
+from embstore.testing.conformance import FULL_CONFORMANCE, LayoutMatrix
 
 
-class TestBigtableConformance(StoreConformance):
+class TestBigtableConformance(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self, bigtable_url_factory):
         return bigtable_url_factory

@@ -12,7 +12,12 @@ import pytest
 import embstore
 from embstore.errors import InvalidInputError
 from embstore.layers.cache.backend import CachedBackend
-from embstore.testing.conformance import DIM, LayoutMatrix, StoreConformance, table_of
+from embstore.testing.conformance import (
+    DIM,
+    FULL_CONFORMANCE,
+    LayoutMatrix,
+    table_of,
+)
 from tests.cache_helpers import cached, cached_keys, cached_over_zeros, layer, remote_vectors
 
 
@@ -23,7 +28,7 @@ def lmdb_url(tmp_path):
 
 
 # -- conformance -----------------------------------------------------------------------------------
-class TestCachedBigtableWriteBack(StoreConformance):
+class TestCachedBigtableWriteBack(*FULL_CONFORMANCE):
     # capacity below the suite's 20k-key growth test: evictions of dirty rows are exercised
     open_options = {"cache": "memory://", "cache_capacity": 5000, "write_policy": "back"}
 
@@ -32,7 +37,7 @@ class TestCachedBigtableWriteBack(StoreConformance):
         return bigtable_url_factory
 
 
-class TestCachedBigtableWriteThrough(StoreConformance):
+class TestCachedBigtableWriteThrough(*FULL_CONFORMANCE):
     open_options = {"cache": "memory://", "cache_capacity": 64, "write_policy": "through"}
 
     @pytest.fixture
@@ -40,7 +45,7 @@ class TestCachedBigtableWriteThrough(StoreConformance):
         return bigtable_url_factory
 
 
-class TestCachedLmdb(StoreConformance):
+class TestCachedLmdb(*FULL_CONFORMANCE):
     open_options = {"cache": "memory://", "cache_capacity": 100}
 
     @pytest.fixture
@@ -52,7 +57,7 @@ class TestCachedLmdbLayouts(LayoutMatrix, TestCachedLmdb):
     """The suite over 16-bit layouts."""
 
 
-class TestCachedLmdbLru(StoreConformance):
+class TestCachedLmdbLru(*FULL_CONFORMANCE):
     open_options = {"cache": "memory://", "cache_capacity": 50, "cache_eviction": "lru"}
 
     @pytest.fixture

@@ -20,7 +20,12 @@ from embstore.errors import (
     ReadOnlyError,
     StoreNotFoundError,
 )
-from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import (
+    FULL_CONFORMANCE,
+    LayoutMatrix,
+    rows_equal,
+    table_of,
+)
 from tests.dir_store_suite import DirectoryStoreSuite
 
 DIM = 8
@@ -32,7 +37,7 @@ def lmdb_url(tmp_path):
     return lambda: f"lmdb://{tmp_path}/s{next(counter)}"
 
 
-class TestLmdbConformance(StoreConformance):
+class TestLmdbConformance(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self, lmdb_url):
         return lmdb_url
@@ -42,7 +47,7 @@ class TestLmdbLayouts(LayoutMatrix, TestLmdbConformance):
     """The suite over 16-bit layouts."""
 
 
-class TestLmdbNonDurableConformance(StoreConformance):
+class TestLmdbNonDurableConformance(*FULL_CONFORMANCE):
     """The fast setting (no fsync, writable map) must behave identically."""
 
     open_options = {"durable": False, "writemap": True}

@@ -13,11 +13,11 @@ import embstore
 from embstore._cython.arena import RecordArena, release_pool
 from embstore._cython.cuckoo import CuckooTable, find_or_insert
 from embstore.errors import InvalidInputError
-from embstore.testing.conformance import LayoutMatrix, StoreConformance
+from embstore.testing.conformance import FULL_CONFORMANCE, LayoutMatrix
 from tests.stores import run_in_threads
 
 
-class TestMemoryConformance(StoreConformance):
+class TestMemoryConformance(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self):
         return lambda: "memory://"

@@ -19,7 +19,12 @@ from embstore.errors import (
     ReadOnlyError,
     StoreNotFoundError,
 )
-from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import (
+    FULL_CONFORMANCE,
+    LayoutMatrix,
+    rows_equal,
+    table_of,
+)
 from tests.dir_store_suite import DirectoryStoreSuite
 
 DIM = 8
@@ -31,7 +36,7 @@ def rocks_url(tmp_path):
     return lambda: f"rocksdb://{tmp_path}/s{next(counter)}"
 
 
-class TestRocksDBConformance(StoreConformance):
+class TestRocksDBConformance(*FULL_CONFORMANCE):
     open_options = {"block_cache_mb": 8}
 
     @pytest.fixture

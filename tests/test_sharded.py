@@ -18,7 +18,12 @@ from embstore.backends.memory import MemoryBackend
 from embstore.errors import InvalidInputError, InvalidURLError, SchemaMismatchError
 from embstore.layers.cache import CachedBackend
 from embstore.layers.sharded import ShardedBackend, parse_sharded_url, sharded_url
-from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import (
+    FULL_CONFORMANCE,
+    LayoutMatrix,
+    rows_equal,
+    table_of,
+)
 
 
 @pytest.fixture
@@ -27,7 +32,7 @@ def lmdb_dirs(tmp_path):
     return lambda n: [f"lmdb://{tmp_path}/g{next(counter)}s{i}" for i in range(n)]
 
 
-class TestShardedMemory(StoreConformance):
+class TestShardedMemory(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self):
         return lambda: sharded_url(["memory://"] * 3)
@@ -37,7 +42,7 @@ class TestShardedMemoryLayouts(LayoutMatrix, TestShardedMemory):
     """The suite over 16-bit layouts."""
 
 
-class TestShardedLmdb(StoreConformance):
+class TestShardedLmdb(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self, lmdb_dirs):
         return lambda: sharded_url(lmdb_dirs(2))

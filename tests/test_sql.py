@@ -18,7 +18,12 @@ from embstore.errors import (
     SchemaMismatchError,
     StoreNotFoundError,
 )
-from embstore.testing.conformance import LayoutMatrix, StoreConformance, rows_equal, table_of
+from embstore.testing.conformance import (
+    FULL_CONFORMANCE,
+    LayoutMatrix,
+    rows_equal,
+    table_of,
+)
 from tests.stores import run_in_threads
 
 DIM = 8
@@ -30,7 +35,7 @@ def sqlite_url_factory(tmp_path):
     return lambda: f"sqlite:///{tmp_path}/s{next(names)}.db"
 
 
-class TestSQLiteConformance(StoreConformance):
+class TestSQLiteConformance(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self, sqlite_url_factory):
         return sqlite_url_factory
@@ -40,7 +45,7 @@ class TestSQLiteLayouts(LayoutMatrix, TestSQLiteConformance):
     """The suite over 16-bit layouts."""
 
 
-class TestSQLiteCoreConformance(StoreConformance):
+class TestSQLiteCoreConformance(*FULL_CONFORMANCE):
     """The portable SQLAlchemy Core path (what MySQL and other dialects use), on SQLite."""
 
     open_options = {"fast_path": False}
@@ -50,7 +55,7 @@ class TestSQLiteCoreConformance(StoreConformance):
         return sqlite_url_factory
 
 
-class TestPostgresConformance(StoreConformance):
+class TestPostgresConformance(*FULL_CONFORMANCE):
     @pytest.fixture
     def url_factory(self, postgres_url_factory):
         return postgres_url_factory
@@ -60,7 +65,7 @@ class TestPostgresLayouts(LayoutMatrix, TestPostgresConformance):
     """The suite over 16-bit and compact layouts, on a real PostgreSQL server."""
 
 
-class TestPostgresCopyUpsertConformance(StoreConformance):
+class TestPostgresCopyUpsertConformance(*FULL_CONFORMANCE):
     open_options = {"pg_upsert": "copy"}
 
     @pytest.fixture

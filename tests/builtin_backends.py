@@ -77,21 +77,26 @@ class BuiltinBackend:
 _LOCAL_FAST = {"writer_options": {"durable": False}}  # fsync per batch is not under test
 
 BUILTIN: tuple[BuiltinBackend, ...] = (
-    BuiltinBackend("memory", "memory", settings={"restore_across_processes": False}),
+    BuiltinBackend("memory", "memory", settings={"restore_across_processes": False,
+                                                 "replace_mechanism": "staging-table"}),
     BuiltinBackend("lmdb", "lmdb", several_processes=True, fork_writes=True, crash=True,
-                   settings=_LOCAL_FAST),
+                   settings={**_LOCAL_FAST, "replace_mechanism": "transaction"}),
     BuiltinBackend("rocksdb", "rocksdb", fork_writes=False, crash=True,
-                   settings={**_LOCAL_FAST, "restore_in_process": False}),
+                   settings={**_LOCAL_FAST, "restore_in_process": False,
+                             "replace_mechanism": "staging-directory"}),
     BuiltinBackend("sqlite", "sqlite", several_processes=True, fork_writes=True, crash=True,
-                   settings={**_LOCAL_FAST, "writer_steps": 30}),
+                   settings={**_LOCAL_FAST, "writer_steps": 30,
+                             "replace_mechanism": "transaction"}),
     BuiltinBackend("postgres", "postgresql", "postgres_url_factory", several_processes=True,
                    fork_writes=True, crash=True,
-                   settings={"writer_steps": 25, "restore_in_process": False}),
+                   settings={"writer_steps": 25, "restore_in_process": False,
+                             "replace_mechanism": "transaction"}),
     BuiltinBackend("bigtable", "bigtable", "bigtable_url_factory", several_processes=True,
                    fork_writes=True,
                    # the emulator writes ~35k rows/s: a smaller table, fewer swaps
                    settings={"writer_steps": 10, "writer_keys": 40, "restore_rows": 1000,
-                             "restore_rounds": 6, "restore_in_process": False}),
+                             "restore_rounds": 6, "restore_in_process": False,
+                             "replace_mechanism": "staging-table"}),
 )
 BY_NAME = {b.name: b for b in BUILTIN}
 #: every built-in backend's name, in registry order

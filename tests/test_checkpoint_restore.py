@@ -1,5 +1,7 @@
-"""Restores that never lose a row: ``store.import_(..., replace=True)`` and the torch modules'
-``load_state_dict`` on every backend, and a hostile-snapshot corpus (generated here) that must
+"""Restores that never lose a row: the torch modules' ``load_state_dict`` on every backend
+(``store.import_(..., replace=True)`` itself is
+:class:`~embstore.testing.conformance_restore.RestoreConformance`, run per backend by
+``tests/test_restore_concurrent.py``), and a hostile-snapshot corpus (generated here) that must
 be refused in one line with the store untouched and memory bounded."""
 
 from __future__ import annotations
@@ -22,11 +24,6 @@ from embstore.errors import (
 from embstore.io.native import NativeWriter
 from embstore.testing.conformance import table_of
 from tests import hostile as h
-from tests.builtin_backends import NAMES
-
-BACKENDS = NAMES  # every built-in backend (tests/builtin_backends.py)
-ATOMIC = {"memory": "staging-table", "lmdb": "transaction", "rocksdb": "staging-directory",
-          "sqlite": "transaction", "postgres": "transaction", "bigtable": "staging-table"}
 
 
 def _keys(kind: str, lo: int, hi: int):
@@ -51,46 +48,6 @@ def _snapshot(store) -> bytes:
     buf = io.BytesIO()
     store.export(buf)
     return buf.getvalue()
-
-
-@pytest.mark.parametrize("kind", BACKENDS)
-@pytest.mark.parametrize("key_type", ["int64", "bytes"])
-def test_replace_makes_the_store_hold_exactly_the_snapshot(new_store_url, kind, key_type):
-    url = new_store_url(kind)
-    s = _filled(url, key_type)
-    snap, want, step = _snapshot(s), _table(s), s.step
-    more = _keys(key_type, 60, 90)
-    s.lookup(more)
-    s.update(_keys(key_type, 0, 90), np.full((90, 4), 2.0, np.float32))
-    assert len(s) == 90 and s.step == step + 1
-    assert s.import_(snap, replace=True) == 60
-    assert _table(s) == want and s.step == step and len(s) == 60
-    assert s.backend.replace_mechanism == ATOMIC.get(kind, "write-then-delete")
-    s.close()
-    if kind != "memory":
-        with embstore.open(url) as again:
-            assert _table(again) == want and again.step == step
-
-
-@pytest.mark.parametrize("kind", BACKENDS)
-def test_a_restore_failing_part_way_keeps_the_old_table(new_store_url, kind):
-    s = _filled(new_store_url(kind))
-    want, step = _table(s), s.step
-    rec = s.get_records(np.arange(5))[0]
-
-    def batches():
-        yield np.arange(1000, 1005), rec
-        raise OSError("the source broke")
-
-    with pytest.raises(OSError, match="the source broke"):
-        s.backend.replace_rows(batches(), s.meta)
-    got = _table(s)
-    if kind in ATOMIC:  # old table, exactly
-        assert got == want
-    else:  # write-then-delete: every old row is still there (the new ones may be too)
-        assert all(got[k] == v for k, v in want.items())
-    assert s.step == step
-    s.close()
 
 
 def test_a_key_the_backend_cannot_hold_refuses_the_snapshot_and_keeps_every_row(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from embstore.testing import architecture as arch
 from embstore.testing import class_shape as shape
+from tests.paths import REPO_ROOT
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -160,11 +161,10 @@ def test_the_documented_backend_flags_are_the_declared_ones():
     """docs/architecture.md holds the one description of the backend contract: its flag table
     names exactly the capability flags ``Backend`` declares, with their defaults."""
     import re
-    from pathlib import Path
 
     from embstore.backends.base import Backend
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text()
     table = text.split("<!-- backend-flags -->")[1].split("<!-- /backend-flags -->")[0]
     documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
     declared = {name: getattr(Backend, name) for name in Backend.__annotations__

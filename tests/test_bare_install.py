@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
 CHECK = os.path.join(ROOT, "tests", "install_check.py")
 
 

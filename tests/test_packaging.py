@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
+from tests.paths import REPO_ROOT
+
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 def _pyproject() -> dict:

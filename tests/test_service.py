@@ -28,6 +28,7 @@ pytest.importorskip("pyarrow.flight")
 
 from embstore.service.client import DesStore  # noqa: E402
 from embstore.testing.service import start_worker, start_workers  # noqa: E402
+from tests.paths import REPO_ROOT
 
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
 DIM = 8
@@ -347,12 +348,11 @@ def test_shipped_deployments_run_commands_the_cli_accepts():
     """deploy/Procfile and the Kubernetes manifests start `embstore serve` with arguments
     the command takes (shell variables as a pod would expand them)."""
     import shlex
-    from pathlib import Path
 
     from embstore.cli import build_parser
 
     yaml = pytest.importorskip("yaml")
-    root = Path(__file__).resolve().parents[1] / "deploy"
+    root = REPO_ROOT / "deploy"
     commands = [line.split(":", 1)[1].strip() for line in
                 (root / "Procfile").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]

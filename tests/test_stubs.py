@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import ast
 import importlib
-import pathlib
 
 import pytest
 
-CYTHON_DIR = pathlib.Path(__file__).resolve().parents[1] / "embstore" / "_cython"
+from tests.paths import REPO_ROOT
+
+CYTHON_DIR = REPO_ROOT / "embstore" / "_cython"
 MODULES = sorted(p.stem for p in CYTHON_DIR.glob("*.pyx"))
 # Cython's own additions to every module and cdef class
 _CYTHON_NAMES = {"__test__", "__pyx_capi__", "__reduce_cython__", "__setstate_cython__"}

@@ -1,6 +1,6 @@
 """Static measures of the code's structure, computed with :mod:`ast` (nothing is imported).
 
-``tests/test_architecture.py`` holds the package to these measures, and
+``tests/project/test_architecture.py`` holds the package to these measures, and
 ``python -m embstore.testing.architecture`` prints them:
 
 - the import graph among the project's modules (top-level and function-level imports; imports

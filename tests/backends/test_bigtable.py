@@ -186,7 +186,8 @@ def test_delete_reports_presence_and_clear_keeps_meta(bigtable_url_factory):
 
 # -- retries (fault injection in front of the real emulator) --------------------------------------
 def _open_with(url, injector, **kw):
-    # batched MutateRows writes (the compare-and-set path: tests/test_concurrent_writers.py)
+    # batched MutateRows writes (the compare-and-set path:
+    # tests/backends/test_concurrent_writers.py)
     return embstore.open(url, dim=DIM, interceptors=[injector], retry_deadline=10.0,
                          check_and_set=False, **kw)
 

@@ -1,6 +1,6 @@
 """Hostile inputs and failure paths of the backends (issue 15): names that alias, URLs that
 hide text, passwords that leak, servers that are down, hang or restart, NaN scores, pickles sent
-to a Pool, disks that fill up (memory:// cases: ``test_hostile_memory.py``).
+to a Pool, disks that fill up (memory:// cases: ``test_memory_hostile.py``).
 
 Every case is a regression test that failed before its fix. Real servers (PostgreSQL, the
 Bigtable emulator) are used throughout; a fake appears only for a fault a real server cannot

@@ -88,7 +88,7 @@ def test_distributed_store_assign_delete_optimizer_in_a_world_of_one(tmp_path):
     import torch.distributed as dist
 
     import embstore_torch.distributed as ed
-    from tests.test_distributed import _free_port
+    from tests.adapters.torch.test_distributed import _free_port
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")

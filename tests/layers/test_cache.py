@@ -1,5 +1,5 @@
 """The cache layer: conformance over real remotes (Bigtable emulator, LMDB), eviction, prefetch,
-stats, options. Remote failures and multi-process use are in test_cached_faults.py."""
+stats, options. Remote failures and multi-process use are in test_cache_faults.py."""
 
 from __future__ import annotations
 

@@ -178,7 +178,8 @@ def test_the_documented_backend_flags_are_the_declared_ones():
 # An optional driver (an extra of pyproject.toml, or an engine a recipe runs on) -> the modules
 # that may import it when they are imported: the backend, codec or adapter it serves. Anything
 # else imports it inside the function that needs it, so `import embstore` and memory:// run on
-# numpy + tqdm alone (tests/test_bare_install.py runs that with the drivers made unimportable).
+# numpy + tqdm alone (tests/project/test_bare_install.py runs that with the drivers made
+# unimportable).
 _DRIVER_HOMES = {
     "lmdb": ("embstore.backends.lmdb", "embstore.backends.lmdb_env"),
     "rocksdict": ("embstore.backends.rocksdb", "embstore.backends.rocksdb_handles"),

@@ -1,8 +1,8 @@
 """Restores that never lose a row: the torch modules' ``load_state_dict`` on every backend
 (``store.import_(..., replace=True)`` itself is
 :class:`~embstore.testing.conformance_restore.RestoreConformance`, run per backend by
-``tests/test_restore_concurrent.py``), and a hostile-snapshot corpus (generated here) that must
-be refused in one line with the store untouched and memory bounded."""
+``tests/backends/test_restore_concurrent.py``), and a hostile-snapshot corpus (generated
+here) that must be refused in one line with the store untouched and memory bounded."""
 
 from __future__ import annotations
 

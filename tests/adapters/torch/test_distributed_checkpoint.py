@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 
 import embstore  # noqa: E402
 from embstore.errors import SchemaMismatchError  # noqa: E402
+from tests.adapters.torch.test_distributed import _free_port  # noqa: E402
 from tests.restore_crash import table_digest  # noqa: E402
-from tests.test_distributed import _free_port  # noqa: E402
 
 WORLD = 2
 DIM = 4

@@ -65,7 +65,7 @@ $(TFRA)/.created:
 tfra-venv: $(TFRA)/.created
 
 # Apache Beam (the [beam] extra) pins protobuf/pyarrow below the main venv's: its own venv, which
-# tests/test_parts_engines.py runs the DirectRunner recipe in (embstore from the checkout).
+# tests/transfer/test_parts_engines.py runs the DirectRunner recipe in (embstore from the checkout).
 BEAM := .venv-beam
 $(BEAM)/.created:
 	$(PYTHON) -m venv $(BEAM)

@@ -1,4 +1,4 @@
-"""Helpers shared by the cache-layer tests (test_cached.py, test_cached_faults.py)."""
+"""Helpers shared by the cache-layer tests (layers/test_cache.py, layers/test_cache_faults.py)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
              import
 
 ``--block`` makes every optional driver unimportable first (a meta-path finder), as in a venv
-without extras. ``make check-install`` runs this in fresh venvs; tests/test_bare_install.py runs
-it with ``--block`` in the development venv.
+without extras. ``make check-install`` runs this in fresh venvs;
+tests/project/test_bare_install.py runs it with ``--block`` in the development venv.
 """
 
 from __future__ import annotations

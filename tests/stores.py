@@ -59,32 +59,16 @@ def any_store_url_factory(request, tmp_path):
 
 @pytest.fixture
 def new_store_url(request, tmp_path):
-    """new_store_url(kind) -> a fresh, empty store URL of that backend ("memory", "lmdb",
-    "rocksdb", "sqlite", "postgres", "bigtable"); skips cleanly when the backend or its
-    server is not available."""
-    from embstore.errors import BackendUnavailableError, UnknownSchemeError
-    from embstore.registry import backend_class
+    """new_store_url(kind) -> a fresh, empty store URL of that built-in backend (a name of
+    ``tests/builtin_backends.py``: "memory", "lmdb", "rocksdb", "sqlite", "postgres",
+    "bigtable"); skips cleanly when the backend or its server is not available."""
+    from tests.builtin_backends import BY_NAME
 
-    counter = itertools.count()
+    factories: dict[str, Callable[[], str]] = {}
 
     def make(kind: str) -> str:
-        i = next(counter)
-        if kind == "memory":
-            url = "memory://"
-        elif kind in ("lmdb", "rocksdb"):
-            url = f"{kind}://{tmp_path}/{kind}{i}"
-        elif kind == "sqlite":
-            url = f"sqlite:///{tmp_path}/db{i}.sqlite"
-        else:
-            fixture = {"postgres": "postgres_url_factory", "bigtable": "bigtable_url_factory"}
-            try:
-                url = request.getfixturevalue(fixture[kind])()
-            except pytest.FixtureLookupError:
-                pytest.skip(f"no {fixture[kind]} fixture in this checkout")
-        try:
-            backend_class(url)
-        except (BackendUnavailableError, UnknownSchemeError) as e:
-            pytest.skip(f"{kind} backend not available: {e}")
-        return url
+        if kind not in factories:
+            factories[kind] = BY_NAME[kind].url_factory(request, tmp_path)
+        return factories[kind]()
 
     return make

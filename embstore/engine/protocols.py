@@ -3,7 +3,7 @@ store its helpers get (so none of them reads the store's private state).
 
 :class:`StoreProtocol` is the store surface the adapters, the CLI and the transfers program
 against; :class:`~embstore.EmbeddingStore`, the distributed store of ``embstore_torch`` and the
-stand-ins satisfy it (``tests/test_store_protocol.py`` checks names and signatures).
+stand-ins satisfy it (``tests/engine/test_store_protocol.py`` checks names and signatures).
 """
 
 from __future__ import annotations

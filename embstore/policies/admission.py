@@ -109,7 +109,7 @@ class FrequencyCutoff(AdmissionPolicy):
     as wide is added, up to ``max_bytes`` for all layers together. A fresh key is then
     over-counted in a layer with probability about ``0.1 ** depth`` (1e-4 at the default
     depth 4), in any of them with at most ``layers * 1e-4``. Measured on 50,000 to 400,000
-    distinct keys (``tests/test_policies.py`` checks 100,000): 5.2 to 9 bytes per key at
+    distinct keys (``tests/policies/test_policies.py`` checks 100,000): 5.2 to 9 bytes per key at
     ``min_count=2`` (2 MiB for 232,000 keys, just after its 12th layer was added), twice
     that at 3-4, four times at 5-16, and 0.13-0.16% of fresh keys over-counted. (The single
     table that doubled by copying took 36-56 bytes per key, and its error grew with the

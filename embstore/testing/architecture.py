@@ -1,6 +1,6 @@
 """Static measures of the code's structure, computed with :mod:`ast` (nothing is imported).
 
-``tests/test_architecture.py`` holds the package to these measures, and
+``tests/project/test_architecture.py`` holds the package to these measures, and
 ``python -m embstore.testing.architecture`` prints them:
 
 - the import graph among the project's modules (top-level and function-level imports; imports
@@ -26,8 +26,9 @@ from .source import PACKAGES, Module, load_modules, repo_root, resolve_from
 __all__ = ["PACKAGES", "Module", "load_modules", "repo_root"]
 
 # Underscore names that are public API of the standard library (namedtuple's methods,
-# ``sys._getframe``'s cousins are not in this list on purpose).
-_PUBLIC_UNDERSCORE = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+# ``os._exit``; ``sys._getframe``'s cousins are not in this list on purpose).
+_PUBLIC_UNDERSCORE = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults",
+                                "_exit"})
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@
   an attribute of it); every attribute access on that parameter in such a function counts.
 
 ``python -m embstore.testing.architecture`` prints these figures beside the import measures;
-``tests/test_architecture.py`` holds the package to ceilings on them.
+``tests/project/test_architecture.py`` holds the package to ceilings on them.
 """
 
 from __future__ import annotations

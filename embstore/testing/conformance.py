@@ -1,29 +1,38 @@
-"""The conformance suite every backend and layer runs.
+"""The conformance suite every backend and layer runs, in areas.
 
-Subclass :class:`StoreConformance` in a test module and provide a ``url_factory`` fixture that
-returns a callable producing a *fresh, empty* store URL on each call::
+Subclass every area (:data:`FULL_CONFORMANCE`) in a test module and provide a ``url_factory``
+fixture that returns a callable producing a *fresh, empty* store URL on each call::
 
-    class TestLmdb(StoreConformance):
+    class TestLmdb(*FULL_CONFORMANCE):
         @pytest.fixture
         def url_factory(self, tmp_path):
             names = iter(range(10**6))
             return lambda: f"lmdb://{tmp_path}/s{next(names)}"
 
+The areas are :class:`StoreConformance` (lookups, updates, assign / delete, scans, bad input,
+a Hypothesis model check),
+:class:`~embstore.testing.conformance_lifecycle.StoreLifecycleConformance` (persistence,
+initialization, export / import, stats, eviction) and
+:class:`~embstore.testing.conformance_backend.BackendPrimitiveConformance` (the backend's row
+primitives); each derives from :class:`~embstore.testing.conformance_harness.ConformanceHarness`.
+
 ``open_options`` (a class attribute) is passed to every ``embstore.open`` call, so layers reuse
 the suite: ``open_options = {"cache": "memory://"}``. ``layout_options`` does the same for the
 record layout (``{"value_dtype": "bfloat16"}``): the suite then expects values as that layout
-stores them (:meth:`StoreConformance.stored`, :attr:`StoreConformance.rtol`), and
+stores them (:meth:`ConformanceHarness.stored`, :attr:`ConformanceHarness.rtol`), and
 :data:`LAYOUT_MATRIX` lists the layouts a backend's test module runs the suite over
 (:class:`LayoutMatrix`). Tests that need a capability the store lacks (persistence, scans) are
-skipped, never silently passed. ``StoreStateMachine`` checks a
-store against a plain dict model with Hypothesis.
+skipped, never silently passed.
+
+Behaviour across processes is in opt-in areas of its own: several writers
+(:mod:`~embstore.testing.conformance_writers`), SIGKILL
+(:mod:`~embstore.testing.conformance_crash`), ``fork()``
+(:mod:`~embstore.testing.conformance_fork`) and restores overlapping reads
+(:mod:`~embstore.testing.conformance_restore`).
 """
 
 from __future__ import annotations
 
-import io
-import math
-import pickle
 from typing import Any
 
 import numpy as np
@@ -31,19 +40,20 @@ import pytest
 
 import embstore
 from embstore.errors import (
-    CorruptFileError,
     InvalidInputError,
     KeyTypeError,
-    ReadOnlyError,
-    SchemaMismatchError,
     StoreClosedError,
 )
-from embstore.policies import Eviction
 from embstore.sampling import sampling_index
 
-from ..valuetypes import round_trip
-from .conformance_backend import DIM, BackendPrimitiveConformance
+from .conformance_backend import BackendPrimitiveConformance
+from .conformance_harness import DIM, ConformanceHarness, rows_equal, table_of
+from .conformance_lifecycle import StoreLifecycleConformance
 from .state_machine import make_state_machine
+
+__all__ = ["DIM", "FULL_CONFORMANCE", "LAYOUT_MATRIX", "BackendPrimitiveConformance",
+           "ConformanceHarness", "LayoutMatrix", "StoreConformance", "StoreLifecycleConformance",
+           "rows_equal", "table_of"]
 
 #: layouts the suite runs over (``layout_options`` of a subclass), by a short test-id name
 LAYOUT_MATRIX: dict[str, dict[str, Any]] = {
@@ -52,77 +62,11 @@ LAYOUT_MATRIX: dict[str, dict[str, Any]] = {
     "compact": {"metadata": "compact"},
     "bf16-compact": {"value_dtype": "bfloat16", "metadata": "compact"},
 }
-#: relative tolerance of a value stored after one step: two units in the last place
-_RTOL = {"float32": 1e-6, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}
 
 
-def rows_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Structured-array equality that treats NaN bit patterns as data."""
-    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
-
-
-def table_of(store: embstore.EmbeddingStore) -> dict[Any, np.ndarray]:
-    """The whole table as {key: record} (keys as Python ints or bytes)."""
-    out: dict[Any, np.ndarray] = {}
-    for keys, recs in store.records(batch_size=97):
-        for k, r in zip(keys.tolist(), recs):
-            assert k not in out, f"scan returned key {k!r} twice"
-            out[k] = r.copy()
-    return out
-
-
-class StoreConformance(BackendPrimitiveConformance):
-    """Shared behaviour tests; see the module docstring."""
-
-    open_options: dict[str, Any] = {}
-    layout_options: dict[str, Any] = {}
-
-    @pytest.fixture
-    def url_factory(self):  # pragma: no cover - subclasses provide it
-        raise NotImplementedError("subclasses define a url_factory fixture")
-
-    @pytest.fixture(autouse=True)
-    def _bind_factory(self, url_factory):
-        self.url_factory = url_factory
-        self._opened: list[embstore.EmbeddingStore] = []
-        yield
-        for s in self._opened:
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001 - cleanup must not mask the test's own failure
-                pass
-
-    # -- helpers -----------------------------------------------------------------------------------
-    @property
-    def value_dtype(self) -> str:
-        return str(self.layout_options.get("value_dtype", "float32"))
-
-    @property
-    def rtol(self) -> float:
-        """Relative tolerance of a value computed by one update step."""
-        return _RTOL[self.value_dtype]
-
-    def stored(self, values: Any) -> np.ndarray:
-        """float32 ``values`` as the suite's layout stores (and reads back) them."""
-        return round_trip(np.asarray(values, dtype=np.float32), self.value_dtype)
-
-    def open(self, url: str | None = None, **kw: Any) -> embstore.EmbeddingStore:
-        opts = {**self.layout_options, **self.open_options, **kw}
-        if url is None:
-            url = self.url_factory()
-            opts.setdefault("dim", DIM)
-        store = embstore.open(url, **opts)
-        self._opened.append(store)
-        return store
-
-    def reopen(self, store: embstore.EmbeddingStore, **kw: Any) -> embstore.EmbeddingStore:
-        url = store.url
-        store.close()
-        return self.open(url, **kw)
-
-    def require_persistent(self, store: embstore.EmbeddingStore) -> None:
-        if not store.backend.persistent:
-            pytest.skip("backend is not persistent")
+class StoreConformance(ConformanceHarness):
+    """The store API area: lookups, updates, assign / delete, scans, bad input, and a
+    Hypothesis model check; see the module docstring."""
 
     # -- round trips -------------------------------------------------------------------------------
     def test_lookup_inserts_and_returns_same_vectors(self):
@@ -349,154 +293,6 @@ class StoreConformance(BackendPrimitiveConformance):
             with pytest.raises(StoreClosedError):
                 call()
 
-    # -- persistence -------------------------------------------------------------------------------
-    def test_reopen_returns_exact_records(self):
-        s = self.open(optimizer=embstore.optim.SGD(lr=0.1))
-        self.require_persistent(s)
-        s.lookup(np.arange(100))
-        s.update(np.arange(0, 100, 2), np.ones((50, DIM)))
-        before = table_of(s)
-        step = s.step
-        s2 = self.reopen(s)
-        assert s2.step == step
-        after = table_of(s2)
-        assert after.keys() == before.keys()
-        for k in before:
-            assert rows_equal(after[k], before[k])
-
-    def test_reopen_with_other_dim_or_key_type_is_refused(self):
-        s = self.open()
-        self.require_persistent(s)
-        s.lookup([1, 2])
-        url = s.url
-        s.close()
-        with pytest.raises(SchemaMismatchError):
-            self.open(url, dim=DIM + 1)
-        with pytest.raises(SchemaMismatchError):
-            self.open(url, key_type="bytes")
-        with pytest.raises(SchemaMismatchError):
-            self.open(url, optimizer=embstore.optim.SGD(lr=0.123))
-        s2 = self.open(url)
-        assert len(s2) == 2 and s2.dim == DIM
-
-    def test_read_only_refuses_writes(self):
-        s = self.open()
-        self.require_persistent(s)
-        s.lookup([1, 2])
-        url = s.url
-        s.close()
-        ro = self.open(url, read_only=True)
-        v = ro.lookup([1, 2, 3])
-        assert len(ro) == 2, "a read-only lookup must not insert"
-        np.testing.assert_array_equal(v[2], ro.initial_vectors([3])[0])
-        for call in (lambda: ro.update([1], np.ones((1, DIM))),
-                     lambda: ro.assign([1], np.ones((1, DIM))),
-                     lambda: ro.delete([1]),
-                     lambda: ro.import_(b"")):
-            with pytest.raises(ReadOnlyError):
-                call()
-
-    def test_pickle_by_url(self):
-        s = self.open()
-        if not s.backend.persistent:
-            with pytest.raises(pickle.PicklingError):
-                pickle.dumps(s)
-            return
-        s.assign([1, 2], np.full((2, DIM), 3.0))
-        s.flush()
-        clone = pickle.loads(pickle.dumps(s))
-        self._opened.append(clone)
-        assert clone.url == s.url
-        np.testing.assert_array_equal(clone.lookup([1, 2], insert=False),
-                                      np.full((2, DIM), 3.0, np.float32))
-
-    # -- init determinism --------------------------------------------------------------------------
-    def test_initial_vectors_depend_only_on_seed_and_key(self):
-        a = self.open(seed=7)
-        b = self.open(seed=7)
-        c = self.open(seed=8)
-        keys = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int64)
-        va = a.lookup(keys)
-        vb = b.lookup(keys[::-1])[::-1]
-        np.testing.assert_array_equal(va, vb)
-        assert not np.array_equal(va, c.lookup(keys))
-
-    # -- export / import ---------------------------------------------------------------------------
-    def test_export_import_reproduces_records(self, tmp_path):
-        s = self.open(optimizer=embstore.optim.SGD(lr=0.2))
-        s.lookup(np.arange(300))
-        s.update(np.arange(0, 300, 3), np.ones((100, DIM)))
-        path = tmp_path / "t.emb"
-        assert s.export(path) == 300
-        t = self.open(optimizer=embstore.optim.SGD(lr=0.2))
-        assert t.import_(path) == 300
-        a, b = table_of(s), table_of(t)
-        assert a.keys() == b.keys()
-        for k in a:
-            assert rows_equal(a[k], b[k])
-
-    def test_export_import_bytes_keys(self):
-        s = self.open(key_type="bytes")
-        s.lookup(["alpha", "beta", "", "\u00fc"])
-        buf = io.BytesIO()
-        s.export(buf)
-        t = self.open(key_type="bytes")
-        t.import_(buf.getvalue())
-        a, b = table_of(s), table_of(t)
-        assert a.keys() == b.keys()
-        for k in a:
-            assert rows_equal(a[k], b[k])
-
-    def test_corrupt_or_truncated_import_imports_nothing(self, tmp_path):
-        s = self.open()
-        s.lookup(np.arange(5000))
-        buf = io.BytesIO()
-        s.export(buf, batch_size=1000)
-        data = buf.getvalue()
-        t = self.open()
-        flipped = bytearray(data)
-        flipped[len(data) // 2] ^= 0xFF
-        for bad in (data[: len(data) - 10], data[: len(data) // 2], bytes(flipped),
-                    b"garbage", data[:20]):
-            with pytest.raises(CorruptFileError):
-                t.import_(bad)
-            assert len(t) == 0
-
-    def test_import_with_other_layout_is_refused(self):
-        s = self.open()
-        s.lookup([1])
-        buf = io.BytesIO()
-        s.export(buf)
-        t = self.open(dim=DIM * 2)
-        with pytest.raises(SchemaMismatchError):
-            t.import_(buf.getvalue())
-        assert len(t) == 0
-
-    # -- stats -------------------------------------------------------------------------------------
-    def test_stats_count_operations(self):
-        s = self.open()
-        s.lookup([1, 2, 3])
-        s.lookup([1, 4])
-        s.update([1, 1], np.ones((2, DIM)))
-        s.delete([2])
-        st = s.stats()
-        assert st["lookups"] == 5 and st["hits"] == 1 and st["misses"] == 4
-        assert st["inserts"] == 4 and st["updates"] == 2 and st["deletes"] == 1
-        assert math.isclose(st["hit_rate"], 0.2)
-        # rows: only without a scan by default; always when asked
-        assert st.get("rows", 3) == 3 and s.stats(count_rows=True)["rows"] == 3
-        assert "rows" not in s.stats(count_rows=False)
-
-    # -- policies ----------------------------------------------------------------------------------
-    def test_capacity_eviction_on_the_training_path(self):
-        """Each batch looked up (inserting) and then updated, as the adapters train: LFU keeps
-        the older, twice-seen rows over the previous batch's once-seen one, LRU the newest."""
-        for policy, keep in {"lfu": [0, 1, 3], "lru": [1, 2, 3]}.items():
-            s = self.open(eviction=Eviction(3, policy, slack=0))
-            for batch in ([0, 1], [0, 1], [2], [3]):
-                s.lookup(batch)
-                s.update(batch, np.ones((len(batch), DIM), np.float32))
-            assert sorted(table_of(s)) == keep, policy
 
     # -- model-based -------------------------------------------------------------------------------
     def test_state_machine_against_dict_model(self):
@@ -508,6 +304,12 @@ class StoreConformance(BackendPrimitiveConformance):
             settings=settings(max_examples=12, stateful_step_count=15, deadline=None,
                               suppress_health_check=list(HealthCheck)),
         )
+
+
+
+#: every area of the suite: ``class TestMine(*FULL_CONFORMANCE)`` runs all of them
+FULL_CONFORMANCE: tuple[type, ...] = (StoreConformance, StoreLifecycleConformance,
+                                      BackendPrimitiveConformance)
 
 
 class LayoutMatrix:

@@ -1,8 +1,8 @@
 """The backend half of the conformance suite: the row primitives the engine is built on
 (``update_rows``, ``insert_rows``, ``modify``), called on ``store.backend`` directly.
 
-:class:`~embstore.testing.conformance.StoreConformance` inherits these tests, so every backend
-and layer runs them; they use its ``open`` helper.
+Every backend and layer runs them as one area of
+:data:`~embstore.testing.conformance.FULL_CONFORMANCE`; they use the harness's ``open`` helper.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 import embstore
 from embstore.backends.base import RowUpdate
 
-DIM = 8
+from .conformance_harness import DIM, ConformanceHarness
 
 
-class BackendPrimitiveConformance:
-    """Tests of ``Backend.update_rows`` / ``insert_rows`` / ``modify`` (mixed into
-    :class:`~embstore.testing.conformance.StoreConformance`)."""
+class BackendPrimitiveConformance(ConformanceHarness):
+    """Tests of ``Backend.update_rows`` / ``insert_rows`` / ``modify`` (an area of
+    :data:`~embstore.testing.conformance.FULL_CONFORMANCE`)."""
 
     def test_backend_row_update_changes_found_rows_only(self):
         s = self.open()

@@ -363,7 +363,7 @@ def test_insert_rows_never_overwrites_a_row_created_meanwhile(kind, store_url):
     with embstore.open(store_url, **_options(kind)) as s:
         keys = np.arange(10, dtype=np.int64)
         s.update(keys[:4], np.ones((4, DIM), np.float32))  # "the other writer"
-        template = s._template()
+        template = s.writer.template()
         vectors = s.initial_vectors(keys)
         done = s.backend.insert_rows(keys, vectors, template)  # a stale lookup's insert
         if done is not None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from embstore import errors as _errors
+from embstore.api import open_store
 from embstore.errors import SchemaMismatchError, StoreClosedError
 from embstore.layers.sharded import sharded_url
 from embstore.layout import Layout
@@ -183,7 +184,7 @@ class DistributedStore(KeyedOps, ExportOp, CollectiveOps):
         """The engine over this rank's backend; its error is agreed on (or returned)."""
         err = None
         try:
-            self.local = EmbeddingStore(backend, dim=dim, **engine)
+            self.local = open_store(backend, dim, **engine)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             err = e
         if agree:

@@ -309,7 +309,29 @@ def _run(q: np.ndarray, k: int, key_dtype: Any, source: Iterable, rows: int,
 def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
           batch_size: int | None = None, dense: bool | None = None,
           ) -> TopKResult:
-    """See :meth:`embstore.EmbeddingStore.top_k`; returns a :class:`TopKResult`."""
+    """Exact top-``k`` keys of ``store`` by dot product for each query row
+    (``store.top_k``; ``dense``: score a dense copy of the vectors, the default for an
+    in-process store of one shard).
+
+    Parameters
+    ----------
+    queries : array-like, shape (n, dim) or (dim,)
+    k : int
+    exclude : array-like of keys, or a list of n arrays (one per query), optional
+        Keys never returned (for all queries, or per query).
+    batch_size : int, optional
+        Items per block (default: about 8M scores per block).
+
+    Returns
+    -------
+    keys : np.ndarray, shape (n, min(k, rows))
+    scores : np.ndarray of float32, same shape
+        Sorted by score descending, ties by key ascending; a NaN score (inf - inf) ranks
+        last. Rows that run out of keys after per-query exclusion are padded with key
+        ``embstore.retrieval.PAD_KEY`` (``b""`` for bytes keys) and score ``-inf``.
+        The result is a :class:`embstore.retrieval.TopKResult`: it unpacks as
+        ``(keys, scores)``, and its ``valid`` mask is False at padded places.
+    """
     store.check_open()
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
         raise InvalidInputError(f"k must be a positive int, got {k!r}")

@@ -1,9 +1,10 @@
-"""The engine: what :class:`embstore.EmbeddingStore` is made of, and the seams it offers.
+"""What the engine shares with the layers around it, and the seams it offers.
 
 ``embstore.store.EmbeddingStore`` is the public class (importable from ``embstore`` and
-``embstore.store``); the modules here own its parts, and :mod:`embstore.engine.protocols`
-declares what policies, sampling and retrieval may ask of a store and what an observer of its
-writes must implement.
+``embstore.store``, the package of the parts it owns). The modules here sit below it and are
+used beside it too: :mod:`embstore.engine.protocols` declares what policies, sampling and
+retrieval may ask of a store and what an observer of its writes must implement; the batch
+helpers, the metadata merge, pickling and the services handed down from above live here.
 """
 
 from __future__ import annotations

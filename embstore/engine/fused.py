@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._cython import fused
+from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
 __all__ = ["BagBatch", "bag_batch"]
@@ -56,6 +57,22 @@ class BagBatch:
         in), added in element order as the unfused path adds them."""
         sums = np.empty((len(self.uniq), grad.shape[1]), dtype=np.float32)
         fused.grad_sums(self.inv, self.offsets, self.weights, self.mean, grad, sums)
+        return sums
+
+    def checked_grad_sums(self, grad: Any, dim: int) -> np.ndarray | None:
+        """:meth:`grad_sums` of a pooled gradient as given to ``update_bags``, checked
+        (shape ``(n_bags, dim)``, finite sums); None when the batch holds no ids."""
+        g = np.asarray(grad, dtype=np.float32)
+        if g.ndim == 2 and g.shape[1] > 1 and g.strides[1] != 4:  # rows may sit apart
+            g = np.ascontiguousarray(g)
+        if g.shape != (self.n_bags, dim):
+            raise InvalidInputError(f"gradients must have shape ({self.n_bags}, {dim}), "
+                                    f"got {g.shape}")
+        if not len(self.uniq):
+            return None
+        sums = self.grad_sums(g)
+        if not all_finite(sums):
+            raise InvalidInputError("gradients contain NaN or inf")
         return sums
 
 

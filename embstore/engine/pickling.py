@@ -13,13 +13,18 @@ process then reopens it writable, e.g. DataLoader workers that must write) or th
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+from ..urls import redact_url
 from .services import reopener
 
-__all__ = ["writable_unpickling", "reopen_pickled"]
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+
+__all__ = ["pickle_args", "reduce_store", "reopen_pickled", "writable_unpickling"]
 
 # Process-wide, not per thread: multiprocessing.Pool pickles its tasks in a handler thread.
 _lock = threading.Lock()
@@ -58,6 +63,21 @@ def pickle_args(url: str, options: dict[str, Any], read_only: bool) -> tuple:
     """The arguments :func:`reopen_pickled` gets: the writer grant is decided when pickling
     (inside :func:`writable_unpickling`) or again when unpickling."""
     return (url, options, bool(read_only), (not read_only) and _requested())
+
+
+def reduce_store(backend: Backend, options: dict[str, Any], read_only: bool
+                 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """A store's ``__reduce__``: reopen ``backend.url`` (the real URL, password included) with
+    these reopen options; a store in this process's memory refuses to be pickled."""
+    if not backend.persistent:
+        raise pickle.PicklingError(
+            f"a {redact_url(backend.url)} store lives in this process's memory and is not "
+            "pickled: a copy would silently diverge. Use a persistent backend (lmdb://, "
+            "rocksdb://, sql, bigtable://) to share a store with DataLoader workers, or "
+            "export/import it.")
+    # Reopens read-only unless a writer is asked for (writable_unpickling): a silent second
+    # writer would overwrite the stored step/version from its stale copy.
+    return reopen_pickled, pickle_args(backend.url, dict(options), read_only)
 
 
 def reopen_pickled(url: str, options: dict[str, Any], read_only: bool,

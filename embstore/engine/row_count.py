@@ -64,10 +64,11 @@ def measure_size(backend: Backend, count_rows: bool | None, out: dict[str, Any])
 
 def store_stats(backend: Backend, counters: Mapping[str, int], count_rows: bool | None, *,
                 step: int, version: int, policy: Mapping[str, Any],
-                observers: Iterable[StoreObserver]) -> dict[str, Any]:
+                observers: Iterable[StoreObserver], admission_bytes: int = 0) -> dict[str, Any]:
     """``EmbeddingStore.stats()``: the engine's counters and ``hit_rate``, ``step`` and
     ``version``, the policies', the backend's and every observer's counters, and ``rows`` /
-    ``size_bytes`` where cheap or asked for."""
+    ``size_bytes`` where cheap or asked for; ``admission_bytes`` (the admission policy's
+    state: memory the table costs too) is counted in ``size_bytes``."""
     out: dict[str, Any] = dict(counters)
     measure_rows(backend, count_rows, out)
     looked = out["lookups"]
@@ -79,4 +80,7 @@ def store_stats(backend: Backend, counters: Mapping[str, int], count_rows: bool 
     for obs in observers:  # e.g. the sampling index: rows, scans, rebuilds, bytes
         out.update(obs.stats())
     measure_size(backend, count_rows, out)
+    out["admission_bytes"] = admission_bytes
+    if out.get("size_bytes") is not None:
+        out["size_bytes"] += admission_bytes
     return out

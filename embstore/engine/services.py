@@ -13,32 +13,33 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ..errors import EmbstoreError
-
-if TYPE_CHECKING:
-    from ..store import EmbeddingStore
 
 __all__ = ["Transfers", "install", "opener", "reopener", "transfers"]
 
 
 class Transfers(Protocol):
-    """The whole-table moves of a store (implemented by :mod:`embstore.transfer`)."""
+    """The whole-table moves of a store (implemented by :mod:`embstore.transfer`).
 
-    def export(self, store: EmbeddingStore, dest: str | os.PathLike[str] | BinaryIO,
+    ``store`` is an :class:`embstore.EmbeddingStore`; it is typed ``Any`` here because this
+    module sits below the store, which calls it (naming the class would be an import cycle).
+    """
+
+    def export(self, store: Any, dest: str | os.PathLike[str] | BinaryIO,
                fmt: str | None, *, since: int | None, batch_size: int,
                progress: bool, quantize: str | None = None) -> int:
         """``store.export``: write the store's records in the format ``fmt`` or the name asks."""
         ...
 
-    def import_(self, store: EmbeddingStore, src: str | os.PathLike[str] | BinaryIO | bytes,
+    def import_(self, store: Any, src: str | os.PathLike[str] | BinaryIO | bytes,
                 fmt: str | None, *, partial: bool, progress: bool,
                 apply_deletes: bool) -> int:
         """``store.import_``: check the whole file, then write it; return rows imported."""
         ...
 
-    def replace(self, store: EmbeddingStore, src: str | os.PathLike[str] | BinaryIO | bytes
+    def replace(self, store: Any, src: str | os.PathLike[str] | BinaryIO | bytes
                 ) -> tuple[int, int, int, dict]:
         """``store.import_(replace=True)``: check the native snapshot whole, swap it in;
         return ``(rows, step, version, header)``."""

@@ -134,7 +134,31 @@ def check_num_sampled(num_sampled: Any) -> int:
 def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None, *,
            offsets: Any = None, remove_accidental_hits: bool = True, unique: bool = True,
            seed: Any = None) -> SampledResult | list[SampledResult]:
-    """See :meth:`embstore.EmbeddingStore.sample`."""
+    """Candidate sampling (``store.sample``): positives and ``num_sampled`` sampled
+    negatives of ``store``, merged.
+
+    Parameters
+    ----------
+    positive_keys : array-like, list of array-like, 2-D array, or flat keys with ``offsets``
+        One example's positives, or a batch (multi-label): then a list of results.
+    num_sampled : int
+        Negatives drawn (shared by the examples of a batch, as in TF's sampled softmax).
+    sampler : Sampler or str
+        ``UniformSampler``, ``LogUniformSampler`` (default), ``UnigramSampler(0.75)``,
+        ``FixedCandidatesSampler`` (from :mod:`embstore.sampling`) or their names.
+    offsets : array-like of int, optional
+        Row splits of a flat ``positive_keys`` (length batch + 1).
+    remove_accidental_hits : bool
+        Drop sampled negatives equal to one of the example's positives.
+    unique : bool
+        Draw until ``num_sampled`` distinct keys; ``prob`` is then an inclusion probability.
+    seed : int or numpy Generator, optional
+
+    Returns
+    -------
+    SampledResult or list of SampledResult
+        ``keys``, ``is_positive``, ``prob`` (expected count, for the logQ correction).
+    """
     store.check_open()
     sampler = resolve_sampler(sampler)
     m = check_num_sampled(num_sampled)

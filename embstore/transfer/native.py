@@ -1,7 +1,7 @@
 """Native export and import of a store.
 
-Kept apart from ``store.py`` because none of it is on a training hot path; the engine's
-``export``/``import_`` methods validate state and delegate here. Imports of
+Kept apart from the store (``embstore.store``) because none of it is on a training hot
+path; the engine's ``export``/``import_`` methods validate state and delegate here. Imports of
 every format, the native one included, run through one pipeline,
 :func:`embstore.transfer.import_file` (check the whole file, then write).
 """

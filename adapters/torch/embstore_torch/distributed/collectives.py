@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embstore import errors as _errors
+from embstore.api import open_store
 from embstore.backends.base import Backend
 from embstore.errors import SchemaMismatchError, StoreClosedError
 from embstore.store import EmbeddingStore
@@ -140,7 +141,7 @@ class Collectives:
         """The engine over this rank's backend; its error is agreed on (or returned)."""
         err = None
         try:
-            self._local = EmbeddingStore(backend, dim=dim, **engine)
+            self._local = open_store(backend, dim, **engine)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             err = e
         if agree:

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 import embstore
+from embstore.api import open_backend
 from embstore.backends.base import Backend
-from embstore.engine.opening import open_backend, split_options
 from embstore.errors import SchemaMismatchError, StoreNotFoundError
 from embstore.layers.sharded import SHARD_FORMAT
 from embstore.layers.wrapper import WrapperBackend
@@ -93,12 +93,9 @@ class ShardView(WrapperBackend):
 
 def open_rank_backend(url: str, options: dict[str, Any], sharding: tuple[int, int] | None
                       ) -> tuple[Backend, dict[str, Any], bool]:
-    """The backend stack of one rank's store (as ``embstore.open`` builds it), wrapped as a
+    """The backend stack of one rank's store (``embstore.api.open_backend``), wrapped as a
     shard when ``sharding`` is given; returns ``(backend, engine options, existed)``."""
-    engine, read_only, layer, backend_opts = split_options(options)
-    backend = open_backend(url, read_only=read_only, layer=layer, options=backend_opts)
-    engine["read_only"] = read_only
-    engine["reopen_options"] = dict(backend.reopen_options())
+    backend, engine = open_backend(url, **options)
     if sharding is None:
         return backend, engine, True
     try:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from embstore.errors import InvalidInputError, StoreClosedError
 from embstore.layers.wrapper import WrapperBackend
 from embstore.testing import architecture as arch
 from embstore.testing import class_shape as shape
+from tests.paths import REPO_ROOT
 
 ENGINE = ("embstore.store", "embstore.engine", "embstore.api")
 
@@ -46,7 +46,7 @@ def test_no_import_cycle_even_through_type_checking_imports_in_the_engine():
 def test_only_the_api_builds_stores_from_backends():
     """Adapters open through ``embstore.api`` (``open`` or ``open_backend`` + ``open_store``),
     never by constructing the engine over a backend themselves."""
-    root = Path(__file__).resolve().parents[1] / "adapters"
+    root = REPO_ROOT / "adapters"
     strays = [str(p) for p in root.rglob("*.py")
               if "EmbeddingStore(" in p.read_text(encoding="utf-8")
               or "engine.opening" in p.read_text(encoding="utf-8")]

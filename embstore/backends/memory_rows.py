@@ -54,7 +54,8 @@ class RowKernels:
     def gather(self, arena: Any, slots: np.ndarray) -> np.ndarray:
         """Whole records at ``slots`` (zero rows for empty slots)."""
         recs = np.empty(len(slots), dtype=self.layout.dtype)
-        arena.gather(slots, recs.view(np.uint8).reshape(len(slots), -1))
+        # the record width spelt out: reshape cannot infer it for zero rows
+        arena.gather(slots, recs.view(np.uint8).reshape(len(slots), self.layout.itemsize))
         return recs
 
     def gather_field(self, arena: Any, slots: np.ndarray, field: str) -> np.ndarray:
@@ -67,7 +68,8 @@ class RowKernels:
 
     def scatter(self, arena: Any, slots: np.ndarray, records: np.ndarray) -> None:
         """Overwrite the records at ``slots``."""
-        arena.scatter(slots, np.ascontiguousarray(records).view(np.uint8).reshape(len(slots), -1))
+        arena.scatter(slots, np.ascontiguousarray(records).view(np.uint8)
+                      .reshape(len(slots), self.layout.itemsize))
 
     def write_new(self, arena: Any, slots: np.ndarray, template: np.ndarray,
                   vectors: np.ndarray) -> None:

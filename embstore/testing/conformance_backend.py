@@ -45,6 +45,16 @@ class BackendPrimitiveConformance(ConformanceHarness):
         untouched, _ = backend.get(np.array([5], dtype=np.int64))
         assert untouched["count"][0] == 0 and untouched["version"][0] != 77
 
+    def test_backend_reads_of_no_keys_are_empty(self):
+        s = self.open()
+        s.lookup([1])
+        none = s.normalize_keys([])
+        recs, found = s.backend.get(none)
+        assert len(recs) == 0 and recs.dtype == s.layout.dtype and len(found) == 0
+        assert len(s.backend.contains(none)) == 0
+        s.backend.put(none, s.layout.empty(0))
+        assert len(s) == 1
+
     def test_backend_insert_rows_fills_records_from_a_template(self):
         s = self.open(optimizer=embstore.optim.Adagrad(initial_accumulator_value=0.5))
         s.lookup([1])  # binds the layout; key 1 exists already

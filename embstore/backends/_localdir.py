@@ -6,6 +6,7 @@ to something else is refused with nothing created or touched.
 
 from __future__ import annotations
 
+import abc
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ from ..errors import BackendError, SchemaMismatchError
 
 # its home is embstore.urls (public: the TF adapter checks file-named URLs with it)
 from ..urls import parse_dir_url as parse_dir_url
+from .base import Backend
 
 
 def check_store_dir(path: str, marker: str, engine: str) -> bool:
@@ -132,3 +134,24 @@ def unpack_field(buf: bytes | bytearray, found: np.ndarray, dtype: np.dtype,
     out = np.zeros((len(found),) + fdt.shape, dtype=fdt.base)
     out[found] = got
     return out
+
+
+class FetchedRows(Backend):
+    """Base of the local key-value backends (LMDB, RocksDB): every read of rows comes from
+    one :meth:`_fetch`, the found records' bytes concatenated in request order plus the found
+    mask, and is answered the same way."""
+
+    @abc.abstractmethod
+    def _fetch(self, keys: np.ndarray) -> tuple[bytes | bytearray, np.ndarray]:
+        """Raw bytes of the found records (concatenated, request order) and the found mask."""
+
+    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        return unpack_records(buf, found, self.layout.dtype), found
+
+    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
+        buf, found = self._fetch(keys)
+        return unpack_field(buf, found, self.layout.dtype, field), found
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return self._fetch(keys)[1]

@@ -29,16 +29,15 @@ from ..errors import BackendError, ConcurrentRestoreError, InvalidInputError
 from ..layout import Layout
 from . import ordered_keys
 from ._localdir import (
+    FetchedRows,
     as_void,
     check_store_dir,
     found_mask,
     parse_dir_url,
     sorted_last_wins,
-    unpack_field,
-    unpack_records,
 )
 from ._txn import records_from_values, write_plan
-from .base import Backend, ModifyFn
+from .base import ModifyFn
 from .lmdb_env import GEN_KEY, META_KEY, LmdbEnv
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
 
@@ -54,7 +53,7 @@ _BULK_BYTES = 320 << 20
 _BULK_TXN_ROWS = 1 << 17  # a sorted chunk is committed in slices: smaller dirty-page lists
 
 
-class LmdbBackend(Backend):
+class LmdbBackend(FetchedRows):
     """Row store in an LMDB environment directory.
 
     Parameters
@@ -198,17 +197,6 @@ class LmdbBackend(Backend):
         if long_keys is not None:
             found &= ~long_keys
         return buf, found
-
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        return unpack_records(buf, found, self.layout.dtype), found
-
-    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        return unpack_field(buf, found, self.layout.dtype, field), found
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        return self._fetch(keys)[1]
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         if len(keys) == 0:

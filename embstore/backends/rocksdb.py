@@ -31,17 +31,16 @@ from ..extras import install_hint
 from ..layout import Layout
 from . import ordered_keys
 from ._localdir import (
+    FetchedRows,
     as_void,
     check_store_dir,
     found_mask,
     parse_dir_url,
     sorted_last_wins,
-    unpack_field,
-    unpack_records,
 )
 from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
-from .base import Backend, ModifyFn
+from .base import ModifyFn
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
 from .rocksdb_handles import META_KEY, POOL, RocksHandles
 
@@ -54,7 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
 
 
-class RocksDBBackend(Backend):
+class RocksDBBackend(FetchedRows):
     """Row store in a RocksDB directory.
 
     Parameters
@@ -152,17 +151,6 @@ class RocksDBBackend(Backend):
         assert vals is not None  # a list of keys gets a list (b"" for missing ones)
         buf = bytearray().join(vals)
         return buf, found_mask(vals, buf, self._itemsize, self.url)
-
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        return unpack_records(buf, found, self.layout.dtype), found
-
-    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        buf, found = self._fetch(keys)
-        return unpack_field(buf, found, self.layout.dtype, field), found
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        return self._fetch(keys)[1]
 
     def _pairs(self, keys: np.ndarray, records: np.ndarray) -> tuple[list, list]:
         return (ordered_keys.encode(keys, self.key_type),

@@ -76,7 +76,7 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
                                                                monkeypatch):
     pytest.importorskip("google.cloud.bigtable")
     from embstore.backends.bigtable import guard
-    from embstore.backends.bigtable.restore import BigtableRestore
+    from embstore.backends.bigtable.restore import StagedRestore
 
     live = bigtable_url_factory()
     _fill(live, 2.0, KEYS[:10])
@@ -85,7 +85,7 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
         raise RuntimeError("killed before the marker")
 
     with embstore.open(live) as s:
-        monkeypatch.setattr(BigtableRestore, "set_marker", crash)
+        monkeypatch.setattr(StagedRestore, "set_marker", crash)
         with pytest.raises(RuntimeError):
             s.import_(_snapshot(), replace=True)
         monkeypatch.undo()

@@ -1,14 +1,14 @@
 """Marks of a Bigtable restore, and scans that refuse to read across one (see :mod:`.restore`).
 
-Module functions over a backend's public methods (``read_meta_doc``, ``write_row_doc``,
-``restore_marker``, ``raw_rows``), kept out of the backend's class.
+Module functions over the public methods of a table's :class:`~.restore.StagedRestore`
+(``restore_marker``, ``read_meta_doc``, ``open_staging``, ``staging_exists``, ...) and of a
+staging table's backend (``read_meta_doc``, ``raw_rows``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -125,11 +125,6 @@ def refuse_pending(b: Any) -> None:
 
 
 # -- scans during a restore -----------------------------------------------------------------------
-def write_generation(b: Any) -> None:
-    """A fresh generation id in ``wire.GEN_ROW`` (a restore, before it clears its marker)."""
-    b.write_row_doc(wire.GEN_ROW, uuid.uuid4().hex)
-
-
 def refuse_restoring(b: Any) -> None:
     if b.restore_marker() is not None:
         raise ConcurrentRestoreError(

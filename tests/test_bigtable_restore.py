@@ -56,7 +56,7 @@ def _old_and_new(url: str, key_type: str = "int64", **opts):
 
 def _stage_exists(url: str) -> bool:
     with embstore.open(url, read_only=True) as s:
-        return s.backend.staging_exists()
+        return s.backend.restore.staging_exists()
 
 
 @pytest.mark.parametrize("key_type", ["int64", "bytes"])

@@ -91,6 +91,6 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
         monkeypatch.undo()
         assert guard.staging_of(s.backend)  # marked with the restore's id
         assert s.import_(_snapshot(), replace=True) == 30  # the leftover is its own: dropped
-        assert not s.backend.staging_exists()
+        assert not s.backend.restore.staging_exists()
     with embstore.open(live) as s:
         assert len(s) == 30

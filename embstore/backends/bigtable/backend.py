@@ -35,6 +35,61 @@ from .restore import StagedRestore
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
+def _store_url(url: str, emulator_host: str | None
+               ) -> tuple[str, str | None, tuple[str, str, str]]:
+    """The store's URL and emulator: ``store.url`` must reopen the same table, so with the
+    emulator's address in it a reopen in a process without BIGTABLE_EMULATOR_HOST does not go
+    to Cloud Bigtable."""
+    check_url_text(url)  # a newline would cut the table id short
+    project, instance, table_id = wire.parse_url(url)
+    host = (emulator_host or wire.url_emulator_host(url)
+            or os.environ.get("BIGTABLE_EMULATOR_HOST") or None)
+    url = f"bigtable://{project}/{instance}/{table_id}"
+    if host:
+        url += "?" + urlencode({"emulator_host": host}, safe=":")
+    return url, host, (project, instance, table_id)
+
+
+def _check_settings(column_family: Any, read_batch: Any, write_batch: Any, inflight: Any,
+                    retry_deadline: Any, rpc_timeout: Any) -> None:
+    if not _FAMILY.match(str(column_family)):
+        raise InvalidInputError(f"invalid column family name {column_family!r}")
+    for name, val in (("read_batch", read_batch), ("write_batch", write_batch),
+                      ("inflight", inflight)):
+        if int(val) <= 0:
+            raise InvalidInputError(f"{name} must be positive, got {val!r}")
+    if float(retry_deadline) <= 0 or float(rpc_timeout) <= 0:
+        raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
+
+
+def _gathered(batches: Iterator[tuple[np.ndarray, np.ndarray]], target: int
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``batches`` joined into batches of at least ``target`` rows (the last: the rest); a
+    key repeated across the joined batches keeps its last record."""
+    keys_acc: list[np.ndarray] = []
+    recs_acc: list[np.ndarray] = []
+    size = 0
+    for keys, recs in batches:
+        keys_acc.append(keys)
+        recs_acc.append(recs)
+        size += len(keys)
+        if size >= target:
+            yield _joined(keys_acc, recs_acc)
+            keys_acc, recs_acc, size = [], [], 0
+    if keys_acc:
+        yield _joined(keys_acc, recs_acc)
+
+
+def _joined(keys_acc: list, recs_acc: list) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.concatenate(keys_acc)
+    recs = np.concatenate(recs_acc)
+    if len(keys_acc) > 1:  # a key repeated across batches: the last one wins
+        _, last = np.unique(keys[::-1], return_index=True)
+        sel = np.sort(len(keys) - 1 - last)
+        keys, recs = keys[sel], recs[sel]
+    return keys, recs
+
+
 class BigtableBackend(Backend):
     """Row store in a Bigtable table; persistent, scan in key order.
 
@@ -86,25 +141,12 @@ class BigtableBackend(Backend):
                  inflight: int = 4, interceptors: Sequence[Any] = (),
                  credentials: Any = None, check_and_set: bool = True,
                  **options: Any) -> None:
-        check_url_text(url)  # a newline would cut the table id short
-        self.project, self.instance, self.table_id = wire.parse_url(url)
-        if not _FAMILY.match(str(column_family)):
-            raise InvalidInputError(f"invalid column family name {column_family!r}")
-        for name, val in (("read_batch", read_batch), ("write_batch", write_batch),
-                          ("inflight", inflight)):
-            if int(val) <= 0:
-                raise InvalidInputError(f"{name} must be positive, got {val!r}")
-        if float(retry_deadline) <= 0 or float(rpc_timeout) <= 0:
-            raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
+        url, self.emulator_host, (self.project, self.instance, self.table_id) = _store_url(
+            url, emulator_host)
+        _check_settings(column_family, read_batch, write_batch, inflight, retry_deadline,
+                        rpc_timeout)
         if options:
             raise unknown_option_error("bigtable://", options, accepted_options(type(self)) or ())
-        self.emulator_host = (emulator_host or wire.url_emulator_host(url)
-                              or os.environ.get("BIGTABLE_EMULATOR_HOST") or None)
-        # store.url must reopen the same table: with the emulator's address in it, a reopen
-        # in a process without BIGTABLE_EMULATOR_HOST does not go to Cloud Bigtable
-        url = f"bigtable://{self.project}/{self.instance}/{self.table_id}"
-        if self.emulator_host:
-            url += "?" + urlencode({"emulator_host": self.emulator_host}, safe=":")
         super().__init__(url, read_only=read_only)
         self.column_family = str(column_family)
         self.app_profile_id = app_profile_id
@@ -114,11 +156,6 @@ class BigtableBackend(Backend):
         self.check_and_set = bool(check_and_set)
         self.table_name = (f"projects/{self.project}/instances/{self.instance}"
                            f"/tables/{self.table_id}")
-        self._family_b = self.column_family.encode()
-        self._read_head = wire.request_head(self.table_name, app_profile_id, 5)
-        self._write_head = wire.request_head(self.table_name, app_profile_id, 3)
-        self._filter = wire.latest_cell_filter(self.column_family)
-        self._keys_filter = wire.latest_cell_filter(self.column_family, strip_value=True)
         self._meta_cache: dict | None = None
         self._lease_doc: dict | None = None  # the lease record as this backend last wrote it
         self.counters = dict.fromkeys(
@@ -127,13 +164,13 @@ class BigtableBackend(Backend):
         self.conn = BigtableConnection(
             self.url, self.table_name, self.counters, emulator_host=self.emulator_host,
             create=(self.emulator_host is not None) if create is None else bool(create),
-            read_only=read_only, column_family=self.column_family,
+            read_only=read_only, column_family=self.column_family, app_profile_id=app_profile_id,
             retry_deadline=float(retry_deadline), rpc_timeout=self.rpc_timeout,
             inflight=self.inflight, interceptors=interceptors, credentials=credentials)
         self.conn.on_recreated = self._restore_control_rows
-        self.cas = CasWriter(self.conn, app_profile_id)
-        self.restore = StagedRestore(self.conn, self.cas, app_profile_id, self.write_batch,
-                                     self.open_staging, self.write_meta)
+        self.cas = CasWriter(self.conn, self.read_batch)
+        self.restore = StagedRestore(self.conn, self.cas, self.write_batch, self.open_staging,
+                                     self.write_meta)
         try:
             self.conn.ensure_table(initial=True)
             # A restore interrupted by a crash: finished or undone here (see .restore).
@@ -158,51 +195,16 @@ class BigtableBackend(Backend):
         if self.read_only:
             raise ReadOnlyError(f"{self.url} is open read-only")
 
-    # -- key encoding -----------------------------------------------------------------------------
-    def _row_keys(self, keys: np.ndarray) -> np.ndarray | list[bytes]:
-        if self.key_type == "int64":
-            return wire.encode_int_keys(keys)
-        too_long = [k for k in keys if len(k) >= wire.MAX_ROW_KEY]
-        if too_long:
-            raise InvalidInputError(
-                f"bytes keys must be shorter than {wire.MAX_ROW_KEY} bytes for Bigtable; got "
-                f"one of {len(too_long[0])} bytes")
-        return wire.encode_bytes_keys(keys)
-
-    def _row_key_list(self, keys: np.ndarray) -> list[bytes]:
-        rk = self._row_keys(keys)
-        return [bytes(r) for r in rk] if isinstance(rk, np.ndarray) else list(rk)
-
-    def _decode_keys(self, row_keys: list[bytes]) -> np.ndarray:
-        if self.key_type == "int64":
-            return wire.decode_int_keys(row_keys)
-        return wire.decode_bytes_keys(row_keys)
-
     # -- reads ------------------------------------------------------------------------------------
     def _fetch(self, keys: np.ndarray, keys_only: bool) -> tuple[np.ndarray, list[bytes]]:
         """Read unique sorted ``keys``: return (index into keys of found rows, values)."""
-        rk = self._row_keys(keys)
-        filt = self._keys_filter if keys_only else self._filter
-        step = self.read_batch
-        chunks = [rk[i:i + step] for i in range(0, len(keys), step)]
-        results = self.conn.run_sharded("read", chunks, lambda c, dl: self.conn.read(
-            wire.read_rows_keys(self._read_head, c, filt), "read", dl))
-        got_keys: list[bytes] = [k for ks, _ in results for k in ks]
-        vals: list[bytes] = [v for _, vs in results for v in vs]
-        self.counters["rows_read"] += len(got_keys)
-        found_keys = self._decode_keys(got_keys)
+        h = self.conn.heads
+        got, vals = self.conn.read_keys(h.read, wire.row_keys(keys, self.key_type),
+                                        h.keys_filter if keys_only else h.filter,
+                                        self.read_batch)
+        found_keys = wire.decode_keys(got, self.key_type)
         idx = np.searchsorted(keys, found_keys) if len(found_keys) else np.zeros(0, np.intp)
         return idx, vals
-
-    def _read_raw(self, keys: np.ndarray) -> list[bytes]:
-        """Stored record bytes of ``keys`` (unique) in request order, ``b""`` where missing."""
-        out = [b""] * len(keys)
-        if len(keys):
-            order = np.argsort(keys, kind="stable")
-            idx, vals = self._fetch(keys[order], keys_only=False)
-            for i, v in zip(order[idx].tolist(), vals):
-                out[i] = v
-        return out
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(keys)
@@ -237,26 +239,22 @@ class BigtableBackend(Backend):
             raise InvalidInputError(
                 f"put needs {n} records of the store's layout, got {len(records)} of "
                 f"{records.dtype}")
-        rk = self._row_keys(keys)
+        rk = wire.row_keys(keys, self.key_type)
         values = np.ascontiguousarray(records).view(np.uint8).reshape(n, -1)
         ts = self.cas.next_ts()
-        encode = wire.mutate_rows_int if self.key_type == "int64" else wire.mutate_rows_generic
-        head, fam, step = self._write_head, self._family_b, self.write_batch
+        encode: Any = wire.mutate_rows_int if self.key_type == "int64" else (
+            wire.mutate_rows_generic)
+        head, fam, step = self.conn.heads.write, self.conn.heads.family_b, self.write_batch
 
-        def send(start: int, deadline: float) -> None:
-            ck = rk[start:start + step]
-            cv = values[start:start + step]
+        def build(start: int, sel: np.ndarray) -> bytes:
+            ck, cv = rk[start:start + step], values[start:start + step]
             if isinstance(ck, list):
-                def build(sel):
-                    return encode(head, fam, ts, [ck[i] for i in sel], cv[sel])
-            else:
-                def build(sel):
-                    if len(sel) == len(cv):  # first attempt: no copies
-                        return encode(head, fam, ts, ck, cv)
-                    return encode(head, fam, ts, ck[sel], cv[sel])
-            self.conn.mutate("write", build, len(cv), deadline)
+                return encode(head, fam, ts, [ck[i] for i in sel], cv[sel])
+            if len(sel) == len(cv):  # first attempt: no copies
+                return encode(head, fam, ts, ck, cv)
+            return encode(head, fam, ts, ck[sel], cv[sel])
 
-        self.conn.run_sharded("write", list(range(0, n, step)), send)
+        self.conn.mutate_batches("write", n, step, build)
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         """Read-modify-write by compare-and-set per row, retried on conflict (see
@@ -264,8 +262,8 @@ class BigtableBackend(Backend):
         self._check_writable()
         if not self.check_and_set:
             return super().modify(keys, fn)
-        return self.cas.modify(self._row_key_list(keys), fn, self._empty_records(len(keys)),
-                               lambda rows: self._read_raw(keys[rows]))
+        return self.cas.modify(wire.row_key_list(keys, self.key_type), fn,
+                               self._empty_records(len(keys)))
 
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
                     template: np.ndarray) -> np.ndarray | None:
@@ -276,55 +274,32 @@ class BigtableBackend(Backend):
             return super().insert_rows(keys, vectors, template)
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
-        return self.cas.insert(self._row_key_list(keys), records)
+        return self.cas.insert(wire.row_key_list(keys, self.key_type), records)
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._check_writable()
         self._check_fence()
         present = self.contains(keys)
-        rk = self._row_key_list(keys[present])
-        step, head = self.write_batch, self._write_head
-
-        def send(start: int, deadline: float) -> None:
-            ck = rk[start:start + step]
-            self.conn.mutate("delete", lambda sel: wire.delete_rows(
-                head, [ck[i] for i in sel]), len(ck), deadline)
-
-        if rk:
-            self.conn.run_sharded("delete", list(range(0, len(rk), step)), send)
+        rk, head = wire.row_key_list(keys[present], self.key_type), self.conn.heads.write
+        self.conn.mutate_batches("delete", len(rk), self.write_batch, lambda start, sel:
+                                 wire.delete_rows(head, [rk[start + i] for i in sel]))
         return present
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         # Gather small batches so that every put keeps ``inflight`` requests busy.
-        n, keys_acc, recs_acc, size = 0, [], [], 0
-        target = self.write_batch * self.inflight * 4
-        for keys, recs in batches:
-            keys_acc.append(keys)
-            recs_acc.append(recs)
-            size += len(keys)
-            if size >= target:
-                n += self._put_concat(keys_acc, recs_acc)
-                keys_acc, recs_acc, size = [], [], 0
-        if keys_acc:
-            n += self._put_concat(keys_acc, recs_acc)
+        n = 0
+        for keys, recs in _gathered(batches, self.write_batch * self.inflight * 4):
+            self.put(keys, recs)
+            n += len(keys)
         return n
-
-    def _put_concat(self, keys_acc: list, recs_acc: list) -> int:
-        keys = np.concatenate(keys_acc)
-        recs = np.concatenate(recs_acc)
-        if len(keys_acc) > 1:  # a key repeated across batches: the last one wins
-            _, last = np.unique(keys[::-1], return_index=True)
-            sel = np.sort(len(keys) - 1 - last)
-            keys, recs = keys[sel], recs[sel]
-        self.put(keys, recs)
-        return len(keys)
 
     # -- scans ------------------------------------------------------------------------------------
     def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
                    end: bytes = wire.DATA_END, check: Callable[[], None] | None = None
                    ) -> Iterator[tuple[list, list]]:
-        filt = self._keys_filter if keys_only else self._filter
-        return self.conn.scan(self._read_head, filt, batch_size, start, end, check)
+        h = self.conn.heads
+        return self.conn.scan(h.read, h.keys_filter if keys_only else h.filter, batch_size,
+                              start, end, check)
 
     def raw_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
         """Pages of ``(row keys, cell values)`` of every data row, in key order, as stored."""
@@ -339,8 +314,7 @@ class BigtableBackend(Backend):
         """Row ranges cut at every ``size/n``-th byte offset of Bigtable's own row-key samples
         (``SampleRowKeys``: split points the server keeps, no rows read); a table with too
         few samples (a small one) is cut at every ``rows/n``-th row key of a keys-only read."""
-        samples = self.conn.sample_row_keys(
-            wire.request_head(self.table_name, self.app_profile_id, 2))
+        samples = self.conn.sample_row_keys()
         data = [(k, off) for k, off in samples if wire.DATA_PREFIX <= k < wire.DATA_END]
         if n > 1 and len(data) >= 2 * (n - 1):
             return kr.ranges_from_bounds(kr.KIND_BYTES, kr.bounds_from_samples(
@@ -358,7 +332,8 @@ class BigtableBackend(Backend):
             return
         for ks, vs in self._scan_rows(False, batch_size, start, end,
                                       guard.restore_guard(self.restore)):
-            yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
+            recs = self.layout.from_bytes(b"".join(vs), len(vs)).copy()
+            yield wire.decode_keys(ks, self.key_type), recs
 
     def __len__(self) -> int:
         # Bigtable keeps no row count: this streams every row key (values stripped), O(rows).
@@ -370,9 +345,7 @@ class BigtableBackend(Backend):
         self._check_writable()
         self._check_fence()
         try:
-            self.conn.admin_call(self.conn.admin_client().drop_row_range, self.conn.deadline(),
-                                 request={"name": self.table_name,
-                                          "row_key_prefix": wire.DATA_PREFIX})
+            self.conn.drop_rows(wire.DATA_PREFIX)
         except gexc.GoogleAPICallError:  # e.g. no admin rights: delete row by row instead
             super().clear()
 
@@ -424,14 +397,6 @@ class BigtableBackend(Backend):
         if self._lease_doc is not None:
             self.cas.write_doc(wire.LEASE_ROW, self._lease_doc, stamp=False)
 
-    def read_meta_doc(self, row: bytes = wire.META_ROW) -> Any:
-        """The JSON document of control row ``row`` as stored (None: no row)."""
-        return self.cas.read_doc(row)
-
-    def write_row_doc(self, row: bytes, doc: Any) -> None:
-        """Write ``doc`` as JSON into the control row ``row`` (blind; see ``CasWriter``)."""
-        self.cas.write_doc(row, doc)
-
     # -- restores ---------------------------------------------------------------------------------
     replace_mechanism = "staging-table"
 
@@ -447,21 +412,16 @@ class BigtableBackend(Backend):
         """A backend on this table's staging table with this one's connection settings (and
         layout, once bound). Once open it never recreates a vanished staging table: a
         half-filled one must not pass for whole."""
-        stage = type(self)(
-            f"bigtable://{self.project}/{self.instance}/{guard.staging_table_id(self.table_id)}",
-            emulator_host=self.emulator_host, create=create, column_family=self.column_family,
-            app_profile_id=self.app_profile_id, retry_deadline=self.retry_deadline,
-            rpc_timeout=self.rpc_timeout, read_batch=self.read_batch,
-            write_batch=self.write_batch, inflight=self.inflight,
-            credentials=self.conn.credentials, check_and_set=False)
+        table = guard.staging_table_id(self.table_id)
+        stage = type(self)(f"bigtable://{self.project}/{self.instance}/{table}", **{
+            **self.reopen_options(), "create": create, "rpc_timeout": self.rpc_timeout,
+            "read_batch": self.read_batch, "write_batch": self.write_batch,
+            "inflight": self.inflight, "credentials": self.conn.credentials,
+            "check_and_set": False})
         stage.conn.create = False
         if self.is_bound:
             stage.bind(self.layout, self.key_type)
         return stage
-
-    def staging_exists(self) -> bool:
-        """Whether this table's restore staging table exists."""
-        return self.restore.staging_exists()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def reopen_options(self) -> dict:
@@ -476,9 +436,6 @@ class BigtableBackend(Backend):
         if not self.check_and_set:
             out["check_and_set"] = False
         return out
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.counters)
 
     def close(self) -> None:
         self.conn.close()

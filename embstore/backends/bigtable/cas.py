@@ -70,19 +70,16 @@ class CasWriter:
     ----------
     conn : BigtableConnection
         The table's connection (requests, retries, the sharded runner, counters).
-    app_profile_id : str, optional
-        Bigtable app profile of the requests.
+    read_batch : int
+        Rows per ReadRows request.
     """
 
-    def __init__(self, conn: BigtableConnection, app_profile_id: str | None) -> None:
-        self.conn = conn
+    def __init__(self, conn: BigtableConnection, read_batch: int) -> None:
+        self.conn, self.read_batch = conn, read_batch
         self.url = conn.url
-        self._fam = conn.column_family
-        self._fam_b = self._fam.encode()
-        self._cam_head = wire.request_head(conn.table_name, app_profile_id, 7)
-        self._read_head = wire.request_head(conn.table_name, app_profile_id, 5)
-        self._write_head = wire.request_head(conn.table_name, app_profile_id, 3)
-        self._filter = wire.latest_cell_filter(self._fam)
+        h = conn.heads
+        self._fam, self._fam_b, self._filter = h.family, h.family_b, h.filter
+        self._cam_head, self._read_head, self._write_head = h.cam, h.read, h.write
         self._ts_lock = threading.Lock()
         self._last_ts = 0
 
@@ -216,12 +213,18 @@ class CasWriter:
                                                      [wire.set_cell(fam_b, ts, new[i])]), False))
         return out
 
-    def modify(self, rk: list[bytes], fn: ModifyFn, landed_recs: np.ndarray,
-               read: Callable[[np.ndarray], list[bytes]]) -> np.ndarray:
+    def read_raw(self, rk: list[bytes]) -> list[bytes]:
+        """The stored bytes of rows ``rk`` (unique) in request order, ``b""`` where missing."""
+        got, vals = self.conn.read_keys(self.conn.heads.read, sorted(rk), self._filter,
+                                        self.read_batch)
+        stored = dict(zip(got, vals))
+        return [stored.get(k, b"") for k in rk]
+
+    def modify(self, rk: list[bytes], fn: ModifyFn, landed_recs: np.ndarray) -> np.ndarray:
         """``Backend.modify`` by compare-and-set per row (see the module docstring).
 
-        ``rk``: the rows' keys; ``landed_recs``: an empty record per row (the layout's dtype);
-        ``read(rows)``: the stored bytes of those rows (``b""``: missing)."""
+        ``rk``: the rows' keys (unique); ``landed_recs``: an empty record per row (the
+        layout's dtype), filled with what ``fn`` made of each."""
         n = len(rk)
         if n == 0:
             return np.zeros(0, dtype=bool)
@@ -233,7 +236,7 @@ class CasWriter:
         delay = 0.002
         while True:
             rows = np.flatnonzero(pending)
-            fresh = read(rows)
+            fresh = self.read_raw([rk[i] for i in rows.tolist()]) if len(rows) else []
             inputs = list(landed_input)
             for i, v in zip(rows.tolist(), fresh):
                 t = tried.get(i)

@@ -65,16 +65,23 @@ class BigtableConnection:
         The owner's counters (``remote_reads``, ``retries``, ...), incremented here.
     settings
         As the backend's options of the same names.
+
+    Attributes
+    ----------
+    heads : wire.Heads
+        The fixed parts of this table's requests, for every part of the backend.
     """
 
     def __init__(self, url: str, table_name: str, counters: dict[str, int], *,
                  emulator_host: str | None, create: bool, read_only: bool, column_family: str,
+                 app_profile_id: str | None,
                  retry_deadline: float, rpc_timeout: float, inflight: int,
                  interceptors: Sequence[Any] = (), credentials: Any = None) -> None:
         self.url, self.table_name, self.counters = url, table_name, counters
         _, self.project, _, self.instance, _, self.table_id = table_name.split("/")
         self.emulator_host, self.create, self.read_only = emulator_host, create, read_only
         self.column_family = column_family
+        self.heads = wire.heads(table_name, app_profile_id, column_family)
         self.retry_deadline, self.rpc_timeout = retry_deadline, rpc_timeout
         self.inflight = inflight
         self.credentials = credentials
@@ -254,6 +261,28 @@ class BigtableConnection:
 
         self.retry(op, attempt, deadline)
 
+    def read_keys(self, head: bytes, row_keys: np.ndarray | list[bytes], filt: bytes,
+                  batch: int) -> tuple[list[bytes], list[bytes]]:
+        """Rows ``row_keys`` (sorted), ``batch`` per request, ``inflight`` requests at a time:
+        ``(row keys found, their values)``."""
+        chunks = [row_keys[i:i + batch] for i in range(0, len(row_keys), batch)]
+        results = self.run_sharded("read", chunks, lambda c, dl: self.read(
+            wire.read_rows_keys(head, c, filt), "read", dl))
+        found = [k for ks, _ in results for k in ks]
+        self.counters["rows_read"] += len(found)
+        return found, [v for _, vs in results for v in vs]
+
+    def mutate_batches(self, op: str, n: int, step: int,
+                       build: Callable[[int, np.ndarray], bytes]) -> None:
+        """MutateRows for rows ``0..n-1``, ``step`` per request, ``inflight`` requests at a
+        time; ``build(start, sel)`` encodes rows ``start + sel`` (``sel``: indices in the
+        request, all of them but on a retry of the entries that failed)."""
+        def send(start: int, deadline: float) -> None:
+            self.mutate(op, lambda sel: build(start, sel), min(step, n - start), deadline)
+
+        if n:
+            self.run_sharded(op, list(range(0, n, step)), send)
+
     def scan(self, head: bytes, filt: bytes, batch_size: int, start: bytes, end: bytes,
              check: Callable[[], None] | None = None) -> Iterator[tuple[list, list]]:
         """Stream the rows in ``[start, end)`` in key order, resuming after the last row on
@@ -273,11 +302,17 @@ class BigtableConnection:
                 return
             start, start_open = ks[-1], True
 
-    def sample_row_keys(self, head: bytes) -> list[tuple[bytes, int]]:
+    def sample_row_keys(self) -> list[tuple[bytes, int]]:
         """Bigtable's ``(row key, byte offset)`` samples of the table (no rows read)."""
         return self.retry("sample", lambda timeout: [
             (bytes(r.row_key), int(r.offset_bytes))
-            for r in self.stubs.sample_row_keys(head, timeout=timeout)], self.deadline())
+            for r in self.stubs.sample_row_keys(self.heads.sample, timeout=timeout)],
+            self.deadline())
+
+    def drop_rows(self, prefix: bytes) -> None:
+        """Drop every row starting with ``prefix`` (an admin call: needs admin rights)."""
+        self.admin_call(self.admin_client().drop_row_range, self.deadline(),
+                        request={"name": self.table_name, "row_key_prefix": prefix})
 
     # -- retry machinery --------------------------------------------------------------------------
     def retry(self, op: str, attempt: Callable[[float], T], deadline: float) -> T:

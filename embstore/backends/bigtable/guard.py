@@ -2,7 +2,7 @@
 
 Module functions over the public methods of a table's :class:`~.restore.StagedRestore`
 (``restore_marker``, ``read_meta_doc``, ``open_staging``, ``staging_exists``, ...) and of a
-staging table's backend (``read_meta_doc``, ``raw_rows``).
+staging table's backend (``cas.read_doc``, ``raw_rows``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def staging_mark(stage: Any, table_id: str) -> str | None:
     creating it: dropping it loses nothing); None when a restore of ``table_id`` did not make
     it (a user's table that merely has the name)."""
     try:
-        doc = stage.read_meta_doc()
+        doc = stage.cas.read_doc()
         if doc is None:
             return "" if next(stage.raw_rows(True, 1), ([], []))[0] == [] else None
     except BackendError:  # unreadable as a store: not ours

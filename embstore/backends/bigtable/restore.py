@@ -71,8 +71,8 @@ class StagedRestore:
         The live table's connection.
     cas : CasWriter
         The live table's control rows and timestamps.
-    app_profile_id, write_batch
-        As the backend's options.
+    write_batch : int
+        Rows per MutateRows request.
     open_stage : callable
         ``open_stage(create)``: a backend on the staging table (see
         ``BigtableBackend.open_staging``).
@@ -81,17 +81,13 @@ class StagedRestore:
         is cleared here.
     """
 
-    def __init__(self, conn: BigtableConnection, cas: CasWriter, app_profile_id: str | None,
-                 write_batch: int, open_stage: Callable[[bool], Any],
-                 write_meta: Callable[[dict], None]) -> None:
+    def __init__(self, conn: BigtableConnection, cas: CasWriter, write_batch: int,
+                 open_stage: Callable[[bool], Any], write_meta: Callable[[dict], None]) -> None:
         self.conn, self.cas, self.write_batch = conn, cas, write_batch
         self.url, self.table_id = conn.url, conn.table_id
         self.open_staging = open_stage
         self._write_meta = write_meta
-        self._fam_b = conn.column_family.encode()
-        self._read_head = wire.request_head(conn.table_name, app_profile_id, 5)
-        self._write_head = wire.request_head(conn.table_name, app_profile_id, 3)
-        self._keys_filter = wire.latest_cell_filter(conn.column_family, strip_value=True)
+        self._heads = conn.heads
         self.pending: str | None = None  # staging table of a committed restore
         self.restore_id: str | None = None  # that restore's id, kept with the marker
 
@@ -148,7 +144,7 @@ class StagedRestore:
         self.restore_id = uuid.uuid4().hex
         stage = self.open_staging(True)
         try:
-            stage.write_row_doc(wire.META_ROW, {"meta": meta, STAGING_OF: {
+            stage.cas.write_doc(wire.META_ROW, {"meta": meta, STAGING_OF: {
                 "table": self.table_id, RESTORE_ID: self.restore_id}})
             stage.bulk_load(batches)
         finally:
@@ -171,7 +167,7 @@ class StagedRestore:
     def send_rows(self, pages: list[tuple[list[bytes], list[bytes]]]) -> None:
         """Overwrite live rows with raw staged ones: every old version of the cell goes first,
         so a live cell stamped later (another writer's clock) cannot shadow the restored one."""
-        fam, head = self._fam_b, self._write_head
+        fam, head = self._heads.family_b, self._heads.write
         ts = self.cas.next_ts()
         clear = wire.field(2, wire.delete_column(fam))
 
@@ -203,19 +199,16 @@ class StagedRestore:
         staged = (k for ks, _ in stage.raw_rows(True, 65536) for k in ks)
         nxt = next(staged, None)
         stale: list[bytes] = []
-        for ks, _ in self.conn.scan(self._read_head, self._keys_filter, 65536,
+        for ks, _ in self.conn.scan(self._heads.read, self._heads.keys_filter, 65536,
                                     wire.DATA_PREFIX, wire.DATA_END):
             for key in ks:
                 while nxt is not None and nxt < key:
                     nxt = next(staged, None)
                 if nxt != key:
                     stale.append(key)
-        step, head = self.write_batch, self._write_head
-        chunks = [stale[i:i + step] for i in range(0, len(stale), step)]
-        if chunks:
-            self.conn.run_sharded("restore_delete", chunks, lambda ck, dl: self.conn.mutate(
-                "restore_delete", lambda sel: wire.delete_rows(head, [ck[i] for i in sel]),
-                len(ck), dl))
+        head = self._heads.write
+        self.conn.mutate_batches("restore_delete", len(stale), self.write_batch, lambda start, sel:
+                                 wire.delete_rows(head, [stale[start + i] for i in sel]))
         return len(stale)
 
     def write_new_meta(self, stage: Any) -> None:

@@ -47,6 +47,48 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 T = TypeVar("T")
 
 
+def open_channels(url: str, emulator_host: str | None, credentials: Any,
+                  interceptors: Sequence[Any]) -> tuple[Any, Any]:
+    """The data channel and the admin channel (None: the admin client makes its own) to the
+    emulator at ``emulator_host`` or to Cloud Bigtable; ``url`` names the store in errors."""
+    # ReadRows and MutateRows are unary-stream calls, and the emulator answers ReadRows with
+    # one message per row. gRPC's default iterator hands every message over from its
+    # channel thread (a lock/condition round trip, ~40 us of Python per message); the
+    # single-threaded iterator drives the completion queue from the reading thread itself:
+    # ~3x less client CPU per row read (measured: 465 random rows 29 ms -> 10 ms).
+    single = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
+    if emulator_host:
+        # Reconnect quickly after an emulator restart (gRPC's default backoff reaches 120 s).
+        opts = [("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.min_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 500),
+                ("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20)]
+        data = grpc.insecure_channel(emulator_host, options=opts + [single])
+        admin = grpc.insecure_channel(emulator_host, options=opts)
+    else:
+        import google.auth.exceptions
+        from google.api_core import grpc_helpers
+
+        scopes = ("https://www.googleapis.com/auth/bigtable.data",
+                  "https://www.googleapis.com/auth/cloud-platform")
+        opts = [("grpc.max_receive_message_length", 256 << 20),
+                ("grpc.max_send_message_length", 256 << 20)]
+        try:
+            data = grpc_helpers.create_channel("bigtable.googleapis.com:443",
+                                               credentials=credentials, scopes=scopes,
+                                               options=opts + [single])
+        except google.auth.exceptions.GoogleAuthError as e:
+            raise BackendError(
+                f"{url}: no Google Cloud credentials for Bigtable ({e}); configure "
+                "Application Default Credentials, pass credentials=, or set "
+                "BIGTABLE_EMULATOR_HOST / emulator_host= to use the emulator") from e
+        admin = None  # the admin client builds its own authenticated channel
+    if interceptors:
+        data = grpc.intercept_channel(data, *interceptors)
+    return data, admin
+
+
 class BigtableConnection:
     """One table's channels, administration, retries and the sharded runner of its requests.
 
@@ -89,7 +131,8 @@ class BigtableConnection:
         self._admin: Any = None
         self._closed = False
         self._table_lock = threading.RLock()
-        self._channel, self._admin_channel = self._make_channels(credentials, interceptors)
+        self._channel, self._admin_channel = open_channels(url, emulator_host, credentials,
+                                                          interceptors)
         self.stubs = data_stubs(self._channel)
         # The calling thread is one of the ``inflight`` senders (see run_sharded).
         self._pool = ForkSafePool(max(self.inflight - 1, 1), "embstore-bigtable")
@@ -99,44 +142,6 @@ class BigtableConnection:
         return time.monotonic() + self.retry_deadline
 
     # -- connections ------------------------------------------------------------------------------
-    def _make_channels(self, credentials: Any, interceptors: Sequence[Any]):
-        # ReadRows and MutateRows are unary-stream calls, and the emulator answers ReadRows with
-        # one message per row. gRPC's default iterator hands every message over from its
-        # channel thread (a lock/condition round trip, ~40 us of Python per message); the
-        # single-threaded iterator drives the completion queue from the reading thread itself:
-        # ~3x less client CPU per row read (measured: 465 random rows 29 ms -> 10 ms).
-        single = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
-        if self.emulator_host:
-            # Reconnect quickly after an emulator restart (gRPC's default backoff reaches 120 s).
-            opts = [("grpc.initial_reconnect_backoff_ms", 50),
-                    ("grpc.min_reconnect_backoff_ms", 50),
-                    ("grpc.max_reconnect_backoff_ms", 500),
-                    ("grpc.max_receive_message_length", 256 << 20),
-                    ("grpc.max_send_message_length", 256 << 20)]
-            data = grpc.insecure_channel(self.emulator_host, options=opts + [single])
-            admin = grpc.insecure_channel(self.emulator_host, options=opts)
-        else:
-            import google.auth.exceptions
-            from google.api_core import grpc_helpers
-
-            scopes = ("https://www.googleapis.com/auth/bigtable.data",
-                      "https://www.googleapis.com/auth/cloud-platform")
-            opts = [("grpc.max_receive_message_length", 256 << 20),
-                    ("grpc.max_send_message_length", 256 << 20)]
-            try:
-                data = grpc_helpers.create_channel("bigtable.googleapis.com:443",
-                                                   credentials=credentials, scopes=scopes,
-                                                   options=opts + [single])
-            except google.auth.exceptions.GoogleAuthError as e:
-                raise BackendError(
-                    f"{self.url}: no Google Cloud credentials for Bigtable ({e}); configure "
-                    "Application Default Credentials, pass credentials=, or set "
-                    "BIGTABLE_EMULATOR_HOST / emulator_host= to use the emulator") from e
-            admin = None  # the admin client builds its own authenticated channel
-        if interceptors:
-            data = grpc.intercept_channel(data, *interceptors)
-        return data, admin
-
     def admin_client(self) -> Any:
         """The table admin client (made on first use)."""
         if self._admin is None:

@@ -116,8 +116,8 @@ def test_reads_return_latest_cell_after_many_overwrites(bigtable_url_factory):
     np.testing.assert_array_equal(np.stack([got[k] for k in range(20)]), _vals(20, base=24))
     # the emulator really keeps old versions: without the filter the row has many cells
     be = s.backend
-    raw = wire.read_rows_keys(be._read_head, wire.encode_int_keys(keys[:1]), b"")[:-2]
-    cells = sum(len(r.chunks) for r in be._read_rows(raw))
+    raw = wire.read_rows_keys(be.conn.heads.read, wire.encode_int_keys(keys[:1]), b"")[:-2]
+    cells = sum(len(r.chunks) for r in be.conn.stubs.read_rows(raw))
     assert cells > 1
     s.close()
 

@@ -14,7 +14,7 @@ import pytest
 
 import embstore
 from embstore.backends.bigtable import restore
-from embstore.backends.bigtable.restore import BigtableRestore
+from embstore.backends.bigtable.restore import StagedRestore
 from embstore.errors import BackendError
 from embstore.testing.conformance import table_of
 
@@ -56,7 +56,7 @@ def _old_and_new(url: str, key_type: str = "int64", **opts):
 
 def _stage_exists(url: str) -> bool:
     with embstore.open(url, read_only=True) as s:
-        return s.backend.staging_exists()
+        return s.backend.restore.staging_exists()
 
 
 @pytest.mark.parametrize("key_type", ["int64", "bytes"])
@@ -75,7 +75,7 @@ def test_a_restore_replaces_the_table_and_leaves_no_staging_table(bigtable_url_f
 
 def _fail_on_call(monkeypatch, name: str, call: int = 1) -> None:
     """Make the restore step ``name`` raise ``Crash`` on its ``call``-th call."""
-    real = getattr(BigtableRestore, name)
+    real = getattr(StagedRestore, name)
     calls = [0]
 
     def failing(*args, **kwargs):
@@ -84,7 +84,7 @@ def _fail_on_call(monkeypatch, name: str, call: int = 1) -> None:
             raise Crash(f"crash in {name}")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(BigtableRestore, name, failing)
+    monkeypatch.setattr(StagedRestore, name, failing)
 
 
 # (step that fails, which call of it, the table a writer open must show afterwards)
@@ -138,7 +138,7 @@ def test_a_staging_table_without_marker_is_dropped_on_a_writer_open(bigtable_url
     url = bigtable_url_factory()
     s, snap, old, new = _old_and_new(url)
     # a staging table as a crash during step 1 leaves it: rows, no marker in the live table
-    s.backend.stage_rows(iter([(np.arange(100, 103), s.get_records(np.arange(20, 23))[0])]),
+    s.backend.restore.stage_rows(iter([(np.arange(100, 103), s.get_records(np.arange(20, 23))[0])]),
                          s.meta)
     s.close()
     assert _stage_exists(url)

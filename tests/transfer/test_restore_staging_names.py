@@ -76,7 +76,7 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
                                                                monkeypatch):
     pytest.importorskip("google.cloud.bigtable")
     from embstore.backends.bigtable import guard
-    from embstore.backends.bigtable.restore import BigtableRestore
+    from embstore.backends.bigtable.restore import StagedRestore
 
     live = bigtable_url_factory()
     _fill(live, 2.0, KEYS[:10])
@@ -85,12 +85,12 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
         raise RuntimeError("killed before the marker")
 
     with embstore.open(live) as s:
-        monkeypatch.setattr(BigtableRestore, "set_marker", crash)
+        monkeypatch.setattr(StagedRestore, "set_marker", crash)
         with pytest.raises(RuntimeError):
             s.import_(_snapshot(), replace=True)
         monkeypatch.undo()
         assert guard.staging_of(s.backend)  # marked with the restore's id
         assert s.import_(_snapshot(), replace=True) == 30  # the leftover is its own: dropped
-        assert not s.backend.staging_exists()
+        assert not s.backend.restore.staging_exists()
     with embstore.open(live) as s:
         assert len(s) == 30

@@ -1,7 +1,9 @@
 """Google Cloud Bigtable row store: :class:`BigtableBackend` and its modules.
 
-:mod:`.backend` is the backend; :mod:`.connection` owns clients, retries and table admin,
-:mod:`.wire` encodes rows and requests, :mod:`.cas` does check-and-set metadata updates.
+:mod:`.backend` is the backend, which owns a :class:`.connection.BigtableConnection`
+(channels, retries, table admin), a :class:`.cas.CasWriter` (check-and-set writes, timestamps,
+control rows) and a :class:`.restore.StagedRestore` (atomic restores); :mod:`.wire` encodes
+rows and requests.
 """
 
 from __future__ import annotations

@@ -5,38 +5,92 @@ column family ``column_family`` (default ``"e"``); store metadata, the writer-le
 a restore's generation live in reserved rows no data key can produce (:mod:`.wire`). The hot
 paths send hand-encoded gRPC requests (the client library's per-row objects cost several times
 the emulator's own work), sharded over ``inflight`` streams; every read carries a latest-cell
-filter (the emulator never garbage-collects old versions). Channels, administration and
-retries: :mod:`.connection`; compare-and-set: :mod:`.cas`; restores: :mod:`.restore`.
+filter (the emulator never garbage-collects old versions). The backend owns three parts:
+``conn`` (:class:`.connection.BigtableConnection`: channels, administration, retries, the
+sharded runner), ``cas`` (:class:`.cas.CasWriter`: compare-and-set writes, timestamps, the
+control rows) and ``restore`` (:class:`.restore.StagedRestore`: atomic replace and recovery).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
 import numpy as np
 
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, ReadOnlyError
 from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from .. import ranges as kr
 from ..base import Backend, ModifyFn
-from ..forks import ForkSafePool
 from ..lease_record import check_fence, loads
-from . import cas, guard, restore, wire
-from .restore import BigtableRestore
-from .stubs import data_stubs
+from . import guard, wire
+from .cas import CasWriter, meta_update
+from .connection import BigtableConnection
+from .restore import StagedRestore
 
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
 
 
-class BigtableBackend(BigtableRestore, Backend):
+def _store_url(url: str, emulator_host: str | None
+               ) -> tuple[str, str | None, tuple[str, str, str]]:
+    """The store's URL and emulator: ``store.url`` must reopen the same table, so with the
+    emulator's address in it a reopen in a process without BIGTABLE_EMULATOR_HOST does not go
+    to Cloud Bigtable."""
+    check_url_text(url)  # a newline would cut the table id short
+    project, instance, table_id = wire.parse_url(url)
+    host = (emulator_host or wire.url_emulator_host(url)
+            or os.environ.get("BIGTABLE_EMULATOR_HOST") or None)
+    url = f"bigtable://{project}/{instance}/{table_id}"
+    if host:
+        url += "?" + urlencode({"emulator_host": host}, safe=":")
+    return url, host, (project, instance, table_id)
+
+
+def _check_settings(column_family: Any, read_batch: Any, write_batch: Any, inflight: Any,
+                    retry_deadline: Any, rpc_timeout: Any) -> None:
+    if not _FAMILY.match(str(column_family)):
+        raise InvalidInputError(f"invalid column family name {column_family!r}")
+    for name, val in (("read_batch", read_batch), ("write_batch", write_batch),
+                      ("inflight", inflight)):
+        if int(val) <= 0:
+            raise InvalidInputError(f"{name} must be positive, got {val!r}")
+    if float(retry_deadline) <= 0 or float(rpc_timeout) <= 0:
+        raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
+
+
+def _gathered(batches: Iterator[tuple[np.ndarray, np.ndarray]], target: int
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``batches`` joined into batches of at least ``target`` rows (the last: the rest); a
+    key repeated across the joined batches keeps its last record."""
+    keys_acc: list[np.ndarray] = []
+    recs_acc: list[np.ndarray] = []
+    size = 0
+    for keys, recs in batches:
+        keys_acc.append(keys)
+        recs_acc.append(recs)
+        size += len(keys)
+        if size >= target:
+            yield _joined(keys_acc, recs_acc)
+            keys_acc, recs_acc, size = [], [], 0
+    if keys_acc:
+        yield _joined(keys_acc, recs_acc)
+
+
+def _joined(keys_acc: list, recs_acc: list) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.concatenate(keys_acc)
+    recs = np.concatenate(recs_acc)
+    if len(keys_acc) > 1:  # a key repeated across batches: the last one wins
+        _, last = np.unique(keys[::-1], return_index=True)
+        sel = np.sort(len(keys) - 1 - last)
+        keys, recs = keys[sel], recs[sel]
+    return keys, recs
+
+
+class BigtableBackend(Backend):
     """Row store in a Bigtable table; persistent, scan in key order.
 
     Options
@@ -87,136 +141,77 @@ class BigtableBackend(BigtableRestore, Backend):
                  inflight: int = 4, interceptors: Sequence[Any] = (),
                  credentials: Any = None, check_and_set: bool = True,
                  **options: Any) -> None:
-        check_url_text(url)  # a newline would cut the table id short
-        self.project, self.instance, self.table_id = wire.parse_url(url)
-        if not _FAMILY.match(str(column_family)):
-            raise InvalidInputError(f"invalid column family name {column_family!r}")
-        for name, val in (("read_batch", read_batch), ("write_batch", write_batch),
-                          ("inflight", inflight)):
-            if int(val) <= 0:
-                raise InvalidInputError(f"{name} must be positive, got {val!r}")
-        if float(retry_deadline) <= 0 or float(rpc_timeout) <= 0:
-            raise InvalidInputError("retry_deadline and rpc_timeout must be positive")
+        url, self.emulator_host, (self.project, self.instance, self.table_id) = _store_url(
+            url, emulator_host)
+        _check_settings(column_family, read_batch, write_batch, inflight, retry_deadline,
+                        rpc_timeout)
         if options:
             raise unknown_option_error("bigtable://", options, accepted_options(type(self)) or ())
-        self.emulator_host = (emulator_host or wire.url_emulator_host(url)
-                              or os.environ.get("BIGTABLE_EMULATOR_HOST") or None)
-        # store.url must reopen the same table: with the emulator's address in it, a reopen
-        # in a process without BIGTABLE_EMULATOR_HOST does not go to Cloud Bigtable
-        url = f"bigtable://{self.project}/{self.instance}/{self.table_id}"
-        if self.emulator_host:
-            url += "?" + urlencode({"emulator_host": self.emulator_host}, safe=":")
         super().__init__(url, read_only=read_only)
-        self.create = (self.emulator_host is not None) if create is None else bool(create)
         self.column_family = str(column_family)
         self.app_profile_id = app_profile_id
-        self.retry_deadline = float(retry_deadline)
         self.rpc_timeout = float(rpc_timeout)
         self.read_batch, self.write_batch = int(read_batch), int(write_batch)
         self.inflight = int(inflight)
+        self.check_and_set = bool(check_and_set)
         self.table_name = (f"projects/{self.project}/instances/{self.instance}"
                            f"/tables/{self.table_id}")
-        self._family_b = self.column_family.encode()
-        self._read_head = wire.request_head(self.table_name, app_profile_id, 5)
-        self._write_head = wire.request_head(self.table_name, app_profile_id, 3)
-        self._cam_head = wire.request_head(self.table_name, app_profile_id, 7)
-        self.check_and_set = bool(check_and_set)
-        self._filter = wire.latest_cell_filter(self.column_family)
-        self._keys_filter = wire.latest_cell_filter(self.column_family, strip_value=True)
         self._meta_cache: dict | None = None
         self._lease_doc: dict | None = None  # the lease record as this backend last wrote it
-        self._restore_pending: str | None = None  # staging table of a committed restore
-        self._restore_id: str | None = None  # that restore's id, kept with the marker
-        self._staging_of: dict | None = None  # set on a restore's own staging table
-        self._ts_lock = threading.Lock()
-        self._table_lock = threading.RLock()
-        self._last_ts = 0
-        self._closed = False
         self.counters = dict.fromkeys(
             ("remote_reads", "remote_writes", "rows_read", "rows_written", "retries",
              "tables_recreated"), 0)
-        self._credentials = credentials
-        self._channel, self._admin_channel = self._make_channels(credentials, interceptors)
-        self._read_rows, self._mutate_rows, self._sample_row_keys = data_stubs(self._channel)
-        self._check_and_mutate = cas.check_and_mutate_stub(self._channel)
-        # The calling thread is one of the ``inflight`` senders (see _run_sharded).
-        self._pool = ForkSafePool(max(self.inflight - 1, 1), "embstore-bigtable")
-        self._admin = None
+        self.conn = BigtableConnection(
+            self.url, self.table_name, self.counters, emulator_host=self.emulator_host,
+            create=(self.emulator_host is not None) if create is None else bool(create),
+            read_only=read_only, column_family=self.column_family, app_profile_id=app_profile_id,
+            retry_deadline=float(retry_deadline), rpc_timeout=self.rpc_timeout,
+            inflight=self.inflight, interceptors=interceptors, credentials=credentials)
+        self.conn.on_recreated = self._restore_control_rows
+        self.cas = CasWriter(self.conn, self.read_batch)
+        self.restore = StagedRestore(self.conn, self.cas, self.write_batch, self.open_staging,
+                                     self.write_meta)
         try:
-            self._ensure_table(initial=True)
+            self.conn.ensure_table(initial=True)
             # A restore interrupted by a crash: finished or undone here (see .restore).
             if read_only:
-                guard.refuse_pending(self)
+                guard.refuse_pending(self.restore)
             else:
-                guard.recover(self)
+                guard.recover(self.restore)
         except BaseException:
             self.close()
             raise
 
-    # -- key encoding -----------------------------------------------------------------------------
-    def _row_keys(self, keys: np.ndarray) -> np.ndarray | list[bytes]:
-        if self.key_type == "int64":
-            return wire.encode_int_keys(keys)
-        too_long = [k for k in keys if len(k) >= wire.MAX_ROW_KEY]
-        if too_long:
-            raise InvalidInputError(
-                f"bytes keys must be shorter than {wire.MAX_ROW_KEY} bytes for Bigtable; got "
-                f"one of {len(too_long[0])} bytes")
-        return wire.encode_bytes_keys(keys)
+    @property
+    def retry_deadline(self) -> float:
+        """Seconds an operation keeps retrying transient errors (settable)."""
+        return self.conn.retry_deadline
 
-    def _decode_keys(self, row_keys: list[bytes]) -> np.ndarray:
-        if self.key_type == "int64":
-            return wire.decode_int_keys(row_keys)
-        return wire.decode_bytes_keys(row_keys)
+    @retry_deadline.setter
+    def retry_deadline(self, seconds: float) -> None:
+        self.conn.retry_deadline = float(seconds)
 
-    def _next_ts(self) -> int:
-        # Millisecond granularity (Bigtable's default), strictly increasing within the process
-        # so that a later put always shadows an earlier one under the latest-cell filter.
-        with self._ts_lock:
-            ts = max(time.time_ns() // 1_000_000 * 1000, self._last_ts + 1000)
-            self._last_ts = ts
-            return ts
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ReadOnlyError(f"{self.url} is open read-only")
 
     # -- reads ------------------------------------------------------------------------------------
-    def _read_request(self, req: bytes, op: str, deadline: float) -> tuple[list, list]:
-        def attempt(timeout: float):
-            self.counters["remote_reads"] += 1
-            return wire.parse_rows(self._read_rows(req, timeout=timeout), self.column_family)
-
-        return self._retry(op, attempt, deadline)
-
-    def _fetch(self, keys: np.ndarray, keys_only: bool) -> tuple[np.ndarray, np.ndarray,
-                                                                  list[bytes]]:
-        """Read unique sorted ``keys``: return (keys, index into keys of found rows, values)."""
-        rk = self._row_keys(keys)
-        filt = self._keys_filter if keys_only else self._filter
-        step = self.read_batch
-        chunks = [rk[i:i + step] for i in range(0, len(keys), step)]
-        results = self._run_sharded(
-            "read", chunks,
-            lambda c, dl: self._read_request(wire.read_rows_keys(self._read_head, c, filt),
-                                             "read", dl))
-        got_keys: list[bytes] = []
-        vals: list[bytes] = []
-        for ks, vs in results:
-            got_keys += ks
-            vals += vs
-        self.counters["rows_read"] += len(got_keys)
-        found_keys = self._decode_keys(got_keys)
+    def _fetch(self, keys: np.ndarray, keys_only: bool) -> tuple[np.ndarray, list[bytes]]:
+        """Read unique sorted ``keys``: return (index into keys of found rows, values)."""
+        h = self.conn.heads
+        got, vals = self.conn.read_keys(h.read, wire.row_keys(keys, self.key_type),
+                                        h.keys_filter if keys_only else h.filter,
+                                        self.read_batch)
+        found_keys = wire.decode_keys(got, self.key_type)
         idx = np.searchsorted(keys, found_keys) if len(found_keys) else np.zeros(0, np.intp)
-        return keys, idx, vals
-
-    def _unique(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.unique(keys, return_inverse=True)
+        return idx, vals
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = len(keys)
-        recs = self._empty_records(n)
-        found = np.zeros(n, dtype=bool)
         if n == 0:
-            return recs, found
-        uniq, inv = self._unique(keys)
-        _, idx, vals = self._fetch(uniq, keys_only=False)
+            return self._empty_records(0), np.zeros(0, dtype=bool)
+        uniq, inv = np.unique(keys, return_inverse=True)
+        idx, vals = self._fetch(uniq, keys_only=False)
         urecs = self._empty_records(len(uniq))
         ufound = np.zeros(len(uniq), dtype=bool)
         if len(idx):
@@ -227,38 +222,13 @@ class BigtableBackend(BigtableRestore, Backend):
     def contains(self, keys: np.ndarray) -> np.ndarray:
         if len(keys) == 0:
             return np.zeros(0, dtype=bool)
-        uniq, inv = self._unique(keys)
-        _, idx, _ = self._fetch(uniq, keys_only=True)
+        uniq, inv = np.unique(keys, return_inverse=True)
+        idx, _ = self._fetch(uniq, keys_only=True)
         ufound = np.zeros(len(uniq), dtype=bool)
         ufound[idx] = True
         return ufound[inv]
 
     # -- writes -----------------------------------------------------------------------------------
-    def _mutate(self, op: str, build: Callable[[np.ndarray], bytes], n: int,
-                deadline: float) -> None:
-        """Send MutateRows for rows ``0..n-1`` (``build(indices)`` encodes a subset), retrying
-        only the entries that failed."""
-        pending = np.arange(n)
-
-        def attempt(timeout: float) -> None:
-            nonlocal pending
-            self.counters["remote_writes"] += 1
-            failed: list[int] = []
-            bad_status = None
-            transient = True
-            for resp in self._mutate_rows(build(pending), timeout=timeout):
-                for e in resp.entries:
-                    if e.status.code != 0:
-                        failed.append(e.index)
-                        bad_status = e.status
-                        transient &= e.status.code in wire.TRANSIENT_CODES
-            if failed:
-                pending = pending[np.asarray(sorted(failed))]
-                raise wire.PartialWrite(pending, bad_status, transient)
-            self.counters["rows_written"] += len(pending)
-
-        self._retry(op, attempt, deadline)
-
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         self._check_writable()
         n = len(keys)
@@ -269,35 +239,31 @@ class BigtableBackend(BigtableRestore, Backend):
             raise InvalidInputError(
                 f"put needs {n} records of the store's layout, got {len(records)} of "
                 f"{records.dtype}")
-        rk = self._row_keys(keys)
+        rk = wire.row_keys(keys, self.key_type)
         values = np.ascontiguousarray(records).view(np.uint8).reshape(n, -1)
-        ts = self._next_ts()
-        encode = wire.mutate_rows_int if self.key_type == "int64" else wire.mutate_rows_generic
-        step = self.write_batch
+        ts = self.cas.next_ts()
+        encode: Any = wire.mutate_rows_int if self.key_type == "int64" else (
+            wire.mutate_rows_generic)
+        head, fam, step = self.conn.heads.write, self.conn.heads.family_b, self.write_batch
 
-        def send(start: int, deadline: float) -> None:
-            ck = rk[start:start + step]
-            cv = values[start:start + step]
+        def build(start: int, sel: np.ndarray) -> bytes:
+            ck, cv = rk[start:start + step], values[start:start + step]
             if isinstance(ck, list):
-                def build(sel):
-                    return encode(self._write_head, self._family_b, ts, [ck[i] for i in sel],
-                                  cv[sel])
-            else:
-                def build(sel):
-                    if len(sel) == len(cv):  # first attempt: no copies
-                        return encode(self._write_head, self._family_b, ts, ck, cv)
-                    return encode(self._write_head, self._family_b, ts, ck[sel], cv[sel])
-            self._mutate("write", build, len(cv), deadline)
+                return encode(head, fam, ts, [ck[i] for i in sel], cv[sel])
+            if len(sel) == len(cv):  # first attempt: no copies
+                return encode(head, fam, ts, ck, cv)
+            return encode(head, fam, ts, ck[sel], cv[sel])
 
-        self._run_sharded("write", list(range(0, n, step)), send)
+        self.conn.mutate_batches("write", n, step, build)
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         """Read-modify-write by compare-and-set per row, retried on conflict (see
-        :mod:`._bigtable_cas`); with ``check_and_set=False`` a plain read then batched write."""
+        :mod:`.cas`); with ``check_and_set=False`` a plain read then batched write."""
         self._check_writable()
         if not self.check_and_set:
             return super().modify(keys, fn)
-        return cas.cas_modify(self, keys, fn)
+        return self.cas.modify(wire.row_key_list(keys, self.key_type), fn,
+                               self._empty_records(len(keys)))
 
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
                     template: np.ndarray) -> np.ndarray | None:
@@ -308,79 +274,36 @@ class BigtableBackend(BigtableRestore, Backend):
             return super().insert_rows(keys, vectors, template)
         records = np.repeat(template[:1], len(keys))
         records["vector"] = vectors
-        return cas.cas_insert(self, keys, records)
+        return self.cas.insert(wire.row_key_list(keys, self.key_type), records)
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         self._check_writable()
         self._check_fence()
         present = self.contains(keys)
-        gone = keys[present]
-        if len(gone):
-            rk = self._row_keys(gone)
-            rk_list = [bytes(r) for r in rk] if isinstance(rk, np.ndarray) else rk
-            step = self.write_batch
-
-            def send(start: int, deadline: float) -> None:
-                ck = rk_list[start:start + step]
-                self._mutate("delete", lambda sel: wire.delete_rows(
-                    self._write_head, [ck[i] for i in sel]), len(ck), deadline)
-
-            self._run_sharded("delete", list(range(0, len(gone), step)), send)
+        rk, head = wire.row_key_list(keys[present], self.key_type), self.conn.heads.write
+        self.conn.mutate_batches("delete", len(rk), self.write_batch, lambda start, sel:
+                                 wire.delete_rows(head, [rk[start + i] for i in sel]))
         return present
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         # Gather small batches so that every put keeps ``inflight`` requests busy.
-        n, keys_acc, recs_acc, size = 0, [], [], 0
-        target = self.write_batch * self.inflight * 4
-        for keys, recs in batches:
-            keys_acc.append(keys)
-            recs_acc.append(recs)
-            size += len(keys)
-            if size >= target:
-                n += self._put_concat(keys_acc, recs_acc)
-                keys_acc, recs_acc, size = [], [], 0
-        if keys_acc:
-            n += self._put_concat(keys_acc, recs_acc)
+        n = 0
+        for keys, recs in _gathered(batches, self.write_batch * self.inflight * 4):
+            self.put(keys, recs)
+            n += len(keys)
         return n
-
-    def _put_concat(self, keys_acc: list, recs_acc: list) -> int:
-        keys = np.concatenate(keys_acc)
-        recs = np.concatenate(recs_acc)
-        if len(keys_acc) > 1:  # a key repeated across batches: the last one wins
-            _, last = np.unique(keys[::-1], return_index=True)
-            sel = np.sort(len(keys) - 1 - last)
-            keys, recs = keys[sel], recs[sel]
-        self.put(keys, recs)
-        return len(keys)
 
     # -- scans ------------------------------------------------------------------------------------
     def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
                    end: bytes = wire.DATA_END, check: Callable[[], None] | None = None
                    ) -> Iterator[tuple[list, list]]:
-        """Stream the data rows in ``[start, end)`` in key order, resuming after the last row
-        on errors; ``check()`` runs after every read request, before its rows are handed
-        out."""
-        filt = self._keys_filter if keys_only else self._filter
-        start_open = False
-        while True:
-            deadline = time.monotonic() + self.retry_deadline
-            req = wire.read_rows_range(self._read_head, start, start_open, end, filt,
-                                       limit=max(batch_size, 1) * 16)
+        h = self.conn.heads
+        return self.conn.scan(h.read, h.keys_filter if keys_only else h.filter, batch_size,
+                              start, end, check)
 
-            def attempt(timeout: float, req=req):
-                self.counters["remote_reads"] += 1
-                return wire.parse_rows(self._read_rows(req, timeout=timeout), self.column_family)
-
-            self._check_open()
-            ks, vs = self._retry("scan", attempt, deadline)
-            if check is not None:
-                check()
-            self.counters["rows_read"] += len(ks)
-            for i in range(0, len(ks), batch_size):
-                yield ks[i:i + batch_size], vs[i:i + batch_size]
-            if len(ks) < max(batch_size, 1) * 16:
-                return
-            start, start_open = ks[-1], True
+    def raw_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
+        """Pages of ``(row keys, cell values)`` of every data row, in key order, as stored."""
+        return self._scan_rows(keys_only, batch_size)
 
     def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every record, from one table: a scan that overlaps a restore by another process
@@ -391,11 +314,7 @@ class BigtableBackend(BigtableRestore, Backend):
         """Row ranges cut at every ``size/n``-th byte offset of Bigtable's own row-key samples
         (``SampleRowKeys``: split points the server keeps, no rows read); a table with too
         few samples (a small one) is cut at every ``rows/n``-th row key of a keys-only read."""
-        req = wire.request_head(self.table_name, self.app_profile_id, 2)
-        samples = self._retry("sample", lambda timeout: [
-            (bytes(r.row_key), int(r.offset_bytes))
-            for r in self._sample_row_keys(req, timeout=timeout)],
-            time.monotonic() + self.retry_deadline)
+        samples = self.conn.sample_row_keys()
         data = [(k, off) for k, off in samples if wire.DATA_PREFIX <= k < wire.DATA_END]
         if n > 1 and len(data) >= 2 * (n - 1):
             return kr.ranges_from_bounds(kr.KIND_BYTES, kr.bounds_from_samples(
@@ -412,8 +331,9 @@ class BigtableBackend(BigtableRestore, Backend):
         if start >= end:
             return
         for ks, vs in self._scan_rows(False, batch_size, start, end,
-                                      guard.restore_guard(self)):
-            yield self._decode_keys(ks), self.layout.from_bytes(b"".join(vs), len(vs)).copy()
+                                      guard.restore_guard(self.restore)):
+            recs = self.layout.from_bytes(b"".join(vs), len(vs)).copy()
+            yield wire.decode_keys(ks, self.key_type), recs
 
     def __len__(self) -> int:
         # Bigtable keeps no row count: this streams every row key (values stripped), O(rows).
@@ -425,55 +345,42 @@ class BigtableBackend(BigtableRestore, Backend):
         self._check_writable()
         self._check_fence()
         try:
-            self._admin_call(self._admin_client().drop_row_range,
-                             time.monotonic() + self.retry_deadline,
-                             request={"name": self.table_name,
-                                      "row_key_prefix": wire.DATA_PREFIX})
+            self.conn.drop_rows(wire.DATA_PREFIX)
         except gexc.GoogleAPICallError:  # e.g. no admin rights: delete row by row instead
             super().clear()
 
-    # -- metadata ---------------------------------------------------------------------------------
+    # -- metadata and control rows ----------------------------------------------------------------
     def read_meta(self) -> dict | None:
-        doc = self.read_meta_doc()
+        doc = self.cas.read_doc()
         if doc is None:
             return None
         meta = doc.get("meta", doc) if isinstance(doc, dict) else doc
-        if isinstance(doc, dict):
-            with self._ts_lock:  # never write below a timestamp already used
-                self._last_ts = max(self._last_ts, int(doc.get("ts_high", 0)))
+        if isinstance(doc, dict):  # never write below a timestamp already used
+            self.cas.observe_ts(int(doc.get("ts_high", 0)))
         self._meta_cache = meta
         return meta
 
     def write_meta(self, meta: dict) -> None:
         self._check_writable()
         self._meta_cache = dict(meta)
-        self._write_meta_row(self._meta_cache)
+        # a committed restore's marker stays until the restore finishes (see .restore)
+        self.cas.write_doc(wire.META_ROW, {"meta": meta, **self.restore.marker_fields()})
 
     def modify_meta(self, fn) -> dict:
         self._check_writable()
-        return cas.cas_modify_meta(self, fn)
+        meta = self.cas.modify_doc(meta_update(fn))["meta"]
+        self._meta_cache = dict(meta)
+        return meta
 
     def modify_leases(self, fn) -> dict:
         """The writer-lease record (row ``wire.LEASE_ROW``) replaced by ``fn(stored)``, by
         compare-and-set, retried on conflict."""
         self._check_writable()
-        self._lease_doc = cas.cas_modify_meta_doc(self, fn, row=wire.LEASE_ROW)
+        self._lease_doc = self.cas.modify_doc(fn, row=wire.LEASE_ROW)
         return self._lease_doc
 
-    def _rewrite_leases(self) -> None:
-        # The table was recreated empty (an emulator restart): the lease record this writer
-        # last wrote goes back with the metadata, so its fenced writes go on.
-        if self._lease_doc is not None:
-            value = np.frombuffer(json.dumps(self._lease_doc).encode(), np.uint8).reshape(1, -1)
-            ts = self._next_ts()
-            self._mutate("write_leases", lambda sel: wire.mutate_rows_generic(
-                self._write_head, self._family_b, ts, [wire.LEASE_ROW], value), 1,
-                time.monotonic() + self.retry_deadline)
-
     def read_leases(self) -> Any:
-        req = wire.read_rows_keys(self._read_head, [wire.LEASE_ROW], self._filter)
-        _, vals = self._read_request(req, "read_leases", time.monotonic() + self.retry_deadline)
-        return loads(vals[0] if vals else None, self.url)
+        return loads(self.cas.read_raw_doc(wire.LEASE_ROW), self.url)
 
     def _check_fence(self) -> None:
         # No multi-row transactions: the lease row is read just before the batch is sent, so
@@ -481,6 +388,16 @@ class BigtableBackend(BigtableRestore, Backend):
         if self.fence is not None:
             check_fence(self.read_leases(), self.fence, self.url)
 
+    def _restore_control_rows(self) -> None:
+        # The table was recreated empty (an emulator restart): the metadata and the lease
+        # record this writer last wrote go back, so its fenced writes go on.
+        if self._meta_cache is not None:
+            self.cas.write_doc(wire.META_ROW, {"meta": self._meta_cache,
+                                               **self.restore.marker_fields()})
+        if self._lease_doc is not None:
+            self.cas.write_doc(wire.LEASE_ROW, self._lease_doc, stamp=False)
+
+    # -- restores ---------------------------------------------------------------------------------
     replace_mechanism = "staging-table"
 
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
@@ -489,27 +406,22 @@ class BigtableBackend(BigtableRestore, Backend):
         row, then copied over the live table; finished on the next writer open after a crash
         (see :mod:`.restore`)."""
         self._check_writable()
-        return self.replace_via_staging(batches, meta)
+        return self.restore.replace(batches, meta)
 
-    def _write_meta_row(self, meta: dict) -> None:
-        fields: dict[str, Any] = {"meta": meta}
-        if self._restore_pending:
-            fields[restore.MARKER] = self._restore_pending
-            fields[restore.RESTORE_ID] = self._restore_id
-        if self._staging_of:
-            fields[restore.STAGING_OF] = self._staging_of
-        self.write_row_doc(wire.META_ROW, fields)
-
-    def write_row_doc(self, row: bytes, doc: Any) -> None:
-        """Write ``doc`` as JSON into the control row ``row`` (blind); a dict gets ``ts_high``,
-        the stamp of the write."""
-        ts = self._next_ts()
-        if isinstance(doc, dict):
-            doc = {**doc, "ts_high": ts}
-        value = np.frombuffer(json.dumps(doc).encode(), np.uint8).reshape(1, -1)
-        deadline = time.monotonic() + self.retry_deadline
-        self._mutate("write_meta", lambda sel: wire.mutate_rows_generic(
-            self._write_head, self._family_b, ts, [row], value), 1, deadline)
+    def open_staging(self, create: bool) -> BigtableBackend:
+        """A backend on this table's staging table with this one's connection settings (and
+        layout, once bound). Once open it never recreates a vanished staging table: a
+        half-filled one must not pass for whole."""
+        table = guard.staging_table_id(self.table_id)
+        stage = type(self)(f"bigtable://{self.project}/{self.instance}/{table}", **{
+            **self.reopen_options(), "create": create, "rpc_timeout": self.rpc_timeout,
+            "read_batch": self.read_batch, "write_batch": self.write_batch,
+            "inflight": self.inflight, "credentials": self.conn.credentials,
+            "check_and_set": False})
+        stage.conn.create = False
+        if self.is_bound:
+            stage.bind(self.layout, self.key_type)
+        return stage
 
     # -- lifecycle --------------------------------------------------------------------------------
     def reopen_options(self) -> dict:
@@ -525,5 +437,5 @@ class BigtableBackend(BigtableRestore, Backend):
             out["check_and_set"] = False
         return out
 
-    def stats(self) -> dict[str, Any]:
-        return dict(self.counters)
+    def close(self) -> None:
+        self.conn.close()

@@ -1,14 +1,14 @@
 """Marks of a Bigtable restore, and scans that refuse to read across one (see :mod:`.restore`).
 
-Module functions over a backend's public methods (``read_meta_doc``, ``write_row_doc``,
-``restore_marker``, ``raw_rows``), kept out of the backend's class.
+Module functions over the public methods of a table's :class:`~.restore.StagedRestore`
+(``restore_marker``, ``read_meta_doc``, ``open_staging``, ``staging_exists``, ...) and of a
+staging table's backend (``cas.read_doc``, ``raw_rows``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +47,7 @@ def staging_mark(stage: Any, table_id: str) -> str | None:
     creating it: dropping it loses nothing); None when a restore of ``table_id`` did not make
     it (a user's table that merely has the name)."""
     try:
-        doc = stage.read_meta_doc()
+        doc = stage.cas.read_doc()
         if doc is None:
             return "" if next(stage.raw_rows(True, 1), ([], []))[0] == [] else None
     except BackendError:  # unreadable as a store: not ours
@@ -125,11 +125,6 @@ def refuse_pending(b: Any) -> None:
 
 
 # -- scans during a restore -----------------------------------------------------------------------
-def write_generation(b: Any) -> None:
-    """A fresh generation id in ``wire.GEN_ROW`` (a restore, before it clears its marker)."""
-    b.write_row_doc(wire.GEN_ROW, uuid.uuid4().hex)
-
-
 def refuse_restoring(b: Any) -> None:
     if b.restore_marker() is not None:
         raise ConcurrentRestoreError(

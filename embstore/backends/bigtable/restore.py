@@ -32,8 +32,9 @@ every page; a marker seen or a generation changed raises
 so a scan that passes every check read one table.
 
 A crash at any moment therefore leaves, after the next writer open, the old table or the new
-one. The steps are methods of :class:`BigtableRestore`, mixed into the backend; recovery, the
-staging marks and the scan checks are functions of :mod:`.guard`. A read-only open of a table
+one. The steps are methods of :class:`StagedRestore`, which the backend owns
+(``backend.restore``); recovery, the staging marks and the scan checks are functions of
+:mod:`.guard`. A read-only open of a table
 with the marker raises :class:`~embstore.errors.ConcurrentRestoreError` (a ``BackendError``: it
 cannot finish the restore, and the live rows are a mix until someone does).
 
@@ -43,8 +44,6 @@ replaced or deleted by step 3, as with any restore.
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,7 +51,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError
-from . import cas, guard, wire
+from . import guard, wire
+from .cas import CasWriter
 from .connection import BigtableConnection
 
 MARKER = guard.MARKER
@@ -60,73 +60,54 @@ RESTORE_ID = guard.RESTORE_ID
 STAGING_OF = guard.STAGING_OF
 staging_table_id = guard.staging_table_id
 is_staging_table = guard.is_staging_table
-class BigtableRestore(BigtableConnection):
-    """The restore steps and their recovery; mixed into ``BigtableBackend``.
 
-    Row I/O comes from the backend; the names below are declared so the methods type-check on
-    their own.
+
+class StagedRestore:
+    """The restore steps and their recovery for one live table.
+
+    Parameters
+    ----------
+    conn : BigtableConnection
+        The live table's connection.
+    cas : CasWriter
+        The live table's control rows and timestamps.
+    write_batch : int
+        Rows per MutateRows request.
+    open_stage : callable
+        ``open_stage(create)``: a backend on the staging table (see
+        ``BigtableBackend.open_staging``).
+    write_meta : callable
+        ``write_meta(meta)``: the live backend's metadata write (step 3c), once the marker
+        is cleared here.
     """
 
-    layout: Any
-    key_type: str
-    app_profile_id: str | None
-    read_batch: int
-    write_batch: int
-    check_and_set: bool
-    _family_b: bytes
-    _read_head: bytes
-    _write_head: bytes
-    _filter: bytes
-    _restore_pending: str | None
-    _restore_id: str | None
-    _staging_of: dict | None
+    def __init__(self, conn: BigtableConnection, cas: CasWriter, write_batch: int,
+                 open_stage: Callable[[bool], Any], write_meta: Callable[[dict], None]) -> None:
+        self.conn, self.cas, self.write_batch = conn, cas, write_batch
+        self.url, self.table_id = conn.url, conn.table_id
+        self.open_staging = open_stage
+        self._write_meta = write_meta
+        self._heads = conn.heads
+        self.pending: str | None = None  # staging table of a committed restore
+        self.restore_id: str | None = None  # that restore's id, kept with the marker
 
-    def _read_request(self, req: bytes, op: str, deadline: float) -> tuple[list, list]:
-        raise NotImplementedError
-
-    def _mutate(self, op: str, build: Callable[[np.ndarray], bytes], n: int,
-                deadline: float) -> None:
-        raise NotImplementedError
-
-    def _next_ts(self) -> int:
-        raise NotImplementedError
-
-    def _scan_rows(self, keys_only: bool, batch_size: int, start: bytes = wire.DATA_PREFIX,
-                   end: bytes = wire.DATA_END, check: Callable[[], None] | None = None
-                   ) -> Iterator[tuple[list, list]]:
-        raise NotImplementedError
-
-    def raw_rows(self, keys_only: bool, batch_size: int) -> Iterator[tuple[list, list]]:
-        """Pages of ``(row keys, cell values)`` of every data row, in key order, as stored."""
-        return self._scan_rows(keys_only, batch_size)
+    def marker_fields(self) -> dict[str, Any]:
+        """What a blind write of the live metadata row must keep: a committed restore's
+        marker and id (nothing when none is pending)."""
+        return {MARKER: self.pending, RESTORE_ID: self.restore_id} if self.pending else {}
 
     # -- the staging table ----------------------------------------------------------------------
     @property
     def staging_name(self) -> str:
-        return (f"projects/{self.project}/instances/{self.instance}/tables/"
+        return (f"projects/{self.conn.project}/instances/{self.conn.instance}/tables/"
                 f"{staging_table_id(self.table_id)}")
-
-    def open_staging(self, create: bool) -> Any:
-        """A backend on the staging table with this one's connection settings. Once open it
-        never recreates a vanished staging table: a half-filled one must not pass for whole."""
-        url = f"bigtable://{self.project}/{self.instance}/{staging_table_id(self.table_id)}"
-        backend_type: Any = type(self)  # the BigtableBackend this is mixed into
-        stage = backend_type(url, emulator_host=self.emulator_host, create=create,
-                             column_family=self.column_family,
-                             app_profile_id=self.app_profile_id,
-                             retry_deadline=self.retry_deadline, rpc_timeout=self.rpc_timeout,
-                             read_batch=self.read_batch, write_batch=self.write_batch,
-                             inflight=self.inflight, credentials=self._credentials,
-                             check_and_set=False)
-        stage.create = False
-        return stage
 
     def staging_exists(self) -> bool:
         from google.api_core import exceptions as gexc
 
         try:
-            self._admin_call(self._admin_client().get_table,
-                             time.monotonic() + self.retry_deadline, name=self.staging_name)
+            self.conn.admin_call(self.conn.admin_client().get_table, self.conn.deadline(),
+                                 name=self.staging_name)
         except gexc.NotFound:
             return False
         return True
@@ -136,8 +117,8 @@ class BigtableRestore(BigtableConnection):
         from google.api_core import exceptions as gexc
 
         try:
-            self._admin_call(self._admin_client().delete_table,
-                             time.monotonic() + self.retry_deadline, name=self.staging_name)
+            self.conn.admin_call(self.conn.admin_client().delete_table, self.conn.deadline(),
+                                 name=self.staging_name)
         except gexc.NotFound:
             pass
         except gexc.GoogleAPICallError as e:
@@ -145,21 +126,13 @@ class BigtableRestore(BigtableConnection):
                                f"{staging_table_id(self.table_id)}: {e}") from e
 
     def read_meta_doc(self, row: bytes = wire.META_ROW) -> Any:
-        """The metadata row's JSON document as stored (None: no row); ``row``: another
-        control row outside the data range (``wire.GEN_ROW``)."""
-        deadline = time.monotonic() + self.retry_deadline
-        req = wire.read_rows_keys(self._read_head, [row], self._filter)
-        _, vals = self._read_request(req, "read_meta", deadline)
-        if not vals:
-            return None
-        try:
-            return json.loads(vals[0].decode())
-        except (UnicodeDecodeError, ValueError) as e:
-            raise BackendError(f"{self.url}: the metadata row is not embstore JSON") from e
+        """The live metadata row's JSON document (None: no row); ``row``: another control
+        row (``wire.GEN_ROW``)."""
+        return self.cas.read_doc(row)
 
     def restore_marker(self) -> str | None:
         """The staging table named by the live metadata row's restore marker, if any."""
-        doc = self.read_meta_doc()
+        doc = self.cas.read_doc()
         marker = doc.get(MARKER) if isinstance(doc, dict) else None
         return str(marker) if marker is not None else None
 
@@ -168,12 +141,11 @@ class BigtableRestore(BigtableConnection):
         """Step 1: a fresh staging table holding the new rows and metadata, marked as this
         restore's own before any row is written."""
         guard.free_staging_name(self)  # a leftover of an earlier attempt goes
-        self._restore_id = uuid.uuid4().hex
-        stage = self.open_staging(create=True)
+        self.restore_id = uuid.uuid4().hex
+        stage = self.open_staging(True)
         try:
-            stage._staging_of = {"table": self.table_id, RESTORE_ID: self._restore_id}
-            stage.bind(self.layout, self.key_type)
-            stage.write_meta(meta)
+            stage.cas.write_doc(wire.META_ROW, {"meta": meta, STAGING_OF: {
+                "table": self.table_id, RESTORE_ID: self.restore_id}})
             stage.bulk_load(batches)
         finally:
             stage.close()
@@ -186,27 +158,27 @@ class BigtableRestore(BigtableConnection):
             out = {k: v for k, v in doc.items() if k != "ts_high"} if (
                 isinstance(doc, dict) and "meta" in doc) else {"meta": doc}
             out[MARKER] = name
-            out[RESTORE_ID] = self._restore_id
+            out[RESTORE_ID] = self.restore_id
             return out
 
-        cas.cas_modify_meta_doc(self, mark)
-        self._restore_pending = name  # a later blind metadata write keeps the marker
+        self.cas.modify_doc(mark)
+        self.pending = name  # a later blind metadata write keeps the marker
 
     def send_rows(self, pages: list[tuple[list[bytes], list[bytes]]]) -> None:
         """Overwrite live rows with raw staged ones: every old version of the cell goes first,
         so a live cell stamped later (another writer's clock) cannot shadow the restored one."""
-        fam = self._family_b
-        ts = self._next_ts()
+        fam, head = self._heads.family_b, self._heads.write
+        ts = self.cas.next_ts()
         clear = wire.field(2, wire.delete_column(fam))
 
         def send(page: tuple[list[bytes], list[bytes]], deadline: float) -> None:
             ks, vs = page
-            self._mutate("restore_copy", lambda sel: self._write_head + b"".join(
+            self.conn.mutate("restore_copy", lambda sel: head + b"".join(
                 wire.field(2, wire.field(1, ks[i]) + clear
                            + wire.field(2, wire.set_cell(fam, ts, vs[i]))) for i in sel),
                 len(ks), deadline)
 
-        self._run_sharded("restore_copy", pages, send)
+        self.conn.run_sharded("restore_copy", pages, send)
 
     def copy_rows(self, stage: Any) -> int:
         """Step 3a: every staged row over the live table; return how many."""
@@ -214,7 +186,7 @@ class BigtableRestore(BigtableConnection):
         for page in stage.raw_rows(False, self.write_batch):
             pages.append(page)
             n += len(page[0])
-            if len(pages) >= self.inflight:
+            if len(pages) >= self.conn.inflight:
                 self.send_rows(pages)
                 pages = []
         if pages:
@@ -227,19 +199,16 @@ class BigtableRestore(BigtableConnection):
         staged = (k for ks, _ in stage.raw_rows(True, 65536) for k in ks)
         nxt = next(staged, None)
         stale: list[bytes] = []
-        for ks, _ in self.raw_rows(True, 65536):
+        for ks, _ in self.conn.scan(self._heads.read, self._heads.keys_filter, 65536,
+                                    wire.DATA_PREFIX, wire.DATA_END):
             for key in ks:
                 while nxt is not None and nxt < key:
                     nxt = next(staged, None)
                 if nxt != key:
                     stale.append(key)
-        step = self.write_batch
-        chunks = [stale[i:i + step] for i in range(0, len(stale), step)]
-        if chunks:
-            self._run_sharded("restore_delete", chunks, lambda ck, dl: self._mutate(
-                "restore_delete",
-                lambda sel: wire.delete_rows(self._write_head, [ck[i] for i in sel]),
-                len(ck), dl))
+        head = self._heads.write
+        self.conn.mutate_batches("restore_delete", len(stale), self.write_batch, lambda start, sel:
+                                 wire.delete_rows(head, [stale[start + i] for i in sel]))
         return len(stale)
 
     def write_new_meta(self, stage: Any) -> None:
@@ -248,22 +217,22 @@ class BigtableRestore(BigtableConnection):
         if meta is None:
             raise BackendError(f"{self.url}: the restore's staging table has no metadata; it "
                                "was dropped or damaged by hand")
-        guard.write_generation(self)  # before the marker goes: see "Scans during a restore"
-        self._meta_cache = dict(meta)
-        self._restore_pending = self._restore_id = None
-        self._write_meta_row(meta)
+        # before the marker goes: see "Scans during a restore"
+        self.cas.write_doc(wire.GEN_ROW, uuid.uuid4().hex)
+        self.pending = self.restore_id = None
+        self._write_meta(meta)
 
     def roll_forward(self) -> int:
         """Step 3 (after step 2, or a crash after it): return the rows restored."""
         try:
-            stage = self.open_staging(create=False)
+            stage = self.open_staging(False)
         except BackendError as e:  # StoreNotFoundError is one
             raise BackendError(
                 f"{self.url}: a restore was interrupted after it committed, and its staging "
                 f"table {staging_table_id(self.table_id)} is gone ({e}); the table may hold "
                 "a mix of old and new rows: restore it again") from e
         try:
-            self._restore_id = guard.check_committed_stage(self, stage)
+            self.restore_id = guard.check_committed_stage(self, stage)
             n = self.copy_rows(stage)
             self.delete_stale(stage)
             self.write_new_meta(stage)
@@ -272,8 +241,7 @@ class BigtableRestore(BigtableConnection):
         self.drop_staging()
         return n
 
-    def replace_via_staging(self, batches: Iterator[tuple[np.ndarray, np.ndarray]],
-                            meta: dict) -> int:
+    def replace(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict) -> int:
         """``replace_rows``: steps 1 to 3 (see the module docstring)."""
         guard.recover(self)  # one interrupted earlier is finished (or undone) first
         self.stage_rows(batches, meta)

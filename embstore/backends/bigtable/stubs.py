@@ -1,4 +1,4 @@
-"""The Bigtable data API's streaming calls on a gRPC channel (requests go pre-encoded)."""
+"""The Bigtable data API's calls on a gRPC channel (requests go pre-encoded)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ class DataStubs(NamedTuple):
     read_rows: Any
     mutate_rows: Any
     sample_row_keys: Any
+    check_and_mutate: Any
 
 
 def data_stubs(channel: Any) -> DataStubs:
-    """ReadRows, MutateRows and SampleRowKeys on ``channel``, taking encoded request bytes."""
+    """ReadRows, MutateRows, SampleRowKeys and CheckAndMutateRow on ``channel``, taking
+    encoded request bytes."""
     def ident(b: bytes) -> bytes:
         return b
 
@@ -33,4 +35,8 @@ def data_stubs(channel: Any) -> DataStubs:
 
     return DataStubs(stream("ReadRows", _pb.ReadRowsResponse),
                      stream("MutateRows", _pb.MutateRowsResponse),
-                     stream("SampleRowKeys", _pb.SampleRowKeysResponse))
+                     stream("SampleRowKeys", _pb.SampleRowKeysResponse),
+                     channel.unary_unary(
+                         "/google.bigtable.v2.Bigtable/CheckAndMutateRow",
+                         request_serializer=ident,
+                         response_deserializer=_pb.CheckAndMutateRowResponse.pb().FromString))

@@ -26,14 +26,14 @@ with the sign bit flipped, which makes byte order equal numeric order; a bytes k
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 import grpc
 import numpy as np
 
 from ..._keys import int64_from_ordered, ordered_int64_bytes
-from ...errors import InvalidURLError
+from ...errors import InvalidInputError, InvalidURLError
 
 DATA_PREFIX = b"r"
 DATA_END = b"s"  # exclusive end of the data row range
@@ -97,6 +97,31 @@ def decode_bytes_keys(row_keys: list[bytes]) -> np.ndarray:
     out = np.empty(len(row_keys), dtype=object)
     out[:] = [k[1:] for k in row_keys]
     return out
+
+
+def row_keys(keys: np.ndarray, key_type: str) -> np.ndarray | list[bytes]:
+    """The row keys of store keys of ``key_type`` (``"int64"``: one ``(n, 9)`` array)."""
+    if key_type == "int64":
+        return encode_int_keys(keys)
+    too_long = [k for k in keys if len(k) >= MAX_ROW_KEY]
+    if too_long:
+        raise InvalidInputError(
+            f"bytes keys must be shorter than {MAX_ROW_KEY} bytes for Bigtable; got one of "
+            f"{len(too_long[0])} bytes")
+    return encode_bytes_keys(keys)
+
+
+def row_key_list(keys: np.ndarray, key_type: str) -> list[bytes]:
+    """:func:`row_keys` as a list of ``bytes``."""
+    rk = row_keys(keys, key_type)
+    return [bytes(r) for r in rk] if isinstance(rk, np.ndarray) else list(rk)
+
+
+def decode_keys(row_keys: list[bytes], key_type: str) -> np.ndarray:
+    """Inverse of :func:`row_keys`."""
+    if key_type == "int64":
+        return decode_int_keys(row_keys)
+    return decode_bytes_keys(row_keys)
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -212,6 +237,29 @@ def read_rows_range(head: bytes, start: bytes, start_open: bool, end: bytes, fil
 
 
 # -- filters --------------------------------------------------------------------------------------
+class Heads(NamedTuple):
+    """The fixed parts of one table's requests (immutable: every part of a backend shares
+    them)."""
+
+    family: str
+    family_b: bytes
+    read: bytes  # ReadRowsRequest head
+    write: bytes  # MutateRowsRequest head
+    cam: bytes  # CheckAndMutateRowRequest head
+    sample: bytes  # SampleRowKeysRequest (the whole request)
+    filter: bytes  # the latest cell of the family
+    keys_filter: bytes  # ... with the value stripped
+
+
+def heads(table_name: str, app_profile_id: str | None, family: str) -> Heads:
+    """The :class:`Heads` of ``table_name`` (``app_profile_id``'s field differs per request)."""
+    return Heads(family, family.encode(), request_head(table_name, app_profile_id, 5),
+                 request_head(table_name, app_profile_id, 3),
+                 request_head(table_name, app_profile_id, 7),
+                 request_head(table_name, app_profile_id, 2), latest_cell_filter(family),
+                 latest_cell_filter(family, strip_value=True))
+
+
 def latest_cell_filter(family: str, strip_value: bool = False) -> bytes:
     """RowFilter: chain(family == ``family``, cells_per_column_limit 1[, strip_value]).
 

@@ -30,11 +30,10 @@ from ...layout import Layout
 from ...policies.eviction import eviction_policy
 from ...registry import backend_class
 from .lease import WriterLease
-from .local_rows import LocalRows
 from .metadata import CacheMetadata
 from .prefetch import Prefetcher
 from .remote import RemoteIO
-from .resident import ResidentRows, StaleKeys
+from .resident import LocalRows, ResidentRows, StaleKeys
 from .whole_table import WholeTable
 
 WRITE_POLICIES = ("back", "through")
@@ -174,6 +173,12 @@ class CachedBackend(Backend):
         # Dirty rows cannot exist yet (every write takes the lease first).
         self.resident.drop_clean()
 
+    def _claim(self, keys: np.ndarray) -> None:
+        """Before a write: the keys are this cache's, and its lease is held."""
+        if self._lease is not None:
+            self._lease.check_keys(keys)
+            self._lease.ensure()
+
     # -- lifecycle --------------------------------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
@@ -268,7 +273,7 @@ class CachedBackend(Backend):
                 res.table.touch(slots)
                 self.counters["cache_hits"] += len(keys)
                 return out, found
-            if not self.prefetcher.active:
+            if not self._stale.active:
                 return res.lookup_misses(keys, field, slots, found)
         # Rows this batch misses may be on their way: wait for the prefetch, not the remote.
         self.prefetcher.wait()
@@ -294,7 +299,7 @@ class CachedBackend(Backend):
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         with self._lock:
             self._check()
-            self.metadata.claim(keys)
+            self._claim(keys)
             self._stale.note(keys)
             through = self.write_policy == "through"
             if through:
@@ -313,9 +318,9 @@ class CachedBackend(Backend):
         """Before a read-modify-write (the lock held): the write claim and the probe of
         ``keys``; None when rows it misses may be on their way (wait for the prefetch)."""
         self._check()
-        self.metadata.claim(keys)
+        self._claim(keys)
         slots, found = self.resident.find(keys)
-        return None if self.prefetcher.active and not found.all() else (slots, found)
+        return None if self._stale.active and not found.all() else (slots, found)
 
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         """The training step's case: the step is applied where the cached rows sit (one
@@ -381,7 +386,7 @@ class CachedBackend(Backend):
     def delete(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()
-            self.metadata.claim(keys)
+            self._claim(keys)
             self._stale.note(keys)
             self.io.settle(keys)  # a pending write-behind must not resurrect a deleted row
             with self.io.lock:

@@ -31,11 +31,6 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    @property
-    def active(self) -> bool:
-        """Whether a prefetch is on its way (read it with the lock held)."""
-        return self.stale.active
-
     def start(self, k: np.ndarray) -> None:
         """Start loading the rows of the normalized keys ``k`` that are not cached (the cache's
         lock held; a previous prefetch waited for)."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..._keys import normalize_keys
 from ...backends.base import Backend, ModifyFn, RowUpdate
-from ...errors import BackendError, InvalidInputError, LeaseLostError, StoreClosedError
+from ...errors import InvalidInputError, StoreClosedError
 from ...layout import Layout
 from ...policies.eviction import eviction_policy
 from ...registry import backend_class
@@ -225,20 +225,7 @@ class CachedBackend(Backend):
             return
         self.prefetcher.wait()
         with self._lock:
-            lost = None
-            if not self.read_only:
-                try:
-                    self.whole.flush()
-                except Exception as e:
-                    n = self.resident.dirty_rows() + self.io.pending_rows()
-                    if isinstance(e, LeaseLostError):  # never writable: another writer's keys
-                        lost = LeaseLostError(f"{e} ({n} updated rows of this cache were not "
-                                              "written; the cache is closed)")
-                    else:
-                        raise BackendError(
-                            f"{self.url}: close could not flush {n} dirty cached rows ({e}); "
-                            "they are kept in the cache: call flush() or close() again when "
-                            "the remote is reachable") from e
+            lost = None if self.read_only else self.whole.flush_to_close(self.url)
             self._closed = True
             self.prefetcher.close()
             if self._lease is not None:
@@ -288,25 +275,18 @@ class CachedBackend(Backend):
             if found.all():
                 return found
             found = found.copy()
-            miss = ~found
-            uniq, inv = np.unique(keys[miss], return_inverse=True)
-            self.io.settle(uniq)
-            with self.io.lock:
-                rfound = np.asarray(self.remote.contains(uniq), dtype=bool)
-            found[miss] = rfound[inv]
+            uniq, inv = np.unique(keys[~found], return_inverse=True)
+            found[~found] = self.io.contains(uniq)[inv]
             return found
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         with self._lock:
             self._check()
             self._claim(keys)
-            self._stale.note(keys)
             through = self.write_policy == "through"
             if through:
                 self.io.put(keys, records)
-            slots, found = self.resident.find(keys)
-            self.resident.table.next_tick()
-            self.resident.store(keys, records, slots, found, dirty=not through)
+            self.resident.store(keys, records, *self.resident.find(keys), dirty=not through)
 
     @property
     def supports_row_update(self) -> bool:  # type: ignore[override]
@@ -357,11 +337,9 @@ class CachedBackend(Backend):
             if keep.any():
                 self.put(keys[keep], recs[keep])
             return found
-        self._stale.note(keys)
         through = self.write_policy == "through"
         if through:
             self.io.put(keys, recs)
-        res.table.next_tick()
         res.store(keys, recs, slots, hit, dirty=not through)
         return found
 
@@ -387,14 +365,8 @@ class CachedBackend(Backend):
         with self._lock:
             self._check()
             self._claim(keys)
-            self._stale.note(keys)
-            self.io.settle(keys)  # a pending write-behind must not resurrect a deleted row
-            with self.io.lock:
-                present = np.asarray(self.remote.delete(keys), dtype=bool)
-            slots, found = self.resident.find(keys)
-            if found.any():
-                self.resident.drop(keys[found], slots[found])
-            return present | found
+            present = self.io.delete(keys)  # the remote row first: it never comes back
+            return present | self.resident.forget(keys)
 
     # A restore goes through the cache (the remote's own swap would leave old rows cached).
     replace_mechanism = "write-then-delete"
@@ -489,8 +461,6 @@ class CachedBackend(Backend):
         ``cache_rows``, ``cache_capacity``, ``prefetched_rows``; plus the remote's own
         counters prefixed ``remote.``."""
         with self._lock:
-            out = self.whole.stats()
-            out["write_policy"] = self.write_policy
-            if not self._closed:
-                out.update({f"remote.{k}": v for k, v in self.remote.stats().items()})
-            return out
+            return {**self.whole.stats(), "write_policy": self.write_policy,
+                    **({} if self._closed else {f"remote.{k}": v
+                                                 for k, v in self.remote.stats().items()})}

@@ -78,6 +78,19 @@ class RemoteIO:
                 raise
         self.count(remote_writes=len(keys), remote_write_calls=1)
 
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """Which ``keys`` the remote holds (their pending write-behind landed first)."""
+        self.settle(keys)
+        with self.lock:
+            return np.asarray(self.remote.contains(keys), dtype=bool)
+
+    def delete(self, keys: np.ndarray) -> np.ndarray:
+        """Delete remote rows; a pending write-behind of them lands first (it must not bring
+        them back). Return which existed."""
+        self.settle(keys)
+        with self.lock:
+            return np.asarray(self.remote.delete(keys), dtype=bool)
+
     def get_while(self, keys: np.ndarray,
                   work: Callable[[], object]) -> tuple[np.ndarray, np.ndarray]:
         """``get(keys)`` and ``work()``; with a thread-safe remote the read runs on the helper

@@ -263,9 +263,12 @@ class ResidentRows:
 
     def store(self, keys: np.ndarray, records: np.ndarray, slots: np.ndarray,
               found: np.ndarray, dirty: bool) -> None:
-        """Write rows into the cache (this tick started): the cached ones where they sit, the
-        others inserted; more new rows than fit go to the remote first when ``dirty``."""
+        """Write rows (``slots``/``found``: their probe) into the cache: the cached ones where
+        they sit, the others inserted; more new rows than fit go to the remote first when
+        ``dirty``."""
         res = self
+        self.stale.note(keys)
+        self.table.next_tick()
         m = len(keys) - int(np.count_nonzero(found))
         if m == 0:  # every row is cached
             res.table.touch(slots)
@@ -342,6 +345,14 @@ class ResidentRows:
         if len(dslots):
             self.io.count(flushes=1)
         return len(dslots)
+
+    def forget(self, keys: np.ndarray) -> np.ndarray:
+        """Drop the cached rows of ``keys`` (deleted); return which were cached."""
+        self.stale.note(keys)
+        slots, found = self.find(keys)
+        if found.any():
+            self.drop(keys[found], slots[found])
+        return found
 
     def dirty_rows(self) -> int:
         return int(np.count_nonzero(self.table.dirty))

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...errors import BackendError, LeaseLostError
+
 if TYPE_CHECKING:
     from .lease import WriterLease
     from .metadata import CacheMetadata
@@ -31,6 +33,22 @@ class WholeTable:
     def flush(self) -> int:
         """Write every dirty row to the remote; return how many."""
         return self.resident.flush(self.flush_batch)
+
+    def flush_to_close(self, url: str) -> LeaseLostError | None:
+        """The flush of a closing cache. A remote failure raises ``BackendError`` (the cache
+        stays open); a lost lease is returned, to raise once the cache is closed (its rows
+        can never be written: another writer has the keys)."""
+        try:
+            self.flush()
+        except Exception as e:
+            n = self.resident.dirty_rows() + self.io.pending_rows()
+            if isinstance(e, LeaseLostError):
+                return LeaseLostError(f"{e} ({n} updated rows of this cache were not "
+                                      "written; the cache is closed)")
+            raise BackendError(
+                f"{url}: close could not flush {n} dirty cached rows ({e}); they are kept in "
+                "the cache: call flush() or close() again when the remote is reachable") from e
+        return None
 
     def resync(self) -> int:
         """Rewrite the metadata and every cached row (and every row queued for the

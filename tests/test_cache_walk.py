@@ -38,7 +38,7 @@ def _walk(store: embstore.EmbeddingStore, monkeypatch: pytest.MonkeyPatch
     """Count the calls into the cache's parts, and collect embstore's source files run."""
     cache = store.backend
     calls: Counter = Counter()
-    index = cache.rows.index                            # memory://: the local store itself
+    index = cache.resident.rows.index                            # memory://: the local store itself
     for name in ("find_slots", "put", "delete", "get"):
         monkeypatch.setattr(index, name, _count(calls, f"index.{name}", getattr(index, name)))
     monkeypatch.setattr(cache, "put", _count(calls, "cache.put", cache.put))

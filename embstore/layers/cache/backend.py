@@ -18,7 +18,7 @@ package docstring, :mod:`embstore.layers.cache`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,18 @@ def _open_backend(target: Backend | str, read_only: bool, options: dict) -> Back
         return target
 
     return backend_class(target)(target, read_only=read_only, **options)
+
+
+def _checked_options(write_policy: str, eviction: str, capacity: int, flush_batch: int) -> str:
+    """Refuse bad cache options; return the eviction policy's name."""
+    if write_policy not in WRITE_POLICIES:
+        raise InvalidInputError(f"write_policy must be one of {WRITE_POLICIES}, "
+                                f"got {write_policy!r}")
+    if isinstance(capacity, bool) or int(capacity) <= 0:
+        raise InvalidInputError(f"cache_capacity must be a positive int, got {capacity!r}")
+    if int(flush_batch) <= 0:
+        raise InvalidInputError(f"flush_batch must be positive, got {flush_batch!r}")
+    return eviction_policy(eviction, "cache_eviction").name
 
 
 def _remote_flag(name: str) -> Any:
@@ -115,14 +127,7 @@ class CachedBackend(Backend):
                  write_behind: bool | None = None, flush_batch: int = 16384,
                  read_only: bool = False, writer_keys: Any = None,
                  lease_seconds: float = 300.0, **remote_options: Any) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise InvalidInputError(f"write_policy must be one of {WRITE_POLICIES}, "
-                                    f"got {write_policy!r}")
-        eviction = eviction_policy(eviction, "cache_eviction").name
-        if isinstance(capacity, bool) or int(capacity) <= 0:
-            raise InvalidInputError(f"cache_capacity must be a positive int, got {capacity!r}")
-        if int(flush_batch) <= 0:
-            raise InvalidInputError(f"flush_batch must be positive, got {flush_batch!r}")
+        eviction = _checked_options(write_policy, eviction, capacity, flush_batch)
         self.remote = _open_backend(remote, read_only, remote_options)
         try:
             self.local = _open_backend(local, False, {})
@@ -133,19 +138,21 @@ class CachedBackend(Backend):
         self.capacity = int(capacity)
         self.write_policy = write_policy
         self.eviction = eviction
-        self._lease = (WriterLease(self.remote, writer_keys, lease_seconds,
-                                   on_acquire=self._drop_clean)
-                       if self.persistent and not self.read_only else None)
         self._lock = threading.RLock()          # guards every piece of cache state
         if write_behind is None:
             write_behind = self.remote.thread_safe
-        self.io = RemoteIO(self.remote, self._lease, bool(write_behind) and write_policy == "back",
+        self.io = RemoteIO(self.remote, None, bool(write_behind) and write_policy == "back",
                            _COUNTERS)
         self.counters = self.io.counters
         self._stale = StaleKeys()
         # A slot-addressed local store (memory://) doubles as the key -> slot index.
         rows = LocalRows(self.local)
         self.resident = ResidentRows(rows, self.io, self._stale, eviction, self.capacity)
+        # A lease granted after another writer had the keys: clean cached rows may be stale.
+        self._lease = self.io.lease = (
+            WriterLease(self.remote, writer_keys, lease_seconds,
+                        on_acquire=self.resident.drop_clean)
+            if self.persistent and not self.read_only else None)
         self.metadata = CacheMetadata(self.remote, self.local, self._lease, self.io.lock,
                                       mirror=not rows.shared)
         self.prefetcher = Prefetcher(self.resident, self.io, self._stale, self._lock)
@@ -161,17 +168,6 @@ class CachedBackend(Backend):
     @flush_batch.setter
     def flush_batch(self, n: int) -> None:
         self.whole.flush_batch = int(n)
-
-    @property
-    def rows(self) -> LocalRows:
-        """The local store and its key -> slot index."""
-        return self.resident.rows
-
-    def _drop_clean(self) -> None:
-        # A writer lease was just granted: clean rows cached before it were read while the keys
-        # may have had another writer (whose lease this one took over), so they are read again.
-        # Dirty rows cannot exist yet (every write takes the lease first).
-        self.resident.drop_clean()
 
     def _claim(self, keys: np.ndarray) -> None:
         """Before a write: the keys are this cache's, and its lease is held."""
@@ -292,15 +288,7 @@ class CachedBackend(Backend):
     def supports_row_update(self) -> bool:  # type: ignore[override]
         """Steps are applied in place when the cached rows live in a memory:// local store and
         writes go back later (write-through must write the remote before the cache)."""
-        return self.rows.shared and self.write_policy == "back"
-
-    def _claimed(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """Before a read-modify-write (the lock held): the write claim and the probe of
-        ``keys``; None when rows it misses may be on their way (wait for the prefetch)."""
-        self._check()
-        self._claim(keys)
-        slots, found = self.resident.find(keys)
-        return None if self._stale.active and not found.all() else (slots, found)
+        return self.resident.rows.shared and self.write_policy == "back"
 
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         """The training step's case: the step is applied where the cached rows sit (one
@@ -308,19 +296,23 @@ class CachedBackend(Backend):
         in one call, stepped and cached; keys found nowhere are reported not found."""
         if not self.supports_row_update:
             return Backend.update_rows(self, keys, update)
-        while True:
-            with self._lock:
-                probe = self._claimed(keys)
-                if probe is not None:
-                    return self.resident.update(keys, update, *probe)
-            self.prefetcher.wait()
+        return self._read_modify_write(keys, lambda *probe: self.resident.update(keys, update,
+                                                                                 *probe))
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
+        return self._read_modify_write(keys, lambda *probe: self._modify(keys, fn, *probe))
+
+    def _read_modify_write(self, keys: np.ndarray,
+                           step: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+        """``step(slots, found)`` with the lock held, the write claimed and ``keys`` probed,
+        once rows they miss are not on their way from a prefetch."""
         while True:
             with self._lock:
-                probe = self._claimed(keys)
-                if probe is not None:
-                    return self._modify(keys, fn, *probe)
+                self._check()
+                self._claim(keys)
+                slots, found = self.resident.find(keys)
+                if found.all() or not self._stale.active:
+                    return step(slots, found)
             self.prefetcher.wait()
 
     def _modify(self, keys: np.ndarray, fn: ModifyFn, slots: np.ndarray,
@@ -342,10 +334,6 @@ class CachedBackend(Backend):
             self.io.put(keys, recs)
         res.store(keys, recs, slots, hit, dirty=not through)
         return found
-
-    # A row path the remote offers but the cache must not bypass: the generic one, which goes
-    # through this layer's get / put.
-    lookup_insert = Backend.lookup_insert
 
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
                     template: np.ndarray) -> np.ndarray:
@@ -371,10 +359,6 @@ class CachedBackend(Backend):
     # A restore goes through the cache (the remote's own swap would leave old rows cached).
     replace_mechanism = "write-then-delete"
 
-    def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
-                     rows: int | None = None) -> int:
-        return Backend.replace_rows(self, batches, meta, rows)
-
     def clear(self) -> None:
         self.prefetcher.wait()
         with self._lock:
@@ -385,14 +369,9 @@ class CachedBackend(Backend):
             self.resident.reset(self.key_type)
 
     def prefetch(self, keys: Any) -> None:
-        """Start loading the rows of ``keys`` that are not cached, in a background thread.
-
-        Call it with the *next* batch's keys before computing the current step; the next
-        lookup then finds them cached. At most one prefetch runs at a time (a new call waits
-        for the previous one). Writes, deletes and evictions that happen while it runs win
-        over what it read; a failed prefetch is dropped (counted in ``prefetch_errors``) and
-        the lookup fetches the rows itself.
-        """
+        """Start loading the rows of ``keys`` that are not cached, in a background thread
+        (call it with the next batch's keys before computing this step; see
+        :class:`~embstore.layers.cache.prefetch.Prefetcher`)."""
         k = normalize_keys(keys, self.key_type)
         self.prefetcher.wait()
         with self._lock:
@@ -408,9 +387,7 @@ class CachedBackend(Backend):
         parts = self.remote.partitions()
         if len(parts) == 1:
             return [self]
-        with self._lock:  # the parts are read directly: they must hold every cached write
-            self._check()
-            self.whole.flush()
+        self._flushed()  # the parts are read directly: they must hold every cached write
         return parts
 
     def partition_of(self, keys: np.ndarray) -> np.ndarray:
@@ -420,17 +397,18 @@ class CachedBackend(Backend):
         with self._lock:
             return 0 if self._closed else self.whole.length()
 
-    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _flushed(self) -> None:
         with self._lock:
             self._check()
             self.whole.flush()
+
+    def scan(self, batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        self._flushed()
         yield from self.remote.scan(batch_size)
 
     def changes_since(self, version: int,
                       batch_size: int = 4096) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        with self._lock:
-            self._check()
-            self.whole.flush()
+        self._flushed()
         yield from self.remote.changes_since(version, batch_size)
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
@@ -441,12 +419,8 @@ class CachedBackend(Backend):
             return self.whole.bulk_load(batches)
 
     def resync(self) -> int:
-        """Rewrite the metadata and every cached row to the remote; return rows written.
-
-        For a remote that lost its data (e.g. an emulator restarted empty): afterwards it holds
-        everything this cache holds, dirty or clean, and every evicted row still waiting for
-        the write-behind.
-        """
+        """Rewrite the metadata and every cached row (and every evicted row still waiting for
+        the write-behind) to a remote that lost its data; return rows written."""
         self.prefetcher.wait()
         with self._lock:
             return self.whole.resync()

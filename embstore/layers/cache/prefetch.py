@@ -33,7 +33,12 @@ class Prefetcher:
 
     def start(self, k: np.ndarray) -> None:
         """Start loading the rows of the normalized keys ``k`` that are not cached (the cache's
-        lock held; a previous prefetch waited for)."""
+        lock held; a previous prefetch waited for).
+
+        The next lookup then finds them cached. Writes, deletes and evictions that happen
+        while it runs win over what it read; a failed prefetch is dropped (counted in
+        ``prefetch_errors``) and the lookup fetches the rows itself.
+        """
         res = self.resident
         slots, found = res.find(k)
         miss = np.unique(k[~found])

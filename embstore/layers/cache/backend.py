@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from .remote import RemoteIO
 from .resident import LocalRows, ResidentRows, StaleKeys
 from .whole_table import WholeTable
 
+_T = TypeVar("_T")
 WRITE_POLICIES = ("back", "through")
 _COUNTERS = ("cache_hits", "cache_misses", "remote_reads", "remote_read_calls",
              "remote_writes", "remote_write_calls", "evictions", "dirty_evictions",
@@ -240,29 +241,10 @@ class CachedBackend(Backend):
             raise StoreClosedError("operation on a closed cache")
 
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self._lookup(keys, None)
+        return self._probed(keys, lambda *p: self.resident.lookup(keys, None, *p), claim=False)
 
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        return self._lookup(keys, field)
-
-    def _lookup(self, keys: np.ndarray, field: str | None) -> tuple[np.ndarray, np.ndarray]:
-        res = self.resident
-        with self._lock:
-            self._check()
-            slots, found = res.find(keys)
-            if found.all():  # the hit path: one probe, one gather, one stamp scatter
-                out = res.rows.read(keys, slots, field)
-                res.table.next_tick()
-                res.table.touch(slots)
-                self.counters["cache_hits"] += len(keys)
-                return out, found
-            if not self._stale.active:
-                return res.lookup_misses(keys, field, slots, found)
-        # Rows this batch misses may be on their way: wait for the prefetch, not the remote.
-        self.prefetcher.wait()
-        with self._lock:
-            self._check()
-            return res.lookup_misses(keys, field, *res.find(keys))
+        return self._probed(keys, lambda *p: self.resident.lookup(keys, field, *p), claim=False)
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -296,20 +278,21 @@ class CachedBackend(Backend):
         in one call, stepped and cached; keys found nowhere are reported not found."""
         if not self.supports_row_update:
             return Backend.update_rows(self, keys, update)
-        return self._read_modify_write(keys, lambda *probe: self.resident.update(keys, update,
-                                                                                 *probe))
+        return self._probed(keys, lambda *probe: self.resident.update(keys, update, *probe))
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
-        return self._read_modify_write(keys, lambda *probe: self._modify(keys, fn, *probe))
+        return self._probed(keys, lambda *probe: self._modify(keys, fn, *probe))
 
-    def _read_modify_write(self, keys: np.ndarray,
-                           step: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
-        """``step(slots, found)`` with the lock held, the write claimed and ``keys`` probed,
-        once rows they miss are not on their way from a prefetch."""
+    def _probed(self, keys: np.ndarray, step: Callable[[np.ndarray, np.ndarray], _T],
+                claim: bool = True) -> _T:
+        """``step(slots, found)`` with the lock held, ``keys`` probed (and the write claimed),
+        once rows they miss are not on their way from a prefetch (it is waited for, not the
+        remote)."""
         while True:
             with self._lock:
                 self._check()
-                self._claim(keys)
+                if claim:
+                    self._claim(keys)
                 slots, found = self.resident.find(keys)
                 if found.all() or not self._stale.active:
                     return step(slots, found)
@@ -365,8 +348,7 @@ class CachedBackend(Backend):
             self._check()
             self.io.settle()
             self.remote.clear()
-            self.resident.rows.clear()
-            self.resident.reset(self.key_type)
+            self.resident.clear(self.key_type)
 
     def prefetch(self, keys: Any) -> None:
         """Start loading the rows of ``keys`` that are not cached, in a background thread

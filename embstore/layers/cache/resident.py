@@ -153,6 +153,11 @@ class ResidentRows:
         self.rows.bind(layout, key_type)
         self.reset(key_type)
 
+    def clear(self, key_type: str) -> None:
+        """Forget every cached row (the table was cleared)."""
+        self.rows.clear()
+        self.reset(key_type)
+
     def reset(self, key_type: str) -> None:
         """Forget every cached row's bookkeeping (the rows were cleared)."""
         self.table = SlotTable(key_type, self.eviction, self.capacity)
@@ -224,7 +229,19 @@ class ResidentRows:
             recs[rest], found[rest] = self.io.get_while(keys[rest], lambda: self.make_room(room))
         return recs, found, queued
 
-    def lookup_misses(self, keys: np.ndarray, field: str | None, slots: np.ndarray,
+    def lookup(self, keys: np.ndarray, field: str | None, slots: np.ndarray,
+               found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (or one ``field``) of ``keys`` and which exist (``slots``/``found``: their
+        probe): the cached ones, the others read through (all of them in one remote call)."""
+        if found.all():  # the hit path: one probe, one gather, one stamp scatter
+            out = self.rows.read(keys, slots, field)
+            self.table.next_tick()
+            self.table.touch(slots)
+            self.io.counters["cache_hits"] += len(keys)
+            return out, found
+        return self._lookup_misses(keys, field, slots, found)
+
+    def _lookup_misses(self, keys: np.ndarray, field: str | None, slots: np.ndarray,
                        found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The miss path; ``slots``/``found`` are this batch's probe under the lock held."""
         res = self

@@ -102,12 +102,8 @@ class CachedBackend(Backend):
         Options for the remote backend when it is given as a URL.
     """
 
-    # The cache reads and writes rows itself: no in-place row paths of the remote's (its own
-    # update_rows works on the cached rows, see below).
-    supports_lookup_insert = False
-    # the remote's ranges would miss dirty cached rows; the cache holds a writer lease over its
-    # remote and is no lease record itself
-    supports_ranges = supports_fencing = False
+    # Backend's False stays for supports_lookup_insert (rows go through the cache), ranges (the
+    # remote's would miss dirty cached rows) and fencing (the cache holds a lease, is none).
     persistent = _remote_flag("persistent")
     supports_scan = _remote_flag("supports_scan")
     supports_changes = _remote_flag("supports_changes")

@@ -75,7 +75,7 @@ def settle(store) -> None:
     if isinstance(c, CachedBackend):
         c.wait_prefetch()
         with c._lock:
-            c._settle()
+            c.io.settle()
 
 
 def train(store, stream, grads, prefetch: bool = False, compute: float = 0.0) -> float:

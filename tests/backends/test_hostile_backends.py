@@ -296,8 +296,9 @@ def test_cached_bigtable_write_behind_recovers_without_flush(bigtable_private_em
     s = embstore.open(url, dim=DIM, cache="memory://", cache_capacity=50, emulator_host=emu.host,
                       retry_deadline=0.5)
     c = layer(s)
-    assert c._wb is not None
-    c._wb.retry_min = c._wb.retry_max = 0.2
+    wb = c.io.write_behind
+    assert wb is not None
+    wb.retry_min = wb.retry_max = 0.2
     ref = embstore.open("memory://", dim=DIM)
     for store in (ref, s):
         store.lookup(np.arange(50))

@@ -1,9 +1,10 @@
 """The cache layer: a local store in front of a remote one (:class:`CachedBackend`).
 
-:mod:`.backend` is the layer; :mod:`.host` identifies the writer, :mod:`.lease` keeps one
-writer per key range, :mod:`.remote` does remote I/O, :mod:`.prefetch` reads ahead,
-:mod:`.slots` keeps cached rows in the local store's slots, :mod:`.write_behind` flushes dirty
-rows, :mod:`.whole_table` runs whole-table operations through the cache.
+:mod:`.backend` is the layer, which owns its parts: :mod:`.remote` does remote I/O,
+:mod:`.resident` holds the cached rows (in the local store's slots, with the per-slot
+bookkeeping of :mod:`.slots`) and evicts, :mod:`.prefetch` reads ahead, :mod:`.write_behind`
+flushes evicted dirty rows, :mod:`.whole_table` runs whole-table operations, :mod:`.metadata`
+keeps the store's metadata and :mod:`.lease` keeps one writer per key range.
 
 Consistency contract
 --------------------

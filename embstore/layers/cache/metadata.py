@@ -13,8 +13,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-import numpy as np
-
 from ...backends.base import Backend
 from .lease import WriterLease
 
@@ -66,9 +64,3 @@ class CacheMetadata:
                 fn if lease is None else (lambda stored: lease.keep(stored, fn(stored))))
         self.last = dict(meta)
         return meta
-
-    def claim(self, keys: np.ndarray) -> None:
-        """Before a write: the keys are this cache's, and its lease is held."""
-        if self.lease is not None:
-            self.lease.check_keys(keys)
-            self.lease.ensure()

@@ -26,10 +26,10 @@ from ...options import accepted_options, unknown_option_error
 from ...urls import check_url_text
 from .. import ranges as kr
 from ..base import Backend, ModifyFn
-from ..lease_record import check_fence, loads
 from . import guard, wire
-from .cas import CasWriter, meta_update
+from .cas import CasWriter
 from .connection import BigtableConnection
+from .control import ControlRows
 from .restore import StagedRestore
 
 _FAMILY = re.compile(r"^[-_.a-zA-Z0-9]{1,64}$")
@@ -156,8 +156,6 @@ class BigtableBackend(Backend):
         self.check_and_set = bool(check_and_set)
         self.table_name = (f"projects/{self.project}/instances/{self.instance}"
                            f"/tables/{self.table_id}")
-        self._meta_cache: dict | None = None
-        self._lease_doc: dict | None = None  # the lease record as this backend last wrote it
         self.counters = dict.fromkeys(
             ("remote_reads", "remote_writes", "rows_read", "rows_written", "retries",
              "tables_recreated"), 0)
@@ -167,10 +165,11 @@ class BigtableBackend(Backend):
             read_only=read_only, column_family=self.column_family, app_profile_id=app_profile_id,
             retry_deadline=float(retry_deadline), rpc_timeout=self.rpc_timeout,
             inflight=self.inflight, interceptors=interceptors, credentials=credentials)
-        self.conn.on_recreated = self._restore_control_rows
         self.cas = CasWriter(self.conn, self.read_batch)
         self.restore = StagedRestore(self.conn, self.cas, self.write_batch, self.open_staging,
                                      self.write_meta)
+        self.control = ControlRows(self.cas, self.restore.marker_fields, self.url)
+        self.conn.on_recreated = self.control.put_back
         try:
             self.conn.ensure_table(initial=True)
             # A restore interrupted by a crash: finished or undone here (see .restore).
@@ -349,53 +348,27 @@ class BigtableBackend(Backend):
         except gexc.GoogleAPICallError:  # e.g. no admin rights: delete row by row instead
             super().clear()
 
-    # -- metadata and control rows ----------------------------------------------------------------
+    # -- metadata and control rows (see .control) ---------------------------------------------
     def read_meta(self) -> dict | None:
-        doc = self.cas.read_doc()
-        if doc is None:
-            return None
-        meta = doc.get("meta", doc) if isinstance(doc, dict) else doc
-        if isinstance(doc, dict):  # never write below a timestamp already used
-            self.cas.observe_ts(int(doc.get("ts_high", 0)))
-        self._meta_cache = meta
-        return meta
+        return self.control.read_meta()
 
     def write_meta(self, meta: dict) -> None:
         self._check_writable()
-        self._meta_cache = dict(meta)
-        # a committed restore's marker stays until the restore finishes (see .restore)
-        self.cas.write_doc(wire.META_ROW, {"meta": meta, **self.restore.marker_fields()})
+        self.control.write_meta(meta)
 
     def modify_meta(self, fn) -> dict:
         self._check_writable()
-        meta = self.cas.modify_doc(meta_update(fn))["meta"]
-        self._meta_cache = dict(meta)
-        return meta
+        return self.control.modify_meta(fn)
 
     def modify_leases(self, fn) -> dict:
-        """The writer-lease record (row ``wire.LEASE_ROW``) replaced by ``fn(stored)``, by
-        compare-and-set, retried on conflict."""
         self._check_writable()
-        self._lease_doc = self.cas.modify_doc(fn, row=wire.LEASE_ROW)
-        return self._lease_doc
+        return self.control.modify_leases(fn)
 
     def read_leases(self) -> Any:
-        return loads(self.cas.read_raw_doc(wire.LEASE_ROW), self.url)
+        return self.control.read_leases()
 
     def _check_fence(self) -> None:
-        # No multi-row transactions: the lease row is read just before the batch is sent, so
-        # a takeover between the two lets this one batch land (docs/concurrency.md).
-        if self.fence is not None:
-            check_fence(self.read_leases(), self.fence, self.url)
-
-    def _restore_control_rows(self) -> None:
-        # The table was recreated empty (an emulator restart): the metadata and the lease
-        # record this writer last wrote go back, so its fenced writes go on.
-        if self._meta_cache is not None:
-            self.cas.write_doc(wire.META_ROW, {"meta": self._meta_cache,
-                                               **self.restore.marker_fields()})
-        if self._lease_doc is not None:
-            self.cas.write_doc(wire.LEASE_ROW, self._lease_doc, stamp=False)
+        self.control.check_fence(self.fence)
 
     # -- restores ---------------------------------------------------------------------------------
     replace_mechanism = "staging-table"

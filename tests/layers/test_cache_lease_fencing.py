@@ -214,7 +214,7 @@ def test_one_fence_check_per_write_batch_and_none_on_cached_updates(bigtable_url
     for _ in range(5):                                 # the all-hit training step
         s.update(keys, np.ones((12, DIM), np.float32))
     assert cache.remote.counters["remote_reads"] == reads
-    cache.flush_batch = 4
+    cache.whole.flush_batch = 4
     cache.flush()                                      # three write batches, three checks
     assert cache.remote.counters["remote_reads"] == reads + 3
     s.close()

@@ -102,18 +102,18 @@ def test_scanner_sees_a_cycle_through_type_checking_imports_when_asked(tmp_path)
     assert arch.import_cycles(modules, type_checking=True) == [["embstore.a", "embstore.b"]]
 
 
-def test_class_assembly_stays_within_its_ceilings():
-    """Ceilings at the figures measured now, lowered as mixins give way to owned objects
-    (docs/architecture.md): they only go down. (Exports in parts, restores' generation checks
-    and fenced leases grew BigtableBackend; the distributed store's split added two mixins.)"""
+def test_classes_are_composed_of_owned_parts():
+    """No class is assembled from mixins that use its host's private names, no module-level
+    function reaches into the object it is handed, and no class with its project bases is
+    over 500 lines (docs/architecture.md): what a class is can be read in one place."""
     modules = arch.load_modules()
     table = shape.classes(modules)
-    mix = shape.mixins(table)
-    assert len(mix) <= 12, sorted(mix)
-    assert sum(len(v) for v in mix.values()) <= 59, mix
-    assert shape.with_bases(table)[0][1] <= 1316
-    assert sum(p.accesses for p in shape.owner_passing(modules)) <= 115
-    assert len(arch.import_cycles(modules, type_checking=True)) <= 1
+    assert shape.mixins(table) == {}
+    assert shape.borrowed(table) == {}
+    biggest = shape.with_bases(table)[:3]
+    assert biggest[0][1] <= 500, biggest
+    assert shape.owner_passing(modules) == []
+    assert arch.import_cycles(modules, type_checking=True) == []
 
 
 def test_no_import_cycles_among_the_packages_modules():
@@ -145,11 +145,9 @@ def test_codecs_know_no_store_and_the_engine_imports_no_layer_above_it():
             assert not imp.target.startswith(above_engine), imp
 
 
-def test_private_name_reaches_stay_at_most_three_per_thousand_lines():
-    modules = arch.load_modules()
-    reaches = arch.private_reaches(modules)
-    per_kloc = 1000.0 * len(reaches) / arch.nonblank_lines(modules)
-    assert per_kloc <= 3.0, "\n".join(f"{r.module}:{r.lineno} {r.text}" for r in reaches)
+def test_no_private_name_reaches_into_other_objects_or_modules():
+    reaches = arch.private_reaches(arch.load_modules())
+    assert reaches == [], "\n".join(f"{r.module}:{r.lineno} {r.text}" for r in reaches)
 
 
 def test_modules_stay_small():

@@ -68,34 +68,28 @@ def _remote_flag(name: str) -> Any:
 
 
 class CachedBackend(Backend):
-    """A capacity-bounded local cache over any remote backend.
+    """A capacity-bounded local cache over any remote backend (``embstore.open(url,
+    cache=...)``; each option is described in ``docs/cache-and-shards.md``).
 
     Parameters
     ----------
-    remote : Backend or str
-        The backend (or URL) holding the truth, e.g. ``bigtable://p/i/t``.
-    local : Backend or str
-        Where cached rows live (default ``"memory://"``). Emptied on open.
+    remote, local : Backend or str
+        The backend (or URL) holding the truth, and where cached rows live (default
+        ``"memory://"``, emptied on open).
     capacity : int
         Maximum number of cached rows (default 100_000).
     write_policy : {"back", "through"}
-        ``"back"`` keeps written rows dirty in the cache until flushed; ``"through"`` writes
-        the remote before returning.
+        Written rows stay dirty until flushed (``"back"``), or reach the remote first.
     eviction : {"lfu", "lru"} or EvictionPolicy
-        Which rows leave a full cache (``cache_eviction=`` of :func:`embstore.open`): least
-        frequently used (the default: ties broken by recency, use counts of evicted keys
-        remembered), or least recently used.
+        Which rows leave a full cache (``cache_eviction=`` of :func:`embstore.open`).
     write_behind : bool, optional
-        Write evicted dirty rows from a background thread while the caller goes on (default:
-        when the remote is thread-safe, e.g. Bigtable). Off: evictions write synchronously.
+        Write evicted dirty rows from a background thread (default: thread-safe remotes).
     flush_batch : int
         Rows per remote ``put`` when flushing.
     read_only : bool
     writer_keys : (int, int), optional
-        ``(index, count)``: this cache writes only keys with ``key_hash64(k) % count ==
-        index``. A writable cache over a persistent remote holds a lease on its keys in the
-        remote's metadata: a second cache writing overlapping keys is refused
-        (``LeaseConflictError``, see :mod:`.lease`). Default: every key (one writer).
+        ``(index, count)``: the keys this cache writes (``key_hash64(k) % count == index``),
+        under a fenced lease on them in the remote (see :mod:`.lease`); default every key.
     lease_seconds : float
         How long a lease outlives a writer that died without closing (default 300).
     **remote_options
@@ -156,15 +150,6 @@ class CachedBackend(Backend):
         self.whole = WholeTable(self.resident, self.io, self.metadata, self._lease,
                                 int(flush_batch))
         self._closed = False
-
-    @property
-    def flush_batch(self) -> int:
-        """Rows per remote ``put`` when flushing."""
-        return self.whole.flush_batch
-
-    @flush_batch.setter
-    def flush_batch(self, n: int) -> None:
-        self.whole.flush_batch = int(n)
 
     def _claim(self, keys: np.ndarray) -> None:
         """Before a write: the keys are this cache's, and its lease is held."""

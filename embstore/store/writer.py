@@ -248,7 +248,7 @@ class RecordWriter:
         new = np.zeros(len(keys), dtype=bool)
         vectors, n_new = self.backend.lookup_insert(keys, self.initial_stored, template, new=new)
         vectors = self.layout.vectors(vectors)
-        if n_new and self.observers:
+        if n_new and self.observers.registered:
             self.observers.inserted(keys[new], vectors[new], made[-1])
         return vectors, new
 
@@ -276,7 +276,8 @@ class RecordWriter:
             counts = {"count": mult} if "count" in self.layout.meta_names else {}
             row_update = RowUpdate(axpy or ("vector", 1.0, summed), counts, self.stamps(now), rule)
             found = self.backend.update_rows(uniq, row_update)
-            self.observers.row_updated(uniq, row_update, found)
+            if self.observers.registered:  # none: not even a call (the training step's path)
+                self.observers.row_updated(uniq, row_update, found)
             if found.all():
                 self.policy.after_update(self)
                 return

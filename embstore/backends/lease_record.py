@@ -13,9 +13,9 @@ metadata write can never erase them::
 token*, so a takeover always hands out a larger token than the one it replaces. A lease holder
 sets ``backend.fence = (holder id, token)``; from then on every row write of that backend
 checks, in the same transaction (SQL) or just before the batch (Bigtable, see
-:mod:`.bigtable.fence`), that the record still holds that token for that holder. A holder whose
-lease was taken over gets :class:`~embstore.errors.LeaseLostError` instead of overwriting the
-new holder's updates.
+:class:`.bigtable.control.ControlRows`), that the record still holds that token for that
+holder. A holder whose lease was taken over gets :class:`~embstore.errors.LeaseLostError`
+instead of overwriting the new holder's updates.
 
 This module knows the record's format: parsing (a malformed record raises
 :class:`~embstore.errors.LeaseFormatError`, never a raw ``TypeError``) and the fence check.

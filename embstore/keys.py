@@ -17,8 +17,8 @@ import numpy as np
 
 from ._keys import BYTES_KEY_HASH, factorize_keys, key_hash64, normalize_keys
 
-__all__ = ["BYTES_KEY_HASH", "factorize", "factorize_keys", "hash64", "key_hash64", "normalize",
-           "normalize_keys"]
+# one public name per operation; the compiled primitives behind them stay in embstore._keys
+__all__ = ["BYTES_KEY_HASH", "factorize", "hash64", "normalize"]
 
 
 def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:
@@ -31,21 +31,28 @@ def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:
     return normalize_keys(keys, key_type)
 
 
-def factorize(keys: Any) -> tuple[np.ndarray, np.ndarray]:
+def factorize(keys: Any, *, return_index: bool = False
+              ) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct string keys in first-seen order and each element's index among them.
 
     Returns ``(uniq, inverse)``: ``uniq`` an object array of ``bytes``, ``inverse`` int64,
-    with ``uniq[inverse]`` equal to the normalized keys. Hashing and comparing run in
-    compiled code (no per-key Python).
+    with ``uniq[inverse]`` equal to the normalized keys. With ``return_index=True``,
+    ``(uniq, first, inverse)``: ``first`` (int64) the position of each distinct key's first
+    occurrence, to pick the caller's own values (``str`` kept as ``str``). Hashing and
+    comparing run in compiled code (no per-key Python).
     """
     k = normalize_keys(keys, "bytes")
     first, inverse = factorize_keys(k)
-    return k[first], inverse
+    return (k[first], first, inverse) if return_index else (k[first], inverse)
 
 
-def hash64(keys: Any, key_type: str = "bytes") -> np.ndarray:
+def hash64(keys: Any, key_type: str | None = None) -> np.ndarray:
     """The fixed 64-bit hash embstore routes keys by (``sharded://``), as uint64.
 
     bytes keys: XXH3-64 with seed 0 (``xxhash.xxh3_64_intdigest``); int64 keys: splitmix64.
+    ``key_type`` defaults to ``"int64"`` for an integer array, else ``"bytes"``.
     """
+    if key_type is None:
+        integral = isinstance(keys, np.ndarray) and keys.dtype.kind in "iu"
+        key_type = "int64" if integral else "bytes"
     return key_hash64(normalize_keys(keys, key_type))

@@ -129,12 +129,12 @@ class Layout:
         fields += list(self.meta)
         return np.dtype(fields)
 
-    @property
+    @functools.cached_property
     def is_wide(self) -> bool:
         """Whether vector and slots are stored as float32 (no conversion on the way)."""
         return self.value_dtype == "float32" and self.slot_dtype == "float32"
 
-    @property
+    @functools.cached_property
     def trainable(self) -> bool:
         """Whether ``update`` can step this layout (``int8`` serves only)."""
         return self.value_dtype != "int8"
@@ -208,7 +208,7 @@ class Layout:
         assert fields is not None  # invariant: a record dtype is always structured
         return {name: (spec[0], spec[1]) for name, spec in fields.items()}
 
-    @property
+    @functools.cached_property
     def itemsize(self) -> int:
         return self.dtype.itemsize
 

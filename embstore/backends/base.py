@@ -11,10 +11,8 @@ The contract (every method, every capability flag) is described once, in
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -22,36 +20,25 @@ from ..errors import CapabilityError
 from ..layout import Layout
 from . import defaults
 from .capabilities import FusedBagPooling, SlotAddressed
+from .forks import serialized
 from .ranges import KeyRange
 from .rows import ModifyFn, RowRule, RowUpdate
 
 __all__ = ["Backend", "FusedBagPooling", "ModifyFn", "RowRule", "RowUpdate", "SlotAddressed",
            "serialized"]
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 Batches = Iterator[tuple[np.ndarray, np.ndarray]]
 
 
-class _Locked(Protocol):
-    """A backend with the lock :func:`serialized` takes."""
+class _UnboundLayout:
+    """``Backend.layout`` before :meth:`Backend.bind`: reading it raises. ``bind`` stores the
+    layout on the instance, which then answers every read itself (no call on the row paths)."""
 
-    @property
-    def _lock(self) -> AbstractContextManager[Any]: ...
-
-
-_L = TypeVar("_L", bound=_Locked)
-
-
-def serialized(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Concatenate[_L, _P], _R]:
-    """Run a backend method under the backend's ``self._lock`` (an ``RLock``, so serialized
-    methods may call each other): for backends whose calls must not interleave across
-    threads."""
-    @functools.wraps(method)
-    def wrapper(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return wrapper
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return self
+        raise AttributeError(f"{type(obj).__name__} ({obj.url}) has no record layout yet: "
+                             "the engine sets it with bind() when the store opens")
 
 
 class Backend(abc.ABC):
@@ -80,7 +67,8 @@ class Backend(abc.ABC):
     #: the writer lease ``(holder id, token)`` every row write must hold (None: unchecked)
     fence: tuple[str, int] | None = None
     key_type: str = "int64"
-    _layout: Layout | None = None  # set by bind() once the metadata is read or written
+    #: the store's record layout, set by :meth:`bind` (``AttributeError`` before)
+    layout: Layout = _UnboundLayout()  # type: ignore[assignment]
 
     def __init__(self, url: str, *, read_only: bool = False, **options: Any) -> None:
         self.url = url
@@ -89,21 +77,9 @@ class Backend(abc.ABC):
         self.counters: dict[str, int] = {}
 
     @property
-    def layout(self) -> Layout:
-        """The store's record layout; an ``AttributeError`` before :meth:`bind`."""
-        if self._layout is None:
-            raise AttributeError(f"{type(self).__name__} ({self.url}) has no record layout yet: "
-                                 "the engine sets it with bind() when the store opens")
-        return self._layout
-
-    @layout.setter
-    def layout(self, layout: Layout) -> None:
-        self._layout = layout
-
-    @property
     def is_bound(self) -> bool:
         """Whether :meth:`bind` has set the layout (row I/O needs it)."""
-        return self._layout is not None
+        return "layout" in self.__dict__
 
     # -- lifecycle and metadata -----------------------------------------------------------
     def bind(self, layout: Layout, key_type: str) -> None:

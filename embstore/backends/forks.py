@@ -8,14 +8,41 @@ comparison per call, no getpid() system call.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-__all__ = ["ForkSafePool", "ProcessLock", "current_generation", "on_fork_in_child"]
+__all__ = ["ForkSafePool", "ProcessLock", "current_generation", "on_fork_in_child",
+           "serialized"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _Locked(Protocol):
+    """A backend with the lock :func:`serialized` takes."""
+
+    @property
+    def _lock(self) -> AbstractContextManager[Any]: ...
+
+
+_L = TypeVar("_L", bound=_Locked)
+
+
+def serialized(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Concatenate[_L, _P], _R]:
+    """Run a backend method under the backend's ``self._lock`` (an ``RLock`` or this module's
+    fork-aware lock, so serialized methods may call each other): for backends whose calls
+    must not interleave across threads."""
+    @functools.wraps(method)
+    def wrapper(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 _generation = 0
 _hooks: list[Callable[[], None]] = []

@@ -82,10 +82,9 @@ def test_an_update_with_a_few_misses_walks_the_cache_once(store, monkeypatch):
     assert _passes(calls) <= 3, calls                  # one find, one insert (put + slots)
     assert calls["index.put"] + calls["cache.put"] == 1, calls
     assert calls["lease.ensure"] <= 2, calls
-    # 22 source files today: the cache's 5 (backend, lease, remote, resident rows, slots), the
-    # engine's 5, memory://'s 4 and the SQLite remote's 5 for its one read, plus keys, layout
-    # and the update rule; the goal is 20 (the engine's and SQL's own parts now being modules)
-    assert len(files) <= 22, "\n".join(sorted(f[len(_ROOT):] for f in files))
+    # 20 source files: the cache's 5 (backend, lease, remote, resident rows, slots), the
+    # engine's 5, memory://'s 3 and the SQLite remote's 5 for its one read, keys and the rule
+    assert len(files) <= 20, "\n".join(sorted(f[len(_ROOT):] for f in files))
     np.testing.assert_allclose(store.lookup(miss, insert=False), before - 0.01, rtol=1e-6)
 
 

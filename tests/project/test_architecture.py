@@ -166,8 +166,8 @@ def test_the_documented_backend_flags_are_the_declared_ones():
     table = text.split("<!-- backend-flags -->")[1].split("<!-- /backend-flags -->")[0]
     documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
     declared = {name: getattr(Backend, name) for name in Backend.__annotations__
-                # key_type and fence are state set on an instance, not capabilities
-                if not name.startswith("_") and name not in ("key_type", "fence")}
+                # key_type, fence and layout are state set on an instance, not capabilities
+                if not name.startswith("_") and name not in ("key_type", "fence", "layout")}
     assert set(documented) == set(declared)
     for name, default in documented.items():
         assert default == repr(declared[name]).replace("'", '"'), name

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from embstore import StoreProtocol
 from embstore.errors import InvalidInputError, KeyTypeError
-from embstore.keys import factorize_keys
+from embstore.keys import factorize
 
 __all__ = ["dynamic_embedding_lookup", "flat_rows", "sampled_logits", "trigger_variable"]
 
@@ -126,7 +126,7 @@ def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool, padding_
         admit_all = insert and store.admission is not None and len(kk) > 0
         first = None
         if kk.dtype == object:
-            first, inv = factorize_keys(kk)
+            _, first, inv = factorize(kk, return_index=True)
             uniq = kk[first]
             counts = np.bincount(inv, minlength=len(first))
         elif admit_all:  # first positions needed; return_index makes numpy sort stably

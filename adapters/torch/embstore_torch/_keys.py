@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from embstore.errors import InvalidInputError, KeyTypeError
-from embstore.keys import factorize_keys, normalize_keys
+from embstore.keys import factorize as factorize_strings
+from embstore.keys import normalize
 
 _STR = (str, bytes)
 
@@ -142,10 +143,10 @@ def factorize(flat: Sequence) -> tuple[Any, np.ndarray]:
     """Distinct values in first-seen order and the index of each element among them.
 
     str/bytes keys (a list or object array) are hashed and compared in compiled code
-    (:func:`embstore.keys.factorize_keys`); a str and its UTF-8 bytes are one key, as they
+    (:func:`embstore.keys.factorize`); a str and its UTF-8 bytes are one key, as they
     are in the store.
     """
-    first, inverse = factorize_keys(flat)
+    _, first, inverse = factorize_strings(flat, return_index=True)
     if isinstance(flat, np.ndarray):
         # An object array stays one: the store takes it as it is (no per-key list), and its
         # lookup and update see the very same array.
@@ -192,7 +193,7 @@ def prepare(input: Any) -> KeyBatch:
     if type(input).__module__.startswith("pyarrow") and hasattr(input, "to_numpy"):
         return prepare(input.to_numpy(zero_copy_only=False))  # string arrays, chunked too
     if isinstance(input, (int, np.integer)) and not isinstance(input, bool):
-        return prepare(np.array(normalize_keys([input], "int64")[0]))
+        return prepare(np.array(normalize([input], "int64")[0]))
     if not isinstance(input, Sequence):
         raise KeyTypeError(
             f"keys must be an int64 tensor, a numpy array or a (nested) list of str; "
@@ -206,7 +207,7 @@ def prepare(input: Any) -> KeyBatch:
         )
     if flat and isinstance(flat[0], (int, np.integer)) and not isinstance(flat[0], bool):
         try:
-            arr = normalize_keys(flat, "int64").reshape(shape)
+            arr = normalize(flat, "int64").reshape(shape)
         except (TypeError, ValueError, OverflowError) as e:
             raise KeyTypeError(f"keys mix integers with other types: {e}") from e
         return prepare(torch.from_numpy(arr))
@@ -229,7 +230,7 @@ def prepare_bags(input: Any, offsets: Any) -> tuple[KeyBatch, torch.Tensor, int]
         flat = list(chain.from_iterable(input))
         offs = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths)[:-1])))
         if flat and isinstance(flat[0], (int, np.integer)):
-            batch = prepare(torch.from_numpy(normalize_keys(flat, "int64")))
+            batch = prepare(torch.from_numpy(normalize(flat, "int64")))
         else:
             uniq, inv_np = factorize(flat)
             batch = KeyBatch(uniq, torch.from_numpy(inv_np), (len(flat),))

@@ -20,7 +20,7 @@ from torch import nn
 
 from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
-from embstore.keys import normalize_keys
+from embstore.keys import normalize
 
 from . import _compiled
 from ._bridges import Sink, StoreBag, StoreGather, StoreRows
@@ -247,16 +247,16 @@ class DynamicEmbeddingBagCollection(nn.Module):
             every = whole or (spans[0][0] == 0 and spans[-1][1] == len(values) and all(
                 b == a for (_, b), (a, _) in zip(spans, spans[1:])))
             if every and not self.namespaces and isinstance(values, (np.ndarray, torch.Tensor)):
-                flat = (normalize_keys(values, "int64") if isinstance(values, np.ndarray)
+                flat = (normalize(values, "int64") if isinstance(values, np.ndarray)
                         else _int_tensor(values))
                 return int_batch(flat, (len(flat),))
             if isinstance(values, torch.Tensor):
                 arr = _int_tensor(values)
                 parts = [arr[a:b] for a, b in spans]
             elif isinstance(values, np.ndarray):
-                parts = [normalize_keys(values[a:b], "int64") for a, b in spans]
+                parts = [normalize(values[a:b], "int64") for a, b in spans]
             else:  # a list, possibly mixing this table's ints with another table's strings
-                parts = [normalize_keys(list(values[a:b]), "int64") for a, b in spans]
+                parts = [normalize(list(values[a:b]), "int64") for a, b in spans]
             parts = [_int_namespace(p, self.namespaces.get(f), f) for p, f in zip(
                 parts, feats, strict=True)]
             flat = parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -21,7 +21,7 @@ from torch import nn
 
 from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
-from embstore.keys import normalize_keys
+from embstore.keys import normalize
 
 from . import _compiled
 from ._bridges import Sink, StoreGather, StoreRows
@@ -119,7 +119,7 @@ def padding_key_of(store: StoreProtocol, padding_key: Any, padding_idx: Any) -> 
         padding_key = padding_idx
     if padding_key is None:
         return None
-    return normalize_keys([padding_key], store.key_type)[0]
+    return normalize([padding_key], store.key_type)[0]
 
 
 class StoreModule(nn.Module):

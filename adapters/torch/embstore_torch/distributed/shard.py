@@ -1,7 +1,8 @@
 """One rank's shard, recorded exactly as ``sharded://`` records its shards.
 
-A rank of :mod:`embstore_torch.distributed.store` owns the keys with ``key_hash64(k) % world ==
-rank``: the routing of :class:`embstore.layers.sharded.ShardedBackend`. :class:`ShardView`
+A rank of :mod:`embstore_torch.distributed.store` owns the keys with
+``embstore.keys.hash64(k) % world == rank``: the routing of
+:class:`embstore.layers.sharded.ShardedBackend`. :class:`ShardView`
 wraps the rank's own backend so that its metadata carries what ``ShardedBackend`` writes
 into every shard (``format: "embstore-shard"``, ``sharding: {"count": world, "index":
 rank}``). The shards of a distributed run therefore reopen offline as one ordinary

@@ -5,7 +5,7 @@
 >>> store = ed.open("lmdb:///data/emb/shard-{rank}-of-{world}", dim=64, optimizer="adagrad")
 >>> emb = embstore_torch.DynamicEmbedding(store)           # unchanged module, on top
 
-Rank ``r`` owns the keys with ``key_hash64(k) % world == r`` (the routing of ``sharded://``)
+Rank ``r`` owns the keys with ``embstore.keys.hash64(k) % world == r`` (the routing of ``sharded://``)
 and is the only process that reads or writes them, in its own store. A ``lookup`` deduplicates
 its keys, sends each to its owner with one ``all_to_all`` (sizes first, then payloads) and
 gets the vectors back with a second; an ``update`` sends gradients and counts to the owners,

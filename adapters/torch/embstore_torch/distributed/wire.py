@@ -1,7 +1,7 @@
 """Keys and rows as bytes, routed by owner: the payload side of the distributed store.
 
 int64 keys travel as their 8 bytes; bytes keys as ``(n lengths as int64, the joined data)``
-(offsets + data). Routing is ``key_hash64(k) % world`` -- the function ``sharded://`` uses
+(offsets + data). Routing is ``embstore.keys.hash64(k) % world`` -- the function ``sharded://`` uses
 (:meth:`embstore.layers.sharded.ShardedBackend.shard_of`), imported, not rewritten.
 
 Received buffers are checked before they are used: sizes against counts, key lengths against
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from embstore.keys import key_hash64
+from embstore.keys import hash64
 
 from .comm import RankFailureError
 
@@ -41,7 +41,7 @@ def key_bytes(key_type: str) -> tuple[int, int]:
 
 def owner_of(keys: np.ndarray, world: int) -> np.ndarray:
     """The owning rank of each normalized key (int64 array or object array of bytes)."""
-    return (key_hash64(keys) % np.uint64(world)).astype(np.int64)
+    return (hash64(keys) % np.uint64(world)).astype(np.int64)
 
 
 def route(keys: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:

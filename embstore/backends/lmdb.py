@@ -38,13 +38,8 @@ from ._localdir import (
 )
 from ._txn import records_from_values, write_plan
 from .base import ModifyFn
-from .lmdb_env import GEN_KEY, META_KEY, LmdbEnv
+from .lmdb_env import GEN_KEY, META_KEY, LmdbEnv, lmdb  # the driver, checked there
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
-
-try:
-    import lmdb
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("the lmdb backend needs py-lmdb: pip install -e '.[lmdb]'") from e
 
 _BYTES_PREFIX = b"\x00"
 # Bytes of records per bulk-load transaction: keys are sorted over a whole chunk, and only a

@@ -26,8 +26,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..errors import BackendError, BackendUnavailableError, InvalidInputError
-from ..extras import install_hint
+from ..errors import BackendError, InvalidInputError
 from ..layout import Layout
 from . import ordered_keys
 from ._localdir import (
@@ -42,13 +41,7 @@ from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import ModifyFn
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
-from .rocksdb_handles import META_KEY, POOL, RocksHandles
-
-try:
-    import rocksdict as rd
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise BackendUnavailableError(
-        f"the rocksdb backend needs rocksdict; install it with: {install_hint('rocksdb')}") from e
+from .rocksdb_handles import META_KEY, POOL, RocksHandles, rd  # the driver, checked there
 
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
 

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import (
+    BackendError,
     BackendUnavailableError,
+    ConcurrentRestoreError,
     ForkedProcessError,
     InvalidInputError,
     SchemaMismatchError,
@@ -27,8 +29,6 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
         f"the rocksdb backend needs rocksdict; install it with: {install_hint('rocksdb')}") from e
-
-from ..errors import BackendError, ConcurrentRestoreError
 
 __all__ = ["INHERITED", "POOL", "RocksHandles", "Shared", "current_generation", "open_unraced",
            "rocksdb_options"]

@@ -11,8 +11,10 @@ extensions = [
     Extension("embstore._cython.arena", ["embstore/_cython/arena.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"]),
     # fused: bag sums and gradient sums round as torch's embedding_bag (fmaf only where it does)
+    # (OpenMP: bags, keys and rows are split over native threads when a caller asks for them)
     Extension("embstore._cython.fused", ["embstore/_cython/fused.pyx"], include_dirs=_HERE,
-              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"]),
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+              extra_link_args=["-fopenmp"]),
     Extension("embstore._cython.cuckoo", ["embstore/_cython/cuckoo.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], include_dirs=_HERE,
@@ -21,9 +23,9 @@ extensions = [
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.bytestable", ["embstore/_cython/bytestable.pyx"],
               include_dirs=_HERE, extra_compile_args=["-O3"]),
-    Extension(
-        "embstore._cython.rowops", ["embstore/_cython/rowops.pyx"], extra_compile_args=["-O3"]
-    ),
+    # rowops: the row-wise mean square (es_rowsq.h) must round as the fused step's
+    Extension("embstore._cython.rowops", ["embstore/_cython/rowops.pyx"], include_dirs=_HERE,
+              extra_compile_args=["-O3", "-ffp-contract=off"]),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

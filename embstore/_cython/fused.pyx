@@ -16,15 +16,31 @@ built with ``-ffp-contract=off``, so nothing else is contracted.
 This module imports nothing from embstore; callers pass clean, contiguous arrays.
 """
 
+from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
-from libc.math cimport fmaf
+from libc.string cimport memcpy, memset
+from libc.math cimport fmaf, sqrtf
 
 from .arena cimport RecordArena
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
+    void ES_PREFETCH_W(const void* p) nogil
+
+cdef extern from "es_rowsq.h":
+    float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
+
+cdef enum:
+    AHEAD = 8   # rows requested this many keys ahead of the one being stepped
+
+# The optimizer rules :func:`step_bags` applies in place (``RULES[name]``)
+cdef enum:
+    RULE_AXPY = 0
+    RULE_ADAGRAD = 1
+    RULE_ADAGRAD_ROWWISE = 2
+
+RULES = {"axpy": RULE_AXPY, "adagrad": RULE_ADAGRAD, "adagrad_rowwise": RULE_ADAGRAD_ROWWISE}
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     # splitmix64's finalizer: ids that differ in high bits only still spread
@@ -95,24 +111,25 @@ cdef int _check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
 
 def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
          const int64_t[::1] offsets, const float[::1] weights, Py_ssize_t vec_offset,
-         bint mean, float[:, ::1] out):
+         bint mean, float[:, :] out, int threads=1):
     """Bag ``b`` of ``out``: the float32 vectors (at ``vec_offset`` in each record) of the
     records ``slots[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, summed in element
     order (``weights[e]`` times each when ``weights`` is not empty), divided by the bag's
-    length with ``mean``; an empty bag gives zeros."""
-    cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b, e, k, end, ln
+    length with ``mean``; an empty bag gives zeros. ``out`` may be a column block of a wider
+    array (rows apart, each row contiguous); bags are split over ``threads`` native
+    threads."""
+    cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b
     cdef Py_ssize_t nu = slots.shape[0], u
-    cdef float* o
-    cdef const float* r
-    cdef float w, fl
     cdef bint weighted = weights.shape[0] != 0
     cdef const float** rows
     cdef uint32_t s
+    cdef int nt = threads if threads > 1 else 1
     if vec_offset < 0 or vec_offset + d * 4 > arena.itemsize:
         raise ValueError("pool: the vector field does not fit the record")
+    if d > 1 and out.strides[1] != sizeof(float):
+        raise ValueError("pool: each output row must be contiguous")
     _check_bags(inv, offsets, weights, n_bags, nu, "pool")
     arena._check_slots(slots, "pool")
-    end = offsets[n_bags]
     rows = <const float**> malloc((nu if nu else 1) * sizeof(float*))
     if rows == NULL:
         raise MemoryError("pool: no memory")
@@ -125,24 +142,32 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
                                       + (s & arena.low_mask) * arena.itemsize + vec_offset)
             ES_PREFETCH(rows[u])
             ES_PREFETCH(<const char*> rows[u] + d * 4 - 1)
-        for b in range(n_bags):
-            o = &out[b, 0]
-            memset(o, 0, d * sizeof(float))
-            for e in range(offsets[b], offsets[b + 1]):
-                r = rows[inv[e]]
-                if weighted:
-                    w = weights[e]
-                    for k in range(d):
-                        o[k] = fmaf(w, r[k], o[k])
-                else:
-                    for k in range(d):
-                        o[k] = o[k] + r[k]
-            ln = offsets[b + 1] - offsets[b]
-            if mean and ln > 0:
-                fl = <float> ln
-                for k in range(d):
-                    o[k] = o[k] / fl
+        for b in prange(n_bags, num_threads=nt, schedule="static"):
+            _pool_bag(&out[b, 0], d, rows, inv, offsets[b], offsets[b + 1], weights,
+                      weighted, mean)
     free(rows)
+
+
+cdef inline void _pool_bag(float* o, Py_ssize_t d, const float** rows,
+                           const int64_t[::1] inv, Py_ssize_t start, Py_ssize_t stop,
+                           const float[::1] weights, bint weighted, bint mean) noexcept nogil:
+    cdef Py_ssize_t e, k
+    cdef const float* r
+    cdef float w, fl
+    memset(o, 0, d * sizeof(float))
+    for e in range(start, stop):
+        r = rows[inv[e]]
+        if weighted:
+            w = weights[e]
+            for k in range(d):
+                o[k] = fmaf(w, r[k], o[k])
+        else:
+            for k in range(d):
+                o[k] = o[k] + r[k]
+    if mean and stop > start:
+        fl = <float> (stop - start)
+        for k in range(d):
+            o[k] = o[k] / fl
 
 
 def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::1] weights,
@@ -152,39 +177,253 @@ def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::
     the bag's length with ``mean``, times ``weights[e]`` when weights are given. ``grad``
     may be a strided view of a wider array (a slice of a concatenated output's gradient),
     its rows contiguous."""
-    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1], b, e, k, ln
-    cdef float* s
-    cdef const float* g
-    cdef float w, fl
+    cdef Py_ssize_t d = grad.shape[1]
     cdef float* scaled
-    cdef bint weighted = weights.shape[0] != 0
     if sums.shape[1] != d or (d > 1 and grad.strides[1] != sizeof(float)):
         raise ValueError("grad_sums: the sums must have the gradient's width, and gradient "
                          "rows must be contiguous")
-    _check_bags(inv, offsets, weights, n_bags, sums.shape[0], "grad_sums")
+    _check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
     scaled = <float*> malloc((d if d else 1) * sizeof(float))
     if scaled == NULL:
         raise MemoryError("grad_sums: no memory")
     with nogil:
-        for e in range(sums.shape[0]):
-            memset(&sums[e, 0], 0, d * sizeof(float))
-        for b in range(n_bags):
-            ln = offsets[b + 1] - offsets[b]
-            if ln == 0:
-                continue
-            g = &grad[b, 0]
-            if mean:  # torch divides the gradient by the length first, then sums
-                fl = <float> ln
-                for k in range(d):
-                    scaled[k] = g[k] / fl
-                g = scaled
-            for e in range(offsets[b], offsets[b + 1]):
-                s = &sums[inv[e], 0]
-                if weighted:
-                    w = weights[e]
-                    for k in range(d):
-                        s[k] = fmaf(w, g[k], s[k])
-                else:
-                    for k in range(d):
-                        s[k] = s[k] + g[k]
+        _scatter_sums(&sums[0, 0] if sums.shape[0] else NULL, sums.shape[0], grad, inv,
+                      offsets, weights, mean, scaled)
     free(scaled)
+
+
+cdef void _scatter_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
+                        const int64_t[::1] inv, const int64_t[::1] offsets,
+                        const float[::1] weights, bint mean, float* scaled) noexcept nogil:
+    """:func:`grad_sums` into ``nu`` rows at ``sums``, bag by bag (one thread)."""
+    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1], b, e, k, ln
+    cdef float* s
+    cdef const float* g
+    cdef float w, fl
+    cdef bint weighted = weights.shape[0] != 0
+    memset(sums, 0, nu * d * sizeof(float))
+    for b in range(n_bags):
+        ln = offsets[b + 1] - offsets[b]
+        if ln == 0:
+            continue
+        g = &grad[b, 0]
+        if mean:  # torch divides the gradient by the length first, then sums
+            fl = <float> ln
+            for k in range(d):
+                scaled[k] = g[k] / fl
+            g = scaled
+        for e in range(offsets[b], offsets[b + 1]):
+            s = sums + inv[e] * d
+            if weighted:
+                w = weights[e]
+                for k in range(d):
+                    s[k] = fmaf(w, g[k], s[k])
+            else:
+                for k in range(d):
+                    s[k] = s[k] + g[k]
+
+
+cdef bint _finite(const float* x, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef uint32_t bad = 0
+    for i in range(n):
+        bad |= ((<const uint32_t*> x)[i] & 0x7F800000u) == 0x7F800000u
+    return bad == 0
+
+
+def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
+              const int64_t[::1] offsets, const float[::1] weights, bint mean,
+              const float[:, :] grad, int rule, float alpha, float lr, float eps,
+              Py_ssize_t vec_offset, Py_ssize_t acc_offset, const Py_ssize_t[::1] add_offsets,
+              const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
+              const uint64_t[::1] set_bits, int threads=1):
+    """The backward of :func:`pool` and the optimizer's step, in one call: returns False
+    (and writes nothing) when a key's summed gradient is not finite.
+
+    First every distinct key's gradient (``slots[u]``: its record) is summed from the pooled
+    gradient ``grad`` (``(n_bags, dim)``, rows may sit apart) exactly as :func:`grad_sums`
+    sums it (element order; the bag's length divides first with ``mean``; ``fmaf`` with
+    ``weights``), the elements of each key found through a stable counting sort, so keys are
+    independent. Then each key's record is stepped in place by ``rule`` (``RULES``): ``axpy``
+    ``vec += alpha * sum``; ``adagrad`` as :meth:`RecordArena.adagrad_rows`;
+    ``adagrad_rowwise`` as :meth:`RecordArena.adagrad_rowwise_rows` with the mean square of
+    ``es_sumsq``; and in the same visit of the record the int64 fields at ``add_offsets`` grow
+    by ``add_values[f, u]`` and the 8 bytes at each ``set_offsets[s]`` become ``set_bits[s]``
+    (counts and stamps, as :meth:`RecordArena.update_rows` writes them). Keys are split over
+    ``threads`` native threads in both passes; the bits do not depend on the split."""
+    cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
+    cdef Py_ssize_t na = add_offsets.shape[0], ns = set_offsets.shape[0], f, u
+    cdef Py_ssize_t acc_width = d if rule == RULE_ADAGRAD else 1
+    cdef int nt = threads if threads > 1 else 1
+    cdef float* sums
+    cdef int bad = 0
+    if rule not in (RULE_AXPY, RULE_ADAGRAD, RULE_ADAGRAD_ROWWISE):
+        raise ValueError(f"step_bags: unknown rule {rule}")
+    if d > 1 and grad.strides[1] != sizeof(float):
+        raise ValueError("step_bags: gradient rows must be contiguous")
+    if vec_offset < 0 or vec_offset + d * 4 > arena.itemsize or (
+            rule != RULE_AXPY and (acc_offset < 0 or acc_offset + acc_width * 4 > arena.itemsize)):
+        raise ValueError("step_bags: the float fields do not fit the record")
+    if add_values.shape[0] < na or (na and add_values.shape[1] < nu) or set_bits.shape[0] < ns:
+        raise ValueError("step_bags: value arrays are shorter than the keys")
+    for f in range(na):
+        if add_offsets[f] < 0 or add_offsets[f] + 8 > arena.itemsize:
+            raise ValueError("step_bags: an int field does not fit the record")
+    for f in range(ns):
+        if set_offsets[f] < 0 or set_offsets[f] + 8 > arena.itemsize:
+            raise ValueError("step_bags: a set field does not fit the record")
+    _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
+    arena._check_slots(slots, "step_bags")
+    sums = <float*> malloc((nu * d + d + 1) * sizeof(float))  # the sums, then a scratch row
+    if sums == NULL:
+        raise MemoryError("step_bags: no memory")
+    if nt == 1:  # bag by bag, as grad_sums: no grouping pass needed
+        with nogil:
+            _scatter_sums(sums, nu, grad, inv, offsets, weights, mean, sums + nu * d)
+    else:
+        bad = _grouped_sums(sums, nu, grad, inv, offsets, weights, mean, nt)
+    if bad < 0:
+        free(sums)
+        raise MemoryError("step_bags: no memory")
+    if bad or not _finite(sums, nu * d):
+        free(sums)
+        return False
+    with nogil:
+        if nt == 1:  # (an OpenMP region of one thread still costs its setup)
+            for u in range(nu):
+                _step_key(arena, slots, u, sums, d, rule, alpha, lr, eps, vec_offset,
+                          acc_offset, add_offsets, add_values, set_offsets, set_bits)
+        else:
+            for u in prange(nu, num_threads=nt, schedule="static"):
+                _step_key(arena, slots, u, sums, d, rule, alpha, lr, eps, vec_offset,
+                          acc_offset, add_offsets, add_values, set_offsets, set_bits)
+    free(sums)
+    return True
+
+
+cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssize_t u,
+                           const float* sums, Py_ssize_t d, int rule, float alpha, float lr,
+                           float eps, Py_ssize_t vec_offset, Py_ssize_t acc_offset,
+                           const Py_ssize_t[::1] add_offsets, const int64_t[:, ::1] add_values,
+                           const Py_ssize_t[::1] set_offsets,
+                           const uint64_t[::1] set_bits) noexcept nogil:
+    """Key ``u``'s record: its optimizer step, counts and stamps, in one visit."""
+    cdef uint8_t* row
+    cdef Py_ssize_t f
+    if u + AHEAD < slots.shape[0]:
+        row = _row_at(arena, slots[u + AHEAD])
+        ES_PREFETCH_W(row)
+        ES_PREFETCH_W(row + arena.itemsize - 1)
+    row = _row_at(arena, slots[u])
+    _step_row(row, &sums[u * d], d, rule, alpha, lr, eps, vec_offset, acc_offset)
+    for f in range(add_offsets.shape[0]):
+        (<int64_t*> (row + add_offsets[f]))[0] += add_values[f, u]
+    for f in range(set_offsets.shape[0]):
+        memcpy(row + set_offsets[f], &set_bits[f], 8)
+
+
+cdef inline uint8_t* _row_at(RecordArena arena, uint32_t s) noexcept nogil:
+    # the arena's row arithmetic, inlined: RecordArena._row is a call into another module
+    return arena.chunks[s >> arena.shift] + (s & arena.low_mask) * arena.itemsize
+
+
+cdef int _grouped_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
+                       const int64_t[::1] inv, const int64_t[::1] offsets,
+                       const float[::1] weights, bint mean, int nt) noexcept:
+    """:func:`grad_sums` with the keys split over ``nt`` threads: each key's elements found
+    through a stable counting sort (so each key still adds in element order); -1: no
+    memory."""
+    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1], u, b, e, i
+    cdef Py_ssize_t n_el = offsets[n_bags]
+    cdef int64_t* start = <int64_t*> malloc((nu + 1) * sizeof(int64_t))
+    cdef int64_t* cursor = <int64_t*> malloc((nu + 1) * sizeof(int64_t))
+    cdef int64_t* el_bag = <int64_t*> malloc((n_el if n_el else 1) * 2 * sizeof(int64_t))
+    cdef int bad = 0
+    if start == NULL or cursor == NULL or el_bag == NULL:
+        free(start)
+        free(cursor)
+        free(el_bag)
+        return -1
+    with nogil:
+        # each key's elements, in element order: (element, its bag) pairs grouped by key
+        memset(start, 0, (nu + 1) * sizeof(int64_t))
+        for e in range(n_el):
+            start[inv[e] + 1] += 1
+        for u in range(nu):
+            start[u + 1] += start[u]
+        memcpy(cursor, start, (nu + 1) * sizeof(int64_t))
+        for b in range(n_bags):
+            for e in range(offsets[b], offsets[b + 1]):
+                i = cursor[inv[e]]
+                cursor[inv[e]] = i + 1
+                el_bag[2 * i] = e
+                el_bag[2 * i + 1] = b
+        for u in prange(nu, num_threads=nt, schedule="static"):
+            bad += _sum_key(&sums[u * d], d, grad, el_bag, start[u], start[u + 1], offsets,
+                            weights, mean)
+    free(start)
+    free(cursor)
+    free(el_bag)
+    return 1 if bad else 0
+
+
+cdef inline int _sum_key(float* s, Py_ssize_t d, const float[:, :] grad, const int64_t* el_bag,
+                         int64_t first, int64_t stop, const int64_t[::1] offsets,
+                         const float[::1] weights, bint mean) noexcept nogil:
+    """One key's gradient sum into ``s`` (as :func:`grad_sums`); 1 when it is not finite."""
+    cdef int64_t i, e, b
+    cdef Py_ssize_t k
+    cdef const float* g
+    cdef float w, fl
+    cdef bint weighted = weights.shape[0] != 0
+    cdef uint32_t badbits = 0
+    memset(s, 0, d * sizeof(float))
+    for i in range(first, stop):  # one loop per case: each stays a plain vector loop
+        e = el_bag[2 * i]
+        b = el_bag[2 * i + 1]
+        g = &grad[b, 0]
+        if weighted:
+            w = weights[e]
+            if mean:
+                fl = <float> (offsets[b + 1] - offsets[b])
+                for k in range(d):
+                    s[k] = fmaf(w, g[k] / fl, s[k])
+            else:
+                for k in range(d):
+                    s[k] = fmaf(w, g[k], s[k])
+        elif mean:
+            fl = <float> (offsets[b + 1] - offsets[b])
+            for k in range(d):
+                s[k] = s[k] + g[k] / fl
+        else:
+            for k in range(d):
+                s[k] = s[k] + g[k]
+    for k in range(d):
+        badbits |= ((<uint32_t*> s)[k] & 0x7F800000u) == 0x7F800000u
+    return badbits != 0
+
+
+cdef inline void _step_row(uint8_t* row, const float* s, Py_ssize_t d, int rule, float alpha,
+                           float lr, float eps, Py_ssize_t vec_offset,
+                           Py_ssize_t acc_offset) noexcept nogil:
+    """One record's optimizer step from its summed gradient ``s``."""
+    cdef float* v = <float*> (row + vec_offset)
+    cdef float* a
+    cdef float gk, ak, sc
+    cdef Py_ssize_t k
+    if rule == RULE_AXPY:
+        for k in range(d):
+            v[k] = v[k] + alpha * s[k]
+    elif rule == RULE_ADAGRAD:
+        a = <float*> (row + acc_offset)
+        for k in range(d):
+            gk = s[k]
+            ak = a[k] + gk * gk
+            a[k] = ak
+            v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps))
+    else:
+        a = <float*> (row + acc_offset)
+        a[0] = a[0] + (es_sumsq(s, d) / <float> d if d else <float> 0.0)
+        sc = lr / (sqrtf(a[0]) + eps)
+        for k in range(d):
+            v[k] = v[k] - s[k] * sc

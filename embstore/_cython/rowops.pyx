@@ -43,3 +43,19 @@ def all_finite(const float[:, :] x):
             if bad:
                 break
     return not bad
+
+
+cdef extern from "es_rowsq.h":
+    float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
+
+
+def row_mean_squares(const float[:, ::1] x, float[::1] out):
+    """Each row's mean square into ``out``: ``es_sumsq`` (one fixed order of additions on
+    every machine, the one the fused step uses) divided by the width, in float32."""
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1], i
+    cdef float fd = <float> d
+    if out.shape[0] < n:
+        raise ValueError("row_mean_squares: out is shorter than the rows")
+    with nogil:
+        for i in range(n):
+            out[i] = es_sumsq(&x[i, 0], d) / fd if d else <float> 0.0 / fd

@@ -49,10 +49,23 @@ class FusedBagPooling(Protocol):
 
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                     template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
-                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+                    weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> int:
         """``Backend.lookup_insert`` of distinct ``keys`` with the vectors pooled into bags
         instead of returned: row ``b`` of ``out`` sums (``mean``: averages) the vectors of
         ``keys[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, each times ``weights[e]``
-        where ``weights`` is not empty. Returns how many keys were inserted. Only called when
-        ``supports_fused_bags``."""
+        where ``weights`` is not empty. ``out`` may be a column block of a wider array; the
+        bags may be split over ``threads`` native threads. Returns how many keys were
+        inserted. Only called when ``supports_fused_bags``."""
+        ...
+
+    def step_bags(self, keys: np.ndarray, update: RowUpdate, inv: np.ndarray,
+                  offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
+                  threads: int = 1) -> bool | None:
+        """The backward of :meth:`lookup_pool` in one pass: each distinct key's gradient
+        summed from the pooled ``grad`` (``(n_bags, dim)``) as ``BagBatch.grad_sums`` sums
+        it, then ``update`` (a ``RowUpdate`` whose rows are those sums: counts, stamps and
+        an axpy or Adagrad rule) applied to the records in place. Returns True when applied,
+        False when a sum is not finite (nothing written), None when this backend cannot
+        (a key lost its record, or the layout or rule is not covered): then the caller
+        takes the general path."""
         ...

@@ -291,15 +291,30 @@ class MemoryBackend(Backend):
     @serialized
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                     template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
-                    weights: np.ndarray, mean: bool, out: np.ndarray) -> int:
+                    weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> int:
         """``FusedBagPooling.lookup_pool`` for int64 keys and float32 vectors (``fused.pool``);
-        the slots stay remembered for the ``update_rows`` of the same keys."""
+        the slots stay remembered for the ``update_rows`` / ``step_bags`` of the same keys."""
         flags = np.empty(len(keys), dtype=np.uint8)
         slots, n_new = self._place_new(keys, initial, template, flags)
         fused.pool(self._records, slots, inv, offsets, weights,
-                   self.layout.fields["vector"][1], mean, out)
+                   self.layout.fields["vector"][1], mean, out, threads)
         self._last_find = (keys.copy(), slots, self._epoch)
         return n_new
+
+    @serialized
+    def step_bags(self, keys: np.ndarray, update: RowUpdate, inv: np.ndarray,
+                  offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
+                  threads: int = 1) -> bool | None:
+        """``FusedBagPooling.step_bags``: the records of ``keys`` (the slots their
+        ``lookup_pool`` remembered, else probed) stepped in one compiled call; None when a
+        key has no record or the kernels do not cover the update."""
+        slots = recall(self._last_find, self._epoch, keys)
+        if slots is None:
+            slots = self._slots(keys)
+        if len(slots) and (slots == _EMPTY).any():
+            return None
+        return self._kernels.step_bags(self._records, slots, update, inv, offsets, weights,
+                                       mean, grad, threads)
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,

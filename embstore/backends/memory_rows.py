@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from .._cython import fused
 from .._cython.arena import RecordArena
 from .._cython.bytestable import BytesTable
 from .._cython.cuckoo import CuckooTable
+from .._cython.rowops import row_mean_squares
 from .._cython.strkeys import KeySnapshot
 
 __all__ = ["RowKernels", "new_snapshot", "row_plan", "same_keys", "table_items"]
@@ -97,11 +99,7 @@ class RowKernels:
         x = np.ascontiguousarray(update.axpy[2], dtype=np.float32)
         name, alpha, _ = update.axpy
         rule = update.rule
-        key = (name, x.shape[1:], tuple(update.add), tuple(update.assign),
-               None if rule is None else (rule.name, len(rule.params)))
-        if key not in self._plans:  # worked out once per shape of update
-            self._plans[key] = row_plan(self.layout.fields, *key)
-        plan = self._plans[key]
+        plan = self._plan(update, x.shape[1:])
         if plan is None:
             recs = self.gather(arena, slots)  # a layout (or rule) the kernels were not built for
             update.apply(recs)
@@ -112,21 +110,57 @@ class RowKernels:
             lr, eps = rule.params
             if rule.name == "adagrad_rowwise":
                 # the float32 reduction of Adagrad(rowwise=True)'s numpy step: the same bits
-                ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
+                ms = np.empty(len(x), dtype=np.float32)
+                row_mean_squares(x, ms)
                 arena.adagrad_rowwise_rows(slots, axpy_offset, acc_offset, x, ms, lr, eps)
             else:
                 arena.adagrad_rows(slots, axpy_offset, acc_offset, x, lr, eps)
             x, alpha = x[:, :0], 0.0  # the metadata below, no axpy
-        n = len(slots)
-        adds = update.add.values()
-        counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
-                  if len(adds) == 1 else
-                  np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
-        # each assigned value in its field's dtype, as the 8 bytes the kernel copies
-        bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
-                if len(set_offsets) else np.empty(0, dtype=np.uint64))
+        counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
         arena.update_rows(slots, axpy_offset, x, float(alpha), add_offsets, counts,
                           set_offsets, bits)
+
+    def step_bags(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
+                  offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
+                  threads: int) -> bool | None:
+        """``update`` (its counts, stamps and rule; no gradient rows) applied to the records
+        at ``slots`` with each key's gradient summed from the pooled ``grad`` of the bags
+        ``inv``/``offsets``/``weights``/``mean``, in one compiled call
+        (:func:`~embstore._cython.fused.step_bags`). False: a summed gradient is not finite
+        and nothing was written; None: the kernels do not cover this layout or rule."""
+        name, alpha, _ = update.axpy
+        rule = update.rule
+        plan = self._plan(update, grad.shape[1:])
+        if plan is None or name != "vector":
+            return None
+        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
+        counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
+        lr, eps = rule.params if rule is not None else (0.0, 0.0)
+        kind = fused.RULES["axpy" if rule is None else rule.name]
+        return bool(fused.step_bags(arena, slots, inv, offsets, weights, mean, grad, kind,
+                                    float(alpha), lr, eps, axpy_offset, acc_offset, add_offsets,
+                                    counts, set_offsets, bits, threads))
+
+    def _plan(self, update: Any, width: tuple[int, ...]) -> Any:
+        rule = update.rule
+        key = (update.axpy[0], width, tuple(update.add), tuple(update.assign),
+               None if rule is None else (rule.name, len(rule.params)))
+        if key not in self._plans:  # worked out once per shape of update
+            self._plans[key] = row_plan(self.layout.fields, *key)
+        return self._plans[key]
+
+
+def _metadata(update: Any, n: int, set_offsets: np.ndarray,
+              set_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' count rows (one per added field) and the 8 bytes of each assigned value."""
+    adds = update.add.values()
+    counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
+              if len(adds) == 1 else
+              np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
+    # each assigned value in its field's dtype, as the 8 bytes the kernel copies
+    bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
+            if len(set_offsets) else np.empty(0, dtype=np.uint64))
+    return counts, bits
 
 
 def new_snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:

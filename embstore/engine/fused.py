@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from .._cython import fused
-from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
 __all__ = ["BagBatch", "bag_batch"]
@@ -59,21 +58,27 @@ class BagBatch:
         fused.grad_sums(self.inv, self.offsets, self.weights, self.mean, grad, sums)
         return sums
 
-    def checked_grad_sums(self, grad: Any, dim: int) -> np.ndarray | None:
-        """:meth:`grad_sums` of a pooled gradient as given to ``update_bags``, checked
-        (shape ``(n_bags, dim)``, finite sums); None when the batch holds no ids."""
+    def checked_grad(self, grad: Any, dim: int) -> np.ndarray | None:
+        """A pooled gradient as given to ``update_bags``, checked (shape ``(n_bags, dim)``)
+        and as float32 with contiguous rows (the rows may sit apart, e.g. one table's columns
+        of a wider gradient); None when the batch holds no ids."""
         g = np.asarray(grad, dtype=np.float32)
-        if g.ndim == 2 and g.shape[1] > 1 and g.strides[1] != 4:  # rows may sit apart
+        if g.ndim == 2 and g.shape[1] > 1 and g.strides[1] != 4:
             g = np.ascontiguousarray(g)
         if g.shape != (self.n_bags, dim):
             raise InvalidInputError(f"gradients must have shape ({self.n_bags}, {dim}), "
                                     f"got {g.shape}")
-        if not len(self.uniq):
-            return None
-        sums = self.grad_sums(g)
-        if not all_finite(sums):
-            raise InvalidInputError("gradients contain NaN or inf")
-        return sums
+        return g if len(self.uniq) else None
+
+    def check_out(self, out: Any, dim: int) -> None:
+        """Raise unless ``out`` can receive the bags: a float32 ``(n_bags, dim)`` array whose
+        rows are contiguous (they may sit apart)."""
+        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                or out.shape != (self.n_bags, dim) or (dim > 1 and out.strides[1] != 4)
+                or not out.flags.writeable):
+            got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out)
+            raise InvalidInputError(f"out must be a writable float32 array of shape "
+                                    f"({self.n_bags}, {dim}) with contiguous rows, got {got}")
 
 
 def bag_batch(ids: Any, offsets: Any, weights: Any, mean: bool) -> BagBatch:

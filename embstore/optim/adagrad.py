@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .._cython.rowops import axpy_rows
+from .._cython.rowops import axpy_rows, row_mean_squares
 from ..backends.base import RowRule
 from .base import Optimizer, check_hyper
 
@@ -77,7 +77,11 @@ class Adagrad(Optimizer):
 
     def _apply_rowwise(self, records: np.ndarray, grads: np.ndarray) -> None:
         acc = records["accum"]  # (n, 1) view
-        acc[:, 0] += np.einsum("ij,ij->i", grads, grads) / np.float32(grads.shape[1])
+        # the mean square in the one order every path uses (es_rowsq.h): the same bits as
+        # the memory:// kernels and the fused step
+        ms = np.empty(len(grads), dtype=np.float32)
+        row_mean_squares(np.ascontiguousarray(grads, dtype=np.float32), ms)
+        acc[:, 0] += ms
         scale = np.sqrt(acc)
         scale += np.float32(self.eps)
         np.divide(np.float32(self.lr), scale, out=scale)

@@ -329,7 +329,8 @@ class EmbeddingStore:
         return self.writer.fused_ok()
 
     def pool_bags(self, ids: Any, offsets: Any = None, *, weights: Any = None,
-                  mean: bool = False) -> tuple[np.ndarray, BagBatch] | None:
+                  mean: bool = False, out: np.ndarray | None = None,
+                  threads: int = 1) -> tuple[np.ndarray, BagBatch] | None:
         """Bags of ``ids`` pooled straight from the stored rows, new ids inserted with their
         initial vectors: ``(pooled (n_bags, dim) float32, batch)``, or None where
         :meth:`fused_bags` is False (then use :meth:`lookup`).
@@ -338,23 +339,27 @@ class EmbeddingStore:
         ``weights`` (sum pooling only) scale each id's vector. The result equals an
         ``embedding_bag`` over ``lookup`` of the distinct ids, bit for bit, and the store's
         counters move as that ``lookup`` moves them. Hand ``batch`` and the pooled gradient to
-        :meth:`update_bags`.
+        :meth:`update_bags`. ``out`` (``(n_bags, dim)`` float32, each row contiguous, e.g.
+        one table's columns of a collection's output) receives the bags instead of a new
+        array; ``threads`` native threads share the pooling.
         """
         self.check_open()
         if not self.writer.fused_ok():
             return None
         batch = bag_batch(ids, offsets, weights, mean)
-        return self.writer.pool(batch), batch
+        if out is not None:
+            batch.check_out(out, self.dim)
+        return self.writer.pool(batch, out, threads), batch
 
-    def update_bags(self, batch: BagBatch, grad: Any, *, counts: Any = None) -> None:
+    def update_bags(self, batch: BagBatch, grad: Any, *, counts: Any = None,
+                    threads: int = 1) -> None:
         """Apply the gradient of :meth:`pool_bags`' output (``(n_bags, dim)``) as ``update``
         applies the per-id sums: one optimizer step per distinct id. ``count`` grows by each
-        id's occurrences, or by ``counts`` (one per distinct id, e.g. zeros) when given."""
+        id's occurrences, or by ``counts`` (one per distinct id, e.g. zeros) when given.
+        Where the backend and optimizer allow (``memory://``; SGD, Adagrad), the sums and
+        the step are one compiled pass, its keys split over ``threads`` native threads."""
         self.check_writable()
-        sums = batch.checked_grad_sums(grad, self.layout.dim)
-        if sums is not None:
-            mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
-            self.writer.apply_distinct(batch.uniq, sums, mult, len(batch.uniq))
+        self.writer.update_bags(batch, grad, counts, threads)
 
     # -- sampling and retrieval (parameters: embstore.sampling.sample, embstore.retrieval.top_k) -
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .._cython.rowops import all_finite
 from .._keys import normalize_keys
 from ..backends.base import Backend, RowUpdate
 from ..engine.batch import (
@@ -28,7 +29,7 @@ from ..engine.batch import (
     unique_first,
     unique_last,
 )
-from ..errors import CapabilityError, SchemaMismatchError
+from ..errors import CapabilityError, InvalidInputError, SchemaMismatchError
 from ..valuetypes import round_trip
 from .observers import Observers
 
@@ -457,21 +458,71 @@ class RecordWriter:
                     and self.layout.is_wide and not self.read_only
                     and self.policy.admission is None and not self.observers)
 
-    def pool(self, batch: BagBatch) -> np.ndarray:
-        """The pooled bags of ``batch``, new ids inserted (counted as ``lookup`` counts)."""
+    def pool(self, batch: BagBatch, out: np.ndarray | None = None,
+             threads: int = 1) -> np.ndarray:
+        """The pooled bags of ``batch`` (into ``out`` when given: ``(n_bags, dim)`` float32,
+        rows contiguous), new ids inserted (counted as ``lookup`` counts)."""
         uniq = batch.uniq
         n = len(uniq)
-        out = np.empty((batch.n_bags, self.layout.dim), dtype=np.float32)  # pool sets every bag
+        if out is None:
+            out = np.empty((batch.n_bags, self.layout.dim), dtype=np.float32)  # pool sets all
         self.stats["lookups"] += n
         if not n:
             out.fill(0.0)
             return out
         pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
         n_new = pooling.lookup_pool(uniq, self.initial_stored, self.template, batch.inv,
-                                    batch.offsets, batch.weights, batch.mean, out)
+                                    batch.offsets, batch.weights, batch.mean, out, threads)
         self.stats["hits"] += n - n_new
         if n_new:
             self.stats["misses"] += n_new
             self.stats["inserts"] += n_new
             self.policy.maybe_evict(self, lookup=uniq)
         return out
+
+    def update_bags(self, batch: BagBatch, grad: Any, counts: Any, threads: int) -> None:
+        """``EmbeddingStore.update_bags``: the fused step where the backend covers it, else
+        the per-id sums applied as ``update`` applies them."""
+        g = batch.checked_grad(grad, self.layout.dim)
+        if g is None:
+            return
+        mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
+        if self._step_bags(batch, g, mult, threads):
+            return
+        sums = batch.grad_sums(g)
+        if not all_finite(sums):
+            raise InvalidInputError("gradients contain NaN or inf")
+        self.apply_distinct(batch.uniq, sums, mult, len(batch.uniq))
+
+    def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
+                   threads: int) -> bool:
+        """``apply_distinct`` of the per-id sums of the pooled gradient ``grad`` (checked:
+        ``(n_bags, dim)`` float32, rows contiguous), summed and applied in one backend call
+        where the backend covers the optimizer (an axpy step or an Adagrad rule); False
+        where it does not (nothing changed: the caller takes the general path)."""
+        wide = self.layout.is_wide
+        width = np.empty((0, self.layout.dim), dtype=np.float32)
+        axpy = self.optimizer.axpy_step(width) if wide else None
+        rule = self.optimizer.row_rule() if (wide and axpy is None) else None
+        if axpy is None and rule is None:
+            return False
+        uniq = batch.uniq
+        now = self.stamp_time()
+        counts = {"count": mult} if "count" in self.layout.meta_names else {}
+        self.step += 1
+        try:
+            row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, self.stamps(now), rule)
+            pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
+            done = pooling.step_bags(uniq, row_update, batch.inv, batch.offsets, batch.weights,
+                                     batch.mean, grad, threads)
+        except BaseException:
+            self.step -= 1
+            raise
+        if not done:
+            self.step -= 1
+            if done is False:
+                raise InvalidInputError("gradients contain NaN or inf")
+            return False
+        self.stats["updates"] += len(uniq)
+        self.policy.after_update(self)
+        return True

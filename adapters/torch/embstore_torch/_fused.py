@@ -69,7 +69,8 @@ def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: to
 def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
           mean: bool) -> tuple[torch.Tensor, Any]:
     got = store.pool_bags(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
-                          weights=weights.numpy() if weights.numel() else None, mean=mean)
+                          weights=weights.numpy() if weights.numel() else None, mean=mean,
+                          threads=torch.get_num_threads())
     if got is None:  # pragma: no cover - the module asked the store just before
         raise RuntimeError("embstore: the store refused the fused bag path")
     return torch.from_numpy(got[0]), got[1]
@@ -79,10 +80,11 @@ def _update(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -
     if store.read_only:
         raise ReadOnlyError(f"{store.url} is open read-only, so this backward cannot update it")
     counts = None if count else np.zeros(len(batch.uniq), dtype=np.int64)
-    # contiguous even where it is a row-contiguous slice (a concatenated output's gradient):
-    # grad_sums reading the strided rows in place measured ~1.5x slower than copy + read
-    g = grad.detach().to("cpu", torch.float32).contiguous()
-    store.update_bags(batch, g.numpy(), counts=counts)
+    g = grad.detach().to("cpu", torch.float32)
+    if g.dim() == 2 and g.shape[1] > 1 and g.stride(1) != 1:
+        g = g.contiguous()
+    # the store's threads follow torch's (torch.set_num_threads), as its own kernels do
+    store.update_bags(batch, g.numpy(), counts=counts, threads=torch.get_num_threads())
 
 
 class FusedBag(torch.autograd.Function):

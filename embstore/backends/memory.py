@@ -294,8 +294,7 @@ class MemoryBackend(Backend):
                     weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> int:
         """``FusedBagPooling.lookup_pool`` for int64 keys and float32 vectors (``fused.pool``);
         the slots stay remembered for the ``update_rows`` / ``step_bags`` of the same keys."""
-        flags = np.empty(len(keys), dtype=np.uint8)
-        slots, n_new = self._place_new(keys, initial, template, flags)
+        slots, n_new = self._place_new(keys, initial, template, np.empty(len(keys), np.uint8))
         fused.pool(self._records, slots, inv, offsets, weights,
                    self.layout.fields["vector"][1], mean, out, threads)
         self._last_find = (keys.copy(), slots, self._epoch)
@@ -305,12 +304,9 @@ class MemoryBackend(Backend):
     def step_bags(self, keys: np.ndarray, update: RowUpdate, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
                   threads: int = 1) -> bool | None:
-        """``FusedBagPooling.step_bags``: the records of ``keys`` (the slots their
-        ``lookup_pool`` remembered, else probed) stepped in one compiled call; None when a
-        key has no record or the kernels do not cover the update."""
+        """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         slots = recall(self._last_find, self._epoch, keys)
-        if slots is None:
-            slots = self._slots(keys)
+        slots = self._slots(keys) if slots is None else slots
         if len(slots) and (slots == _EMPTY).any():
             return None
         return self._kernels.step_bags(self._records, slots, update, inv, offsets, weights,

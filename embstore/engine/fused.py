@@ -71,8 +71,10 @@ class BagBatch:
         return g if len(self.uniq) else None
 
     def check_out(self, out: Any, dim: int) -> None:
-        """Raise unless ``out`` can receive the bags: a float32 ``(n_bags, dim)`` array whose
-        rows are contiguous (they may sit apart)."""
+        """Raise unless ``out`` is None or can receive the bags: a float32 ``(n_bags, dim)``
+        array whose rows are contiguous (they may sit apart)."""
+        if out is None:
+            return
         if (not isinstance(out, np.ndarray) or out.dtype != np.float32
                 or out.shape != (self.n_bags, dim) or (dim > 1 and out.strides[1] != 4)
                 or not out.flags.writeable):

@@ -339,16 +339,13 @@ class EmbeddingStore:
         ``weights`` (sum pooling only) scale each id's vector. The result equals an
         ``embedding_bag`` over ``lookup`` of the distinct ids, bit for bit, and the store's
         counters move as that ``lookup`` moves them. Hand ``batch`` and the pooled gradient to
-        :meth:`update_bags`. ``out`` (``(n_bags, dim)`` float32, each row contiguous, e.g.
-        one table's columns of a collection's output) receives the bags instead of a new
-        array; ``threads`` native threads share the pooling.
-        """
+        :meth:`update_bags`. ``out`` (``(n_bags, dim)`` float32 rows, e.g. one table's columns
+        of a wider output) receives the bags; ``threads`` native threads share the pooling."""
         self.check_open()
         if not self.writer.fused_ok():
             return None
         batch = bag_batch(ids, offsets, weights, mean)
-        if out is not None:
-            batch.check_out(out, self.dim)
+        batch.check_out(out, self.dim)
         return self.writer.pool(batch, out, threads), batch
 
     def update_bags(self, batch: BagBatch, grad: Any, *, counts: Any = None,
@@ -356,8 +353,8 @@ class EmbeddingStore:
         """Apply the gradient of :meth:`pool_bags`' output (``(n_bags, dim)``) as ``update``
         applies the per-id sums: one optimizer step per distinct id. ``count`` grows by each
         id's occurrences, or by ``counts`` (one per distinct id, e.g. zeros) when given.
-        Where the backend and optimizer allow (``memory://``; SGD, Adagrad), the sums and
-        the step are one compiled pass, its keys split over ``threads`` native threads."""
+        On ``memory://`` with SGD or Adagrad, sums and step are one compiled call (its keys
+        split over ``threads`` native threads)."""
         self.check_writable()
         self.writer.update_bags(batch, grad, counts, threads)
 

@@ -9,8 +9,12 @@ The model is the same for every contender: one table per sparse feature (dim 64,
 Zipf(1.1) over ``--rows`` ids per table), the pooled (sum) features concatenated -> Linear -> BCE,
 the dense part stepped by ``torch.optim.SGD``. Contenders:
 
-- ``embstore``: one ``memory://`` store per table behind ``DynamicEmbeddingBag(mode="sum")``,
-  the store's own row-wise Adagrad (``Adagrad(rowwise=True)``, the same rule as FBGEMM's);
+- ``embstore``: one ``memory://`` store per table behind a ``DynamicEmbeddingBagCollection``
+  (what a TorchRec user writes: one collection, a ``KeyedJagged`` batch), the store's own
+  row-wise Adagrad (``Adagrad(rowwise=True)``, the same rule as FBGEMM's): every table pooled
+  into its columns of one output, one autograd node, as FBGEMM's op;
+- ``embstore-bags``: the same stores behind one ``DynamicEmbeddingBag(mode="sum")`` per table,
+  their outputs concatenated (one fused call and one autograd node per table);
 - ``embstore-unfused``: the same with ``use_fused_path = False`` (the path before the fused
   one: store lookup of the distinct ids, torch ``embedding_bag``, ``store.update``);
 - ``torch``: ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` + ``torch.optim.Adagrad``
@@ -105,7 +109,7 @@ class Contender:
         self.loss = torch.nn.BCEWithLogitsLoss()
         getattr(self, f"_init_{kind.replace('-', '_')}")(rows, features, bag, **opts)
 
-    def _init_embstore(self, rows: int, features: int, bag: int, **opts: object) -> None:
+    def _init_embstore_bags(self, rows: int, features: int, bag: int, **opts: object) -> None:
         import embstore
         from embstore.optim import Adagrad
         from embstore_torch import DynamicEmbeddingBag
@@ -116,8 +120,17 @@ class Contender:
         self.bags = [DynamicEmbeddingBag(s, mode="sum") for s in self.stores]
         self.sparse_opt = None
 
+    def _init_embstore(self, rows: int, features: int, bag: int, **opts: object) -> None:
+        from embstore_torch import DynamicEmbeddingBagCollection
+
+        self._init_embstore_bags(rows, features, bag, **opts)
+        self.names = [f"f{f}" for f in range(features)]
+        self.collection = DynamicEmbeddingBagCollection(dict(zip(self.names, self.stores)))
+        batch = self.shape[0]
+        self.lengths = self.torch.full((features * batch,), bag, dtype=self.torch.long)
+
     def _init_embstore_unfused(self, rows: int, features: int, bag: int, **opts: object) -> None:
-        self._init_embstore(rows, features, bag, **opts)
+        self._init_embstore_bags(rows, features, bag, **opts)
         for b in self.bags:
             b.use_fused_path = False
 
@@ -147,6 +160,11 @@ class Contender:
         batch, features, bag = self.shape
         if self.kind == "fbgemm":  # table-major flat indices, one bag per (table, sample)
             pooled = self.tbe(torch.from_numpy(ids.reshape(-1)), self.offsets)
+        elif self.kind == "embstore":  # the same table-major ids, as a KeyedJagged batch
+            from embstore_torch import KeyedJagged
+
+            kj = KeyedJagged(self.names, torch.from_numpy(ids.reshape(-1)), self.lengths)
+            pooled = self.collection(kj).values()
         else:
             pooled = torch.cat([self.bags[f](torch.from_numpy(ids[f]))
                                 for f in range(features)], dim=1)
@@ -279,7 +297,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps per contender per round")
     ap.add_argument("--batches", type=int, default=None, help="distinct batches in the pool")
-    ap.add_argument("--contenders", default="embstore,embstore-unfused,torch")
+    ap.add_argument("--contenders", default="embstore,embstore-bags,embstore-unfused,torch")
     ap.add_argument("--no-peer", action="store_true", help="leave FBGEMM out")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)

@@ -48,6 +48,26 @@ def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) 
     return psw is None or (not psw.requires_grad and mode == "sum")
 
 
+def int64_ids(values: Any) -> np.ndarray | None:
+    """Flat integer ids (a CPU tensor, a numpy array or a list of ints) as a contiguous int64
+    array (uint64 ids keep their bits); None for anything else (strings, floats, bools)."""
+    if isinstance(values, torch.Tensor):
+        if (values.device.type != "cpu" or values.dtype.is_floating_point
+                or values.dtype.is_complex or values.dtype == torch.bool):
+            return None
+        arr = values.detach()
+        arr = arr.view(torch.int64) if arr.dtype == torch.uint64 else arr.to(torch.int64)
+        return np.ascontiguousarray(arr.reshape(-1).numpy())
+    try:
+        ids = values if isinstance(values, np.ndarray) else np.asarray(values)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if ids.dtype.kind not in "iu" or ids.ndim != 1:
+        return None
+    return np.ascontiguousarray(ids.view(np.int64) if ids.dtype == np.uint64
+                                else ids.astype(np.int64, copy=False))
+
+
 def store_pools(store: StoreProtocol) -> bool:
     """Whether ``store`` offers the fused bag path now (``EmbeddingStore.fused_bags``)."""
     fused = getattr(store, "fused_bags", None)
@@ -76,7 +96,9 @@ def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weight
     return torch.from_numpy(got[0]), got[1]
 
 
-def _update(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:
+def update_block(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:
+    """``store.update_bags`` of a fused forward's batch with its pooled gradient (rows may
+    sit apart: one table's columns of a wider gradient)."""
     if store.read_only:
         raise ReadOnlyError(f"{store.url} is open read-only, so this backward cannot update it")
     counts = None if count else np.zeros(len(batch.uniq), dtype=np.int64)
@@ -100,7 +122,7 @@ class FusedBag(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        _update(ctx.store, ctx.batch, ctx.count, grad)
+        update_block(ctx.store, ctx.batch, ctx.count, grad)
         return None, None, None, None, None, None, None
 
 
@@ -135,7 +157,7 @@ class _FusedBagGrad:
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        _update(ctx.store, ctx.batch, ctx.count, grad)
+        update_block(ctx.store, ctx.batch, ctx.count, grad)
         return None, None, None, None, None, None, None
 
 

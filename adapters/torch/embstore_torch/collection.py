@@ -22,7 +22,7 @@ from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
 from embstore.keys import normalize
 
-from . import _compiled
+from . import _compiled, _fused, _fused_tables
 from ._bridges import Sink, StoreBag, StoreGather, StoreRows
 from ._keys import KeyBatch, factorize, int_batch
 from .jagged import PooledFeatures, as_keyed_jagged
@@ -58,6 +58,14 @@ class _Table(StoreModule):
         """The bags without their padding elements (``StoreModule._drop_padding``)."""
         batch, offs, _, psw = self._drop_padding(batch, offs, 0, psw)
         return batch, offs, psw
+
+    def fused_store(self) -> StoreProtocol | None:
+        """The store, where this training forward may take the fused path (no padding key,
+        a store that pools in place), else None."""
+        if self.padding_key is not None or not self._writes() or not self._counts:
+            return None
+        store = self._store_here()
+        return store if _fused.store_pools(store) else None
 
     def placed(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` in this table's device and dtype (the collection's output follows its
@@ -99,7 +107,14 @@ class DynamicEmbeddingBagCollection(nn.Module):
     ``embedding_bags.<table>._extra_state``. Tables may have different key types (an int64
     table next to a bytes one); a feature's bags may be given as lists of lists (multi-hot),
     a 2-D tensor (fixed-size bags), a 1-D tensor or flat list (one id per sample).
+
+    With one table per feature, sum/mean pooling and stores that pool in place
+    (``store.fused_bags()``), a training forward pools every table straight into its columns
+    of one output under one autograd node (``_fused_tables.py``; set ``use_fused_path`` to
+    False to turn it off); both paths give the same bits.
     """
+
+    use_fused_path = True
 
     def __init__(self, tables: Mapping[str, StoreProtocol],
                  features: Mapping[str, str] | None = None,
@@ -157,6 +172,14 @@ class DynamicEmbeddingBagCollection(nn.Module):
             raise InvalidInputError(f"weighted features need sum pooling: {bad}")
         bounds = np.concatenate(([0], np.cumsum(lengths)))
         where = {k: i for i, k in enumerate(keys)}  # feature -> its block of bags
+        parts = self._fused_parts(weights)
+        flat = _fused.int64_ids(values) if parts is not None else None
+        if parts is not None and flat is not None:
+            out = _fused_tables.pool(parts, [where[f] for f in self.features], flat, bounds,
+                                     stride, weights)
+            first = self.embedding_bags[next(iter(self.embedding_bags))]
+            return PooledFeatures(list(self.features), [p.dim for p in parts],
+                                  first.placed(out))
         pooled: dict[str, torch.Tensor] = {}
         block = None
         for table, feats in self._by_table.items():
@@ -178,6 +201,29 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 and any(t.trainable for t in self.embedding_bags.values())):
             out.requires_grad_(True)  # a batch without ids: backward runs, writes nothing
         return PooledFeatures(order, [pooled[f].shape[1] for f in order], first.placed(out))
+
+    def _fused_parts(self, weights: Any) -> list[_fused_tables.Part] | None:
+        """The tables of a fused forward (``_fused_tables.py``) in output order, or None
+        where the general path runs."""
+        if not self.use_fused_path or self.namespaces:
+            return None
+        if weights is not None and (not isinstance(weights, torch.Tensor)
+                                    or weights.requires_grad):
+            return None
+        parts, column = [], 0
+        for feature, name in self.features.items():
+            mode = self.pooling[feature]
+            if (len(self._by_table[name]) != 1 or mode not in ("sum", "mean")
+                    or (weights is not None and mode != "sum")):
+                return None
+            table = self.embedding_bags[name]
+            store = table.fused_store()
+            if store is None:
+                return None
+            parts.append(_fused_tables.Part(store, column, table.embedding_dim, mode == "mean",
+                                            table.count))
+            column += table.embedding_dim
+        return parts
 
     def _pool_table(self, table: _Table, feats: list[str], values: Any, lengths: np.ndarray,
                     bounds: np.ndarray, where: dict[str, int], stride: int,

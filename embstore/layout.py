@@ -135,6 +135,11 @@ class Layout:
         return self.value_dtype == "float32" and self.slot_dtype == "float32"
 
     @functools.cached_property
+    def fused_kernels(self) -> bool:
+        """Whether the fused bag kernels read this layout: float32 or bfloat16 fields."""
+        return {self.value_dtype, self.slot_dtype} <= {"float32", "bfloat16"}
+
+    @functools.cached_property
     def trainable(self) -> bool:
         """Whether ``update`` can step this layout (``int8`` serves only)."""
         return self.value_dtype != "int8"

@@ -7,16 +7,18 @@ def dedupe(keys: npt.NDArray[np.int64], uniq: npt.NDArray[np.int64],
            inv: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> int: ...
 def pool(arena: RecordArena, slots: npt.NDArray[np.uint32], inv: npt.NDArray[np.int64],
          offsets: npt.NDArray[np.int64], weights: npt.NDArray[np.float32], vec_offset: int,
-         mean: bool, out: npt.NDArray[np.float32], threads: int = ...) -> None: ...
+         mean: bool, out: npt.NDArray[np.float32], threads: int = ..., kind: int = ...) -> None: ...
 def grad_sums(inv: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64],
               weights: npt.NDArray[np.float32], mean: bool, grad: npt.NDArray[np.float32],
               sums: npt.NDArray[np.float32]) -> None: ...
 
 RULES: dict[str, int]
+KINDS: dict[str, int]
 
 def step_bags(arena: RecordArena, slots: npt.NDArray[np.uint32], inv: npt.NDArray[np.int64],
               offsets: npt.NDArray[np.int64], weights: npt.NDArray[np.float32], mean: bool,
               grad: npt.NDArray[np.float32], rule: int, alpha: float, lr: float, eps: float,
               vec_offset: int, acc_offset: int, add_offsets: npt.NDArray[np.intp],
               add_values: npt.NDArray[np.int64], set_offsets: npt.NDArray[np.intp],
-              set_bits: npt.NDArray[np.uint64], threads: int = ...) -> bool: ...
+              set_bits: npt.NDArray[np.uint64], threads: int = ..., vec_kind: int = ...,
+              acc_kind: int = ..., seed: int = ..., stochastic: bool = ...) -> bool: ...

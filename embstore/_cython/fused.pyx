@@ -16,8 +16,8 @@ built with ``-ffp-contract=off``, so nothing else is contracted.
 This module imports nothing from embstore; callers pass clean, contiguous arrays.
 """
 
-from cython.parallel cimport prange
-from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
+from cython.parallel cimport prange, threadid
+from libc.stdint cimport int64_t, uint64_t, uint32_t, uint16_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 from libc.math cimport fmaf, sqrtf
@@ -30,6 +30,18 @@ cdef extern from "es_prefetch.h":
 
 cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
+
+cdef extern from "es_bf16.h":
+    float es_bf16_to_f32(uint16_t h) noexcept nogil
+    uint16_t es_f32_to_bf16(float f, uint32_t amount) noexcept nogil
+    uint64_t es_mix64(uint64_t x) noexcept nogil
+
+# How a float field is stored (``KINDS[name]``): float32, or bfloat16 (its upper 16 bits)
+cdef enum:
+    KIND_F32 = 0
+    KIND_BF16 = 1
+
+KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16}
 
 cdef enum:
     AHEAD = 8   # rows requested this many keys ahead of the one being stepped
@@ -111,20 +123,23 @@ cdef int _check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
 
 def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
          const int64_t[::1] offsets, const float[::1] weights, Py_ssize_t vec_offset,
-         bint mean, float[:, :] out, int threads=1):
+         bint mean, float[:, :] out, int threads=1, int kind=KIND_F32):
     """Bag ``b`` of ``out``: the float32 vectors (at ``vec_offset`` in each record) of the
     records ``slots[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, summed in element
     order (``weights[e]`` times each when ``weights`` is not empty), divided by the bag's
     length with ``mean``; an empty bag gives zeros. ``out`` may be a column block of a wider
     array (rows apart, each row contiguous); bags are split over ``threads`` native
-    threads."""
+    threads. ``kind`` (``KINDS``) is how the vectors are stored: bfloat16 rows are widened
+    as they are read (exactly), with no float32 copy of them in between."""
     cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b
     cdef Py_ssize_t nu = slots.shape[0], u
     cdef bint weighted = weights.shape[0] != 0
     cdef const float** rows
     cdef uint32_t s
     cdef int nt = threads if threads > 1 else 1
-    if vec_offset < 0 or vec_offset + d * 4 > arena.itemsize:
+    if kind not in (KIND_F32, KIND_BF16):
+        raise ValueError(f"pool: unknown field kind {kind}")
+    if vec_offset < 0 or vec_offset + d * (4 if kind == KIND_F32 else 2) > arena.itemsize:
         raise ValueError("pool: the vector field does not fit the record")
     if d > 1 and out.strides[1] != sizeof(float):
         raise ValueError("pool: each output row must be contiguous")
@@ -141,11 +156,39 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
             rows[u] = <const float*> (arena.chunks[s >> arena.shift]
                                       + (s & arena.low_mask) * arena.itemsize + vec_offset)
             ES_PREFETCH(rows[u])
-            ES_PREFETCH(<const char*> rows[u] + d * 4 - 1)
+            ES_PREFETCH(<const char*> rows[u] + d * (4 if kind == KIND_F32 else 2) - 1)
         for b in prange(n_bags, num_threads=nt, schedule="static"):
-            _pool_bag(&out[b, 0], d, rows, inv, offsets[b], offsets[b + 1], weights,
-                      weighted, mean)
+            if kind == KIND_F32:
+                _pool_bag(&out[b, 0], d, rows, inv, offsets[b], offsets[b + 1], weights,
+                          weighted, mean)
+            else:
+                _pool_bag_bf16(&out[b, 0], d, <const uint16_t**> rows, inv, offsets[b],
+                               offsets[b + 1], weights, weighted, mean)
     free(rows)
+
+
+cdef inline void _pool_bag_bf16(float* o, Py_ssize_t d, const uint16_t** rows,
+                                const int64_t[::1] inv, Py_ssize_t start, Py_ssize_t stop,
+                                const float[::1] weights, bint weighted,
+                                bint mean) noexcept nogil:
+    """:func:`_pool_bag` of bfloat16 rows: each value widened exactly, then the same sums."""
+    cdef Py_ssize_t e, k
+    cdef const uint16_t* r
+    cdef float w, fl
+    memset(o, 0, d * sizeof(float))
+    for e in range(start, stop):
+        r = rows[inv[e]]
+        if weighted:
+            w = weights[e]
+            for k in range(d):
+                o[k] = fmaf(w, es_bf16_to_f32(r[k]), o[k])
+        else:
+            for k in range(d):
+                o[k] = o[k] + es_bf16_to_f32(r[k])
+    if mean and stop > start:
+        fl = <float> (stop - start)
+        for k in range(d):
+            o[k] = o[k] / fl
 
 
 cdef inline void _pool_bag(float* o, Py_ssize_t d, const float** rows,
@@ -236,7 +279,8 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
               const float[:, :] grad, int rule, float alpha, float lr, float eps,
               Py_ssize_t vec_offset, Py_ssize_t acc_offset, const Py_ssize_t[::1] add_offsets,
               const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
-              const uint64_t[::1] set_bits, int threads=1):
+              const uint64_t[::1] set_bits, int threads=1, int vec_kind=KIND_F32,
+              int acc_kind=KIND_F32, uint64_t seed=0, bint stochastic=False):
     """The backward of :func:`pool` and the optimizer's step, in one call: returns False
     (and writes nothing) when a key's summed gradient is not finite.
 
@@ -250,19 +294,32 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     ``es_sumsq``; and in the same visit of the record the int64 fields at ``add_offsets`` grow
     by ``add_values[f, u]`` and the 8 bytes at each ``set_offsets[s]`` become ``set_bits[s]``
     (counts and stamps, as :meth:`RecordArena.update_rows` writes them). Keys are split over
-    ``threads`` native threads in both passes; the bits do not depend on the split."""
+    ``threads`` native threads in both passes; the bits do not depend on the split.
+
+    ``vec_kind`` / ``acc_kind`` (``KINDS``) say how the vector and the accumulator are
+    stored: bfloat16 fields are widened, stepped in float32 (the arithmetic above) and
+    rounded back, to nearest, or with ``stochastic`` by random bits that are a function of
+    ``seed``, the key's row ``u`` and the coordinate only (not of the thread split)."""
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
     cdef Py_ssize_t na = add_offsets.shape[0], ns = set_offsets.shape[0], f, u
     cdef Py_ssize_t acc_width = d if rule == RULE_ADAGRAD else 1
     cdef int nt = threads if threads > 1 else 1
     cdef float* sums
+    cdef float* scratch
     cdef int bad = 0
+    cdef StepSpec sp
+    sp.rule, sp.alpha, sp.lr, sp.eps, sp.d = rule, alpha, lr, eps, d
+    sp.vec_offset, sp.acc_offset, sp.vec_kind, sp.acc_kind = vec_offset, acc_offset, vec_kind, acc_kind
+    sp.seed, sp.stochastic = seed, stochastic
+    if vec_kind not in (KIND_F32, KIND_BF16) or acc_kind not in (KIND_F32, KIND_BF16):
+        raise ValueError("step_bags: unknown field kind")
     if rule not in (RULE_AXPY, RULE_ADAGRAD, RULE_ADAGRAD_ROWWISE):
         raise ValueError(f"step_bags: unknown rule {rule}")
     if d > 1 and grad.strides[1] != sizeof(float):
         raise ValueError("step_bags: gradient rows must be contiguous")
-    if vec_offset < 0 or vec_offset + d * 4 > arena.itemsize or (
-            rule != RULE_AXPY and (acc_offset < 0 or acc_offset + acc_width * 4 > arena.itemsize)):
+    if vec_offset < 0 or vec_offset + d * (4 if vec_kind == KIND_F32 else 2) > arena.itemsize or (
+            rule != RULE_AXPY and (acc_offset < 0 or acc_offset + acc_width
+                                   * (4 if acc_kind == KIND_F32 else 2) > arena.itemsize)):
         raise ValueError("step_bags: the float fields do not fit the record")
     if add_values.shape[0] < na or (na and add_values.shape[1] < nu) or set_bits.shape[0] < ns:
         raise ValueError("step_bags: value arrays are shorter than the keys")
@@ -288,38 +345,99 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     if bad or not _finite(sums, nu * d):
         free(sums)
         return False
+    scratch = <float*> malloc(nt * (2 * d + 1) * sizeof(float))  # a widened row per thread
+    if scratch == NULL:
+        free(sums)
+        raise MemoryError("step_bags: no memory")
     with nogil:
         if nt == 1:  # (an OpenMP region of one thread still costs its setup)
             for u in range(nu):
-                _step_key(arena, slots, u, sums, d, rule, alpha, lr, eps, vec_offset,
-                          acc_offset, add_offsets, add_values, set_offsets, set_bits)
+                _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
+                          set_bits, scratch)
         else:
             for u in prange(nu, num_threads=nt, schedule="static"):
-                _step_key(arena, slots, u, sums, d, rule, alpha, lr, eps, vec_offset,
-                          acc_offset, add_offsets, add_values, set_offsets, set_bits)
+                _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
+                          set_bits, scratch + threadid() * (2 * d + 1))
+    free(scratch)
     free(sums)
     return True
 
 
+cdef struct StepSpec:
+    int rule
+    float alpha, lr, eps
+    Py_ssize_t d, vec_offset, acc_offset
+    int vec_kind, acc_kind
+    uint64_t seed
+    bint stochastic
+
+
 cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssize_t u,
-                           const float* sums, Py_ssize_t d, int rule, float alpha, float lr,
-                           float eps, Py_ssize_t vec_offset, Py_ssize_t acc_offset,
+                           const float* sums, const StepSpec* sp,
                            const Py_ssize_t[::1] add_offsets, const int64_t[:, ::1] add_values,
-                           const Py_ssize_t[::1] set_offsets,
-                           const uint64_t[::1] set_bits) noexcept nogil:
+                           const Py_ssize_t[::1] set_offsets, const uint64_t[::1] set_bits,
+                           float* scratch) noexcept nogil:
     """Key ``u``'s record: its optimizer step, counts and stamps, in one visit."""
     cdef uint8_t* row
-    cdef Py_ssize_t f
+    cdef Py_ssize_t f, d = sp.d
     if u + AHEAD < slots.shape[0]:
         row = _row_at(arena, slots[u + AHEAD])
         ES_PREFETCH_W(row)
         ES_PREFETCH_W(row + arena.itemsize - 1)
     row = _row_at(arena, slots[u])
-    _step_row(row, &sums[u * d], d, rule, alpha, lr, eps, vec_offset, acc_offset)
+    if sp.vec_kind == KIND_F32 and sp.acc_kind == KIND_F32:
+        _step_row(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
+                  sp.acc_offset)
+    else:
+        _step_narrow(row, &sums[u * d], sp, scratch, u)
     for f in range(add_offsets.shape[0]):
         (<int64_t*> (row + add_offsets[f]))[0] += add_values[f, u]
     for f in range(set_offsets.shape[0]):
         memcpy(row + set_offsets[f], &set_bits[f], 8)
+
+
+cdef inline void _step_narrow(uint8_t* row, const float* s, const StepSpec* sp, float* tmp,
+                              Py_ssize_t u) noexcept nogil:
+    """:func:`_step_row` of a record with bfloat16 fields: widened into ``tmp`` (vector,
+    then accumulator), stepped in float32, rounded back."""
+    cdef Py_ssize_t d = sp.d
+    cdef Py_ssize_t acc_width = 0 if sp.rule == RULE_AXPY else (
+        d if sp.rule == RULE_ADAGRAD else 1)
+    _widen(row + sp.vec_offset, sp.vec_kind, tmp, d)
+    _widen(row + sp.acc_offset, sp.acc_kind, tmp + d, acc_width)
+    _step_row(<uint8_t*> tmp, s, d, sp.rule, sp.alpha, sp.lr, sp.eps, 0, d * 4)
+    _narrow(tmp, row + sp.vec_offset, sp.vec_kind, d, sp, 2 * u)
+    _narrow(tmp + d, row + sp.acc_offset, sp.acc_kind, acc_width, sp, 2 * u + 1)
+
+
+cdef inline void _widen(const uint8_t* field, int kind, float* out, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t k
+    if kind == KIND_F32:
+        memcpy(out, field, n * sizeof(float))
+    else:
+        for k in range(n):
+            out[k] = es_bf16_to_f32((<const uint16_t*> field)[k])
+
+
+cdef inline void _narrow(const float* wide, uint8_t* field, int kind, Py_ssize_t n,
+                         const StepSpec* sp, uint64_t stream) noexcept nogil:
+    """``wide`` stored back into ``field``; bfloat16 rounded to nearest or, stochastically,
+    with 16 random bits per value drawn from (seed, stream, coordinate)."""
+    cdef Py_ssize_t k
+    cdef uint64_t base, bits = 0
+    cdef uint16_t* out = <uint16_t*> field
+    if kind == KIND_F32:
+        memcpy(field, wide, n * sizeof(float))
+        return
+    if not sp.stochastic:
+        for k in range(n):
+            out[k] = es_f32_to_bf16(wide[k], 0xFFFFFFFFu)
+        return
+    base = es_mix64(sp.seed ^ es_mix64(stream))
+    for k in range(n):
+        if k & 3 == 0:
+            bits = es_mix64(base + <uint64_t> (k >> 2))
+        out[k] = es_f32_to_bf16(wide[k], <uint32_t> ((bits >> (16 * (k & 3))) & 0xFFFF))
 
 
 cdef inline uint8_t* _row_at(RecordArena arena, uint32_t s) noexcept nogil:

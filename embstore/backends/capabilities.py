@@ -60,12 +60,13 @@ class FusedBagPooling(Protocol):
 
     def step_bags(self, keys: np.ndarray, update: RowUpdate, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                  threads: int = 1) -> bool | None:
+                  threads: int = 1, rounding: int | None = None) -> bool | None:
         """The backward of :meth:`lookup_pool` in one pass: each distinct key's gradient
         summed from the pooled ``grad`` (``(n_bags, dim)``) as ``BagBatch.grad_sums`` sums
         it, then ``update`` (a ``RowUpdate`` whose rows are those sums: counts, stamps and
         an axpy or Adagrad rule) applied to the records in place. Returns True when applied,
         False when a sum is not finite (nothing written), None when this backend cannot
         (a key lost its record, or the layout or rule is not covered): then the caller
-        takes the general path."""
+        takes the general path. 16-bit fields round back to nearest, or stochastically
+        from the 64-bit seed ``rounding``."""
         ...

@@ -295,22 +295,22 @@ class MemoryBackend(Backend):
         """``FusedBagPooling.lookup_pool`` for int64 keys and float32 vectors (``fused.pool``);
         the slots stay remembered for the ``update_rows`` / ``step_bags`` of the same keys."""
         slots, n_new = self._place_new(keys, initial, template, np.empty(len(keys), np.uint8))
-        fused.pool(self._records, slots, inv, offsets, weights,
-                   self.layout.fields["vector"][1], mean, out, threads)
+        fused.pool(self._records, slots, inv, offsets, weights, self.layout.fields["vector"][1],
+                   mean, out, threads, fused.KINDS[self.layout.value_dtype])
         self._last_find = (keys.copy(), slots, self._epoch)
         return n_new
 
     @serialized
     def step_bags(self, keys: np.ndarray, update: RowUpdate, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                  threads: int = 1) -> bool | None:
+                  threads: int = 1, rounding: int | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         slots = recall(self._last_find, self._epoch, keys)
         slots = self._slots(keys) if slots is None else slots
         if len(slots) and (slots == _EMPTY).any():
             return None
         return self._kernels.step_bags(self._records, slots, update, inv, offsets, weights,
-                                       mean, grad, threads)
+                                       mean, grad, threads, rounding)
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,

@@ -18,20 +18,22 @@ __all__ = ["RowKernels", "new_snapshot", "row_plan", "same_keys", "table_items"]
 
 
 def row_plan(fields: Any, name: str, width: tuple[int, ...], add: tuple[str, ...],
-             assign: tuple[str, ...], rule: tuple[str, int] | None
+             assign: tuple[str, ...], rule: tuple[str, int] | None, narrow: bool = False
              ) -> tuple[int, int, np.ndarray, np.ndarray, np.dtype] | None:
     """Offsets for the in-place kernels, or None where they do not apply: the axpy (or rule)
     field is not float32 of the gradients' width, an added field is not int64, an assigned one
     not 8 bytes, or the rule is not Adagrad on a float32 ``accum`` (per coordinate, or one
     per row for ``adagrad_rowwise``). ``fields`` is the bound
-    layout's ``dtype.fields``."""
+    layout's ``dtype.fields``; with ``narrow`` the float fields may be bfloat16 (``<u2``, what
+    the fused step widens and rounds back)."""
     acc = fields.get("accum")
-    ok = (fields[name][0].base == np.float32 and fields[name][0].shape == width
+    floats = (np.float32, np.uint16) if narrow else (np.float32,)
+    ok = (fields[name][0].base in floats and fields[name][0].shape == width
           and all(fields[f][0] == np.int64 for f in add)
           and all(fields[f][0].itemsize == 8 for f in assign)
           and (rule is None or (rule[0] in ("adagrad", "adagrad_rowwise") and rule[1] == 2
                                 and name == "vector" and acc is not None
-                                and acc[0].base == np.float32
+                                and acc[0].base in floats
                                 and acc[0].shape == (width if rule[0] == "adagrad" else (1,)))))
     if not ok:
         return None
@@ -122,32 +124,43 @@ class RowKernels:
 
     def step_bags(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                  threads: int) -> bool | None:
+                  threads: int, rounding: int | None = None) -> bool | None:
         """``update`` (its counts, stamps and rule; no gradient rows) applied to the records
         at ``slots`` with each key's gradient summed from the pooled ``grad`` of the bags
         ``inv``/``offsets``/``weights``/``mean``, in one compiled call
         (:func:`~embstore._cython.fused.step_bags`). False: a summed gradient is not finite
-        and nothing was written; None: the kernels do not cover this layout or rule."""
+        and nothing was written; None: the kernels do not cover this layout or rule.
+        bfloat16 fields round back to nearest, or stochastically from the 64-bit seed
+        ``rounding``."""
         name, alpha, _ = update.axpy
         rule = update.rule
-        plan = self._plan(update, grad.shape[1:])
+        plan = self._plan(update, grad.shape[1:], narrow=True)
         if plan is None or name != "vector":
             return None
         axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
         counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
         lr, eps = rule.params if rule is not None else (0.0, 0.0)
         kind = fused.RULES["axpy" if rule is None else rule.name]
+        fields = self.layout.fields
+        vec_kind = _kind(fields["vector"][0])
+        acc_kind = _kind(fields["accum"][0]) if rule is not None else vec_kind
         return bool(fused.step_bags(arena, slots, inv, offsets, weights, mean, grad, kind,
                                     float(alpha), lr, eps, axpy_offset, acc_offset, add_offsets,
-                                    counts, set_offsets, bits, threads))
+                                    counts, set_offsets, bits, threads, vec_kind, acc_kind,
+                                    rounding or 0, rounding is not None))
 
-    def _plan(self, update: Any, width: tuple[int, ...]) -> Any:
+    def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:
         rule = update.rule
         key = (update.axpy[0], width, tuple(update.add), tuple(update.assign),
                None if rule is None else (rule.name, len(rule.params)))
-        if key not in self._plans:  # worked out once per shape of update
-            self._plans[key] = row_plan(self.layout.fields, *key)
-        return self._plans[key]
+        if (key, narrow) not in self._plans:  # worked out once per shape of update
+            self._plans[key, narrow] = row_plan(self.layout.fields, *key, narrow=narrow)
+        return self._plans[key, narrow]
+
+
+def _kind(dtype: np.dtype) -> int:
+    """How the fused step reads a float field: float32, or bfloat16 stored as ``<u2``."""
+    return fused.KINDS["bfloat16" if dtype.base == np.uint16 else "float32"]
 
 
 def _metadata(update: Any, n: int, set_offsets: np.ndarray,

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._cython import fused
+from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
 __all__ = ["BagBatch", "bag_batch"]
@@ -51,11 +52,14 @@ class BagBatch:
     def n_bags(self) -> int:
         return len(self.offsets) - 1
 
-    def grad_sums(self, grad: np.ndarray) -> np.ndarray:
+    def grad_sums(self, grad: np.ndarray, finite: bool = False) -> np.ndarray:
         """Per distinct id, the gradient of its elements (``(n_bags, dim)`` pooled gradient
-        in), added in element order as the unfused path adds them."""
+        in), added in element order as the unfused path adds them; with ``finite``, an
+        ``InvalidInputError`` where a sum is NaN or inf."""
         sums = np.empty((len(self.uniq), grad.shape[1]), dtype=np.float32)
         fused.grad_sums(self.inv, self.offsets, self.weights, self.mean, grad, sums)
+        if finite and not all_finite(sums):
+            raise InvalidInputError("gradients contain NaN or inf")
         return sums
 
     def checked_grad(self, grad: Any, dim: int) -> np.ndarray | None:

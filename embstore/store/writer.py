@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .._cython.rowops import all_finite
 from .._keys import normalize_keys
 from ..backends.base import Backend, RowUpdate
 from ..engine.batch import (
@@ -154,6 +153,12 @@ class RecordWriter:
                                      np.zeros((1, self.layout.dim), dtype=np.float32))
         self._stamp(template, now)  # slots are per-row constants
         return template
+
+    def _rounding_seed(self) -> int | None:
+        """The fused step's stochastic-rounding seed (None: to nearest), of seed and step."""
+        if self.stochastic_rounding and not self.layout.is_wide:
+            return (self.seed * 0x9E3779B97F4A7C15 + self.step * 0xBF58476D1CE4E5B9) % 2**64
+        return None
 
     def _rounding(self) -> np.random.Generator | None:
         """The random source of stochastic rounding for this step (None: to nearest): seeded
@@ -455,7 +460,7 @@ class RecordWriter:
     def fused_ok(self) -> bool:
         """Whether the fused bag path applies now (see ``EmbeddingStore.fused_bags``)."""
         return bool(self.backend.supports_fused_bags and self.key_type == "int64"
-                    and self.layout.is_wide and not self.read_only
+                    and self.layout.fused_kernels and not self.read_only
                     and self.policy.admission is None and not self.observers)
 
     def pool(self, batch: BagBatch, out: np.ndarray | None = None,
@@ -489,10 +494,7 @@ class RecordWriter:
         mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
         if self._step_bags(batch, g, mult, threads):
             return
-        sums = batch.grad_sums(g)
-        if not all_finite(sums):
-            raise InvalidInputError("gradients contain NaN or inf")
-        self.apply_distinct(batch.uniq, sums, mult, len(batch.uniq))
+        self.apply_distinct(batch.uniq, batch.grad_sums(g, finite=True), mult, len(batch.uniq))
 
     def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
                    threads: int) -> bool:
@@ -500,11 +502,10 @@ class RecordWriter:
         ``(n_bags, dim)`` float32, rows contiguous), summed and applied in one backend call
         where the backend covers the optimizer (an axpy step or an Adagrad rule); False
         where it does not (nothing changed: the caller takes the general path)."""
-        wide = self.layout.is_wide
         width = np.empty((0, self.layout.dim), dtype=np.float32)
-        axpy = self.optimizer.axpy_step(width) if wide else None
-        rule = self.optimizer.row_rule() if (wide and axpy is None) else None
-        if axpy is None and rule is None:
+        axpy = self.optimizer.axpy_step(width)
+        rule = self.optimizer.row_rule() if axpy is None else None
+        if (axpy is None and rule is None) or not self.layout.fused_kernels:
             return False
         uniq = batch.uniq
         now = self.stamp_time()
@@ -514,7 +515,7 @@ class RecordWriter:
             row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, self.stamps(now), rule)
             pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
             done = pooling.step_bags(uniq, row_update, batch.inv, batch.offsets, batch.weights,
-                                     batch.mean, grad, threads)
+                                     batch.mean, grad, threads, self._rounding_seed())
         except BaseException:
             self.step -= 1
             raise

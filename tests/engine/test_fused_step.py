@@ -160,3 +160,60 @@ def test_the_kernel_refuses_records_it_cannot_hold():
         fused.step_bags(arena, slots, batch.inv, batch.offsets, batch.weights, False,
                         np.zeros((1, DIM), np.float32), 9, 0.0, 0.1, 0.0, 0, 0, none,
                         np.zeros((0, 1), np.int64), none, np.zeros(0, np.uint64))
+
+
+def _bf16_pair(opt: str, stochastic: bool, threads: int = 1, steps: int = 4):
+    """(fused store, general-path store) trained on the same bags: bfloat16 vectors."""
+    kw = dict(dim=DIM, seed=8, value_dtype="bfloat16", stochastic_rounding=stochastic)
+    a = embstore.open("memory://", optimizer=OPTIMIZERS[opt](), **kw)
+    b = embstore.open("memory://", optimizer=OPTIMIZERS[opt](), **kw)
+    rng = np.random.default_rng(9)
+    for _ in range(steps):
+        ids, offsets = _bags(rng, 48, 30)
+        out, batch = a.pool_bags(ids, offsets, threads=threads)
+        rows = b.lookup(batch.uniq)  # the general path: rows, then numpy pooling
+        starts = list(offsets) + [len(ids)]
+        want = np.stack([rows[batch.inv[s:e]].sum(axis=0, dtype=np.float32) if e > s
+                         else np.zeros(DIM, np.float32) for s, e in zip(starts, starts[1:])])
+        assert np.allclose(out, want, rtol=1e-6, atol=1e-6)
+        grad = rng.standard_normal(out.shape).astype(np.float32)
+        a.update_bags(batch, grad, threads=threads)
+        b.update(batch.uniq, batch.grad_sums(grad), counts=batch.counts)
+    keys = np.arange(30, dtype=np.int64)
+    return a.get_records(keys), b.get_records(keys)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_bfloat16_rows_rounded_to_nearest_take_the_bits_of_the_general_path(opt):
+    (ra, fa), (rb, fb) = _bf16_pair(opt, stochastic=False, threads=2)
+    assert np.array_equal(fa, fb)
+    for name in ra.dtype.names:
+        if name not in ("version", "last_seen"):
+            assert np.array_equal(ra[fa][name], rb[fb][name]), name
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_bfloat16_stochastic_rounding_stays_within_one_step_and_ignores_threads(opt):
+    (r1, f1), (rb, fb) = _bf16_pair(opt, stochastic=True, threads=1, steps=1)
+    (r3, _), _ = _bf16_pair(opt, stochastic=True, threads=3, steps=1)
+    for name in ("vector", "count"):  # the random bits follow (seed, key, coordinate)
+        assert np.array_equal(r1[name], r3[name]), name
+    # one step from the same rows: each value is one of the two bfloat16 neighbours of the
+    # float32 result, so within one unit of the general path's (also stochastic) value
+    a = r1[f1]["vector"].astype(np.int32)
+    b = rb[fb]["vector"].astype(np.int32)
+    assert np.abs(a - b).max() <= 1
+    assert (a != b).any()  # the two paths draw different bits: rounding is random
+
+
+def test_bfloat16_stochastic_rounding_is_unbiased():
+    """Many keys stepped from the same value by the same gradient: the mean of the rounded
+    results is the float32 result (to well within a bfloat16 step)."""
+    store = embstore.open("memory://", dim=64, value_dtype="bfloat16", optimizer=SGD(lr=1.0),
+                          initializer=embstore.init.Constant(1.0))
+    ids = np.arange(2000, dtype=np.int64).reshape(-1, 1)
+    _, batch = store.pool_bags(ids)
+    store.update_bags(batch, np.full((2000, 64), 1e-3, dtype=np.float32), threads=2)
+    vectors = store.lookup(np.arange(2000))
+    assert abs(float(vectors.mean()) - (1.0 - 1e-3)) < 2e-4  # a bfloat16 step at 1.0: 2**-7
+    assert len(np.unique(vectors)) == 2  # the two neighbours of 0.999

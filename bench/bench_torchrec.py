@@ -13,6 +13,8 @@ the dense part stepped by ``torch.optim.SGD``. Contenders:
   (what a TorchRec user writes: one collection, a ``KeyedJagged`` batch), the store's own
   row-wise Adagrad (``Adagrad(rowwise=True)``, the same rule as FBGEMM's): every table pooled
   into its columns of one output, one autograd node, as FBGEMM's op;
+- ``embstore-bf16``: ``embstore`` with ``value_dtype="bfloat16"`` rows (half the bytes per
+  row; pooled straight from the 16-bit rows, stepped and stochastically rounded in one pass);
 - ``embstore-bags``: the same stores behind one ``DynamicEmbeddingBag(mode="sum")`` per table,
   their outputs concatenated (one fused call and one autograd node per table);
 - ``embstore-unfused``: the same with ``use_fused_path = False`` (the path before the fused
@@ -129,6 +131,9 @@ class Contender:
         batch = self.shape[0]
         self.lengths = self.torch.full((features * batch,), bag, dtype=self.torch.long)
 
+    def _init_embstore_bf16(self, rows: int, features: int, bag: int) -> None:
+        self._init_embstore(rows, features, bag, value_dtype="bfloat16")
+
     def _init_embstore_unfused(self, rows: int, features: int, bag: int, **opts: object) -> None:
         self._init_embstore_bags(rows, features, bag, **opts)
         for b in self.bags:
@@ -160,7 +165,7 @@ class Contender:
         batch, features, bag = self.shape
         if self.kind == "fbgemm":  # table-major flat indices, one bag per (table, sample)
             pooled = self.tbe(torch.from_numpy(ids.reshape(-1)), self.offsets)
-        elif self.kind == "embstore":  # the same table-major ids, as a KeyedJagged batch
+        elif self.kind in ("embstore", "embstore-bf16"):  # table-major ids as a KeyedJagged
             from embstore_torch import KeyedJagged
 
             kj = KeyedJagged(self.names, torch.from_numpy(ids.reshape(-1)), self.lengths)
@@ -297,7 +302,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps per contender per round")
     ap.add_argument("--batches", type=int, default=None, help="distinct batches in the pool")
-    ap.add_argument("--contenders", default="embstore,embstore-bags,embstore-unfused,torch")
+    ap.add_argument("--contenders",
+                    default="embstore,embstore-bf16,embstore-bags,embstore-unfused,torch")
     ap.add_argument("--no-peer", action="store_true", help="leave FBGEMM out")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)

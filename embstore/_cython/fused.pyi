@@ -15,6 +15,8 @@ def grad_sums(inv: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64],
 RULES: dict[str, int]
 KINDS: dict[str, int]
 
+def split_threads(threads: int, work: int) -> int: ...
+
 def step_bags(arena: RecordArena, slots: npt.NDArray[np.uint32], inv: npt.NDArray[np.int64],
               offsets: npt.NDArray[np.int64], weights: npt.NDArray[np.float32], mean: bool,
               grad: npt.NDArray[np.float32], rule: int, alpha: float, lr: float, eps: float,

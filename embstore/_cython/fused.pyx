@@ -45,6 +45,20 @@ KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16}
 
 cdef enum:
     AHEAD = 8   # rows requested this many keys ahead of the one being stepped
+    # Threads take bags or keys CHUNK at a time (dynamic: a thread the OS holds back leaves
+    # its share to the others), and only calls of at least MIN_SPLIT floats per thread split
+    # at all: below that a fork and join costs more than it saves.
+    CHUNK = 64
+    MIN_SPLIT = 16384
+
+
+cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
+    """How many threads a call of ``work`` floats uses, of the ``threads`` asked for."""
+    if threads <= 1 or work < 2 * MIN_SPLIT:
+        return 1
+    if work < <Py_ssize_t> threads * MIN_SPLIT:
+        return <int> (work // MIN_SPLIT)
+    return threads
 
 # The optimizer rules :func:`step_bags` applies in place (``RULES[name]``)
 cdef enum:
@@ -136,7 +150,7 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
     cdef bint weighted = weights.shape[0] != 0
     cdef const float** rows
     cdef uint32_t s
-    cdef int nt = threads if threads > 1 else 1
+    cdef int nt = _split(threads, n_bags * d)
     if kind not in (KIND_F32, KIND_BF16):
         raise ValueError(f"pool: unknown field kind {kind}")
     if vec_offset < 0 or vec_offset + d * (4 if kind == KIND_F32 else 2) > arena.itemsize:
@@ -157,7 +171,7 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
                                       + (s & arena.low_mask) * arena.itemsize + vec_offset)
             ES_PREFETCH(rows[u])
             ES_PREFETCH(<const char*> rows[u] + d * (4 if kind == KIND_F32 else 2) - 1)
-        for b in prange(n_bags, num_threads=nt, schedule="static"):
+        for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
             if kind == KIND_F32:
                 _pool_bag(&out[b, 0], d, rows, inv, offsets[b], offsets[b + 1], weights,
                           weighted, mean)
@@ -303,7 +317,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
     cdef Py_ssize_t na = add_offsets.shape[0], ns = set_offsets.shape[0], f, u
     cdef Py_ssize_t acc_width = d if rule == RULE_ADAGRAD else 1
-    cdef int nt = threads if threads > 1 else 1
+    cdef int nt = _split(threads, (nu if nu > n_bags else n_bags) * d)
     cdef float* sums
     cdef float* scratch
     cdef int bad = 0
@@ -355,7 +369,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
                 _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
                           set_bits, scratch)
         else:
-            for u in prange(nu, num_threads=nt, schedule="static"):
+            for u in prange(nu, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
                 _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
                           set_bits, scratch + threadid() * (2 * d + 1))
     free(scratch)
@@ -476,7 +490,7 @@ cdef int _grouped_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
                 cursor[inv[e]] = i + 1
                 el_bag[2 * i] = e
                 el_bag[2 * i + 1] = b
-        for u in prange(nu, num_threads=nt, schedule="static"):
+        for u in prange(nu, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
             bad += _sum_key(&sums[u * d], d, grad, el_bag, start[u], start[u + 1], offsets,
                             weights, mean)
     free(start)
@@ -545,3 +559,9 @@ cdef inline void _step_row(uint8_t* row, const float* s, Py_ssize_t d, int rule,
         sc = lr / (sqrtf(a[0]) + eps)
         for k in range(d):
             v[k] = v[k] - s[k] * sc
+
+
+def split_threads(int threads, Py_ssize_t work):
+    """How many native threads a kernel call of ``work`` floats uses when ``threads`` are
+    asked for (small calls stay on one: a fork and join would cost more)."""
+    return _split(threads, work)

@@ -30,18 +30,29 @@ def _bags(rng: np.random.Generator, n_bags: int, vocab: int):
     return ids.astype(np.int64), offsets
 
 
+# bags enough that a call splits over threads (fused.split_threads): 3000 x 16 floats
+N_BAGS = 3000
+
+
+def test_calls_this_size_split_and_small_ones_do_not():
+    assert fused.split_threads(4, N_BAGS * DIM) > 1
+    assert fused.split_threads(4, 200 * DIM) == 1
+    assert fused.split_threads(1, 10**9) == 1
+    assert fused.split_threads(64, 10**9) == 64
+
+
 def _train(opt: str, threads: int, mean: bool, weighted: bool, steps: int = 5):
     store = embstore.open("memory://", dim=DIM, seed=1, optimizer=OPTIMIZERS[opt]())
     rng = np.random.default_rng(7)
     outs = []
     for i in range(steps):
-        ids, offsets = _bags(rng, 200, 40 * (i + 1))
+        ids, offsets = _bags(rng, N_BAGS, 400 * (i + 1))
         w = rng.random(len(ids), dtype=np.float32) if weighted else None
         out, batch = store.pool_bags(ids, offsets, weights=w, mean=mean, threads=threads)
         outs.append(out.copy())
         grad = rng.standard_normal(out.shape).astype(np.float32)
         store.update_bags(batch, grad, threads=threads)
-    keys = np.arange(40 * steps, dtype=np.int64)
+    keys = np.arange(400 * steps, dtype=np.int64)
     recs, found = store.get_records(keys)
     return store, outs, recs[found]
 
@@ -169,7 +180,7 @@ def _bf16_pair(opt: str, stochastic: bool, threads: int = 1, steps: int = 4):
     b = embstore.open("memory://", optimizer=OPTIMIZERS[opt](), **kw)
     rng = np.random.default_rng(9)
     for _ in range(steps):
-        ids, offsets = _bags(rng, 48, 30)
+        ids, offsets = _bags(rng, N_BAGS, 300)
         out, batch = a.pool_bags(ids, offsets, threads=threads)
         rows = b.lookup(batch.uniq)  # the general path: rows, then numpy pooling
         starts = list(offsets) + [len(ids)]
@@ -179,7 +190,7 @@ def _bf16_pair(opt: str, stochastic: bool, threads: int = 1, steps: int = 4):
         grad = rng.standard_normal(out.shape).astype(np.float32)
         a.update_bags(batch, grad, threads=threads)
         b.update(batch.uniq, batch.grad_sums(grad), counts=batch.counts)
-    keys = np.arange(30, dtype=np.int64)
+    keys = np.arange(300, dtype=np.int64)
     return a.get_records(keys), b.get_records(keys)
 
 

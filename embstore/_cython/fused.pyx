@@ -20,7 +20,6 @@ from cython.parallel cimport prange, threadid
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint16_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
-from libc.math cimport fmaf, sqrtf
 
 from .arena cimport RecordArena
 
@@ -35,6 +34,25 @@ cdef extern from "es_bf16.h":
     float es_bf16_to_f32(uint16_t h) noexcept nogil
     uint16_t es_f32_to_bf16(float f, uint32_t amount) noexcept nogil
     uint64_t es_mix64(uint64_t x) noexcept nogil
+
+cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
+    void es_pool_bag_f32(float* o, Py_ssize_t d, const float* const* rows, const int64_t* inv,
+                         Py_ssize_t start, Py_ssize_t stop, const float* w,
+                         int mean) noexcept nogil
+    void es_pool_bag_bf16(float* o, Py_ssize_t d, const uint16_t* const* rows,
+                          const int64_t* inv, Py_ssize_t start, Py_ssize_t stop,
+                          const float* w, int mean) noexcept nogil
+    void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
+                         Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
+                         const int64_t* offsets, const float* w, int mean,
+                         float* scaled) noexcept nogil
+    int es_sum_key(float* s, Py_ssize_t d, const char* grad, Py_ssize_t gstride,
+                   const int64_t* el_bag, int64_t first, int64_t stop, const int64_t* offsets,
+                   const float* w, int mean) noexcept nogil
+    void es_step_row(uint8_t* row, const float* s, Py_ssize_t d, int rule, float alpha,
+                     float lr, float eps, Py_ssize_t vec_offset,
+                     Py_ssize_t acc_offset) noexcept nogil
+    int es_finite(const float* x, Py_ssize_t n) noexcept nogil
 
 # How a float field is stored (``KINDS[name]``): float32, or bfloat16 (its upper 16 bits)
 cdef enum:
@@ -147,7 +165,7 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
     as they are read (exactly), with no float32 copy of them in between."""
     cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b
     cdef Py_ssize_t nu = slots.shape[0], u
-    cdef bint weighted = weights.shape[0] != 0
+    cdef const float* w = &weights[0] if weights.shape[0] else NULL
     cdef const float** rows
     cdef uint32_t s
     cdef int nt = _split(threads, n_bags * d)
@@ -173,58 +191,12 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
             ES_PREFETCH(<const char*> rows[u] + d * (4 if kind == KIND_F32 else 2) - 1)
         for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
             if kind == KIND_F32:
-                _pool_bag(&out[b, 0], d, rows, inv, offsets[b], offsets[b + 1], weights,
-                          weighted, mean)
+                es_pool_bag_f32(&out[b, 0], d, rows, &inv[0], offsets[b], offsets[b + 1], w,
+                                mean)
             else:
-                _pool_bag_bf16(&out[b, 0], d, <const uint16_t**> rows, inv, offsets[b],
-                               offsets[b + 1], weights, weighted, mean)
+                es_pool_bag_bf16(&out[b, 0], d, <const uint16_t**> rows, &inv[0], offsets[b],
+                                 offsets[b + 1], w, mean)
     free(rows)
-
-
-cdef inline void _pool_bag_bf16(float* o, Py_ssize_t d, const uint16_t** rows,
-                                const int64_t[::1] inv, Py_ssize_t start, Py_ssize_t stop,
-                                const float[::1] weights, bint weighted,
-                                bint mean) noexcept nogil:
-    """:func:`_pool_bag` of bfloat16 rows: each value widened exactly, then the same sums."""
-    cdef Py_ssize_t e, k
-    cdef const uint16_t* r
-    cdef float w, fl
-    memset(o, 0, d * sizeof(float))
-    for e in range(start, stop):
-        r = rows[inv[e]]
-        if weighted:
-            w = weights[e]
-            for k in range(d):
-                o[k] = fmaf(w, es_bf16_to_f32(r[k]), o[k])
-        else:
-            for k in range(d):
-                o[k] = o[k] + es_bf16_to_f32(r[k])
-    if mean and stop > start:
-        fl = <float> (stop - start)
-        for k in range(d):
-            o[k] = o[k] / fl
-
-
-cdef inline void _pool_bag(float* o, Py_ssize_t d, const float** rows,
-                           const int64_t[::1] inv, Py_ssize_t start, Py_ssize_t stop,
-                           const float[::1] weights, bint weighted, bint mean) noexcept nogil:
-    cdef Py_ssize_t e, k
-    cdef const float* r
-    cdef float w, fl
-    memset(o, 0, d * sizeof(float))
-    for e in range(start, stop):
-        r = rows[inv[e]]
-        if weighted:
-            w = weights[e]
-            for k in range(d):
-                o[k] = fmaf(w, r[k], o[k])
-        else:
-            for k in range(d):
-                o[k] = o[k] + r[k]
-    if mean and stop > start:
-        fl = <float> (stop - start)
-        for k in range(d):
-            o[k] = o[k] / fl
 
 
 def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::1] weights,
@@ -249,43 +221,14 @@ def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::
     free(scaled)
 
 
-cdef void _scatter_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
-                        const int64_t[::1] inv, const int64_t[::1] offsets,
-                        const float[::1] weights, bint mean, float* scaled) noexcept nogil:
+cdef inline void _scatter_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
+                               const int64_t[::1] inv, const int64_t[::1] offsets,
+                               const float[::1] weights, bint mean,
+                               float* scaled) noexcept nogil:
     """:func:`grad_sums` into ``nu`` rows at ``sums``, bag by bag (one thread)."""
-    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1], b, e, k, ln
-    cdef float* s
-    cdef const float* g
-    cdef float w, fl
-    cdef bint weighted = weights.shape[0] != 0
-    memset(sums, 0, nu * d * sizeof(float))
-    for b in range(n_bags):
-        ln = offsets[b + 1] - offsets[b]
-        if ln == 0:
-            continue
-        g = &grad[b, 0]
-        if mean:  # torch divides the gradient by the length first, then sums
-            fl = <float> ln
-            for k in range(d):
-                scaled[k] = g[k] / fl
-            g = scaled
-        for e in range(offsets[b], offsets[b + 1]):
-            s = sums + inv[e] * d
-            if weighted:
-                w = weights[e]
-                for k in range(d):
-                    s[k] = fmaf(w, g[k], s[k])
-            else:
-                for k in range(d):
-                    s[k] = s[k] + g[k]
-
-
-cdef bint _finite(const float* x, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef uint32_t bad = 0
-    for i in range(n):
-        bad |= ((<const uint32_t*> x)[i] & 0x7F800000u) == 0x7F800000u
-    return bad == 0
+    es_scatter_sums(sums, nu, grad.shape[1], <const char*> &grad[0, 0] if grad.shape[0]
+                    else NULL, grad.strides[0], grad.shape[0], &inv[0], &offsets[0],
+                    &weights[0] if weights.shape[0] else NULL, mean, scaled)
 
 
 def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
@@ -356,7 +299,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     if bad < 0:
         free(sums)
         raise MemoryError("step_bags: no memory")
-    if bad or not _finite(sums, nu * d):
+    if bad or not es_finite(sums, nu * d):
         free(sums)
         return False
     scratch = <float*> malloc(nt * (2 * d + 1) * sizeof(float))  # a widened row per thread
@@ -400,8 +343,8 @@ cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssiz
         ES_PREFETCH_W(row + arena.itemsize - 1)
     row = _row_at(arena, slots[u])
     if sp.vec_kind == KIND_F32 and sp.acc_kind == KIND_F32:
-        _step_row(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
-                  sp.acc_offset)
+        es_step_row(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
+                    sp.acc_offset)
     else:
         _step_narrow(row, &sums[u * d], sp, scratch, u)
     for f in range(add_offsets.shape[0]):
@@ -412,14 +355,14 @@ cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssiz
 
 cdef inline void _step_narrow(uint8_t* row, const float* s, const StepSpec* sp, float* tmp,
                               Py_ssize_t u) noexcept nogil:
-    """:func:`_step_row` of a record with bfloat16 fields: widened into ``tmp`` (vector,
+    """:c:func:`es_step_row` of a record with bfloat16 fields: widened into ``tmp`` (vector,
     then accumulator), stepped in float32, rounded back."""
     cdef Py_ssize_t d = sp.d
     cdef Py_ssize_t acc_width = 0 if sp.rule == RULE_AXPY else (
         d if sp.rule == RULE_ADAGRAD else 1)
     _widen(row + sp.vec_offset, sp.vec_kind, tmp, d)
     _widen(row + sp.acc_offset, sp.acc_kind, tmp + d, acc_width)
-    _step_row(<uint8_t*> tmp, s, d, sp.rule, sp.alpha, sp.lr, sp.eps, 0, d * 4)
+    es_step_row(<uint8_t*> tmp, s, d, sp.rule, sp.alpha, sp.lr, sp.eps, 0, d * 4)
     _narrow(tmp, row + sp.vec_offset, sp.vec_kind, d, sp, 2 * u)
     _narrow(tmp + d, row + sp.acc_offset, sp.acc_kind, acc_width, sp, 2 * u + 1)
 
@@ -470,6 +413,9 @@ cdef int _grouped_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
     cdef int64_t* start = <int64_t*> malloc((nu + 1) * sizeof(int64_t))
     cdef int64_t* cursor = <int64_t*> malloc((nu + 1) * sizeof(int64_t))
     cdef int64_t* el_bag = <int64_t*> malloc((n_el if n_el else 1) * 2 * sizeof(int64_t))
+    cdef const char* gbase = <const char*> &grad[0, 0] if n_bags else NULL
+    cdef Py_ssize_t gstride = grad.strides[0]
+    cdef const float* w = &weights[0] if weights.shape[0] else NULL
     cdef int bad = 0
     if start == NULL or cursor == NULL or el_bag == NULL:
         free(start)
@@ -491,74 +437,12 @@ cdef int _grouped_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
                 el_bag[2 * i] = e
                 el_bag[2 * i + 1] = b
         for u in prange(nu, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
-            bad += _sum_key(&sums[u * d], d, grad, el_bag, start[u], start[u + 1], offsets,
-                            weights, mean)
+            bad += es_sum_key(&sums[u * d], d, gbase, gstride, el_bag, start[u], start[u + 1],
+                              &offsets[0], w, mean)
     free(start)
     free(cursor)
     free(el_bag)
     return 1 if bad else 0
-
-
-cdef inline int _sum_key(float* s, Py_ssize_t d, const float[:, :] grad, const int64_t* el_bag,
-                         int64_t first, int64_t stop, const int64_t[::1] offsets,
-                         const float[::1] weights, bint mean) noexcept nogil:
-    """One key's gradient sum into ``s`` (as :func:`grad_sums`); 1 when it is not finite."""
-    cdef int64_t i, e, b
-    cdef Py_ssize_t k
-    cdef const float* g
-    cdef float w, fl
-    cdef bint weighted = weights.shape[0] != 0
-    cdef uint32_t badbits = 0
-    memset(s, 0, d * sizeof(float))
-    for i in range(first, stop):  # one loop per case: each stays a plain vector loop
-        e = el_bag[2 * i]
-        b = el_bag[2 * i + 1]
-        g = &grad[b, 0]
-        if weighted:
-            w = weights[e]
-            if mean:
-                fl = <float> (offsets[b + 1] - offsets[b])
-                for k in range(d):
-                    s[k] = fmaf(w, g[k] / fl, s[k])
-            else:
-                for k in range(d):
-                    s[k] = fmaf(w, g[k], s[k])
-        elif mean:
-            fl = <float> (offsets[b + 1] - offsets[b])
-            for k in range(d):
-                s[k] = s[k] + g[k] / fl
-        else:
-            for k in range(d):
-                s[k] = s[k] + g[k]
-    for k in range(d):
-        badbits |= ((<uint32_t*> s)[k] & 0x7F800000u) == 0x7F800000u
-    return badbits != 0
-
-
-cdef inline void _step_row(uint8_t* row, const float* s, Py_ssize_t d, int rule, float alpha,
-                           float lr, float eps, Py_ssize_t vec_offset,
-                           Py_ssize_t acc_offset) noexcept nogil:
-    """One record's optimizer step from its summed gradient ``s``."""
-    cdef float* v = <float*> (row + vec_offset)
-    cdef float* a
-    cdef float gk, ak, sc
-    cdef Py_ssize_t k
-    if rule == RULE_AXPY:
-        for k in range(d):
-            v[k] = v[k] + alpha * s[k]
-    elif rule == RULE_ADAGRAD:
-        a = <float*> (row + acc_offset)
-        for k in range(d):
-            gk = s[k]
-            ak = a[k] + gk * gk
-            a[k] = ak
-            v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps))
-    else:
-        a = <float*> (row + acc_offset)
-        a[0] = a[0] + (es_sumsq(s, d) / <float> d if d else <float> 0.0)
-        sc = lr / (sqrtf(a[0]) + eps)
-        for k in range(d):
-            v[k] = v[k] - s[k] * sc
 
 
 def split_threads(int threads, Py_ssize_t work):

@@ -1,0 +1,61 @@
+/* The inner loops of the fused bag kernels (fused.pyx): one bag pooled, the gradient sums,
+   one record's optimizer step, a finiteness test (es_fused_body.h).
+
+   On x86-64 with GCC each loop is built twice, for the baseline and for CPUs with AVX2 and
+   FMA, and each call takes the one this CPU runs (one predictable branch; GCC's
+   target_clones would pick its "arch=" clones by CPU model, not by the instructions a CPU
+   has). The arithmetic is the same in both, operation by operation (the extension is built
+   with -ffp-contract=off, fmaf is a correctly rounded fused multiply-add either way, sqrtf
+   correctly rounded), so the bits do not depend on the CPU; only the width of the vector
+   registers does. */
+#ifndef ES_FUSED_H
+#define ES_FUSED_H
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "es_bf16.h"
+#include "es_rowsq.h"
+
+enum { ES_RULE_AXPY = 0, ES_RULE_ADAGRAD = 1, ES_RULE_ADAGRAD_ROWWISE = 2 };
+
+#define ES_ATTR
+#define ES_NAME(n) n##_base
+#include "es_fused_body.h"
+#undef ES_ATTR
+#undef ES_NAME
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define ES_WIDE 1
+#define ES_ATTR __attribute__((target("avx2,fma")))
+#define ES_NAME(n) n##_avx2
+#include "es_fused_body.h"
+#undef ES_ATTR
+#undef ES_NAME
+
+static int es_wide_cpu = -1;  /* benign race: every thread computes the same answer */
+
+/* EMBSTORE_BASELINE_KERNELS=1 in the environment keeps the baseline build (a check that
+   both give the same bits, or a CPU that misreports its features) */
+static inline int es_wide(void) {
+    if (es_wide_cpu < 0) {
+        const char* off = getenv("EMBSTORE_BASELINE_KERNELS");
+        es_wide_cpu = !(off && off[0] && off[0] != '0')
+                      && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return es_wide_cpu;
+}
+#define ES_PICK(n) (es_wide() ? n##_avx2 : n##_base)
+#else
+#define ES_PICK(n) n##_base
+#endif
+
+#define es_pool_bag_f32 ES_PICK(es_pool_bag_f32)
+#define es_pool_bag_bf16 ES_PICK(es_pool_bag_bf16)
+#define es_scatter_sums ES_PICK(es_scatter_sums)
+#define es_sum_key ES_PICK(es_sum_key)
+#define es_step_row ES_PICK(es_step_row)
+#define es_finite ES_PICK(es_finite)
+#endif

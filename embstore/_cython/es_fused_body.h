@@ -1,0 +1,143 @@
+/* The bodies of es_fused.h's inner loops, included once per CPU class with ES_NAME (the
+   function names' suffix) and ES_ATTR (their target attribute) set; no include guard. */
+/* Bag [start, stop) of float32 rows into o: summed in element order from zero (w[e] times
+   each, one fused multiply-add, when w is not NULL), divided by the length with mean. */
+ES_ATTR static void ES_NAME(es_pool_bag_f32)(float* restrict o, ptrdiff_t d, const float* const* rows,
+                                      const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
+                                      const float* w, int mean) {
+    ptrdiff_t e, k;
+    memset(o, 0, (size_t) d * sizeof(float));
+    for (e = start; e < stop; e++) {
+        const float* restrict r = rows[inv[e]];
+        if (w) {
+            float we = w[e];
+            for (k = 0; k < d; k++) o[k] = fmaf(we, r[k], o[k]);
+        } else {
+            for (k = 0; k < d; k++) o[k] = o[k] + r[k];
+        }
+    }
+    if (mean && stop > start) {
+        float fl = (float) (stop - start);
+        for (k = 0; k < d; k++) o[k] = o[k] / fl;
+    }
+}
+
+/* es_pool_bag_f32 of bfloat16 rows, each value widened exactly as it is read */
+ES_ATTR static void ES_NAME(es_pool_bag_bf16)(float* restrict o, ptrdiff_t d, const uint16_t* const* rows,
+                                       const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
+                                       const float* w, int mean) {
+    ptrdiff_t e, k;
+    memset(o, 0, (size_t) d * sizeof(float));
+    for (e = start; e < stop; e++) {
+        const uint16_t* restrict r = rows[inv[e]];
+        if (w) {
+            float we = w[e];
+            for (k = 0; k < d; k++) o[k] = fmaf(we, es_bf16_to_f32(r[k]), o[k]);
+        } else {
+            for (k = 0; k < d; k++) o[k] = o[k] + es_bf16_to_f32(r[k]);
+        }
+    }
+    if (mean && stop > start) {
+        float fl = (float) (stop - start);
+        for (k = 0; k < d; k++) o[k] = o[k] / fl;
+    }
+}
+
+/* Per key u = inv[e], the gradient of its elements summed into row u of sums (nu rows of d),
+   bag by bag in element order: a bag's gradient row (grad + b * gstride bytes) divided by its
+   length first with mean, times w[e] (fmaf) when w is not NULL. scaled: d floats of scratch. */
+ES_ATTR static void ES_NAME(es_scatter_sums)(float* restrict sums, ptrdiff_t nu, ptrdiff_t d, const char* grad,
+                                      ptrdiff_t gstride, ptrdiff_t n_bags, const int64_t* inv,
+                                      const int64_t* offsets, const float* w, int mean,
+                                      float* scaled) {
+    ptrdiff_t b, e, k;
+    memset(sums, 0, (size_t) (nu * d) * sizeof(float));
+    for (b = 0; b < n_bags; b++) {
+        ptrdiff_t ln = offsets[b + 1] - offsets[b];
+        const float* g = (const float*) (grad + b * gstride);
+        if (ln == 0) continue;
+        if (mean) { /* torch divides the gradient by the length first, then sums */
+            float fl = (float) ln;
+            for (k = 0; k < d; k++) scaled[k] = g[k] / fl;
+            g = scaled;
+        }
+        for (e = offsets[b]; e < offsets[b + 1]; e++) {
+            float* restrict s = sums + inv[e] * d;
+            if (w) {
+                float we = w[e];
+                for (k = 0; k < d; k++) s[k] = fmaf(we, g[k], s[k]);
+            } else {
+                for (k = 0; k < d; k++) s[k] = s[k] + g[k];
+            }
+        }
+    }
+}
+
+/* One key's sum (es_scatter_sums' arithmetic) from its (element, bag) pairs el_bag[2i],
+   el_bag[2i+1] for i in [first, stop); returns 1 when the sum is not finite. */
+ES_ATTR static int ES_NAME(es_sum_key)(float* restrict s, ptrdiff_t d, const char* grad, ptrdiff_t gstride,
+                                const int64_t* el_bag, int64_t first, int64_t stop,
+                                const int64_t* offsets, const float* w, int mean) {
+    int64_t i;
+    ptrdiff_t k;
+    uint32_t bad = 0;
+    memset(s, 0, (size_t) d * sizeof(float));
+    for (i = first; i < stop; i++) {
+        int64_t e = el_bag[2 * i], b = el_bag[2 * i + 1];
+        const float* g = (const float*) (grad + b * gstride);
+        float fl = (float) (offsets[b + 1] - offsets[b]);
+        if (w) {
+            float we = w[e];
+            if (mean) { for (k = 0; k < d; k++) s[k] = fmaf(we, g[k] / fl, s[k]); }
+            else { for (k = 0; k < d; k++) s[k] = fmaf(we, g[k], s[k]); }
+        } else if (mean) {
+            for (k = 0; k < d; k++) s[k] = s[k] + g[k] / fl;
+        } else {
+            for (k = 0; k < d; k++) s[k] = s[k] + g[k];
+        }
+    }
+    for (k = 0; k < d; k++) {
+        uint32_t bits;
+        memcpy(&bits, s + k, 4);
+        bad |= (bits & 0x7F800000u) == 0x7F800000u;
+    }
+    return bad != 0;
+}
+
+/* One float32 record's optimizer step from its summed gradient s:
+   axpy:            vec += alpha * s
+   adagrad:         acc += s * s; vec -= lr * (s / (sqrt(acc) + eps))      (per coordinate)
+   adagrad_rowwise: acc += sumsq(s) / d; vec -= s * (lr / (sqrt(acc) + eps)) */
+ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, ptrdiff_t d, int rule,
+                                  float alpha, float lr, float eps, ptrdiff_t vec_offset,
+                                  ptrdiff_t acc_offset) {
+    float* restrict v = (float*) (row + vec_offset);
+    float* a = (float*) (row + acc_offset);
+    ptrdiff_t k;
+    if (rule == ES_RULE_AXPY) {
+        for (k = 0; k < d; k++) v[k] = v[k] + alpha * s[k];
+    } else if (rule == ES_RULE_ADAGRAD) {
+        for (k = 0; k < d; k++) {
+            float gk = s[k], ak = a[k] + gk * gk;
+            a[k] = ak;
+            v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps));
+        }
+    } else {
+        float sc;
+        a[0] = a[0] + (d ? es_sumsq(s, d) / (float) d : 0.0f);
+        sc = lr / (sqrtf(a[0]) + eps);
+        for (k = 0; k < d; k++) v[k] = v[k] - s[k] * sc;
+    }
+}
+
+/* 1 when no value of x[0:n] is NaN or inf (the exponent bits, an integer test) */
+ES_ATTR static int ES_NAME(es_finite)(const float* x, ptrdiff_t n) {
+    ptrdiff_t i;
+    uint32_t bad = 0;
+    for (i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        bad |= (bits & 0x7F800000u) == 0x7F800000u;
+    }
+    return bad == 0;
+}

@@ -1,9 +1,14 @@
 """Only the Extension list lives here; everything else is in pyproject.toml."""
 
+import sys
+
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-_HERE = ["embstore/_cython"]  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h, es_keyword.h
+_HERE = ["embstore/_cython"]
+# Native threads for the fused kernels where the compiler has OpenMP (GCC on Linux; Apple's
+# clang has none: there the kernels run on the calling thread, with the same bits)
+_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h, es_keyword.h
 
 extensions = [
     # -ffp-contract=off: in-place optimizer kernels must round as the numpy steps do;
@@ -13,8 +18,8 @@ extensions = [
     # fused: bag sums and gradient sums round as torch's embedding_bag (fmaf only where it does)
     # (OpenMP: bags, keys and rows are split over native threads when a caller asks for them)
     Extension("embstore._cython.fused", ["embstore/_cython/fused.pyx"], include_dirs=_HERE,
-              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-              extra_link_args=["-fopenmp"]),
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", *_OPENMP],
+              extra_link_args=_OPENMP),
     Extension("embstore._cython.cuckoo", ["embstore/_cython/cuckoo.pyx"], include_dirs=_HERE,
               extra_compile_args=["-O3"]),
     Extension("embstore._cython.initrand", ["embstore/_cython/initrand.pyx"], include_dirs=_HERE,

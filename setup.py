@@ -5,10 +5,10 @@ import sys
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-_HERE = ["embstore/_cython"]
+_HERE = ["embstore/_cython"]  # the es_*.h headers
 # Native threads for the fused kernels where the compiler has OpenMP (GCC on Linux; Apple's
 # clang has none: there the kernels run on the calling thread, with the same bits)
-_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # es_prefetch.h, es_memory.h, es_hash.h, es_xxh.h, es_keyword.h
+_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 
 extensions = [
     # -ffp-contract=off: in-place optimizer kernels must round as the numpy steps do;

@@ -134,9 +134,10 @@ class Layout:
         """Whether vector and slots are stored as float32 (no conversion on the way)."""
         return self.value_dtype == "float32" and self.slot_dtype == "float32"
 
-    @functools.cached_property
+    @property
     def fused_kernels(self) -> bool:
-        """Whether the fused bag kernels read this layout: float32 or bfloat16 fields."""
+        """Whether the fused bag kernels read this layout: float32 or bfloat16 fields (a plain
+        property: Dynamo traces it when a compiled ``DynamicEmbeddingBag`` asks the store)."""
         return {self.value_dtype, self.slot_dtype} <= {"float32", "bfloat16"}
 
     @functools.cached_property

@@ -492,7 +492,8 @@ class RecordWriter:
         if g is None:
             return
         mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
-        if self._step_bags(batch, g, mult, threads):
+        # (an observer or a policy added since the forward: the general path tells it)
+        if self.fused_ok() and self._step_bags(batch, g, mult, threads):
             return
         self.apply_distinct(batch.uniq, batch.grad_sums(g, finite=True), mult, len(batch.uniq))
 

@@ -1,10 +1,11 @@
 """The fused bag path: ``DynamicEmbeddingBag`` over a store that pools in place.
 
-Where the store offers it (``store.fused_bags()``: ``memory://``, int64 keys, float32 rows, no
-admission policy or observers), a training forward is one call per table, either the custom op
-``embstore::fused_bag`` (``DynamicEmbeddingBag.fused_custom_op = True``) or, by default, its
-eager form :class:`FusedBag` (an ``autograd.Function``, as the unfused bridges are: the custom
-op's Python dispatch measured ~0.07 ms per table and step, ~10% of a step). Either way the
+Where the store offers it (``store.fused_bags()``: ``memory://``, int64 keys, float32 or
+bfloat16 rows, no admission policy or observers), a training forward is one call per table,
+either the custom op ``embstore::fused_bag`` (under ``torch.compile``, or eagerly with
+``DynamicEmbeddingBag.fused_custom_op = True``) or, eagerly by default, its form
+:class:`FusedBag` (an ``autograd.Function``, as the unfused bridges are: the custom op's Python
+dispatch measured ~0.07 ms per table and step, ~10% of a step). Either way the
 store dedupes the ids, places new ones and pools their rows
 straight into the bag output (``EmbeddingStore.pool_bags``), with no ``(distinct, dim)`` copy,
 no sort and no torch ``embedding_bag`` in between. Its backward hands the pooled gradient to
@@ -12,11 +13,13 @@ no sort and no torch ``embedding_bag`` in between. Its backward hands the pooled
 Both give the bits of the unfused path (``StoreBag``): the same sums in the same order.
 
 Anything else (max/ragged-list inputs, padding, ``max_norm``, ``scale_grad_by_freq``,
-``include_last_offset``, weights that need their own gradient, eval / no-grad forwards,
-``torch.compile``, other stores) takes the unfused path.
+``include_last_offset``, weights that need their own gradient, eval / no-grad forwards, other
+stores) takes the unfused path.
 
-The batch of a forward reaches its backward through the module: the op leaves it there, the
-autograd ``setup_context`` (which runs right after the op) takes it into ``ctx``.
+The op's backward is a second op, ``embstore::fused_bag_update``, whose (empty) result is the
+gradient of the module's trigger buffer, so a compiled graph keeps it. The batch of a forward
+reaches it by the module's handle: the forward op leaves ``(ids, batch)`` on a short stack, the
+update op takes the last one with equal ids (or groups the ids again).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from embstore import StoreProtocol
+from embstore.engine.fused import bag_batch
 from embstore.errors import ReadOnlyError
 
 from . import _compiled
@@ -126,15 +130,20 @@ class FusedBag(torch.autograd.Function):
         return None, None, None, None, None, None, None
 
 
-# A forward's batch, from the op until its autograd setup_context (which runs right after)
-_PENDING: dict[int, Any] = {}
+# The batches of forwards through the op awaiting their backward, per module handle (a stack:
+# backwards run in the reverse order of their forwards); a few at most, so that a forward
+# whose loss never goes backward is not kept for ever.
+_BATCHES: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+_KEEP = 8
 
 
 @torch.library.custom_op("embstore::fused_bag", mutates_args=())
 def _bag_op(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
             trigger: torch.Tensor, handle: int, mean: bool, dim: int) -> torch.Tensor:
-    pooled, _PENDING[handle] = _pool(_compiled.module_of(handle).store, ids, offsets, weights,
-                                     mean)
+    pooled, batch = _pool(_compiled.module_of(handle).store, ids, offsets, weights, mean)
+    stack = _BATCHES.setdefault(handle, [])
+    stack.append((ids.detach().reshape(-1).clone(), batch))
+    del stack[:-_KEEP]
     return pooled
 
 
@@ -144,21 +153,47 @@ def _(ids, offsets, weights, trigger, handle, mean, dim):
     return ids.new_empty((n_bags, dim), dtype=torch.float32)
 
 
+@torch.library.custom_op("embstore::fused_bag_update", mutates_args=())
+def _bag_update_op(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                   grad: torch.Tensor, handle: int, mean: bool) -> torch.Tensor:
+    """The backward of ``embstore::fused_bag``: the store steps with the pooled gradient.
+    Its result (empty) is the module trigger's gradient, a graph output, so no compiler
+    drops it as dead code (as ``embstore::update``)."""
+    module = _compiled.module_of(handle)
+    flat = ids.detach().reshape(-1)
+    stack = _BATCHES.get(handle, [])
+    batch = None
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i][0].shape == flat.shape and torch.equal(stack[i][0], flat):
+            batch = stack.pop(i)[1]
+            break
+    if batch is None:  # a forward long gone: group the ids again (the store finds the rows)
+        batch = bag_batch(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
+                          weights.numpy() if weights.numel() else None, mean)
+    update_block(module.store, batch, module.count, grad)
+    return grad.new_zeros(0)
+
+
+@_bag_update_op.register_fake
+def _(ids, offsets, weights, grad, handle, mean):
+    return grad.new_empty(0)
+
+
 class _FusedBagGrad:
-    """The op's autograd formula, as the bridges' ``autograd.Function`` classes keep theirs."""
+    """The op's autograd formula, as ``embstore::lookup``'s: ``setup`` keeps the inputs,
+    ``backward`` hands the gradient to ``embstore::fused_bag_update``."""
 
     @staticmethod
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        # the graph keeps the store, not the module: a module made for one call may be gone
-        # by the backward (as the unfused path's Sink keeps only the store)
-        module = _compiled.module_of(inputs[4])
-        ctx.store, ctx.count = module.store, module.count
-        ctx.batch = _PENDING.pop(inputs[4])
+        ids, offsets, weights, _, handle, mean, _ = inputs
+        ctx.save_for_backward(ids, offsets, weights)
+        ctx.handle, ctx.mean = handle, mean
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        update_block(ctx.store, ctx.batch, ctx.count, grad)
-        return None, None, None, None, None, None, None
+        ids, offsets, weights = ctx.saved_tensors
+        trigger = _bag_update_op(ids, offsets, weights, grad, ctx.handle, ctx.mean)
+        return None, None, None, trigger, None, None, None
 
 
 _bag_op.register_autograd(_FusedBagGrad.backward, setup_context=_FusedBagGrad.setup)

@@ -75,6 +75,11 @@ class DynamicEmbeddingBag(StoreModule):
     def forward(self, input: Any, offsets: Any = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if self._fused_usable(input, offsets, per_sample_weights):  # one fused op
+                self._check_weights(input, offsets, per_sample_weights)
+                return self._output(_fused.bag(input, offsets, per_sample_weights,
+                                               self._trigger, self._handle, self.mode == "mean",
+                                               self.embedding_dim, True))
             if (self.padding_key is None and self.max_norm is None
                     and not self.include_last_offset and _compiled.traceable(self, input)
                     and (input.dim(), offsets is None) in ((2, True), (1, False))

@@ -1,0 +1,100 @@
+"""``DynamicEmbeddingBag`` under ``torch.compile``: one ``embstore::fused_bag`` node per table
+(its backward ``embstore::fused_bag_update``), the bits of the eager fused path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.optim import Adagrad
+
+torch = pytest.importorskip("torch")
+from embstore_torch import DynamicEmbeddingBag  # noqa: E402
+
+DIM = 8
+
+
+def _run(compiled: bool, mode: str, value_dtype: str = "float32", steps: int = 4):
+    store = embstore.open("memory://", dim=DIM, seed=2, value_dtype=value_dtype,
+                          optimizer=Adagrad(lr=0.1, rowwise=True))
+    bag = DynamicEmbeddingBag(store, mode)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(DIM, 1)
+    ops: list[str] = []
+
+    def step(ids, offsets):
+        return head(bag(ids, offsets)).pow(2).sum()
+
+    def backend(gm, example_inputs):  # records the ops, then runs as aot_eager would
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.from_numpy(rng.integers(0, 40, 9))
+        loss = fn(ids, torch.tensor([0, 2, 2, 5]))  # an empty bag too
+        loss.backward()
+        losses.append(loss.item())
+    recs, found = store.get_records(np.arange(40))
+    return losses, recs[found], ops
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+def test_a_compiled_bag_is_one_fused_op_with_the_eager_bits(mode, value_dtype):
+    eager_losses, eager_recs, _ = _run(False, mode, value_dtype)
+    losses, recs, ops = _run(True, mode, value_dtype)
+    assert any("embstore.fused_bag" in op for op in ops), ops
+    assert not any("embstore.lookup" in op for op in ops)
+    assert losses == eager_losses
+    for name in ("vector", "accum", "count"):
+        assert np.array_equal(recs[name], eager_recs[name]), name
+
+
+@pytest.mark.parametrize("custom_op", [False, True])
+def test_an_observer_added_between_forward_and_backward_gets_the_update(custom_op):
+    """The forward pooled in place; by its backward the store has an observer (the fused
+    step is off): the update goes through ``store.update`` and the observer sees it."""
+    rows = {}
+    for fused in (True, False):
+        store = embstore.open("memory://", dim=DIM, seed=2,
+                              optimizer=Adagrad(lr=0.1, rowwise=True))
+        bag = DynamicEmbeddingBag(store, "sum")
+        bag.use_fused_path, bag.fused_custom_op = fused, custom_op
+        out = bag(torch.tensor([[1, 2, 3], [3, 3, 4]]))
+        quiet = _Quiet()
+        store.add_observer(quiet)
+        (out * torch.arange(DIM)).sum().backward()
+        recs, _ = store.get_records(np.arange(1, 5))
+        rows[fused] = recs
+        assert quiet.updates, "the observer saw no update"
+    for name in ("vector", "accum", "count"):
+        assert np.array_equal(rows[True][name], rows[False][name]), name
+
+
+class _Quiet:
+    """A store observer that counts what it is told (it turns the fused path off)."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def on_write(self, keys, records):
+        self.updates += 1
+
+    def on_insert(self, keys, vectors, template):
+        pass
+
+    def on_row_update(self, keys, update, found):
+        self.updates += 1
+
+    def on_delete(self, keys):
+        pass
+
+    def on_bulk_load(self):
+        pass
+
+    def stats(self):
+        return {}

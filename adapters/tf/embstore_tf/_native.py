@@ -1,11 +1,14 @@
 """The adapter's compiled TF ops: loading them, and the Python callables they run.
 
-Inside ``tf.function`` (Keras ``fit``/``predict`` included) the adapter reaches the store
-through the ops of ``native/embstore_ops.cc`` rather than ``tf.numpy_function``: each op
-takes the GIL, hands its tensors to a callable registered here as numpy views (no copy) and
-does the gather and the gradient's per-key sums in C++, so a training step costs two kernel
-launches instead of TF's PyFunc machinery plus the separate gather, segment-sum and
-shape-check ops. Results are the same bits either way (tests/adapters/tf/test_tf_native.py).
+Lookups that insert (training: ``model.fit``, a ``tf.function`` training step, sampled
+logits) reach the store inside a graph through the ops of ``native/embstore_ops.cc`` rather
+than ``tf.numpy_function``: each op takes the GIL, hands its tensors to a callable registered
+here as numpy views (no copy) and does the gather and the gradient's per-key sums in C++, so
+a training step costs two kernel launches instead of TF's PyFunc machinery plus separate
+gather, segment-sum and shape-check ops. Results are the same bits either way
+(tests/adapters/tf/test_tf_native.py). Inference graphs (``predict``, ``model.export()``) and
+graphs traced for ``tf.saved_model.save`` keep ``tf.numpy_function``: a SavedModel holding
+these ops would not even load where the library is not loaded.
 
 The library is compiled on first use (:mod:`embstore_tf._build`, ~10-60 s once per TF
 version) and loaded with ``tf.load_op_library``. Without a compiler, on a compile or load
@@ -89,14 +92,28 @@ def _load() -> None:
     except Exception as e:  # a library that does not load or run: the fallback, never a crash
         _state["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     else:
-        for op in ("EmbstoreRows", "EmbstoreApply", "EmbstorePyCall"):
-            tf.no_gradient(op)  # the gradient goes through the store (custom_gradient)
+        tf.no_gradient("EmbstoreApply")
+        tf.no_gradient("EmbstorePyCall")
+        tf.RegisterGradient("EmbstoreRows")(rows_gradient)
         _state.update(lib=lib, path=path)
         log.debug("embstore TF ops loaded from %s in %.1f s", path,
                   time.perf_counter() - start)
         return
     log.warning("embstore_tf: native TF ops unavailable, using tf.numpy_function (slower): %s",
                 _state["error"])
+
+
+def rows_gradient(op: Any, drows: Any, *_: Any) -> list[Any]:
+    """The gradient of ``EmbstoreRows``: the store update, as an ``EmbstoreApply`` of the
+    rows' gradient, and a zero gradient for the trigger once it ran (none for the keys)."""
+    handle = op.get_attr("apply_handle")
+    if drows is None or handle == 0:
+        return [None, None]
+    _, uniq, idx, counts = op.outputs
+    done = _state["lib"].embstore_apply(uniq, idx, counts, tf.convert_to_tensor(drows),
+                                        handle=handle, name="embstore_apply")
+    with tf.control_dependencies([done]):
+        return [None, tf.zeros_like(op.inputs[1])]
 
 
 def library() -> Any:
@@ -131,8 +148,18 @@ def graph_library() -> Any:
 
 
 def status() -> dict[str, Any]:
-    """Whether the native ops are in use: ``{"native": bool, "path": library or None,
-    "error": why not or None}`` (builds the library if not tried yet)."""
+    """Whether training graphs reach the store through the adapter's compiled ops.
+
+    Builds the op library first if this process has not tried yet (once per TensorFlow
+    version and user: ~10-60 s; later processes load it from the cache).
+
+    Returns
+    -------
+    dict
+        ``native`` (bool), ``path`` (the loaded library, or None) and ``error`` (why the
+        ``tf.numpy_function`` path is used instead, or None): no compiler, the compiler's
+        first error line, or ``EMBSTORE_TF_NATIVE=0``.
+    """
     lib = library()
     error = None if lib is not None else (
         "disabled by EMBSTORE_TF_NATIVE" if not _enabled_by_env() else _state["error"])

@@ -170,33 +170,24 @@ def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool, padding_
 def _native_rows(lib: Any, flat: tf.Tensor, store: StoreProtocol, trigger: Any,
                  trainable: bool, insert: bool, padding_key: Any) -> tf.Tensor:
     """:func:`flat_rows` through the compiled ops: ``EmbstoreRows`` runs the same lookup
-    function and gathers the rows (zeros at padding positions); ``EmbstoreApply`` sums the
+    function and gathers the rows (zeros at padding positions); its gradient
+    (:func:`embstore_tf._native.rows_gradient`) is an ``EmbstoreApply`` that sums the rows'
     gradient per distinct key in the order TF's segment sum does and calls ``store.update``.
     """
-    rows, uniq, idx, counts = lib.embstore_rows(
-        flat, handle=_native.register(_lookup_fn(store, insert, padding_key)),
-        dim=int(store.dim), name="embstore_rows")
-    if not trainable:
-        return rows
+    apply_handle = 0
+    if trainable:
+        def apply(k: np.ndarray, g: np.ndarray, c: np.ndarray) -> tuple:
+            store.update(k, g, counts=c)
+            return ()
 
-    def apply(k: np.ndarray, g: np.ndarray, c: np.ndarray) -> tuple:
-        store.update(k, g, counts=c)
-        return ()
-
-    handle = _native.register(apply)
-
-    @tf.custom_gradient
-    def wired(trig: tf.Tensor):
-        def grad(dy: Any):
-            done = lib.embstore_apply(uniq, idx, counts, tf.convert_to_tensor(dy),
-                                      handle=handle, name="embstore_apply")
-            with tf.control_dependencies([done]):
-                return tf.zeros_like(trig)
-
-        return tf.identity(rows), grad
-
-    trig = trigger_variable(store) if trigger is None else trigger
-    return wired(tf.convert_to_tensor(trig))
+        apply_handle = _native.register(apply)
+        trig = tf.convert_to_tensor(trigger_variable(store) if trigger is None else trigger)
+    else:
+        trig = tf.zeros([1])
+    rows, _, _, _ = lib.embstore_rows(
+        flat, trig, handle=_native.register(_lookup_fn(store, insert, padding_key)),
+        apply_handle=apply_handle, dim=int(store.dim), name="embstore_rows")
+    return rows
 
 
 @plain
@@ -262,11 +253,14 @@ def dynamic_embedding_lookup(keys: Any, store: StoreProtocol, *, trigger: Any = 
         trainable = not store.read_only
     with tf.name_scope(name or "dynamic_embedding_lookup"):
         k = key_tensor(keys, store)
-        flat = tf.reshape(k, [-1])
+        vector = k.shape.rank == 1  # no reshapes (ops that cost a launch each way) needed
+        flat = k if vector else tf.reshape(k, [-1])
         out = flat_rows(flat, store, trigger=trigger, trainable=trainable, insert=insert,
                         padding_key=padding_key)
         if max_norm is not None:
             out = tf.clip_by_norm(out, max_norm, axes=[1])
+        if vector:
+            return out
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))
 
 

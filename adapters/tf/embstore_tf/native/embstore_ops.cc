@@ -6,9 +6,9 @@
 // tensors to a Python callable registered in embstore_tf._native as numpy views of the tensors'
 // own buffers (no copy; a view keeps its tensor alive), and do the row work here:
 //
-//   EmbstoreRows(keys) -> rows, uniq, idx, counts: calls run(keys) -> (uniq, idx, counts,
-//     vectors) (distinct keys, each key's position in them, occurrences, their rows) and
-//     gathers rows[i] = vectors[idx[i]] (idx == len(uniq): a padding position, a zero row).
+//   EmbstoreRows(keys, trigger) -> rows, uniq, idx, counts: calls run(keys) -> (uniq, idx,
+//     counts, vectors) (distinct keys, each key's position in them, occurrences, their rows)
+//     and gathers rows[i] = vectors[idx[i]] (idx == len(uniq): a padding position, a zero row).
 //   EmbstoreApply(uniq, idx, counts, dy) -> done: sums dy per distinct key in input order (as
 //     TF's UnsortedSegmentSum does, so the sums are bit for bit the same) and calls
 //     apply(uniq, sums, counts).
@@ -52,15 +52,20 @@ REGISTER_OP("EmbstorePyCall")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnknownShape);
 
+// ``trigger`` only carries the gradient (embstore_tf's trigger variable); its gradient
+// function (registered from Python) adds the EmbstoreApply of ``apply_handle``.
 REGISTER_OP("EmbstoreRows")
     .Input("keys: Tkey")
+    .Input("trigger: Ttrigger")
     .Output("rows: float")
     .Output("uniq: Tkey")
     .Output("idx: int64")
     .Output("counts: int64")
     .Attr("handle: int")
+    .Attr("apply_handle: int")
     .Attr("dim: int >= 0")
     .Attr("Tkey: {int64, string}")
+    .Attr("Ttrigger: type")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle keys;
@@ -92,7 +97,17 @@ constexpr const char* kCapsule = "embstore_tf.tensor";
 
 class Gil {
  public:
-  Gil() : state_(PyGILState_Ensure()) {}
+  Gil() {
+    // A TF thread Python has not seen gets a thread state once and keeps it (released, not
+    // deleted): PyGILState_Ensure would otherwise create and destroy one on every call.
+    thread_local bool kept = false;
+    if (!kept && PyGILState_GetThisThreadState() == nullptr) {
+      PyGILState_Ensure();
+      PyEval_SaveThread();
+    }
+    kept = true;
+    state_ = PyGILState_Ensure();
+  }
   ~Gil() { PyGILState_Release(state_); }
   Gil(const Gil&) = delete;
   Gil& operator=(const Gil&) = delete;

@@ -8,7 +8,7 @@ vectors are combined with optional per-id weights:
 - ``"mean"``: ``sum(w_i * v_i) / sum(w_i)``
 - ``"sqrtn"``: ``sum(w_i * v_i) / sqrt(sum(w_i ** 2))``
 
-The store is reached through the same one ``numpy_function`` per call as
+The store is reached through the same one hand-over per call as
 :func:`~embstore_tf.dynamic_embedding_lookup` (distinct keys looked up once, every occurrence
 counted), and the gradient reaches the store (through the trigger) and the weights.
 """

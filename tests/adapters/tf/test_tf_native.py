@@ -189,6 +189,22 @@ def test_keras_fit_reaches_the_native_ops_with_the_same_bits(native, monkeypatch
     assert native_run == fallback_run
 
 
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_the_functions_handed_to_the_store_are_not_rewritten_by_autograph(monkeypatch, flag):
+    """AutoGraph converted the entry points a tf.function calls, and with them the closures
+    given to numpy_function, which then ran converted code at every step (and converted the
+    store's own methods at run time)."""
+    monkeypatch.setenv("EMBSTORE_TF_NATIVE", flag)
+    made = []
+    lookup_fn = tf_ops._lookup_fn
+    monkeypatch.setattr(tf_ops, "_lookup_fn", lambda *a: made.append(lookup_fn(*a)) or made[-1])
+    store = embstore.open("memory://", dim=DIM)
+    step = _step_fn(store)
+    step(tf.constant([[1, 2], [2, 3]]), tf.constant(1.0))
+    assert made and all(f.__code__.co_filename == tf_ops.__file__ for f in made)
+    assert store.stats()["updates"] > 0
+
+
 def test_model_export_of_a_trained_model_holds_no_native_op(native, tmp_path):
     from tensorflow.core.protobuf import saved_model_pb2
 

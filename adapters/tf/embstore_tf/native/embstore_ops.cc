@@ -207,18 +207,23 @@ absl::Status Init() {  // under the GIL
   return absl::OkStatus();
 }
 
-// The callable registered under ``handle`` (borrowed), or an error.
-absl::Status Lookup(int64_t handle, PyObject** fn) {
+// The callable registered under ``handle`` (a new reference: the registry may drop it while
+// it runs), or an error.
+absl::Status Lookup(int64_t handle, Ref* fn) {
   TF_RETURN_IF_ERROR(Init());
   Ref key(PyLong_FromLongLong(handle));
   if (key.get() == nullptr) return PythonError("embstore op");
-  *fn = PyDict_GetItemWithError(g_calls, key.get());
-  if (*fn != nullptr) return absl::OkStatus();
+  PyObject* found = PyDict_GetItemWithError(g_calls, key.get());  // borrowed
+  if (found != nullptr) {
+    Py_INCREF(found);
+    fn->reset(found);
+    return absl::OkStatus();
+  }
   if (PyErr_Occurred()) return PythonError("embstore op");
   return absl::FailedPreconditionError(
       "embstore op: no Python function under handle " + std::to_string(handle) +
       ": this graph outlived the Python process or graph that traced it (a SavedModel of a "
-      "training model); serve with embstore_tf.serving_model / export_serving instead");
+      "training graph); serve with embstore_tf.serving_model / export_serving instead");
 }
 
 void FreeTensor(PyObject* capsule) {
@@ -361,12 +366,12 @@ class PyCallOp : public OpKernel {
 
  private:
   absl::Status Run(OpKernelContext* ctx) {
-    PyObject* fn = nullptr;
+    Ref fn;
     TF_RETURN_IF_ERROR(Lookup(handle_, &fn));
     std::vector<Arg> args;
     for (int i = 0; i < ctx->num_inputs(); ++i) args.push_back({&ctx->input(i), false});
     Ref res;
-    TF_RETURN_IF_ERROR(Call(fn, args, tout_.size(), &res));
+    TF_RETURN_IF_ERROR(Call(fn.get(), args, tout_.size(), &res));
     for (size_t i = 0; i < tout_.size(); ++i) {
       Ref arr;
       TF_RETURN_IF_ERROR(AsArray(Item(res, i), tout_[i], "a result", &arr));
@@ -398,11 +403,11 @@ class RowsOp : public OpKernel {
 
  private:
   absl::Status Run(OpKernelContext* ctx) {
-    PyObject* fn = nullptr;
+    Ref fn;
     TF_RETURN_IF_ERROR(Lookup(handle_, &fn));
     const int64_t n = ctx->input(0).dim_size(0);
     Ref res;
-    TF_RETURN_IF_ERROR(Call(fn, {{&ctx->input(0), false}}, 4, &res));
+    TF_RETURN_IF_ERROR(Call(fn.get(), {{&ctx->input(0), false}}, 4, &res));
     Ref uniq, idx, counts, vectors;
     TF_RETURN_IF_ERROR(AsArray(Item(res, 0), tkey_, "distinct keys", &uniq));
     TF_RETURN_IF_ERROR(AsArray(Item(res, 1), tensorflow::DT_INT64, "key positions", &idx));
@@ -492,10 +497,11 @@ class ApplyOp : public OpKernel {
 
  private:
   absl::Status Run(OpKernelContext* ctx, const Tensor& sums) {
-    PyObject* fn = nullptr;
+    Ref fn;
     TF_RETURN_IF_ERROR(Lookup(handle_, &fn));
     Ref res;
-    return Call(fn, {{&ctx->input(0), false}, {&sums, true}, {&ctx->input(2), false}}, 0, &res);
+    return Call(fn.get(), {{&ctx->input(0), false}, {&sums, true}, {&ctx->input(2), false}}, 0,
+                &res);
   }
 
   int64_t handle_ = 0;

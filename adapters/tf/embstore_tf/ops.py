@@ -1,9 +1,10 @@
 """Lookup with a store-updating gradient, and sampled logits, for TensorFlow (eager and graph).
 
-Inside ``tf.function`` the store is called through the adapter's compiled ops (see
-:mod:`embstore_tf._native`: one kernel reads the rows, one applies the update), else through
-``tf.numpy_function`` (stateful): eagerly, or where the ops could not be built. Both paths
-give the same bits. The gradient is wired with ``tf.custom_gradient`` on a *trigger*
+In training graphs (``tf.function``, ``model.fit``: lookups that insert) the store is called
+through the adapter's compiled ops (see :mod:`embstore_tf._native`: one kernel reads the rows,
+one applies the update), else through ``tf.numpy_function`` (stateful): eagerly, in inference
+graphs, or where the ops could not be built. Both paths give the same bits. The gradient is
+wired (``tf.custom_gradient``, or the compiled op's registered gradient) on a *trigger*
 variable: a trainable ``tf.Variable`` of shape ``(1,)`` that always stays zero. The lookup's
 output depends on it, so a ``GradientTape`` asked for the trigger's gradient runs the custom
 gradient, which densifies the rows' gradient (summing it per distinct key) and hands it to

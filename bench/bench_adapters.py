@@ -4,13 +4,18 @@
    ``DynamicEmbeddingBag(memory://)`` vs ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD``
    (and the same with Adagrad). Target: steps/s ratio >= 0.8x.
 2. TensorFlow: one lookup + update step of the TF adapter vs ``tf.nn.embedding_lookup`` on a
-   ``tf.Variable`` + a sparse SGD scatter update, and vs TFRA's ``de.embedding_lookup`` on a
+   ``tf.Variable`` + a sparse SGD scatter update (target >= 0.9x), the same step on the
+   adapter's ``tf.numpy_function`` path (``EMBSTORE_TF_NATIVE=0``: what runs where its ops
+   cannot be built), and vs TFRA's ``de.embedding_lookup`` on a
    pre-populated ``de.get_variable`` (CuckooHashTable) trained by
    ``de.DynamicEmbeddingOptimizer(SGD)`` (target >= 1.0x). TFRA 0.8.1 needs TF 2.16, so it runs
    in its own venv (``make tfra-venv``) as a subprocess that times its rounds when told to:
-   rounds of all contenders alternate, none runs while another is timed.
+   rounds of all contenders alternate, none runs while another is timed. Then the cost of one
+   TF -> Python hand-over of the batch's keys: ``tf.numpy_function`` vs the adapter's
+   ``EmbstorePyCall`` op.
 
-Usage: ``python bench/bench_adapters.py [--quick] [--steps N] [--no-tf] [--tfra-python PATH]``
+Usage: ``python bench/bench_adapters.py [--quick] [--steps N] [--no-tf | --tf-only]
+[--tfra-python PATH]``
 """
 
 from __future__ import annotations
@@ -329,7 +334,7 @@ def bench_tf(n_steps: int, id_space: int,
     import tensorflow as tf
 
     import embstore
-    from embstore_tf import dynamic_embedding_lookup, trigger_variable
+    from embstore_tf import dynamic_embedding_lookup, native_status, trigger_variable
 
     # One thread, as for torch: idle TF pool threads spinning next to the store's Python work
     # would measure the machine's scheduling, not the two lookup paths.
@@ -349,25 +354,45 @@ def bench_tf(n_steps: int, id_space: int,
         table.scatter_sub(tf.IndexedSlices(g.values * lr, g.indices))
         return loss
 
-    store = embstore.open("memory://", dim=DIM, optimizer=embstore.optim.SGD(lr=lr),
-                          initial_capacity=id_space)
-    store.lookup(np.arange(id_space))
-    trig = trigger_variable(store)
+    def adapter_step(native: bool):
+        """The adapter's step, traced on its compiled ops or on ``tf.numpy_function``."""
+        store = embstore.open("memory://", dim=DIM, optimizer=embstore.optim.SGD(lr=lr),
+                              initial_capacity=id_space)
+        store.lookup(np.arange(id_space))
+        trig = trigger_variable(store)
 
-    @tf.function
-    def dyn_step(keys):
-        with tf.GradientTape() as tape:
-            vecs = dynamic_embedding_lookup(keys, store)
-            loss = tf.reduce_sum(vecs) * 1e-3
-        tape.gradient(loss, trig)  # runs the store update
-        return loss
+        @tf.function
+        def dyn_step(keys):
+            with tf.GradientTape() as tape:
+                vecs = dynamic_embedding_lookup(keys, store)
+                loss = tf.reduce_sum(vecs) * 1e-3
+            tape.gradient(loss, trig)  # runs the store update
+            return loss
 
+        old = os.environ.get("EMBSTORE_TF_NATIVE")
+        os.environ["EMBSTORE_TF_NATIVE"] = "1" if native else "0"
+        try:
+            dyn_step.get_concrete_function(tf.TensorSpec([None], tf.int64))  # trace now
+        finally:
+            if old is None:
+                del os.environ["EMBSTORE_TF_NATIVE"]
+            else:
+                os.environ["EMBSTORE_TF_NATIVE"] = old
+        return store, dyn_step
+
+    status = native_status()
+    print(f"TF adapter ops: {'compiled' if status['native'] else 'unavailable'}"
+          f"{'' if status['native'] else ' (' + str(status['error']) + ')'}")
+    store, dyn_step = adapter_step(True)
+    np_store, np_step = adapter_step(False)
     tb = [tf.constant(b) for b in batches]
     for b in tb[:warmup]:
         ref_step(b)
         dyn_step(b)
+        np_step(b)
     rounds = {"dyn": _local_round(dyn_step, tb[warmup:]),
-              "ref": _local_round(ref_step, tb[warmup:])}
+              "ref": _local_round(ref_step, tb[warmup:]),
+              "np": _local_round(np_step, tb[warmup:])}
     worker = None
     if tfra_python:
         try:
@@ -376,12 +401,16 @@ def bench_tf(n_steps: int, id_space: int,
         except (OSError, RuntimeError) as e:
             print(f"(TFRA part skipped: {e})")
     try:
+        load = os.getloadavg()
         r = _race_rounds(rounds)
+        print(f"TF part: load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     finally:
         if worker is not None:
             worker.close()
         store.close()
-    rows = [("tf lookup+update: steps/s", r["dyn"][0], r["ref"][0], r["dyn"][1], r["ref"][1])]
+        np_store.close()
+    rows = [("tf lookup+update: steps/s", r["dyn"][0], r["ref"][0], r["dyn"][1], r["ref"][1]),
+            ("  numpy_function path", r["np"][0], r["ref"][0], r["np"][1], r["ref"][1])]
     if "tfra" in r:
         rows.append(("  vs TFRA de.embedding_lookup", r["dyn"][0], r["tfra"][0], r["dyn"][1],
                      r["tfra"][1]))
@@ -390,11 +419,41 @@ def bench_tf(n_steps: int, id_space: int,
     return rows
 
 
+def bench_tf_handover(n_calls: int = 300) -> None:
+    """Microseconds per ``tf.function`` call handing 4096 int64 keys to Python and back:
+    ``tf.numpy_function`` vs the adapter's ``EmbstorePyCall`` op, and the call with no
+    hand-over (the floor), in alternating rounds."""
+    import tensorflow as tf
+
+    from embstore_tf import _native
+
+    lib = _native.library()
+    if lib is None:
+        print("(hand-over microbench skipped: the adapter's ops are not built)")
+        return
+    keys = tf.constant(np.arange(IDS_PER_BATCH, dtype=np.int64))
+    handle = _native.register(lambda k: (k,))
+    fns = {
+        "none": tf.function(lambda k: k + 1),
+        "numpy_function": tf.function(
+            lambda k: tf.numpy_function(lambda a: a, [k], tf.int64, stateful=True)),
+        "EmbstorePyCall": tf.function(
+            lambda k: lib.embstore_py_call([k], handle=handle, Tout=[tf.int64])[0]),
+    }
+    for f in fns.values():
+        for _ in range(20):
+            f(keys)
+    r = _race_rounds({name: _local_round(f, [keys] * n_calls) for name, f in fns.items()})
+    print("one hand-over of 4096 int64 keys, per tf.function call (us, wall / CPU): " + ", ".join(
+        f"{name} {1e6 / w:.0f} / {1e6 / c:.0f}" for name, (w, c) in r.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--no-tf", action="store_true")
+    p.add_argument("--tf-only", action="store_true", help="only the TensorFlow part")
     p.add_argument("--rec-only", action="store_true",
                    help="only the recommendation shape (batch 256, 7 features, Adagrad)")
     p.add_argument("--tfra-python", default=_default_tfra_python(),
@@ -418,11 +477,14 @@ def main() -> None:
         return
     print(f"batch {IDS_PER_BATCH} ids ({IDS_PER_BATCH // BAG} bags x {BAG}), dim {DIM}, "
           f"{id_space:,} ids, {steps} steps, 1 torch / 1 TF thread")
-    rows = bench_torch(steps, id_space)
-    rows += bench_torch_rec(max(steps, 40) * 4)
+    rows = []
+    if not a.tf_only:
+        rows += bench_torch(steps, id_space)
+        rows += bench_torch_rec(max(steps, 40) * 4)
     if not a.no_tf:
         try:
             rows += bench_tf(steps, id_space, a.tfra_python)
+            bench_tf_handover()
         except ImportError as e:
             print(f"(TensorFlow part skipped: {e})")
     _print_rows(rows)

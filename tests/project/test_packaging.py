@@ -51,6 +51,7 @@ def test_build_py_leaves_generated_c_out(tmp_path):
     assert not [f for f in files if f.endswith(".c")]
     assert "embstore/_cython/cuckoo.pyi" in files and "embstore/py.typed" in files
     assert "embstore_tf/serving.py" in files
+    assert "embstore_tf/native/embstore_ops.cc" in files  # built on first use
 
 
 def test_install_hints_name_a_command_that_works_from_a_checkout():

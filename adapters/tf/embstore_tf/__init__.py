@@ -11,7 +11,9 @@
 Combiner lookups over sparse/ragged ids: :func:`embedding_lookup_sparse`,
 :func:`safe_embedding_lookup_sparse`. Keras: :class:`DynamicEmbedding` (``model.save`` /
 :func:`load_model`, ``tf.train.Checkpoint``); serving without
-Python: :func:`serving_model` / :func:`export_serving` (see ``docs/adapters.md``).
+Python: :func:`serving_model` / :func:`export_serving` (see ``docs/adapters.md``). Inside
+``tf.function`` the store is reached through compiled ops built on first use
+(:func:`native_status`; ``EMBSTORE_TF_NATIVE=0`` keeps ``tf.numpy_function``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ except ImportError as e:  # exercised in a subprocess that hides TF
         "(tensorflow-cpu)"
     ) from e
 
+from ._native import status as native_status
 from .layers import DynamicEmbedding, load_model, loading_stores
 from .ops import dynamic_embedding_lookup, sampled_logits, trigger_variable
 from .serving import StaticEmbedding, export_serving, serving_model, snapshot
@@ -40,6 +43,7 @@ __all__ = [
     "export_serving",
     "load_model",
     "loading_stores",
+    "native_status",
     "safe_embedding_lookup_sparse",
     "sampled_logits",
     "serving_model",

@@ -97,9 +97,9 @@ class DynamicEmbedding(keras.layers.Layer):
     ``writable=True``. ``keras.models.load_model`` does the same inside
     :func:`loading_stores`.
 
-    The store is called through ``tf.numpy_function``, so the layer runs eagerly and in
-    ``tf.function`` but not under XLA (``supports_jit = False``); for serving, see
-    :func:`embstore_tf.serving_model`.
+    The store is called from Python (in training graphs through the adapter's compiled ops,
+    else ``tf.numpy_function``), so the layer runs eagerly and in ``tf.function`` but not
+    under XLA (``supports_jit = False``); for serving, see :func:`embstore_tf.serving_model`.
     """
 
     supports_jit = False

@@ -1,7 +1,10 @@
 """Lookup with a store-updating gradient, and sampled logits, for TensorFlow (eager and graph).
 
-The store is called through ``tf.numpy_function`` (stateful), so the same code runs eagerly and
-inside ``tf.function``. The gradient is wired with ``tf.custom_gradient`` on a *trigger*
+In training graphs (``tf.function``, ``model.fit``: lookups that insert) the store is called
+through the adapter's compiled ops (see :mod:`embstore_tf._native`: one kernel reads the rows,
+one applies the update), else through ``tf.numpy_function`` (stateful): eagerly, in inference
+graphs, or where the ops could not be built. Both paths give the same bits. The gradient is
+wired (``tf.custom_gradient``, or the compiled op's registered gradient) on a *trigger*
 variable: a trainable ``tf.Variable`` of shape ``(1,)`` that always stays zero. The lookup's
 output depends on it, so a ``GradientTape`` asked for the trigger's gradient runs the custom
 gradient, which densifies the rows' gradient (summing it per distinct key) and hands it to
@@ -21,9 +24,16 @@ from embstore import StoreProtocol
 from embstore.errors import InvalidInputError, KeyTypeError
 from embstore.keys import factorize
 
+from . import _native
+
 __all__ = ["dynamic_embedding_lookup", "flat_rows", "sampled_logits", "trigger_variable"]
 
 _TRIGGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: for the entry points: AutoGraph would otherwise rewrite them when a ``tf.function`` calls
+#: them, and with them the closures handed to the store, which then run converted (slower,
+#: and converting the store's own code at run time). They hold no tensor-dependent Python
+#: control flow to convert.
+plain = tf.autograph.experimental.do_not_convert
 
 
 def trigger_variable(store: StoreProtocol) -> tf.Variable:
@@ -61,8 +71,7 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: StoreProtocol, trigge
         def lookup(k: np.ndarray) -> np.ndarray:
             return store.lookup(k, insert=insert)
 
-        vectors = tf.numpy_function(lookup, [uniq], tf.float32, stateful=True,
-                                    name="embstore_lookup")
+        vectors = _native.py_call(lookup, [uniq], tf.float32, "embstore_lookup")
     vectors = tf.ensure_shape(vectors, [None, dim])
     if not trainable:
         return vectors
@@ -75,8 +84,7 @@ def _store_rows(uniq: tf.Tensor, counts: tf.Tensor, store: StoreProtocol, trigge
     def rows(trig: tf.Tensor):
         def grad(dy: Any):
             dense = tf.convert_to_tensor(dy)  # IndexedSlices from tf.gather: summed per key
-            done = tf.numpy_function(apply, [uniq, dense, counts], tf.int64, stateful=True,
-                                     name="embstore_update")
+            done = _native.py_call(apply, [uniq, dense, counts], tf.int64, "embstore_update")
             with tf.control_dependencies([done]):
                 return tf.zeros_like(trig)
 
@@ -103,17 +111,18 @@ def pad_value(padding_key: Any, store: StoreProtocol) -> Any:
     return np.int64(padding_key)
 
 
-def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool, padding_key: Any = None):
-    """Dedupe the keys and read their rows in one ``numpy_function`` call: each such call
-    costs ~0.1 ms of TF/Python hand-over, and numpy's sort-based unique is cheaper than TF's
-    ``unique_with_counts`` plus the argsort that sorts its output. int64 keys come out sorted,
-    the form ``store.update`` takes without re-sorting; string keys (an object array of bytes
-    here) are deduplicated by embstore's compiled hash factorization, in first-seen order.
+def _lookup_fn(store: StoreProtocol, insert: bool, padding_key: Any = None):
+    """``run(keys) -> (uniq, idx, counts, vectors)``: dedupe the keys and read their rows in
+    one hand-over (each costs a TF/Python round trip; numpy's sort-based unique is cheaper
+    than TF's ``unique_with_counts`` plus the argsort that sorts its output). int64 keys come
+    out sorted, the form ``store.update`` takes without re-sorting; string keys (an object
+    array of bytes here) are deduplicated by embstore's compiled hash factorization, in
+    first-seen order.
 
-    Positions holding ``padding_key`` get index ``len(uniq)`` (the zero row the caller
-    appends): that key is never looked up, inserted or updated. With an admission policy the
-    store is asked with every occurrence (a key seen 3 times in the batch counts 3), as a
-    lookup of the raw batch would."""
+    Positions holding ``padding_key`` get index ``len(uniq)`` (the zero row): that key is
+    never looked up, inserted or updated. With an admission policy the store is asked with
+    every occurrence (a key seen 3 times in the batch counts 3), as a lookup of the raw batch
+    would."""
     pad = pad_value(padding_key, store)
 
     def run(k: np.ndarray):
@@ -145,18 +154,54 @@ def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool, padding_
             vectors = store.lookup(uniq, insert=insert)
         return uniq, inv, counts.astype(np.int64, copy=False), vectors
 
+    return run
+
+
+def _unique_lookup(flat: tf.Tensor, store: StoreProtocol, insert: bool, padding_key: Any = None):
+    """:func:`_lookup_fn` through ``tf.numpy_function``."""
     key_dtype = tf.string if store.key_type == "bytes" else tf.int64
     uniq, idx, counts, vectors = tf.numpy_function(
-        run, [flat], [key_dtype, tf.int64, tf.int64, tf.float32], stateful=True,
+        _lookup_fn(store, insert, padding_key), [flat],
+        [key_dtype, tf.int64, tf.int64, tf.float32], stateful=True,
         name="embstore_unique_lookup")
     return (tf.ensure_shape(uniq, [None]), tf.ensure_shape(idx, [None]),
             tf.ensure_shape(counts, [None]), vectors)
 
 
+def _native_rows(lib: Any, flat: tf.Tensor, store: StoreProtocol, trigger: Any,
+                 trainable: bool, insert: bool, padding_key: Any) -> tf.Tensor:
+    """:func:`flat_rows` through the compiled ops: ``EmbstoreRows`` runs the same lookup
+    function and gathers the rows (zeros at padding positions); its gradient
+    (:func:`embstore_tf._native.rows_gradient`) is an ``EmbstoreApply`` that sums the rows'
+    gradient per distinct key in the order TF's segment sum does and calls ``store.update``.
+    """
+    apply_handle = 0
+    if trainable:
+        def apply(k: np.ndarray, g: np.ndarray, c: np.ndarray) -> tuple:
+            store.update(k, g, counts=c)
+            return ()
+
+        apply_handle = _native.register(apply)
+        trig = tf.convert_to_tensor(trigger_variable(store) if trigger is None else trigger)
+    else:
+        trig = tf.zeros([1])
+    rows, _, _, _ = lib.embstore_rows(
+        flat, trig, handle=_native.register(_lookup_fn(store, insert, padding_key)),
+        apply_handle=apply_handle, dim=int(store.dim), name="embstore_rows")
+    return rows
+
+
+@plain
 def flat_rows(flat: tf.Tensor, store: StoreProtocol, *, trigger: Any = None, trainable: bool,
               insert: bool, padding_key: Any = None) -> tf.Tensor:
     """``(n, dim)`` float32 rows of the flat key vector ``flat`` (padding rows zero), wired
     to ``store.update`` through ``trigger``."""
+    # Only lookups that insert (training) take the compiled ops: an inference graph
+    # (``predict``, ``model.export()``) keeps ``tf.numpy_function``, so a SavedModel of it
+    # loads in any TensorFlow as before (and, as before, cannot serve without the store).
+    lib = _native.graph_library() if insert else None
+    if lib is not None:
+        return _native_rows(lib, flat, store, trigger, trainable, insert, padding_key)
     uniq, idx, counts, vectors = _unique_lookup(flat, store, insert, padding_key)
     rows = _store_rows(uniq, counts, store, trigger, insert, trainable, vectors)
     if padding_key is not None:
@@ -178,6 +223,7 @@ def check_max_norm(max_norm: Any) -> float | None:
     return v
 
 
+@plain
 def dynamic_embedding_lookup(keys: Any, store: StoreProtocol, *, trigger: Any = None,
                              trainable: bool | None = None, insert: bool = True,
                              padding_key: Any = None, max_norm: float | None = None,
@@ -208,14 +254,18 @@ def dynamic_embedding_lookup(keys: Any, store: StoreProtocol, *, trigger: Any = 
         trainable = not store.read_only
     with tf.name_scope(name or "dynamic_embedding_lookup"):
         k = key_tensor(keys, store)
-        flat = tf.reshape(k, [-1])
+        vector = k.shape.rank == 1  # no reshapes (ops that cost a launch each way) needed
+        flat = k if vector else tf.reshape(k, [-1])
         out = flat_rows(flat, store, trigger=trigger, trainable=trainable, insert=insert,
                         padding_key=padding_key)
         if max_norm is not None:
             out = tf.clip_by_norm(out, max_norm, axes=[1])
+        if vector:
+            return out
         return tf.reshape(out, tf.concat([tf.shape(k, out_type=tf.int64), [store.dim]], 0))
 
 
+@plain
 def sampled_logits(hidden: Any, labels: Any, store: StoreProtocol, num_sampled: int,
                    sampler: Any = None, *, subtract_log_q: bool = True, unique: bool = True,
                    trigger: Any = None, trainable: bool | None = None,
@@ -248,8 +298,7 @@ def sampled_logits(hidden: Any, labels: Any, store: StoreProtocol, num_sampled: 
         keys = res.keys if store.key_type == "int64" else np.asarray(res.keys, dtype=object)
         return keys, np.asarray(res.prob, dtype=np.float32)
 
-    cand, prob = tf.numpy_function(draw, [uniq], [key_dtype, tf.float32], stateful=True,
-                                   name="embstore_sample")
+    cand, prob = _native.py_call(draw, [uniq], [key_dtype, tf.float32], "embstore_sample")
     cand = tf.ensure_shape(cand, [None])
     # Training counts only the labels (the positives, first in ``cand``), not the negatives.
     n_pos = tf.shape(uniq, out_type=tf.int64)[0]

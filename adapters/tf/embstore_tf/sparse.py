@@ -8,7 +8,7 @@ vectors are combined with optional per-id weights:
 - ``"mean"``: ``sum(w_i * v_i) / sum(w_i)``
 - ``"sqrtn"``: ``sum(w_i * v_i) / sqrt(sum(w_i ** 2))``
 
-The store is reached through the same one ``numpy_function`` per call as
+The store is reached through the same one hand-over per call as
 :func:`~embstore_tf.dynamic_embedding_lookup` (distinct keys looked up once, every occurrence
 counted), and the gradient reaches the store (through the trigger) and the weights.
 """
@@ -22,7 +22,7 @@ import tensorflow as tf
 from embstore import StoreProtocol
 from embstore.errors import InvalidInputError
 
-from .ops import check_max_norm, flat_rows, key_tensor
+from .ops import check_max_norm, flat_rows, key_tensor, plain
 
 __all__ = ["embedding_lookup_sparse", "safe_embedding_lookup_sparse"]
 
@@ -81,6 +81,7 @@ def _combine(rows: tf.Tensor, seg: tf.Tensor, w: tf.Tensor | None, n: Any,
     return tf.math.divide_no_nan(total, denom[:, None])  # an empty bag reads zeros
 
 
+@plain
 def embedding_lookup_sparse(store: StoreProtocol, sp_ids: Any, sp_weights: Any = None,
                             combiner: str = "mean", *, max_norm: float | None = None,
                             trigger: Any = None, trainable: bool | None = None,
@@ -116,6 +117,7 @@ def embedding_lookup_sparse(store: StoreProtocol, sp_ids: Any, sp_weights: Any =
         return _combine(rows, seg, w, n, combiner)
 
 
+@plain
 def safe_embedding_lookup_sparse(store: StoreProtocol, sparse_ids: Any, sparse_weights: Any = None,
                                  combiner: str = "mean", default_id: Any = None, *,
                                  max_norm: float | None = None, trigger: Any = None,

@@ -13,6 +13,11 @@
    rounds of all contenders alternate, none runs while another is timed. Then the cost of one
    TF -> Python hand-over of the batch's keys: ``tf.numpy_function`` vs the adapter's
    ``EmbstorePyCall`` op.
+3. PyTorch, small batches: ``DynamicEmbedding`` over one shared table fed a ``(256, 7)`` batch
+   of raw keys (bytes, then int64), Adagrad, vs ``nn.Embedding(sparse=True)`` +
+   ``torch.optim.Adagrad`` with the key -> row mapping timed on the torch side (a dict / a
+   ``searchsorted``: what a user without embstore runs per batch), and on pre-mapped ids.
+   Target: >= 1.0x the mapping reference (``--small-only`` runs just this part).
 
 Usage: ``python bench/bench_adapters.py [--quick] [--steps N] [--no-tf | --tf-only]
 [--tfra-python PATH]``
@@ -230,6 +235,107 @@ def bench_torch_rec(n_steps: int) -> list[tuple[str, float, float, float, float]
 
         items = list(zip(batches, labels, strict=True))
         rows.append((f"rec {key_type} adagrad: steps/s", *_race(ref_step, dyn_step, items)))
+        store.close()
+    return rows
+
+
+def bench_torch_small(n_steps: int) -> list[tuple[str, float, float, float, float]]:
+    """``DynamicEmbedding`` (no bags) on the recommendation shape: a ``(256, 7)`` batch of raw
+    keys, one shared ``memory://`` table, store Adagrad, against ``nn.Embedding(sparse=True)``
+    + ``torch.optim.Adagrad``.
+
+    The fair reference maps the raw keys to rows inside its timed step, as a user without
+    embstore must: a Python dict for the bytes keys (``np.fromiter`` over ``dict.__getitem__``,
+    the fastest plain form measured: 4x faster than ``torch.tensor`` of nested lists), one
+    ``np.searchsorted`` over the sorted vocabulary for the int64 keys. The ``pre-mapped`` row
+    times the same reference on ids mapped before the clock starts (no mapping at all), to
+    show what the mapping costs."""
+    import torch
+    from torch import nn
+
+    import embstore
+    from embstore_torch import DynamicEmbedding
+
+    fields = list(REC_FIELDS)
+    raw = _rec_stream(n_steps, seed=1)
+    str_batches = [np.array([[f"{f}={v}".encode() for v in b[f].tolist()] for f in fields],
+                            dtype=object).T.copy() for b in raw]
+    int_batches = [np.stack([b[f] + (i << 32) for i, f in enumerate(fields)], axis=1)
+                   for b in raw]
+    vocab_str = {f"{f}={v}".encode(): j for j, (f, v) in enumerate(
+        (f, v) for f, n in REC_FIELDS.items() for v in range(n))}
+    vocab_int = np.sort(np.concatenate([np.arange(n) + (i << 32)
+                                        for i, n in enumerate(REC_FIELDS.values())]))
+    labels = [torch.from_numpy((np.random.default_rng(s).random(REC_BATCH) < 0.3)
+                               .astype(np.float32))[:, None] for s in range(n_steps)]
+    width = len(fields) * REC_DIM
+    shape = (REC_BATCH, len(fields))
+
+    def map_str(x, vocab=vocab_str):
+        return torch.from_numpy(np.fromiter(map(vocab.__getitem__, x.ravel().tolist()),
+                                            np.int64, x.size).reshape(shape))
+
+    def map_int(x, vocab=vocab_int):
+        return torch.from_numpy(np.searchsorted(vocab, x))
+
+    def mlp():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    loss_fn = nn.BCEWithLogitsLoss()
+    rows = []
+    for key_type, batches, to_rows in (("bytes", str_batches, map_str),
+                                       ("int64", int_batches, map_int)):
+        def torch_side(to_rows=to_rows):
+            table = nn.Embedding(len(vocab_str), REC_DIM, sparse=True)
+            head = mlp()
+            sparse_opt = torch.optim.Adagrad(table.parameters(), lr=0.05)
+            dense_opt = torch.optim.SGD(head.parameters(), lr=0.01)
+
+            def step(item, mapped=None):
+                x, y = item
+                sparse_opt.zero_grad()
+                dense_opt.zero_grad()
+                ids = to_rows(x) if mapped is None else mapped
+                loss_fn(head(table(ids).reshape(REC_BATCH, width)), y).backward()
+                sparse_opt.step()
+                dense_opt.step()
+            return step
+
+        ref_step, pre_step = torch_side(), torch_side()
+        store = embstore.open("memory://", dim=REC_DIM, key_type=key_type,
+                              optimizer=embstore.optim.Adagrad(lr=0.05))
+        emb = DynamicEmbedding(store)
+        head2 = mlp()
+        dense_opt2 = torch.optim.SGD(head2.parameters(), lr=0.01)
+
+        def dyn_step(item, emb=emb, head=head2, dense_opt=dense_opt2,
+                     as_tensor=key_type == "int64"):
+            x, y = item
+            dense_opt.zero_grad()
+            # int64 keys go in as a tensor, as a pipeline hands them over
+            keys = torch.from_numpy(x) if as_tensor else x
+            loss_fn(head(emb(keys).reshape(REC_BATCH, width)), y).backward()
+            dense_opt.step()
+
+        items = list(zip(batches, labels, strict=True))
+        premapped = [(to_rows(x), y) for x, y in items]
+
+        def pre(item_mapped, pre_step=pre_step):
+            ids, y = item_mapped
+            pre_step((None, y), mapped=ids)
+
+        for i in range(3):  # warm-up
+            ref_step(items[i])
+            pre(premapped[i])
+            dyn_step(items[i])
+        r = _race_rounds({"dyn": _local_round(dyn_step, items[3:]),
+                          "ref": _local_round(ref_step, items[3:]),
+                          "pre": _local_round(pre, premapped[3:])})
+        rows.append((f"small {key_type} DynamicEmbedding", r["dyn"][0], r["ref"][0],
+                     r["dyn"][1], r["ref"][1]))
+        rows.append(("  vs pre-mapped ids", r["dyn"][0], r["pre"][0], r["dyn"][1],
+                     r["pre"][1]))
         store.close()
     return rows
 
@@ -456,6 +562,8 @@ def main() -> None:
     p.add_argument("--tf-only", action="store_true", help="only the TensorFlow part")
     p.add_argument("--rec-only", action="store_true",
                    help="only the recommendation shape (batch 256, 7 features, Adagrad)")
+    p.add_argument("--small-only", action="store_true",
+                   help="only DynamicEmbedding on the recommendation shape (256 x 7 raw keys)")
     p.add_argument("--tfra-python", default=_default_tfra_python(),
                    help="python of a venv with TFRA 0.8.1 (default: $EMBSTORE_TFRA_PYTHON, "
                         "else .venv-tfra/bin/python if present)")
@@ -475,12 +583,16 @@ def main() -> None:
     if a.rec_only:
         _print_rows(bench_torch_rec(max(steps, 40) * 4))
         return
+    if a.small_only:
+        _print_rows(bench_torch_small(max(steps, 40) * 4))
+        return
     print(f"batch {IDS_PER_BATCH} ids ({IDS_PER_BATCH // BAG} bags x {BAG}), dim {DIM}, "
           f"{id_space:,} ids, {steps} steps, 1 torch / 1 TF thread")
     rows = []
     if not a.tf_only:
         rows += bench_torch(steps, id_space)
         rows += bench_torch_rec(max(steps, 40) * 4)
+        rows += bench_torch_small(max(steps, 40) * 4)
     if not a.no_tf:
         try:
             rows += bench_tf(steps, id_space, a.tfra_python)

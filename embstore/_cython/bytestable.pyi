@@ -38,4 +38,5 @@ class BytesTable:
 def find_or_insert(table: BytesTable, arena: RecordArena, keys: _Keys,
                    out: npt.NDArray[np.uint32],
                    inserted_out: npt.NDArray[np.uint8] | None = None,
-                   snapshot: KeySnapshot | None = None) -> int: ...
+                   snapshot: KeySnapshot | None = None,
+                   missed: npt.NDArray[np.int64] | None = None) -> int: ...

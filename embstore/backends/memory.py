@@ -66,12 +66,14 @@ def _forked(pid: int) -> ForkedProcessError:
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
-                 new: np.ndarray | None = None, snapshot: KeySnapshot | None = None) -> int:
+                 new: np.ndarray | None = None, snapshot: KeySnapshot | None = None,
+                 missed: np.ndarray | None = None) -> int:
     """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``.
-    ``snapshot`` (bytes tables only) is filled with a copy of ``keys``."""
+    ``snapshot`` and ``missed`` (bytes tables only) are filled with a copy of ``keys`` and
+    the count of positions whose key was absent."""
     try:
         if isinstance(table, BytesTable):
-            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot)
+            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot, missed)
         return cuckoo.find_or_insert(table, arena, keys, slots, new)
     except MemoryError as e:
         raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
@@ -263,12 +265,14 @@ class MemoryBackend(Backend):
 
     def _place_new(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                    template: Callable[[], np.ndarray], flags: np.ndarray,
-                   snapshot: Any = None) -> tuple[np.ndarray, int]:
+                   snapshot: Any = None, missed: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, int]:
         """Slots of ``keys``, a missing key placed in the table (one probe per key) and given
         ``template()`` with its ``initial`` vector; ``flags`` marks the keys placed."""
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
-        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot))
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot,
+                                 missed))
         if n_new:
             self._epoch += 1
             m = slice(None) if n_new == n else flags.view(bool)
@@ -277,13 +281,16 @@ class MemoryBackend(Backend):
 
     @serialized
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray],
-                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+                      template: Callable[[], np.ndarray], new: np.ndarray | None = None,
+                      missed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         n = len(keys)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
         snapshot = new_snapshot(keys)
+        bytes_keys = isinstance(snapshot, KeySnapshot)
+        # bytes keys: the probe counts the misses (new keys and their repeats) as it goes
         slots, n_new = self._place_new(keys, initial, template, flags,
-                                       snapshot if isinstance(snapshot, KeySnapshot) else None)
+                                       snapshot if bytes_keys else None,
+                                       missed if bytes_keys else None)
         out = self._kernels.gather_field(self._records, slots, "vector")
         self._last_find = (snapshot, slots, self._epoch)
         return out, n_new

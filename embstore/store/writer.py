@@ -175,11 +175,13 @@ class RecordWriter:
                 and policy.admission is None):
             # No policy to ask: the backend places the new keys as it finds them missing (one
             # pass instead of a read and then a write); observers learn which keys were new.
-            vectors, new = self._lookup_insert(k)
+            vectors, new, missed = self._lookup_insert(k)
             n_new = int(np.count_nonzero(new))
             if n_new:
-                # every occurrence of a new key missed (a repeated one is inserted once)
-                misses = n if n_new == n else count_repeats_of(k, new)
+                # every occurrence of a new key missed (a repeated one is inserted once); a
+                # bytes-key table counts them during its probe (-1: not counted)
+                misses = (n if n_new == n else int(missed[0]) if missed[0] >= 0
+                          else count_repeats_of(k, new))
                 stats["hits"] += n - misses
                 stats["misses"] += misses
                 stats["inserts"] += n_new
@@ -234,9 +236,10 @@ class RecordWriter:
             self.observers.inserted(keys, vectors, template)
         return len(keys)
 
-    def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``Backend.lookup_insert``: vectors and which keys were inserted (the first
-        occurrence of each new key); observers are told about the new rows."""
+    def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``Backend.lookup_insert``: vectors, which keys were inserted (the first occurrence
+        of each new key) and, where the backend counted them, how many positions missed (one
+        int64, -1 if not); observers are told about the new rows."""
         made: list[np.ndarray] = []
         # read before the backend places new keys: a clock that fails fails before any write
         now = self.stamp_time()
@@ -246,11 +249,13 @@ class RecordWriter:
             return made[-1]
 
         new = np.zeros(len(keys), dtype=bool)
-        vectors, n_new = self.backend.lookup_insert(keys, self.initial_stored, template, new=new)
+        missed = np.full(1, -1, dtype=np.int64)
+        vectors, n_new = self.backend.lookup_insert(keys, self.initial_stored, template, new=new,
+                                                    missed=missed)
         vectors = self.layout.vectors(vectors)
         if n_new and self.observers.registered:
             self.observers.inserted(keys[new], vectors[new], made[-1])
-        return vectors, new
+        return vectors, new, missed
 
     # -- update ------------------------------------------------------------------------------------
     def apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None) -> None:

@@ -266,6 +266,15 @@ cdef class BytesTable:
                 return self.data + e.off
         return NULL
 
+    cdef inline void _prefetch_home(self, uint64_t h) noexcept nogil:
+        """Fetch the home entry of hash ``h`` and the entry after it: a probe that goes on
+        past the home entry (a fifth of hits at the usual load) reads it, and for a home
+        entry in the second half of its cache line it lies on the next line, which waited
+        on memory unfetched (the stall on entry loads took half the time of ``find``)."""
+        cdef const Entry* e = &self.entries[h & self.mask]
+        ES_PREFETCH(e)
+        ES_PREFETCH(e + 1)  # past the last entry: a hint only, never a fault
+
     cdef uint64_t* _hashes(self, KeyView* v, Py_ssize_t n) except NULL:
         cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
         cdef Py_ssize_t j
@@ -293,7 +302,7 @@ cdef class BytesTable:
             with nogil:
                 for j in range(n):
                     if j + PREFETCH_AHEAD < n:
-                        ES_PREFETCH(&self.entries[hs[j + PREFETCH_AHEAD] & self.mask])
+                        self._prefetch_home(hs[j + PREFETCH_AHEAD])
                     ES_PREFETCH(self._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
                     r = self._find(v[j].p, v[j].n, hs[j])
                     out[j] = r
@@ -442,7 +451,7 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
             snapshot.fill(v, n)
         for j in range(n):
             if j + PREFETCH_AHEAD < n:
-                ES_PREFETCH(&table.entries[hs[j + PREFETCH_AHEAD] & table.mask])
+                table._prefetch_home(hs[j + PREFETCH_AHEAD])
             ES_PREFETCH(table._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
             r = table._find(v[j].p, v[j].n, hs[j])
             if r == EMPTY:

@@ -155,6 +155,10 @@ def all_plain_bytes(object keys):
             ES_PREFETCH(items[i + OBJ_AHEAD])   # scattered objects: fetch ahead
         if not _is_plain_bytes(items[i]):   # on the pointer: no reference count written
             return False
+        # This is the first walk over the key objects; the store's probe walks them next
+        # and reads their bytes, whose end can lie on the line after the header: fetched
+        # now, it waits for neither line.
+        ES_PREFETCH(_bytes_data(items[i]) + _bytes_size(items[i]))
     return True
 
 

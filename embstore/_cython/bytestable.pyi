@@ -35,6 +35,12 @@ class BytesTable:
     def items(self) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.uint32]]: ...
     def clear(self) -> None: ...
 
+@final
+class _SlotSet:
+    """The arena slots one ``find_or_insert`` call handed out (its repeats count)."""
+
+    def __init__(self, n: int) -> None: ...
+
 def find_or_insert(table: BytesTable, arena: RecordArena, keys: _Keys,
                    out: npt.NDArray[np.uint32],
                    inserted_out: npt.NDArray[np.uint8] | None = None,

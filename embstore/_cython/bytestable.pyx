@@ -376,6 +376,7 @@ cdef class BytesTable:
         self.data_dead = 0
 
 
+@cython.final
 cdef class _SlotSet:
     """The arena slots handed out by one ``find_or_insert`` call (open addressing over a
     power-of-two array of uint32, EMPTY where free): a later occurrence of a key inserted by

@@ -169,16 +169,25 @@ def factorize_keys(keys: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def keys_in(keys: np.ndarray, among: np.ndarray) -> np.ndarray:
     """Bool mask (the shape of ``keys``) of the keys found among ``among``: ``np.isin`` for
-    int64 keys; for bytes keys one compiled factorization, linear in both (``np.isin`` over
-    object arrays compares every pair)."""
+    int64 keys; for bytes keys a compiled hash set of ``among`` probed once per key, linear
+    in both (``np.isin`` over object arrays compares every pair)."""
     if keys.dtype != object:
         return np.isin(keys, among)
-    flat = keys.reshape(-1)
-    if not len(among) or not len(flat):
+    flat = np.ascontiguousarray(keys.reshape(-1))
+    if not among.size or not len(flat):
         return np.zeros(keys.shape, bool)
-    _, inv = factorize_keys(np.concatenate((among.reshape(-1), flat)))
-    n_among = int(inv[:among.size].max()) + 1  # among's distinct keys get ids 0..n-1
-    return (inv[among.size:] < n_among).reshape(keys.shape)
+    try:
+        return strkeys.isin(flat, np.ascontiguousarray(among.reshape(-1))).reshape(keys.shape)
+    except TypeError as e:
+        raise _bad_key_error(flat, e) from None
+
+
+def count_matching(keys: np.ndarray, marked: np.ndarray) -> int:
+    """How many bytes ``keys`` equal the key at some ``marked`` position (a bool mask; those
+    positions count themselves), in one compiled pass: each key hashed once, a set of the
+    marked keys, a probe per other key."""
+    return int(strkeys.count_matching(keys, np.ascontiguousarray(marked, dtype=bool)
+                                      .view(np.uint8)))
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

@@ -266,6 +266,15 @@ cdef class BytesTable:
                 return self.data + e.off
         return NULL
 
+    cdef inline void _prefetch_home(self, uint64_t h) noexcept nogil:
+        """Fetch the home entry of hash ``h`` and the entry after it: a probe that goes on
+        past the home entry (a fifth of hits at the usual load) reads it, and for a home
+        entry in the second half of its cache line it lies on the next line, which waited
+        on memory unfetched (the stall on entry loads took half the time of ``find``)."""
+        cdef const Entry* e = &self.entries[h & self.mask]
+        ES_PREFETCH(e)
+        ES_PREFETCH(e + 1)  # past the last entry: a hint only, never a fault
+
     cdef uint64_t* _hashes(self, KeyView* v, Py_ssize_t n) except NULL:
         cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
         cdef Py_ssize_t j
@@ -293,7 +302,7 @@ cdef class BytesTable:
             with nogil:
                 for j in range(n):
                     if j + PREFETCH_AHEAD < n:
-                        ES_PREFETCH(&self.entries[hs[j + PREFETCH_AHEAD] & self.mask])
+                        self._prefetch_home(hs[j + PREFETCH_AHEAD])
                     ES_PREFETCH(self._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
                     r = self._find(v[j].p, v[j].n, hs[j])
                     out[j] = r
@@ -367,25 +376,74 @@ cdef class BytesTable:
         self.data_dead = 0
 
 
+@cython.final
+cdef class _SlotSet:
+    """The arena slots handed out by one ``find_or_insert`` call (open addressing over a
+    power-of-two array of uint32, EMPTY where free): a later occurrence of a key inserted by
+    the same call finds its slot here, which counts it as a miss without a second pass over
+    the keys."""
+
+    cdef uint32_t* slots
+    cdef uint64_t mask
+
+    def __cinit__(self, Py_ssize_t n):
+        cdef uint64_t cap = 16
+        while cap < 2 * <uint64_t> n:
+            cap *= 2
+        self.slots = <uint32_t*> malloc(cap * sizeof(uint32_t))
+        if self.slots == NULL:
+            raise MemoryError("find_or_insert: no memory for the batch")
+        memset(self.slots, 0xFF, cap * sizeof(uint32_t))
+        self.mask = cap - 1
+
+    def __dealloc__(self):
+        free(self.slots)
+
+    cdef inline uint64_t _home(self, uint32_t r) noexcept nogil:
+        return ((<uint64_t> r * 0x9E3779B97F4A7C15ULL) >> 32) & self.mask
+
+    cdef inline void add(self, uint32_t r) noexcept nogil:
+        cdef uint64_t j = self._home(r)
+        while self.slots[j] != EMPTY:
+            j = (j + 1) & self.mask
+        self.slots[j] = r
+
+    cdef inline bint has(self, uint32_t r) noexcept nogil:
+        cdef uint64_t j = self._home(r)
+        while self.slots[j] != EMPTY:
+            if self.slots[j] == r:
+                return True
+            j = (j + 1) & self.mask
+        return False
+
+
 def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::1] out,
-                   uint8_t[::1] inserted_out=None, KeySnapshot snapshot=None):
+                   uint8_t[::1] inserted_out=None, KeySnapshot snapshot=None,
+                   int64_t[::1] missed=None):
     """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
     table in the same pass. ``inserted_out`` (optional) gets 1 where the key was inserted.
     Returns how many were. A repeated new key within ``keys`` is inserted once. When the table
     cannot grow (CapacityError) the keys this call inserted are removed again: the table is
-    as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``."""
+    as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``.
+    ``missed`` (optional, one element) receives how many positions held a key absent before
+    the call: the inserted ones and the later occurrences of those keys."""
     cdef Py_ssize_t n, j, i
     cdef KeyView* v = key_views(keys, &n)
-    cdef uint64_t inserted = 0
+    cdef uint64_t inserted = 0, repeats = 0
     cdef uint64_t* hs = NULL
     cdef uint32_t r
     cdef bint mark = inserted_out is not None
+    cdef _SlotSet fresh = None
     # positions inserted by this call, undone if a later one fails (a C array: a Python list
     # append per new key cost as much as the probe)
     cdef Py_ssize_t* new_at = NULL
     try:
         if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
             raise ValueError("find_or_insert: output has too few rows")
+        if missed is not None:
+            if missed.shape[0] < 1:
+                raise ValueError("find_or_insert: missed needs one element")
+            fresh = _SlotSet(n)
         new_at = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
         if new_at == NULL:
             raise MemoryError("find_or_insert: no memory for the batch")
@@ -394,7 +452,7 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
             snapshot.fill(v, n)
         for j in range(n):
             if j + PREFETCH_AHEAD < n:
-                ES_PREFETCH(&table.entries[hs[j + PREFETCH_AHEAD] & table.mask])
+                table._prefetch_home(hs[j + PREFETCH_AHEAD])
             ES_PREFETCH(table._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
             r = table._find(v[j].p, v[j].n, hs[j])
             if r == EMPTY:
@@ -411,11 +469,18 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
                     raise
                 new_at[inserted] = j
                 inserted += 1
+                if fresh is not None:
+                    fresh.add(r)
                 if mark:
                     inserted_out[j] = 1
-            elif mark:
-                inserted_out[j] = 0
+            else:
+                if mark:
+                    inserted_out[j] = 0
+                if inserted and fresh is not None and fresh.has(r):
+                    repeats += 1    # a key this call inserted, seen again
             out[j] = r
+        if missed is not None:
+            missed[0] = <int64_t> (inserted + repeats)
     finally:
         free(new_at)
         free(hs)

@@ -20,7 +20,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_CheckExact
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_Check
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -155,6 +155,10 @@ def all_plain_bytes(object keys):
             ES_PREFETCH(items[i + OBJ_AHEAD])   # scattered objects: fetch ahead
         if not _is_plain_bytes(items[i]):   # on the pointer: no reference count written
             return False
+        # This is the first walk over the key objects; the store's probe walks them next
+        # and reads their bytes, whose end can lie on the line after the header: fetched
+        # now, it waits for neither line.
+        ES_PREFETCH(_bytes_data(items[i]) + _bytes_size(items[i]))
     return True
 
 
@@ -453,3 +457,120 @@ cdef tuple _factorize_content(object keys):
     free(hs)
     free(v)
     return first_arr[:nu], inv_arr
+
+
+def isin(object keys, object among):
+    """A bool array: whether each of ``keys`` equals some key of ``among`` (byte for byte; str
+    as its UTF-8 form). One hash set of ``among``'s keys, then one probe per key: linear in
+    both, where ``np.isin`` over object arrays compares every pair."""
+    cdef Py_ssize_t n, m, i
+    cdef KeyView* a = key_views(among, &m)
+    cdef KeyView* v
+    try:
+        v = key_views(keys, &n)
+    except BaseException:
+        free(a)
+        raise
+    cdef uint64_t cap = 16, mask, j, h
+    while cap < 2 * <uint64_t> m:
+        cap *= 2
+    mask = cap - 1
+    cdef _Slot* table = <_Slot*> malloc(cap * sizeof(_Slot))
+    if table == NULL:
+        free(a)
+        free(v)
+        raise MemoryError("isin: cannot allocate its hash table")
+    out_arr = np.zeros(n, dtype=np.bool_)
+    cdef uint8_t[::1] out = out_arr.view(np.uint8)
+    cdef int64_t f
+    with nogil:
+        for j in range(cap):
+            table[j].id = -1
+        for i in range(m):          # the set of among's keys (a repeated one is kept once)
+            h = hash_view(a[i], _FACTORIZE_SEED)
+            j = h & mask
+            while table[j].id >= 0:
+                if table[j].h == h:
+                    f = table[j].id
+                    if a[f].n == a[i].n and memcmp(a[f].p, a[i].p, <size_t> a[i].n) == 0:
+                        break
+                j = (j + 1) & mask
+            if table[j].id < 0:
+                table[j].h = h
+                table[j].id = i
+        for i in range(n):
+            h = hash_view(v[i], _FACTORIZE_SEED)
+            j = h & mask
+            while table[j].id >= 0:
+                if table[j].h == h:
+                    f = table[j].id
+                    if a[f].n == v[i].n and memcmp(a[f].p, v[i].p, <size_t> v[i].n) == 0:
+                        out[i] = 1
+                        break
+                j = (j + 1) & mask
+    free(table)
+    free(a)
+    free(v)
+    return out_arr
+
+
+def count_matching(object keys, const uint8_t[::1] marked):
+    """How many of ``keys`` equal a key at some ``marked`` position (nonzero entries; those
+    positions count themselves): every key hashed once, a set of the marked keys, then one
+    probe per unmarked key -- linear in the batch."""
+    cdef Py_ssize_t n, i, m = 0, count = 0
+    cdef KeyView* v = key_views(keys, &n)
+    if marked.shape[0] != n:
+        free(v)
+        raise ValueError(f"count_matching: {marked.shape[0]} marks for {n} keys")
+    for i in range(n):
+        m += marked[i] != 0
+    cdef uint64_t cap = 16, mask, j, h
+    while cap < 2 * <uint64_t> m:
+        cap *= 2
+    mask = cap - 1
+    cdef _Slot* table = <_Slot*> malloc(cap * sizeof(_Slot))
+    cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
+    if table == NULL or hs == NULL:
+        free(table)
+        free(hs)
+        free(v)
+        raise MemoryError("count_matching: cannot allocate its hash table")
+    cdef int64_t f
+    with nogil:
+        for j in range(cap):
+            table[j].id = -1
+        for i in range(n):
+            hs[i] = hash_view(v[i], _FACTORIZE_SEED)
+        for i in range(n):          # the marked keys (a repeated one is kept once)
+            if not marked[i]:
+                continue
+            count += 1
+            h = hs[i]
+            j = h & mask
+            while table[j].id >= 0:
+                if table[j].h == h:
+                    f = table[j].id
+                    if v[f].n == v[i].n and memcmp(v[f].p, v[i].p, <size_t> v[i].n) == 0:
+                        break
+                j = (j + 1) & mask
+            if table[j].id < 0:
+                table[j].h = h
+                table[j].id = i
+        if m:
+            for i in range(n):
+                if marked[i]:
+                    continue
+                h = hs[i]
+                j = h & mask
+                while table[j].id >= 0:
+                    if table[j].h == h:
+                        f = table[j].id
+                        if v[f].n == v[i].n and memcmp(v[f].p, v[i].p, <size_t> v[i].n) == 0:
+                            count += 1
+                            break
+                    j = (j + 1) & mask
+    free(table)
+    free(hs)
+    free(v)
+    return count

@@ -161,9 +161,12 @@ class Backend(abc.ABC):
     clear = defaults.clear
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray],
-                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        """Vectors of ``keys``, inserting missing ones; only where ``supports_lookup_insert``."""
+                      template: Callable[[], np.ndarray], new: np.ndarray | None = None,
+                      missed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """Vectors of ``keys``, inserting missing ones; only where ``supports_lookup_insert``.
+        ``new`` (bool) gets the first occurrence of each inserted key; ``missed`` (one int64,
+        optional), when the backend can tell cheaply, how many positions held a key absent
+        before the call (left as it is otherwise)."""
         raise NotImplementedError(f"{type(self).__name__} has no lookup_insert")
 
     def plan_ranges(self, n: int) -> list[KeyRange]:

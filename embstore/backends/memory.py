@@ -66,12 +66,14 @@ def _forked(pid: int) -> ForkedProcessError:
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
-                 new: np.ndarray | None = None, snapshot: KeySnapshot | None = None) -> int:
+                 new: np.ndarray | None = None, snapshot: KeySnapshot | None = None,
+                 missed: np.ndarray | None = None) -> int:
     """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``.
-    ``snapshot`` (bytes tables only) is filled with a copy of ``keys``."""
+    ``snapshot`` and ``missed`` (bytes tables only) are filled with a copy of ``keys`` and
+    the count of positions whose key was absent."""
     try:
         if isinstance(table, BytesTable):
-            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot)
+            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot, missed)
         return cuckoo.find_or_insert(table, arena, keys, slots, new)
     except MemoryError as e:
         raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
@@ -194,35 +196,28 @@ class MemoryBackend(Backend):
             self._epoch += 1
         return slots
 
-    def _gather(self, slots: np.ndarray) -> np.ndarray:
-        return self._kernels.gather(self._records, slots)
-
-    def _scatter(self, slots: np.ndarray, records: np.ndarray) -> None:
-        self._kernels.scatter(self._records, slots, records)
-
     # -- slot-addressed access (the cache layer keeps its bookkeeping per slot) ---------------
     @serialized
     def find_slots(self, keys: np.ndarray) -> np.ndarray:
-        """The arena slot of each key (uint32), ``0xFFFFFFFF`` where absent. Slots stay valid
-        until the key is deleted."""
+        """The arena slot of each key (uint32; ``0xFFFFFFFF``: absent), valid until deleted."""
         return self._slots(keys)
 
     @serialized
     def read_slots(self, slots: np.ndarray, field: str | None = None) -> np.ndarray:
         """Records (or one field) stored at ``slots``; zero rows for empty slots."""
         if field is None:
-            return self._gather(slots)
+            return self._kernels.gather(self._records, slots)
         return self._kernels.gather_field(self._records, slots, field)
 
     @serialized
     def write_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
         """Overwrite the records at occupied ``slots`` (their keys do not change)."""
-        self._scatter(slots, records)
+        self._kernels.scatter(self._records, slots, records)
 
     @serialized
     def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)
-        return self._gather(slots), slots != _EMPTY
+        return self._kernels.gather(self._records, slots), slots != _EMPTY
 
     @serialized
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
@@ -230,7 +225,7 @@ class MemoryBackend(Backend):
         # rows new to the table are placed. The lock makes the whole step one unit.
         slots = self._slots(keys)
         found = slots != _EMPTY
-        recs = self._gather(slots)
+        recs = self._kernels.gather(self._records, slots)
         keep = fn(recs, found.copy())
         if keep is None:
             write = None
@@ -243,9 +238,9 @@ class MemoryBackend(Backend):
         if new.any():
             slots[new] = self._place(keys[new])
         if write is None:
-            self._scatter(slots, recs)
+            self._kernels.scatter(self._records, slots, recs)
         elif write.any():
-            self._scatter(slots[write], recs[write])
+            self._kernels.scatter(self._records, slots[write], recs[write])
         return found
 
     @serialized
@@ -259,16 +254,18 @@ class MemoryBackend(Backend):
 
     @serialized
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
-        self._scatter(self._place(keys), records)
+        self._kernels.scatter(self._records, self._place(keys), records)
 
     def _place_new(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                    template: Callable[[], np.ndarray], flags: np.ndarray,
-                   snapshot: Any = None) -> tuple[np.ndarray, int]:
+                   snapshot: Any = None, missed: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, int]:
         """Slots of ``keys``, a missing key placed in the table (one probe per key) and given
         ``template()`` with its ``initial`` vector; ``flags`` marks the keys placed."""
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
-        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot))
+        n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot,
+                                 missed))
         if n_new:
             self._epoch += 1
             m = slice(None) if n_new == n else flags.view(bool)
@@ -277,13 +274,16 @@ class MemoryBackend(Backend):
 
     @serialized
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray],
-                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+                      template: Callable[[], np.ndarray], new: np.ndarray | None = None,
+                      missed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         n = len(keys)
         flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
         snapshot = new_snapshot(keys)
+        bytes_keys = isinstance(snapshot, KeySnapshot)
+        # bytes keys: the probe counts the misses (new keys and their repeats) as it goes
         slots, n_new = self._place_new(keys, initial, template, flags,
-                                       snapshot if isinstance(snapshot, KeySnapshot) else None)
+                                       snapshot if bytes_keys else None,
+                                       missed if bytes_keys else None)
         out = self._kernels.gather_field(self._records, slots, "vector")
         self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
@@ -292,8 +292,7 @@ class MemoryBackend(Backend):
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                     template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
                     weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> int:
-        """``FusedBagPooling.lookup_pool`` for int64 keys and float32 vectors (``fused.pool``);
-        the slots stay remembered for the ``update_rows`` / ``step_bags`` of the same keys."""
+        """``FusedBagPooling.lookup_pool``; the slots stay remembered for ``step_bags``."""
         slots, n_new = self._place_new(keys, initial, template, np.empty(len(keys), np.uint8))
         fused.pool(self._records, slots, inv, offsets, weights, self.layout.fields["vector"][1],
                    mean, out, threads, fused.KINDS[self.layout.value_dtype])

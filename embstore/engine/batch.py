@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._cython.rowops import all_finite
-from .._keys import factorize_keys
+from .._keys import count_matching, factorize_keys
 from ..errors import InvalidInputError
 
 
@@ -118,11 +118,8 @@ def count_repeats_of(keys: np.ndarray, marked: np.ndarray) -> int:
     Linear in the batch for bytes keys too, where ``np.isin`` over object arrays compares
     every pair of keys.
     """
-    if keys.dtype == object:
-        inv = factorize_keys(keys)[1]
-        hit = np.zeros(int(inv.max()) + 1 if len(inv) else 0, dtype=bool)
-        hit[inv[marked]] = True
-        return int(np.count_nonzero(hit[inv]))
+    if keys.dtype == object:  # a compiled set of the marked keys, probed once per key
+        return count_matching(keys, marked)
     if len(keys) < 2 or bool((keys[1:] > keys[:-1]).all()):
         # sorted and distinct (an adapter's or a caller's deduplicated batch): each key sits
         # at one position, so the repeats are the marked positions; O(n) against np.isin's

@@ -140,9 +140,9 @@ class WrapperBackend(Backend):
         return self.inner.insert_rows(keys, vectors, template)
 
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                      template: Callable[[], np.ndarray],
-                      new: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        return self.inner.lookup_insert(keys, initial, template, new=new)
+                      template: Callable[[], np.ndarray], new: np.ndarray | None = None,
+                      missed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        return self.inner.lookup_insert(keys, initial, template, new=new, missed=missed)
 
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
         return self.inner.update_rows(keys, update)

@@ -181,11 +181,13 @@ class RecordWriter:
                 and policy.admission is None):
             # No policy to ask: the backend places the new keys as it finds them missing (one
             # pass instead of a read and then a write); observers learn which keys were new.
-            vectors, new = self._lookup_insert(k)
+            vectors, new, missed = self._lookup_insert(k)
             n_new = int(np.count_nonzero(new))
             if n_new:
-                # every occurrence of a new key missed (a repeated one is inserted once)
-                misses = n if n_new == n else count_repeats_of(k, new)
+                # every occurrence of a new key missed (a repeated one is inserted once); a
+                # bytes-key table counts them during its probe (-1: not counted)
+                misses = (n if n_new == n else int(missed[0]) if missed[0] >= 0
+                          else count_repeats_of(k, new))
                 stats["hits"] += n - misses
                 stats["misses"] += misses
                 stats["inserts"] += n_new
@@ -240,9 +242,10 @@ class RecordWriter:
             self.observers.inserted(keys, vectors, template)
         return len(keys)
 
-    def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``Backend.lookup_insert``: vectors and which keys were inserted (the first
-        occurrence of each new key); observers are told about the new rows."""
+    def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``Backend.lookup_insert``: vectors, which keys were inserted (the first occurrence
+        of each new key) and, where the backend counted them, how many positions missed (one
+        int64, -1 if not); observers are told about the new rows."""
         made: list[np.ndarray] = []
         # read before the backend places new keys: a clock that fails fails before any write
         now = self.stamp_time()
@@ -252,11 +255,13 @@ class RecordWriter:
             return made[-1]
 
         new = np.zeros(len(keys), dtype=bool)
-        vectors, n_new = self.backend.lookup_insert(keys, self.initial_stored, template, new=new)
+        missed = np.full(1, -1, dtype=np.int64)
+        vectors, n_new = self.backend.lookup_insert(keys, self.initial_stored, template, new=new,
+                                                    missed=missed)
         vectors = self.layout.vectors(vectors)
         if n_new and self.observers.registered:
             self.observers.inserted(keys[new], vectors[new], made[-1])
-        return vectors, new
+        return vectors, new, missed
 
     # -- update ------------------------------------------------------------------------------------
     def apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None) -> None:
@@ -499,32 +504,27 @@ class RecordWriter:
 
     def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
                    threads: int) -> bool:
-        """``apply_distinct`` of the per-id sums of the pooled gradient ``grad`` (checked:
-        ``(n_bags, dim)`` float32, rows contiguous), summed and applied in one backend call
-        where the backend covers the optimizer (an axpy step or an Adagrad rule); False
-        where it does not (nothing changed: the caller takes the general path)."""
+        """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
+        (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
         width = np.empty((0, self.layout.dim), dtype=np.float32)
         axpy = self.optimizer.axpy_step(width)
         rule = self.optimizer.row_rule() if axpy is None else None
-        if (axpy is None and rule is None) or not self.layout.fused_kernels:
+        if axpy is None and rule is None:
             return False
-        uniq = batch.uniq
         now = self.stamp_time()
         counts = {"count": mult} if "count" in self.layout.meta_names else {}
         self.step += 1
+        done = None
         try:
             row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, self.stamps(now), rule)
-            pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
-            done = pooling.step_bags(uniq, row_update, batch.inv, batch.offsets, batch.weights,
-                                     batch.mean, grad, threads, self._rounding_seed())
-        except BaseException:
-            self.step -= 1
-            raise
-        if not done:
-            self.step -= 1
-            if done is False:
-                raise InvalidInputError("gradients contain NaN or inf")
-            return False
-        self.stats["updates"] += len(uniq)
-        self.policy.after_update(self)
-        return True
+            done = cast("FusedBagPooling", self.backend).step_bags(
+                batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
+                threads, self._rounding_seed())
+        finally:
+            self.step -= 0 if done else 1  # nothing was written
+        if done is False:
+            raise InvalidInputError("gradients contain NaN or inf")
+        if done:
+            self.stats["updates"] += len(batch.uniq)
+            self.policy.after_update(self)
+        return bool(done)

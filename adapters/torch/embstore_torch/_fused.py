@@ -52,6 +52,12 @@ def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) 
     return psw is None or (not psw.requires_grad and mode == "sum")
 
 
+def int64_ids_usable(ids: torch.Tensor) -> bool:
+    """Whether a tensor holds ids the fused path takes: integers on the CPU."""
+    return (ids.device.type == "cpu" and not ids.dtype.is_floating_point
+            and not ids.dtype.is_complex and ids.dtype != torch.bool)
+
+
 def int64_ids(values: Any) -> np.ndarray | None:
     """Flat integer ids (a CPU tensor, a numpy array or a list of ints) as a contiguous int64
     array (uint64 ids keep their bits); None for anything else (strings, floats, bools)."""
@@ -73,9 +79,10 @@ def int64_ids(values: Any) -> np.ndarray | None:
 
 
 def store_pools(store: StoreProtocol) -> bool:
-    """Whether ``store`` offers the fused bag path now (``EmbeddingStore.fused_bags``)."""
+    """Whether ``store`` offers the fused bag path now (``EmbeddingStore.fused_bags``); never
+    under ``torch.jit.trace`` (the general path refuses it with what to use instead)."""
     fused = getattr(store, "fused_bags", None)
-    return fused is not None and bool(fused())
+    return fused is not None and not torch.jit.is_tracing() and bool(fused())
 
 
 def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: torch.Tensor,

@@ -23,7 +23,7 @@ from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
 from embstore.keys import normalize
 
-from . import _compiled
+from . import _compiled, _fused
 from ._bridges import Sink, StoreGather, StoreRows
 from ._checkpoint import restore_store, store_state
 from ._keys import KeyBatch, factorize, int_batch, per_key_sum, prepare
@@ -424,7 +424,16 @@ class DynamicEmbedding(StoreModule):
       (``embstore::lookup``, backward ``embstore::update``), so the model compiles into one
       graph (``fullgraph=True`` works); string inputs run as a graph break.
       ``torch.jit.trace`` raises :class:`TracingUnsupportedError`.
+    - Over a store that pools in place (``store.fused_bags()``), a training forward of an
+      integer tensor is the fused bag path with one id per bag (``_fused.py``: one compiled
+      gather and, in the backward, one compiled gradient sum and optimizer step), eagerly and
+      under ``torch.compile`` (``embstore::fused_bag``); the same bits as the general path.
     """
+
+    #: Take the fused path where the store offers it; False: always the general one.
+    use_fused_path: bool = True
+    #: Run the fused path through the ``embstore::fused_bag`` custom op eagerly too.
+    fused_custom_op: bool = False
 
     def __init__(self, store: StoreProtocol, *, trainable: bool | None = None, count: bool = True,
                  padding_key: Any = None, padding_idx: Any = None,
@@ -435,13 +444,33 @@ class DynamicEmbedding(StoreModule):
 
     def forward(self, input: Any) -> torch.Tensor:
         if torch.compiler.is_compiling():
+            if self._fused_usable(input):
+                return self._fused_rows(input, True)
             if _compiled.traceable(self, input) and self.max_norm is None:
                 return self._output(self._compiled_rows(input))
             # inputs the custom op cannot take (strings): a graph break
             return _compiled.graph_break(self._forward)(input)
         return self._forward(input)
 
+    def _fused_usable(self, input: Any) -> bool:
+        """Whether this training call runs as the fused path: an integer CPU tensor, no
+        option that changes rows or gradients, a store that pools in place."""
+        return (self.use_fused_path and self._writes() and self.padding_key is None
+                and self.max_norm is None and not self.scale_grad_by_freq and self._counts
+                and isinstance(input, torch.Tensor) and input.numel() > 0
+                and _fused.int64_ids_usable(input) and _fused.store_pools(self._store_here()))
+
+    def _fused_rows(self, input: torch.Tensor, custom_op: bool) -> torch.Tensor:
+        """The rows of ``input`` as bags of one id each (``_fused.bag``)."""
+        flat = input.reshape(-1)
+        ones = torch.arange(flat.numel(), dtype=torch.long)
+        rows = _fused.bag(flat, ones, None, self._trigger, self._handle, False,
+                          self.embedding_dim, custom_op)
+        return self._output(rows.reshape(*input.shape, self.embedding_dim))
+
     def _forward(self, input: Any) -> torch.Tensor:
+        if self._fused_usable(input):
+            return self._fused_rows(input, self.fused_custom_op)
         batch = prepare(input)
         if len(batch.uniq) == 0 and not store_is_collective(self.store):
             return self._empty_output((*batch.shape, self.embedding_dim))

@@ -328,7 +328,7 @@ class Worker(flight.FlightServerBase):
             raise InvalidInputError(f"counts must be int64, got {col.type}")
         return np.asarray(col.to_numpy(), np.int64)
 
-    def _exchange(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
+    def _exchange(self, h: dict[str, Any], t: pa.Table | pa.RecordBatch) -> pa.RecordBatch:
         s = self.store
         op = h["op"]
         if op in _WRITES or (op == "lookup" and h.get("insert", True)):
@@ -368,7 +368,8 @@ class Worker(flight.FlightServerBase):
         k = h.get("k")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= wire.MAX_TOP_K:
             raise InvalidInputError(f"k must be an int in 1..{wire.MAX_TOP_K}, got {k!r}")
-        q = wire.vectors_from(t.column("q"), s.dim, t.num_rows)
+        # a writable copy: an ANN library refuses a read-only view of Arrow memory
+        q = np.array(wire.vectors_from(t.column("q"), s.dim, t.num_rows))
         ex = None
         if "ex" in t.column_names:
             col = t.column("ex").combine_chunks()

@@ -298,16 +298,20 @@ class Worker(flight.FlightServerBase):
             except StopIteration:
                 return
             raw = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b"{}"
+            head = _peek_header(raw)  # parsed once: its op names the metrics, run checks it
+            op = head.get("op")
 
-            def run(raw: bytes = raw, data: Any = chunk.data) -> pa.RecordBatch:
-                h = {**wire.parse_header(raw), **route}
+            def run(raw: bytes = raw, head: dict[str, Any] = head,
+                    data: Any = chunk.data) -> pa.RecordBatch:
+                h = {**(head if isinstance(head.get("op"), str) else wire.parse_header(raw)),
+                     **route}
                 if h["op"] not in STREAM_OPS or data is None:
                     raise InvalidInputError(f"{h['op']!r} is not a request a stream carries")
                 self._check(context, h)
                 return self._exchange(h, wire.request_table(data))
 
             try:
-                out = self._guard(run, _peek_op(raw))
+                out = self._guard(run, op if isinstance(op, str) and op in _OPS else "other")
             except flight.FlightServerError as e:
                 writer.write_metadata(pa.py_buffer(str(e).encode()))
                 continue

@@ -28,6 +28,13 @@ CHUNK = 16384
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
+def _raw(recs: np.ndarray) -> np.ndarray:
+    """``recs`` viewed as opaque items of its size: numpy concatenates and indexes those as
+    memory, where over a structured dtype it goes field by field (20x slower for 288-byte
+    records)."""
+    return recs.view(np.dtype((np.void, recs.dtype.itemsize)))
+
+
 def _read(store: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(records, found)`` of ``keys``; a deleted key's record is zeros."""
     recs, found = store.backend.get(keys)
@@ -57,7 +64,8 @@ def read_delta(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     for i in range(0, len(keys), chunk):
         with hold():
             parts.append(_read(store, keys[i:i + chunk]))
-    recs = np.concatenate([r for r, _ in parts])
+    dtype = parts[0][0].dtype
+    recs = np.concatenate([_raw(r) for r, _ in parts])
     found = np.concatenate([f for _, f in parts])
     with hold():
         again, seq = log.since(seq)
@@ -67,7 +75,8 @@ def read_delta(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
         if len(again):
             new_recs, new_found = _read(store, again)
     if not len(again):
-        return seq, (keys, recs, found)
+        return seq, (keys, recs.view(dtype), found)
     keep = ~keys_in(keys, again)
-    return seq, (np.concatenate((keys[keep], again)), np.concatenate((recs[keep], new_recs)),
+    recs = np.concatenate((recs[keep], _raw(new_recs))).view(dtype)
+    return seq, (np.concatenate((keys[keep], again)), recs,
                  np.concatenate((found[keep], new_found)))

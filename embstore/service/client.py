@@ -458,9 +458,9 @@ class DesStore:
     def shard_changes(self, s: int, since: int
                       ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """``(seq, (keys, records, found))`` of worker ``s``'s keys changed after ``since``
-        (``found`` False: deleted; records read-only, a view of what arrived); None instead of
-        the rows when ``since`` is older than the log holds (take :meth:`shard_snapshot`
-        then)."""
+        (``found`` False: deleted; the records a view of what arrived, not to be written);
+        None instead of the rows when ``since`` is older than the log holds (take
+        :meth:`shard_snapshot` then)."""
         self.check_open()
         t = self._exchange(s, "changes", wire.batch(key=wire.keys_column(
             self.normalize_keys([]))), since=int(since))

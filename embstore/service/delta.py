@@ -24,6 +24,9 @@ from .changelog import ChangeLog
 #: keys read per hold of the worker's lock
 CHUNK = 16384
 
+#: bytes of one message of a delta's answer (a delta may hold a whole table)
+MESSAGE_BYTES = 16 << 20
+
 #: ``(keys, records, found)`` of a delta
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -80,3 +83,13 @@ def read_delta(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     recs = np.concatenate((recs[keep], _raw(new_recs))).view(dtype)
     return seq, (np.concatenate((keys[keep], again)), recs,
                  np.concatenate((found[keep], new_found)))
+
+
+def message_slices(batch: Any, max_bytes: int = MESSAGE_BYTES) -> list[Any]:
+    """``batch`` as zero-copy slices of at most about ``max_bytes`` each (one slice when it is
+    smaller), for messages under gRPC's limit."""
+    n = batch.num_rows
+    if n == 0 or batch.nbytes <= max_bytes:
+        return [batch]
+    rows = max(1, int(max_bytes * n // batch.nbytes))
+    return [batch.slice(i, rows) for i in range(0, n, rows)]

@@ -32,7 +32,7 @@ from ..errors import (
 from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
-from .delta import read_delta
+from .delta import message_slices, read_delta
 from .metrics import RequestMetrics, gauges
 from .streams import STREAM_OPS
 
@@ -283,7 +283,10 @@ class Worker(flight.FlightServerBase):
         op = _peek_op(descriptor.command)
         out = self._guard(run, op, locked=op != "changes")
         writer.begin(out.schema)
-        writer.write_batch(out)
+        # a follower's delta can hold a whole table: messages of at most 16 MB each, under
+        # gRPC's message limit whatever the delta's size
+        for part in message_slices(out):
+            writer.write_batch(part)
 
     def _serve_stream(self, context: Any, head: dict[str, Any], reader: Any,
                       writer: Any) -> None:

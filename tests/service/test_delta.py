@@ -109,3 +109,31 @@ def test_a_delta_older_than_the_log_asks_for_a_snapshot():
         seq, rows = read_delta(store, log, lambda: lock, 1)
         assert rows is not None and sorted(rows[0].tolist()) == list(range(100, 108))
         assert seq == log.seq
+
+
+def test_a_large_answer_travels_in_slices_that_read_back_whole():
+    import pyarrow as pa
+
+    from embstore.service import wire
+    from embstore.service.delta import message_slices
+
+    with embstore.open("memory://", dim=DIM, optimizer="adagrad") as store:
+        store.update(KEYS, np.ones((len(KEYS), DIM), np.float32))
+        recs, found = store.get_records(KEYS)
+    col = pa.Array.from_buffers(pa.binary(recs.dtype.itemsize), len(KEYS),
+                                [None, pa.py_buffer(recs.view(np.uint8))])
+    batch = pa.RecordBatch.from_pydict({"key": pa.array(KEYS), "rec": col,
+                                        "found": pa.array(found)})
+    batch = batch.replace_schema_metadata({"seq": "7"})
+    parts = message_slices(batch, max_bytes=batch.nbytes // 10)
+    assert 10 <= len(parts) <= 12 and all(p.nbytes <= batch.nbytes // 9 for p in parts)
+    assert message_slices(batch) == [batch]
+    # through Arrow IPC, as Flight sends them: one table equal to the batch
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        for p in parts:
+            w.write_batch(p)
+    table = pa.ipc.open_stream(sink.getvalue()).read_all()
+    assert table.schema.metadata == {b"seq": b"7"}
+    keys, got = wire.records_from(table, "int64", recs.dtype, copy=False)
+    assert keys.tolist() == KEYS.tolist() and got.tobytes() == recs.tobytes()

@@ -74,15 +74,19 @@ def timed(store_factory, n: int, count: int, threads: int, pid: int | None):
     return threads * count * BATCH / wall, cpu / (threads * count)
 
 
-def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: str):
-    """(trainer rows/s, staleness samples in seconds) over ``seconds`` of training."""
+def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: str,
+              replica_url: str = "lmdb"):
+    """(trainer rows/s, staleness samples in seconds, CPU seconds per second of training of
+    the worker and of the follower) over ``seconds`` of training."""
     probe = np.array([n + 7])
     t_ref = time.time()  # stamps relative to it: float32 cannot hold epoch seconds exactly
     replica = None
     if follow:
-        replica = WorkerProcess([f"lmdb://{tmp}/replica-{time.time_ns()}", "--listen",
-                                 "127.0.0.1:0", "--follow", f"des://{worker.address}",
-                                 "--poll", "0.1", "-o", "durable=false"])
+        url = (f"lmdb://{tmp}/replica-{time.time_ns()}" if replica_url == "lmdb"
+               else "memory://")
+        extra = ["-o", "durable=false"] if replica_url == "lmdb" else []
+        replica = WorkerProcess([url, "--listen", "127.0.0.1:0", "--follow",
+                                 f"des://{worker.address}", "--poll", "0.1", *extra])
     trainer = embstore.open(f"des://{worker.address}")
     stop = threading.Event()
     lags: list[float] = []
@@ -101,6 +105,7 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: 
         reader.start()
     rng = np.random.default_rng(3)
     g = np.full((BATCH, DIM), 1e-3, np.float32)
+    cpu0 = [proc_cpu(worker.pid), proc_cpu(replica.pid) if replica else 0.0]
     rows, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         k = rng.integers(0, n, BATCH)
@@ -108,14 +113,17 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: 
         trainer.update(k, g)
         trainer.assign(probe, np.full((1, DIM), time.time() - t_ref, np.float32))
         rows += BATCH
-    rate = rows / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    rate = rows / wall
+    cpu = ((proc_cpu(worker.pid) - cpu0[0]) / wall,
+           (proc_cpu(replica.pid) - cpu0[1]) / wall if replica else 0.0)
     stop.set()
     if reader:
         reader.join()
     trainer.close()
     if replica:
         replica.stop()
-    return rate, np.array(lags)
+    return rate, np.array(lags), cpu
 
 
 def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10) -> None:
@@ -158,6 +166,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--ann", action="store_true", help="also time the ANN index")
+    p.add_argument("--replica", choices=("lmdb", "memory"), default="lmdb",
+                   help="the follower's store (default lmdb, durable=false)")
     args = p.parse_args()
     n = 100_000 if args.quick else args.keys
     count = 15 if args.quick else args.steps
@@ -181,13 +191,16 @@ def main() -> None:
                   f"   {c_in * 1e3:.2f} ms, {c_des * 1e3:.2f} ms, {c_des / c_in:.2f}x "
                   f"(target <= 3.5x; rows/s target >= 0.5x)")
         secs = 3.0 if args.quick else args.seconds
-        base, _ = staleness(worker, n, secs, False, tmp)
-        rate, lags = staleness(worker, n, secs, True, tmp)
+        base, _, cpu_base = staleness(worker, n, secs, False, tmp)
+        rate, lags, cpu = staleness(worker, n, secs, True, tmp, args.replica)
         if len(lags):
             p50, p99 = np.percentile(lags, [50, 99])
-            print(f"\nfollower polling every 0.1 s: staleness p50 {p50 * 1e3:.0f} ms, p99 "
-                  f"{p99 * 1e3:.0f} ms over {len(lags)} reads (target p99 <= 1 s); trainer "
+            print(f"\nfollower ({args.replica}) polling every 0.1 s: staleness p50 "
+                  f"{p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms over {len(lags)} reads "
+                  f"(target p99 <= 1 s); trainer "
                   f"{rate / base:.2f}x its rate without a follower (target >= 0.9x)")
+            print(f"  CPU per second of training: worker {cpu_base[0]:.2f} s without a "
+                  f"follower, {cpu[0]:.2f} s with one; follower {cpu[1]:.2f} s")
         else:
             print("\nfollower: no reads completed")
     finally:

@@ -109,7 +109,7 @@ class ChangeLog:
             parts = [k for s, _, k in self._batches if s > seq]
         if not parts:
             return None if seq < 0 else np.zeros(0, np.int64), now
-        return unique_first(np.concatenate(parts))[0], now
+        return _distinct(np.concatenate(parts)), now
 
     def keys_after_version(self, version: int) -> np.ndarray | None:
         """Distinct keys of every batch logged after the store's ``version`` — a superset of
@@ -126,7 +126,7 @@ class ChangeLog:
             parts = [k for _, v, k in self._batches if v > version]
         if not parts:
             return np.zeros(0, np.int64)
-        return unique_first(np.concatenate(parts))[0]
+        return _distinct(np.concatenate(parts))
 
     def rows_after_version(self, store: Any, version: int, batch_size: int = 65536
                            ) -> Iterator[tuple[np.ndarray, np.ndarray]] | None:
@@ -138,6 +138,19 @@ class ChangeLog:
         if keys is None:
             return None
         return _rows_by_key(store, keys, version, batch_size)
+
+
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    # int64: an in-place sort and a neighbour mask, several times faster than the stable
+    # argsort unique_first needs (and than np.unique, hash-based in numpy 2.3); the order
+    # of a delta's keys does not matter
+    if keys.dtype == object:
+        return unique_first(keys)[0]
+    keys.sort()
+    keep = np.empty(len(keys), bool)
+    keep[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=keep[1:])
+    return keys[keep]
 
 
 def _rows_by_key(store: Any, keys: np.ndarray, version: int, batch_size: int

@@ -124,7 +124,8 @@ class DesStore:
             wire.raise_remote(e, self._where(s))
         return json.loads(results[0].body.to_pybytes())
 
-    def _exchange(self, s: int, op: str, batch: pa.RecordBatch, **fields: Any) -> pa.Table:
+    def _exchange(self, s: int, op: str, batch: pa.RecordBatch,
+                  **fields: Any) -> pa.Table | pa.RecordBatch:
         if op in STREAM_OPS:
             return self._streams.exchange(s, self._head(s), op, batch, fields, self._where(s))
         desc = wire.command(op, **self._head(s), **fields)
@@ -159,11 +160,11 @@ class DesStore:
                 if bounds[s + 1] > bounds[s]]
 
     def _keyed(self, op: str, keys: np.ndarray, make: Callable[[np.ndarray | None], dict],
-               **fields: Any) -> list[tuple[np.ndarray | None, pa.Table]]:
+               **fields: Any) -> list[tuple[np.ndarray | None, pa.Table | pa.RecordBatch]]:
         routes = self._route(keys)
         by_shard = dict(routes)
 
-        def one(s: int) -> pa.Table:
+        def one(s: int) -> pa.Table | pa.RecordBatch:
             sel = by_shard[s]
             cols = make(sel)
             return self._exchange(s, op, wire.batch(**cols), **fields)
@@ -457,8 +458,9 @@ class DesStore:
     def shard_changes(self, s: int, since: int
                       ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """``(seq, (keys, records, found))`` of worker ``s``'s keys changed after ``since``
-        (``found`` False: deleted); None instead of the rows when ``since`` is older than the
-        log holds (take :meth:`shard_snapshot` then)."""
+        (``found`` False: deleted; the records a view of what arrived, not to be written);
+        None instead of the rows when ``since`` is older than the log holds (take
+        :meth:`shard_snapshot` then)."""
         self.check_open()
         t = self._exchange(s, "changes", wire.batch(key=wire.keys_column(
             self.normalize_keys([]))), since=int(since))
@@ -466,7 +468,8 @@ class DesStore:
         seq = int(meta.get(b"seq", b"0"))
         if meta.get(b"resync") == b"1":
             return seq, None
-        keys, recs = wire.records_from(t, self._key_type, self.layout.dtype)
+        # a view (38 MB for 133k rows of dim 64): the follower only reads it
+        keys, recs = wire.records_from(t, self._key_type, self.layout.dtype, copy=False)
         found = np.asarray(t.column("found").to_numpy(zero_copy_only=False), bool)
         return seq, (keys, recs, found)
 

@@ -99,7 +99,9 @@ class Follower:
             with self.guard:
                 if (~found).any():
                     self.local.delete(keys[~found])
-                if found.any():
+                if found.all():
+                    self.local.load_records(iter([(keys, recs)]))
+                elif found.any():
                     self.local.load_records(iter([(keys[found], recs[found])]))
                 self.seqs[s] = seq
             self.applied += len(keys)

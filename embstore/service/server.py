@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..errors import (
 from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
+from .delta import message_slices, read_delta
 from .metrics import RequestMetrics, gauges
 from .streams import STREAM_OPS
 
@@ -137,6 +139,14 @@ class Worker(flight.FlightServerBase):
         except Exception:  # noqa: BLE001 - the next flush, or shutdown's, tries again
             log.exception("periodic flush failed")
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The store lock, refused once a stop began (the store is being closed)."""
+        with self.lock:
+            if self.stopping:
+                raise BackendError("this worker is stopping: it takes no more calls")
+            yield
+
     # -- checks ------------------------------------------------------------------------------
     def _check(self, context: Any, header: dict[str, Any]) -> None:
         role = context.get_middleware("auth").role
@@ -161,8 +171,9 @@ class Worker(flight.FlightServerBase):
                     f"shards than {self.shard}/{self.shards}")
         return keys
 
-    def _guard(self, fn: Callable[[], Any], op: str) -> Any:
-        """Run ``fn`` under the store lock; every error leaves as one typed line."""
+    def _guard(self, fn: Callable[[], Any], op: str, locked: bool = True) -> Any:
+        """Run ``fn`` under the store lock (``locked=False``: ``fn`` takes it itself where it
+        needs it); every error leaves as one typed line."""
         t0 = time.perf_counter()
         failed = True
         try:
@@ -170,6 +181,8 @@ class Worker(flight.FlightServerBase):
                 if self.stopping:
                     raise BackendError("this worker is stopping: it takes no more calls")
                 self.requests += 1
+                out = fn() if locked else None
+            if not locked:
                 out = fn()
             failed = False
             return out
@@ -263,11 +276,17 @@ class Worker(flight.FlightServerBase):
         def run() -> pa.RecordBatch:
             header = wire.parse_header(descriptor.command)
             self._check(context, header)
+            if header["op"] == "changes":  # takes the lock per chunk (service/delta.py)
+                return self._changes(header)
             return self._exchange(header, wire.read_request(reader))
 
-        out = self._guard(run, _peek_op(descriptor.command))
+        op = _peek_op(descriptor.command)
+        out = self._guard(run, op, locked=op != "changes")
         writer.begin(out.schema)
-        writer.write_batch(out)
+        # a follower's delta can hold a whole table: messages of at most 16 MB each, under
+        # gRPC's message limit whatever the delta's size
+        for part in message_slices(out):
+            writer.write_batch(part)
 
     def _serve_stream(self, context: Any, head: dict[str, Any], reader: Any,
                       writer: Any) -> None:
@@ -282,16 +301,20 @@ class Worker(flight.FlightServerBase):
             except StopIteration:
                 return
             raw = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b"{}"
+            head = _peek_header(raw)  # parsed once: its op names the metrics, run checks it
+            op = head.get("op")
 
-            def run(raw: bytes = raw, data: Any = chunk.data) -> pa.RecordBatch:
-                h = {**wire.parse_header(raw), **route}
+            def run(raw: bytes = raw, head: dict[str, Any] = head,
+                    data: Any = chunk.data) -> pa.RecordBatch:
+                h = {**(head if isinstance(head.get("op"), str) else wire.parse_header(raw)),
+                     **route}
                 if h["op"] not in STREAM_OPS or data is None:
                     raise InvalidInputError(f"{h['op']!r} is not a request a stream carries")
                 self._check(context, h)
                 return self._exchange(h, wire.request_table(data))
 
             try:
-                out = self._guard(run, _peek_op(raw))
+                out = self._guard(run, op if isinstance(op, str) and op in _OPS else "other")
             except flight.FlightServerError as e:
                 writer.write_metadata(pa.py_buffer(str(e).encode()))
                 continue
@@ -312,7 +335,7 @@ class Worker(flight.FlightServerBase):
             raise InvalidInputError(f"counts must be int64, got {col.type}")
         return np.asarray(col.to_numpy(), np.int64)
 
-    def _exchange(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
+    def _exchange(self, h: dict[str, Any], t: pa.Table | pa.RecordBatch) -> pa.RecordBatch:
         s = self.store
         op = h["op"]
         if op in _WRITES or (op == "lookup" and h.get("insert", True)):
@@ -340,8 +363,6 @@ class Worker(flight.FlightServerBase):
             return self._top_k(h, t)
         if op == "sample_draw":
             return self._draw(h)
-        if op == "changes":
-            return self._changes(h)
         if op == "sample_prob":
             idx = sampling_index(s)
             snap = idx.snapshot(wire.sampler_from(h.get("sampler")))
@@ -354,7 +375,8 @@ class Worker(flight.FlightServerBase):
         k = h.get("k")
         if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= wire.MAX_TOP_K:
             raise InvalidInputError(f"k must be an int in 1..{wire.MAX_TOP_K}, got {k!r}")
-        q = wire.vectors_from(t.column("q"), s.dim, t.num_rows)
+        # a writable copy: an ANN library refuses a read-only view of Arrow memory
+        q = np.array(wire.vectors_from(t.column("q"), s.dim, t.num_rows))
         ex = None
         if "ex" in t.column_names:
             col = t.column("ex").combine_chunks()
@@ -406,19 +428,17 @@ class Worker(flight.FlightServerBase):
 
     def _changes(self, h: dict[str, Any]) -> pa.RecordBatch:
         """The records of the keys changed after ``since`` (``found`` False: deleted), and the
-        sequence number they bring the caller to; ``resync`` when the log cannot tell."""
+        sequence number they bring the caller to; ``resync`` when the log cannot tell. Read
+        in chunks, each under the lock, as one state of the shard (``read_delta``)."""
         since = h.get("since")
         if isinstance(since, bool) or not isinstance(since, int):
             raise InvalidInputError("since must be an int")
-        keys, seq = self.log.since(since)
-        s = self.store
-        if keys is None:
+        seq, rows = read_delta(self.store, self.log, self.held, since)
+        if rows is None:
+            s = self.store
             out = self._records_batch(s.normalize_keys([]), s.layout.empty(0), np.zeros(0, bool))
             return out.replace_schema_metadata({"seq": str(seq), "resync": "1"})
-        keys = s.normalize_keys(keys) if len(keys) else s.normalize_keys([])
-        recs, found = s.backend.get(keys)
-        recs = np.where(found, recs, np.zeros(1, recs.dtype)) if len(keys) else recs
-        out = self._records_batch(keys, recs, np.asarray(found, bool))
+        out = self._records_batch(*rows)
         return out.replace_schema_metadata({"seq": str(seq), "resync": "0"})
 
     # -- export ------------------------------------------------------------------------------

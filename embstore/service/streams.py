@@ -100,7 +100,7 @@ class Streams:
         self._watchdog = Watchdog()
 
     def exchange(self, s: int, head: dict[str, Any], op: str, batch: pa.RecordBatch,
-                 fields: dict[str, Any], where: str) -> pa.Table:
+                 fields: dict[str, Any], where: str) -> pa.RecordBatch:
         """Send ``op`` with ``batch`` to worker ``s`` on this thread's stream; its answer."""
         mine: dict[Any, tuple[Any, Any]] = self._local.__dict__.setdefault("streams", {})
         key = (s, op, batch.schema)
@@ -127,7 +127,7 @@ class Streams:
         if chunk.data is None:            # a refusal: one typed line, the stream stays
             text = chunk.app_metadata.to_pybytes().decode("utf-8", "replace")
             wire.raise_remote(flight.FlightServerError(text), where)
-        return pa.Table.from_batches([chunk.data])
+        return chunk.data
 
     def _start(self, s: int, head: dict[str, Any], schema: pa.Schema,
                where: str) -> tuple[Any, Any]:

@@ -1,0 +1,139 @@
+"""A follower's delta read in chunks (``embstore.service.delta``): one state of the shard
+however the trainer writes meanwhile, deletions included, and applied to a replica it makes
+the replica equal the trainer's table."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import embstore
+from embstore.service.changelog import ChangeLog
+from embstore.service.delta import read_delta
+
+DIM = 4
+KEYS = np.arange(3000)
+
+
+def _apply(replica, rows) -> None:
+    keys, recs, found = rows
+    if (~found).any():
+        replica.delete(keys[~found])
+    if found.any():
+        replica.load_records(iter([(keys[found], recs[found])]))
+
+
+def _table(store) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    for keys, recs in store.records(4096):
+        for k, r in zip(keys.tolist(), recs):
+            out[k] = r.tobytes()
+    return out
+
+
+class _WriteBetween:
+    """A worker lock whose every release lets the trainer write once (as a trainer's call
+    waiting on the lock would): deterministic interleaving, no threads."""
+
+    def __init__(self, write) -> None:
+        self.write = write
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.write()
+
+
+def test_a_chunked_delta_is_one_state_while_the_trainer_writes():
+    """Every write sets the whole key range to one generation: a delta mixing two writes
+    would hold rows of two generations."""
+    with embstore.open("memory://", dim=DIM, optimizer="sgd") as store:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        gens = [0]
+
+        def write() -> None:
+            gens[0] += 1
+            store.assign(KEYS, np.full((len(KEYS), DIM), gens[0], np.float32))
+
+        write()
+        seq = 0
+        for _ in range(3):
+            seq, rows = read_delta(store, log, lambda: _WriteBetween(write), seq, chunk=64)
+            assert rows is not None
+            keys, recs, found = rows
+            assert found.all() and sorted(keys.tolist()) == KEYS.tolist()
+            values = store.layout.vectors(recs)
+            assert len(np.unique(values)) == 1, "rows of two writes in one delta"
+        assert gens[0] > 3 * len(KEYS) // 64
+
+
+def test_coalesced_deltas_make_the_replica_equal_the_table_deletions_included():
+    rng = np.random.default_rng(5)
+    lock = threading.Lock()
+    with embstore.open("memory://", dim=DIM, optimizer="adagrad") as store, \
+            embstore.open("memory://", dim=DIM, optimizer="adagrad") as replica:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        seq = 0
+        for round_ in range(6):
+            for _ in range(5):   # several writes coalesced into one delta
+                keys = rng.integers(0, 500, 200)
+                store.update(keys, rng.standard_normal((200, DIM), dtype=np.float32))
+                store.lookup(rng.integers(500, 700, 20))        # inserts
+                store.delete(rng.integers(0, 700, 30))           # deletions
+            seq, rows = read_delta(store, log, lambda: lock, seq, chunk=37 + round_)
+            assert rows is not None
+            _apply(replica, rows)
+            assert _table(replica) == _table(store)
+        # a key deleted and written again within one delta arrives as its last state
+        store.delete([1])
+        store.assign([1], np.ones((1, DIM)))
+        store.delete([2])
+        seq, rows = read_delta(store, log, lambda: lock, seq, chunk=1)
+        _apply(replica, rows)
+        assert _table(replica) == _table(store)
+        assert read_delta(store, log, lambda: lock, seq)[1][0].tolist() == []
+
+
+def test_a_delta_older_than_the_log_asks_for_a_snapshot():
+    lock = threading.Lock()
+    with embstore.open("memory://", dim=DIM) as store:
+        log = ChangeLog(max_keys=10, version=lambda: store.version)
+        store.add_observer(log)
+        store.assign(np.arange(8), np.ones((8, DIM)))
+        store.assign(np.arange(100, 108), np.ones((8, DIM)))   # pushes the first batch out
+        assert read_delta(store, log, lambda: lock, 0)[1] is None
+        seq, rows = read_delta(store, log, lambda: lock, 1)
+        assert rows is not None and sorted(rows[0].tolist()) == list(range(100, 108))
+        assert seq == log.seq
+
+
+def test_a_large_answer_travels_in_slices_that_read_back_whole():
+    import pyarrow as pa
+
+    from embstore.service import wire
+    from embstore.service.delta import message_slices
+
+    with embstore.open("memory://", dim=DIM, optimizer="adagrad") as store:
+        store.update(KEYS, np.ones((len(KEYS), DIM), np.float32))
+        recs, found = store.get_records(KEYS)
+    col = pa.Array.from_buffers(pa.binary(recs.dtype.itemsize), len(KEYS),
+                                [None, pa.py_buffer(recs.view(np.uint8))])
+    batch = pa.RecordBatch.from_pydict({"key": pa.array(KEYS), "rec": col,
+                                        "found": pa.array(found)})
+    batch = batch.replace_schema_metadata({"seq": "7"})
+    parts = message_slices(batch, max_bytes=batch.nbytes // 10)
+    assert 10 <= len(parts) <= 12 and all(p.nbytes <= batch.nbytes // 9 for p in parts)
+    assert message_slices(batch) == [batch]
+    # through Arrow IPC, as Flight sends them: one table equal to the batch
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        for p in parts:
+            w.write_batch(p)
+    table = pa.ipc.open_stream(sink.getvalue()).read_all()
+    assert table.schema.metadata == {b"seq": b"7"}
+    keys, got = wire.records_from(table, "int64", recs.dtype, copy=False)
+    assert keys.tolist() == KEYS.tolist() and got.tobytes() == recs.tobytes()

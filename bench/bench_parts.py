@@ -54,8 +54,7 @@ WORKERS = 2
 
 
 def _warm(url: str) -> int:
-    import pyarrow.parquet  # noqa: F401 - what a part's writer imports
-
+    import embstore.io.parquet  # noqa: F401 - what a part's writer imports (pyarrow with it)
     from embstore.registry import backend_class
 
     backend_class(url)  # the backend's driver (sqlalchemy, the Bigtable client) imported

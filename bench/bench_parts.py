@@ -65,6 +65,14 @@ def _warm(url: str) -> int:
     return os.getpid()
 
 
+def _autogroup() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
 def fill(url: str, n: int) -> None:
     rng = np.random.default_rng(0)
     keys = np.unique(rng.integers(-2**62, 2**62, int(n * 1.01)))[:n]
@@ -258,6 +266,11 @@ def main() -> int:
             print(f"{name:10} {label:10} {r['total']:>6.3f} {cells[0]:>6} {cells[1]:>6} "
                   f"{cells[2]:>7} {cells[3]:>7} {other:>6.3f}")
     print(f"load average after the run: {os.getloadavg()[0]:.1f}")
+    if _autogroup() and os.getloadavg()[0] > 1.5 * WORKERS:
+        print("note: the kernel schedules by session (autogroup) and other sessions keep the "
+              "CPUs busy: this run's session gets about one share of them however many "
+              "workers it starts, so the wall-clock ratios say little; by CPU and --profile "
+              "still do")
     return 0 if all(r["same"] for r in rows) else 1
 
 

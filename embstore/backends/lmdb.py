@@ -267,10 +267,8 @@ class LmdbBackend(FetchedRows):
         return self.scan_range(KeyRange(KIND_BYTES), batch_size)
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
-        """Cut at the separators of the B-tree's top levels that share the table into ``n``
-        runs of about equal length (:mod:`.lmdb_split`: a few pages read); a small table,
-        or one whose pages do not read as expected, at every ``len/n``-th stored key (a
-        keys-only cursor walk, skipped in C)."""
+        """Cut at B-tree separators (:mod:`.lmdb_split`, a few pages read); a small table, or
+        unexpected pages, at every ``len/n``-th key (a keys-only walk, skipped in C)."""
         if self.env.records is None:
             return ranges_from_bounds(KIND_BYTES, [b""] * (n - 1))
         env = self.env.require()

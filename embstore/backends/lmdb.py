@@ -18,6 +18,7 @@ never fails for map space while the disk has room.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from itertools import islice
 from operator import itemgetter
@@ -38,7 +39,8 @@ from ._localdir import (
 )
 from ._txn import records_from_values, write_plan
 from .base import ModifyFn
-from .lmdb_env import GEN_KEY, META_KEY, LmdbEnv, lmdb  # the driver, checked there
+from .lmdb_env import GEN_KEY, META_KEY, REC_DB, LmdbEnv, lmdb  # the driver, checked there
+from .lmdb_split import btree_bounds
 from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
 
 _BYTES_PREFIX = b"\x00"
@@ -265,13 +267,20 @@ class LmdbBackend(FetchedRows):
         return self.scan_range(KeyRange(KIND_BYTES), batch_size)
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
-        """Cut at every ``len/n``-th stored key: a keys-only cursor walk, skipped in C."""
+        """Cut at B-tree separators (:mod:`.lmdb_split`, a few pages read); a small table, or
+        unexpected pages, at every ``len/n``-th key (a keys-only walk, skipped in C)."""
         if self.env.records is None:
             return ranges_from_bounds(KIND_BYTES, [b""] * (n - 1))
+        env = self.env.require()
         with self.env.begin() as txn:
-            cur, total = txn.cursor(), int(txn.stat(self.env.records)["entries"])
-            walk = cur.iternext(keys=True, values=False) if cur.first() else iter(())
-            return ranges_from_bounds(KIND_BYTES, bounds_from_walk(walk, total, n, b""))
+            stat = txn.stat(self.env.records)
+            cuts = btree_bounds(txn, env.open_db(None), REC_DB, stat,
+                                os.path.join(env.path(), "data.mdb"), n) if n > 1 else []
+            if cuts is None:
+                cur, total = txn.cursor(), int(stat["entries"])
+                walk = cur.iternext(keys=True, values=False) if cur.first() else iter(())
+                cuts = bounds_from_walk(walk, total, n, b"")
+            return ranges_from_bounds(KIND_BYTES, cuts)
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:

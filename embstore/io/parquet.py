@@ -45,7 +45,6 @@ from .limits import CHUNK_BYTES, check_inflation, chunk_rows
 
 try:
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise BackendUnavailableError(
@@ -208,6 +207,8 @@ class ParquetReader(FormatReader):
             sizes.append(decoded)
         return sizes
     def _first_length(self) -> int:
+        import pyarrow.compute as pc  # deferred: see _chunks
+
         for batch in self._iter(1024, [self._vcol]):
             lens = pc.list_value_length(batch.column(0)).drop_null()
             if len(lens):
@@ -243,6 +244,10 @@ class ParquetReader(FormatReader):
             raise CorruptFileError(f"{self.name}: unreadable Parquet data: {e}") from e
 
     def _chunks(self, batch_size: int, validate: bool) -> Iterator[Chunk]:
+        # deferred: importing pyarrow.compute costs ~0.1-0.2 s of CPU, which an export (a
+        # writer, or each worker of an export in parts) never needs
+        import pyarrow.compute as pc
+
         start = 0
         # records also in a checking pass: their stamps are range-checked before any write
         layout = self.layout if self._records else None  # (not None when _records)

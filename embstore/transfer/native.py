@@ -61,7 +61,8 @@ def export_native(store: EmbeddingStore, dest: str | os.PathLike | BinaryIO, *,
         header["deletions_complete"] = complete
     # background: scans yield fresh arrays, so checksum+write can overlap the next scan
     with NativeWriter(dest, header, background=True) as w, progress_bar(
-        total=len(store) if since is None else None, enabled=progress, desc="export"
+        total=len(store) if since is None and progress else None, enabled=progress,
+        desc="export"
     ) as bar:
         for keys, recs in src:
             w.write(keys, recs)

@@ -400,7 +400,9 @@ def export_file(store: Any, dest: str | os.PathLike, *, fmt: str | None = None,
     meta["since"] = since
     src = store.records(batch_size) if since is None else store.changes_since(since, batch_size)
     with open_writer(dest, meta, name) as w, progress_bar(
-            total=len(store) if since is None else None, enabled=progress, desc="export") as bar:
+            # the count only for a progress bar: on Bigtable it is a scan of every row key
+            total=len(store) if since is None and progress else None, enabled=progress,
+            desc="export") as bar:
         for keys, recs in src:
             w.write(keys, recs)
             bar.update(len(keys))
@@ -440,7 +442,7 @@ def copy_store(src: Any, dst: Any, *, batch_size: int = CHUNK_ROWS,
             f"{src.url} has {src.key_type} keys, {dst.url} has {dst.key_type} keys")
     if src.dim != dst.dim:
         raise SchemaMismatchError(f"{src.url} has dim {src.dim}, {dst.url} has dim {dst.dim}")
-    with progress_bar(total=len(src) if part is None else None, enabled=progress,
+    with progress_bar(total=len(src) if part is None and progress else None, enabled=progress,
                       desc="copy") as bar:
         def batches():
             # The source is read in a thread while the destination writes: reads and writes

@@ -58,4 +58,5 @@ static inline int es_wide(void) {
 #define es_sum_key ES_PICK(es_sum_key)
 #define es_step_row ES_PICK(es_step_row)
 #define es_finite ES_PICK(es_finite)
+#define es_step_narrow ES_PICK(es_step_narrow)
 #endif

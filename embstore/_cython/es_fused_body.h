@@ -141,3 +141,58 @@ ES_ATTR static int ES_NAME(es_finite)(const float* x, ptrdiff_t n) {
     }
     return bad == 0;
 }
+
+/* float32 values into a bfloat16 field: to nearest even, or (stochastic) adding 16 random
+   bits before the cut, those of value k being murmur3's 32-bit finalizer of base + k times
+   the golden ratio (independent lanes: the loop stays in vector registers); NaN stays a
+   quiet NaN. */
+ES_ATTR static void ES_NAME(es_round_bf16)(const float* restrict wide, uint16_t* restrict out,
+                                           ptrdiff_t n, int stochastic, uint32_t base) {
+    ptrdiff_t k;
+    for (k = 0; k < n; k++) {
+        uint32_t b, add, nan, h = base + (uint32_t) k * 0x9E3779B1u;
+        memcpy(&b, wide + k, 4);
+        h ^= h >> 16;
+        h *= 0x85EBCA6Bu;
+        h ^= h >> 13;
+        h *= 0xC2B2AE35u;
+        h ^= h >> 16;
+        add = stochastic ? (h >> 16) : 0x7FFFu + ((b >> 16) & 1u);
+        nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+        out[k] = (uint16_t) (nan ? ((b >> 16) | 0x40u) : ((b + add) >> 16));
+    }
+}
+
+/* One record with bfloat16 fields (vec_bf16 / acc_bf16 say which): widened into tmp (the
+   vector, then the accumulator), stepped by es_step_row in float32, rounded back. Stochastic
+   rounding's bits come from a base of mix64(seed, 2u + field): a function of the key's row u
+   and the coordinate, not of the thread that steps it. tmp: 2 d + 1 floats. */
+ES_ATTR static void ES_NAME(es_step_narrow)(uint8_t* row, const float* restrict s, ptrdiff_t d,
+                                            int rule, float alpha, float lr, float eps,
+                                            ptrdiff_t vec_offset, ptrdiff_t acc_offset,
+                                            int vec_bf16, int acc_bf16, float* restrict tmp,
+                                            uint64_t seed, int stochastic, uint64_t u) {
+    ptrdiff_t acc_w = rule == ES_RULE_AXPY ? 0 : (rule == ES_RULE_ADAGRAD ? d : 1), k, f;
+    for (f = 0; f < 2; f++) {
+        ptrdiff_t n = f ? acc_w : d;
+        uint8_t* field = row + (f ? acc_offset : vec_offset);
+        float* w = tmp + (f ? d : 0);
+        if (f ? acc_bf16 : vec_bf16) {
+            for (k = 0; k < n; k++) w[k] = es_bf16_to_f32(((const uint16_t*) field)[k]);
+        } else {
+            memcpy(w, field, (size_t) n * sizeof(float));
+        }
+    }
+    ES_NAME(es_step_row)((uint8_t*) tmp, s, d, rule, alpha, lr, eps, 0, d * 4);
+    for (f = 0; f < 2; f++) {
+        ptrdiff_t n = f ? acc_w : d;
+        uint8_t* field = row + (f ? acc_offset : vec_offset);
+        const float* w = tmp + (f ? d : 0);
+        if (!(f ? acc_bf16 : vec_bf16)) {
+            memcpy(field, w, (size_t) n * sizeof(float));
+            continue;
+        }
+        ES_NAME(es_round_bf16)(w, (uint16_t*) field, n, stochastic,
+                               (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) f)));
+    }
+}

@@ -30,11 +30,6 @@ cdef extern from "es_prefetch.h":
 cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
 
-cdef extern from "es_bf16.h":
-    float es_bf16_to_f32(uint16_t h) noexcept nogil
-    uint16_t es_f32_to_bf16(float f, uint32_t amount) noexcept nogil
-    uint64_t es_mix64(uint64_t x) noexcept nogil
-
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
     void es_pool_bag_f32(float* o, Py_ssize_t d, const float* const* rows, const int64_t* inv,
                          Py_ssize_t start, Py_ssize_t stop, const float* w,
@@ -53,6 +48,10 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
                      float lr, float eps, Py_ssize_t vec_offset,
                      Py_ssize_t acc_offset) noexcept nogil
     int es_finite(const float* x, Py_ssize_t n) noexcept nogil
+    void es_step_narrow(uint8_t* row, const float* s, Py_ssize_t d, int rule, float alpha,
+                        float lr, float eps, Py_ssize_t vec_offset, Py_ssize_t acc_offset,
+                        int vec_bf16, int acc_bf16, float* tmp, uint64_t seed, int stochastic,
+                        uint64_t u) noexcept nogil
 
 # How a float field is stored (``KINDS[name]``): float32, or bfloat16 (its upper 16 bits)
 cdef enum:
@@ -68,6 +67,11 @@ cdef enum:
     # at all: below that a fork and join costs more than it saves.
     CHUNK = 64
     MIN_SPLIT = 16384
+
+
+cdef inline Py_ssize_t SCRATCH(Py_ssize_t d) noexcept nogil:
+    """Floats of one thread's scratch in :func:`step_bags` (see ``es_step_narrow``)."""
+    return 2 * d + 1
 
 
 cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
@@ -302,7 +306,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     if bad or not es_finite(sums, nu * d):
         free(sums)
         return False
-    scratch = <float*> malloc(nt * (2 * d + 1) * sizeof(float))  # a widened row per thread
+    scratch = <float*> malloc(nt * SCRATCH(d) * sizeof(float))  # a widened row per thread
     if scratch == NULL:
         free(sums)
         raise MemoryError("step_bags: no memory")
@@ -314,7 +318,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
         else:
             for u in prange(nu, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
                 _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
-                          set_bits, scratch + threadid() * (2 * d + 1))
+                          set_bits, scratch + threadid() * SCRATCH(d))
     free(scratch)
     free(sums)
     return True
@@ -346,55 +350,13 @@ cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssiz
         es_step_row(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
                     sp.acc_offset)
     else:
-        _step_narrow(row, &sums[u * d], sp, scratch, u)
+        es_step_narrow(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
+                       sp.acc_offset, sp.vec_kind == KIND_BF16, sp.acc_kind == KIND_BF16,
+                       scratch, sp.seed, sp.stochastic, u)
     for f in range(add_offsets.shape[0]):
         (<int64_t*> (row + add_offsets[f]))[0] += add_values[f, u]
     for f in range(set_offsets.shape[0]):
         memcpy(row + set_offsets[f], &set_bits[f], 8)
-
-
-cdef inline void _step_narrow(uint8_t* row, const float* s, const StepSpec* sp, float* tmp,
-                              Py_ssize_t u) noexcept nogil:
-    """:c:func:`es_step_row` of a record with bfloat16 fields: widened into ``tmp`` (vector,
-    then accumulator), stepped in float32, rounded back."""
-    cdef Py_ssize_t d = sp.d
-    cdef Py_ssize_t acc_width = 0 if sp.rule == RULE_AXPY else (
-        d if sp.rule == RULE_ADAGRAD else 1)
-    _widen(row + sp.vec_offset, sp.vec_kind, tmp, d)
-    _widen(row + sp.acc_offset, sp.acc_kind, tmp + d, acc_width)
-    es_step_row(<uint8_t*> tmp, s, d, sp.rule, sp.alpha, sp.lr, sp.eps, 0, d * 4)
-    _narrow(tmp, row + sp.vec_offset, sp.vec_kind, d, sp, 2 * u)
-    _narrow(tmp + d, row + sp.acc_offset, sp.acc_kind, acc_width, sp, 2 * u + 1)
-
-
-cdef inline void _widen(const uint8_t* field, int kind, float* out, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t k
-    if kind == KIND_F32:
-        memcpy(out, field, n * sizeof(float))
-    else:
-        for k in range(n):
-            out[k] = es_bf16_to_f32((<const uint16_t*> field)[k])
-
-
-cdef inline void _narrow(const float* wide, uint8_t* field, int kind, Py_ssize_t n,
-                         const StepSpec* sp, uint64_t stream) noexcept nogil:
-    """``wide`` stored back into ``field``; bfloat16 rounded to nearest or, stochastically,
-    with 16 random bits per value drawn from (seed, stream, coordinate)."""
-    cdef Py_ssize_t k
-    cdef uint64_t base, bits = 0
-    cdef uint16_t* out = <uint16_t*> field
-    if kind == KIND_F32:
-        memcpy(field, wide, n * sizeof(float))
-        return
-    if not sp.stochastic:
-        for k in range(n):
-            out[k] = es_f32_to_bf16(wide[k], 0xFFFFFFFFu)
-        return
-    base = es_mix64(sp.seed ^ es_mix64(stream))
-    for k in range(n):
-        if k & 3 == 0:
-            bits = es_mix64(base + <uint64_t> (k >> 2))
-        out[k] = es_f32_to_bf16(wide[k], <uint32_t> ((bits >> (16 * (k & 3))) & 0xFFFF))
 
 
 cdef inline uint8_t* _row_at(RecordArena arena, uint32_t s) noexcept nogil:

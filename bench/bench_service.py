@@ -158,7 +158,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--ann", action="store_true", help="also time the ANN index")
+    p.add_argument("--ann-only", action="store_true", help="time only the ANN index")
     args = p.parse_args()
+    if args.ann_only:
+        bench_ann(20_000 if args.quick else 200_000)
+        return
     n = 100_000 if args.quick else args.keys
     count = 15 if args.quick else args.steps
     import tempfile

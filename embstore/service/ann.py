@@ -30,6 +30,31 @@ from ..retrieval import TopKResult
 from ..sampling.keyindex import KeyIndex
 
 
+def _distinct(parts: list[np.ndarray]) -> np.ndarray:
+    """The distinct keys of a list of key arrays, as one array."""
+    keys = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return keys[factorize_keys(keys)[0]] if keys.dtype == object else np.unique(keys)
+
+
+class _KeyLog:
+    """Key arrays as written, deduplicated once they pass twice the distinct keys of the last
+    time (and 1M): a table written for long without a query, or during a long build, holds
+    its written keys once, not once per write."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.n = 0
+        self._limit = 1 << 20
+
+    def add(self, keys: np.ndarray) -> None:
+        self.parts.append(keys)
+        self.n += len(keys)
+        if self.n > self._limit:
+            self.parts = [_distinct(self.parts)]
+            self.n = len(self.parts[0])
+            self._limit = max(self._limit, 2 * self.n)
+
+
 class _Built:
     """One build: the graph, the snapshot it was built from (label ``i`` is ``snap``'s row
     ``i``), which labels were written since, and the fresh segment."""
@@ -85,8 +110,8 @@ class AnnIndex:
         self.oversample, self.rebuild_at = int(oversample), float(rebuild_at)
         self._lock = threading.Lock()
         self._built: _Built | None = None
-        self._pending: list[np.ndarray] = []       # keys written since the last query
-        self._since_snapshot: list[np.ndarray] | None = None  # collected while a build runs
+        self._pending = _KeyLog()                   # keys written since the last query
+        self._since_snapshot: _KeyLog | None = None  # collected while a build runs
         self._building: threading.Thread | None = None
         self.builds = 0
         store.add_observer(self)
@@ -97,9 +122,9 @@ class AnnIndex:
             return
         keys = keys.copy()      # the caller's array may be reused
         with self._lock:
-            self._pending.append(keys)
+            self._pending.add(keys)
             if self._since_snapshot is not None:
-                self._since_snapshot.append(keys)
+                self._since_snapshot.add(keys)
 
     def on_write(self, keys: np.ndarray, records: np.ndarray) -> None:
         self._touch(keys)
@@ -116,7 +141,7 @@ class AnnIndex:
     def on_bulk_load(self) -> None:
         with self._lock:
             self._built = None    # rows changed around the engine: rebuild on next query
-            self._pending = []
+            self._pending = _KeyLog()
 
     def stats(self) -> dict[str, Any]:
         b = self._built
@@ -132,7 +157,7 @@ class AnnIndex:
         for keys, recs in s.records(65536):
             snap.upsert(keys, {"vector": s.layout.vectors(recs)})
         with self._lock:
-            self._since_snapshot = []
+            self._since_snapshot = _KeyLog()
         return snap
 
     def _build(self, guard_held: bool = False) -> None:
@@ -150,7 +175,7 @@ class AnnIndex:
         seg = KeyIndex(self.store.key_type, {"vector": (np.float32, (self.store.dim,))})
         with self._lock:
             self._built = _Built(index, snap, seg)
-            self._pending = self._since_snapshot or []   # read by the next query
+            self._pending = self._since_snapshot or _KeyLog()   # read by the next query
             self._since_snapshot = None
             self.builds += 1
 
@@ -170,11 +195,7 @@ class AnnIndex:
         so no write runs meanwhile): their labels turn dirty, the live ones' current vectors
         go into the segment, the deleted ones leave it."""
         s = self.store
-        keys = np.concatenate(pending) if len(pending) > 1 else pending[0]
-        if keys.dtype == object:
-            keys = keys[factorize_keys(keys)[0]]
-        else:
-            keys = np.unique(keys)
+        keys = _distinct(pending)
         labels = b.snap.positions(keys)
         labels = labels[labels >= 0]
         if len(labels):
@@ -195,10 +216,10 @@ class AnnIndex:
         if self._built is None:
             self._build(guard_held=True)
         with self._lock:
-            b, pending, self._pending = self._built, self._pending, []
+            b, pending, self._pending = self._built, self._pending, _KeyLog()
         assert b is not None
-        if pending:
-            self._catch_up(b, pending)
+        if pending.parts:
+            self._catch_up(b, pending.parts)
         if b.fresh() > self.rebuild_at * max(b.n, 1):
             self.rebuild(wait=False)
         q = np.ascontiguousarray(q, np.float32)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import embstore
+from embstore.errors import InvalidInputError
 
 pytest.importorskip("usearch")
 pytest.importorskip("pyarrow")
@@ -158,3 +159,37 @@ def test_recall_on_clustered_vectors_through_rounds_of_rewrites():
         if ann._building is not None:
             ann._building.join()
     assert np.mean(recalls) >= 0.95 and min(recalls) >= 0.9, recalls
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_the_graph_stores_vectors_at_the_chosen_precision_and_scores_stay_exact(dtype):
+    rng = np.random.default_rng(15)
+    store = embstore.open("memory://", dim=8)
+    store.assign(np.arange(300), rng.standard_normal((300, 8), dtype=np.float32))
+    guard = threading.RLock()
+    ann = AnnIndex(store, guard, dtype=dtype)    # 300 rows: the search reaches every one
+    q = rng.standard_normal((4, 8), dtype=np.float32)
+    with guard:
+        got, want = ann.top_k(q, 10), store.top_k(q, 10)
+    assert got.keys.tolist() == want.keys.tolist()
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)
+    with pytest.raises(InvalidInputError, match="dtype"):
+        AnnIndex(store, guard, dtype="i8")     # i8 would turn the inner product into a cosine
+
+
+def test_keys_written_without_a_query_are_held_once_each():
+    rng = np.random.default_rng(16)
+    n, dim = 1000, 4
+    store = embstore.open("memory://", dim=dim)
+    store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
+    guard = threading.RLock()
+    ann = AnnIndex(store, guard, rebuild_at=1.0)
+    q = rng.standard_normal((3, dim), dtype=np.float32)
+    with guard:
+        ann.top_k(q, 5)
+    for _ in range(1100):          # 1.1M keys written, 1000 distinct
+        store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
+    assert ann._pending.n <= (1 << 20) and len(ann._pending.parts) < 200
+    with guard:
+        got, want = ann.top_k(q, 5), store.top_k(q, 5)
+    assert got.keys.tolist() == want.keys.tolist()

@@ -265,20 +265,20 @@ class AnnIndex:
             cand, c_scores = cand[keep], c_scores[keep]
         keys, sc = b.snap.keys[cand], c_scores
         if f_scores is not None:
-            neg = -f_scores
-            if ex is not None:   # picked last, dropped below
+            neg, rows = -f_scores, None
+            if ex is not None:      # the excluded rows are left out before picking
                 at = b.seg.positions(ex)
-                out = np.zeros(len(neg), bool)
-                out[at[at >= 0]] = True
-                neg[out] = np.inf
+                if (at >= 0).any():
+                    keep = np.ones(len(neg), bool)
+                    keep[at[at >= 0]] = False
+                    rows = np.flatnonzero(keep)
+                    neg = neg[rows]
             if len(neg) > k:   # the segment's k best, ties at the k-th kept for the key order
                 kth = np.partition(neg, k - 1)[k - 1]
                 pick = np.flatnonzero(neg <= kth) if kth == kth else np.arange(len(neg))
             else:
                 pick = np.arange(len(neg))
-            if ex is not None:
-                pick = pick[~out[pick]]
-            keys = np.concatenate((keys, seg_keys[pick]))
+            keys = np.concatenate((keys, seg_keys[pick if rows is None else rows[pick]]))
             sc = np.concatenate((sc, -neg[pick]))
         tie = np.unique(keys, return_inverse=True)[1] if keys.dtype == object else keys
         order = np.lexsort((tie, -sc))[:k]

@@ -193,3 +193,25 @@ def test_keys_written_without_a_query_are_held_once_each():
     with guard:
         got, want = ann.top_k(q, 5), store.top_k(q, 5)
     assert got.keys.tolist() == want.keys.tolist()
+
+
+def test_excluded_fresh_keys_leave_room_for_nan_scores():
+    """The exact top-k ranks a NaN score (overflowing to inf - inf) after every number but
+    returns it when too few numbers are left; excluded fresh keys must not take those places."""
+    store = embstore.open("memory://", dim=2)
+    guard = threading.RLock()
+    ann = AnnIndex(store, guard, rebuild_at=1.0)
+    store.assign(np.arange(20), np.ones((20, 2), np.float32))
+    q = np.array([[2.0, 2.0]], np.float32)
+    with guard:
+        ann.top_k(q, 5)                 # built: every key below is fresh
+    vecs = np.zeros((20, 2), np.float32)
+    vecs[:3] = [[1, 0], [2, 0], [3, 0]]
+    vecs[3:5] = [3e38, -3e38]           # NaN scores
+    vecs[5:] = [10, 10]                 # the best, excluded
+    store.assign(np.arange(20), vecs)
+    ex = [np.arange(5, 20)]
+    with guard:
+        got, want = ann.top_k(q, 5, ex), store.top_k(q, 5, ex)
+    assert want.keys.tolist() == [[2, 1, 0, 3, 4]]
+    assert got.keys.tolist() == want.keys.tolist()

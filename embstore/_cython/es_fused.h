@@ -52,8 +52,7 @@ static inline int es_wide(void) {
 #define ES_PICK(n) n##_base
 #endif
 
-#define es_pool_bag_f32 ES_PICK(es_pool_bag_f32)
-#define es_pool_bag_bf16 ES_PICK(es_pool_bag_bf16)
+#define es_pool_bag ES_PICK(es_pool_bag)
 #define es_scatter_sums ES_PICK(es_scatter_sums)
 #define es_sum_key ES_PICK(es_sum_key)
 #define es_step_row ES_PICK(es_step_row)

@@ -1,40 +1,21 @@
 /* The bodies of es_fused.h's inner loops, included once per CPU class with ES_NAME (the
    function names' suffix) and ES_ATTR (their target attribute) set; no include guard. */
-/* Bag [start, stop) of float32 rows into o: summed in element order from zero (w[e] times
-   each, one fused multiply-add, when w is not NULL), divided by the length with mean. */
-ES_ATTR static void ES_NAME(es_pool_bag_f32)(float* restrict o, ptrdiff_t d, const float* const* rows,
-                                      const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
-                                      const float* w, int mean) {
+/* Bag [start, stop) into o: the rows (float32, or bfloat16 widened exactly as read) summed
+   in element order from zero (w[e] times each, one fused multiply-add, when w is not NULL),
+   divided by the length with mean. The compiler unswitches the loop-invariant tests: each
+   case is its own vector loop. */
+ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const void* const* rows,
+                                         const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
+                                         const float* w, int mean, int bf16) {
     ptrdiff_t e, k;
     memset(o, 0, (size_t) d * sizeof(float));
     for (e = start; e < stop; e++) {
-        const float* restrict r = rows[inv[e]];
-        if (w) {
-            float we = w[e];
-            for (k = 0; k < d; k++) o[k] = fmaf(we, r[k], o[k]);
-        } else {
-            for (k = 0; k < d; k++) o[k] = o[k] + r[k];
-        }
-    }
-    if (mean && stop > start) {
-        float fl = (float) (stop - start);
-        for (k = 0; k < d; k++) o[k] = o[k] / fl;
-    }
-}
-
-/* es_pool_bag_f32 of bfloat16 rows, each value widened exactly as it is read */
-ES_ATTR static void ES_NAME(es_pool_bag_bf16)(float* restrict o, ptrdiff_t d, const uint16_t* const* rows,
-                                       const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
-                                       const float* w, int mean) {
-    ptrdiff_t e, k;
-    memset(o, 0, (size_t) d * sizeof(float));
-    for (e = start; e < stop; e++) {
-        const uint16_t* restrict r = rows[inv[e]];
-        if (w) {
-            float we = w[e];
-            for (k = 0; k < d; k++) o[k] = fmaf(we, es_bf16_to_f32(r[k]), o[k]);
-        } else {
-            for (k = 0; k < d; k++) o[k] = o[k] + es_bf16_to_f32(r[k]);
+        const float* restrict r = (const float*) rows[inv[e]];
+        const uint16_t* restrict h = (const uint16_t*) rows[inv[e]];
+        float we = w ? w[e] : 1.0f;
+        for (k = 0; k < d; k++) {
+            float x = bf16 ? es_bf16_to_f32(h[k]) : r[k];
+            o[k] = w ? fmaf(we, x, o[k]) : o[k] + x;
         }
     }
     if (mean && stop > start) {

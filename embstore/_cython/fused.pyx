@@ -31,12 +31,9 @@ cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
 
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
-    void es_pool_bag_f32(float* o, Py_ssize_t d, const float* const* rows, const int64_t* inv,
-                         Py_ssize_t start, Py_ssize_t stop, const float* w,
-                         int mean) noexcept nogil
-    void es_pool_bag_bf16(float* o, Py_ssize_t d, const uint16_t* const* rows,
-                          const int64_t* inv, Py_ssize_t start, Py_ssize_t stop,
-                          const float* w, int mean) noexcept nogil
+    void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
+                     Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
+                     int bf16) noexcept nogil
     void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
                          Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
                          const int64_t* offsets, const float* w, int mean,
@@ -194,12 +191,8 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
             ES_PREFETCH(rows[u])
             ES_PREFETCH(<const char*> rows[u] + d * (4 if kind == KIND_F32 else 2) - 1)
         for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
-            if kind == KIND_F32:
-                es_pool_bag_f32(&out[b, 0], d, rows, &inv[0], offsets[b], offsets[b + 1], w,
-                                mean)
-            else:
-                es_pool_bag_bf16(&out[b, 0], d, <const uint16_t**> rows, &inv[0], offsets[b],
-                                 offsets[b + 1], w, mean)
+            es_pool_bag(&out[b, 0], d, <const void**> rows, &inv[0], offsets[b],
+                        offsets[b + 1], w, mean, kind == KIND_BF16)
     free(rows)
 
 

@@ -9,8 +9,9 @@
    cannot be built), and vs TFRA's ``de.embedding_lookup`` on a
    pre-populated ``de.get_variable`` (CuckooHashTable) trained by
    ``de.DynamicEmbeddingOptimizer(SGD)`` (target >= 1.0x). TFRA 0.8.1 needs TF 2.16, so it runs
-   in its own venv (``make tfra-venv``) as a subprocess that times its rounds when told to:
-   rounds of all contenders alternate, none runs while another is timed. Then the cost of one
+   in its own venv (``make tfra-venv``) as a peer process (``tfra_peer.py``) that times its
+   rounds when told to: rounds of all contenders alternate (``races.py``), none runs while
+   another is timed. Then the cost of one
    TF -> Python hand-over of the batch's keys: ``tf.numpy_function`` vs the adapter's
    ``EmbstorePyCall`` op.
 3. PyTorch, small batches: ``DynamicEmbedding`` over one shared table fed a ``(256, 7)`` batch
@@ -27,15 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
+import tfra_peer
+from races import local_round, print_rows, race, race_rounds
 
 IDS_PER_BATCH = 4096
 BAG = 8
@@ -50,46 +46,6 @@ def _keys_stream(n_steps: int, id_space: int, seed: int = 0) -> list[np.ndarray]
         k = (rng.zipf(1.2, IDS_PER_BATCH) - 1) % id_space
         out.append(k.astype(np.int64))
     return out
-
-
-Round = Callable[[], tuple[float, float]]  # runs one timed round: (steps/wall s, steps/CPU s)
-
-
-def _local_round(step, batches) -> Round:
-    def run() -> tuple[float, float]:
-        t, c = time.perf_counter(), time.process_time()
-        for b in batches:
-            step(b)
-        n = len(batches)
-        return n / (time.perf_counter() - t), n / max(time.process_time() - c, 1e-9)
-    return run
-
-
-def _race_rounds(rounds: dict[str, Round], repeats: int = 7) -> dict[str, tuple[float, float]]:
-    """Median steps/s (wall, CPU) of each contender over alternating rounds.
-
-    The machine is shared and its load changes over time, so every round times each contender
-    back to back; CPU steps/s (per CPU second of the process running the step) is what a step
-    costs, whatever the other tenants do.
-    """
-    res: dict[str, list[tuple[float, float]]] = {k: [] for k in rounds}
-    for _ in range(repeats):
-        for name, run in rounds.items():
-            res[name].append(run())
-    med = statistics.median
-    return {k: (med(w for w, _ in v), med(c for _, c in v)) for k, v in res.items()}
-
-
-def _race(ref_step, dyn_step, batches, warmup: int = 3,
-          repeats: int = 7) -> tuple[float, float, float, float]:
-    """``(dyn_wall, ref_wall, dyn_cpu, ref_cpu)`` steps/s of two local steps (see
-    :func:`_race_rounds`)."""
-    for b in batches[:warmup]:
-        ref_step(b)
-        dyn_step(b)
-    r = _race_rounds({"ref": _local_round(ref_step, batches[warmup:]),
-                      "dyn": _local_round(dyn_step, batches[warmup:])}, repeats)
-    return r["dyn"][0], r["ref"][0], r["dyn"][1], r["ref"][1]
 
 
 def bench_torch(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
@@ -144,7 +100,7 @@ def bench_torch(n_steps: int, id_space: int) -> list[tuple[str, float, float]]:
             loss.backward()  # the store applies its optimizer here
             dense_opt.step()
 
-        rows.append((f"torch {opt_name}: steps/s", *_race(ref_step, dyn_step, batches)))
+        rows.append((f"torch {opt_name}: steps/s", *race(ref_step, dyn_step, batches)))
         store.close()
     return rows
 
@@ -234,7 +190,7 @@ def bench_torch_rec(n_steps: int) -> list[tuple[str, float, float, float, float]
             dense_opt.step()
 
         items = list(zip(batches, labels, strict=True))
-        rows.append((f"rec {key_type} adagrad: steps/s", *_race(ref_step, dyn_step, items)))
+        rows.append((f"rec {key_type} adagrad: steps/s", *race(ref_step, dyn_step, items)))
         store.close()
     return rows
 
@@ -329,109 +285,15 @@ def bench_torch_small(n_steps: int) -> list[tuple[str, float, float, float, floa
             ref_step(items[i])
             pre(premapped[i])
             dyn_step(items[i])
-        r = _race_rounds({"dyn": _local_round(dyn_step, items[3:]),
-                          "ref": _local_round(ref_step, items[3:]),
-                          "pre": _local_round(pre, premapped[3:])})
+        r = race_rounds({"dyn": local_round(dyn_step, items[3:]),
+                          "ref": local_round(ref_step, items[3:]),
+                          "pre": local_round(pre, premapped[3:])})
         rows.append((f"small {key_type} DynamicEmbedding", r["dyn"][0], r["ref"][0],
                      r["dyn"][1], r["ref"][1]))
         rows.append(("  vs pre-mapped ids", r["dyn"][0], r["pre"][0], r["dyn"][1],
                      r["pre"][1]))
         store.close()
     return rows
-
-
-class _TFRAWorker:
-    """The TFRA step in a subprocess (its own venv and TF version), timed one round per call."""
-
-    def __init__(self, python: str, batches: list[np.ndarray], id_space: int, lr: float,
-                 warmup: int) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="embstore-tfra-")
-        path = os.path.join(self._dir.name, "batches.npy")
-        np.save(path, np.stack(batches))
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
-        self._err = open(os.path.join(self._dir.name, "stderr"), "w+")
-        self._p = subprocess.Popen(
-            [python, os.path.abspath(__file__), "--tfra-worker", path,
-             "--id-space", str(id_space), "--lr", str(lr), "--warmup", str(warmup)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
-        self._expect("ready")
-
-    def _expect(self, what: str) -> str:
-        line = self._p.stdout.readline().strip()
-        if not line.startswith(what):
-            self._err.seek(0)
-            tail = "".join(self._err.readlines()[-5:]).strip()
-            self.close()
-            raise RuntimeError(f"TFRA worker failed ({line!r}): {tail}")
-        return line
-
-    def round(self) -> tuple[float, float]:
-        self._p.stdin.write("round\n")
-        self._p.stdin.flush()
-        _, wall, cpu = self._expect("round").split()
-        return float(wall), float(cpu)
-
-    def close(self) -> None:
-        if self._p.poll() is None:
-            try:
-                self._p.stdin.write("quit\n")
-                self._p.stdin.flush()
-                self._p.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self._p.kill()
-        self._err.close()
-        self._dir.cleanup()
-
-
-def tfra_worker(batch_file: str, id_space: int, lr: float, warmup: int) -> None:
-    """Child side of :class:`_TFRAWorker` (runs under the TFRA venv's python)."""
-    # Protocol lines go to the original stdout; anything TF/TFRA prints goes to stderr.
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    import tensorflow as tf
-    from tensorflow_recommenders_addons import dynamic_embedding as de
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    batches = [tf.constant(b) for b in np.load(batch_file)]
-    dim = DIM
-    var = de.get_variable("bench", key_dtype=tf.int64, value_dtype=tf.float32, dim=dim,
-                          initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
-                          init_size=id_space)  # default kv_creator: CuckooHashTable
-    chunk = 200_000
-    for s in range(0, id_space, chunk):  # the same table size as the embstore side
-        k = tf.range(s, min(id_space, s + chunk), dtype=tf.int64)
-        var.upsert(k, tf.random.uniform((tf.size(k), dim), -0.05, 0.05))
-    opt = de.DynamicEmbeddingOptimizer(tf.keras.optimizers.SGD(lr))
-
-    @tf.function
-    def step(keys):
-        with tf.GradientTape() as tape:
-            vecs = de.embedding_lookup(var, keys, name="bench_lookup")
-            loss = tf.reduce_sum(vecs) * 1e-3
-        # TFRA's documented TF2 path: the lookup's shadow (trainable) variable, by name
-        tw = var.get_trainable_by_name("bench_lookup")
-        opt.apply_gradients(zip(tape.gradient(loss, [tw]), [tw]))
-        return loss
-
-    for b in batches[:warmup]:
-        step(b)
-    timed = _local_round(step, batches[warmup:])
-    print("ready", file=proto, flush=True)
-    for line in sys.stdin:
-        if line.strip() != "round":
-            break
-        wall, cpu = timed()
-        print(f"round {wall} {cpu}", file=proto, flush=True)
-
-
-def _default_tfra_python() -> str | None:
-    env = os.environ.get("EMBSTORE_TFRA_PYTHON")
-    if env:
-        return env
-    local = Path(__file__).resolve().parent.parent / ".venv-tfra" / "bin" / "python"
-    return str(local) if local.exists() else None
 
 
 def bench_tf(n_steps: int, id_space: int,
@@ -496,19 +358,19 @@ def bench_tf(n_steps: int, id_space: int,
         ref_step(b)
         dyn_step(b)
         np_step(b)
-    rounds = {"dyn": _local_round(dyn_step, tb[warmup:]),
-              "ref": _local_round(ref_step, tb[warmup:]),
-              "np": _local_round(np_step, tb[warmup:])}
+    rounds = {"dyn": local_round(dyn_step, tb[warmup:]),
+              "ref": local_round(ref_step, tb[warmup:]),
+              "np": local_round(np_step, tb[warmup:])}
     worker = None
     if tfra_python:
         try:
-            worker = _TFRAWorker(tfra_python, batches, id_space, lr, warmup)
+            worker = tfra_peer.TFRAPeer(tfra_python, batches, id_space, DIM, lr, warmup)
             rounds["tfra"] = worker.round
         except (OSError, RuntimeError) as e:
             print(f"(TFRA part skipped: {e})")
     try:
         load = os.getloadavg()
-        r = _race_rounds(rounds)
+        r = race_rounds(rounds)
         print(f"TF part: load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     finally:
         if worker is not None:
@@ -549,7 +411,7 @@ def bench_tf_handover(n_calls: int = 300) -> None:
     for f in fns.values():
         for _ in range(20):
             f(keys)
-    r = _race_rounds({name: _local_round(f, [keys] * n_calls) for name, f in fns.items()})
+    r = race_rounds({name: local_round(f, [keys] * n_calls) for name, f in fns.items()})
     print("one hand-over of 4096 int64 keys, per tf.function call (us, wall / CPU): " + ", ".join(
         f"{name} {1e6 / w:.0f} / {1e6 / c:.0f}" for name, (w, c) in r.items()))
 
@@ -564,27 +426,21 @@ def main() -> None:
                    help="only the recommendation shape (batch 256, 7 features, Adagrad)")
     p.add_argument("--small-only", action="store_true",
                    help="only DynamicEmbedding on the recommendation shape (256 x 7 raw keys)")
-    p.add_argument("--tfra-python", default=_default_tfra_python(),
+    p.add_argument("--tfra-python", default=tfra_peer.default_python(),
                    help="python of a venv with TFRA 0.8.1 (default: $EMBSTORE_TFRA_PYTHON, "
                         "else .venv-tfra/bin/python if present)")
-    p.add_argument("--tfra-worker", metavar="BATCHES", help=argparse.SUPPRESS)
     p.add_argument("--id-space", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--lr", type=float, default=0.05, help=argparse.SUPPRESS)
-    p.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.tfra_worker:
-        tfra_worker(a.tfra_worker, a.id_space, a.lr, a.warmup)
-        return
     steps = a.steps or (15 if a.quick else 60)
     id_space = a.id_space or (50_000 if a.quick else 1_000_000)
     import torch
 
     torch.set_num_threads(1)
     if a.rec_only:
-        _print_rows(bench_torch_rec(max(steps, 40) * 4))
+        print_rows(bench_torch_rec(max(steps, 40) * 4))
         return
     if a.small_only:
-        _print_rows(bench_torch_small(max(steps, 40) * 4))
+        print_rows(bench_torch_small(max(steps, 40) * 4))
         return
     print(f"batch {IDS_PER_BATCH} ids ({IDS_PER_BATCH // BAG} bags x {BAG}), dim {DIM}, "
           f"{id_space:,} ids, {steps} steps, 1 torch / 1 TF thread")
@@ -599,20 +455,12 @@ def main() -> None:
             bench_tf_handover()
         except ImportError as e:
             print(f"(TensorFlow part skipped: {e})")
-    _print_rows(rows)
+    print_rows(rows)
     print("steps/s per wall-clock second, then per CPU second of the process running the step "
           "(medians of alternating rounds)")
     print("references: torch nn.EmbeddingBag(sparse=True) + torch.optim.SGD/Adagrad; "
           "tf.nn.embedding_lookup on a tf.Variable + scatter_sub; TFRA 0.8.1 de.embedding_lookup "
           "+ DynamicEmbeddingOptimizer(SGD) (TF 2.16, own venv)")
-
-
-def _print_rows(rows: list) -> None:
-    print(f"{'benchmark':30s} {'embstore':>9s} {'reference':>9s} {'ratio':>6s}   "
-          f"{'cpu: embstore':>13s} {'reference':>9s} {'ratio':>6s}")
-    for name, dw, rw, dc, rc in rows:
-        print(f"{name:30s} {dw:9.1f} {rw:9.1f} {dw / rw:5.2f}x   {dc:13.1f} {rc:9.1f} "
-              f"{dc / rc:5.2f}x")
 
 
 if __name__ == "__main__":

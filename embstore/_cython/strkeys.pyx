@@ -180,6 +180,35 @@ ctypedef struct _Slot:
     int64_t id      # distinct key number, -1 when free
 
 
+cdef _Slot* _new_table(Py_ssize_t n, uint64_t* mask) noexcept nogil:
+    """An empty probing table for up to ``n`` keys, at most half full (NULL: no memory);
+    ``mask[0]`` receives its size - 1."""
+    cdef uint64_t cap = 16, j
+    while cap < 2 * <uint64_t> n:
+        cap *= 2
+    mask[0] = cap - 1
+    cdef _Slot* table = <_Slot*> malloc(cap * sizeof(_Slot))
+    if table != NULL:
+        for j in range(cap):
+            table[j].id = -1
+    return table
+
+
+cdef inline uint64_t _probe(const _Slot* table, uint64_t mask, uint64_t h, KeyView key,
+                            const KeyView* views, const int64_t* first) noexcept nogil:
+    """The slot of ``key`` (hash ``h``): the one holding an equal key, else the free slot where
+    it goes. A slot's key is ``views[id]``, or ``views[first[id]]`` where ``first`` is given."""
+    cdef uint64_t j = h & mask
+    cdef int64_t f
+    while table[j].id >= 0:
+        if table[j].h == h:
+            f = table[j].id if first == NULL else first[table[j].id]
+            if views[f].n == key.n and memcmp(views[f].p, key.p, <size_t> key.n) == 0:
+                return j
+        j = (j + 1) & mask
+    return j
+
+
 def prefixed(object keys, bytes prefix):
     """A list of ``prefix + key`` for every key (bytes or str), built in C: the form key-value
     drivers such as LMDB take (they need a list of bytes objects anyway)."""
@@ -415,46 +444,26 @@ cdef tuple _factorize_content(object keys):
     """:func:`factorize` by hashing and comparing every key's bytes."""
     cdef Py_ssize_t n, i, nu = 0
     cdef KeyView* v = key_views(keys, &n)
-    cdef uint64_t cap = 16, mask, j, h
-    while cap < 2 * <uint64_t> n:
-        cap *= 2
-    mask = cap - 1
-    cdef _Slot* table = <_Slot*> malloc(cap * sizeof(_Slot))
-    cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
-    if table == NULL or hs == NULL:
-        free(table)
-        free(hs)
+    cdef uint64_t mask, j, h
+    cdef _Slot* table = _new_table(n, &mask)
+    if table == NULL:
         free(v)
         raise MemoryError("factorize: cannot allocate its hash table")
     first_arr = np.empty(n, dtype=np.int64)
     inv_arr = np.empty(n, dtype=np.int64)
     cdef int64_t[::1] first = first_arr
     cdef int64_t[::1] inv = inv_arr
-    cdef int64_t f
     with nogil:
-        for j in range(cap):
-            table[j].id = -1
         for i in range(n):
-            hs[i] = hash_view(v[i], _FACTORIZE_SEED)
-        for i in range(n):
-            h = hs[i]
-            j = h & mask
-            while True:
-                if table[j].id < 0:
-                    table[j].h = h
-                    table[j].id = nu
-                    first[nu] = i
-                    inv[i] = nu
-                    nu += 1
-                    break
-                if table[j].h == h:
-                    f = first[table[j].id]
-                    if v[f].n == v[i].n and memcmp(v[f].p, v[i].p, <size_t> v[i].n) == 0:
-                        inv[i] = table[j].id
-                        break
-                j = (j + 1) & mask
+            h = hash_view(v[i], _FACTORIZE_SEED)
+            j = _probe(table, mask, h, v[i], v, &first[0])
+            if table[j].id < 0:
+                table[j].h = h
+                table[j].id = nu
+                first[nu] = i
+                nu += 1
+            inv[i] = table[j].id
     free(table)
-    free(hs)
     free(v)
     return first_arr[:nu], inv_arr
 
@@ -471,43 +480,24 @@ def isin(object keys, object among):
     except BaseException:
         free(a)
         raise
-    cdef uint64_t cap = 16, mask, j, h
-    while cap < 2 * <uint64_t> m:
-        cap *= 2
-    mask = cap - 1
-    cdef _Slot* table = <_Slot*> malloc(cap * sizeof(_Slot))
+    cdef uint64_t mask, j, h
+    cdef _Slot* table = _new_table(m, &mask)
     if table == NULL:
         free(a)
         free(v)
         raise MemoryError("isin: cannot allocate its hash table")
     out_arr = np.zeros(n, dtype=np.bool_)
     cdef uint8_t[::1] out = out_arr.view(np.uint8)
-    cdef int64_t f
     with nogil:
-        for j in range(cap):
-            table[j].id = -1
         for i in range(m):          # the set of among's keys (a repeated one is kept once)
             h = hash_view(a[i], _FACTORIZE_SEED)
-            j = h & mask
-            while table[j].id >= 0:
-                if table[j].h == h:
-                    f = table[j].id
-                    if a[f].n == a[i].n and memcmp(a[f].p, a[i].p, <size_t> a[i].n) == 0:
-                        break
-                j = (j + 1) & mask
+            j = _probe(table, mask, h, a[i], a, NULL)
             if table[j].id < 0:
                 table[j].h = h
                 table[j].id = i
         for i in range(n):
-            h = hash_view(v[i], _FACTORIZE_SEED)
-            j = h & mask
-            while table[j].id >= 0:
-                if table[j].h == h:
-                    f = table[j].id
-                    if a[f].n == v[i].n and memcmp(a[f].p, v[i].p, <size_t> v[i].n) == 0:
-                        out[i] = 1
-                        break
-                j = (j + 1) & mask
+            j = _probe(table, mask, hash_view(v[i], _FACTORIZE_SEED), v[i], a, NULL)
+            out[i] = table[j].id >= 0
     free(table)
     free(a)
     free(v)
@@ -525,51 +515,29 @@ def count_matching(object keys, const uint8_t[::1] marked):
         raise ValueError(f"count_matching: {marked.shape[0]} marks for {n} keys")
     for i in range(n):
         m += marked[i] != 0
-    cdef uint64_t cap = 16, mask, j, h
-    while cap < 2 * <uint64_t> m:
-        cap *= 2
-    mask = cap - 1
-    cdef _Slot* table = <_Slot*> malloc(cap * sizeof(_Slot))
+    cdef uint64_t mask, j
+    cdef _Slot* table = _new_table(m, &mask)
     cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
     if table == NULL or hs == NULL:
         free(table)
         free(hs)
         free(v)
         raise MemoryError("count_matching: cannot allocate its hash table")
-    cdef int64_t f
     with nogil:
-        for j in range(cap):
-            table[j].id = -1
         for i in range(n):
             hs[i] = hash_view(v[i], _FACTORIZE_SEED)
         for i in range(n):          # the marked keys (a repeated one is kept once)
             if not marked[i]:
                 continue
             count += 1
-            h = hs[i]
-            j = h & mask
-            while table[j].id >= 0:
-                if table[j].h == h:
-                    f = table[j].id
-                    if v[f].n == v[i].n and memcmp(v[f].p, v[i].p, <size_t> v[i].n) == 0:
-                        break
-                j = (j + 1) & mask
+            j = _probe(table, mask, hs[i], v[i], v, NULL)
             if table[j].id < 0:
-                table[j].h = h
+                table[j].h = hs[i]
                 table[j].id = i
         if m:
             for i in range(n):
-                if marked[i]:
-                    continue
-                h = hs[i]
-                j = h & mask
-                while table[j].id >= 0:
-                    if table[j].h == h:
-                        f = table[j].id
-                        if v[f].n == v[i].n and memcmp(v[f].p, v[i].p, <size_t> v[i].n) == 0:
-                            count += 1
-                            break
-                    j = (j + 1) & mask
+                if not marked[i] and table[_probe(table, mask, hs[i], v[i], v, NULL)].id >= 0:
+                    count += 1
     free(table)
     free(hs)
     free(v)

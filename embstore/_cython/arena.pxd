@@ -1,7 +1,7 @@
 """Declarations of :class:`RecordArena`, so that other compiled modules can allocate slots."""
 
 cimport cython
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
 @cython.final
@@ -28,3 +28,6 @@ cdef class RecordArena:
     cdef uint32_t _alloc_one(self) except? 0xFFFFFFFF
     cdef uint8_t* _row(self, uint32_t slot) noexcept nogil
     cdef int _check_slots(self, const uint32_t[::1] slots, str what) except -1
+    cdef int _check_metadata(self, Py_ssize_t n, const Py_ssize_t[::1] add_offsets,
+                             const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
+                             const uint64_t[::1] set_bits, str what) except -1

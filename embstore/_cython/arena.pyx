@@ -274,6 +274,23 @@ cdef class RecordArena:
                 raise ValueError(f"{what}: a slot is not in the arena")
         return 0
 
+    cdef int _check_metadata(self, Py_ssize_t n, const Py_ssize_t[::1] add_offsets,
+                             const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
+                             const uint64_t[::1] set_bits, str what) except -1:
+        # The counts added (int64 fields, one value per row of n) and the stamps set (8 bytes
+        # each) of an in-place update: every field inside the record, every value there.
+        cdef Py_ssize_t na = add_offsets.shape[0], ns = set_offsets.shape[0], f
+        if (na and add_values.shape[1] < n) or add_values.shape[0] < na \
+                or set_bits.shape[0] < ns:
+            raise ValueError(f"{what}: value arrays are shorter than the rows")
+        for f in range(na):
+            if add_offsets[f] < 0 or add_offsets[f] + 8 > self.itemsize:
+                raise ValueError(f"{what}: an int field does not fit the record")
+        for f in range(ns):
+            if set_offsets[f] < 0 or set_offsets[f] + 8 > self.itemsize:
+                raise ValueError(f"{what}: a set field does not fit the record")
+        return 0
+
     def update_rows(self, const uint32_t[::1] slots, Py_ssize_t axpy_offset,
                     const float[:, ::1] x, float alpha, const Py_ssize_t[::1] add_offsets,
                     const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
@@ -286,17 +303,11 @@ cdef class RecordArena:
         cdef uint8_t* row
         cdef float* v
         cdef int64_t* c
-        if x.shape[0] < n or (na and add_values.shape[1] < n) or add_values.shape[0] < na \
-                or set_bits.shape[0] < ns:
-            raise ValueError("update_rows: value arrays are shorter than the slots")
+        if x.shape[0] < n:
+            raise ValueError("update_rows: value arrays are shorter than the rows")
         if axpy_offset < 0 or axpy_offset + d * 4 > self.itemsize:
             raise ValueError("update_rows: the float field does not fit the record")
-        for f in range(na):
-            if add_offsets[f] < 0 or add_offsets[f] + 8 > self.itemsize:
-                raise ValueError("update_rows: an int field does not fit the record")
-        for f in range(ns):
-            if set_offsets[f] < 0 or set_offsets[f] + 8 > self.itemsize:
-                raise ValueError("update_rows: a set field does not fit the record")
+        self._check_metadata(n, add_offsets, add_values, set_offsets, set_bits, "update_rows")
         self._check_slots(slots, "update_rows")
         with nogil:
             for j in range(n):

@@ -255,7 +255,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     rounded back, to nearest, or with ``stochastic`` by random bits that are a function of
     ``seed``, the key's row ``u`` and the coordinate only (not of the thread split)."""
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
-    cdef Py_ssize_t na = add_offsets.shape[0], ns = set_offsets.shape[0], f, u
+    cdef Py_ssize_t u
     cdef Py_ssize_t acc_width = d if rule == RULE_ADAGRAD else 1
     cdef int nt = _split(threads, (nu if nu > n_bags else n_bags) * d)
     cdef float* sums
@@ -275,14 +275,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
             rule != RULE_AXPY and (acc_offset < 0 or acc_offset + acc_width
                                    * (4 if acc_kind == KIND_F32 else 2) > arena.itemsize)):
         raise ValueError("step_bags: the float fields do not fit the record")
-    if add_values.shape[0] < na or (na and add_values.shape[1] < nu) or set_bits.shape[0] < ns:
-        raise ValueError("step_bags: value arrays are shorter than the keys")
-    for f in range(na):
-        if add_offsets[f] < 0 or add_offsets[f] + 8 > arena.itemsize:
-            raise ValueError("step_bags: an int field does not fit the record")
-    for f in range(ns):
-        if set_offsets[f] < 0 or set_offsets[f] + 8 > arena.itemsize:
-            raise ValueError("step_bags: a set field does not fit the record")
+    arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_bags")
     _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
     arena._check_slots(slots, "step_bags")
     sums = <float*> malloc((nu * d + d + 1) * sizeof(float))  # the sums, then a scratch row

@@ -41,10 +41,8 @@ _NONE = torch.zeros(0)
 def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) -> bool:
     """Whether the fused op takes these arguments: an integer CPU tensor, 2-D (one bag per
     row) or 1-D with a 1-D offsets tensor, weights (sum only) that need no gradient."""
-    if not isinstance(input, torch.Tensor) or mode not in ("sum", "mean"):
-        return False
-    if (input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool
-            or input.numel() == 0 or input.device.type != "cpu"):
+    if (not isinstance(input, torch.Tensor) or mode not in ("sum", "mean")
+            or not int64_ids_usable(input) or input.numel() == 0):
         return False
     if not ((input.dim() == 2 and offsets is None)
             or (input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1)):
@@ -62,8 +60,7 @@ def int64_ids(values: Any) -> np.ndarray | None:
     """Flat integer ids (a CPU tensor, a numpy array or a list of ints) as a contiguous int64
     array (uint64 ids keep their bits); None for anything else (strings, floats, bools)."""
     if isinstance(values, torch.Tensor):
-        if (values.device.type != "cpu" or values.dtype.is_floating_point
-                or values.dtype.is_complex or values.dtype == torch.bool):
+        if not int64_ids_usable(values):
             return None
         arr = values.detach()
         arr = arr.view(torch.int64) if arr.dtype == torch.uint64 else arr.to(torch.int64)

@@ -141,12 +141,11 @@ class RowKernels:
         counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
         lr, eps = rule.params if rule is not None else (0.0, 0.0)
         kind = fused.RULES["axpy" if rule is None else rule.name]
-        fields = self.layout.fields
-        vec_kind = _kind(fields["vector"][0])
-        acc_kind = _kind(fields["accum"][0]) if rule is not None else vec_kind
         return bool(fused.step_bags(arena, slots, inv, offsets, weights, mean, grad, kind,
                                     float(alpha), lr, eps, axpy_offset, acc_offset, add_offsets,
-                                    counts, set_offsets, bits, threads, vec_kind, acc_kind,
+                                    counts, set_offsets, bits, threads,
+                                    fused.KINDS[self.layout.value_dtype],
+                                    fused.KINDS[self.layout.slot_dtype],
                                     rounding or 0, rounding is not None))
 
     def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:
@@ -157,10 +156,6 @@ class RowKernels:
             self._plans[key, narrow] = row_plan(self.layout.fields, *key, narrow=narrow)
         return self._plans[key, narrow]
 
-
-def _kind(dtype: np.dtype) -> int:
-    """How the fused step reads a float field: float32, or bfloat16 stored as ``<u2``."""
-    return fused.KINDS["bfloat16" if dtype.base == np.uint16 else "float32"]
 
 
 def _metadata(update: Any, n: int, set_offsets: np.ndarray,

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "es_bf16.h"
+#include "es_prefetch.h"
 #include "es_rowsq.h"
 
 enum { ES_RULE_AXPY = 0, ES_RULE_ADAGRAD = 1, ES_RULE_ADAGRAD_ROWWISE = 2 };

@@ -33,7 +33,7 @@ cdef extern from "es_rowsq.h":
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
     void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
                      Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
-                     int bf16) noexcept nogil
+                     int bf16, Py_ssize_t ahead_stop) noexcept nogil
     void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
                          Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
                          const int64_t* offsets, const float* w, int mean,
@@ -188,11 +188,9 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
             s = slots[u]
             rows[u] = <const float*> (arena.chunks[s >> arena.shift]
                                       + (s & arena.low_mask) * arena.itemsize + vec_offset)
-            ES_PREFETCH(rows[u])
-            ES_PREFETCH(<const char*> rows[u] + d * (4 if kind == KIND_F32 else 2) - 1)
         for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
             es_pool_bag(&out[b, 0], d, <const void**> rows, &inv[0], offsets[b],
-                        offsets[b + 1], w, mean, kind == KIND_BF16)
+                        offsets[b + 1], w, mean, kind == KIND_BF16, offsets[n_bags])
     free(rows)
 
 
@@ -327,9 +325,10 @@ cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssiz
     """Key ``u``'s record: its optimizer step, counts and stamps, in one visit."""
     cdef uint8_t* row
     cdef Py_ssize_t f, d = sp.d
-    if u + AHEAD < slots.shape[0]:
+    if u + AHEAD < slots.shape[0]:  # every line of the record AHEAD keys on
         row = _row_at(arena, slots[u + AHEAD])
-        ES_PREFETCH_W(row)
+        for f in range(0, arena.itemsize, 64):
+            ES_PREFETCH_W(row + f)
         ES_PREFETCH_W(row + arena.itemsize - 1)
     row = _row_at(arena, slots[u])
     if sp.vec_kind == KIND_F32 and sp.acc_kind == KIND_F32:

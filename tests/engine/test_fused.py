@@ -217,3 +217,24 @@ def test_capacity_eviction_sees_the_same_rows(eviction):
     sa, sb = a[0].stats(), b[0].stats()
     assert {k: sa[k] for k in (*STAT_NAMES, "deletes")} == {k: sb[k] for k in
                                                            (*STAT_NAMES, "deletes")}
+
+
+@pytest.mark.parametrize("dim", [1, 31, 32, 40, 64, 100])
+@pytest.mark.parametrize("mode", ["sum", "mean", "weighted"])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+def test_pooling_every_width_equals_embedding_bag(dim, mode, value_dtype):
+    # the kernel sums ES_BLOCK columns at a time in registers and the rest in one loop: both,
+    # and widths below one block, give torch's bits
+    a = embstore.open("memory://", dim=dim, seed=2, value_dtype=value_dtype)
+    rng = np.random.default_rng(dim)
+    lengths = rng.integers(0, 9, 200)
+    ids = rng.zipf(1.2, int(lengths.sum())).astype(np.int64) % 500
+    offs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    w = rng.standard_normal(len(ids)).astype(np.float32) if mode == "weighted" else None
+    pooled, batch = a.pool_bags(ids, offs, weights=w, mean=mode == "mean")
+    vecs = torch.from_numpy(a.lookup(batch.uniq).astype(np.float32))
+    ref = torch.nn.functional.embedding_bag(
+        torch.from_numpy(batch.inv), vecs, torch.from_numpy(offs),
+        mode="mean" if mode == "mean" else "sum",
+        per_sample_weights=None if w is None else torch.from_numpy(w))
+    assert torch.equal(torch.from_numpy(pooled), ref)

@@ -24,11 +24,24 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
     for (e = start; e < stop && e + ES_AHEAD < ahead_stop; e++)
         es_prefetch_span((const char*) rows[inv[e + ES_AHEAD]], row_bytes);
     float fl = (float) (stop - start);
-    int divide = mean && stop > start;
+    if (stop == start) {
+        memset(o, 0, (size_t) d * sizeof(float));
+        return;
+    }
     for (k0 = 0; k0 + ES_BLOCK <= d; k0 += ES_BLOCK) {
+        /* the first element's term added to 0 as the others are, with no zeroing pass (a
+           zeroed array would live on the stack, not in registers) */
         float acc[ES_BLOCK];
-        for (k = 0; k < ES_BLOCK; k++) acc[k] = 0.0f;
-        for (e = start; e < stop; e++) {
+        {
+            const float* restrict r = (const float*) rows[inv[start]] + k0;
+            const uint16_t* restrict h = (const uint16_t*) rows[inv[start]] + k0;
+            float we = w ? w[start] : 1.0f;
+            for (k = 0; k < ES_BLOCK; k++) {
+                float x = bf16 ? es_bf16_to_f32(h[k]) : r[k];
+                acc[k] = w ? fmaf(we, x, 0.0f) : 0.0f + x;
+            }
+        }
+        for (e = start + 1; e < stop; e++) {
             const float* restrict r = (const float*) rows[inv[e]] + k0;
             const uint16_t* restrict h = (const uint16_t*) rows[inv[e]] + k0;
             float we = w ? w[e] : 1.0f;
@@ -37,7 +50,7 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
                 acc[k] = w ? fmaf(we, x, acc[k]) : acc[k] + x;
             }
         }
-        if (divide) for (k = 0; k < ES_BLOCK; k++) acc[k] = acc[k] / fl;
+        if (mean) for (k = 0; k < ES_BLOCK; k++) acc[k] = acc[k] / fl;
         memcpy(o + k0, acc, sizeof acc);
     }
     if (k0 == d) return;
@@ -51,7 +64,7 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
             o[k] = w ? fmaf(we, x, o[k]) : o[k] + x;
         }
     }
-    if (divide) for (k = k0; k < d; k++) o[k] = o[k] / fl;
+    if (mean) for (k = k0; k < d; k++) o[k] = o[k] / fl;
 }
 
 /* Per key u = inv[e], the gradient of its elements summed into row u of sums (nu rows of d),

@@ -264,3 +264,44 @@ def test_the_wide_and_the_baseline_kernels_give_the_same_bits(value_dtype):
                               capture_output=True, timeout=300, check=True)
         runs.append(done.stdout)
     assert len(runs[0]) > 100_000 and runs[0] == runs[1]
+
+
+def _sums_by_numpy(inv, offsets, weights, mean, grad, nu):
+    """Per-key gradient sums as the unfused path makes them: zeros, then each element's term
+    added in element order (float32 throughout)."""
+    sums = np.zeros((nu, grad.shape[1]), dtype=np.float32)
+    for b in range(len(offsets) - 1):
+        n = offsets[b + 1] - offsets[b]
+        g = grad[b] / np.float32(n) if mean and n else grad[b]
+        for e in range(offsets[b], offsets[b + 1]):
+            # (weights are powers of two: w * g is exact, so fmaf is one float32 addition)
+            sums[inv[e]] = sums[inv[e]] + (weights[e] * g if len(weights) else g)
+    return sums
+
+
+@pytest.mark.parametrize("order", ["first-seen", "any"])
+@pytest.mark.parametrize("mean,weighted", [(False, False), (True, False), (False, True)])
+def test_gradient_sums_take_the_bits_of_zeros_plus_each_term(order, mean, weighted):
+    # dedupe's numbering and any other, negative zeros (0 + -0 is +0) and keys without
+    # elements: the bits of zeroed sums with each term added in element order
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 5, 60)
+    n = int(lengths.sum())
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    keys = rng.integers(0, 25, n)
+    if order == "first-seen":
+        _, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        rank = np.argsort(np.argsort(first))
+        inv = rank[inv].astype(np.int64)
+        nu = int(inv.max()) + 1
+    else:
+        inv = rng.permutation(40)[keys].astype(np.int64)  # keys 0..39, some never used
+        nu = 40
+    grad = rng.standard_normal((60, 8)).astype(np.float32)
+    grad[rng.random(grad.shape) < 0.3] = -0.0
+    weights = (rng.choice(np.float32([0.25, 0.5, 1, -2, 4]), n) if weighted
+               else np.zeros(0, dtype=np.float32))
+    got = np.full((nu, 8), np.nan, dtype=np.float32)
+    fused.grad_sums(inv, offsets, weights, mean, grad, got)
+    want = _sums_by_numpy(inv, offsets, weights, mean, grad, nu)
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()

@@ -10,6 +10,11 @@ the backward hands each table its column block of the output's gradient
 call). FBGEMM's table-batched op has the same shape: one output, one node. The store's
 native threads follow ``torch.get_num_threads()``.
 
+Under ``torch.compile`` the same forward is one custom op for every table,
+``embstore::fused_tables`` (its backward ``embstore::fused_tables_update``), whose output shape
+follows from the input's (no data-dependent split of the jagged values in the graph); the op
+names the tables by their modules' handles, as ``embstore::fused_bag`` does.
+
 Anything else (features sharing a table, max pooling, padding keys, namespaces, weights that
 need a gradient, ragged lists, eval / no-grad forwards, other stores) takes the collection's
 general path; both give the same bits.
@@ -22,7 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _fused
+from embstore.engine.fused import bag_batch
+
+from . import _compiled, _fused
 
 
 class Part:
@@ -56,26 +63,151 @@ class FusedTables(torch.autograd.Function):
     def forward(ctx: Any, trigger: torch.Tensor, parts: list[Part], where: list[int],
                 flat: np.ndarray, bounds: np.ndarray, stride: int, weights: np.ndarray | None,
                 width: int) -> torch.Tensor:
-        out = torch.empty(stride, width, dtype=torch.float32)
-        buf = out.numpy()
-        threads = torch.get_num_threads()
-        for part, block in zip(parts, where, strict=True):
-            lo, hi = int(bounds[block * stride]), int(bounds[(block + 1) * stride])
-            offsets = bounds[block * stride:(block + 1) * stride] - lo
-            got = part.store.pool_bags(flat[lo:hi], offsets,
-                                       weights=None if weights is None else weights[lo:hi],
-                                       mean=part.mean, threads=threads,
-                                       out=buf[:, part.column:part.column + part.dim])
-            if got is None:  # pragma: no cover - plan() asked each store just before
-                raise RuntimeError("embstore: a store refused the fused bag path")
-            part.batch = got[1]
         ctx.parts = parts
-        return out
+        return _pool_parts(parts, where, flat, bounds, stride, weights, width)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        g = grad.detach().to("cpu", torch.float32)
-        for part in ctx.parts:
-            _fused.update_block(part.store, part.batch, part.count,
-                                g[:, part.column:part.column + part.dim])
+        _step_parts(ctx.parts, grad)
         return (None,) * 8
+
+
+def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.ndarray]:
+    """``(lo, hi, offsets)``: the elements of input block ``where`` and its bags' starts."""
+    lo, hi = int(bounds[where * stride]), int(bounds[(where + 1) * stride])
+    return lo, hi, bounds[where * stride:(where + 1) * stride] - lo
+
+
+def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
+                stride: int, weights: np.ndarray | None, width: int) -> torch.Tensor:
+    """Every table's bags into its columns of one ``(stride, width)`` output; each part keeps
+    its batch for :func:`_step_parts`."""
+    out = torch.empty(stride, width, dtype=torch.float32)
+    buf = out.numpy()
+    threads = torch.get_num_threads()
+    for part, block in zip(parts, where, strict=True):
+        lo, hi, offsets = _block(block, bounds, stride)
+        got = part.store.pool_bags(flat[lo:hi], offsets,
+                                   weights=None if weights is None else weights[lo:hi],
+                                   mean=part.mean, threads=threads,
+                                   out=buf[:, part.column:part.column + part.dim])
+        if got is None:  # pragma: no cover - the plan asked each store just before
+            raise RuntimeError("embstore: a store refused the fused bag path")
+        part.batch = got[1]
+    return out
+
+
+def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:
+    """Each table's step with its columns of the output's gradient."""
+    g = grad.detach().to("cpu", torch.float32)
+    for part in parts:
+        _fused.update_block(part.store, part.batch, part.count,
+                            g[:, part.column:part.column + part.dim])
+
+
+# -- under torch.compile: one op for every table -----------------------------------------------
+def compiled(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
+             tables: list[Any], where: list[int], means: list[bool],
+             stride: int) -> torch.Tensor:
+    """The fused forward as ``embstore::fused_tables`` (``tables``: the collection's table
+    modules in output order, ``where[i]`` the input block of ``tables[i]``)."""
+    width = sum(t.embedding_dim for t in tables)
+    w = _NONE if weights is None else weights.detach().reshape(-1).to(torch.float32)
+    return _tables_op(values, lengths.to(torch.long), w, tables[0].op_trigger,
+                      [t.op_handle for t in tables], where, [int(m) for m in means], stride,
+                      width)
+
+
+# The parts of forwards through the op awaiting their backward, by the first table's handle
+# (a stack, as _fused._BATCHES)
+_PARTS: dict[int, list[tuple[torch.Tensor, list[Part]]]] = {}
+_KEEP = 8
+_NONE = torch.zeros(0)
+
+
+def _parts_of(handles: list[int], means: list[int]) -> list[Part]:
+    parts, column = [], 0
+    for handle, mean in zip(handles, means, strict=True):
+        table = _compiled.module_of(handle)
+        # (the module's other conditions were settled when the graph was made; grad mode is
+        # off inside an op)
+        if not _fused.store_pools(table.store):
+            raise RuntimeError(f"embstore: the store {table.store} no longer takes the fused "
+                               "bag path this compiled graph was made for")
+        parts.append(Part(table.store, column, table.embedding_dim, bool(mean), table.count))
+        column += table.embedding_dim
+    return parts
+
+
+def _arrays(values: torch.Tensor, lengths: torch.Tensor,
+            weights: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    flat = np.ascontiguousarray(values.detach().reshape(-1).to(torch.int64).numpy())
+    bounds = np.concatenate(([0], np.cumsum(lengths.numpy()))).astype(np.int64)
+    return flat, bounds, (weights.numpy() if weights.numel() else None)
+
+
+@torch.library.custom_op("embstore::fused_tables", mutates_args=())
+def _tables_op(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor,
+               trigger: torch.Tensor, handles: list[int], where: list[int], means: list[int],
+               stride: int, width: int) -> torch.Tensor:
+    parts = _parts_of(handles, means)
+    flat, bounds, w = _arrays(values, lengths, weights)
+    out = _pool_parts(parts, where, flat, bounds, stride, w, width)
+    stack = _PARTS.setdefault(handles[0], [])
+    stack.append((values.detach().reshape(-1).clone(), parts))
+    del stack[:-_KEEP]
+    return out
+
+
+@_tables_op.register_fake
+def _(values, lengths, weights, trigger, handles, where, means, stride, width):
+    return values.new_empty((stride, width), dtype=torch.float32)
+
+
+@torch.library.custom_op("embstore::fused_tables_update", mutates_args=())
+def _tables_update_op(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor,
+                      grad: torch.Tensor, handles: list[int], where: list[int],
+                      means: list[int], stride: int) -> torch.Tensor:
+    """The backward of ``embstore::fused_tables``: each table steps with its columns of the
+    gradient. Its (empty) result is the trigger's gradient, so no compiler drops it."""
+    flat_t = values.detach().reshape(-1)
+    stack = _PARTS.get(handles[0], [])
+    parts = None
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i][0].shape == flat_t.shape and torch.equal(stack[i][0], flat_t):
+            parts = stack.pop(i)[1]
+            break
+    if parts is None:  # a forward long gone: group each table's ids again
+        parts = _parts_of(handles, means)
+        flat, bounds, w = _arrays(values, lengths, weights)
+        for part, block in zip(parts, where, strict=True):
+            lo, hi, offsets = _block(block, bounds, stride)
+            part.batch = bag_batch(flat[lo:hi], offsets, None if w is None else w[lo:hi],
+                                   part.mean)
+    _step_parts(parts, grad)
+    return grad.new_zeros(0)
+
+
+@_tables_update_op.register_fake
+def _(values, lengths, weights, grad, handles, where, means, stride):
+    return grad.new_empty(0)
+
+
+class _FusedTablesGrad:
+    """The op's autograd formula: ``setup`` keeps the inputs, ``backward`` hands the gradient
+    to ``embstore::fused_tables_update``."""
+
+    @staticmethod
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        values, lengths, weights, _, handles, where, means, stride, _ = inputs
+        ctx.save_for_backward(values, lengths, weights)
+        ctx.spec = (handles, where, means, stride)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        values, lengths, weights = ctx.saved_tensors
+        trigger = _tables_update_op(values, lengths, weights, grad, *ctx.spec)
+        return None, None, None, trigger, None, None, None, None, None
+
+
+_tables_op.register_autograd(_FusedTablesGrad.backward, setup_context=_FusedTablesGrad.setup)

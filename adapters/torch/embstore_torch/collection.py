@@ -25,7 +25,7 @@ from embstore.keys import normalize
 from . import _compiled, _fused, _fused_tables
 from ._bridges import Sink, StoreBag, StoreGather, StoreRows
 from ._keys import KeyBatch, factorize, int_batch
-from .jagged import PooledFeatures, as_keyed_jagged
+from .jagged import KeyedJagged, PooledFeatures, as_keyed_jagged
 from .modules import StoreModule, padding_key_of
 
 __all__ = ["DynamicEmbeddingBagCollection"]
@@ -156,9 +156,33 @@ class DynamicEmbeddingBagCollection(nn.Module):
         return {f: self.embedding_bags[t].embedding_dim for f, t in self.features.items()}
 
     def forward(self, features: Any) -> PooledFeatures:
-        if torch.compiler.is_compiling():  # the store calls: a graph break, the model compiles
+        if torch.compiler.is_compiling():
+            pooled = self._compiled_fused(features)
+            if pooled is not None:  # one embstore::fused_tables node for every table
+                return pooled
+            # other store calls: a graph break, the model around them compiles
             return _compiled.graph_break(self._forward)(features)
         return self._forward(features)
+
+    def _compiled_fused(self, features: Any) -> PooledFeatures | None:
+        """The fused forward under ``torch.compile`` (``_fused_tables.compiled``), or None
+        where it does not apply: a :class:`KeyedJagged` of the collection's features with
+        integer CPU ids, and tables the fused path takes."""
+        if not isinstance(features, KeyedJagged):
+            return None
+        values, keys, weights = features.values(), features.keys(), features.weights_or_none()
+        if (not isinstance(values, torch.Tensor) or not _fused.int64_ids_usable(values)
+                or sorted(keys) != sorted(self.features)):
+            return None
+        parts = self._fused_parts(weights)
+        if parts is None:
+            return None
+        tables = [self.embedding_bags[t] for t in self.features.values()]
+        out = _fused_tables.compiled(values, features.lengths(), weights, tables,
+                                     [keys.index(f) for f in self.features],
+                                     [p.mean for p in parts], features.stride())
+        return PooledFeatures(list(self.features), [p.dim for p in parts],
+                              tables[0].placed(out))
 
     def _forward(self, features: Any) -> PooledFeatures:
         keys, values, lengths, stride, weights = as_keyed_jagged(features)

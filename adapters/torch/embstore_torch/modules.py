@@ -241,6 +241,16 @@ class StoreModule(nn.Module):
         return torch.zeros(shape, device=self._anchor.device, dtype=self._anchor.dtype,
                            requires_grad=grad)
 
+    @property
+    def op_handle(self) -> int:
+        """The integer naming this module in the compiled ops (``_compiled.module_of``)."""
+        return self._handle
+
+    @property
+    def op_trigger(self) -> torch.Tensor:
+        """The grad-requiring input the compiled ops hang their backward on."""
+        return self._trigger
+
     def _writes(self) -> bool:
         """Whether this forward may write: a training step that a backward can follow."""
         return self.training and self.trainable and torch.is_grad_enabled()

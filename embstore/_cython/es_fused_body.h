@@ -1,12 +1,12 @@
 /* The bodies of es_fused.h's inner loops, included once per CPU class with ES_NAME (the
    function names' suffix) and ES_ATTR (their target attribute) set; no include guard. */
-/* Bag [start, stop) into o: the rows (float32, or bfloat16 widened exactly as read) summed
-   in element order from zero (w[e] times each, one fused multiply-add, when w is not NULL),
-   divided by the length with mean. The compiler unswitches the loop-invariant tests: each
-   case is its own vector loop. */
+/* Bag [start, stop) into o: the rows (float32, or bfloat16 / float16 widened exactly as
+   read: kind ES_*) summed in element order from zero (w[e] times each, one fused
+   multiply-add, when w is not NULL), divided by the length with mean. The compiler
+   unswitches the loop-invariant tests: each case is its own vector loop. */
 ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const void* const* rows,
                                          const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
-                                         const float* w, int mean, int bf16) {
+                                         const float* w, int mean, int kind) {
     ptrdiff_t e, k;
     memset(o, 0, (size_t) d * sizeof(float));
     for (e = start; e < stop; e++) {
@@ -14,7 +14,8 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
         const uint16_t* restrict h = (const uint16_t*) rows[inv[e]];
         float we = w ? w[e] : 1.0f;
         for (k = 0; k < d; k++) {
-            float x = bf16 ? es_bf16_to_f32(h[k]) : r[k];
+            float x = kind == ES_BF16 ? es_bf16_to_f32(h[k])
+                    : kind == ES_F16 ? es_f16_to_f32(h[k]) : r[k];
             o[k] = w ? fmaf(we, x, o[k]) : o[k] + x;
         }
     }
@@ -85,29 +86,87 @@ ES_ATTR static int ES_NAME(es_sum_key)(float* restrict s, ptrdiff_t d, const cha
     return bad != 0;
 }
 
-/* One float32 record's optimizer step from its summed gradient s:
+/* One float32 record's optimizer step from its summed gradient s, each operation the one of
+   the optimizer's numpy step in the same order (r: es_fused.h's constants; a, b: the first
+   and second slot):
    axpy:            vec += alpha * s
-   adagrad:         acc += s * s; vec -= lr * (s / (sqrt(acc) + eps))      (per coordinate)
-   adagrad_rowwise: acc += sumsq(s) / d; vec -= s * (lr / (sqrt(acc) + eps)) */
-ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, ptrdiff_t d, int rule,
-                                  float alpha, float lr, float eps, ptrdiff_t vec_offset,
-                                  ptrdiff_t acc_offset) {
+   adagrad:         a += s * s; vec -= lr * (s / (sqrt(a) + eps))      (per coordinate)
+   adagrad_rowwise: a += sumsq(s) / d; vec -= s * (lr / (sqrt(a) + eps))
+   momentum:        a = a * mu + s; vec -= lr * a         (nesterov: vec -= lr * (s + mu * a))
+   adam (a = m, b = v): m += (s - m) * (1 - b1); v += (s * s - v) * (1 - b2);
+                    vec -= (m / (sqrt(v) + eps)) * step_size
+   ftrl (a = z, b = n): Optimizer FTRL.apply, the group lasso's norm from es_sumsq64 */
+ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, ptrdiff_t d,
+                                         const es_rule_t* r, ptrdiff_t vec_offset,
+                                         ptrdiff_t acc_offset, ptrdiff_t acc2_offset) {
     float* restrict v = (float*) (row + vec_offset);
-    float* a = (float*) (row + acc_offset);
+    float* restrict a = (float*) (row + acc_offset);
+    float* restrict b = (float*) (row + acc2_offset);
     ptrdiff_t k;
+    int rule = r->rule;
     if (rule == ES_RULE_AXPY) {
+        float alpha = r->alpha;
         for (k = 0; k < d; k++) v[k] = v[k] + alpha * s[k];
     } else if (rule == ES_RULE_ADAGRAD) {
+        float lr = r->lr, eps = r->eps;
         for (k = 0; k < d; k++) {
             float gk = s[k], ak = a[k] + gk * gk;
             a[k] = ak;
             v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps));
         }
-    } else {
+    } else if (rule == ES_RULE_ADAGRAD_ROWWISE) {
         float sc;
         a[0] = a[0] + (d ? es_sumsq(s, d) / (float) d : 0.0f);
-        sc = lr / (sqrtf(a[0]) + eps);
+        sc = r->lr / (sqrtf(a[0]) + r->eps);
         for (k = 0; k < d; k++) v[k] = v[k] - s[k] * sc;
+    } else if (rule == ES_RULE_MOMENTUM) {
+        float lr = r->lr, mu = r->h[0];
+        for (k = 0; k < d; k++) {
+            float ak = a[k] * mu;
+            ak = ak + s[k];
+            a[k] = ak;
+            v[k] = v[k] - lr * ak;
+        }
+    } else if (rule == ES_RULE_NESTEROV) {
+        float lr = r->lr, mu = r->h[0];
+        for (k = 0; k < d; k++) {
+            float ak = a[k] * mu;
+            ak = ak + s[k];
+            a[k] = ak;
+            v[k] = v[k] - lr * (s[k] + mu * ak);
+        }
+    } else if (rule == ES_RULE_ADAM) {
+        float c1 = r->h[0], c2 = r->h[1], step = r->h[2], eps = r->eps;
+        for (k = 0; k < d; k++) {
+            float gk = s[k], mk = a[k] + (gk - a[k]) * c1, vk = b[k] + (gk * gk - b[k]) * c2;
+            a[k] = mk;
+            b[k] = vk;
+            v[k] = v[k] - (mk / (sqrtf(vk) + eps)) * step;
+        }
+    } else {  /* ES_RULE_FTRL */
+        float alpha = r->h[0], beta = r->h[1], l2x2 = r->h[2], l1 = r->h[3];
+        int group = r->thresh > 0.0;
+        for (k = 0; k < d; k++) {
+            float gk = s[k], nk = b[k], nn = nk + gk * gk, sq = sqrtf(nn);
+            float sigma = (sq - sqrtf(nk)) / alpha;
+            float zk = a[k] + (gk - sigma * v[k]);
+            float m = fabsf(zk) - l1;
+            /* np.sign(z) * np.maximum(|z| - l1, 0): NaN stays NaN */
+            float sg = zk > 0.0f ? 1.0f : (zk < 0.0f ? -1.0f : zk);
+            float sh = sg * ((m > 0.0f || m != m) ? m : 0.0f);
+            float wk = -sh / ((beta + sq) / alpha + l2x2);
+            a[k] = zk;
+            b[k] = nn;
+            v[k] = group ? sh : (sh == 0.0f ? 0.0f : wk);  /* a zero is +0.0 */
+        }
+        if (group) {  /* the row's shrunk z (held in v) scaled as a group, then the weights */
+            double norm = sqrt(es_sumsq64(v, d));
+            float scale = (float) (norm > r->thresh ? 1.0 - r->thresh / norm : 0.0);
+            for (k = 0; k < d; k++) {
+                float sh = v[k] * scale, wk = -sh / ((beta + sqrtf(b[k])) / alpha + l2x2);
+                v[k] = sh == 0.0f ? 0.0f : wk;
+            }
+        }
     }
 }
 
@@ -123,57 +182,83 @@ ES_ATTR static int ES_NAME(es_finite)(const float* x, ptrdiff_t n) {
     return bad == 0;
 }
 
-/* float32 values into a bfloat16 field: to nearest even, or (stochastic) adding 16 random
-   bits before the cut, those of value k being murmur3's 32-bit finalizer of base + k times
-   the golden ratio (independent lanes: the loop stays in vector registers); NaN stays a
-   quiet NaN. */
-ES_ATTR static void ES_NAME(es_round_bf16)(const float* restrict wide, uint16_t* restrict out,
-                                           ptrdiff_t n, int stochastic, uint32_t base) {
+/* The 32 random bits of value k of a field whose stream starts at base: murmur3's 32-bit
+   finalizer of base + k times the golden ratio (independent lanes: the loops stay in vector
+   registers) */
+ES_ATTR static inline uint32_t ES_NAME(es_bits)(uint32_t base, ptrdiff_t k) {
+    uint32_t h = base + (uint32_t) k * 0x9E3779B1u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* float32 values into a 16-bit field (kind ES_BF16 or ES_F16): to nearest even, or
+   stochastically from the bits of es_bits. bfloat16 adds 16 random bits before the cut;
+   float16 takes es_f32_to_f16_sr's upper neighbour below a uniform draw of 24 bits. NaN
+   stays a quiet NaN. */
+ES_ATTR static void ES_NAME(es_round_field)(const float* restrict wide, uint16_t* restrict out,
+                                            ptrdiff_t n, int kind, int stochastic,
+                                            uint32_t base) {
     ptrdiff_t k;
+    if (kind == ES_F16) {
+        if (stochastic) {
+            for (k = 0; k < n; k++)
+                out[k] = es_f32_to_f16_sr(wide[k], ES_NAME(es_bits)(base, k) >> 8);
+        } else {
+            for (k = 0; k < n; k++) out[k] = es_f32_to_f16(wide[k]);
+        }
+        return;
+    }
     for (k = 0; k < n; k++) {
-        uint32_t b, add, nan, h = base + (uint32_t) k * 0x9E3779B1u;
+        uint32_t b, add, nan, h = ES_NAME(es_bits)(base, k);
         memcpy(&b, wide + k, 4);
-        h ^= h >> 16;
-        h *= 0x85EBCA6Bu;
-        h ^= h >> 13;
-        h *= 0xC2B2AE35u;
-        h ^= h >> 16;
         add = stochastic ? (h >> 16) : 0x7FFFu + ((b >> 16) & 1u);
         nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
         out[k] = (uint16_t) (nan ? ((b >> 16) | 0x40u) : ((b + add) >> 16));
     }
 }
 
-/* One record with bfloat16 fields (vec_bf16 / acc_bf16 say which): widened into tmp (the
-   vector, then the accumulator), stepped by es_step_row in float32, rounded back. Stochastic
-   rounding's bits come from a base of mix64(seed, 2u + field): a function of the key's row u
-   and the coordinate, not of the thread that steps it. tmp: 2 d + 1 floats. */
+/* One record with 16-bit fields (vec_kind / acc_kind say which: ES_*): the vector and the
+   slots widened into tmp (the vector, then each slot), stepped by es_step_row in float32,
+   rounded back. Stochastic rounding's bits of field f come from a base of mix64(seed ^
+   mix64(2u + f % 2) ^ (f / 2) * c): a function of the key's row u and the coordinate, not
+   of the thread that steps it. tmp: 3 d + 2 floats. */
 ES_ATTR static void ES_NAME(es_step_narrow)(uint8_t* row, const float* restrict s, ptrdiff_t d,
-                                            int rule, float alpha, float lr, float eps,
-                                            ptrdiff_t vec_offset, ptrdiff_t acc_offset,
-                                            int vec_bf16, int acc_bf16, float* restrict tmp,
+                                            const es_rule_t* r, ptrdiff_t vec_offset,
+                                            ptrdiff_t acc_offset, ptrdiff_t acc2_offset,
+                                            int vec_kind, int acc_kind, float* restrict tmp,
                                             uint64_t seed, int stochastic, uint64_t u) {
-    ptrdiff_t acc_w = rule == ES_RULE_AXPY ? 0 : (rule == ES_RULE_ADAGRAD ? d : 1), k, f;
-    for (f = 0; f < 2; f++) {
-        ptrdiff_t n = f ? acc_w : d;
-        uint8_t* field = row + (f ? acc_offset : vec_offset);
-        float* w = tmp + (f ? d : 0);
-        if (f ? acc_bf16 : vec_bf16) {
-            for (k = 0; k < n; k++) w[k] = es_bf16_to_f32(((const uint16_t*) field)[k]);
+    ptrdiff_t sw = es_slot_width(r->rule, d), k, f, nf = 1 + es_rule_slots(r->rule);
+    for (f = 0; f < nf; f++) {
+        ptrdiff_t n = f ? sw : d;
+        const uint16_t* field = (const uint16_t*) (row + (f == 0 ? vec_offset
+                                                          : f == 1 ? acc_offset : acc2_offset));
+        float* w = tmp + (f ? d + (f - 1) * sw : 0);
+        int kind = f ? acc_kind : vec_kind;
+        if (kind == ES_BF16) {
+            for (k = 0; k < n; k++) w[k] = es_bf16_to_f32(field[k]);
+        } else if (kind == ES_F16) {
+            for (k = 0; k < n; k++) w[k] = es_f16_to_f32(field[k]);
         } else {
             memcpy(w, field, (size_t) n * sizeof(float));
         }
     }
-    ES_NAME(es_step_row)((uint8_t*) tmp, s, d, rule, alpha, lr, eps, 0, d * 4);
-    for (f = 0; f < 2; f++) {
-        ptrdiff_t n = f ? acc_w : d;
-        uint8_t* field = row + (f ? acc_offset : vec_offset);
-        const float* w = tmp + (f ? d : 0);
-        if (!(f ? acc_bf16 : vec_bf16)) {
+    ES_NAME(es_step_row)((uint8_t*) tmp, s, d, r, 0, d * 4, (d + sw) * 4);
+    for (f = 0; f < nf; f++) {
+        ptrdiff_t n = f ? sw : d;
+        uint8_t* field = row + (f == 0 ? vec_offset : f == 1 ? acc_offset : acc2_offset);
+        const float* w = tmp + (f ? d + (f - 1) * sw : 0);
+        int kind = f ? acc_kind : vec_kind;
+        uint64_t salt = (uint64_t) (f >> 1) * 0xD6E8FEB86659FD93ull;
+        if (kind == ES_F32) {
             memcpy(field, w, (size_t) n * sizeof(float));
             continue;
         }
-        ES_NAME(es_round_bf16)(w, (uint16_t*) field, n, stochastic,
-                               (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) f)));
+        ES_NAME(es_round_field)(w, (uint16_t*) field, n, kind, stochastic,
+                                (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) (f & 1))
+                                                    ^ salt));
     }
 }

@@ -145,7 +145,7 @@ def test_pool_bags_checks_its_input():
 
 
 @pytest.mark.parametrize("kw", [{"admission": embstore.policies.FrequencyCutoff(2)},
-                                {"value_dtype": "float16"}, {"key_type": "bytes"}])
+                                {"key_type": "bytes"}])
 def test_stores_the_fused_path_does_not_cover_fall_back(kw):
     store = embstore.open("memory://", dim=DIM, **kw)
     assert not store.fused_bags()

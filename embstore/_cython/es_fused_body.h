@@ -1,5 +1,14 @@
 /* The bodies of es_fused.h's inner loops, included once per CPU class with ES_NAME (the
    function names' suffix) and ES_ATTR (their target attribute) set; no include guard. */
+/* o += h (float16, widened), or o = fmaf(we, h, o) when weighted: its own function, whose
+   restrict parameters let GCC keep the loop in vector registers */
+ES_ATTR static void ES_NAME(es_add_f16)(float* restrict o, const uint16_t* restrict h,
+                                        ptrdiff_t d, int weighted, float we) {
+    ptrdiff_t k;
+    if (weighted) { for (k = 0; k < d; k++) o[k] = fmaf(we, es_f16_to_f32(h[k]), o[k]); }
+    else { for (k = 0; k < d; k++) o[k] = o[k] + es_f16_to_f32(h[k]); }
+}
+
 /* Bag [start, stop) into o: the rows (float32, or bfloat16 / float16 widened exactly as
    read: kind ES_*) summed in element order from zero (w[e] times each, one fused
    multiply-add, when w is not NULL), divided by the length with mean. The compiler
@@ -13,9 +22,12 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
         const float* restrict r = (const float*) rows[inv[e]];
         const uint16_t* restrict h = (const uint16_t*) rows[inv[e]];
         float we = w ? w[e] : 1.0f;
+        if (kind == ES_F16) {
+            ES_NAME(es_add_f16)(o, h, d, w != NULL, we);
+            continue;
+        }
         for (k = 0; k < d; k++) {
-            float x = kind == ES_BF16 ? es_bf16_to_f32(h[k])
-                    : kind == ES_F16 ? es_f16_to_f32(h[k]) : r[k];
+            float x = kind == ES_BF16 ? es_bf16_to_f32(h[k]) : r[k];
             o[k] = w ? fmaf(we, x, o[k]) : o[k] + x;
         }
     }

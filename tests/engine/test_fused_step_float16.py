@@ -91,3 +91,32 @@ def test_float16_stochastic_rounding_is_unbiased():
     # a float16 step below 1.0 is 2**-11: 1 - 1e-4 lies between 1 - 2**-11 and 1
     assert abs(float(vectors.mean()) - (1.0 - 1e-4)) < 2e-5
     assert set(np.unique(vectors)) == {np.float32(1.0), np.float32(1.0 - 2**-11)}
+
+
+@pytest.mark.parametrize("value_dtype,slot_dtype", [("float32", "float16"),
+                                                    ("bfloat16", "float16"),
+                                                    ("float16", "bfloat16"),
+                                                    ("float16", "float32")])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_mixed_vector_and_slot_dtypes_take_the_bits_of_the_general_path(value_dtype, slot_dtype,
+                                                                        threads, monkeypatch):
+    a, b, done = _pair(lambda: Adam(lr=0.01, slot_dtype=slot_dtype), value_dtype, "weighted",
+                       threads, monkeypatch)
+    assert done == [True] * 4
+    _same_records(a, b)
+
+
+def test_the_kernel_refuses_a_rule_without_its_constants():
+    from embstore._cython import fused
+
+    store = embstore.open("memory://", dim=4, optimizer=Adam())
+    _, batch = store.pool_bags(np.array([[1]], dtype=np.int64))
+    arena = store.writer.backend._records  # noqa: SLF001 - the kernel's own contract
+    none = np.zeros(0, dtype=np.intp)
+    args = (arena, np.zeros(1, np.uint32), batch.inv, batch.offsets, batch.weights, False,
+            np.zeros((1, 4), np.float32), fused.RULES["adam"], 0.0, 0.0, 1e-8, 0, 16, none,
+            np.zeros((0, 1), np.int64), none, np.zeros(0, np.uint64), 1, 0, 0, 0, False)
+    with pytest.raises(ValueError, match="takes 3 constants"):
+        fused.step_bags(*args, np.zeros(2))
+    with pytest.raises(ValueError, match="do not fit"):  # the second slot outside the record
+        fused.step_bags(*args, np.zeros(3), 10_000)

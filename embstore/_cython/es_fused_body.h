@@ -98,6 +98,17 @@ ES_ATTR static int ES_NAME(es_sum_key)(float* restrict s, ptrdiff_t d, const cha
     return bad != 0;
 }
 
+/* FTRL's weight of a shrunk z: -sh / quad, and +0.0 where sh is zero; the zero chosen by a
+   mask (a select GCC would turn into a branch around the division, leaving vector code) */
+ES_ATTR static inline float ES_NAME(es_weight)(float sh, float quad) {
+    float wk = -sh / quad;
+    uint32_t bits, keep = 0u - (uint32_t) (sh != 0.0f);
+    memcpy(&bits, &wk, 4);
+    bits &= keep;
+    memcpy(&wk, &bits, 4);
+    return wk;
+}
+
 /* One float32 record's optimizer step from its summed gradient s, each operation the one of
    the optimizer's numpy step in the same order (r: es_fused.h's constants; a, b: the first
    and second slot):
@@ -163,21 +174,19 @@ ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, 
             float sigma = (sq - sqrtf(nk)) / alpha;
             float zk = a[k] + (gk - sigma * v[k]);
             float m = fabsf(zk) - l1;
-            /* np.sign(z) * np.maximum(|z| - l1, 0): NaN stays NaN */
-            float sg = zk > 0.0f ? 1.0f : (zk < 0.0f ? -1.0f : zk);
-            float sh = sg * ((m > 0.0f || m != m) ? m : 0.0f);
-            float wk = -sh / ((beta + sq) / alpha + l2x2);
+            /* np.sign(z) * np.maximum(|z| - l1, 0) (NaN stays NaN; a zero's sign may differ,
+               and every zero is stored as +0.0 below), as selects: vector registers */
+            float sh = copysignf(m <= 0.0f ? 0.0f : m, zk);
             a[k] = zk;
             b[k] = nn;
-            v[k] = group ? sh : (sh == 0.0f ? 0.0f : wk);  /* a zero is +0.0 */
+            /* the group lasso's rows keep the shrunk z in v until the row's norm is known */
+            v[k] = group ? sh : ES_NAME(es_weight)(sh, (beta + sq) / alpha + l2x2);
         }
-        if (group) {  /* the row's shrunk z (held in v) scaled as a group, then the weights */
+        if (group) {  /* the row's shrunk z scaled as a group, then the weights */
             double norm = sqrt(es_sumsq64(v, d));
             float scale = (float) (norm > r->thresh ? 1.0 - r->thresh / norm : 0.0);
-            for (k = 0; k < d; k++) {
-                float sh = v[k] * scale, wk = -sh / ((beta + sqrtf(b[k])) / alpha + l2x2);
-                v[k] = sh == 0.0f ? 0.0f : wk;
-            }
+            for (k = 0; k < d; k++)
+                v[k] = ES_NAME(es_weight)(v[k] * scale, (beta + sqrtf(b[k])) / alpha + l2x2);
         }
     }
 }

@@ -196,3 +196,33 @@ def test_the_wide_and_the_baseline_kernels_give_the_same_bits(opt, value_dtype):
                               capture_output=True, timeout=300, check=True)
         runs.append(done.stdout)
     assert len(runs[0]) > 100_000 and runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("opt", ["momentum", "nesterov", "adam", "adam-bf16-slots", "ftrl",
+                                 "ftrl-l21"])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("scale", [1e-20, 1e-6, 1e19])
+def test_extreme_gradients_give_the_same_bits_overflow_and_subnormals_included(
+        opt, value_dtype, scale, monkeypatch):
+    """Squares that fall below the smallest normal float32 (subnormal Adam and FTRL state)
+    or overflow it (inf state, then NaN weights): the two paths' bits still agree."""
+    kw = dict(dim=DIM, seed=13, value_dtype=value_dtype, stochastic_rounding=False)
+    a = embstore.open("memory://", optimizer=OPTIMIZERS[opt](), **kw)
+    b = embstore.open("memory://", optimizer=OPTIMIZERS[opt](), **kw)
+    rng = np.random.default_rng(14)
+    with np.errstate(all="ignore"):
+        for _ in range(3):
+            ids = rng.integers(0, 40, (64, 1))  # one id a bag: every sum stays finite
+            _, batch = a.pool_bags(ids)
+            b.lookup(batch.uniq)
+            grad = (rng.standard_normal((64, DIM)) * scale).astype(np.float32)
+            a.update_bags(batch, grad)
+            b.update(batch.uniq, batch.grad_sums(grad), counts=batch.counts)
+    _same_records(a, b, 40)
+    recs, found = a.get_records(np.arange(40))
+    wide = a.layout.widen(recs[found])
+    state = np.concatenate([wide[n].reshape(-1) for n in wide.dtype.names[:3]])
+    if scale > 1 and not opt.startswith(("momentum", "nesterov")):
+        assert not np.isfinite(state).all()  # squares overflowed: the regime was reached
+    if scale < 1e-15 and value_dtype == "float32" and opt.startswith("adam"):
+        assert ((state != 0) & (np.abs(state) < np.finfo(np.float32).tiny)).any()  # subnormal

@@ -136,9 +136,10 @@ class Layout:
 
     @property
     def fused_kernels(self) -> bool:
-        """Whether the fused bag kernels read this layout: float32 or bfloat16 fields (a plain
-        property: Dynamo traces it when a compiled ``DynamicEmbeddingBag`` asks the store)."""
-        return {self.value_dtype, self.slot_dtype} <= {"float32", "bfloat16"}
+        """Whether the fused bag kernels read this layout: float32, bfloat16 or float16 fields
+        (a plain property: Dynamo traces it when a compiled ``DynamicEmbeddingBag`` asks the
+        store)."""
+        return {self.value_dtype, self.slot_dtype} <= {"float32", "bfloat16", "float16"}
 
     @functools.cached_property
     def trainable(self) -> bool:

@@ -17,10 +17,37 @@
 #include <string.h>
 
 #include "es_bf16.h"
+#include "es_f16.h"
 #include "es_prefetch.h"
 #include "es_rowsq.h"
 
-enum { ES_RULE_AXPY = 0, ES_RULE_ADAGRAD = 1, ES_RULE_ADAGRAD_ROWWISE = 2 };
+enum { ES_RULE_AXPY = 0, ES_RULE_ADAGRAD = 1, ES_RULE_ADAGRAD_ROWWISE = 2, ES_RULE_MOMENTUM = 3,
+       ES_RULE_NESTEROV = 4, ES_RULE_ADAM = 5, ES_RULE_FTRL = 6 };
+
+/* How a field is stored: float32, bfloat16 (its upper 16 bits) or IEEE float16 */
+enum { ES_F32 = 0, ES_BF16 = 1, ES_F16 = 2 };
+
+/* One optimizer step's constants, each the float32 (or, thresh, float64) value the numpy
+   step of the optimizer computes with:
+   axpy:            alpha
+   adagrad(_rowwise): lr, eps
+   momentum/nesterov: lr, h[0] momentum
+   adam:            eps, h[0] 1 - b1, h[1] 1 - b2, h[2] the bias-corrected step size
+   ftrl:            h[0] alpha, h[1] beta, h[2] 2 * l2, h[3] l1, thresh l21 * sqrt(d) (0: none) */
+typedef struct {
+    int rule;
+    float alpha, lr, eps;
+    float h[4];
+    double thresh;
+} es_rule_t;
+
+/* The float slots a rule keeps per key: how many, and the width of each (d or 1) */
+static inline int es_rule_slots(int rule) {
+    return rule == ES_RULE_AXPY ? 0 : (rule == ES_RULE_ADAM || rule == ES_RULE_FTRL ? 2 : 1);
+}
+static inline ptrdiff_t es_slot_width(int rule, ptrdiff_t d) {
+    return rule == ES_RULE_ADAGRAD_ROWWISE ? 1 : d;
+}
 
 #define ES_ATTR
 #define ES_NAME(n) n##_base

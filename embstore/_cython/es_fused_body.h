@@ -1,11 +1,22 @@
 /* The bodies of es_fused.h's inner loops, included once per CPU class with ES_NAME (the
    function names' suffix) and ES_ATTR (their target attribute) set; no include guard. */
-/* Bag [start, stop) into o: the rows (float32, or bfloat16 widened exactly as read) summed
-   in element order from zero (w[e] times each, one fused multiply-add, when w is not NULL),
-   divided by the length with mean. The columns go ES_BLOCK at a time with the sums in
-   registers (each element a row slice loaded and added, no store and reload of o between
-   elements), the rest one loop; each column's additions are the same either way. The
-   compiler unswitches the loop-invariant tests: each case is its own vector loop. */
+/* o += h (float16, widened), or o = fmaf(we, h, o) when weighted: its own function, whose
+   restrict parameters let GCC keep the loop in vector registers */
+ES_ATTR static void ES_NAME(es_add_f16)(float* restrict o, const uint16_t* restrict h,
+                                        ptrdiff_t d, int weighted, float we) {
+    ptrdiff_t k;
+    if (weighted) { for (k = 0; k < d; k++) o[k] = fmaf(we, es_f16_to_f32(h[k]), o[k]); }
+    else { for (k = 0; k < d; k++) o[k] = o[k] + es_f16_to_f32(h[k]); }
+}
+
+/* Bag [start, stop) into o: the rows (float32, or bfloat16 / float16 widened exactly as
+   read: kind ES_*) summed in element order from zero (w[e] times each, one fused
+   multiply-add, when w is not NULL), divided by the length with mean. float32 and bfloat16
+   columns go ES_BLOCK at a time with the sums in registers (each element a row slice loaded
+   and added, no store and reload of o between elements), the rest one loop; each column's
+   additions are the same either way. The rows of the elements ES_AHEAD on (up to
+   ahead_stop) are requested first, every line of them. The compiler unswitches the
+   loop-invariant tests: each case is its own vector loop. */
 #ifndef ES_BLOCK
 #define ES_BLOCK 32
 #define ES_AHEAD 16
@@ -17,18 +28,19 @@ static inline void es_prefetch_span(const char* p, ptrdiff_t n) {
 #endif
 ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const void* const* rows,
                                          const int64_t* inv, ptrdiff_t start, ptrdiff_t stop,
-                                         const float* w, int mean, int bf16, ptrdiff_t ahead_stop) {
-    ptrdiff_t e, k, k0;
-    ptrdiff_t row_bytes = d * (bf16 ? 2 : 4);
-    /* the rows of the elements ES_AHEAD on, every line of them, requested now */
+                                         const float* w, int mean, int kind,
+                                         ptrdiff_t ahead_stop) {
+    ptrdiff_t e, k, k0 = 0;
+    ptrdiff_t row_bytes = d * (kind == ES_F32 ? 4 : 2);
+    float fl = (float) (stop - start);
+    int bf16 = kind == ES_BF16;
     for (e = start; e < stop && e + ES_AHEAD < ahead_stop; e++)
         es_prefetch_span((const char*) rows[inv[e + ES_AHEAD]], row_bytes);
-    float fl = (float) (stop - start);
     if (stop == start) {
         memset(o, 0, (size_t) d * sizeof(float));
         return;
     }
-    for (k0 = 0; k0 + ES_BLOCK <= d; k0 += ES_BLOCK) {
+    for (; kind != ES_F16 && k0 + ES_BLOCK <= d; k0 += ES_BLOCK) {
         /* the first element's term added to 0 as the others are, with no zeroing pass (a
            zeroed array would live on the stack, not in registers) */
         float acc[ES_BLOCK];
@@ -59,6 +71,10 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
         const float* restrict r = (const float*) rows[inv[e]];
         const uint16_t* restrict h = (const uint16_t*) rows[inv[e]];
         float we = w ? w[e] : 1.0f;
+        if (kind == ES_F16) {  /* (k0 is 0: float16 rows take this loop whole) */
+            ES_NAME(es_add_f16)(o, h, d, w != NULL, we);
+            continue;
+        }
         for (k = k0; k < d; k++) {
             float x = bf16 ? es_bf16_to_f32(h[k]) : r[k];
             o[k] = w ? fmaf(we, x, o[k]) : o[k] + x;
@@ -128,29 +144,96 @@ ES_ATTR static int ES_NAME(es_sum_key)(float* restrict s, ptrdiff_t d, const cha
     return bad != 0;
 }
 
-/* One float32 record's optimizer step from its summed gradient s:
+/* FTRL's weight of a shrunk z: -sh / quad, and +0.0 where sh is zero; the zero chosen by a
+   mask (a select GCC would turn into a branch around the division, leaving vector code) */
+ES_ATTR static inline float ES_NAME(es_weight)(float sh, float quad) {
+    float wk = -sh / quad;
+    uint32_t bits, keep = 0u - (uint32_t) (sh != 0.0f);
+    memcpy(&bits, &wk, 4);
+    bits &= keep;
+    memcpy(&wk, &bits, 4);
+    return wk;
+}
+
+/* One float32 record's optimizer step from its summed gradient s, each operation the one of
+   the optimizer's numpy step in the same order (r: es_fused.h's constants; a, b: the first
+   and second slot):
    axpy:            vec += alpha * s
-   adagrad:         acc += s * s; vec -= lr * (s / (sqrt(acc) + eps))      (per coordinate)
-   adagrad_rowwise: acc += sumsq(s) / d; vec -= s * (lr / (sqrt(acc) + eps)) */
-ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, ptrdiff_t d, int rule,
-                                  float alpha, float lr, float eps, ptrdiff_t vec_offset,
-                                  ptrdiff_t acc_offset) {
+   adagrad:         a += s * s; vec -= lr * (s / (sqrt(a) + eps))      (per coordinate)
+   adagrad_rowwise: a += sumsq(s) / d; vec -= s * (lr / (sqrt(a) + eps))
+   momentum:        a = a * mu + s; vec -= lr * a         (nesterov: vec -= lr * (s + mu * a))
+   adam (a = m, b = v): m += (s - m) * (1 - b1); v += (s * s - v) * (1 - b2);
+                    vec -= (m / (sqrt(v) + eps)) * step_size
+   ftrl (a = z, b = n): Optimizer FTRL.apply, the group lasso's norm from es_sumsq64 */
+ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, ptrdiff_t d,
+                                         const es_rule_t* r, ptrdiff_t vec_offset,
+                                         ptrdiff_t acc_offset, ptrdiff_t acc2_offset) {
     float* restrict v = (float*) (row + vec_offset);
-    float* a = (float*) (row + acc_offset);
+    float* restrict a = (float*) (row + acc_offset);
+    float* restrict b = (float*) (row + acc2_offset);
     ptrdiff_t k;
+    int rule = r->rule;
     if (rule == ES_RULE_AXPY) {
+        float alpha = r->alpha;
         for (k = 0; k < d; k++) v[k] = v[k] + alpha * s[k];
     } else if (rule == ES_RULE_ADAGRAD) {
+        float lr = r->lr, eps = r->eps;
         for (k = 0; k < d; k++) {
             float gk = s[k], ak = a[k] + gk * gk;
             a[k] = ak;
             v[k] = v[k] - lr * (gk / (sqrtf(ak) + eps));
         }
-    } else {
+    } else if (rule == ES_RULE_ADAGRAD_ROWWISE) {
         float sc;
         a[0] = a[0] + (d ? es_sumsq(s, d) / (float) d : 0.0f);
-        sc = lr / (sqrtf(a[0]) + eps);
+        sc = r->lr / (sqrtf(a[0]) + r->eps);
         for (k = 0; k < d; k++) v[k] = v[k] - s[k] * sc;
+    } else if (rule == ES_RULE_MOMENTUM) {
+        float lr = r->lr, mu = r->h[0];
+        for (k = 0; k < d; k++) {
+            float ak = a[k] * mu;
+            ak = ak + s[k];
+            a[k] = ak;
+            v[k] = v[k] - lr * ak;
+        }
+    } else if (rule == ES_RULE_NESTEROV) {
+        float lr = r->lr, mu = r->h[0];
+        for (k = 0; k < d; k++) {
+            float ak = a[k] * mu;
+            ak = ak + s[k];
+            a[k] = ak;
+            v[k] = v[k] - lr * (s[k] + mu * ak);
+        }
+    } else if (rule == ES_RULE_ADAM) {
+        float c1 = r->h[0], c2 = r->h[1], step = r->h[2], eps = r->eps;
+        for (k = 0; k < d; k++) {
+            float gk = s[k], mk = a[k] + (gk - a[k]) * c1, vk = b[k] + (gk * gk - b[k]) * c2;
+            a[k] = mk;
+            b[k] = vk;
+            v[k] = v[k] - (mk / (sqrtf(vk) + eps)) * step;
+        }
+    } else {  /* ES_RULE_FTRL */
+        float alpha = r->h[0], beta = r->h[1], l2x2 = r->h[2], l1 = r->h[3];
+        int group = r->thresh > 0.0;
+        for (k = 0; k < d; k++) {
+            float gk = s[k], nk = b[k], nn = nk + gk * gk, sq = sqrtf(nn);
+            float sigma = (sq - sqrtf(nk)) / alpha;
+            float zk = a[k] + (gk - sigma * v[k]);
+            float m = fabsf(zk) - l1;
+            /* np.sign(z) * np.maximum(|z| - l1, 0) (NaN stays NaN; a zero's sign may differ,
+               and every zero is stored as +0.0 below), as selects: vector registers */
+            float sh = copysignf(m <= 0.0f ? 0.0f : m, zk);
+            a[k] = zk;
+            b[k] = nn;
+            /* the group lasso's rows keep the shrunk z in v until the row's norm is known */
+            v[k] = group ? sh : ES_NAME(es_weight)(sh, (beta + sq) / alpha + l2x2);
+        }
+        if (group) {  /* the row's shrunk z scaled as a group, then the weights */
+            double norm = sqrt(es_sumsq64(v, d));
+            float scale = (float) (norm > r->thresh ? 1.0 - r->thresh / norm : 0.0);
+            for (k = 0; k < d; k++)
+                v[k] = ES_NAME(es_weight)(v[k] * scale, (beta + sqrtf(b[k])) / alpha + l2x2);
+        }
     }
 }
 
@@ -166,57 +249,83 @@ ES_ATTR static int ES_NAME(es_finite)(const float* x, ptrdiff_t n) {
     return bad == 0;
 }
 
-/* float32 values into a bfloat16 field: to nearest even, or (stochastic) adding 16 random
-   bits before the cut, those of value k being murmur3's 32-bit finalizer of base + k times
-   the golden ratio (independent lanes: the loop stays in vector registers); NaN stays a
-   quiet NaN. */
-ES_ATTR static void ES_NAME(es_round_bf16)(const float* restrict wide, uint16_t* restrict out,
-                                           ptrdiff_t n, int stochastic, uint32_t base) {
+/* The 32 random bits of value k of a field whose stream starts at base: murmur3's 32-bit
+   finalizer of base + k times the golden ratio (independent lanes: the loops stay in vector
+   registers) */
+ES_ATTR static inline uint32_t ES_NAME(es_bits)(uint32_t base, ptrdiff_t k) {
+    uint32_t h = base + (uint32_t) k * 0x9E3779B1u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* float32 values into a 16-bit field (kind ES_BF16 or ES_F16): to nearest even, or
+   stochastically from the bits of es_bits. bfloat16 adds 16 random bits before the cut;
+   float16 takes es_f32_to_f16_sr's upper neighbour below a uniform draw of 24 bits. NaN
+   stays a quiet NaN. */
+ES_ATTR static void ES_NAME(es_round_field)(const float* restrict wide, uint16_t* restrict out,
+                                            ptrdiff_t n, int kind, int stochastic,
+                                            uint32_t base) {
     ptrdiff_t k;
+    if (kind == ES_F16) {
+        if (stochastic) {
+            for (k = 0; k < n; k++)
+                out[k] = es_f32_to_f16_sr(wide[k], ES_NAME(es_bits)(base, k) >> 8);
+        } else {
+            for (k = 0; k < n; k++) out[k] = es_f32_to_f16(wide[k]);
+        }
+        return;
+    }
     for (k = 0; k < n; k++) {
-        uint32_t b, add, nan, h = base + (uint32_t) k * 0x9E3779B1u;
+        uint32_t b, add, nan, h = ES_NAME(es_bits)(base, k);
         memcpy(&b, wide + k, 4);
-        h ^= h >> 16;
-        h *= 0x85EBCA6Bu;
-        h ^= h >> 13;
-        h *= 0xC2B2AE35u;
-        h ^= h >> 16;
         add = stochastic ? (h >> 16) : 0x7FFFu + ((b >> 16) & 1u);
         nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
         out[k] = (uint16_t) (nan ? ((b >> 16) | 0x40u) : ((b + add) >> 16));
     }
 }
 
-/* One record with bfloat16 fields (vec_bf16 / acc_bf16 say which): widened into tmp (the
-   vector, then the accumulator), stepped by es_step_row in float32, rounded back. Stochastic
-   rounding's bits come from a base of mix64(seed, 2u + field): a function of the key's row u
-   and the coordinate, not of the thread that steps it. tmp: 2 d + 1 floats. */
+/* One record with 16-bit fields (vec_kind / acc_kind say which: ES_*): the vector and the
+   slots widened into tmp (the vector, then each slot), stepped by es_step_row in float32,
+   rounded back. Stochastic rounding's bits of field f come from a base of mix64(seed ^
+   mix64(2u + f % 2) ^ (f / 2) * c): a function of the key's row u and the coordinate, not
+   of the thread that steps it. tmp: 3 d + 2 floats. */
 ES_ATTR static void ES_NAME(es_step_narrow)(uint8_t* row, const float* restrict s, ptrdiff_t d,
-                                            int rule, float alpha, float lr, float eps,
-                                            ptrdiff_t vec_offset, ptrdiff_t acc_offset,
-                                            int vec_bf16, int acc_bf16, float* restrict tmp,
+                                            const es_rule_t* r, ptrdiff_t vec_offset,
+                                            ptrdiff_t acc_offset, ptrdiff_t acc2_offset,
+                                            int vec_kind, int acc_kind, float* restrict tmp,
                                             uint64_t seed, int stochastic, uint64_t u) {
-    ptrdiff_t acc_w = rule == ES_RULE_AXPY ? 0 : (rule == ES_RULE_ADAGRAD ? d : 1), k, f;
-    for (f = 0; f < 2; f++) {
-        ptrdiff_t n = f ? acc_w : d;
-        uint8_t* field = row + (f ? acc_offset : vec_offset);
-        float* w = tmp + (f ? d : 0);
-        if (f ? acc_bf16 : vec_bf16) {
-            for (k = 0; k < n; k++) w[k] = es_bf16_to_f32(((const uint16_t*) field)[k]);
+    ptrdiff_t sw = es_slot_width(r->rule, d), k, f, nf = 1 + es_rule_slots(r->rule);
+    for (f = 0; f < nf; f++) {
+        ptrdiff_t n = f ? sw : d;
+        const uint16_t* field = (const uint16_t*) (row + (f == 0 ? vec_offset
+                                                          : f == 1 ? acc_offset : acc2_offset));
+        float* w = tmp + (f ? d + (f - 1) * sw : 0);
+        int kind = f ? acc_kind : vec_kind;
+        if (kind == ES_BF16) {
+            for (k = 0; k < n; k++) w[k] = es_bf16_to_f32(field[k]);
+        } else if (kind == ES_F16) {
+            for (k = 0; k < n; k++) w[k] = es_f16_to_f32(field[k]);
         } else {
             memcpy(w, field, (size_t) n * sizeof(float));
         }
     }
-    ES_NAME(es_step_row)((uint8_t*) tmp, s, d, rule, alpha, lr, eps, 0, d * 4);
-    for (f = 0; f < 2; f++) {
-        ptrdiff_t n = f ? acc_w : d;
-        uint8_t* field = row + (f ? acc_offset : vec_offset);
-        const float* w = tmp + (f ? d : 0);
-        if (!(f ? acc_bf16 : vec_bf16)) {
+    ES_NAME(es_step_row)((uint8_t*) tmp, s, d, r, 0, d * 4, (d + sw) * 4);
+    for (f = 0; f < nf; f++) {
+        ptrdiff_t n = f ? sw : d;
+        uint8_t* field = row + (f == 0 ? vec_offset : f == 1 ? acc_offset : acc2_offset);
+        const float* w = tmp + (f ? d + (f - 1) * sw : 0);
+        int kind = f ? acc_kind : vec_kind;
+        uint64_t salt = (uint64_t) (f >> 1) * 0xD6E8FEB86659FD93ull;
+        if (kind == ES_F32) {
             memcpy(field, w, (size_t) n * sizeof(float));
             continue;
         }
-        ES_NAME(es_round_bf16)(w, (uint16_t*) field, n, stochastic,
-                               (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) f)));
+        ES_NAME(es_round_field)(w, (uint16_t*) field, n, kind, stochastic,
+                                (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) (f & 1))
+                                                    ^ salt));
     }
 }

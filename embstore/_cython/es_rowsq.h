@@ -22,4 +22,22 @@ static inline float es_sumsq(const float* x, ptrdiff_t d) {
     return ((lane[0] + lane[1]) + (lane[2] + lane[3]))
          + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
+
+/* The same order in float64 (each square exact): FTRL's group-lasso row norm on every path
+   (the numpy step through rowops.row_sums_of_squares, the fused step) */
+static inline double es_sumsq64(const float* x, ptrdiff_t d) {
+    double lane[8] = {0., 0., 0., 0., 0., 0., 0., 0.};
+    ptrdiff_t k = 0, l;
+    for (; k + 8 <= d; k += 8)
+        for (l = 0; l < 8; l++) {
+            double p = (double) x[k + l] * (double) x[k + l];
+            lane[l] = lane[l] + p;
+        }
+    for (l = 0; k < d; k++, l++) {
+        double p = (double) x[k] * (double) x[k];
+        lane[l] = lane[l] + p;
+    }
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3]))
+         + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
 #endif

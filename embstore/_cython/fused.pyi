@@ -13,6 +13,7 @@ def grad_sums(inv: npt.NDArray[np.int64], offsets: npt.NDArray[np.int64],
               sums: npt.NDArray[np.float32]) -> None: ...
 
 RULES: dict[str, int]
+RULE_SLOTS: dict[str, tuple[str, ...]]
 KINDS: dict[str, int]
 
 def split_threads(threads: int, work: int) -> int: ...
@@ -23,4 +24,5 @@ def step_bags(arena: RecordArena, slots: npt.NDArray[np.uint32], inv: npt.NDArra
               vec_offset: int, acc_offset: int, add_offsets: npt.NDArray[np.intp],
               add_values: npt.NDArray[np.int64], set_offsets: npt.NDArray[np.intp],
               set_bits: npt.NDArray[np.uint64], threads: int = ..., vec_kind: int = ...,
-              acc_kind: int = ..., seed: int = ..., stochastic: bool = ...) -> bool: ...
+              acc_kind: int = ..., seed: int = ..., stochastic: bool = ...,
+              hyper: npt.NDArray[np.float64] | None = ..., acc2_offset: int = ...) -> bool: ...

@@ -19,6 +19,7 @@ This module imports nothing from embstore; callers pass clean, contiguous arrays
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint16_t, uint8_t
 from libc.stdlib cimport malloc, free
+from libc.math cimport sqrt
 from libc.string cimport memcpy, memset
 
 from .arena cimport RecordArena
@@ -31,9 +32,16 @@ cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
 
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
+    ctypedef struct es_rule_t:
+        int rule
+        float alpha, lr, eps
+        float h[4]
+        double thresh
+    int es_rule_slots(int rule) noexcept nogil
+    Py_ssize_t es_slot_width(int rule, Py_ssize_t d) noexcept nogil
     void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
                      Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
-                     int bf16, Py_ssize_t ahead_stop) noexcept nogil
+                     int kind, Py_ssize_t ahead_stop) noexcept nogil
     void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
                          Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
                          const int64_t* offsets, const float* w, int mean,
@@ -41,21 +49,23 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
     int es_sum_key(float* s, Py_ssize_t d, const char* grad, Py_ssize_t gstride,
                    const int64_t* el_bag, int64_t first, int64_t stop, const int64_t* offsets,
                    const float* w, int mean) noexcept nogil
-    void es_step_row(uint8_t* row, const float* s, Py_ssize_t d, int rule, float alpha,
-                     float lr, float eps, Py_ssize_t vec_offset,
-                     Py_ssize_t acc_offset) noexcept nogil
+    void es_step_row(uint8_t* row, const float* s, Py_ssize_t d, const es_rule_t* r,
+                     Py_ssize_t vec_offset, Py_ssize_t acc_offset,
+                     Py_ssize_t acc2_offset) noexcept nogil
     int es_finite(const float* x, Py_ssize_t n) noexcept nogil
-    void es_step_narrow(uint8_t* row, const float* s, Py_ssize_t d, int rule, float alpha,
-                        float lr, float eps, Py_ssize_t vec_offset, Py_ssize_t acc_offset,
-                        int vec_bf16, int acc_bf16, float* tmp, uint64_t seed, int stochastic,
+    void es_step_narrow(uint8_t* row, const float* s, Py_ssize_t d, const es_rule_t* r,
+                        Py_ssize_t vec_offset, Py_ssize_t acc_offset, Py_ssize_t acc2_offset,
+                        int vec_kind, int acc_kind, float* tmp, uint64_t seed, int stochastic,
                         uint64_t u) noexcept nogil
 
-# How a float field is stored (``KINDS[name]``): float32, or bfloat16 (its upper 16 bits)
+# How a float field is stored (``KINDS[name]``): float32, bfloat16 (its upper 16 bits) or
+# IEEE float16 (the values of es_fused.h's ES_F32, ES_BF16, ES_F16)
 cdef enum:
     KIND_F32 = 0
     KIND_BF16 = 1
+    KIND_F16 = 2
 
-KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16}
+KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
 
 cdef enum:
     AHEAD = 8   # rows requested this many keys ahead of the one being stepped
@@ -68,7 +78,7 @@ cdef enum:
 
 cdef inline Py_ssize_t SCRATCH(Py_ssize_t d) noexcept nogil:
     """Floats of one thread's scratch in :func:`step_bags` (see ``es_step_narrow``)."""
-    return 2 * d + 1
+    return 3 * d + 2
 
 
 cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
@@ -79,13 +89,24 @@ cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
         return <int> (work // MIN_SPLIT)
     return threads
 
-# The optimizer rules :func:`step_bags` applies in place (``RULES[name]``)
+# The optimizer rules :func:`step_bags` applies in place (``RULES[name]``; es_fused.h's
+# ES_RULE_*), and the slot fields each keeps, first and second (``RULE_SLOTS[name]``)
 cdef enum:
     RULE_AXPY = 0
     RULE_ADAGRAD = 1
     RULE_ADAGRAD_ROWWISE = 2
+    RULE_MOMENTUM = 3
+    RULE_NESTEROV = 4
+    RULE_ADAM = 5
+    RULE_FTRL = 6
+    N_RULES = 7
 
-RULES = {"axpy": RULE_AXPY, "adagrad": RULE_ADAGRAD, "adagrad_rowwise": RULE_ADAGRAD_ROWWISE}
+RULES = {"axpy": RULE_AXPY, "adagrad": RULE_ADAGRAD, "adagrad_rowwise": RULE_ADAGRAD_ROWWISE,
+         "momentum": RULE_MOMENTUM, "nesterov": RULE_NESTEROV, "adam": RULE_ADAM,
+         "ftrl": RULE_FTRL}
+RULE_SLOTS = {"axpy": (), "adagrad": ("accum",), "adagrad_rowwise": ("accum",),
+              "momentum": ("momentum",), "nesterov": ("momentum",), "adam": ("m", "v"),
+              "ftrl": ("z", "n")}
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     # splitmix64's finalizer: ids that differ in high bits only still spread
@@ -162,15 +183,15 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
     order (``weights[e]`` times each when ``weights`` is not empty), divided by the bag's
     length with ``mean``; an empty bag gives zeros. ``out`` may be a column block of a wider
     array (rows apart, each row contiguous); bags are split over ``threads`` native
-    threads. ``kind`` (``KINDS``) is how the vectors are stored: bfloat16 rows are widened
-    as they are read (exactly), with no float32 copy of them in between."""
+    threads. ``kind`` (``KINDS``) is how the vectors are stored: bfloat16 or float16 rows
+    are widened as they are read (exactly), with no float32 copy of them in between."""
     cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b
     cdef Py_ssize_t nu = slots.shape[0], u
     cdef const float* w = &weights[0] if weights.shape[0] else NULL
     cdef const float** rows
     cdef uint32_t s
     cdef int nt = _split(threads, n_bags * d)
-    if kind not in (KIND_F32, KIND_BF16):
+    if kind not in (KIND_F32, KIND_BF16, KIND_F16):
         raise ValueError(f"pool: unknown field kind {kind}")
     if vec_offset < 0 or vec_offset + d * (4 if kind == KIND_F32 else 2) > arena.itemsize:
         raise ValueError("pool: the vector field does not fit the record")
@@ -182,15 +203,15 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
     if rows == NULL:
         raise MemoryError("pool: no memory")
     with nogil:
-        # Each distinct key's vector address once (the arena's row arithmetic, inlined), its
-        # first line requested ahead: the bag loop below then reads rows already on their way.
+        # Each distinct key's vector address once (the arena's row arithmetic, inlined); the
+        # bag loop requests the rows of the elements a few bags on as it goes.
         for u in range(nu):
             s = slots[u]
             rows[u] = <const float*> (arena.chunks[s >> arena.shift]
                                       + (s & arena.low_mask) * arena.itemsize + vec_offset)
         for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
             es_pool_bag(&out[b, 0], d, <const void**> rows, &inv[0], offsets[b],
-                        offsets[b + 1], w, mean, kind == KIND_BF16, offsets[n_bags])
+                        offsets[b + 1], w, mean, kind, offsets[n_bags])
     free(rows)
 
 
@@ -232,7 +253,8 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
               Py_ssize_t vec_offset, Py_ssize_t acc_offset, const Py_ssize_t[::1] add_offsets,
               const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
               const uint64_t[::1] set_bits, int threads=1, int vec_kind=KIND_F32,
-              int acc_kind=KIND_F32, uint64_t seed=0, bint stochastic=False):
+              int acc_kind=KIND_F32, uint64_t seed=0, bint stochastic=False,
+              const double[::1] hyper=None, Py_ssize_t acc2_offset=-1):
     """The backward of :func:`pool` and the optimizer's step, in one call: returns False
     (and writes nothing) when a key's summed gradient is not finite.
 
@@ -243,35 +265,45 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     independent. Then each key's record is stepped in place by ``rule`` (``RULES``): ``axpy``
     ``vec += alpha * sum``; ``adagrad`` as :meth:`RecordArena.adagrad_rows`;
     ``adagrad_rowwise`` as :meth:`RecordArena.adagrad_rowwise_rows` with the mean square of
-    ``es_sumsq``; and in the same visit of the record the int64 fields at ``add_offsets`` grow
-    by ``add_values[f, u]`` and the 8 bytes at each ``set_offsets[s]`` become ``set_bits[s]``
-    (counts and stamps, as :meth:`RecordArena.update_rows` writes them). Keys are split over
+    ``es_sumsq``; ``momentum``, ``nesterov``, ``adam`` and ``ftrl`` as the numpy steps of
+    :mod:`embstore.optim` (operation by operation, in float32). The slot fields are at
+    ``acc_offset`` and, for a second slot (``RULE_SLOTS``), ``acc2_offset``; the constants
+    beyond ``alpha``, ``lr`` and ``eps`` come in ``hyper`` (float64, each narrowed to
+    float32 as the numpy step narrows it): ``momentum``/``nesterov`` ``(momentum,)`` with
+    ``lr``; ``adam`` ``(1 - b1, 1 - b2, step_size)`` with ``eps``; ``ftrl`` ``(alpha,
+    beta, 2 * l2, l1, l21)`` (``l21 * sqrt(dim)`` kept float64; 0: no group lasso). In the
+    same visit of the record the int64 fields at ``add_offsets`` grow by ``add_values[f,
+    u]`` and the 8 bytes at each ``set_offsets[s]`` become ``set_bits[s]`` (counts and
+    stamps, as :meth:`RecordArena.update_rows` writes them). Keys are split over
     ``threads`` native threads in both passes; the bits do not depend on the split.
 
-    ``vec_kind`` / ``acc_kind`` (``KINDS``) say how the vector and the accumulator are
-    stored: bfloat16 fields are widened, stepped in float32 (the arithmetic above) and
-    rounded back, to nearest, or with ``stochastic`` by random bits that are a function of
-    ``seed``, the key's row ``u`` and the coordinate only (not of the thread split)."""
+    ``vec_kind`` / ``acc_kind`` (``KINDS``) say how the vector and the slots are stored:
+    16-bit fields are widened, stepped in float32 (the arithmetic above) and rounded back,
+    to nearest, or with ``stochastic`` by random bits that are a function of ``seed``, the
+    key's row ``u``, the field and the coordinate only (not of the thread split)."""
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
-    cdef Py_ssize_t u
-    cdef Py_ssize_t acc_width = d if rule == RULE_ADAGRAD else 1
+    cdef Py_ssize_t u, f
+    cdef int n_slots
+    cdef Py_ssize_t slot_w
     cdef int nt = _split(threads, (nu if nu > n_bags else n_bags) * d)
     cdef float* sums
     cdef float* scratch
     cdef int bad = 0
     cdef StepSpec sp
-    sp.rule, sp.alpha, sp.lr, sp.eps, sp.d = rule, alpha, lr, eps, d
-    sp.vec_offset, sp.acc_offset, sp.vec_kind, sp.acc_kind = vec_offset, acc_offset, vec_kind, acc_kind
-    sp.seed, sp.stochastic = seed, stochastic
-    if vec_kind not in (KIND_F32, KIND_BF16) or acc_kind not in (KIND_F32, KIND_BF16):
+    if vec_kind not in (KIND_F32, KIND_BF16, KIND_F16) or acc_kind not in (KIND_F32, KIND_BF16,
+                                                                          KIND_F16):
         raise ValueError("step_bags: unknown field kind")
-    if rule not in (RULE_AXPY, RULE_ADAGRAD, RULE_ADAGRAD_ROWWISE):
+    if rule < 0 or rule >= N_RULES:
         raise ValueError(f"step_bags: unknown rule {rule}")
+    n_slots, slot_w = es_rule_slots(rule), es_slot_width(rule, d)
+    _rule_of(&sp.r, rule, alpha, lr, eps, hyper, d)
+    sp.d, sp.vec_offset, sp.acc_offset, sp.acc2_offset = d, vec_offset, acc_offset, acc2_offset
+    sp.vec_kind, sp.acc_kind, sp.seed, sp.stochastic = vec_kind, acc_kind, seed, stochastic
     if d > 1 and grad.strides[1] != sizeof(float):
         raise ValueError("step_bags: gradient rows must be contiguous")
-    if vec_offset < 0 or vec_offset + d * (4 if vec_kind == KIND_F32 else 2) > arena.itemsize or (
-            rule != RULE_AXPY and (acc_offset < 0 or acc_offset + acc_width
-                                   * (4 if acc_kind == KIND_F32 else 2) > arena.itemsize)):
+    if not _fits(vec_offset, d, vec_kind, arena.itemsize) or (
+            n_slots >= 1 and not _fits(acc_offset, slot_w, acc_kind, arena.itemsize)) or (
+            n_slots >= 2 and not _fits(acc2_offset, slot_w, acc_kind, arena.itemsize)):
         raise ValueError("step_bags: the float fields do not fit the record")
     arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_bags")
     _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
@@ -308,10 +340,30 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     return True
 
 
+cdef inline bint _fits(Py_ssize_t offset, Py_ssize_t width, int kind, Py_ssize_t itemsize):
+    return offset >= 0 and offset + width * (4 if kind == KIND_F32 else 2) <= itemsize
+
+
+cdef int _rule_of(es_rule_t* r, int rule, float alpha, float lr, float eps,
+                  const double[::1] hyper, Py_ssize_t d) except -1:
+    """``r``: the constants of ``rule`` (see :func:`step_bags`), float32 as numpy rounds
+    them; a ``ValueError`` when ``hyper`` is too short for the rule."""
+    cdef Py_ssize_t need = (1 if rule in (RULE_MOMENTUM, RULE_NESTEROV) else
+                            3 if rule == RULE_ADAM else 5 if rule == RULE_FTRL else 0)
+    cdef Py_ssize_t i
+    if need and (hyper is None or hyper.shape[0] < need):
+        raise ValueError(f"step_bags: rule {rule} takes {need} constants in hyper")
+    r.rule, r.alpha, r.lr, r.eps, r.thresh = rule, alpha, lr, eps, 0.0
+    for i in range(4):
+        r.h[i] = <float> hyper[i] if i < need else 0.0
+    if rule == RULE_FTRL:  # l21 * np.sqrt(dim), in float64 as FTRL.apply has it
+        r.thresh = hyper[4] * sqrt(<double> d)
+    return 0
+
+
 cdef struct StepSpec:
-    int rule
-    float alpha, lr, eps
-    Py_ssize_t d, vec_offset, acc_offset
+    es_rule_t r
+    Py_ssize_t d, vec_offset, acc_offset, acc2_offset
     int vec_kind, acc_kind
     uint64_t seed
     bint stochastic
@@ -332,12 +384,11 @@ cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssiz
         ES_PREFETCH_W(row + arena.itemsize - 1)
     row = _row_at(arena, slots[u])
     if sp.vec_kind == KIND_F32 and sp.acc_kind == KIND_F32:
-        es_step_row(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
-                    sp.acc_offset)
+        es_step_row(row, &sums[u * d], d, &sp.r, sp.vec_offset, sp.acc_offset, sp.acc2_offset)
     else:
-        es_step_narrow(row, &sums[u * d], d, sp.rule, sp.alpha, sp.lr, sp.eps, sp.vec_offset,
-                       sp.acc_offset, sp.vec_kind == KIND_BF16, sp.acc_kind == KIND_BF16,
-                       scratch, sp.seed, sp.stochastic, u)
+        es_step_narrow(row, &sums[u * d], d, &sp.r, sp.vec_offset, sp.acc_offset,
+                       sp.acc2_offset, sp.vec_kind, sp.acc_kind, scratch, sp.seed,
+                       sp.stochastic, u)
     for f in range(add_offsets.shape[0]):
         (<int64_t*> (row + add_offsets[f]))[0] += add_values[f, u]
     for f in range(set_offsets.shape[0]):

@@ -47,6 +47,7 @@ def all_finite(const float[:, :] x):
 
 cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
+    double es_sumsq64(const float* x, Py_ssize_t d) noexcept nogil
 
 
 def row_mean_squares(const float[:, ::1] x, float[::1] out):
@@ -59,3 +60,14 @@ def row_mean_squares(const float[:, ::1] x, float[::1] out):
     with nogil:
         for i in range(n):
             out[i] = es_sumsq(&x[i, 0], d) / fd if d else <float> 0.0 / fd
+
+
+def row_sums_of_squares(const float[:, ::1] x, double[::1] out):
+    """Each row's sum of squares in float64 into ``out``: ``es_sumsq64`` (the order of
+    ``es_sumsq`` in float64), the one FTRL's group lasso and the fused step use."""
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1], i
+    if out.shape[0] < n:
+        raise ValueError("row_sums_of_squares: out is shorter than the rows")
+    with nogil:
+        for i in range(n):
+            out[i] = es_sumsq64(&x[i, 0], d) if d else 0.0

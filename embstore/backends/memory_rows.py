@@ -17,27 +17,39 @@ from .._cython.strkeys import KeySnapshot
 __all__ = ["RowKernels", "new_snapshot", "row_plan", "same_keys", "table_items"]
 
 
+#: the rules :meth:`RowKernels.update` steps in place (the arena's Adagrad kernels); the fused
+#: step covers every rule of ``fused.RULES``
+IN_PLACE_RULES = ("adagrad", "adagrad_rowwise")
+
+
 def row_plan(fields: Any, name: str, width: tuple[int, ...], add: tuple[str, ...],
              assign: tuple[str, ...], rule: tuple[str, int] | None, narrow: bool = False
-             ) -> tuple[int, int, np.ndarray, np.ndarray, np.dtype] | None:
-    """Offsets for the in-place kernels, or None where they do not apply: the axpy (or rule)
-    field is not float32 of the gradients' width, an added field is not int64, an assigned one
-    not 8 bytes, or the rule is not Adagrad on a float32 ``accum`` (per coordinate, or one
-    per row for ``adagrad_rowwise``). ``fields`` is the bound
-    layout's ``dtype.fields``; with ``narrow`` the float fields may be bfloat16 (``<u2``, what
-    the fused step widens and rounds back)."""
-    acc = fields.get("accum")
-    floats = (np.float32, np.uint16) if narrow else (np.float32,)
-    ok = (fields[name][0].base in floats and fields[name][0].shape == width
+             ) -> tuple[int, int, int, np.ndarray, np.ndarray, np.dtype] | None:
+    """Offsets for the in-place kernels (the axpy or rule field, the rule's first and second
+    slot or -1, the added and the assigned fields), or None where they do not apply: the
+    axpy (or rule) field is not float32 of the gradients' width, an added field is not
+    int64, an assigned one not 8 bytes, or the rule's slots (``fused.RULE_SLOTS``) are
+    missing or not float32 of their width. Without ``narrow`` only Adagrad rules (with
+    their two params) apply, the kernels of :meth:`RowKernels.update`; with it (the fused
+    step) every rule of ``fused.RULES``, and float fields may be 16-bit (bfloat16 as
+    ``<u2``, or float16: what the fused step widens and rounds back). ``fields`` is the
+    bound layout's ``dtype.fields``."""
+    floats = (np.float32, np.uint16, np.float16) if narrow else (np.float32,)
+    slots: tuple[str, ...] | None = ()
+    if rule is not None:
+        known = name == "vector" and (narrow or (rule[0] in IN_PLACE_RULES and rule[1] == 2))
+        slots = fused.RULE_SLOTS.get(rule[0]) if known else None
+    slot_shape = (1,) if rule is not None and rule[0] == "adagrad_rowwise" else width
+    ok = (slots is not None
+          and fields[name][0].base in floats and fields[name][0].shape == width
           and all(fields[f][0] == np.int64 for f in add)
           and all(fields[f][0].itemsize == 8 for f in assign)
-          and (rule is None or (rule[0] in ("adagrad", "adagrad_rowwise") and rule[1] == 2
-                                and name == "vector" and acc is not None
-                                and acc[0].base in floats
-                                and acc[0].shape == (width if rule[0] == "adagrad" else (1,)))))
-    if not ok:
+          and all(f in fields and fields[f][0].base in floats and fields[f][0].shape == slot_shape
+                  for f in slots or ()))
+    if not ok or slots is None:
         return None
-    return (fields[name][1], -1 if rule is None or acc is None else acc[1],
+    acc = [fields[f][1] for f in slots] + [-1, -1]
+    return (fields[name][1], acc[0], acc[1],
             np.array([fields[f][1] for f in add], dtype=np.intp),
             np.array([fields[f][1] for f in assign], dtype=np.intp),
             np.dtype([(f, fields[f][0]) for f in assign]))
@@ -107,7 +119,7 @@ class RowKernels:
             update.apply(recs)
             self.scatter(arena, slots, recs)
             return
-        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
+        axpy_offset, acc_offset, _, add_offsets, set_offsets, set_dtype = plan
         if rule is not None:
             lr, eps = rule.params
             if rule.name == "adagrad_rowwise":
@@ -130,23 +142,25 @@ class RowKernels:
         ``inv``/``offsets``/``weights``/``mean``, in one compiled call
         (:func:`~embstore._cython.fused.step_bags`). False: a summed gradient is not finite
         and nothing was written; None: the kernels do not cover this layout or rule.
-        bfloat16 fields round back to nearest, or stochastically from the 64-bit seed
-        ``rounding``."""
+        16-bit fields round back to nearest, or stochastically from the 64-bit seed
+        ``rounding``. The rule's ``params`` are ``(lr, eps, *hyper)`` in the kernel's terms
+        (:meth:`~embstore.optim.Optimizer.fused_rule`)."""
         name, alpha, _ = update.axpy
         rule = update.rule
         plan = self._plan(update, grad.shape[1:], narrow=True)
         if plan is None or name != "vector":
             return None
-        axpy_offset, acc_offset, add_offsets, set_offsets, set_dtype = plan
+        axpy_offset, acc_offset, acc2_offset, add_offsets, set_offsets, set_dtype = plan
         counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
-        lr, eps = rule.params if rule is not None else (0.0, 0.0)
+        lr, eps, *hyper = rule.params if rule is not None else (0.0, 0.0)
         kind = fused.RULES["axpy" if rule is None else rule.name]
         return bool(fused.step_bags(arena, slots, inv, offsets, weights, mean, grad, kind,
                                     float(alpha), lr, eps, axpy_offset, acc_offset, add_offsets,
                                     counts, set_offsets, bits, threads,
                                     fused.KINDS[self.layout.value_dtype],
                                     fused.KINDS[self.layout.slot_dtype],
-                                    rounding or 0, rounding is not None))
+                                    rounding or 0, rounding is not None,
+                                    np.array(hyper, dtype=np.float64), acc2_offset))
 
     def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:
         rule = update.rule

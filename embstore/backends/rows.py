@@ -20,9 +20,11 @@ ModifyFn = Callable[[np.ndarray, np.ndarray], "np.ndarray | None"]
 class RowRule:
     """An optimizer step that is a pure function of each record and its gradient row.
 
-    ``name`` and ``params`` identify it for backends with a native in-place kernel (today
-    ``"adagrad"`` / ``"adagrad_rowwise"`` with ``(lr, eps)`` on float32 ``vector`` and
-    ``accum`` fields);
+    ``name`` and ``params`` identify it for backends with a native in-place kernel (for
+    ``update_rows``: ``"adagrad"`` / ``"adagrad_rowwise"`` with ``(lr, eps)`` on float32
+    ``vector`` and ``accum`` fields; for the fused bag step, every rule of
+    ``embstore._cython.fused.RULES`` with ``(lr, eps, *constants)``, see
+    :meth:`~embstore.optim.Optimizer.fused_rule`);
     ``step(records, grads)`` is the same step on a structured array, in place, for every
     other case (another layout, a backend without the kernel).
     """

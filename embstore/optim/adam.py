@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.base import RowRule
 from ..errors import InvalidInputError
 from ..valuetypes import check_value_dtype
 from .base import Optimizer, check_hyper
@@ -58,24 +59,33 @@ class Adam(Optimizer):
         return [("m", dim), ("v", dim)]
 
     def apply(self, records: np.ndarray, grads: np.ndarray, step: int) -> None:
-        b1, b2 = self.betas
+        c1, c2, step_size = self._constants(step)
         # Same operation order as SparseAdam (old += (1 - b) * (new - old)) to stay bit-close.
         # In place on the record fields (strided views): copying fields out of a structured
         # array costs more than the arithmetic.
         m, v, vec = records["m"], records["v"], records["vector"]
         tmp = np.subtract(grads, m)
-        tmp *= np.float32(1.0 - b1)
+        tmp *= np.float32(c1)
         m += tmp
         np.multiply(grads, grads, out=tmp)
         tmp -= v
-        tmp *= np.float32(1.0 - b2)
+        tmp *= np.float32(c2)
         v += tmp
-        step_size = self.lr * (1.0 - b2 ** step) ** 0.5 / (1.0 - b1 ** step)
         np.sqrt(v, out=tmp)
         tmp += np.float32(self.eps)
         np.divide(m, tmp, out=tmp)
         tmp *= np.float32(step_size)
         vec -= tmp
+
+    def _constants(self, step: int) -> tuple[float, float, float]:
+        """``(1 - b1, 1 - b2, step size)`` of step ``step`` in float64: what :meth:`apply`
+        and the fused kernel narrow to float32."""
+        b1, b2 = self.betas
+        return 1.0 - b1, 1.0 - b2, self.lr * (1.0 - b2 ** step) ** 0.5 / (1.0 - b1 ** step)
+
+    def fused_rule(self, step: int) -> RowRule | None:
+        return RowRule("adam", (0.0, self.eps, *self._constants(step)),
+                       lambda recs, g: self.apply(recs, g, step))
 
     def config(self) -> dict[str, Any]:
         cfg = super().config()

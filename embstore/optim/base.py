@@ -77,6 +77,17 @@ class Optimizer:
         """
         return None
 
+    def fused_rule(self, step: int) -> RowRule | None:
+        """The step numbered ``step`` (the store's update counter) as a
+        :class:`~embstore.backends.base.RowRule` for the fused bag step (``update_bags``),
+        or None where it has none; the rule may depend on ``step`` but never deletes a row.
+
+        The backend's fused kernel (:func:`embstore._cython.fused.step_bags`) then applies
+        it in place, with the bits of :meth:`apply`; ``params`` are ``(lr, eps, *hyper)`` in
+        that kernel's terms. Default: :meth:`row_rule`.
+        """
+        return self.row_rule()
+
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **self._params()}
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from .._cython.rowops import row_sums_of_squares
+from ..backends.base import RowRule
 from ..errors import InvalidInputError
 from .base import Optimizer, check_hyper
 
@@ -98,7 +100,10 @@ class FTRL(Optimizer):
         # L1 soft threshold: coordinates with |z| <= l1 become exactly zero.
         shrunk = np.sign(z) * np.maximum(np.abs(z) - f32(self.l1), f32(0.0))
         if self.l21:
-            norm = np.sqrt(np.einsum("ij,ij->i", shrunk, shrunk, dtype=np.float64))
+            # float64 sums in one fixed order (es_rowsq.h), the fused step's
+            norm = np.empty(len(shrunk), dtype=np.float64)
+            row_sums_of_squares(shrunk, norm)
+            np.sqrt(norm, out=norm)
             thresh = self.l21 * np.sqrt(z.shape[1])
             with np.errstate(divide="ignore", invalid="ignore"):
                 scale = np.where(norm > thresh, 1.0 - thresh / norm, 0.0).astype(np.float32)
@@ -110,6 +115,15 @@ class FTRL(Optimizer):
         if self.prune and not self.prune_idle_steps:
             return ~w_new.any(axis=1)  # asked for: freed now, their z/n with them
         return None  # zero rows keep their z/n: see the class docstring
+
+    def fused_rule(self, step: int) -> RowRule | None:
+        if self.prune and not self.prune_idle_steps:
+            return None  # deletes rows: the general path's
+        return RowRule("ftrl", (0.0, 0.0, self.alpha, self.beta, 2.0 * self.l2, self.l1,
+                                self.l21), lambda recs, g: self._step_rows(recs, g, step))
+
+    def _step_rows(self, records: np.ndarray, grads: np.ndarray, step: int) -> None:
+        self.apply(records, grads, step)  # (never deletes: fused_rule has no rule that would)
 
     def _params(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "beta": self.beta, "l1": self.l1, "l2": self.l2,

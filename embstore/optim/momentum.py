@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.base import RowRule
 from .base import Optimizer, check_hyper
 
 
@@ -51,6 +52,11 @@ class Momentum(Optimizer):
             vec -= np.float32(self.lr) * (grads + np.float32(self.momentum) * acc)
         else:
             vec -= np.float32(self.lr) * acc
+
+    def fused_rule(self, step: int) -> RowRule | None:
+        # the step counter plays no part: the kernel repeats apply's float32 operations
+        return RowRule("nesterov" if self.nesterov else "momentum",
+                       (self.lr, 0.0, self.momentum), lambda recs, g: self.apply(recs, g, step))
 
     def _params(self) -> dict[str, Any]:
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}

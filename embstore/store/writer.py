@@ -508,7 +508,7 @@ class RecordWriter:
         (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
         width = np.empty((0, self.layout.dim), dtype=np.float32)
         axpy = self.optimizer.axpy_step(width)
-        rule = self.optimizer.row_rule() if axpy is None else None
+        rule = self.optimizer.fused_rule(self.step + 1) if axpy is None else None
         if axpy is None and rule is None:
             return False
         now = self.stamp_time()

@@ -145,7 +145,7 @@ def test_pool_bags_checks_its_input():
 
 
 @pytest.mark.parametrize("kw", [{"admission": embstore.policies.FrequencyCutoff(2)},
-                                {"value_dtype": "float16"}, {"key_type": "bytes"}])
+                                {"key_type": "bytes"}])
 def test_stores_the_fused_path_does_not_cover_fall_back(kw):
     store = embstore.open("memory://", dim=DIM, **kw)
     assert not store.fused_bags()
@@ -221,7 +221,7 @@ def test_capacity_eviction_sees_the_same_rows(eviction):
 
 @pytest.mark.parametrize("dim", [1, 31, 32, 40, 64, 100])
 @pytest.mark.parametrize("mode", ["sum", "mean", "weighted"])
-@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
 def test_pooling_every_width_equals_embedding_bag(dim, mode, value_dtype):
     # the kernel sums ES_BLOCK columns at a time in registers and the rest in one loop: both,
     # and widths below one block, give torch's bits

@@ -91,13 +91,12 @@ def test_count_false_leaves_counts_alone():
 
 
 @pytest.mark.parametrize("case", ["shared-table", "max", "padding", "eval", "no-grad",
-                                  "float16", "bytes-keys"])
+                                  "bytes-keys"])
 def test_what_the_fused_collection_does_not_take_runs_the_general_path(case, monkeypatch):
     called = []
     monkeypatch.setattr(_fused_tables, "pool", lambda *a, **k: called.append(1))
     kw: dict = {}
     stores = {f: embstore.open("memory://", dim=8,
-                               value_dtype="float16" if case == "float16" else "float32",
                                key_type="bytes" if case == "bytes-keys" else "int64")
               for f in DIMS}
     features = None

@@ -112,8 +112,8 @@ def test_a_bag_over_a_cached_lmdb_store_trains_fused_with_the_unfused_bits(
     assert a.fused_bags() and set(a_nodes) == {"FusedBagBackward"}
     assert "FusedBagBackward" not in b_nodes and unfused_calls > 0
     # the cache's general update ran only for steps whose ids did not all stay cached
-    print("CALLS", unfused_calls, general_updates["n"] - unfused_calls)
-    assert general_updates["n"] - unfused_calls < unfused_calls
+    assert general_updates["n"] == unfused_calls  # every fused step ran in place
+    assert a.stats()["dirty_evictions"] > 0  # rows left the cache and were read back
     for x, y in zip(a_outs, b_outs, strict=True):
         assert torch.equal(x, y)
     _same(a.get_records(KEYS), b.get_records(KEYS))

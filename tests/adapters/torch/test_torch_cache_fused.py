@@ -111,7 +111,6 @@ def test_a_bag_over_a_cached_lmdb_store_trains_fused_with_the_unfused_bits(
     a, a_outs, a_nodes = _train_bag(urls[0], True, opt, mode, value_dtype)
     assert a.fused_bags() and set(a_nodes) == {"FusedBagBackward"}
     assert "FusedBagBackward" not in b_nodes and unfused_calls > 0
-    # the cache's general update ran only for steps whose ids did not all stay cached
     assert general_updates["n"] == unfused_calls  # every fused step ran in place
     assert a.stats()["dirty_evictions"] > 0  # rows left the cache and were read back
     for x, y in zip(a_outs, b_outs, strict=True):

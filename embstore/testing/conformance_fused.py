@@ -7,9 +7,10 @@ and ``open_options`` (``memory://``, or a cache layer over a persistent store)::
 
     class TestCachedLmdbFused(FusedBagConformance):
         open_options = {"cache": "memory://", "cache_capacity": 64}
+        offers_fused = True
 
-A store that does not pool in place fails, or skips where the subclass says it need not
-(``offers_fused = False``). Both paths must give the same pooled bags, every
+A store that does not pool in place skips, or fails where the subclass says it must
+(``offers_fused = True``). Both paths must give the same pooled bags, every
 record field (but the wall-clock ``version`` / ``last_seen`` stamps), every counter of
 ``stats()`` and the same rows once flushed and reopened, bit for bit; ids stored before the
 store was (re)opened pool their stored vectors; a gradient that is not finite changes no row,
@@ -91,8 +92,8 @@ def _rows_written(store: embstore.EmbeddingStore) -> dict[str, Any]:
 class FusedBagConformance(ConformanceHarness):
     """The fused bag path against the general path; see the module docstring."""
 
-    #: the store must offer the path (True: a refusal fails the test instead of skipping it)
-    offers_fused = True
+    #: the store must offer the path: a refusal fails the test instead of skipping it
+    offers_fused = False
     #: ``stats()`` entries that depend on thread timing, left out of the comparison (a cache
     #: with a write-behind thread reads a row from its queue or, once landed, the remote)
     timed_counters: tuple[str, ...] = ()

@@ -34,7 +34,11 @@ def sqlite_url(tmp_path):
 
 
 # -- the conformance area --------------------------------------------------------------------------
-class TestMemoryFused(FusedBagConformance):
+class Offered(FusedBagConformance):
+    offers_fused = True  # each store here must pool in place: a refusal fails
+
+
+class TestMemoryFused(Offered):
     """The area on a plain memory:// store, the path the cache must match."""
 
     @pytest.fixture
@@ -42,7 +46,7 @@ class TestMemoryFused(FusedBagConformance):
         return lambda: "memory://"
 
 
-class TestCachedLmdbFused(FusedBagConformance):
+class TestCachedLmdbFused(Offered):
     # fewer rows than the run touches: dirty rows are evicted and read back between steps
     open_options = {"cache": "memory://", "cache_capacity": 64}
 
@@ -51,7 +55,7 @@ class TestCachedLmdbFused(FusedBagConformance):
         return lmdb_url
 
 
-class TestCachedLmdbLruFused(FusedBagConformance):
+class TestCachedLmdbLruFused(Offered):
     open_options = {"cache": "memory://", "cache_capacity": 10_000, "cache_eviction": "lru"}
 
     @pytest.fixture
@@ -59,7 +63,7 @@ class TestCachedLmdbLruFused(FusedBagConformance):
         return lmdb_url
 
 
-class TestCachedSqliteFused(FusedBagConformance):
+class TestCachedSqliteFused(Offered):
     open_options = {"cache": "memory://", "cache_capacity": 64}
 
     @pytest.fixture
@@ -67,7 +71,7 @@ class TestCachedSqliteFused(FusedBagConformance):
         return sqlite_url
 
 
-class TestCachedBigtableFused(FusedBagConformance):
+class TestCachedBigtableFused(Offered):
     open_options = {"cache": "memory://", "cache_capacity": 64, "write_behind": False}
 
     @pytest.fixture
@@ -75,7 +79,7 @@ class TestCachedBigtableFused(FusedBagConformance):
         return bigtable_url_factory
 
 
-class TestCachedBigtableWriteBehindFused(FusedBagConformance):
+class TestCachedBigtableWriteBehindFused(Offered):
     # evicted dirty rows in flight on the write-behind thread: read back from its queue or,
     # once landed, from the emulator, as the thread's timing has it
     open_options = {"cache": "memory://", "cache_capacity": 64}

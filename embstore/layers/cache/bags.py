@@ -51,15 +51,17 @@ class CachedBags:
                  in_place: bool) -> None:
         self.resident, self.insert = resident, insert
         local = resident.rows.local
-        self.usable = bool(in_place and resident.rows.shared and isinstance(local, SlotBagPooling)
-                           and local.supports_fused_bags)
+        # checked once: a runtime protocol check costs microseconds per call
+        self._pooling = (local if in_place and resident.rows.shared
+                         and isinstance(local, SlotBagPooling) and local.supports_fused_bags
+                         else None)
+        self.usable = self._pooling is not None
 
     def _local(self) -> SlotBagPooling:
-        local = self.resident.rows.local
-        if not self.usable or not isinstance(local, SlotBagPooling):
-            raise CapabilityError(f"{local.url}: this cache does not pool bags in place "
-                                  "(supports_fused_bags is False)")
-        return local
+        if self._pooling is None:
+            raise CapabilityError(f"{self.resident.rows.local.url}: this cache does not pool "
+                                  "bags in place (supports_fused_bags is False)")
+        return self._pooling
 
     def pool(self, keys: np.ndarray, args: tuple[Any, ...], slots: np.ndarray,
              found: np.ndarray) -> int:

@@ -163,3 +163,35 @@ def test_a_collection_over_cached_lmdb_stores_trains_fused_with_the_unfused_bits
     for f in DIMS:
         with embstore.open(urls[0][f]) as x, embstore.open(urls[1][f]) as y:
             _same(x.get_records(KEYS), y.get_records(KEYS))
+
+
+def _compiled_run(url: str, compiled: bool, steps: int = 4):
+    store = _open(url, "adagrad-rowwise", "float32")
+    bag = DynamicEmbeddingBag(store, "sum")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(DIM, 1)
+    ops: list[str] = []
+
+    def step(ids, offsets):
+        return head(bag(ids, offsets)).pow(2).sum()
+
+    def backend(gm, example_inputs):  # records the ops, then runs as aot_eager would
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(steps):
+        loss = fn(torch.from_numpy(rng.integers(0, 80, 9)), torch.tensor([0, 2, 2, 5]))
+        loss.backward()
+        losses.append(loss.item())
+    return losses, store.get_records(KEYS), ops
+
+
+def test_a_compiled_bag_over_a_cached_store_is_one_fused_op_with_the_eager_bits(lmdb_url):
+    eager_losses, eager_recs, _ = _compiled_run(lmdb_url(), False)
+    losses, recs, ops = _compiled_run(lmdb_url(), True)
+    assert any("embstore.fused_bag" in op for op in ops), ops
+    assert losses == eager_losses
+    _same(recs, eager_recs)

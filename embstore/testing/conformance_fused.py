@@ -26,17 +26,19 @@ import pytest
 
 import embstore
 from embstore.errors import InvalidInputError
-from embstore.optim import SGD, Adagrad
+from embstore.optim import SGD, Adagrad, Adam
 
 from .conformance_harness import ConformanceHarness
 
 __all__ = ["FUSED_OPTIMIZERS", "FusedBagConformance", "pooled_reference"]
 
-#: the optimizers the fused step covers, by test-id name
+#: the optimizers the fused step covers, by test-id name, and Adam (the fused forward, then
+#: the general update)
 FUSED_OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.1),
     "adagrad": lambda: Adagrad(lr=0.1, initial_accumulator_value=0.1),
     "adagrad-rowwise": lambda: Adagrad(lr=0.1, rowwise=True),
+    "adam": lambda: Adam(lr=0.01),
 }
 #: ``stats()`` entries that are wall-clock stamps, not counters
 _CLOCKED = ("version",)

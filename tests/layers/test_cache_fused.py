@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import embstore
+from embstore.backends.memory import MemoryBackend
 from embstore.engine.fused import bag_batch
 from embstore.errors import InvalidInputError, LeaseLostError
 from embstore.layers.cache import CachedBackend
@@ -110,17 +111,25 @@ def _layer(store: embstore.EmbeddingStore) -> CachedBackend:
 
 @pytest.fixture
 def spied(monkeypatch):
-    """Calls of the cache's general update (``update_rows`` / ``modify``) and of the fused
-    pooling from rows that did not all fit in the cache, by name."""
+    """What ran, by name: the cache's general update (``update_rows`` / ``modify``), the
+    fused step on the cached rows (``step_slots:<its result>``) and the pooling of rows that
+    did not all fit in the cache (``apart``)."""
     calls: list[str] = []
-    for name in ("update_rows", "modify"):
-        real = getattr(CachedBackend, name)
-        monkeypatch.setattr(CachedBackend, name,
-                            lambda self, *a, _real=real, _n=name, **k: (calls.append(_n),
-                                                                         _real(self, *a, **k))[1])
-    real_apart = cache_bags._pool_apart
-    monkeypatch.setattr(cache_bags, "_pool_apart",
-                        lambda *a: (calls.append("apart"), real_apart(*a))[1])
+
+    def spy(owner, name, record):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            out = real(*a, **k)
+            calls.append(record(out))
+            return out
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    spy(CachedBackend, "update_rows", lambda _: "update_rows")
+    spy(CachedBackend, "modify", lambda _: "modify")
+    spy(MemoryBackend, "step_slots", lambda done: f"step_slots:{done}")
+    spy(cache_bags, "_pool_apart", lambda _: "apart")
     return calls
 
 
@@ -137,7 +146,7 @@ def test_a_cached_batch_takes_the_fused_step_and_marks_its_rows_dirty(lmdb_url, 
     out, batch = s.pool_bags(ids)  # every row cached: the hit path
     assert s.stats()["cache_hits"] == 5 and s.stats()["remote_reads"] == reads
     s.update_bags(batch, np.ones_like(out))
-    assert spied == []  # neither update_rows nor modify: the fused step
+    assert spied == ["step_slots:True"]  # the fused step, not update_rows or modify
     st = s.stats()
     assert st["dirty_rows"] == 5 and st["cache_hits"] == 10 and st["updates"] == 5
     remote, found = _layer(s).remote.get(batch.uniq)
@@ -187,7 +196,7 @@ def test_a_nan_gradient_on_cached_rows_is_refused_by_the_fused_step(lmdb_url, sp
     grad[1, 0] = np.nan
     with pytest.raises(InvalidInputError, match="NaN or inf"):
         s.update_bags(batch, grad)
-    assert spied == []  # the fused step saw it, no general update ran
+    assert spied == ["step_slots:False"]  # the fused step refused it, nothing else ran
     assert s.stats()["dirty_rows"] == 0
     writes = s.stats()["remote_writes"]
     s.flush()

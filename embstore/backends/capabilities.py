@@ -1,7 +1,8 @@
 """The methods behind two capability flags of ``Backend``, declared as protocols.
 
 A backend with ``supports_slots`` is :class:`SlotAddressed`; one with
-``supports_fused_bags`` is :class:`FusedBagPooling` (``memory://`` is both).
+``supports_fused_bags`` is :class:`FusedBagPooling` (``memory://`` is both, and
+:class:`SlotBagPooling`: the fused bag calls at slots, which a cache layer over it makes).
 """
 
 from __future__ import annotations
@@ -69,4 +70,27 @@ class FusedBagPooling(Protocol):
         (a key lost its record, or the layout or rule is not covered): then the caller
         takes the general path. 16-bit fields round back to nearest, or stochastically
         from the 64-bit seed ``rounding``."""
+        ...
+
+
+@runtime_checkable
+class SlotBagPooling(Protocol):
+    """A slot-addressed backend that runs :class:`FusedBagPooling`'s two calls on the records
+    at given slots (``memory://``): the cache layer keeps the fused bag path through the rows
+    it holds there (``embstore.layers.cache``). Every slot must be occupied."""
+
+    supports_fused_bags: bool
+
+    def pool_slots(self, slots: np.ndarray, inv: np.ndarray, offsets: np.ndarray,
+                   weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> None:
+        """``FusedBagPooling.lookup_pool``'s pooling, of the vectors at ``slots`` (distinct
+        keys' records, in the order ``inv`` indexes)."""
+        ...
+
+    def step_slots(self, slots: np.ndarray, update: RowUpdate, inv: np.ndarray,
+                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
+                   threads: int = 1, rounding: int | None = None) -> bool | None:
+        """``FusedBagPooling.step_bags`` on the records at ``slots``: True when applied, False
+        when a summed gradient is not finite (nothing written), None when the kernels do not
+        cover the layout or rule (nothing written)."""
         ...

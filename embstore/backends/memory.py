@@ -35,11 +35,12 @@ from .memory_url import TableOptions, capacity_hint
 from .ranges import KeyRange, hash_ranges, in_hash_range
 
 try:
-    from .._cython import bytestable, cuckoo, fused
+    from .._cython import bytestable, cuckoo
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
     from .._cython.strkeys import KeySnapshot
+    from .memory_bags import BagKernels
     from .memory_rows import (
         RowKernels,
         find_kept,
@@ -141,10 +142,12 @@ class MemoryBackend(Backend):
         # the slots of the last get_field, with a copy of its keys to prove the match.
         self._last_find: tuple[np.ndarray | KeySnapshot, np.ndarray, int] | None = None
         self._kernels = RowKernels(None)  # for the layout bind() sets
+        self._bags = BagKernels(self._kernels)
 
     def bind(self, layout: Layout, key_type: str) -> None:
         super().bind(layout, key_type)
         self._kernels = RowKernels(layout)
+        self._bags = BagKernels(self._kernels)
         self.supports_lookup_insert = True
         if self._arena is None:
             try:
@@ -175,18 +178,11 @@ class MemoryBackend(Backend):
     @serialized
     def close(self) -> None:
         # Dropping the references frees the C memory now, not at interpreter exit.
-        self._table = None
-        self._arena = None
+        self._table = self._arena = None
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)
         self._key_table.find(keys, out)
-        return out
-
-    def _slots_kept(self, keys: np.ndarray) -> np.ndarray:
-        """:meth:`_slots`, remembered with a copy of ``keys`` for :meth:`update_rows`."""
-        snapshot, out = find_kept(self._key_table, keys)
-        self._last_find = (snapshot, out, self._epoch)
         return out
 
     def _place(self, keys: np.ndarray) -> np.ndarray:
@@ -245,7 +241,8 @@ class MemoryBackend(Backend):
 
     @serialized
     def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        slots = self._slots_kept(keys)
+        snapshot, slots = find_kept(self._key_table, keys)  # kept for update_rows
+        self._last_find = (snapshot, slots, self._epoch)
         return self._kernels.gather_field(self._records, slots, field), slots != _EMPTY
 
     @serialized
@@ -294,8 +291,7 @@ class MemoryBackend(Backend):
                     weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> int:
         """``FusedBagPooling.lookup_pool``; the slots stay remembered for ``step_bags``."""
         slots, n_new = self._place_new(keys, initial, template, np.empty(len(keys), np.uint8))
-        fused.pool(self._records, slots, inv, offsets, weights, self.layout.fields["vector"][1],
-                   mean, out, threads, fused.KINDS[self.layout.value_dtype])
+        self._bags.pool(self._records, slots, inv, offsets, weights, mean, out, threads)
         self._last_find = (keys.copy(), slots, self._epoch)
         return n_new
 
@@ -305,11 +301,22 @@ class MemoryBackend(Backend):
                   threads: int = 1, rounding: int | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         slots = recall(self._last_find, self._epoch, keys)
-        slots = self._slots(keys) if slots is None else slots
-        if len(slots) and (slots == _EMPTY).any():
-            return None
-        return self._kernels.step_bags(self._records, slots, update, inv, offsets, weights,
-                                       mean, grad, threads, rounding)
+        return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
+                               update, inv, offsets, weights, mean, grad, threads, rounding)
+
+    @serialized
+    def pool_slots(self, slots: np.ndarray, inv: np.ndarray, offsets: np.ndarray,
+                   weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> None:
+        """``SlotBagPooling.pool_slots``: bags pooled from the records at occupied ``slots``."""
+        self._bags.pool(self._records, slots, inv, offsets, weights, mean, out, threads)
+
+    @serialized
+    def step_slots(self, slots: np.ndarray, update: RowUpdate, inv: np.ndarray,
+                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
+                   threads: int = 1, rounding: int | None = None) -> bool | None:
+        """``SlotBagPooling.step_slots``: ``step_bags`` on the records at ``slots``."""
+        return self._bags.step(self._records, slots, update, inv, offsets, weights, mean, grad,
+                               threads, rounding)
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,
@@ -347,9 +354,7 @@ class MemoryBackend(Backend):
 
     @serialized
     def __len__(self) -> int:
-        if self._arena is None:
-            return 0
-        return len(self._key_table)
+        return 0 if self._arena is None else len(self._key_table)
 
     def scan(self, batch_size: int = 4096, rng: KeyRange | None = None
              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -381,13 +386,8 @@ class MemoryBackend(Backend):
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
                      rows: int | None = None) -> int:
         """A new table built aside, then installed in one step (see ``_replace.py``)."""
-        opts = self.table_options
-        staging = MemoryBackend(self.url, initial_capacity=capacity_hint(rows),
-                                prefault=opts.prefault, hash_seed=opts.hash_seed,
-                                huge_pages=opts.huge_pages)
-        staging.bind(self.layout, self.key_type)
-        staging.bulk_load(batches)
-        table, arena = staging.hand_over()
+        table, arena = _built_aside(self.url, self.table_options, self.layout, self.key_type,
+                                    batches, rows)
         with self._lock:
             # One dict update (a single C call): no signal handler or other thread runs between
             # installing the key table and the records, so nothing ever sees half of each.
@@ -422,3 +422,15 @@ class MemoryBackend(Backend):
         figures = table_stats(self._table, self._arena)
         figures.pop("bytes", None)
         return {**self.counters, **figures}
+
+
+def _built_aside(url: str, opts: TableOptions, layout: Layout, key_type: str,
+                 batches: Iterator[tuple[np.ndarray, np.ndarray]], rows: int | None
+                 ) -> tuple[CuckooTable | BytesTable, RecordArena]:
+    """The key table and records of ``batches``, loaded into a staging table made as ``opts``
+    say (sized for ``rows``), for a restore to install in one step."""
+    staging = MemoryBackend(url, initial_capacity=capacity_hint(rows), prefault=opts.prefault,
+                            hash_seed=opts.hash_seed, huge_pages=opts.huge_pages)
+    staging.bind(layout, key_type)
+    staging.bulk_load(batches)
+    return staging.hand_over()

@@ -353,8 +353,8 @@ class EmbeddingStore:
         """Apply the gradient of :meth:`pool_bags`' output (``(n_bags, dim)``) as ``update``
         applies the per-id sums: one optimizer step per distinct id. ``count`` grows by each
         id's occurrences, or by ``counts`` (one per distinct id, e.g. zeros) when given.
-        On ``memory://`` with SGD or Adagrad, sums and step are one compiled call (its keys
-        split over ``threads`` native threads)."""
+        On ``memory://`` (and a write-back cache on it) with SGD or Adagrad, sums and step
+        are one compiled call (keys split over ``threads`` native threads)."""
         self.check_writable()
         self.writer.update_bags(batch, grad, counts, threads)
 

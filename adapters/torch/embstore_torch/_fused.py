@@ -1,9 +1,9 @@
 """The fused bag path: ``DynamicEmbeddingBag`` over a store that pools in place.
 
-Where the store offers it (``store.fused_bags()``: ``memory://``, int64 keys, float32 or
-bfloat16 rows, no admission policy or observers), a training forward is one call per table,
-either the custom op ``embstore::fused_bag`` (under ``torch.compile``, or eagerly with
-``DynamicEmbeddingBag.fused_custom_op = True``) or, eagerly by default, its form
+Where the store offers it (``store.fused_bags()``: ``memory://`` or a write-back cache on it,
+int64 keys, float32 or bfloat16 rows, no admission policy or observers), a training forward
+is one call per table, either the custom op ``embstore::fused_bag`` (under ``torch.compile``,
+or eagerly with ``DynamicEmbeddingBag.fused_custom_op = True``) or, eagerly by default, its form
 :class:`FusedBag` (an ``autograd.Function``, as the unfused bridges are: the custom op's Python
 dispatch measured ~0.07 ms per table and step, ~10% of a step). Either way the
 store dedupes the ids, places new ones and pools their rows

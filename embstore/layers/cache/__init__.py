@@ -4,7 +4,8 @@
 :mod:`.resident` holds the cached rows (in the local store's slots, with the per-slot
 bookkeeping of :mod:`.slots`) and evicts, :mod:`.prefetch` reads ahead, :mod:`.write_behind`
 flushes evicted dirty rows, :mod:`.whole_table` runs whole-table operations, :mod:`.metadata`
-keeps the store's metadata and :mod:`.lease` keeps one writer per key range.
+keeps the store's metadata, :mod:`.lease` keeps one writer per key range and :mod:`.bags` runs
+the fused bag path (pooling and the in-place step) at the slots of the cached rows.
 
 Consistency contract
 --------------------

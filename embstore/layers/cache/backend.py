@@ -17,6 +17,7 @@ package docstring, :mod:`embstore.layers.cache`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ from ...errors import InvalidInputError, StoreClosedError
 from ...layout import Layout
 from ...policies.eviction import eviction_policy
 from ...registry import backend_class
+from .bags import CachedBags
 from .lease import WriterLease
 from .metadata import CacheMetadata
 from .prefetch import Prefetcher
@@ -147,6 +149,7 @@ class CachedBackend(Backend):
         self.metadata = CacheMetadata(self.remote, self.local, self._lease, self.io.lock,
                                       mirror=not rows.shared)
         self.prefetcher = Prefetcher(self.resident, self.io, self._stale, self._lock)
+        self.bags = CachedBags(self.resident, self.put, self.supports_row_update)
         self.whole = WholeTable(self.resident, self.io, self.metadata, self._lease,
                                 int(flush_batch))
         self._closed = False
@@ -230,13 +233,7 @@ class CachedBackend(Backend):
     def contains(self, keys: np.ndarray) -> np.ndarray:
         with self._lock:
             self._check()
-            _, found = self.resident.find(keys)
-            if found.all():
-                return found
-            found = found.copy()
-            uniq, inv = np.unique(keys[~found], return_inverse=True)
-            found[~found] = self.io.contains(uniq)[inv]
-            return found
+            return self.resident.contains(keys)
 
     def put(self, keys: np.ndarray, records: np.ndarray) -> None:
         with self._lock:
@@ -260,6 +257,19 @@ class CachedBackend(Backend):
         if not self.supports_row_update:
             return Backend.update_rows(self, keys, update)
         return self._probed(keys, lambda *probe: self.resident.update(keys, update, *probe))
+
+    @property
+    def supports_fused_bags(self) -> bool:  # type: ignore[override]
+        """Bags pool where the cached rows sit (a memory:// arena, write-back): :mod:`.bags`."""
+        return self.bags.usable
+
+    def lookup_pool(self, keys: np.ndarray, *args: Any) -> int:
+        """``FusedBagPooling.lookup_pool`` (:meth:`.bags.CachedBags.pool`, the lock held)."""
+        return self._probed(keys, functools.partial(self.bags.pool, keys, args), claim=False)
+
+    def step_bags(self, keys: np.ndarray, *args: Any) -> bool | None:
+        """``FusedBagPooling.step_bags`` (:meth:`.bags.CachedBags.step`, the lock held)."""
+        return self._probed(keys, functools.partial(self.bags.step, keys, args))
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         return self._probed(keys, lambda *probe: self._modify(keys, fn, *probe))

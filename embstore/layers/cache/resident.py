@@ -166,6 +166,16 @@ class ResidentRows:
         """The slot of each key and whether it is cached."""
         return self.rows.find(keys)
 
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """Which keys have a row: cached, or else in the remote (one call for the others)."""
+        _, found = self.find(keys)
+        if found.all():
+            return found
+        found = found.copy()
+        uniq, inv = np.unique(keys[~found], return_inverse=True)
+        found[~found] = self.io.contains(uniq)[inv]
+        return found
+
     def make_room(self, m: int, before: int | None = None) -> int:
         """Evict least valuable rows not touched in this operation (or since tick ``before``)
         so that up to ``m`` new rows fit; dirty victims are written first (one batch; may
@@ -235,11 +245,25 @@ class ResidentRows:
         probe): the cached ones, the others read through (all of them in one remote call)."""
         if found.all():  # the hit path: one probe, one gather, one stamp scatter
             out = self.rows.read(keys, slots, field)
-            self.table.next_tick()
-            self.table.touch(slots)
-            self.io.counters["cache_hits"] += len(keys)
+            self.hit(slots)
             return out, found
         return self._lookup_misses(keys, field, slots, found)
+
+    def hit(self, slots: np.ndarray) -> None:
+        """Count a lookup whose every key is cached (at ``slots``) and stamp its rows."""
+        self.table.next_tick()
+        self.table.touch(slots)
+        self.io.counters["cache_hits"] += len(slots)
+
+    def stepped(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Count an update applied in place to the cached rows of every key (at ``slots``),
+        stamp them and mark them dirty."""
+        self.stale.note(keys)
+        self.io.counters["cache_hits"] += len(keys)
+        st = self.table
+        st.next_tick()
+        st.touch(slots)
+        st.dirty[slots] = True
 
     def _lookup_misses(self, keys: np.ndarray, field: str | None, slots: np.ndarray,
                        found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -310,14 +334,11 @@ class ResidentRows:
         probe): in place where cached; the others are read in one remote call, stepped and
         cached (dirty). Return which keys had a row."""
         res, st = self, self.table
-        self.stale.note(keys)
         if found.all():
-            self.io.counters["cache_hits"] += len(keys)
             res.rows.index.update_slots(slots, update)
-            st.next_tick()
-            st.touch(slots)
-            st.dirty[slots] = True
+            self.stepped(keys, slots)
             return found
+        self.stale.note(keys)
         self.touch_hits(keys, slots, found)
         miss = np.flatnonzero(~found)
         recs, rfound, _ = res.fetch(keys[miss], len(miss))

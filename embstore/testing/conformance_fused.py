@@ -26,19 +26,20 @@ import pytest
 
 import embstore
 from embstore.errors import InvalidInputError
-from embstore.optim import SGD, Adagrad, Adam
+from embstore.optim import FTRL, SGD, Adagrad, Adam, Momentum
 
 from .conformance_harness import ConformanceHarness
 
 __all__ = ["FUSED_OPTIMIZERS", "FusedBagConformance", "pooled_reference"]
 
-#: the optimizers the fused step covers, by test-id name, and Adam (the fused forward, then
-#: the general update)
+#: the optimizers the fused step covers, by test-id name
 FUSED_OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.1),
     "adagrad": lambda: Adagrad(lr=0.1, initial_accumulator_value=0.1),
     "adagrad-rowwise": lambda: Adagrad(lr=0.1, rowwise=True),
     "adam": lambda: Adam(lr=0.01),
+    "momentum-nesterov": lambda: Momentum(lr=0.05, nesterov=True),
+    "ftrl": lambda: FTRL(alpha=0.1, l1=0.01, l2=0.01),
 }
 #: ``stats()`` entries that are wall-clock stamps, not counters
 _CLOCKED = ("version",)
@@ -123,7 +124,7 @@ class FusedBagConformance(ConformanceHarness):
         return stores, {"stored": stores[0].layout.vectors(stores[0].layout.encode_vectors(
             values))}
 
-    @pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
     @pytest.mark.parametrize("opt", sorted(FUSED_OPTIMIZERS))
     def test_fused_bags_train_the_bits_of_the_general_path(self, opt, value_dtype):
         (a, b), ref = self._pair(opt, value_dtype)

@@ -284,29 +284,16 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     to nearest, or with ``stochastic`` by random bits that are a function of ``seed``, the
     key's row ``u``, the field and the coordinate only (not of the thread split)."""
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
-    cdef Py_ssize_t u, f
-    cdef int n_slots
-    cdef Py_ssize_t slot_w
+    cdef Py_ssize_t u
     cdef int nt = _split(threads, (nu if nu > n_bags else n_bags) * d)
     cdef float* sums
     cdef float* scratch
     cdef int bad = 0
     cdef StepSpec sp
-    if vec_kind not in (KIND_F32, KIND_BF16, KIND_F16) or acc_kind not in (KIND_F32, KIND_BF16,
-                                                                          KIND_F16):
-        raise ValueError("step_bags: unknown field kind")
-    if rule < 0 or rule >= N_RULES:
-        raise ValueError(f"step_bags: unknown rule {rule}")
-    n_slots, slot_w = es_rule_slots(rule), es_slot_width(rule, d)
-    _rule_of(&sp.r, rule, alpha, lr, eps, hyper, d)
-    sp.d, sp.vec_offset, sp.acc_offset, sp.acc2_offset = d, vec_offset, acc_offset, acc2_offset
-    sp.vec_kind, sp.acc_kind, sp.seed, sp.stochastic = vec_kind, acc_kind, seed, stochastic
+    _step_spec(&sp, arena.itemsize, d, rule, alpha, lr, eps, hyper, vec_offset, acc_offset,
+               acc2_offset, vec_kind, acc_kind, seed, stochastic)
     if d > 1 and grad.strides[1] != sizeof(float):
         raise ValueError("step_bags: gradient rows must be contiguous")
-    if not _fits(vec_offset, d, vec_kind, arena.itemsize) or (
-            n_slots >= 1 and not _fits(acc_offset, slot_w, acc_kind, arena.itemsize)) or (
-            n_slots >= 2 and not _fits(acc2_offset, slot_w, acc_kind, arena.itemsize)):
-        raise ValueError("step_bags: the float fields do not fit the record")
     arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_bags")
     _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
     arena._check_slots(slots, "step_bags")
@@ -340,6 +327,31 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     free(scratch)
     free(sums)
     return True
+
+
+cdef int _step_spec(StepSpec* sp, Py_ssize_t itemsize, Py_ssize_t d, int rule, float alpha,
+                    float lr, float eps, const double[::1] hyper, Py_ssize_t vec_offset,
+                    Py_ssize_t acc_offset, Py_ssize_t acc2_offset, int vec_kind, int acc_kind,
+                    uint64_t seed, bint stochastic) except -1:
+    """``sp``: one table's step as :func:`step_bags` takes it (records of ``itemsize`` bytes,
+    gradients of width ``d``), checked: a ``ValueError`` for an unknown rule or field kind,
+    missing constants, or float fields outside the record."""
+    cdef int n_slots
+    cdef Py_ssize_t slot_w
+    if vec_kind not in (KIND_F32, KIND_BF16, KIND_F16) or acc_kind not in (KIND_F32, KIND_BF16,
+                                                                          KIND_F16):
+        raise ValueError("step_bags: unknown field kind")
+    if rule < 0 or rule >= N_RULES:
+        raise ValueError(f"step_bags: unknown rule {rule}")
+    _rule_of(&sp.r, rule, alpha, lr, eps, hyper, d)
+    n_slots, slot_w = es_rule_slots(rule), es_slot_width(rule, d)
+    if not _fits(vec_offset, d, vec_kind, itemsize) or (
+            n_slots >= 1 and not _fits(acc_offset, slot_w, acc_kind, itemsize)) or (
+            n_slots >= 2 and not _fits(acc2_offset, slot_w, acc_kind, itemsize)):
+        raise ValueError("step_bags: the float fields do not fit the record")
+    sp.d, sp.vec_offset, sp.acc_offset, sp.acc2_offset = d, vec_offset, acc_offset, acc2_offset
+    sp.vec_kind, sp.acc_kind, sp.seed, sp.stochastic = vec_kind, acc_kind, seed, stochastic
+    return 0
 
 
 cdef inline bint _fits(Py_ssize_t offset, Py_ssize_t width, int kind, Py_ssize_t itemsize):

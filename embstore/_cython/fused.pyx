@@ -4,14 +4,15 @@
 One forward: :func:`dedupe` (distinct keys in first-seen order, the inverse index and the
 occurrences, one hash pass) and :func:`pool` (each bag summed straight from the records'
 vector fields into the pooled output: no ``(distinct, dim)`` copy in between). One backward:
-:func:`grad_sums` (the pooled gradients summed per distinct key) feeding the arena's in-place
-optimizer kernels.
+:func:`step_bags` (the pooled gradients summed per distinct key, as :func:`grad_sums` sums
+them, and the optimizer's step applied to each record in place, counts and stamps with it).
 
 The arithmetic is the one of today's torch path, operation by operation, so both give the
 same bits: bag sums add rows in element order starting from zero; ``mean`` divides the sum by
 the bag's length; weighted sums use one fused multiply-add per element (as torch's
-``embedding_bag`` kernel does); per-key gradient sums add in element order. The extension is
-built with ``-ffp-contract=off``, so nothing else is contracted.
+``embedding_bag`` kernel does); per-key gradient sums add in element order. Each optimizer
+step repeats the float32 operations of the optimizer's numpy step in their order. The
+extension is built with ``-ffp-contract=off``, so nothing else is contracted.
 
 This module imports nothing from embstore; callers pass clean, contiguous arrays.
 """

@@ -100,14 +100,15 @@ cdef enum:
     RULE_NESTEROV = 4
     RULE_ADAM = 5
     RULE_FTRL = 6
-    N_RULES = 7
+    RULE_SGD_DECAY = 7
+    N_RULES = 8
 
 RULES = {"axpy": RULE_AXPY, "adagrad": RULE_ADAGRAD, "adagrad_rowwise": RULE_ADAGRAD_ROWWISE,
          "momentum": RULE_MOMENTUM, "nesterov": RULE_NESTEROV, "adam": RULE_ADAM,
-         "ftrl": RULE_FTRL}
+         "ftrl": RULE_FTRL, "sgd_decay": RULE_SGD_DECAY}
 RULE_SLOTS = {"axpy": (), "adagrad": ("accum",), "adagrad_rowwise": ("accum",),
               "momentum": ("momentum",), "nesterov": ("momentum",), "adam": ("m", "v"),
-              "ftrl": ("z", "n")}
+              "ftrl": ("z", "n"), "sgd_decay": ()}
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     # splitmix64's finalizer: ids that differ in high bits only still spread
@@ -273,7 +274,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     ``acc_offset`` and, for a second slot (``RULE_SLOTS``), ``acc2_offset``; the constants
     beyond ``alpha``, ``lr`` and ``eps`` come in ``hyper`` (float64, each narrowed to
     float32 as the numpy step narrows it): ``momentum``/``nesterov`` ``(momentum,)`` with
-    ``lr``; ``adam`` ``(1 - b1, 1 - b2, step_size)`` with ``eps``; ``ftrl`` ``(alpha,
+    ``lr``; ``sgd_decay`` (SGD with weight decay) ``(weight_decay,)`` with ``lr``; ``adam`` ``(1 - b1, 1 - b2, step_size)`` with ``eps``; ``ftrl`` ``(alpha,
     beta, 2 * l2, l1, l21)`` (``l21 * sqrt(dim)`` kept float64; 0: no group lasso). In the
     same visit of the record the int64 fields at ``add_offsets`` grow by ``add_values[f,
     u]`` and the 8 bytes at each ``set_offsets[s]`` become ``set_bits[s]`` (counts and
@@ -363,7 +364,7 @@ cdef int _rule_of(es_rule_t* r, int rule, float alpha, float lr, float eps,
                   const double[::1] hyper, Py_ssize_t d) except -1:
     """``r``: the constants of ``rule`` (see :func:`step_bags`), float32 as numpy rounds
     them; a ``ValueError`` when ``hyper`` is too short for the rule."""
-    cdef Py_ssize_t need = (1 if rule in (RULE_MOMENTUM, RULE_NESTEROV) else
+    cdef Py_ssize_t need = (1 if rule in (RULE_MOMENTUM, RULE_NESTEROV, RULE_SGD_DECAY) else
                             3 if rule == RULE_ADAM else 5 if rule == RULE_FTRL else 0)
     cdef Py_ssize_t i
     if need and (hyper is None or hyper.shape[0] < need):

@@ -22,7 +22,7 @@
 #include "es_rowsq.h"
 
 enum { ES_RULE_AXPY = 0, ES_RULE_ADAGRAD = 1, ES_RULE_ADAGRAD_ROWWISE = 2, ES_RULE_MOMENTUM = 3,
-       ES_RULE_NESTEROV = 4, ES_RULE_ADAM = 5, ES_RULE_FTRL = 6 };
+       ES_RULE_NESTEROV = 4, ES_RULE_ADAM = 5, ES_RULE_FTRL = 6, ES_RULE_SGD_DECAY = 7 };
 
 /* How a field is stored: float32, bfloat16 (its upper 16 bits) or IEEE float16 */
 enum { ES_F32 = 0, ES_BF16 = 1, ES_F16 = 2 };
@@ -30,6 +30,7 @@ enum { ES_F32 = 0, ES_BF16 = 1, ES_F16 = 2 };
 /* One optimizer step's constants, each the float32 (or, thresh, float64) value the numpy
    step of the optimizer computes with:
    axpy:            alpha
+   sgd_decay:       lr, h[0] weight decay
    adagrad(_rowwise): lr, eps
    momentum/nesterov: lr, h[0] momentum
    adam:            eps, h[0] 1 - b1, h[1] 1 - b2, h[2] the bias-corrected step size
@@ -43,7 +44,8 @@ typedef struct {
 
 /* The float slots a rule keeps per key: how many, and the width of each (d or 1) */
 static inline int es_rule_slots(int rule) {
-    return rule == ES_RULE_AXPY ? 0 : (rule == ES_RULE_ADAM || rule == ES_RULE_FTRL ? 2 : 1);
+    return rule == ES_RULE_AXPY || rule == ES_RULE_SGD_DECAY ? 0
+         : (rule == ES_RULE_ADAM || rule == ES_RULE_FTRL ? 2 : 1);
 }
 static inline ptrdiff_t es_slot_width(int rule, ptrdiff_t d) {
     return rule == ES_RULE_ADAGRAD_ROWWISE ? 1 : d;

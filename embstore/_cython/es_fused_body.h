@@ -159,6 +159,7 @@ ES_ATTR static inline float ES_NAME(es_weight)(float sh, float quad) {
    the optimizer's numpy step in the same order (r: es_fused.h's constants; a, b: the first
    and second slot):
    axpy:            vec += alpha * s
+   sgd_decay:       vec += -lr * (s + wd * vec)
    adagrad:         a += s * s; vec -= lr * (s / (sqrt(a) + eps))      (per coordinate)
    adagrad_rowwise: a += sumsq(s) / d; vec -= s * (lr / (sqrt(a) + eps))
    momentum:        a = a * mu + s; vec -= lr * a         (nesterov: vec -= lr * (s + mu * a))
@@ -176,6 +177,9 @@ ES_ATTR static void ES_NAME(es_step_row)(uint8_t* row, const float* restrict s, 
     if (rule == ES_RULE_AXPY) {
         float alpha = r->alpha;
         for (k = 0; k < d; k++) v[k] = v[k] + alpha * s[k];
+    } else if (rule == ES_RULE_SGD_DECAY) {
+        float a_ = -r->lr, wd = r->h[0];
+        for (k = 0; k < d; k++) v[k] = v[k] + a_ * (s[k] + wd * v[k]);
     } else if (rule == ES_RULE_ADAGRAD) {
         float lr = r->lr, eps = r->eps;
         for (k = 0; k < d; k++) {

@@ -4,14 +4,15 @@
 One forward: :func:`dedupe` (distinct keys in first-seen order, the inverse index and the
 occurrences, one hash pass) and :func:`pool` (each bag summed straight from the records'
 vector fields into the pooled output: no ``(distinct, dim)`` copy in between). One backward:
-:func:`grad_sums` (the pooled gradients summed per distinct key) feeding the arena's in-place
-optimizer kernels.
+:func:`step_bags` (the pooled gradients summed per distinct key, as :func:`grad_sums` sums
+them, and the optimizer's step applied to each record in place, counts and stamps with it).
 
 The arithmetic is the one of today's torch path, operation by operation, so both give the
 same bits: bag sums add rows in element order starting from zero; ``mean`` divides the sum by
 the bag's length; weighted sums use one fused multiply-add per element (as torch's
-``embedding_bag`` kernel does); per-key gradient sums add in element order. The extension is
-built with ``-ffp-contract=off``, so nothing else is contracted.
+``embedding_bag`` kernel does); per-key gradient sums add in element order. Each optimizer
+step repeats the float32 operations of the optimizer's numpy step in their order. The
+extension is built with ``-ffp-contract=off``, so nothing else is contracted.
 
 This module imports nothing from embstore; callers pass clean, contiguous arrays.
 """
@@ -99,14 +100,15 @@ cdef enum:
     RULE_NESTEROV = 4
     RULE_ADAM = 5
     RULE_FTRL = 6
-    N_RULES = 7
+    RULE_SGD_DECAY = 7
+    N_RULES = 8
 
 RULES = {"axpy": RULE_AXPY, "adagrad": RULE_ADAGRAD, "adagrad_rowwise": RULE_ADAGRAD_ROWWISE,
          "momentum": RULE_MOMENTUM, "nesterov": RULE_NESTEROV, "adam": RULE_ADAM,
-         "ftrl": RULE_FTRL}
+         "ftrl": RULE_FTRL, "sgd_decay": RULE_SGD_DECAY}
 RULE_SLOTS = {"axpy": (), "adagrad": ("accum",), "adagrad_rowwise": ("accum",),
               "momentum": ("momentum",), "nesterov": ("momentum",), "adam": ("m", "v"),
-              "ftrl": ("z", "n")}
+              "ftrl": ("z", "n"), "sgd_decay": ()}
 
 cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     # splitmix64's finalizer: ids that differ in high bits only still spread
@@ -270,7 +272,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     ``acc_offset`` and, for a second slot (``RULE_SLOTS``), ``acc2_offset``; the constants
     beyond ``alpha``, ``lr`` and ``eps`` come in ``hyper`` (float64, each narrowed to
     float32 as the numpy step narrows it): ``momentum``/``nesterov`` ``(momentum,)`` with
-    ``lr``; ``adam`` ``(1 - b1, 1 - b2, step_size)`` with ``eps``; ``ftrl`` ``(alpha,
+    ``lr``; ``sgd_decay`` (SGD with weight decay) ``(weight_decay,)`` with ``lr``; ``adam`` ``(1 - b1, 1 - b2, step_size)`` with ``eps``; ``ftrl`` ``(alpha,
     beta, 2 * l2, l1, l21)`` (``l21 * sqrt(dim)`` kept float64; 0: no group lasso). In the
     same visit of the record the int64 fields at ``add_offsets`` grow by ``add_values[f,
     u]`` and the 8 bytes at each ``set_offsets[s]`` become ``set_bits[s]`` (counts and
@@ -282,29 +284,16 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     to nearest, or with ``stochastic`` by random bits that are a function of ``seed``, the
     key's row ``u``, the field and the coordinate only (not of the thread split)."""
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
-    cdef Py_ssize_t u, f
-    cdef int n_slots
-    cdef Py_ssize_t slot_w
+    cdef Py_ssize_t u
     cdef int nt = _split(threads, (nu if nu > n_bags else n_bags) * d)
     cdef float* sums
     cdef float* scratch
     cdef int bad = 0
     cdef StepSpec sp
-    if vec_kind not in (KIND_F32, KIND_BF16, KIND_F16) or acc_kind not in (KIND_F32, KIND_BF16,
-                                                                          KIND_F16):
-        raise ValueError("step_bags: unknown field kind")
-    if rule < 0 or rule >= N_RULES:
-        raise ValueError(f"step_bags: unknown rule {rule}")
-    n_slots, slot_w = es_rule_slots(rule), es_slot_width(rule, d)
-    _rule_of(&sp.r, rule, alpha, lr, eps, hyper, d)
-    sp.d, sp.vec_offset, sp.acc_offset, sp.acc2_offset = d, vec_offset, acc_offset, acc2_offset
-    sp.vec_kind, sp.acc_kind, sp.seed, sp.stochastic = vec_kind, acc_kind, seed, stochastic
+    _step_spec(&sp, arena.itemsize, d, rule, alpha, lr, eps, hyper, vec_offset, acc_offset,
+               acc2_offset, vec_kind, acc_kind, seed, stochastic)
     if d > 1 and grad.strides[1] != sizeof(float):
         raise ValueError("step_bags: gradient rows must be contiguous")
-    if not _fits(vec_offset, d, vec_kind, arena.itemsize) or (
-            n_slots >= 1 and not _fits(acc_offset, slot_w, acc_kind, arena.itemsize)) or (
-            n_slots >= 2 and not _fits(acc2_offset, slot_w, acc_kind, arena.itemsize)):
-        raise ValueError("step_bags: the float fields do not fit the record")
     arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_bags")
     _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
     arena._check_slots(slots, "step_bags")
@@ -340,6 +329,31 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     return True
 
 
+cdef int _step_spec(StepSpec* sp, Py_ssize_t itemsize, Py_ssize_t d, int rule, float alpha,
+                    float lr, float eps, const double[::1] hyper, Py_ssize_t vec_offset,
+                    Py_ssize_t acc_offset, Py_ssize_t acc2_offset, int vec_kind, int acc_kind,
+                    uint64_t seed, bint stochastic) except -1:
+    """``sp``: one table's step as :func:`step_bags` takes it (records of ``itemsize`` bytes,
+    gradients of width ``d``), checked: a ``ValueError`` for an unknown rule or field kind,
+    missing constants, or float fields outside the record."""
+    cdef int n_slots
+    cdef Py_ssize_t slot_w
+    if vec_kind not in (KIND_F32, KIND_BF16, KIND_F16) or acc_kind not in (KIND_F32, KIND_BF16,
+                                                                          KIND_F16):
+        raise ValueError("step_bags: unknown field kind")
+    if rule < 0 or rule >= N_RULES:
+        raise ValueError(f"step_bags: unknown rule {rule}")
+    _rule_of(&sp.r, rule, alpha, lr, eps, hyper, d)
+    n_slots, slot_w = es_rule_slots(rule), es_slot_width(rule, d)
+    if not _fits(vec_offset, d, vec_kind, itemsize) or (
+            n_slots >= 1 and not _fits(acc_offset, slot_w, acc_kind, itemsize)) or (
+            n_slots >= 2 and not _fits(acc2_offset, slot_w, acc_kind, itemsize)):
+        raise ValueError("step_bags: the float fields do not fit the record")
+    sp.d, sp.vec_offset, sp.acc_offset, sp.acc2_offset = d, vec_offset, acc_offset, acc2_offset
+    sp.vec_kind, sp.acc_kind, sp.seed, sp.stochastic = vec_kind, acc_kind, seed, stochastic
+    return 0
+
+
 cdef inline bint _fits(Py_ssize_t offset, Py_ssize_t width, int kind, Py_ssize_t itemsize):
     return offset >= 0 and offset + width * (4 if kind == KIND_F32 else 2) <= itemsize
 
@@ -348,7 +362,7 @@ cdef int _rule_of(es_rule_t* r, int rule, float alpha, float lr, float eps,
                   const double[::1] hyper, Py_ssize_t d) except -1:
     """``r``: the constants of ``rule`` (see :func:`step_bags`), float32 as numpy rounds
     them; a ``ValueError`` when ``hyper`` is too short for the rule."""
-    cdef Py_ssize_t need = (1 if rule in (RULE_MOMENTUM, RULE_NESTEROV) else
+    cdef Py_ssize_t need = (1 if rule in (RULE_MOMENTUM, RULE_NESTEROV, RULE_SGD_DECAY) else
                             3 if rule == RULE_ADAM else 5 if rule == RULE_FTRL else 0)
     cdef Py_ssize_t i
     if need and (hyper is None or hyper.shape[0] < need):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._cython.rowops import axpy_rows
+from ..backends.base import RowRule
 from .base import Optimizer, check_hyper
 
 
@@ -38,6 +39,12 @@ class SGD(Optimizer):
         if self.weight_decay:
             return None
         return "vector", -float(np.float32(self.lr)), grads
+
+    def fused_rule(self, step: int) -> RowRule | None:
+        if not self.weight_decay:
+            return None  # the axpy (axpy_step)
+        return RowRule("sgd_decay", (self.lr, 0.0, self.weight_decay),
+                       lambda recs, g: self.apply(recs, g, step))
 
     def _params(self):
         return {"lr": self.lr, "weight_decay": self.weight_decay}

@@ -16,10 +16,11 @@ import pytest
 
 import embstore
 from embstore.errors import InvalidInputError
-from embstore.optim import FTRL, Adam, Momentum
+from embstore.optim import FTRL, SGD, Adam, Momentum
 
 DIM = 16
 OPTIMIZERS = {
+    "sgd-decay": lambda: SGD(lr=0.1, weight_decay=0.05),
     "momentum": lambda: Momentum(lr=0.1, momentum=0.9),
     "nesterov": lambda: Momentum(lr=0.05, momentum=0.8, nesterov=True),
     "adam": lambda: Adam(lr=0.01),

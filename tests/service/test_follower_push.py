@@ -1,0 +1,200 @@
+"""Followers that subscribe: real `embstore serve` workers push their change logs to a
+follower (`--follow`, `embstore.service.push`) and to in-process subscriptions on loopback.
+
+No test depends on timing: each waits (up to a generous deadline) for the follower to equal
+the trainers' table, and checks through the follower's counters which path brought it there.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import embstore
+
+pytest.importorskip("pyarrow.flight")
+
+from embstore.errors import BackendError, InvalidInputError  # noqa: E402
+from embstore.service.client import DesStore  # noqa: E402
+from embstore.service.follower import Follower, replica_options  # noqa: E402
+from embstore.testing.service import WorkerProcess, start_worker, start_workers  # noqa: E402
+
+SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
+DIM = 8
+
+
+def _table(store, keys):
+    return store.lookup(keys, insert=False), store.contains(keys)
+
+
+def _wait_equal(served, des, keys, seconds=60.0):
+    """Wait until ``served`` answers ``keys`` as ``des`` does; the last answers of both."""
+    want = _table(des, keys)
+    deadline = time.monotonic() + seconds
+    while True:
+        got = _table(served, keys)
+        if all(np.array_equal(a, b) for a, b in zip(got, want)) or time.monotonic() > deadline:
+            return got, want
+        time.sleep(0.02)
+
+
+def _assert_equal(got, want):
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_a_subscribed_follower_equals_the_trainers_table_after_a_flush(tmp_path):
+    with start_workers(["memory://", "memory://"], dim=DIM, optimizer="adagrad",
+                       initializer="zeros") as workers, embstore.open(workers.url) as des:
+        des.update(np.arange(300), np.ones((300, DIM), np.float32))
+        # no --poll: the follower subscribes to both workers
+        replica = WorkerProcess([f"lmdb://{tmp_path}/replica", "--listen", "127.0.0.1:0",
+                                 "--follow", workers.url, "--push-interval", "0.02"])
+        try:
+            with embstore.open(f"des://{replica.address}") as served:
+                keys = np.arange(-10, 1100)
+                _assert_equal(_table(served, keys), _table(des, keys))  # whole at start
+                for i in range(5):   # updates, new keys and deletions, pushed as they come
+                    des.update(np.arange(250, 350), np.full((100, DIM), i, np.float32))
+                    des.delete(np.arange(20 * i, 20 * i + 20))
+                    des.lookup(np.arange(1000 + 10 * i, 1010 + 10 * i))
+                des.flush()
+                _assert_equal(*_wait_equal(served, des, keys))
+                assert len(served) == len(des)
+                st = served.stats()
+                # the first snapshot of each worker, then only pushed deltas
+                assert st["follower_snapshots"] == 2 and st["follower_rows_applied"] > 0
+                assert st["follower_resubscribes"] == 0
+        finally:
+            replica.stop()
+
+
+def test_a_follower_resubscribes_and_catches_up_after_its_worker_restarts(tmp_path):
+    url = f"lmdb://{tmp_path}/w0"
+    w = start_worker(url, dim=DIM, optimizer=SGD1, initializer="zeros")
+    replica = None
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            des.update(np.arange(100), np.ones((100, DIM), np.float32))
+            des.flush()
+        replica = WorkerProcess(["memory://", "--listen", "127.0.0.1:0", "--follow",
+                                 f"des://{w.address}", "--push-interval", "0.02"])
+        w.kill()
+        w = start_worker(url, port=w.port, dim=DIM, optimizer=SGD1)
+        keys = np.arange(-5, 300)
+        with embstore.open(f"des://{w.address}") as des, \
+                embstore.open(f"des://{replica.address}") as served:
+            # the restarted worker's log counts from the start again: more batches than the
+            # follower had seen, which only the log's id tells apart from the old ones
+            for i in range(20):
+                des.update([100 + i], np.ones((1, DIM), np.float32))
+            des.delete(np.arange(0, 10))
+            des.flush()
+            _assert_equal(*_wait_equal(served, des, keys))
+            st = served.stats()
+            assert st["follower_resubscribes"] >= 1 and st["follower_snapshots"] >= 2
+    finally:
+        w.kill()
+        if replica is not None:
+            replica.stop()
+
+
+def _follower(upstream: DesStore) -> Follower:
+    return Follower(embstore.open("memory://", **replica_options(upstream)), upstream)
+
+
+@pytest.mark.parametrize("mode", ["poll", "push"])
+def test_a_restarted_workers_log_is_not_read_as_the_old_one(tmp_path, mode):
+    """A follower at sequence number n of a worker that restarts must not take the new log's
+    changes after n as what it missed: it takes a snapshot (the log ids differ)."""
+    url = f"lmdb://{tmp_path}/r0"
+    w = start_worker(url, dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            for i in range(5):
+                des.update([i], np.ones((1, DIM), np.float32))
+            des.flush()
+        up = embstore.open(f"des://{w.address}", read_only=True)
+        follower = _follower(up)
+        follower.poll()
+        assert follower.seqs == [5]
+        w.kill()
+        w = start_worker(url, port=w.port, dim=DIM, optimizer=SGD1)
+        with embstore.open(f"des://{w.address}") as des:
+            for i in range(10):   # the new log's batches 1..10: keys 10..19
+                des.update([10 + i], np.ones((1, DIM), np.float32))
+            des.delete([0])       # batch 11
+            keys = np.arange(25)
+            if mode == "poll":
+                follower.poll()
+            else:
+                stop = threading.Event()
+                t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
+                t.start()
+                _wait_equal(follower.local, des, keys)
+                stop.set()
+                t.join(60)
+            _assert_equal(_table(follower.local, keys), _table(des, keys))
+            assert follower.snapshots == 2
+        up.close()
+    finally:
+        w.kill()
+
+
+def test_a_subscriber_behind_the_retained_log_is_told_to_resync():
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, extra=["--log-keys", "10"])
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            log_id, seq, _ = des.shard_state(0)
+            for i in range(4):
+                des.update(np.arange(10 * i, 10 * i + 10), np.ones((10, DIM), np.float32))
+            with des.shard_subscribe(0, seq, log_id, interval=0.01) as sub:
+                first = next(iter(sub))
+            assert first.resync and first.rows is None
+            # from the newest batch the log holds, the rows come: keys 30..39, deleted too
+            with des.shard_subscribe(0, 3, log_id, interval=0.01) as sub:
+                des.delete([31])
+                pushed = []
+                for push in sub:
+                    assert not push.resync
+                    if push.rows is not None:
+                        pushed.append(push)
+                    if push.seq == 5:
+                        break
+            keys = np.concatenate([p.rows[0] for p in pushed])
+            found = np.concatenate([p.rows[2] for p in pushed])
+            assert set(keys.tolist()) >= set(range(30, 40))
+            assert not found[keys == 31][-1]
+    finally:
+        w.stop()
+
+
+def test_a_subscription_to_a_stopped_worker_raises_a_backend_error():
+    w = start_worker("memory://", dim=DIM)
+    des = embstore.open(f"des://{w.address}")
+    try:
+        sub = des.shard_subscribe(0, 0, None, interval=0.01)
+        w.kill()
+        with pytest.raises(BackendError, match=w.address):
+            for _ in sub:
+                pass
+        sub.close()
+    finally:
+        des.close()
+        w.kill()
+
+
+def test_subscribe_checks_its_interval_and_since():
+    w = start_worker("memory://", dim=DIM)
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            for bad in (0.0, 1e9, "x"):
+                with pytest.raises(InvalidInputError, match="interval"):
+                    for _ in des.shard_subscribe(0, 0, None, interval=bad):
+                        pass
+    finally:
+        w.stop()

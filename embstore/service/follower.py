@@ -105,24 +105,25 @@ class Follower:
         seq, rows = self.up.shard_changes(s, since, self.logs[s])
         if rows is None:
             return False
-        self._apply(s, seq, rows)
+        self._apply(s, seq, [rows])
         return True
 
-    def _apply(self, s: int, seq: int, rows: tuple[np.ndarray, np.ndarray, np.ndarray]
-               ) -> None:
-        keys, recs, found = rows
-        if len(keys):
-            with self.guard:
-                if (~found).any():
-                    self.local.delete(keys[~found])
-                if found.all():
-                    self.local.load_records(iter([(keys, recs)]))
-                elif found.any():
-                    self.local.load_records(iter([(keys[found], recs[found])]))
-                self.seqs[s] = seq
-            self.applied += len(keys)
-        else:
+    def _apply(self, s: int, seq: int,
+               parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Apply one delta (``(keys, records, found)`` parts, no key in two) as one step."""
+        n = sum(len(k) for k, _, _ in parts)
+        if not n:
             self.seqs[s] = seq
+            return
+        with self.guard:
+            gone = [k[~f] for k, _, f in parts if not f.all()]
+            if gone:
+                self.local.delete(np.concatenate(gone))
+            live = [(k, r) if f.all() else (k[f], r[f]) for k, r, f in parts if f.any()]
+            if live:
+                self.local.load_records(iter(live))
+            self.seqs[s] = seq
+        self.applied += n
 
     def poll(self) -> None:
         """One round over every worker."""

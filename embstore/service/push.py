@@ -5,10 +5,10 @@ a sequence number). The worker keeps the Flight ``do_exchange`` stream open and,
 its log grows, sends the rows of the keys changed since the last message — at most once per
 ``interval`` seconds, so a trainer's writes coalesce per key between messages while a single
 change after a quiet spell goes out at once. A delta is read as one state of the shard
-(:func:`embstore.service.delta.read_delta`); one that is larger than a message travels as
-several, the last one marked, and the follower applies them together. An idle stream carries
-a heartbeat every :data:`HEARTBEAT` seconds, so a follower knows how current it is and a
-worker notices a follower that went away.
+(:func:`embstore.service.delta.delta_parts`) in parts no key is in two of; each travels as
+a message of its own, the last one marked, and the follower applies them together. An idle
+stream carries a heartbeat every :data:`HEARTBEAT` seconds, so a follower knows how current
+it is and a worker notices a follower that went away.
 
 A worker whose log no longer holds the follower's position — it fell behind the retained
 log, or it names the log of a worker since restarted — answers ``resync`` and ends the
@@ -56,12 +56,14 @@ def check_interval(value: Any) -> float:
     return float(value)
 
 
-def push_changes(log: ChangeLog, delta: Callable[[int], tuple[int, pa.RecordBatch | None]],
+def push_changes(log: ChangeLog,
+                 delta: Callable[[int], tuple[int, list[pa.RecordBatch] | None]],
                  writer: Any, since: int, interval: float,
                  stopping: Callable[[], bool]) -> None:
     """Write the changes after ``since`` to ``writer`` as ``log`` grows, until ``stopping()``,
     a resync, or the subscriber goes away. ``delta(since)`` reads ``(seq, batch)`` of the keys
-    changed after ``since`` as one state (batch None: the log no longer holds ``since``)."""
+    changed after ``since`` as one state, in batches no key is in two of (None: the log no
+    longer holds ``since``); they travel as one message each, the last one marked."""
     started = False
     sent = 0.0
     try:
@@ -72,15 +74,15 @@ def push_changes(log: ChangeLog, delta: Callable[[int], tuple[int, pa.RecordBatc
             pause = sent + interval - time.monotonic()
             if pause > 0:      # coalesce: the writes of the rest of the interval join this one
                 time.sleep(pause)
-            seq, batch = delta(since)
+            seq, batches = delta(since)
             sent = time.monotonic()
-            if batch is None:
+            if batches is None:
                 writer.write_metadata(_meta(seq=seq, resync=True, last=True))
                 return
             if not started:
-                writer.begin(batch.schema)
+                writer.begin(batches[0].schema)
                 started = True
-            parts = message_slices(batch)
+            parts = [m for b in batches for m in message_slices(b)]
             for i, part in enumerate(parts):
                 writer.write_with_metadata(part, _meta(seq=seq, last=i == len(parts) - 1))
             since = seq
@@ -97,11 +99,11 @@ def delta_rows(batch: Any, key_type: str, dtype: np.dtype
 
 
 class Push(NamedTuple):
-    """One message of a subscription: the rows changed up to ``seq`` (``None`` on a
-    heartbeat or a resync), or ``resync``: take a snapshot and subscribe again."""
+    """One delta of a subscription: the rows changed up to ``seq`` in parts no key is in two
+    of (none on a heartbeat, None on a resync: take a snapshot and subscribe again)."""
 
     seq: int
-    rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     resync: bool = False
 
 
@@ -148,7 +150,7 @@ class Subscription:
                 parts.append(delta_rows(chunk.data, self._key_type, self._dtype))
             if not meta.get("last"):
                 continue
-            yield Push(seq, _joined(parts) if parts else None)
+            yield Push(seq, parts)
             parts = []
 
     def close(self) -> None:
@@ -166,13 +168,3 @@ class Subscription:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _joined(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if len(parts) == 1:
-        return parts[0]
-    dtype = parts[0][1].dtype
-    raw = np.dtype((np.void, dtype.itemsize))  # concatenated as bytes, not field by field
-    return (np.concatenate([k for k, _, _ in parts]),
-            np.concatenate([r.view(raw) for _, r, _ in parts]).view(dtype),
-            np.concatenate([f for _, _, f in parts]))

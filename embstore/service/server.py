@@ -32,7 +32,7 @@ from ..errors import (
 from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
-from .delta import message_slices, read_delta
+from .delta import delta_parts, message_slices, read_delta
 from .metrics import RequestMetrics, gauges
 from .push import check_interval, push_changes
 from .streams import STREAM_OPS
@@ -431,23 +431,29 @@ class Worker(flight.FlightServerBase):
             cols["found"] = pa.array(found)
         return wire.batch(**cols)
 
-    def _delta(self, since: Any, log_id: Any = None) -> tuple[int, pa.RecordBatch | None]:
-        """``(seq, records)`` of the keys changed after ``since`` (``found`` False: deleted),
-        read in chunks, each under the lock, as one state of the shard (``read_delta``);
-        None when the log cannot tell (``since`` older than it holds, or ``log_id`` naming
-        another log: this worker restarted)."""
+    def _delta(self, since: Any, log_id: Any = None,
+               parts: bool = False) -> tuple[int, list[pa.RecordBatch] | None]:
+        """``(seq, batches)`` of the records of the keys changed after ``since`` (``found``
+        False: deleted), read in chunks, each under the lock, as one state of the shard
+        (``embstore.service.delta``): one batch, or with ``parts`` one per chunk read (no key
+        in two); None when the log cannot tell (``since`` older than it holds, or ``log_id``
+        naming another log: this worker restarted)."""
         if isinstance(since, bool) or not isinstance(since, int):
             raise InvalidInputError("since must be an int")
         if log_id is not None and log_id != self.log.id:
             return self.log.seq, None
-        seq, rows = read_delta(self.store, self.log, self.held, since)
-        return seq, None if rows is None else self._records_batch(*rows)
+        if parts:
+            seq, rows = delta_parts(self.store, self.log, self.held, since)
+            return seq, None if rows is None else [self._records_batch(*r) for r in rows]
+        seq, one = read_delta(self.store, self.log, self.held, since)
+        return seq, None if one is None else [self._records_batch(*one)]
 
     def _changes(self, h: dict[str, Any]) -> pa.RecordBatch:
         """A follower's poll: the delta after ``since``, and the sequence number it brings the
         caller to; ``resync`` when the log cannot tell."""
-        seq, out = self._delta(h.get("since"), h.get("log"))
+        seq, batches = self._delta(h.get("since"), h.get("log"))
         meta = {"seq": str(seq), "resync": "0", "log": self.log.id}
+        out = batches[0] if batches else None
         if out is None:
             s = self.store
             out = self._records_batch(s.normalize_keys([]), s.layout.empty(0), np.zeros(0, bool))
@@ -467,8 +473,8 @@ class Worker(flight.FlightServerBase):
             return (since if h.get("log") in (None, self.log.id) else -1), interval
 
         since, interval = self._guard(check, "subscribe")
-        push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
-                                                      locked=False),
+        push_changes(self.log, lambda n: self._guard(lambda: self._delta(n, parts=True),
+                                                      "subscribe", locked=False),
                      writer, since, interval, lambda: self.stopping)
 
     # -- export ------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def test_a_restarted_workers_log_is_not_read_as_the_old_one(tmp_path, mode):
 
 
 def test_a_subscriber_behind_the_retained_log_is_told_to_resync():
-    w = start_worker("memory://", dim=DIM, optimizer=SGD1, extra=["--log-keys", "10"])
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, extra=["--log-keys", "15"])
     try:
         with embstore.open(f"des://{w.address}") as des:
             log_id, seq, _ = des.shard_state(0)
@@ -161,12 +161,12 @@ def test_a_subscriber_behind_the_retained_log_is_told_to_resync():
                 pushed = []
                 for push in sub:
                     assert not push.resync
-                    if push.rows is not None:
+                    if push.rows:
                         pushed.append(push)
                     if push.seq == 5:
                         break
-            keys = np.concatenate([p.rows[0] for p in pushed])
-            found = np.concatenate([p.rows[2] for p in pushed])
+            keys = np.concatenate([k for p in pushed for k, _, _ in p.rows])
+            found = np.concatenate([f for p in pushed for _, _, f in p.rows])
             assert set(keys.tolist()) >= set(range(30, 40))
             assert not found[keys == 31][-1]
     finally:

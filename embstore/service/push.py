@@ -4,11 +4,13 @@ A follower subscribes to each worker with the change-log position it holds (the 
 a sequence number). The worker keeps the Flight ``do_exchange`` stream open and, each time
 its log grows, sends the rows of the keys changed since the last message — at most once per
 ``interval`` seconds, so a trainer's writes coalesce per key between messages while a single
-change after a quiet spell goes out at once. A delta is read as one state of the shard
-(:func:`embstore.service.delta.delta_parts`) in parts no key is in two of; each travels as
-a message of its own, the last one marked, and the follower applies them together. An idle
-stream carries a heartbeat every :data:`HEARTBEAT` seconds, so a follower knows how current
-it is and a worker notices a follower that went away.
+change after a quiet spell goes out at once. The follower acknowledges each delta once it
+applied it, and the worker sends the next only then: a follower slower than the trainer
+gets fewer, larger deltas (coalesced per key), never a queue of stale ones. A delta is read
+as one state of the shard (:func:`embstore.service.delta.delta_parts`) in parts no key is in
+two of; each travels as a message of its own, the last one marked, and the follower applies
+them together. An idle stream carries a heartbeat every :data:`HEARTBEAT` seconds, so a
+follower knows how current it is and a worker notices a follower that went away.
 
 A worker whose log no longer holds the follower's position — it fell behind the retained
 log, or it names the log of a worker since restarted — answers ``resync`` and ends the
@@ -41,6 +43,7 @@ SILENT_HEARTBEATS = 10
 MIN_INTERVAL, MAX_INTERVAL = 0.001, 60.0
 
 _WRITE_ERRORS = (flight.FlightError, pa.ArrowException, OSError)
+_ACK = pa.py_buffer(b"{}")
 
 
 def _meta(**fields: Any) -> pa.Buffer:
@@ -58,10 +61,11 @@ def check_interval(value: Any) -> float:
 
 def push_changes(log: ChangeLog,
                  delta: Callable[[int], tuple[int, list[pa.RecordBatch] | None]],
-                 writer: Any, since: int, interval: float,
+                 reader: Any, writer: Any, since: int, interval: float,
                  stopping: Callable[[], bool]) -> None:
-    """Write the changes after ``since`` to ``writer`` as ``log`` grows, until ``stopping()``,
-    a resync, or the subscriber goes away. ``delta(since)`` reads ``(seq, batch)`` of the keys
+    """Write the changes after ``since`` to ``writer`` as ``log`` grows, each delta once the
+    subscriber acknowledged the one before on ``reader``, until ``stopping()``, a resync, or
+    the subscriber goes away. ``delta(since)`` reads ``(seq, batch)`` of the keys
     changed after ``since`` as one state, in batches no key is in two of (None: the log no
     longer holds ``since``); they travel as one message each, the last one marked."""
     started = False
@@ -86,6 +90,11 @@ def push_changes(log: ChangeLog,
             for i, part in enumerate(parts):
                 writer.write_with_metadata(part, _meta(seq=seq, last=i == len(parts) - 1))
             since = seq
+            # the next delta once the follower applied this one: a follower slower than the
+            # trainer gets larger, coalesced deltas instead of a queue of stale ones
+            reader.read_chunk()
+    except StopIteration:
+        return  # the subscriber ended the stream
     except _WRITE_ERRORS:
         return  # the subscriber went away (or the stream broke): nothing more to send
 
@@ -151,6 +160,11 @@ class Subscription:
             if not meta.get("last"):
                 continue
             yield Push(seq, parts)
+            if parts:   # applied (the caller asks for the next): the worker may send again
+                try:
+                    self._writer.write_metadata(_ACK)
+                except _WRITE_ERRORS as e:
+                    raise BackendError(f"{self._where}: subscription broke ({e!r})") from None
             parts = []
 
     def close(self) -> None:

@@ -275,7 +275,7 @@ class Worker(flight.FlightServerBase):
             self._serve_stream(context, head, reader, writer)
             return
         if head.get("op") == "subscribe":
-            self._subscribe(context, descriptor.command, writer)
+            self._subscribe(context, descriptor.command, reader, writer)
             return
 
         def run() -> pa.RecordBatch:
@@ -460,7 +460,7 @@ class Worker(flight.FlightServerBase):
             meta["resync"] = "1"
         return out.replace_schema_metadata(meta)
 
-    def _subscribe(self, context: Any, raw: bytes, writer: Any) -> None:
+    def _subscribe(self, context: Any, raw: bytes, reader: Any, writer: Any) -> None:
         """A follower's subscription (``embstore.service.push``): the stream stays open and
         carries each delta as the change log grows, until the follower or this worker goes."""
         def check() -> tuple[int, float]:
@@ -475,7 +475,7 @@ class Worker(flight.FlightServerBase):
         since, interval = self._guard(check, "subscribe")
         push_changes(self.log, lambda n: self._guard(lambda: self._delta(n, parts=True),
                                                       "subscribe", locked=False),
-                     writer, since, interval, lambda: self.stopping)
+                     reader, writer, since, interval, lambda: self.stopping)
 
     # -- export ------------------------------------------------------------------------------
     def _changed_rows(self, since: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -198,3 +198,32 @@ def test_subscribe_checks_its_interval_and_since():
                         pass
     finally:
         w.stop()
+
+
+def test_a_worker_sends_the_next_delta_once_the_last_one_was_applied():
+    """A follower slower than the trainer gets one coalesced delta of what changed while it
+    applied the last one, not a queue of the deltas in between."""
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            log_id, seq, _ = des.shard_state(0)
+            with des.shard_subscribe(0, seq, log_id, interval=0.001) as sub:
+                pushes = iter(sub)
+                des.update([1], np.ones((1, DIM), np.float32))
+                first = next(pushes)
+                while not first.rows:        # heartbeats until the first delta
+                    first = next(pushes)
+                # still "applying" the first: the trainer writes five times meanwhile
+                for i in range(5):
+                    des.update([1, 2 + i], np.ones((2, DIM), np.float32))
+                now = des.stats()["changelog_seq"]
+                second = next(pushes)        # asks for it: the first is acknowledged
+                while not second.rows:
+                    second = next(pushes)
+            assert second.seq == now
+            keys = np.concatenate([k for k, _, _ in second.rows])
+            recs = np.concatenate([r for _, r, _ in second.rows])
+            assert sorted(keys.tolist()) == [1, 2, 3, 4, 5, 6]
+            np.testing.assert_array_equal(recs[keys == 1][0]["vector"], np.full(DIM, -6.0))
+    finally:
+        w.stop()

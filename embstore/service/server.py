@@ -32,7 +32,7 @@ from ..errors import (
 from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
-from .delta import delta_parts, message_slices, read_delta
+from .delta import delta_parts, message_slices
 from .metrics import RequestMetrics, gauges
 from .push import check_interval, push_changes
 from .streams import STREAM_OPS
@@ -278,7 +278,7 @@ class Worker(flight.FlightServerBase):
             self._subscribe(context, descriptor.command, reader, writer)
             return
 
-        def run() -> pa.RecordBatch:
+        def run() -> pa.RecordBatch | pa.Table:
             header = wire.parse_header(descriptor.command)
             self._check(context, header)
             if header["op"] == "changes":  # takes the lock per chunk (service/delta.py)
@@ -290,8 +290,9 @@ class Worker(flight.FlightServerBase):
         writer.begin(out.schema)
         # a follower's delta can hold a whole table: messages of at most 16 MB each, under
         # gRPC's message limit whatever the delta's size
-        for part in message_slices(out):
-            writer.write_batch(part)
+        for batch in (out.to_batches() if isinstance(out, pa.Table) else [out]):
+            for part in message_slices(batch):
+                writer.write_batch(part)
 
     def _serve_stream(self, context: Any, head: dict[str, Any], reader: Any,
                       writer: Any) -> None:
@@ -431,34 +432,30 @@ class Worker(flight.FlightServerBase):
             cols["found"] = pa.array(found)
         return wire.batch(**cols)
 
-    def _delta(self, since: Any, log_id: Any = None,
-               parts: bool = False) -> tuple[int, list[pa.RecordBatch] | None]:
+    def _delta(self, since: Any, log_id: Any = None) -> tuple[int, list[pa.RecordBatch] | None]:
         """``(seq, batches)`` of the records of the keys changed after ``since`` (``found``
-        False: deleted), read in chunks, each under the lock, as one state of the shard
-        (``embstore.service.delta``): one batch, or with ``parts`` one per chunk read (no key
-        in two); None when the log cannot tell (``since`` older than it holds, or ``log_id``
-        naming another log: this worker restarted)."""
+        False: deleted), read in chunks, each under the lock, as one state of the shard, a
+        batch per chunk read, no key in two (``embstore.service.delta``); None when the log
+        cannot tell (``since`` older than it holds, or ``log_id`` naming another log: this
+        worker restarted)."""
         if isinstance(since, bool) or not isinstance(since, int):
             raise InvalidInputError("since must be an int")
         if log_id is not None and log_id != self.log.id:
             return self.log.seq, None
-        if parts:
-            seq, rows = delta_parts(self.store, self.log, self.held, since)
-            return seq, None if rows is None else [self._records_batch(*r) for r in rows]
-        seq, one = read_delta(self.store, self.log, self.held, since)
-        return seq, None if one is None else [self._records_batch(*one)]
+        seq, rows = delta_parts(self.store, self.log, self.held, since)
+        return seq, None if rows is None else [self._records_batch(*r) for r in rows]
 
-    def _changes(self, h: dict[str, Any]) -> pa.RecordBatch:
+    def _changes(self, h: dict[str, Any]) -> pa.Table:
         """A follower's poll: the delta after ``since``, and the sequence number it brings the
         caller to; ``resync`` when the log cannot tell."""
         seq, batches = self._delta(h.get("since"), h.get("log"))
         meta = {"seq": str(seq), "resync": "0", "log": self.log.id}
-        out = batches[0] if batches else None
-        if out is None:
+        if batches is None:
             s = self.store
-            out = self._records_batch(s.normalize_keys([]), s.layout.empty(0), np.zeros(0, bool))
+            batches = [self._records_batch(s.normalize_keys([]), s.layout.empty(0),
+                                           np.zeros(0, bool))]
             meta["resync"] = "1"
-        return out.replace_schema_metadata(meta)
+        return pa.Table.from_batches(batches).replace_schema_metadata(meta)
 
     def _subscribe(self, context: Any, raw: bytes, reader: Any, writer: Any) -> None:
         """A follower's subscription (``embstore.service.push``): the stream stays open and
@@ -473,8 +470,8 @@ class Worker(flight.FlightServerBase):
             return (since if h.get("log") in (None, self.log.id) else -1), interval
 
         since, interval = self._guard(check, "subscribe")
-        push_changes(self.log, lambda n: self._guard(lambda: self._delta(n, parts=True),
-                                                      "subscribe", locked=False),
+        push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
+                                                      locked=False),
                      reader, writer, since, interval, lambda: self.stopping)
 
     # -- export ------------------------------------------------------------------------------

@@ -227,3 +227,32 @@ def test_a_worker_sends_the_next_delta_once_the_last_one_was_applied():
             np.testing.assert_array_equal(recs[keys == 1][0]["vector"], np.full(DIM, -6.0))
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("mode", ["poll", "push"])
+def test_a_delta_of_many_chunks_arrives_whole(mode):
+    """40k changed keys: read and sent as three parts of at most 16k keys, applied as one."""
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            des.update(np.arange(1000), np.ones((1000, DIM), np.float32))
+            up = embstore.open(f"des://{w.address}", read_only=True)
+            follower = _follower(up)
+            follower.poll()
+            keys = np.arange(-5, 40_005)
+            des.update(np.arange(40_000), np.full((40_000, DIM), 2.0, np.float32))
+            des.delete(np.arange(0, 40_000, 7))
+            if mode == "poll":
+                follower.poll()
+            else:
+                stop = threading.Event()
+                t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
+                t.start()
+                _wait_equal(follower.local, des, keys)
+                stop.set()
+                t.join(60)
+            _assert_equal(_table(follower.local, keys), _table(des, keys))
+            assert follower.snapshots == 1
+            up.close()
+    finally:
+        w.stop()

@@ -18,7 +18,10 @@ import embstore
 
 pytest.importorskip("pyarrow.flight")
 
+import pyarrow.flight as flight  # noqa: E402
+
 from embstore.errors import BackendError, InvalidInputError  # noqa: E402
+from embstore.service import wire  # noqa: E402
 from embstore.service.client import DesStore  # noqa: E402
 from embstore.service.follower import Follower, replica_options  # noqa: E402
 from embstore.testing.service import WorkerProcess, start_worker, start_workers  # noqa: E402
@@ -196,6 +199,17 @@ def test_subscribe_checks_its_interval_and_since():
                 with pytest.raises(InvalidInputError, match="interval"):
                     for _ in des.shard_subscribe(0, 0, None, interval=bad):
                         pass
+            # a hostile client's since: one typed line, the worker serves on
+            client = flight.FlightClient(f"grpc+tcp://{w.address}")
+            for bad in ("x", True, None):
+                writer, reader = client.do_exchange(wire.command("subscribe", shard=0,
+                                                                 shards=1, since=bad))
+                with pytest.raises(flight.FlightServerError, match="since must be an int"):
+                    reader.read_chunk()
+                with pytest.raises(flight.FlightServerError):  # the call's status again
+                    writer.close()
+            client.close()
+            assert des.lookup([1]).shape == (1, DIM)
     finally:
         w.stop()
 

@@ -421,9 +421,8 @@ class DesStore:
         return total
 
     def _stream(self, s: int, op: str, **fields: Any) -> tuple[dict[bytes, bytes], Any]:
-        """``(schema metadata, batches of (keys, records))`` of worker ``s``'s
-        ``records``/``snapshot`` stream (``seq``: its change log's position when it read them,
-        ``log``: that log's id)."""
+        """``(schema metadata: seq, log id; batches of (keys, records))`` of worker ``s``'s
+        ``records``/``snapshot`` stream."""
         ticket = flight.Ticket(wire.command(op, **self._head(s), **fields).command)
         try:
             reader = self._clients[s].do_get(ticket, self._call)
@@ -452,26 +451,23 @@ class DesStore:
         return seq, batches
 
     def shard_state(self, s: int) -> tuple[str | None, int, list[tuple[np.ndarray, np.ndarray]]]:
-        """``(log id, seq, records)``: :meth:`shard_snapshot` and the id of the log ``seq``
-        counts in (a restarted worker's log has another)."""
+        """:meth:`shard_snapshot` and, first, the id of the log ``seq`` counts in."""
         self.check_open()
         meta, batches = self._stream(s, "snapshot")
-        log = meta.get(b"log")
-        return (log.decode() if log else None), int(meta.get(b"seq", b"0")), list(batches)
+        log = meta[b"log"].decode() if b"log" in meta else None
+        return log, int(meta.get(b"seq", b"0")), list(batches)
 
     def shard_changes(self, s: int, since: int, log: str | None = None
                       ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """``(seq, (keys, records, found))`` of worker ``s``'s keys changed after ``since``
-        (``found`` False: deleted; the records a view of what arrived, not to be written);
-        None instead of the rows when ``since`` is older than the log holds or ``log`` names
-        another log than the worker's (take :meth:`shard_state` then)."""
+        (``push.delta_rows``); None instead of the rows when the log no longer holds
+        ``since`` or is not ``log`` (take :meth:`shard_state` then)."""
         self.check_open()
         t = self._exchange(s, "changes", wire.batch(key=wire.keys_column(
             self.normalize_keys([]))), since=int(since), **({"log": log} if log else {}))
         meta = t.schema.metadata or {}
-        seq = int(meta.get(b"seq", b"0"))
-        return seq, (None if meta.get(b"resync") == b"1"
-                     else delta_rows(t, self._key_type, self.layout.dtype))
+        return int(meta.get(b"seq", b"0")), (None if meta.get(b"resync") == b"1" else
+                                             delta_rows(t, self._key_type, self.layout.dtype))
 
     def shard_subscribe(self, s: int, since: int, log: str | None = None,
                         interval: float = 0.1) -> Subscription:

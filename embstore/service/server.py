@@ -433,11 +433,9 @@ class Worker(flight.FlightServerBase):
         return wire.batch(**cols)
 
     def _delta(self, since: Any, log_id: Any = None) -> tuple[int, list[pa.RecordBatch] | None]:
-        """``(seq, batches)`` of the records of the keys changed after ``since`` (``found``
-        False: deleted), read in chunks, each under the lock, as one state of the shard, a
-        batch per chunk read, no key in two (``embstore.service.delta``); None when the log
-        cannot tell (``since`` older than it holds, or ``log_id`` naming another log: this
-        worker restarted)."""
+        """``(seq, batches)``: the records of the keys changed after ``since`` as one state,
+        a batch per chunk read (``delta.delta_parts``); None when the log no longer holds
+        ``since`` or is not ``log_id`` (this worker restarted)."""
         if isinstance(since, bool) or not isinstance(since, int):
             raise InvalidInputError("since must be an int")
         if log_id is not None and log_id != self.log.id:
@@ -446,8 +444,7 @@ class Worker(flight.FlightServerBase):
         return seq, None if rows is None else [self._records_batch(*r) for r in rows]
 
     def _changes(self, h: dict[str, Any]) -> pa.Table:
-        """A follower's poll: the delta after ``since``, and the sequence number it brings the
-        caller to; ``resync`` when the log cannot tell."""
+        """A follower's poll: the delta after ``since`` and its ``seq`` (or ``resync``)."""
         seq, batches = self._delta(h.get("since"), h.get("log"))
         meta = {"seq": str(seq), "resync": "0", "log": self.log.id}
         if batches is None:

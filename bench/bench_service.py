@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -85,10 +87,13 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: str | None,
     probe = np.array([n + 7])
     t_ref = time.time()  # stamps relative to it: float32 cannot hold epoch seconds exactly
     replica = None
+    lmdb = replica_url.startswith("lmdb")
     if follow:
-        url = (f"lmdb://{tmp}/replica-{time.time_ns()}" if replica_url == "lmdb"
-               else "memory://")
-        extra = ["-o", "durable=false"] if replica_url == "lmdb" else []
+        url = f"lmdb://{tmp}/replica-{time.time_ns()}" if lmdb else "memory://"
+        # a replica is rebuilt from a snapshot when lost: no fsync
+        extra = ["-o", "durable=false"] if lmdb else []
+        if replica_url == "lmdb-writemap":
+            extra += ["-o", "writemap=true"]    # and written through the memory map
         how = ["--poll", "0.1"] if follow == "poll" else ["--push-interval", "0.1"]
         replica = WorkerProcess([url, "--listen", "127.0.0.1:0", "--follow",
                                  f"des://{worker.address}", *how, *extra])
@@ -129,35 +134,39 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: str | None,
     trainer.close()
     if replica:
         replica.stop()
+        if lmdb:
+            shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)  # 0.5-1 GB each
     return rate, np.array(lags), cpu
 
 
 def follower_rounds(worker: WorkerProcess, n: int, seconds: float, rounds: int, tmp: str,
-                    replica: str) -> None:
-    """Rounds alternating no follower, a subscribed one and a polling one; each mode's
+                    replicas: str, modes: str = "push,poll") -> None:
+    """Rounds alternating no follower and a follower of each mode (``push``, ``poll``) over
+    each replica (``lmdb``, ``lmdb-writemap``, ``memory``, comma-separated); each one's
     trainer rate against no follower's, staleness and CPU per step."""
-    modes: list[str | None] = [None, "push", "poll"]
-    got: dict[str | None, list[tuple[float, np.ndarray, tuple[float, ...]]]] = {
-        m: [] for m in modes}
-    for r in range(rounds):
-        for m in modes[r % 3:] + modes[:r % 3]:   # a different mode first each round
-            got[m].append(staleness(worker, n, seconds, m, tmp, replica))
+    runs: list[tuple[str, str] | None] = [None] + [
+        (m, r) for r in replicas.split(",") for m in modes.split(",")]
+    got: dict[Any, list[tuple[float, np.ndarray, tuple[float, ...]]]] = {k: [] for k in runs}
+    for i in range(rounds):
+        for k in runs[i % len(runs):] + runs[:i % len(runs)]:  # another one first each round
+            got[k].append(staleness(worker, n, seconds, k and k[0], tmp, k[1] if k else ""))
     base = np.mean([rate for rate, _, _ in got[None]])
     cpu_base = np.mean([c for _, _, c in got[None]], axis=0)
-    print(f"\nfollower ({replica} replica), {rounds} rounds of {seconds:.0f} s each mode, "
-          f"load average {os.getloadavg()[0]:.1f}; trainer without a follower "
-          f"{base / 1e6:.2f}M rows/s, CPU per step: trainer {cpu_base[0] * 1e3:.2f} ms, "
-          f"worker {cpu_base[1] * 1e3:.2f} ms")
-    for m in ("push", "poll"):
-        rate = np.mean([r for r, _, _ in got[m]])
-        lags = np.concatenate([lg for _, lg, _ in got[m]])
-        cpu = np.mean([c for _, _, c in got[m]], axis=0)
+    print(f"\nfollowers, {rounds} rounds of {seconds:.0f} s each, load average "
+          f"{os.getloadavg()[0]:.1f}; trainer without a follower {base / 1e6:.2f}M rows/s, "
+          f"CPU per step: trainer {cpu_base[0] * 1e3:.2f} ms, worker {cpu_base[1] * 1e3:.2f} ms")
+    for k in runs[1:]:
+        assert k is not None
+        rate = np.mean([r for r, _, _ in got[k]])
+        lags = np.concatenate([lg for _, lg, _ in got[k]])
+        cpu = np.mean([c for _, _, c in got[k]], axis=0)
         stale = (f"staleness p50 {np.percentile(lags, 50) * 1e3:.0f} ms, p99 "
                  f"{np.percentile(lags, 99) * 1e3:.0f} ms over {len(lags)} reads"
                  if len(lags) else "no reads completed")
-        print(f"  {m} every 0.1 s: {stale} (target p99 <= 1 s); trainer {rate / base:.2f}x "
-              f"(target >= 0.9x); CPU per step: trainer {cpu[0] * 1e3:.2f} ms, worker "
-              f"{cpu[1] * 1e3:.2f} ms, follower {cpu[2] * 1e3:.2f} ms")
+        print(f"  {k[1]} replica, {k[0]} every 0.1 s: {stale} (target p99 <= 1 s); trainer "
+              f"{rate / base:.2f}x (target >= 0.9x); CPU per step: trainer "
+              f"{cpu[0] * 1e3:.2f} ms, worker {cpu[1] * 1e3:.2f} ms, follower "
+              f"{cpu[2] * 1e3:.2f} ms")
 
 
 def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10) -> None:
@@ -202,8 +211,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seconds", type=float, default=6.0, help="of training per round")
     p.add_argument("--ann", action="store_true", help="also time the ANN index")
-    p.add_argument("--replica", choices=("lmdb", "memory"), default="lmdb",
-                   help="the follower's store (default lmdb, durable=false)")
+    p.add_argument("--replica", default="lmdb", help="the followers' stores, comma-separated: "
+                   "lmdb (durable=false), lmdb-writemap (and writemap=true), memory "
+                   "(default lmdb)")
+    p.add_argument("--modes", default="push,poll", help="how followers follow: push "
+                   "(subscribed), poll, or both (default push,poll)")
     p.add_argument("--ann-only", action="store_true", help="time only the ANN index")
     p.add_argument("--follower-only", action="store_true", help="time only the follower")
     p.add_argument("--rounds", type=int, default=2,
@@ -225,7 +237,7 @@ def main() -> None:
             fill(des, n)
         if args.follower_only:
             follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
-                            args.replica)
+                            args.replica, args.modes)
             return
         print(f"{n:,} keys, dim {DIM}, lookup + update of {BATCH} keys per step")
         print(f"  {'threads':>7s} {'in-process':>12s} {'one worker':>12s} {'ratio':>6s}   "
@@ -238,10 +250,11 @@ def main() -> None:
                   f"   {c_in * 1e3:.2f} ms, {c_des * 1e3:.2f} ms, {c_des / c_in:.2f}x "
                   f"(target <= 3.5x; rows/s target >= 0.5x)")
         follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
-                        args.replica)
+                        args.replica, args.modes)
     finally:
         worker.stop()
         local.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.ann:
         bench_ann(20_000 if args.quick else 200_000)
 

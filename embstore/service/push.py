@@ -37,8 +37,9 @@ from .streams import Watchdog
 
 #: seconds between the heartbeats of an idle subscription
 HEARTBEAT = 1.0
-#: a subscription that heard nothing for this many heartbeats is dropped (a paused worker)
-SILENT_HEARTBEATS = 10
+#: a subscription that heard nothing for this many heartbeats is dropped (a paused worker;
+#: generous: a worker reading a delta of millions of rows sends nothing meanwhile)
+SILENT_HEARTBEATS = 30
 #: bounds of a subscriber's push interval in seconds
 MIN_INTERVAL, MAX_INTERVAL = 0.001, 60.0
 

@@ -270,3 +270,25 @@ def test_a_delta_of_many_chunks_arrives_whole(mode):
             up.close()
     finally:
         w.stop()
+
+
+def test_a_subscription_to_a_paused_worker_is_dropped(monkeypatch):
+    """A SIGSTOPped worker sends no heartbeat: the subscription raises, so the follower
+    subscribes again (to the worker, or its replacement) instead of waiting forever."""
+    from embstore.service import push
+
+    monkeypatch.setattr(push, "SILENT_HEARTBEATS", 2)
+    w = start_worker("memory://", dim=DIM)
+    des = embstore.open(f"des://{w.address}", timeout=5)
+    try:
+        with des.shard_subscribe(0, 0, None, interval=0.01) as sub:
+            pushes = iter(sub)
+            next(pushes)      # a heartbeat: the stream is up
+            w.pause()
+            with pytest.raises(BackendError, match="no message for"):
+                for _ in pushes:
+                    pass
+    finally:
+        w.resume()
+        des.close()
+        w.kill()

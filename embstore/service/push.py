@@ -69,7 +69,7 @@ def push_changes(log: ChangeLog,
     the subscriber goes away. ``delta(since)`` reads ``(seq, batch)`` of the keys
     changed after ``since`` as one state, in batches no key is in two of (None: the log no
     longer holds ``since``); they travel as one message each, the last one marked."""
-    started = False
+    started = reading = False
     sent = 0.0
     try:
         while not stopping():
@@ -79,7 +79,9 @@ def push_changes(log: ChangeLog,
             pause = sent + interval - time.monotonic()
             if pause > 0:      # coalesce: the writes of the rest of the interval join this one
                 time.sleep(pause)
+            reading = True     # an error reading goes to the subscriber as its one line
             seq, batches = delta(since)
+            reading = False
             sent = time.monotonic()
             if batches is None:
                 writer.write_metadata(_meta(seq=seq, resync=True, last=True))
@@ -97,6 +99,8 @@ def push_changes(log: ChangeLog,
     except StopIteration:
         return  # the subscriber ended the stream
     except _WRITE_ERRORS:
+        if reading:
+            raise
         return  # the subscriber went away (or the stream broke): nothing more to send
 
 

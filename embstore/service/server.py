@@ -463,8 +463,10 @@ class Worker(flight.FlightServerBase):
             since, interval = h.get("since"), check_interval(h.get("interval", 0.1))
             if isinstance(since, bool) or not isinstance(since, int):
                 raise InvalidInputError("since must be an int")
-            # a log of another worker (restarted since): whatever since is, a snapshot
-            return (since if h.get("log") in (None, self.log.id) else -1), interval
+            # a log of another worker (restarted since), or a position it never reached:
+            # whatever since is, a snapshot
+            known = h.get("log") in (None, self.log.id) and since <= self.log.seq
+            return (since if known else -1), interval
 
         since, interval = self._guard(check, "subscribe")
         push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",

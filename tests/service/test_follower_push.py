@@ -158,6 +158,9 @@ def test_a_subscriber_behind_the_retained_log_is_told_to_resync():
             with des.shard_subscribe(0, seq, log_id, interval=0.01) as sub:
                 first = next(iter(sub))
             assert first.resync and first.rows is None
+            # a position the log never reached (another worker's, a hostile client's): resync
+            with des.shard_subscribe(0, 1000, log_id, interval=0.01) as sub:
+                assert next(iter(sub)).resync
             # from the newest batch the log holds, the rows come: keys 30..39, deleted too
             with des.shard_subscribe(0, 3, log_id, interval=0.01) as sub:
                 des.delete([31])

@@ -10,9 +10,12 @@
 3. (``--ann``) The approximate top-k of a worker (HNSW + exact fresh segment) over 200k x 64
    rows: recall@10 against the exact top-10 after each of 10 rounds of 5% of the rows
    rewritten (target >= 0.95) and the p50 time of one query (target <= 1 ms).
-2. A follower (`--follow`, polling every 0.1 s) while one trainer runs at its full rate: the
-   staleness of what the follower serves (a probe key stamped with the time each step; p50 and
-   p99, target p99 <= 1 s) and the trainer's rate against no follower (target >= 0.9x).
+2. A follower (`--follow`) while one trainer runs at its full rate, subscribed (the workers
+   push changes every 0.1 s) and polling every 0.1 s, in rounds alternating with no follower:
+   the staleness of what the follower serves (a probe key stamped with the time each step; p50
+   and p99, target p99 <= 1 s), the trainer's rate against no follower (target >= 0.9x) and
+   the CPU per training step of the worker and of the follower. ``--follower-only`` runs
+   only this part.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -74,19 +79,24 @@ def timed(store_factory, n: int, count: int, threads: int, pid: int | None):
     return threads * count * BATCH / wall, cpu / (threads * count)
 
 
-def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: str,
+def staleness(worker: WorkerProcess, n: int, seconds: float, follow: str | None, tmp: str,
               replica_url: str = "lmdb"):
-    """(trainer rows/s, staleness samples in seconds, CPU seconds per second of training of
-    the worker and of the follower) over ``seconds`` of training."""
+    """(trainer rows/s, staleness samples in seconds, CPU seconds per training step of the
+    trainer's thread, the worker and the follower) over ``seconds`` of training; ``follow``:
+    None (no follower), ``"push"`` or ``"poll"``."""
     probe = np.array([n + 7])
     t_ref = time.time()  # stamps relative to it: float32 cannot hold epoch seconds exactly
     replica = None
+    lmdb = replica_url.startswith("lmdb")
     if follow:
-        url = (f"lmdb://{tmp}/replica-{time.time_ns()}" if replica_url == "lmdb"
-               else "memory://")
-        extra = ["-o", "durable=false"] if replica_url == "lmdb" else []
+        url = f"lmdb://{tmp}/replica-{time.time_ns()}" if lmdb else "memory://"
+        # a replica is rebuilt from a snapshot when lost: no fsync
+        extra = ["-o", "durable=false"] if lmdb else []
+        if replica_url == "lmdb-writemap":
+            extra += ["-o", "writemap=true"]    # and written through the memory map
+        how = ["--poll", "0.1"] if follow == "poll" else ["--push-interval", "0.1"]
         replica = WorkerProcess([url, "--listen", "127.0.0.1:0", "--follow",
-                                 f"des://{worker.address}", "--poll", "0.1", *extra])
+                                 f"des://{worker.address}", *how, *extra])
     trainer = embstore.open(f"des://{worker.address}")
     stop = threading.Event()
     lags: list[float] = []
@@ -105,7 +115,7 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: 
         reader.start()
     rng = np.random.default_rng(3)
     g = np.full((BATCH, DIM), 1e-3, np.float32)
-    cpu0 = [proc_cpu(worker.pid), proc_cpu(replica.pid) if replica else 0.0]
+    cpu0 = [time.thread_time(), proc_cpu(worker.pid), proc_cpu(replica.pid) if replica else 0.0]
     rows, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         k = rng.integers(0, n, BATCH)
@@ -115,15 +125,48 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: bool, tmp: 
         rows += BATCH
     wall = time.perf_counter() - t0
     rate = rows / wall
-    cpu = ((proc_cpu(worker.pid) - cpu0[0]) / wall,
-           (proc_cpu(replica.pid) - cpu0[1]) / wall if replica else 0.0)
+    count = rows / BATCH
+    cpu = ((time.thread_time() - cpu0[0]) / count, (proc_cpu(worker.pid) - cpu0[1]) / count,
+           (proc_cpu(replica.pid) - cpu0[2]) / count if replica else 0.0)
     stop.set()
     if reader:
         reader.join()
     trainer.close()
     if replica:
         replica.stop()
+        if lmdb:
+            shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)  # 0.5-1 GB each
     return rate, np.array(lags), cpu
+
+
+def follower_rounds(worker: WorkerProcess, n: int, seconds: float, rounds: int, tmp: str,
+                    replicas: str, modes: str = "push,poll") -> None:
+    """Rounds alternating no follower and a follower of each mode (``push``, ``poll``) over
+    each replica (``lmdb``, ``lmdb-writemap``, ``memory``, comma-separated); each one's
+    trainer rate against no follower's, staleness and CPU per step."""
+    runs: list[tuple[str, str] | None] = [None] + [
+        (m, r) for r in replicas.split(",") for m in modes.split(",")]
+    got: dict[Any, list[tuple[float, np.ndarray, tuple[float, ...]]]] = {k: [] for k in runs}
+    for i in range(rounds):
+        for k in runs[i % len(runs):] + runs[:i % len(runs)]:  # another one first each round
+            got[k].append(staleness(worker, n, seconds, k and k[0], tmp, k[1] if k else ""))
+    base = np.mean([rate for rate, _, _ in got[None]])
+    cpu_base = np.mean([c for _, _, c in got[None]], axis=0)
+    print(f"\nfollowers, {rounds} rounds of {seconds:.0f} s each, load average "
+          f"{os.getloadavg()[0]:.1f}; trainer without a follower {base / 1e6:.2f}M rows/s, "
+          f"CPU per step: trainer {cpu_base[0] * 1e3:.2f} ms, worker {cpu_base[1] * 1e3:.2f} ms")
+    for k in runs[1:]:
+        assert k is not None
+        rate = np.mean([r for r, _, _ in got[k]])
+        lags = np.concatenate([lg for _, lg, _ in got[k]])
+        cpu = np.mean([c for _, _, c in got[k]], axis=0)
+        stale = (f"staleness p50 {np.percentile(lags, 50) * 1e3:.0f} ms, p99 "
+                 f"{np.percentile(lags, 99) * 1e3:.0f} ms over {len(lags)} reads"
+                 if len(lags) else "no reads completed")
+        print(f"  {k[1]} replica, {k[0]} every 0.1 s: {stale} (target p99 <= 1 s); trainer "
+              f"{rate / base:.2f}x (target >= 0.9x); CPU per step: trainer "
+              f"{cpu[0] * 1e3:.2f} ms, worker {cpu[1] * 1e3:.2f} ms, follower "
+              f"{cpu[2] * 1e3:.2f} ms")
 
 
 def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10) -> None:
@@ -166,11 +209,17 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--keys", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=6.0, help="of training per round")
     p.add_argument("--ann", action="store_true", help="also time the ANN index")
-    p.add_argument("--replica", choices=("lmdb", "memory"), default="lmdb",
-                   help="the follower's store (default lmdb, durable=false)")
+    p.add_argument("--replica", default="lmdb", help="the followers' stores, comma-separated: "
+                   "lmdb (durable=false), lmdb-writemap (and writemap=true), memory "
+                   "(default lmdb)")
+    p.add_argument("--modes", default="push,poll", help="how followers follow: push "
+                   "(subscribed), poll, or both (default push,poll)")
     p.add_argument("--ann-only", action="store_true", help="time only the ANN index")
+    p.add_argument("--follower-only", action="store_true", help="time only the follower")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of (no follower, push, poll), alternating (default 2)")
     args = p.parse_args()
     if args.ann_only:
         bench_ann(20_000 if args.quick else 200_000)
@@ -186,6 +235,10 @@ def main() -> None:
     try:
         with embstore.open(f"des://{worker.address}") as des:
             fill(des, n)
+        if args.follower_only:
+            follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
+                            args.replica, args.modes)
+            return
         print(f"{n:,} keys, dim {DIM}, lookup + update of {BATCH} keys per step")
         print(f"  {'threads':>7s} {'in-process':>12s} {'one worker':>12s} {'ratio':>6s}   "
               f"CPU/step in-process, worker (client+server), ratio")
@@ -196,22 +249,12 @@ def main() -> None:
             print(f"  {threads:7d} {r_in / 1e6:11.2f}M {r_des / 1e6:11.2f}M {r_des / r_in:5.2f}x"
                   f"   {c_in * 1e3:.2f} ms, {c_des * 1e3:.2f} ms, {c_des / c_in:.2f}x "
                   f"(target <= 3.5x; rows/s target >= 0.5x)")
-        secs = 3.0 if args.quick else args.seconds
-        base, _, cpu_base = staleness(worker, n, secs, False, tmp)
-        rate, lags, cpu = staleness(worker, n, secs, True, tmp, args.replica)
-        if len(lags):
-            p50, p99 = np.percentile(lags, [50, 99])
-            print(f"\nfollower ({args.replica}) polling every 0.1 s: staleness p50 "
-                  f"{p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms over {len(lags)} reads "
-                  f"(target p99 <= 1 s); trainer "
-                  f"{rate / base:.2f}x its rate without a follower (target >= 0.9x)")
-            print(f"  CPU per second of training: worker {cpu_base[0]:.2f} s without a "
-                  f"follower, {cpu[0]:.2f} s with one; follower {cpu[1]:.2f} s")
-        else:
-            print("\nfollower: no reads completed")
+        follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
+                        args.replica, args.modes)
     finally:
         worker.stop()
         local.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.ann:
         bench_ann(20_000 if args.quick else 200_000)
 

@@ -14,6 +14,7 @@ every batch that could have written a row newer than ``version``.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -35,6 +36,11 @@ class ChangeLog:
         self._batches: deque[tuple[int, int, np.ndarray]] = deque()
         self._held = 0
         self._lock = threading.Lock()
+        # subscribers wait on it for the next batch (notified under the lock the batch takes)
+        self._grown = threading.Condition(self._lock)
+        #: this log's identity: a worker restarted starts a new log, whose sequence numbers
+        #: say nothing about the old one's (a follower that saw another id takes a snapshot)
+        self.id = os.urandom(8).hex()
         self.resets = 0
         self._version = version
         # rows of versions up to this one may have been written without a batch held here
@@ -59,6 +65,7 @@ class ChangeLog:
                 self.first = seq + 1
                 if self._covered_after is not None:
                     self._covered_after = max(self._covered_after, v)
+            self._grown.notify_all()
 
     def _settle_version(self) -> int:
         # called with the lock held; an import's rows carry versions up to the store's clock
@@ -92,6 +99,7 @@ class ChangeLog:
             self.first = self.seq + 1
             self.resets += 1
             self._reset_pending = True
+            self._grown.notify_all()
 
     def stats(self) -> dict[str, Any]:
         return {"changelog_seq": self.seq, "changelog_keys": self._held,
@@ -99,6 +107,12 @@ class ChangeLog:
                 "changelog_version_misses": self.version_misses}
 
     # -- reading -----------------------------------------------------------------------------
+    def wait_past(self, seq: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a sequence number after ``seq``; whether there
+        is one."""
+        with self._grown:
+            return self._grown.wait_for(lambda: self.seq > seq, timeout)
+
     def since(self, seq: int) -> tuple[np.ndarray | None, int]:
         """``(distinct keys changed after seq, current seq)``; keys None when the log no
         longer holds everything after ``seq`` (a snapshot is needed)."""

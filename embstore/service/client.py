@@ -40,6 +40,7 @@ from ..sampling.candidate import (
 from ..sampling.samplers import resolve_sampler
 from . import wire
 from .merge import check_infos, merge_top_k
+from .push import Subscription, delta_rows
 from .streams import STREAM_OPS, Streams
 from .wire import SCHEME, parse_des_url
 
@@ -95,6 +96,7 @@ class DesStore:
                          for a in addrs]
         self._pool = ThreadPoolExecutor(len(addrs), thread_name_prefix="embstore-des")
         self._streams = Streams(self._clients, headers, timeout)
+        self._headers = headers
         self._closed = False
         try:
             infos = self._each(lambda s: self._action(s, "info"))
@@ -309,13 +311,7 @@ class DesStore:
         q = check_queries(self, queries)
         cols: dict[str, Any] = {"q": wire.vectors_column(q)}
         if exclude is not None:
-            per = (exclude if isinstance(exclude, (list, tuple)) and len(exclude) == len(q)
-                   and len(q) and all(isinstance(e, (list, tuple, np.ndarray)) for e in exclude)
-                   else [exclude] * len(q))
-            lists = [self.normalize_keys(e) for e in per]
-            offs = np.concatenate(([0], np.cumsum([len(e) for e in lists]))).astype(np.int32)
-            flat = (np.concatenate(lists) if lists else self.normalize_keys([]))
-            cols["ex"] = pa.ListArray.from_arrays(pa.array(offs), wire.keys_column(flat))
+            cols["ex"] = wire.exclude_column(exclude, len(q), self.normalize_keys)
         tables = self._each(lambda s: self._exchange(s, "top_k", wire.batch(**cols), k=int(k),
                                                      approximate=bool(approximate)))
         return merge_top_k(tables, len(q), int(k), self._key_type)
@@ -424,13 +420,13 @@ class DesStore:
                     raise
         return total
 
-    def _stream(self, s: int, op: str, **fields: Any) -> tuple[int, Any]:
-        """``(seq, batches of (keys, records))`` of worker ``s``'s ``records``/``snapshot``
-        stream (seq: its change log's position when it read them)."""
+    def _stream(self, s: int, op: str, **fields: Any) -> tuple[dict[bytes, bytes], Any]:
+        """``(schema metadata: seq, log id; batches of (keys, records))`` of worker ``s``'s
+        ``records``/``snapshot`` stream."""
         ticket = flight.Ticket(wire.command(op, **self._head(s), **fields).command)
         try:
             reader = self._clients[s].do_get(ticket, self._call)
-            seq = int((reader.schema.metadata or {}).get(b"seq", b"0"))
+            meta = dict(reader.schema.metadata or {})
         except flight.FlightError as e:
             wire.raise_remote(e, self._where(s))
             raise
@@ -442,7 +438,7 @@ class DesStore:
             except flight.FlightError as e:
                 wire.raise_remote(e, self._where(s))
 
-        return seq, batches()
+        return meta, batches()
 
     # -- followers ---------------------------------------------------------------------------
     @property
@@ -451,27 +447,37 @@ class DesStore:
 
     def shard_snapshot(self, s: int) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
         """Every record of worker ``s`` and its change-log position when it read them."""
-        self.check_open()
-        seq, batches = self._stream(s, "snapshot")
-        return seq, list(batches)
+        _, seq, batches = self.shard_state(s)
+        return seq, batches
 
-    def shard_changes(self, s: int, since: int
+    def shard_state(self, s: int) -> tuple[str | None, int, list[tuple[np.ndarray, np.ndarray]]]:
+        """:meth:`shard_snapshot` and, first, the id of the log ``seq`` counts in."""
+        self.check_open()
+        meta, batches = self._stream(s, "snapshot")
+        log = meta[b"log"].decode() if b"log" in meta else None
+        return log, int(meta.get(b"seq", b"0")), list(batches)
+
+    def shard_changes(self, s: int, since: int, log: str | None = None
                       ) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         """``(seq, (keys, records, found))`` of worker ``s``'s keys changed after ``since``
-        (``found`` False: deleted; the records a view of what arrived, not to be written);
-        None instead of the rows when ``since`` is older than the log holds (take
-        :meth:`shard_snapshot` then)."""
+        (``push.delta_rows``); None instead of the rows when the log no longer holds
+        ``since`` or is not ``log`` (take :meth:`shard_state` then)."""
         self.check_open()
         t = self._exchange(s, "changes", wire.batch(key=wire.keys_column(
-            self.normalize_keys([]))), since=int(since))
+            self.normalize_keys([]))), since=int(since), **({"log": log} if log else {}))
         meta = t.schema.metadata or {}
-        seq = int(meta.get(b"seq", b"0"))
-        if meta.get(b"resync") == b"1":
-            return seq, None
-        # a view (38 MB for 133k rows of dim 64): the follower only reads it
-        keys, recs = wire.records_from(t, self._key_type, self.layout.dtype, copy=False)
-        found = np.asarray(t.column("found").to_numpy(zero_copy_only=False), bool)
-        return seq, (keys, recs, found)
+        return int(meta.get(b"seq", b"0")), (None if meta.get(b"resync") == b"1" else
+                                             delta_rows(t, self._key_type, self.layout.dtype))
+
+    def shard_subscribe(self, s: int, since: int, log: str | None = None,
+                        interval: float = 0.1) -> Subscription:
+        """Worker ``s``'s changes after ``since`` pushed as its change log grows, at most every
+        ``interval`` seconds (``embstore.service.push``)."""
+        self.check_open()
+        cmd = wire.command("subscribe", **self._head(s), since=int(since), interval=interval,
+                           **({"log": log} if log else {}))
+        return Subscription(self._clients[s], cmd, self._headers, self._key_type,
+                            self.layout.dtype, self._where(s))
 
     def __len__(self) -> int:
         self.check_open()

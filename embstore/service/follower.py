@@ -1,12 +1,17 @@
 """A serving replica that follows training: a local store kept current from the workers'
 change logs.
 
-For each worker the follower remembers the sequence number it has applied. Every poll asks
-each worker for the keys changed since then (records of the live ones, the deleted ones) and
-applies them to the local store; a follower that starts, or that fell behind what a worker's
-log still holds, takes that worker's whole snapshot instead and drops the local keys of that
-shard the snapshot lacks. Each shard's changes are applied under the serving lock, so readers
-see a shard either before or after a poll, never part of one.
+For each worker the follower remembers the position in its change log it has applied (the
+log's id and a sequence number). It subscribes to every worker (:meth:`Follower.follow`,
+``embstore.service.push``): the worker pushes the rows of the keys changed since then (records
+of the live ones, the deleted ones) as its log grows, and the follower applies each message
+to the local store. A follower that starts, that fell behind what a worker's log still holds,
+or whose worker restarted (a new log) takes that worker's whole snapshot instead, drops the
+local keys of that shard the snapshot lacks, and subscribes again from the snapshot's
+position; a broken subscription is retried with a growing pause. :meth:`Follower.run` polls
+instead (``--poll``). Each shard's changes are applied under the serving lock, so readers see
+a shard either before or after one message, never part of one, and never a mix of two
+snapshots.
 """
 
 from __future__ import annotations
@@ -61,9 +66,15 @@ class Follower:
         self.up = upstream
         self.guard = guard if guard is not None else threading.Lock()
         self.seqs: list[int | None] = [None] * upstream.shards
+        #: the id of the change log each of ``seqs`` counts in
+        self.logs: list[str | None] = [None] * upstream.shards
         self.snapshots = 0
         self.applied = 0
         self.last_poll = 0.0       # monotonic time the last complete poll started
+        #: monotonic time each worker was last heard from (subscriptions)
+        self.heard = [0.0] * upstream.shards
+        self.resubscribes = 0
+        self._subs: dict[int, Any] = {}
 
     def _shard_keys(self, s: int) -> np.ndarray:
         """Local keys that worker ``s`` owns."""
@@ -75,7 +86,7 @@ class Follower:
         return keys if n == 1 else keys[key_hash64(keys) % np.uint64(n) == np.uint64(s)]
 
     def _snapshot(self, s: int) -> None:
-        seq, batches = self.up.shard_snapshot(s)
+        log_id, seq, batches = self.up.shard_state(s)
         with self.guard:
             have = self._shard_keys(s)
             if batches:
@@ -87,27 +98,32 @@ class Follower:
                 self.local.delete(gone)
             if batches:
                 self.local.load_records(iter(batches))
-            self.seqs[s] = seq
+            self.seqs[s], self.logs[s] = seq, log_id
         self.snapshots += 1
 
     def _delta(self, s: int, since: int) -> bool:
-        seq, rows = self.up.shard_changes(s, since)
+        seq, rows = self.up.shard_changes(s, since, self.logs[s])
         if rows is None:
             return False
-        keys, recs, found = rows
-        if len(keys):
-            with self.guard:
-                if (~found).any():
-                    self.local.delete(keys[~found])
-                if found.all():
-                    self.local.load_records(iter([(keys, recs)]))
-                elif found.any():
-                    self.local.load_records(iter([(keys[found], recs[found])]))
-                self.seqs[s] = seq
-            self.applied += len(keys)
-        else:
-            self.seqs[s] = seq
+        self._apply(s, seq, [rows])
         return True
+
+    def _apply(self, s: int, seq: int,
+               parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Apply one delta (``(keys, records, found)`` parts, no key in two) as one step."""
+        n = sum(len(k) for k, _, _ in parts)
+        if not n:
+            self.seqs[s] = seq
+            return
+        with self.guard:
+            gone = [k[~f] for k, _, f in parts if not f.all()]
+            if gone:
+                self.local.delete(np.concatenate(gone))
+            live = [(k, r) if f.all() else (k[f], r[f]) for k, r, f in parts if f.any()]
+            if live:
+                self.local.load_records(iter(live))
+            self.seqs[s] = seq
+        self.applied += n
 
     def poll(self) -> None:
         """One round over every worker."""
@@ -129,7 +145,67 @@ class Follower:
                 (on_error or (lambda e: log.warning("follower poll failed: %s", e)))(e)
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
+    def follow(self, stop: threading.Event, interval: float = 0.1,
+               on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Follow every worker by subscription (changes pushed at most every ``interval``
+        seconds) until ``stop`` is set; a broken subscription is logged (or handed to
+        ``on_error``) and retried after a pause that doubles up to 5 s."""
+        threads = [threading.Thread(target=self._follow_shard, args=(s, stop, interval,
+                                                                     on_error),
+                                    name=f"embstore-follow-{s}", daemon=True)
+                   for s in range(self.up.shards)]
+        for t in threads:
+            t.start()
+        stop.wait()
+        for s in list(self._subs):
+            sub = self._subs.pop(s, None)
+            if sub is not None:
+                sub.close()   # ends its thread's wait for the next message
+        for t in threads:
+            t.join()
+
+    def _follow_shard(self, s: int, stop: threading.Event, interval: float,
+                      on_error: Callable[[BaseException], None] | None) -> None:
+        pause = 0.05
+        while not stop.is_set():
+            try:
+                if self.seqs[s] is None:
+                    self._snapshot(s)
+                    self.heard[s] = time.monotonic()
+                since = self.seqs[s]
+                assert since is not None
+                with self.up.shard_subscribe(s, since, self.logs[s], interval) as sub:
+                    self._subs[s] = sub
+                    if stop.is_set():
+                        return
+                    for push in sub:
+                        self.heard[s] = time.monotonic()
+                        pause = 0.05
+                        if push.resync:
+                            self.seqs[s] = None   # behind the log, or a restarted worker
+                            break
+                        if push.rows is not None:
+                            self._apply(s, push.seq, push.rows)
+                        if stop.is_set():
+                            return
+            except Exception as e:  # noqa: BLE001 - a worker restarting: subscribe again
+                if stop.is_set():
+                    return
+                (on_error or (lambda e: log.warning("follower of shard %d: %s", s, e)))(e)
+                stop.wait(pause)
+                pause = min(pause * 2, 5.0)
+            finally:
+                self._subs.pop(s, None)
+            self.resubscribes += 1
+
+    def lag(self) -> float | None:
+        """Seconds since the follower last knew it held every worker's changes: since the
+        worker heard from least recently (subscriptions), or the last poll started."""
+        if all(self.heard):
+            return time.monotonic() - min(self.heard)
+        return time.monotonic() - self.last_poll if self.last_poll else None
+
     def stats(self) -> dict[str, Any]:
         return {"follower_snapshots": self.snapshots, "follower_rows_applied": self.applied,
-                "follower_lag_seconds": (time.monotonic() - self.last_poll
-                                         if self.last_poll else None)}
+                "follower_resubscribes": self.resubscribes,
+                "follower_lag_seconds": self.lag()}

@@ -6,8 +6,8 @@
   counters (``embstore_store_hits``, ``..._misses``, rows where counting is free, a cache's
   dirty rows...), the change log's position, a follower's lag;
 - ``/healthz``: 200 while the process serves;
-- ``/readyz``: 200 when the store answers (and, on a follower, its last poll is recent),
-  503 otherwise, with the reason.
+- ``/readyz``: 200 when the store answers (and, on a follower, it heard from its workers
+  recently), 503 otherwise, with the reason.
 """
 
 from __future__ import annotations

@@ -37,8 +37,15 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--follow", metavar="DES_URL", help="serve URL as a read-only replica kept "
                    "current from these workers' change logs (docs/service.md, Followers)")
     s.add_argument("--follow-token-file", help="file holding the token for --follow")
-    s.add_argument("--poll", type=float, default=0.1, metavar="SECONDS",
-                   help="how often a follower asks the workers for changes (default 0.1)")
+    s.add_argument("--log-keys", type=int, default=4_000_000, metavar="N",
+                   help="keys the change log keeps for followers (default 4M); a follower "
+                   "further behind takes a snapshot")
+    s.add_argument("--push-interval", type=float, default=0.1, metavar="SECONDS",
+                   help="a follower's workers push its changes at most this often "
+                   "(default 0.1)")
+    s.add_argument("--poll", type=float, metavar="SECONDS",
+                   help="a follower polls its workers for changes this often instead of "
+                   "subscribing to them")
 
 
 def add_serve_command(sub: Any, common: argparse.ArgumentParser,

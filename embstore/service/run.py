@@ -51,13 +51,15 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
           token_file: str | None = None, tls_cert: str | None = None,
           tls_key: str | None = None, flush_every: float | None = None,
           follow: str | None = None, follow_token_file: str | None = None,
-          poll: float = 0.1, metrics: str | None = None, ann: bool = False,
+          poll: float | None = None, push_interval: float = 0.1, log_keys: int = 4_000_000,
+          metrics: str | None = None, ann: bool = False,
           ann_rebuild: float = 0.1, ready: Any = None, **options: Any) -> int:
     """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens.
 
     With ``follow`` (a ``des://`` URL), ``url`` is a replica: created with the followed
-    table's layout, kept current from the workers' change logs every ``poll`` seconds, and
-    served read-only.
+    table's layout, kept current from the workers' change logs, and served read-only: the
+    workers push their changes at most every ``push_interval`` seconds, or with ``poll``
+    the follower asks for them every ``poll`` seconds instead.
     """
     i, n = parse_shard(shard)
     host, _, port = listen.rpartition(":")
@@ -65,6 +67,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         raise InvalidInputError(f"--listen must be HOST:PORT, got {listen!r}")
     if (tls_cert is None) != (tls_key is None):
         raise InvalidInputError("--tls-cert and --tls-key go together")
+    if not log_keys > 0:
+        raise InvalidInputError(f"--log-keys must be positive, got {log_keys}")
     if flush_every is not None and not flush_every > 0:
         raise InvalidInputError(f"--flush-every must be positive, got {flush_every}")
     tokens = read_token_file(token_file) if token_file else None
@@ -74,15 +78,16 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
             tls = (c.read(), k.read())
     upstream = None
     if follow is not None:
-        if not poll > 0:
-            raise InvalidInputError(f"--poll must be positive, got {poll}")
+        for flag, value in (("--poll", poll), ("--push-interval", push_interval)):
+            if value is not None and not 0.001 <= value <= 60:
+                raise InvalidInputError(f"{flag} must be 0.001..60 seconds, got {value}")
         upstream = _connect_when_up(follow, follow_token_file)
         options = {**replica_options(upstream), **options}
     store = open_store(url, **options)
     scheme = "grpc+tls" if tls else "grpc+tcp"
     try:
         worker = Worker(f"{scheme}://{host}:{port}", store, shard=i, shards=n, tokens=tokens,
-                        tls=tls, read_only=upstream is not None)
+                        tls=tls, read_only=upstream is not None, log_keys=log_keys)
     except BaseException:
         store.close()
         raise
@@ -93,7 +98,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         follower = Follower(store, upstream, guard=worker.lock)
         worker.follower = follower
         follower.poll()  # a replica serves once it holds the whole table
-        threading.Thread(target=follower.run, args=(stop, poll), name="embstore-follow",
+        threading.Thread(target=follower.run if poll else follower.follow,
+                         args=(stop, poll or push_interval), name="embstore-follow",
                          daemon=True).start()
 
     def shutdown(*_: Any) -> None:
@@ -151,6 +157,7 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
     rc = serve(args.url, listen=args.listen, shard=args.shard, token_file=args.token_file,
                tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
                follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
+               push_interval=args.push_interval, log_keys=args.log_keys,
                metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild, **options)
     # The store is closed and flushed. The Flight server, torn down at interpreter exit,
     # would wait for every stream a client still keeps open (embstore.service.streams),

@@ -32,15 +32,17 @@ from ..errors import (
 from ..sampling.candidate import sampling_index
 from . import wire
 from .changelog import ChangeLog
-from .delta import message_slices, read_delta
+from .delta import delta_parts, message_slices
 from .metrics import RequestMetrics, gauges
+from .push import check_interval, push_changes
 from .streams import STREAM_OPS
 
 log = logging.getLogger("embstore.service")
 
 #: operations a ``serve`` token may call (everything else writes)
 READ_OPS = frozenset({"info", "len", "stats", "lookup", "contains", "top_k", "sample_weight",
-                      "sample_draw", "sample_prob", "records", "changes", "snapshot"})
+                      "sample_draw", "sample_prob", "records", "changes", "snapshot",
+                      "subscribe"})
 ROLES = ("train", "serve")
 
 
@@ -230,9 +232,9 @@ class Worker(flight.FlightServerBase):
         finally:
             self.lock.release()
         if self.follower is not None:
-            lag = self.follower.stats()["follower_lag_seconds"]
+            lag = self.follower.lag()
             if lag is None or lag > 30:
-                return False, f"follower behind: last poll {lag} s ago"
+                return False, f"follower behind: last heard from its workers {lag} s ago"
         return True, "ready"
 
     # -- small questions ---------------------------------------------------------------------
@@ -272,8 +274,11 @@ class Worker(flight.FlightServerBase):
         if head.get("op") == "stream":
             self._serve_stream(context, head, reader, writer)
             return
+        if head.get("op") == "subscribe":
+            self._subscribe(context, descriptor.command, reader, writer)
+            return
 
-        def run() -> pa.RecordBatch:
+        def run() -> pa.RecordBatch | pa.Table:
             header = wire.parse_header(descriptor.command)
             self._check(context, header)
             if header["op"] == "changes":  # takes the lock per chunk (service/delta.py)
@@ -285,8 +290,9 @@ class Worker(flight.FlightServerBase):
         writer.begin(out.schema)
         # a follower's delta can hold a whole table: messages of at most 16 MB each, under
         # gRPC's message limit whatever the delta's size
-        for part in message_slices(out):
-            writer.write_batch(part)
+        for batch in (out.to_batches() if isinstance(out, pa.Table) else [out]):
+            for part in message_slices(batch):
+                writer.write_batch(part)
 
     def _serve_stream(self, context: Any, head: dict[str, Any], reader: Any,
                       writer: Any) -> None:
@@ -426,20 +432,46 @@ class Worker(flight.FlightServerBase):
             cols["found"] = pa.array(found)
         return wire.batch(**cols)
 
-    def _changes(self, h: dict[str, Any]) -> pa.RecordBatch:
-        """The records of the keys changed after ``since`` (``found`` False: deleted), and the
-        sequence number they bring the caller to; ``resync`` when the log cannot tell. Read
-        in chunks, each under the lock, as one state of the shard (``read_delta``)."""
-        since = h.get("since")
+    def _delta(self, since: Any, log_id: Any = None) -> tuple[int, list[pa.RecordBatch] | None]:
+        """``(seq, batches)``: the records of the keys changed after ``since`` as one state,
+        a batch per chunk read (``delta.delta_parts``); None when the log no longer holds
+        ``since`` or is not ``log_id`` (this worker restarted)."""
         if isinstance(since, bool) or not isinstance(since, int):
             raise InvalidInputError("since must be an int")
-        seq, rows = read_delta(self.store, self.log, self.held, since)
-        if rows is None:
+        if log_id is not None and log_id != self.log.id:
+            return self.log.seq, None
+        seq, rows = delta_parts(self.store, self.log, self.held, since)
+        return seq, None if rows is None else [self._records_batch(*r) for r in rows]
+
+    def _changes(self, h: dict[str, Any]) -> pa.Table:
+        """A follower's poll: the delta after ``since`` and its ``seq`` (or ``resync``)."""
+        seq, batches = self._delta(h.get("since"), h.get("log"))
+        meta = {"seq": str(seq), "resync": "0", "log": self.log.id}
+        if batches is None:
             s = self.store
-            out = self._records_batch(s.normalize_keys([]), s.layout.empty(0), np.zeros(0, bool))
-            return out.replace_schema_metadata({"seq": str(seq), "resync": "1"})
-        out = self._records_batch(*rows)
-        return out.replace_schema_metadata({"seq": str(seq), "resync": "0"})
+            batches = [self._records_batch(s.normalize_keys([]), s.layout.empty(0),
+                                           np.zeros(0, bool))]
+            meta["resync"] = "1"
+        return pa.Table.from_batches(batches).replace_schema_metadata(meta)
+
+    def _subscribe(self, context: Any, raw: bytes, reader: Any, writer: Any) -> None:
+        """A follower's subscription (``embstore.service.push``): the stream stays open and
+        carries each delta as the change log grows, until the follower or this worker goes."""
+        def check() -> tuple[int, float]:
+            h = wire.parse_header(raw)
+            self._check(context, h)
+            since, interval = h.get("since"), check_interval(h.get("interval", 0.1))
+            if isinstance(since, bool) or not isinstance(since, int):
+                raise InvalidInputError("since must be an int")
+            # a log of another worker (restarted since), or a position it never reached:
+            # whatever since is, a snapshot
+            known = h.get("log") in (None, self.log.id) and since <= self.log.seq
+            return (since if known else -1), interval
+
+        since, interval = self._guard(check, "subscribe")
+        push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
+                                                      locked=False),
+                     reader, writer, since, interval, lambda: self.stopping)
 
     # -- export ------------------------------------------------------------------------------
     def _changed_rows(self, since: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -464,7 +496,7 @@ class Worker(flight.FlightServerBase):
             out = [self._records_batch(k, r) for k, r in src]
             key_type = pa.int64() if s.key_type == "int64" else pa.binary()
             schema = pa.schema([("key", key_type), ("rec", pa.binary(s.layout.itemsize))],
-                               metadata={"seq": str(self.log.seq)})
+                               metadata={"seq": str(self.log.seq), "log": self.log.id})
             return schema, [b.replace_schema_metadata(schema.metadata) for b in out]
 
         schema, batches = self._guard(run, _peek_op(ticket.ticket))

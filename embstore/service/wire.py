@@ -172,6 +172,18 @@ def records_from(b: Any, key_type: str, dtype: np.dtype,
     return keys, (recs.copy() if copy else recs).view(dtype)
 
 
+def exclude_column(exclude: Any, n: int, normalize: Any) -> pa.ListArray:
+    """A ``top_k`` request's ``ex`` column: one list of keys per query (``exclude`` one list
+    for all ``n`` queries, or a list of ``n`` lists), ``normalize`` the store's key check."""
+    per = (exclude if isinstance(exclude, (list, tuple)) and len(exclude) == n and n
+           and all(isinstance(e, (list, tuple, np.ndarray)) for e in exclude)
+           else [exclude] * n)
+    lists = [normalize(e) for e in per]
+    offs = np.concatenate(([0], np.cumsum([len(e) for e in lists]))).astype(np.int32)
+    flat = np.concatenate(lists) if lists else normalize([])
+    return pa.ListArray.from_arrays(pa.array(offs), keys_column(flat))
+
+
 def batch(**columns: Any) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict(columns)
 

@@ -137,3 +137,33 @@ def test_a_large_answer_travels_in_slices_that_read_back_whole():
     assert table.schema.metadata == {b"seq": b"7"}
     keys, got = wire.records_from(table, "int64", recs.dtype, copy=False)
     assert keys.tolist() == KEYS.tolist() and got.tobytes() == recs.tobytes()
+
+
+def test_a_delta_read_in_chunks_stays_in_parts_no_key_in_two():
+    """Parts of at most ``chunk`` rows (plus the keys written meanwhile), never joined into
+    one array: joining made memory the kernel zeroed at every push. Applied together they
+    are the one state ``read_delta`` gives."""
+    from embstore.service.delta import delta_parts
+
+    with embstore.open("memory://", dim=DIM, optimizer="sgd") as store, \
+            embstore.open("memory://", dim=DIM, optimizer="sgd") as replica:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        store.assign(KEYS, np.ones((len(KEYS), DIM), np.float32))
+        rewrites = iter(range(100))
+
+        def write() -> None:     # the trainer rewrites keys 0..9 between chunks
+            store.assign(np.arange(10), np.full((10, DIM), next(rewrites), np.float32))
+
+        seq, parts = delta_parts(store, log, lambda: _WriteBetween(write), 0, chunk=500)
+        assert parts is not None and len(parts) == 7
+        assert all(len(k) <= 500 for k, _, _ in parts[:-1])
+        keys = np.concatenate([k for k, _, _ in parts])
+        assert sorted(keys.tolist()) == KEYS.tolist()          # every key once
+        for k, r, f in parts:
+            _apply(replica, (k, r, f))
+        # the last hold's write came after the final read: one write short of the store
+        write_before_last = store.lookup(np.arange(10), insert=False) - 1
+        np.testing.assert_array_equal(replica.lookup(np.arange(10), insert=False),
+                                      write_before_last)
+        assert seq == log.seq - 1

@@ -4,6 +4,7 @@ Usage::
 
     make torchrec-venv                       # .venv-torchrec: torch 2.13 + fbgemm-gpu-cpu 1.8.0
     python bench/bench_torchrec.py [--quick] [--threads 1,2] [--rounds 5] [--json out.json]
+                                   [--keep-freed-memory]
 
 The model is the same for every contender: one table per sparse feature (dim 64, ids drawn
 Zipf(1.1) over ``--rows`` ids per table), the pooled (sum) features concatenated -> Linear -> BCE,
@@ -33,8 +34,9 @@ runs ``--steps`` steps per contender, thread count pinned with ``torch.set_num_t
 ``OMP_NUM_THREADS`` for the peer); the figures are medians over rounds of the per-step wall and
 CPU time (``time.process_time``: all threads of the process). ``x fbgemm`` is FBGEMM's step
 time over the contender's (above 1: faster than FBGEMM); ``x floor`` is the contender's step
-time over the floor's (how far from moving each byte once). On a loaded machine wall time
-drifts; compare within one run, and read CPU time alongside.
+time over the floor's (how far from moving each byte once). ``--keep-freed-memory`` runs
+every contender with glibc keeping freed memory for reuse (see ``KEEP_FREED``).
+On a loaded machine wall time drifts; compare within one run, and read CPU time alongside.
 """
 
 from __future__ import annotations
@@ -294,6 +296,16 @@ def report(name: str, dims: tuple[int, int, int], times: dict, floor: float,
     return {"floor": floor, "contenders": out}
 
 
+# glibc's allocator hands blocks of 128 KiB and more back to the kernel when they are freed
+# (munmap, or trimming the heap), so each step's fresh outputs, gradients and buffers fault in
+# zeroed pages again: ~10% of a step's CPU in the kernel here, for every contender. These
+# thresholds keep such blocks for reuse, as jemalloc or tcmalloc would (PyTorch's CPU tuning
+# guide recommends one of those); glibc reads them only when a process starts, and takes no
+# mmap threshold above 32 MiB (the trim threshold alone would send every block of 128 KiB or
+# more to mmap: measured 3x slower).
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 25), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small tables, few steps")
@@ -306,11 +318,22 @@ def main() -> None:
                     default="embstore,embstore-bf16,embstore-bags,embstore-unfused,torch")
     ap.add_argument("--no-peer", action="store_true", help="leave FBGEMM out")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="run every contender (this process and the FBGEMM peer) with glibc "
+                    "keeping freed memory for reuse (MALLOC_MMAP_THRESHOLD_ / "
+                    "MALLOC_TRIM_THRESHOLD_), as jemalloc or tcmalloc would")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer:
         serve_peer()
         return
+    if args.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED.items()):
+        # the settings take effect at process start: start again with them (the peer
+        # inherits them)
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **KEEP_FREED))
+    if args.keep_freed_memory:
+        print("allocator: glibc keeps freed memory (" + ", ".join(
+            f"{k}={v}" for k, v in KEEP_FREED.items()) + "), every contender")
     args.rows = args.rows or (100_000 if args.quick else 1_000_000)
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.steps = args.steps or (5 if args.quick else 20)

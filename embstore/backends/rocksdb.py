@@ -20,8 +20,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from itertools import islice
-from operator import itemgetter
 from typing import Any, cast
 
 import numpy as np
@@ -40,7 +38,7 @@ from ._localdir import (
 from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import ModifyFn
-from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
+from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, read_sorted
 from .rocksdb_handles import META_KEY, POOL, RocksHandles, rd  # the driver, checked there
 
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
@@ -263,19 +261,18 @@ class RocksDBBackend(FetchedRows):
         db = self.handles.db
         if db is None:
             return
-        items = db.items() if rng.lo is None else db.items(from_key=rng.lo)
-        while True:
-            # raw mode: keys are bytes (rocksdict's stub types them for every mode)
-            chunk = cast("list[tuple[bytes, bytes]]", list(islice(items, batch_size)))
-            chunk, cut = stop_at(chunk, rng.hi, itemgetter(0))
-            if not chunk:
-                return
-            # list comprehensions, not generators, into join: measured ~4x faster
-            buf = bytearray().join([v for _, v in chunk])
-            yield (ordered_keys.decode([k for k, _ in chunk], self.key_type),
-                   self.layout.from_bytes(buf, len(chunk)))
-            if cut or len(chunk) < batch_size:
-                return
+        # raw mode: keys are bytes (rocksdict's stub types them for every mode)
+        items = cast("Iterator[tuple[bytes, bytes]]",
+                     db.items() if rng.lo is None else db.items(from_key=rng.lo))
+        more = True
+        while more:
+            keys, recs, _, more = read_sorted(items, batch_size, rng.hi, self.layout,
+                                              self._decode_keys)
+            if len(keys):
+                yield keys, recs
+
+    def _decode_keys(self, raw: list[bytes]) -> np.ndarray:
+        return ordered_keys.decode(raw, self.key_type)
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Write sorted SST files (about 320 MiB of records each) and ingest them."""

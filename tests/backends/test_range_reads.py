@@ -74,3 +74,30 @@ def test_records_of_another_size_are_refused_by_a_scan(tmp_path, monkeypatch):
     env.close()
     with embstore.open(url, read_only=True) as store, pytest.raises(SchemaMismatchError):
         list(store.backend.scan(10))
+
+
+@pytest.mark.parametrize("key_type", ["int64", "bytes"])
+def test_rocksdb_plans_from_one_sampled_walk_keep_every_row_once(key_type, tmp_path):
+    """RocksDB cuts at every s-th key of one walk (s from its key-count estimate): the
+    parts still chain over every row once, about equal; one row and no rows plan too."""
+    keys = _keys(key_type, 30000)
+    with embstore.open(f"rocksdb://{tmp_path}/r", dim=4, key_type=key_type) as store:
+        for i in range(0, len(keys), 10000):
+            store.assign(keys[i:i + 10000], np.ones((len(keys[i:i + 10000]), 4), np.float32))
+        store.flush()
+        be = store.backend
+        for n in (2, 3, 7):
+            sizes, seen = [], []
+            for r in be.plan_ranges(n):
+                got = [k for ks, _ in be.scan_range(r, 4096)
+                       for k in (ks.tolist() if key_type == "int64" else list(ks))]
+                sizes.append(len(got))
+                seen += got
+            assert len(seen) == len(set(seen)) == len(keys) and set(seen) == set(keys)
+            assert max(sizes) <= len(keys) / n * 1.01, sizes
+    with embstore.open(f"rocksdb://{tmp_path}/one", dim=4, key_type=key_type) as one:
+        one.assign(keys[:1], np.ones((1, 4), np.float32))
+        got = [list(ks) for r in one.backend.plan_ranges(3) for ks, _ in one.backend.scan_range(r)]
+        assert [k for ks in got for k in ks] == [keys[0]]
+    with embstore.open(f"rocksdb://{tmp_path}/none", dim=4, key_type=key_type) as none:
+        assert [list(none.backend.scan_range(r)) for r in none.backend.plan_ranges(2)] == [[], []]

@@ -33,6 +33,8 @@ import struct
 _SUBTREES_PER_PART = 64
 #: at most this many pages read
 _MAX_READ_PAGES = 4096
+#: a longer write-ahead log is not indexed (one read per frame header): the plan counts
+_MAX_WAL_FRAMES = 1 << 16
 _MAGIC = b"SQLite format 3\x00"
 _TABLE_INTERIOR, _TABLE_LEAF = 0x05, 0x0D
 _WAL_MAGIC = (0x377F0682, 0x377F0683)
@@ -82,13 +84,22 @@ class _Pages:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return -1, {}
+        try:
+            return fd, self._committed(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _committed(self, fd: int) -> dict[int, int]:
         head = os.pread(fd, _WAL_HEADER.size, 0)
         if len(head) < _WAL_HEADER.size:
-            return fd, {}
+            return {}
         magic, _, psize, _, salt1, salt2 = _WAL_HEADER.unpack(head)
         if magic not in _WAL_MAGIC or psize != self.psize:
-            return fd, {}
+            return {}
         size = os.fstat(fd).st_size
+        if (size - 32) // (_FRAME_BYTES + self.psize) > _MAX_WAL_FRAMES:
+            raise ValueError("a write-ahead log too long to index")  # count instead
         committed: dict[int, int] = {}
         pending: dict[int, int] = {}
         # (frames of an older generation have other salts; checksums are not checked: a torn
@@ -104,7 +115,7 @@ class _Pages:
                 pending.clear()
                 self.count = max(self.count, commit)
             off += _FRAME_BYTES + self.psize
-        return fd, committed
+        return committed
 
     def read(self, pgno: int) -> bytes:
         if not 0 < pgno <= self.count:

@@ -263,9 +263,9 @@ class SQLBackend(Backend):
     @_wrap_errors
     def plan_ranges(self, n: int) -> list[KeyRange]:
         """Cut at every ``len/n``-th key, each found by an index walk (``OFFSET``); an int64
-        SQLite table of more than a few thousand pages at the boundaries of its rowid
-        B-tree's subtrees (:mod:`.sqlite_split`: a few hundred pages read, equal within a
-        few per cent)."""
+        SQLite table whose rowid B-tree is at least three levels deep at the boundaries of
+        its subtrees (:mod:`.sqlite_split`: a few hundred pages read, parts equal within a
+        leaf page)."""
         if self.sql.missing or not self.is_bound:
             return ranges_from_bounds(KIND_KEY, [0 if self.key_type == "int64" else b""]
                                       * (n - 1))

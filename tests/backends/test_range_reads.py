@@ -29,6 +29,7 @@ def test_batches_built_from_small_runs_hold_every_row_of_a_range_once(
     # runs of 7 rows: batch sizes and range ends fall in the middle of a run
     monkeypatch.setattr(ranges_mod, "SUB_ROWS", 7)
     monkeypatch.setattr(sql_rows, "SUB_ROWS", 7)
+    monkeypatch.setattr(ranges_mod, "_FIRST_ROWS", 10)  # batches grow past their first size
     keys = _keys(key_type, 500)
     with embstore.open(new_store_url(kind), dim=4, key_type=key_type) as store:
         vals = np.arange(len(keys) * 4, dtype=np.float32).reshape(-1, 4)

@@ -220,10 +220,12 @@ def bench(name: str, url: str, n: int, work: str, repeat: int, profiles: list | 
     same = a.ok and b.ok and a.digest == b.digest and a.rows == b.rows == rows_one == rows_parts
     one, parts = min(t_one), min(t_parts)
     paired = sorted(a / b for a, b in zip(t_one, t_parts))
+    paired_cpu = sorted(a / b for a, b in zip(c_one, c_parts))
     return {"name": name, "rows": n, "one": one, "parts": parts, "ratio": one / parts,
             "median": paired[len(paired) // 2],
             "cold": one / (parts + min(t_pools)), "same": same, "digest": a.digest_hex,
-            "cpu": min(c_one) / min(c_parts),
+            "cpu": min(c_one) / min(c_parts), "cpu_median": paired_cpu[len(paired_cpu) // 2],
+            "load": os.getloadavg(),
             "server": (min(s_one), min(s_parts)) if server is not None else None}
 
 
@@ -264,15 +266,20 @@ def main() -> int:
             emu.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'source':10} {'rows':>10} {'1 process':>10} {'2 parts':>9} {'ratio':>7} "
-          f"{'median':>7} {'cold':>6} {'by CPU':>7}  union == whole export")
+          f"{'median':>7} {'cold':>6} {'by CPU':>7} {'CPU med':>8}  {'load 1/5/15':>14}  "
+          "union == whole export")
     for r in rows:
+        load = "/".join(f"{x:.1f}" for x in r["load"])
         print(f"{r['name']:10} {r['rows']:>10,} {r['one']:>9.2f}s {r['parts']:>8.2f}s "
-              f"{r['ratio']:>6.2f}x {r['median']:>6.2f}x {r['cold']:>5.2f}x {r['cpu']:>6.2f}x  "
+              f"{r['ratio']:>6.2f}x {r['median']:>6.2f}x {r['cold']:>5.2f}x {r['cpu']:>6.2f}x "
+              f"{r['cpu_median']:>7.2f}x  {load:>14}  "
               f"{'yes' if r['same'] else 'NO'} (digest {r['digest']})")
     print("ratio: wall clock, best round of each; median: the median of the rounds' paired "
           "ratios; cold: with the pool's start; by CPU: one process's CPU seconds "
           "over the parts' critical path (planning + the slowest part, each in CPU seconds):"
-          " the ratio two otherwise idle cores would give, robust to other load")
+          " the ratio two otherwise idle cores would give, robust to other load (best round "
+          "of each; CPU med: the median of the rounds' paired CPU ratios); load: the load "
+          "average when the source's rounds ended")
     for r in rows:
         if r["server"] is not None:
             print(f"{r['name']}: the emulator's own CPU seconds (least of the rounds): one "

@@ -10,18 +10,22 @@ above only pickle it, write it into a manifest and check that the ranges of a pl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._keys import key_hash64
 from ..errors import InvalidInputError
 
+if TYPE_CHECKING:
+    from ..layout import Layout
+
 __all__ = ["KIND_BYTES", "KIND_HASH", "KIND_KEY", "KeyRange", "bounds_from_walk", "check_plan",
-           "hash_ranges", "in_hash_range", "ranges_from_bounds", "stop_at"]
+           "hash_ranges", "in_hash_range", "ranges_from_bounds", "read_sorted", "stop_at"]
 
 #: bounds are stored key bytes, compared bytewise (LMDB, RocksDB, Bigtable row keys)
 KIND_BYTES = "bytes"
@@ -31,6 +35,11 @@ KIND_KEY = "key"
 KIND_HASH = "hash"
 
 _HASH_SPACE = 1 << 64
+
+#: rows a scan holds as Python objects at a time (see :func:`read_sorted`)
+SUB_ROWS = 4096
+#: rows a scan's batch is first allocated for (it grows for larger batches)
+_FIRST_ROWS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,50 @@ def stop_at(rows: list[Any], hi: Any, key: Any = None) -> tuple[list[Any], bool]
         else:
             hi_i = mid
     return rows[:lo_i], True
+
+
+def read_sorted(pairs: Iterator[tuple[bytes, bytes]], batch_size: int, hi: Any,
+                layout: Layout, decode: Callable[[list[bytes]], np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray, bytes | None, bool]:
+    """One batch of a key-ordered scan: up to ``batch_size`` of ``pairs`` (stored key,
+    record bytes) before ``hi`` as ``(keys, records)`` (records writable), the last stored
+    key taken (None: none) and whether rows may follow (False: ``pairs`` ran out or reached
+    ``hi``).
+
+    The pairs are taken :data:`SUB_ROWS` at a time, each run's records joined and copied
+    into one numpy array for the batch. A batch of 65536 rows held as Python objects at once
+    is ~25 MB of small objects that the allocator maps afresh and returns to the system for
+    every batch, and a batch joined into one ``bytearray`` is 19 MB of fresh heap faulted
+    in 4 KiB at a time; numpy asks for huge pages for a large array. Page faults were a third
+    of a 1M-row LMDB scan's CPU, more again in a fresh process (each part of a split export).
+    """
+    keys: list[np.ndarray] = []
+    size = layout.itemsize
+    recs = np.empty(min(batch_size, _FIRST_ROWS), dtype=layout.dtype)
+    n, last, more = 0, None, True
+    while n < batch_size:
+        want = min(SUB_ROWS, batch_size - n)
+        rows: list[tuple[bytes, bytes]] = list(islice(pairs, want))  # no Python step per row
+        got = len(rows)
+        rows, cut = stop_at(rows, hi, itemgetter(0))
+        if rows:
+            m = len(rows)
+            if n + m > len(recs):  # a batch larger than _FIRST_ROWS
+                grown = np.empty(min(batch_size, max(2 * len(recs), n + m)), layout.dtype)
+                grown[:n] = recs[:n]
+                recs = grown
+            # list comprehensions, not generators, into join: measured ~4x faster
+            run = layout.from_bytes(b"".join([r[1] for r in rows]), m)  # refuses other sizes
+            recs.view(np.uint8)[n * size:(n + m) * size] = run.view(np.uint8)
+            keys.append(decode([r[0] for r in rows]))
+            last = rows[-1][0]
+            n += m
+        if cut or got < want:
+            more = False
+            break
+    if not keys:
+        return decode([]), recs[:0], None, False
+    return (keys[0] if len(keys) == 1 else np.concatenate(keys)), recs[:n], last, more
 
 
 def check_plan(ranges: list[KeyRange]) -> None:

@@ -21,7 +21,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from itertools import islice
-from operator import itemgetter
 from typing import Any, cast
 
 import numpy as np
@@ -40,9 +39,11 @@ from ._localdir import (
 from ._replace import recover_staging, rocksdb_replace
 from ._txn import records_from_values, write_plan
 from .base import ModifyFn
-from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, stop_at
+from .ranges import KIND_BYTES, KeyRange, bounds_from_walk, ranges_from_bounds, read_sorted
 from .rocksdb_handles import META_KEY, POOL, RocksHandles, rd  # the driver, checked there
 
+#: keys kept per part by a plan's walk (a part is cut within ~1/this of its rows)
+_SAMPLES_PER_PART = 1024
 _SST_BYTES = 320 << 20  # record bytes per ingested SST file (sorted in memory first)
 
 
@@ -251,31 +252,43 @@ class RocksDBBackend(FetchedRows):
         return self.scan_range(KeyRange(KIND_BYTES), batch_size)
 
     def plan_ranges(self, n: int) -> list[KeyRange]:
-        """Cut at every ``len/n``-th stored key (a walk of the keys, skipped in C)."""
+        """Cut at every ``len/n``-th stored key: one walk of the keys that keeps every
+        ``s``-th (skipped in C), ``s`` from RocksDB's estimate of the key count so that a
+        part is cut within ~1/1024 of its rows. (Counting first, then walking to the cuts,
+        walked the keys 1.5 to 2 times; rocksdict offers no approximate range sizes, and
+        its SST files' boundaries are too coarse: a bulk load writes ~320 MiB files.) An
+        estimate that is off changes only how finely the parts are cut."""
         db = self.handles.db
-        if db is None:
+        if db is None or n == 1:
             return ranges_from_bounds(KIND_BYTES, [b""] * (n - 1))
-        total = len(self)
-        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(db.keys(), total, n, b""))
+        try:
+            estimate = int(db.property_int_value("rocksdb.estimate-num-keys") or 0)
+        except Exception:  # noqa: BLE001 - a property this build does not keep
+            estimate = 0
+        step = max(1, estimate // (_SAMPLES_PER_PART * n))
+        try:
+            samples = list(islice(db.keys(), 0, None, step))
+        except Exception as e:
+            raise BackendError(f"{self.path}: RocksDB scan failed: {e}") from e
+        return ranges_from_bounds(KIND_BYTES, bounds_from_walk(samples, len(samples), n, b""))
 
     def scan_range(self, rng: KeyRange, batch_size: int = 4096
                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         db = self.handles.db
         if db is None:
             return
-        items = db.items() if rng.lo is None else db.items(from_key=rng.lo)
-        while True:
-            # raw mode: keys are bytes (rocksdict's stub types them for every mode)
-            chunk = cast("list[tuple[bytes, bytes]]", list(islice(items, batch_size)))
-            chunk, cut = stop_at(chunk, rng.hi, itemgetter(0))
-            if not chunk:
-                return
-            # list comprehensions, not generators, into join: measured ~4x faster
-            buf = bytearray().join([v for _, v in chunk])
-            yield (ordered_keys.decode([k for k, _ in chunk], self.key_type),
-                   self.layout.from_bytes(buf, len(chunk)))
-            if cut or len(chunk) < batch_size:
-                return
+        # raw mode: keys are bytes (rocksdict's stub types them for every mode)
+        items = cast("Iterator[tuple[bytes, bytes]]",
+                     db.items() if rng.lo is None else db.items(from_key=rng.lo))
+        more = True
+        while more:
+            keys, recs, _, more = read_sorted(items, batch_size, rng.hi, self.layout,
+                                              self._decode_keys)
+            if len(keys):
+                yield keys, recs
+
+    def _decode_keys(self, raw: list[bytes]) -> np.ndarray:
+        return ordered_keys.decode(raw, self.key_type)
 
     def bulk_load(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> int:
         """Write sorted SST files (about 320 MiB of records each) and ingest them."""

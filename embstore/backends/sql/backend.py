@@ -262,13 +262,19 @@ class SQLBackend(Backend):
 
     @_wrap_errors
     def plan_ranges(self, n: int) -> list[KeyRange]:
-        """Cut at every ``len/n``-th key, each found by an index walk (``OFFSET``)."""
+        """Cut at every ``len/n``-th key, each found by an index walk (``OFFSET``); an int64
+        SQLite table whose rowid B-tree is at least three levels deep at the boundaries of
+        its subtrees (:mod:`.sqlite_split`: a few hundred pages read, parts equal within a
+        leaf page)."""
         if self.sql.missing or not self.is_bound:
             return ranges_from_bounds(KIND_KEY, [0 if self.key_type == "int64" else b""]
                                       * (n - 1))
         with self.sql.lock:
-            total = self.sql.ops.count()
-            cuts = [self.sql.ops.key_at(total * i // n) for i in range(1, n)]
+            ops = self.sql.ops
+            cuts = ops.btree_cuts(n) if isinstance(ops, _sql_ops.SQLiteOps) else None
+            if cuts is None:
+                total = ops.count()
+                cuts = [ops.key_at(total * i // n) for i in range(1, n)]
         empty = 0 if self.key_type == "int64" else b""
         bounds = [c for c in cuts if c is not None]
         return ranges_from_bounds(KIND_KEY, bounds + [bounds[-1] if bounds else empty]

@@ -379,7 +379,9 @@ class SqlConnection:
                 raise BackendError(f"{self.safe_url}: {type(e).__name__}: {e}") from e
             if len(keys) == 0:
                 return
-            recs = raw.reshape(-1).view(dtype).copy()
+            recs = raw.reshape(-1).view(dtype)
+            if not recs.flags.writeable:  # a view of the driver's bytes
+                recs = recs.copy()
             yield keys, recs
             # keyset pagination: the next page starts after the last row of this one
             last = keys[-1:].tolist()[0]  # a Python int/bytes: drivers do not bind numpy scalars

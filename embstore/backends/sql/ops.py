@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -221,8 +222,8 @@ class PostgresOps(PagedReads):
     def count(self) -> int:
         return int(self.conn.execute(f"SELECT count(*) FROM {self.t}").fetchone()[0])
 
-    def _fetchall(self, sql: str, params: tuple) -> list:
-        return self.conn.cursor(binary=True).execute(sql, params).fetchall()
+    def _execute(self, sql: str, params: tuple) -> Any:
+        return self.conn.cursor(binary=True).execute(sql, params)
 
     def changes_plan(self, version: int) -> str:
         with self.conn.transaction():

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from .rows import PagedReads, absent, keys_array, row_blobs, split_blobs
+from .sqlite_split import rowid_bounds
 
 _SQLITE_MAX_VARS = 32000  # SQLite >= 3.32 allows 32766 bound variables per statement
 
@@ -103,8 +105,8 @@ class SQLiteOps(PagedReads):
     def count(self) -> int:
         return int(self.conn.execute(f"SELECT count(*) FROM {self.t}").fetchone()[0])
 
-    def _fetchall(self, sql: str, params: tuple) -> list:
-        return self.conn.execute(sql, params).fetchall()
+    def _execute(self, sql: str, params: tuple) -> Any:
+        return self.conn.execute(sql, params)
 
     def changes_plan(self, version: int) -> str:
         rows = self.conn.execute(f"EXPLAIN QUERY PLAN SELECT k, rec FROM {self.t} "
@@ -128,6 +130,21 @@ class SQLiteOps(PagedReads):
     def lease_put(self, text: str) -> None:
         self.conn.execute(f"INSERT INTO {self.m} (name, value) VALUES ('leases', ?) "
                           "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (text,))
+
+    def btree_cuts(self, n: int) -> list[int] | None:
+        """``n - 1`` cut keys read from the top levels of the table's rowid B-tree
+        (:mod:`.sqlite_split`); None where counting has to do: bytes keys, a key that is not
+        the rowid, a small table, no database file."""
+        if self.key_type != "int64":
+            return None
+        rows = self.conn.execute("SELECT type, name, rootpage FROM sqlite_master WHERE "
+                                 "tbl_name = ?", (self._table_name,)).fetchall()
+        roots = [r[2] for r in rows if r[0] == "table" and r[1] == self._table_name]
+        if len(roots) != 1 or any(str(r[1]).startswith("sqlite_autoindex_") for r in rows):
+            return None  # the key has an index of its own: it is not the rowid
+        path = next((r[2] for r in self.conn.execute("PRAGMA database_list") if r[1] == "main"),
+                    "")
+        return rowid_bounds(path, int(roots[0]), n) if path else None
 
     def columns(self, name: str) -> dict[str, str] | None:
         exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "

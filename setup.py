@@ -34,6 +34,8 @@ extensions = [
     _module("initrand", ["embstore/_cython/initrand.pyx"], extra_compile_args=["-O3"]),
     _module("strkeys", ["embstore/_cython/strkeys.pyx"], extra_compile_args=["-O3"]),
     _module("bytestable", ["embstore/_cython/bytestable.pyx"], extra_compile_args=["-O3"]),
+    # digest: XXH3-128 of a part file (a manifest's checksum)
+    _module("digest", ["embstore/_cython/digest.pyx"], extra_compile_args=["-O3"]),
     # rowops: the row-wise mean square (es_rowsq.h) must round as the fused step's
     _module("rowops", ["embstore/_cython/rowops.pyx"],
             extra_compile_args=["-O3", "-ffp-contract=off"]),

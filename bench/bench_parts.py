@@ -109,8 +109,9 @@ def in_parts(url: str, dest: str, pool: ProcessPoolExecutor) -> tuple[int, float
 
 
 #: functions whose CPU time (cumulative, all calls) makes a phase of ``--profile``
-_PHASES = {"scan": "read", "scan_range": "read", "write": "encode", "file_sha256": "sha256"}
-_PHASE_FILES = {"read": "/backends/", "encode": "parquet.py", "sha256": "manifest.py"}
+_PHASES = {"scan": "read", "scan_range": "read", "write": "encode",
+           "file_checksum": "checksum"}
+_PHASE_FILES = {"read": "/backends/", "encode": "parquet.py", "checksum": "manifest.py"}
 
 
 def _profiled(url: str, dest: str, part: Part | None) -> dict[str, float]:
@@ -287,16 +288,16 @@ def main() -> int:
                   "both row ranges on the same 2 cores")
     if profiles:
         print("\nCPU seconds by phase, each run alone in a fresh worker under cProfile (read: "
-              "the backend's scan; encode: the Parquet writer; sha256: the part's checksum; "
+              "the backend's scan; encode: the Parquet writer; checksum: the part's XXH3-128; "
               "plan: plan_parts in the driver)")
         print(f"{'source':10} {'run':10} {'total':>6} {'plan':>6} {'read':>6} {'encode':>7} "
-              f"{'sha256':>7} {'other':>6}")
+              f"{'checksum':>8} {'other':>6}")
         for name, label, r in profiles:
-            other = r["total"] - sum(r.get(k, 0.0) for k in ("read", "encode", "sha256"))
+            other = r["total"] - sum(r.get(k, 0.0) for k in ("read", "encode", "checksum"))
             cells = [f"{r[k]:.3f}" if k in r else "-" for k in ("plan", "read", "encode",
-                                                                 "sha256")]
+                                                                 "checksum")]
             print(f"{name:10} {label:10} {r['total']:>6.3f} {cells[0]:>6} {cells[1]:>6} "
-                  f"{cells[2]:>7} {cells[3]:>7} {other:>6.3f}")
+                  f"{cells[2]:>7} {cells[3]:>8} {other:>6.3f}")
     print(f"load average after the run: {os.getloadavg()[0]:.1f}")
     if _autogroup() and os.getloadavg()[0] > 1.5 * WORKERS:
         print("note: the kernel schedules by session (autogroup) and other sessions keep the "

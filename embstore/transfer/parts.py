@@ -31,7 +31,7 @@ from ..backends.ranges import KeyRange, check_plan
 from ..engine import services
 from ..errors import CapabilityError, CorruptFileError, InvalidInputError
 from ..io.formats import format_name, open_writer
-from ..io.manifest import MANIFEST_KEY, file_sha256, write_json
+from ..io.manifest import CHECKSUM_KINDS, MANIFEST_KEY, file_checksum, write_json
 from ..progress import progress_bar
 from ..urls import redact_url
 from .own_storage import refuse_own_storage
@@ -93,12 +93,28 @@ class PartResult:
     file: str
     rows: int
     bytes: int
-    sha256: str
+    #: the file's checksum, ``{kind: hex}`` (``{"xxh3_128": ...}``; see
+    #: :data:`embstore.io.manifest.CHECKSUM`)
+    checksum: dict[str, str]
     range: dict[str, Any]
     plan: str
     seconds: float = 0.0
     #: CPU time of the process (all its threads) while it ran this part
     cpu_seconds: float = 0.0
+
+    @property
+    def sha256(self) -> str | None:
+        """The file's SHA-256 where that is its checksum (parts written before XXH3-128)."""
+        return self.checksum.get("sha256")
+
+
+def checksum_of(entry: dict[str, Any]) -> dict[str, str]:
+    """The checksum of a part's result (its ``checksum``) or manifest entry (its
+    ``xxh3_128``, or the ``sha256`` of one written before), as ``{kind: hex}``."""
+    got = entry.get("checksum")
+    if isinstance(got, dict):
+        return dict(got)
+    return {k: entry[k] for k in CHECKSUM_KINDS if k in entry}
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -214,7 +230,7 @@ def run_part(part: Part, dest: str | os.PathLike[str], *, fmt: str = "native",
         if opened:
             src.close()
     res = PartResult(part.index, part.count, os.path.basename(path), rows,
-                     os.path.getsize(path), file_sha256(path), part.range.to_json(), part.plan,
+                     os.path.getsize(path), file_checksum(path), part.range.to_json(), part.plan,
                      time.perf_counter() - t0, time.process_time() - c0)
     side = {"result": asdict(res), "source": part.source, "format": name,
             "key_type": meta["key_type"], "dim": meta["dim"], "layout": meta["layout"]}
@@ -279,8 +295,8 @@ def finish_manifest(dest: str | os.PathLike[str], count: int, *,
     doc = {MANIFEST_KEY: 1, "source": first["source"], "format": first["format"],
            "parts": count, "plan": plans.pop(), "rows": sum(e["rows"] for e in entries),
            "key_type": first["key_type"], "dim": first["dim"], "layout": first["layout"],
-           "files": [{k: e[k] for k in ("index", "file", "rows", "bytes", "sha256", "range")}
-                     for e in entries]}
+           "files": [{**{k: e[k] for k in ("index", "file", "rows", "bytes", "range")},
+                      **checksum_of(e)} for e in entries]}
     path = os.path.join(dest, MANIFEST_NAME)
     write_json(path, doc)
     return path

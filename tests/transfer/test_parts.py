@@ -4,6 +4,7 @@ refused before anything is written."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -209,6 +210,40 @@ def test_a_corrupt_or_replaced_part_is_refused(exported):
     _refused(out, target, "part 2 .*checksum")
     shutil.copy(out / "part-00001-of-00003.emb", path)  # another part under its name
     _refused(out, target, "part 2 .*checksum")
+
+
+def test_parts_carry_xxh3_and_manifests_with_sha256_still_import(exported):
+    # manifests written before XXH3-128 carry SHA-256: they are checked against it, and an
+    # entry with no checksum at all is refused
+    out, target = exported
+    doc = _manifest(out)
+    assert all(len(e["xxh3_128"]) == 32 and "sha256" not in e for e in doc["files"])
+    for e in doc["files"]:
+        del e["xxh3_128"]
+        e["sha256"] = hashlib.sha256((out / e["file"]).read_bytes()).hexdigest()
+    _rewrite(out, doc)
+    assert verify_file(out / "manifest.json").ok
+    doc["files"][1]["sha256"] = "0" * 64
+    _rewrite(out, doc)
+    _refused(out, target, "part 1 .*checksum")
+    del doc["files"][1]["sha256"]
+    _rewrite(out, doc)
+    _refused(out, target, "part 1 .*checksum")
+
+
+def test_xxh3_is_the_reference_xxh3_128():
+    from embstore._cython.digest import Xxh3
+
+    vectors = {b"": "99aa06d3014798d86001c324468d497f",
+               b"a": "a96faf705af16834e6c632b61e964e1f",
+               b"embstore": "1f663fab81da144563309a1dfd93ffd0",
+               bytes(range(256)) * 5: "d92ab3a1cb0542a74844b009e164352e"}
+    for data, want in vectors.items():
+        whole, pieces = Xxh3(), Xxh3()
+        whole.update(data)
+        for i in range(0, len(data), 97):  # streamed in uneven blocks: the same value
+            pieces.update(data[i:i + 97])
+        assert whole.hexdigest() == pieces.hexdigest() == want
 
 
 def test_parts_of_different_plans_do_not_chain(exported, tmp_path):

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..parts import Part, PartResult, finish_manifest, run_part
+from ..parts import Part, PartResult, checksum_of, finish_manifest, run_part
 from . import require
 
 __all__ = ["add_parts", "run_parts_beam"]
@@ -77,7 +77,7 @@ def run_parts_beam(parts: list[Part], dest: str, *, options: Any = None, fmt: st
     for part in parts:  # may be a rerun's pending parts only
         e = entries[part.index]
         res = PartResult(e["index"], part.count, e["file"], e["rows"], e["bytes"],
-                         e["sha256"], e["range"], part.plan)
+                         checksum_of(e), e["range"], part.plan)
         if on_part is not None:
             on_part(res)
         out.append(res)

@@ -45,6 +45,21 @@ def _wait_equal(served, des, keys, seconds=60.0):
         time.sleep(0.02)
 
 
+def _catch_up(follower, des, keys, mode):
+    """One poll, or a subscription followed until the replica holds ``des``'s rows; then
+    the replica must equal ``des`` on ``keys``."""
+    if mode == "poll":
+        follower.poll()
+    else:
+        stop = threading.Event()
+        t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
+        t.start()
+        _wait_equal(follower.local, des, keys)
+        stop.set()
+        t.join(60)
+    _assert_equal(_table(follower.local, keys), _table(des, keys))
+
+
 def _assert_equal(got, want):
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
@@ -132,16 +147,7 @@ def test_a_restarted_workers_log_is_not_read_as_the_old_one(tmp_path, mode):
                 des.update([10 + i], np.ones((1, DIM), np.float32))
             des.delete([0])       # batch 11
             keys = np.arange(25)
-            if mode == "poll":
-                follower.poll()
-            else:
-                stop = threading.Event()
-                t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
-                t.start()
-                _wait_equal(follower.local, des, keys)
-                stop.set()
-                t.join(60)
-            _assert_equal(_table(follower.local, keys), _table(des, keys))
+            _catch_up(follower, des, keys, mode)
             assert follower.snapshots == 2
         up.close()
     finally:
@@ -259,16 +265,7 @@ def test_a_delta_of_many_chunks_arrives_whole(mode):
             keys = np.arange(-5, 40_005)
             des.update(np.arange(40_000), np.full((40_000, DIM), 2.0, np.float32))
             des.delete(np.arange(0, 40_000, 7))
-            if mode == "poll":
-                follower.poll()
-            else:
-                stop = threading.Event()
-                t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
-                t.start()
-                _wait_equal(follower.local, des, keys)
-                stop.set()
-                t.join(60)
-            _assert_equal(_table(follower.local, keys), _table(des, keys))
+            _catch_up(follower, des, keys, mode)
             assert follower.snapshots == 1
             up.close()
     finally:

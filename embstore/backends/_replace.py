@@ -81,6 +81,22 @@ def _own_staging(path: str, candidate: str) -> bool:
             and isinstance(doc.get("restore_id"), str))
 
 
+def _marker_half_written(candidate: str) -> bool:
+    """Whether ``candidate`` holds nothing but a marker file cut short (a restore killed
+    between creating its marker and writing it: the file is made exclusively, so no one else
+    wrote it, and nothing else was put beside it)."""
+    try:
+        if os.listdir(candidate) != [MARKER_FILE]:
+            return False
+        with open(os.path.join(candidate, MARKER_FILE)) as f:
+            json.loads(f.read())
+    except ValueError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -117,7 +133,8 @@ def recover_staging(path: str) -> None:
     """Finish what a killed restore left beside the store at ``path`` (call before opening).
 
     Only directories a restore of ``path`` provably made are touched: those carrying its
-    marker file (and empty ones, which hold nothing to lose: a kill right after ``mkdtemp``).
+    marker file (and empty ones, or ones holding only a marker cut short, which hold nothing to
+    lose: a kill right after ``mkdtemp`` or while the marker was written).
     A user's directory that merely looks like a staging name is left alone.
     """
     prefix = staging_prefix(path)
@@ -131,6 +148,9 @@ def recover_staging(path: str) -> None:
         if not cand.startswith(prefix) or os.path.islink(cand) or not os.path.isdir(cand):
             continue
         if not _own_staging(path, cand):
+            if _marker_half_written(cand):  # killed while writing the marker: nothing else
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(cand, MARKER_FILE))
             with contextlib.suppress(OSError):  # only succeeds on an empty directory
                 os.rmdir(cand)
             continue

@@ -94,3 +94,26 @@ def test_bigtable_restore_drops_its_own_leftover_staging_table(bigtable_url_fact
         assert not s.backend.restore.staging_exists()
     with embstore.open(live) as s:
         assert len(s) == 30
+
+
+@pytest.mark.parametrize("marker", [b"", b'{"restore_of": "rk", "rest'])
+def test_a_staging_directory_killed_while_writing_its_marker_is_removed(tmp_path, marker):
+    # a restore killed between creating its marker file and writing it leaves a directory
+    # holding only that file, cut short: the next writer open removes it; a directory with
+    # anything else beside such a file is left alone
+    pytest.importorskip("rocksdict")
+    from embstore.backends._replace import MARKER_FILE
+
+    live = f"rocksdb://{tmp_path}/rk"
+    _fill(live, 2.0, KEYS[:10])
+    half = tmp_path / ".rk.restore-half1234"
+    half.mkdir()
+    (half / MARKER_FILE).write_bytes(marker)
+    kept = tmp_path / ".rk.restore-kept5678"
+    kept.mkdir()
+    (kept / MARKER_FILE).write_bytes(marker)
+    (kept / "data").write_bytes(b"a user's file")
+    with embstore.open(live) as s:  # a writer open runs the staging cleanup
+        assert len(s) == 10
+    assert not half.exists()
+    assert (kept / "data").read_bytes() == b"a user's file"

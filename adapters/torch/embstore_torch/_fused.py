@@ -141,13 +141,33 @@ _BATCHES: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 _KEEP = 8
 
 
+def keep_for_backward(stacks: dict[int, list[tuple[torch.Tensor, Any]]], handle: int,
+                      ids: torch.Tensor, item: Any) -> None:
+    """Leave ``item`` (a forward's batch) for the backward of the forward of ``ids`` through
+    ``handle``'s op: the last few per handle, so that a forward whose loss never goes backward
+    is not kept for ever."""
+    stack = stacks.setdefault(handle, [])
+    stack.append((ids.detach().reshape(-1).clone(), item))
+    del stack[:-_KEEP]
+
+
+def take_for_backward(stacks: dict[int, list[tuple[torch.Tensor, Any]]], handle: int,
+                      ids: torch.Tensor) -> Any:
+    """The item :func:`keep_for_backward` left for the latest forward of ``ids`` (backwards
+    run in the reverse order of their forwards), taken off the stack; None when it is gone."""
+    flat = ids.detach().reshape(-1)
+    stack = stacks.get(handle, [])
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i][0].shape == flat.shape and torch.equal(stack[i][0], flat):
+            return stack.pop(i)[1]
+    return None
+
+
 @torch.library.custom_op("embstore::fused_bag", mutates_args=())
 def _bag_op(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
             trigger: torch.Tensor, handle: int, mean: bool, dim: int) -> torch.Tensor:
     pooled, batch = _pool(_compiled.module_of(handle).store, ids, offsets, weights, mean)
-    stack = _BATCHES.setdefault(handle, [])
-    stack.append((ids.detach().reshape(-1).clone(), batch))
-    del stack[:-_KEEP]
+    keep_for_backward(_BATCHES, handle, ids, batch)
     return pooled
 
 
@@ -164,13 +184,7 @@ def _bag_update_op(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tens
     Its result (empty) is the module trigger's gradient, a graph output, so no compiler
     drops it as dead code (as ``embstore::update``)."""
     module = _compiled.module_of(handle)
-    flat = ids.detach().reshape(-1)
-    stack = _BATCHES.get(handle, [])
-    batch = None
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i][0].shape == flat.shape and torch.equal(stack[i][0], flat):
-            batch = stack.pop(i)[1]
-            break
+    batch = take_for_backward(_BATCHES, handle, ids)
     if batch is None:  # a forward long gone: group the ids again (the store finds the rows)
         batch = bag_batch(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
                           weights.numpy() if weights.numel() else None, mean)

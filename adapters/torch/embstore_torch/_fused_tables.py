@@ -119,9 +119,8 @@ def compiled(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
 
 
 # The parts of forwards through the op awaiting their backward, by the first table's handle
-# (a stack, as _fused._BATCHES)
-_PARTS: dict[int, list[tuple[torch.Tensor, list[Part]]]] = {}
-_KEEP = 8
+# (_fused.keep_for_backward's stacks)
+_PARTS: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 _NONE = torch.zeros(0)
 
 
@@ -153,9 +152,7 @@ def _tables_op(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tenso
     parts = _parts_of(handles, means)
     flat, bounds, w = _arrays(values, lengths, weights)
     out = _pool_parts(parts, where, flat, bounds, stride, w, width)
-    stack = _PARTS.setdefault(handles[0], [])
-    stack.append((values.detach().reshape(-1).clone(), parts))
-    del stack[:-_KEEP]
+    _fused.keep_for_backward(_PARTS, handles[0], values, parts)
     return out
 
 
@@ -170,13 +167,7 @@ def _tables_update_op(values: torch.Tensor, lengths: torch.Tensor, weights: torc
                       means: list[int], stride: int) -> torch.Tensor:
     """The backward of ``embstore::fused_tables``: each table steps with its columns of the
     gradient. Its (empty) result is the trigger's gradient, so no compiler drops it."""
-    flat_t = values.detach().reshape(-1)
-    stack = _PARTS.get(handles[0], [])
-    parts = None
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i][0].shape == flat_t.shape and torch.equal(stack[i][0], flat_t):
-            parts = stack.pop(i)[1]
-            break
+    parts = _fused.take_for_backward(_PARTS, handles[0], values)
     if parts is None:  # a forward long gone: group each table's ids again
         parts = _parts_of(handles, means)
         flat, bounds, w = _arrays(values, lengths, weights)

@@ -14,6 +14,7 @@ from embstore._cython import fused
 from embstore._cython.rowops import row_mean_squares
 from embstore.errors import InvalidInputError
 from embstore.optim import SGD, Adagrad
+from tests.kernel_builds import runs_of_both_builds
 
 DIM = 16
 OPTIMIZERS = {
@@ -230,39 +231,11 @@ def test_bfloat16_stochastic_rounding_is_unbiased():
     assert len(np.unique(vectors)) == 2  # the two neighbours of 0.999
 
 
-_TRAIN_SCRIPT = """
-import sys, numpy as np, embstore
-from embstore.optim import Adagrad
-store = embstore.open("memory://", dim=40, seed=3, optimizer=Adagrad(lr=0.1, rowwise=True),
-                      value_dtype=sys.argv[1])
-rng = np.random.default_rng(5)
-for _ in range(3):
-    lengths = rng.integers(0, 7, 3000)
-    ids = rng.zipf(1.2, int(lengths.sum())) % 500
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    w = rng.random(len(ids), dtype=np.float32)
-    out, batch = store.pool_bags(ids, offsets, weights=w, threads=2)
-    store.update_bags(batch, rng.standard_normal(out.shape).astype(np.float32), threads=2)
-recs, found = store.get_records(np.arange(500))
-sys.stdout.buffer.write(out.tobytes() + recs[found]["vector"].tobytes()
-                        + recs[found]["accum"].tobytes())
-"""
-
-
 @pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
 def test_the_wide_and_the_baseline_kernels_give_the_same_bits(value_dtype):
     """The AVX2/FMA build of the inner loops (es_fused.h) and the baseline one, forced with
     EMBSTORE_BASELINE_KERNELS: one training run each, every output and row bit for bit."""
-    import os
-    import subprocess
-    import sys
-
-    runs = []
-    for baseline in ("0", "1"):
-        env = dict(os.environ, EMBSTORE_BASELINE_KERNELS=baseline)
-        done = subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT, value_dtype], env=env,
-                              capture_output=True, timeout=300, check=True)
-        runs.append(done.stdout)
+    runs = runs_of_both_builds("adagrad-rowwise", value_dtype)
     assert len(runs[0]) > 100_000 and runs[0] == runs[1]
 
 

@@ -5,9 +5,6 @@ thread or several, on the baseline and the AVX2 build of the kernels."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +14,7 @@ import pytest
 import embstore
 from embstore.errors import InvalidInputError
 from embstore.optim import FTRL, SGD, Adam, Momentum
+from tests.kernel_builds import runs_of_both_builds
 
 DIM = 16
 OPTIMIZERS = {
@@ -164,38 +162,12 @@ def test_a_bad_gradient_changes_nothing(opt, threads, bad):
     assert store.step == step and store.stats()["updates"] == stats
 
 
-_TRAIN_SCRIPT = """
-import sys, numpy as np, embstore
-from embstore.optim import FTRL, Adam, Momentum
-opt = {"nesterov": Momentum(lr=0.05, momentum=0.8, nesterov=True),
-       "adam": Adam(lr=0.01, slot_dtype=sys.argv[2]),
-       "ftrl": FTRL(alpha=0.5, l1=0.01, l2=0.1, l21=0.1)}[sys.argv[1]]
-store = embstore.open("memory://", dim=40, seed=3, optimizer=opt, value_dtype=sys.argv[2])
-rng = np.random.default_rng(5)
-for _ in range(3):
-    lengths = rng.integers(0, 7, 3000)
-    ids = rng.zipf(1.2, int(lengths.sum())) % 500
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    w = rng.random(len(ids), dtype=np.float32)
-    out, batch = store.pool_bags(ids, offsets, weights=w, threads=2)
-    store.update_bags(batch, rng.standard_normal(out.shape).astype(np.float32), threads=2)
-recs, found = store.get_records(np.arange(500))
-sys.stdout.buffer.write(out.tobytes() + b"".join(recs[found][n].tobytes()
-                                                 for n in recs.dtype.names[:3]))
-"""
-
-
 @pytest.mark.parametrize("opt", ["nesterov", "adam", "ftrl"])
 @pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
 def test_the_wide_and_the_baseline_kernels_give_the_same_bits(opt, value_dtype):
     """The AVX2/FMA build of the inner loops (es_fused.h) and the baseline one, forced with
     EMBSTORE_BASELINE_KERNELS: one training run each, every output and row bit for bit."""
-    runs = []
-    for baseline in ("0", "1"):
-        env = dict(os.environ, EMBSTORE_BASELINE_KERNELS=baseline)
-        done = subprocess.run([sys.executable, "-c", _TRAIN_SCRIPT, opt, value_dtype], env=env,
-                              capture_output=True, timeout=300, check=True)
-        runs.append(done.stdout)
+    runs = runs_of_both_builds(opt, value_dtype)
     assert len(runs[0]) > 100_000 and runs[0] == runs[1]
 
 

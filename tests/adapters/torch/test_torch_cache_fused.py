@@ -21,6 +21,8 @@ from embstore_torch import (  # noqa: E402
     KeyedJagged,
 )
 
+from .compiled_bags import train_bag  # noqa: E402
+
 DIM = 8
 DIMS = {"user": 8, "item": 4}
 OPTIMIZERS = {
@@ -167,25 +169,7 @@ def test_a_collection_over_cached_lmdb_stores_trains_fused_with_the_unfused_bits
 
 def _compiled_run(url: str, compiled: bool, steps: int = 4):
     store = _open(url, "adagrad-rowwise", "float32")
-    bag = DynamicEmbeddingBag(store, "sum")
-    torch.manual_seed(0)
-    head = torch.nn.Linear(DIM, 1)
-    ops: list[str] = []
-
-    def step(ids, offsets):
-        return head(bag(ids, offsets)).pow(2).sum()
-
-    def backend(gm, example_inputs):  # records the ops, then runs as aot_eager would
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
-    rng = np.random.default_rng(1)
-    losses = []
-    for _ in range(steps):
-        loss = fn(torch.from_numpy(rng.integers(0, 80, 9)), torch.tensor([0, 2, 2, 5]))
-        loss.backward()
-        losses.append(loss.item())
+    losses, ops = train_bag(DynamicEmbeddingBag(store, "sum"), compiled, 80, steps)
     return losses, store.get_records(KEYS), ops
 
 

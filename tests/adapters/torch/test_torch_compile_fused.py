@@ -12,32 +12,15 @@ from embstore.optim import Adagrad
 torch = pytest.importorskip("torch")
 from embstore_torch import DynamicEmbeddingBag  # noqa: E402
 
+from .compiled_bags import train_bag  # noqa: E402
+
 DIM = 8
 
 
 def _run(compiled: bool, mode: str, value_dtype: str = "float32", steps: int = 4):
     store = embstore.open("memory://", dim=DIM, seed=2, value_dtype=value_dtype,
                           optimizer=Adagrad(lr=0.1, rowwise=True))
-    bag = DynamicEmbeddingBag(store, mode)
-    torch.manual_seed(0)
-    head = torch.nn.Linear(DIM, 1)
-    ops: list[str] = []
-
-    def step(ids, offsets):
-        return head(bag(ids, offsets)).pow(2).sum()
-
-    def backend(gm, example_inputs):  # records the ops, then runs as aot_eager would
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
-    rng = np.random.default_rng(1)
-    losses = []
-    for _ in range(steps):
-        ids = torch.from_numpy(rng.integers(0, 40, 9))
-        loss = fn(ids, torch.tensor([0, 2, 2, 5]))  # an empty bag too
-        loss.backward()
-        losses.append(loss.item())
+    losses, ops = train_bag(DynamicEmbeddingBag(store, mode), compiled, 40, steps)
     recs, found = store.get_records(np.arange(40))
     return losses, recs[found], ops
 

@@ -116,6 +116,16 @@ class Gil {
   PyGILState_STATE state_;
 };
 
+// Runs fn() with the GIL held, its status the op's; an op still running once the interpreter
+// is gone (a graph executing at exit) fails instead.
+template <typename Fn>
+void RunInPython(OpKernelContext* ctx, const char* op, Fn&& fn) {
+  OP_REQUIRES(ctx, Py_IsInitialized(),
+              absl::FailedPreconditionError(std::string(op) + ": Python is not running"));
+  Gil gil;
+  OP_REQUIRES_OK(ctx, fn());
+}
+
 class Ref {  // an owned PyObject*, released on scope exit (with the GIL held)
  public:
   explicit Ref(PyObject* o = nullptr) : o_(o) {}
@@ -358,10 +368,7 @@ class PyCallOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OP_REQUIRES(ctx, Py_IsInitialized(),
-                absl::FailedPreconditionError("EmbstorePyCall: Python is not running"));
-    Gil gil;
-    OP_REQUIRES_OK(ctx, Run(ctx));
+    RunInPython(ctx, "EmbstorePyCall", [&] { return Run(ctx); });
   }
 
  private:
@@ -393,12 +400,9 @@ class RowsOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OP_REQUIRES(ctx, Py_IsInitialized(),
-                absl::FailedPreconditionError("EmbstoreRows: Python is not running"));
     OP_REQUIRES(ctx, ctx->input(0).dims() == 1,
                 absl::InvalidArgumentError("EmbstoreRows: keys must be a vector"));
-    Gil gil;
-    OP_REQUIRES_OK(ctx, Run(ctx));
+    RunInPython(ctx, "EmbstoreRows", [&] { return Run(ctx); });
   }
 
  private:
@@ -489,10 +493,7 @@ class ApplyOp : public OpKernel {
     Tensor* done = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &done));
     done->scalar<int64_t>()() = n_uniq;
-    OP_REQUIRES(ctx, Py_IsInitialized(),
-                absl::FailedPreconditionError("EmbstoreApply: Python is not running"));
-    Gil gil;
-    OP_REQUIRES_OK(ctx, Run(ctx, sums));
+    RunInPython(ctx, "EmbstoreApply", [&] { return Run(ctx, sums); });
   }
 
  private:

@@ -143,8 +143,10 @@ def traceable(module: Any, input: Any) -> bool:
 def lookup(input: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,
            insert: bool) -> torch.Tensor:
     """The rows of ``input`` through the custom op (see the module docstring): ``handle``
-    names the module, ``trigger`` is its grad-requiring buffer (detached: frozen)."""
-    return _lookup_op(input, trigger, handle, dim, insert)
+    names the module, ``trigger`` is its grad-requiring buffer (detached: frozen). The op
+    sees host tensors only (ids on a GPU are copied over: the rows live on the host), so its
+    backward's trigger gradient is on the trigger's device, the CPU."""
+    return _lookup_op(input.cpu(), trigger, handle, dim, insert)
 
 
 def bag(rows: torch.Tensor, input: torch.Tensor, offsets: Any,

@@ -110,10 +110,11 @@ def compiled(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
              tables: list[Any], where: list[int], means: list[bool],
              stride: int) -> torch.Tensor:
     """The fused forward as ``embstore::fused_tables`` (``tables``: the collection's table
-    modules in output order, ``where[i]`` the input block of ``tables[i]``)."""
+    modules in output order, ``where[i]`` the input block of ``tables[i]``). The op takes
+    host tensors (a batch on a GPU is copied over: the rows live on the host)."""
     width = sum(t.embedding_dim for t in tables)
-    w = _NONE if weights is None else weights.detach().reshape(-1).to(torch.float32)
-    return _tables_op(values, lengths.to(torch.long), w, tables[0].op_trigger,
+    w = _NONE if weights is None else weights.detach().reshape(-1).to("cpu", torch.float32)
+    return _tables_op(values.cpu(), lengths.to("cpu", torch.long), w, tables[0].op_trigger,
                       [t.op_handle for t in tables], where, [int(m) for m in means], stride,
                       width)
 

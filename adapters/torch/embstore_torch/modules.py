@@ -188,10 +188,12 @@ class StoreModule(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         out = super()._apply(fn, recurse)
         # .double() / .to(dtype) turns the trigger into a non-leaf: it must stay a leaf that
-        # requires grad (the compiled backward hangs on it; deepcopy copies only leaves)
+        # requires grad (the compiled backward hangs on it; deepcopy copies only leaves). It
+        # stays on the host with the store: the ops take host tensors, and their backward's
+        # gradient for it is made there (.to("cuda") moves only the outputs, by _anchor).
         trig = self._buffers.get("_trigger")
-        if trig is not None and not trig.is_leaf:
-            self._buffers["_trigger"] = trig.detach().requires_grad_(True)
+        if trig is not None and (not trig.is_leaf or trig.device.type != "cpu"):
+            self._buffers["_trigger"] = trig.detach().cpu().requires_grad_(True)
         return out
 
     @property

@@ -33,7 +33,7 @@ from embstore import StoreProtocol
 from embstore.engine.fused import bag_batch
 from embstore.errors import ReadOnlyError
 
-from . import _compiled
+from . import _compiled, _transfer
 
 _NONE = torch.zeros(0)
 
@@ -90,20 +90,23 @@ def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: to
     input = input.cpu()
     offs = _NONE if offsets is None else offsets.to("cpu", torch.long)
     weights = _NONE if psw is None else psw.detach().reshape(-1).to("cpu", torch.float32)
-    if custom_op:
-        return _bag_op(input, offs, weights, trigger, handle, mean, dim)
+    if custom_op:  # (the trigger moves with the module: autograd takes its gradient back)
+        return _bag_op(input, offs, weights, trigger.cpu(), handle, mean, dim)
     module = _compiled.module_of(handle)
-    return FusedBag.apply(trigger, input, offs, weights, mean, module.store, module.count)
+    return FusedBag.apply(trigger, input, offs, weights, mean, module.store, module.count,
+                          module.pooled_pinned)
 
 
 def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-          mean: bool) -> tuple[torch.Tensor, Any]:
+          mean: bool, pinned: bool = False) -> tuple[torch.Tensor, Any]:
+    n_bags = ids.shape[0] if ids.dim() == 2 else offsets.shape[0]
+    out = _transfer.host_empty((n_bags, int(store.dim)), pinned)
     got = store.pool_bags(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
                           weights=weights.numpy() if weights.numel() else None, mean=mean,
-                          threads=torch.get_num_threads())
+                          threads=torch.get_num_threads(), out=out.numpy())
     if got is None:  # pragma: no cover - the module asked the store just before
         raise RuntimeError("embstore: the store refused the fused bag path")
-    return torch.from_numpy(got[0]), got[1]
+    return out, got[1]
 
 
 def update_block(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:
@@ -125,15 +128,16 @@ class FusedBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                weights: torch.Tensor, mean: bool, store: StoreProtocol, count: bool):
-        pooled, ctx.batch = _pool(store, ids, offsets, weights, mean)
+                weights: torch.Tensor, mean: bool, store: StoreProtocol, count: bool,
+                pinned: bool):
+        pooled, ctx.batch = _pool(store, ids, offsets, weights, mean, pinned)
         ctx.store, ctx.count = store, count
         return pooled
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         update_block(ctx.store, ctx.batch, ctx.count, grad)
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 # The batches of forwards through the op awaiting their backward, per module handle (a stack:

@@ -29,7 +29,7 @@ import torch
 
 from embstore.engine.fused import bag_batch
 
-from . import _compiled, _fused
+from . import _compiled, _fused, _transfer
 
 
 class Part:
@@ -44,15 +44,15 @@ class Part:
 
 
 def pool(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
-         stride: int, weights: torch.Tensor | None) -> torch.Tensor:
+         stride: int, weights: torch.Tensor | None, pinned: bool = False) -> torch.Tensor:
     """The pooled ``(stride, sum of dims)`` output of the fused forward of the int64 ids
     ``flat``; ``where[i]`` is the input block (feature position in the keyed jagged input)
-    of ``parts[i]``."""
+    of ``parts[i]``; ``pinned``: pooled into page-locked memory (for a model on a GPU)."""
     width = parts[-1].column + parts[-1].dim if parts else 0
     w = None if weights is None else np.ascontiguousarray(
-        weights.detach().reshape(-1).to(torch.float32).numpy())
+        weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
     return FusedTables.apply(torch.empty(0, requires_grad=True), parts, where, flat, bounds,
-                             stride, w, width)
+                             stride, w, width, pinned)
 
 
 class FusedTables(torch.autograd.Function):
@@ -62,14 +62,14 @@ class FusedTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, parts: list[Part], where: list[int],
                 flat: np.ndarray, bounds: np.ndarray, stride: int, weights: np.ndarray | None,
-                width: int) -> torch.Tensor:
+                width: int, pinned: bool) -> torch.Tensor:
         ctx.parts = parts
-        return _pool_parts(parts, where, flat, bounds, stride, weights, width)
+        return _pool_parts(parts, where, flat, bounds, stride, weights, width, pinned)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         _step_parts(ctx.parts, grad)
-        return (None,) * 8
+        return (None,) * 9
 
 
 def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.ndarray]:
@@ -79,10 +79,11 @@ def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.nd
 
 
 def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
-                stride: int, weights: np.ndarray | None, width: int) -> torch.Tensor:
+                stride: int, weights: np.ndarray | None, width: int,
+                pinned: bool = False) -> torch.Tensor:
     """Every table's bags into its columns of one ``(stride, width)`` output; each part keeps
     its batch for :func:`_step_parts`."""
-    out = torch.empty(stride, width, dtype=torch.float32)
+    out = _transfer.host_empty((stride, width), pinned)
     buf = out.numpy()
     threads = torch.get_num_threads()
     for part, block in zip(parts, where, strict=True):
@@ -114,7 +115,7 @@ def compiled(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
     host tensors (a batch on a GPU is copied over: the rows live on the host)."""
     width = sum(t.embedding_dim for t in tables)
     w = _NONE if weights is None else weights.detach().reshape(-1).to("cpu", torch.float32)
-    return _tables_op(values.cpu(), lengths.to("cpu", torch.long), w, tables[0].op_trigger,
+    return _tables_op(values.cpu(), lengths.to("cpu", torch.long), w, tables[0].op_trigger.cpu(),
                       [t.op_handle for t in tables], where, [int(m) for m in means], stride,
                       width)
 

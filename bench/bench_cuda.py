@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_torchrec import DIM, EPS, LR, SHAPES, zipf_batches  # noqa: E402
+from bench_torchrec import DIM, EPS, LR, SHAPES, dense_step, zipf_batches  # noqa: E402
 
 CONTENDERS = ("embstore", "embstore-gpu-ids", "embstore-cpu", "torch")
 
@@ -85,14 +85,7 @@ class Model:
             if self.kind == "embstore-gpu-ids":
                 values = values.to("cuda")
             pooled = self.collection(KeyedJagged(self.names, values, self.lengths)).values()
-        loss = self.loss(self.linear(pooled), self.labels)
-        self.dense_opt.zero_grad()
-        if self.sparse_opt is not None:
-            self.sparse_opt.zero_grad()
-        loss.backward()
-        self.dense_opt.step()
-        if self.sparse_opt is not None:
-            self.sparse_opt.step()
+        dense_step(self, pooled)
 
     def round(self, batches: np.ndarray, steps: int) -> float:
         """Seconds per step over ``steps`` steps, the GPU's queue drained at the end."""

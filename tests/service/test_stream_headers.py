@@ -1,15 +1,20 @@
 """A kept stream checks each distinct request header once (``Worker._serve_stream``): the
 same header answers alike every time it comes, a refused header stays refused, a header
 accepted once does not let another through (a serve token's inserting lookup after its
-non-inserting one), and a body-less message of an accepted header is still refused. The
-request histogram counts each request in every bucket at or above its latency."""
+non-inserting one), and a body-less message of an accepted header is still refused. Only
+the store call of a stream's request holds the worker's store lock: a malformed request is
+refused while another call holds it. The request histogram counts each request in every
+bucket at or above its latency."""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
+
+import embstore
 
 pytest.importorskip("pyarrow.flight")
 
@@ -18,6 +23,7 @@ import pyarrow.flight as flight  # noqa: E402
 
 from embstore.service import wire  # noqa: E402
 from embstore.service.metrics import BUCKETS, RequestMetrics  # noqa: E402
+from embstore.service.server import Worker  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
 
 DIM = 4
@@ -77,3 +83,31 @@ def test_the_request_histogram_is_cumulative():
     assert le[BUCKETS[1]] == 3
     assert all(le[b] == 3 for b in BUCKETS[1:])
     assert le[float("inf")] == 4
+
+
+def test_a_stream_request_is_checked_without_the_store_lock():
+    # a worker in this process, to hold its store lock as a long call of another client
+    # would; a refusal needs no store, so it comes while the lock is held
+    store = embstore.open("memory://", dim=DIM, optimizer={"name": "sgd", "lr": 1.0},
+                          initializer="zeros")
+    w = Worker("grpc+tcp://127.0.0.1:0", store)
+    threading.Thread(target=w.serve, daemon=True).start()
+    try:
+        client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{w.port}")
+        bad = pa.RecordBatch.from_pydict({"key": pa.array([1.5, 2.5])})   # float keys
+        writer, reader = client.do_exchange(wire.command("stream", shard=0, shards=1),
+                                            flight.FlightCallOptions(timeout=5))
+        writer.begin(bad.schema)
+        with w.lock:
+            refused = _ask(writer, reader, b'{"op": "lookup", "insert": true}', bad)
+        assert isinstance(refused, str) and "KeyTypeError" in refused, refused
+        writer.done_writing()
+        writer.close()
+        with embstore.open(f"des://127.0.0.1:{w.port}") as des:   # and the worker serves on
+            des.update(np.arange(3), np.ones((3, DIM), np.float32))
+            assert np.allclose(des.lookup(np.arange(3)), -1.0)
+            assert w.requests >= 2
+        client.close()
+    finally:
+        w.shutdown()
+        store.close()

@@ -249,10 +249,15 @@ class Worker(flight.FlightServerBase):
             self._check(context, header)
             if header["op"] == "changes":  # takes the lock per chunk (service/delta.py)
                 return self._changes(header)
-            return self._exchange(header, wire.read_request(reader))
+            # read before the store lock: a slow sender holds up no other caller
+            t = wire.read_request(reader)
+            if header["op"] in STREAM_OPS:
+                return self._exchange(header, t, self._counted)
+            with self._counted():
+                return self._exchange(header, t)
 
         op = _peek_op(descriptor.command)
-        out = self._guard(run, op, locked=op != "changes")
+        out = self._guard(run, op, locked=False if op == "changes" else None)
         writer.begin(out.schema)
         # a follower's delta can hold a whole table: messages of at most 16 MB each, under
         # gRPC's message limit whatever the delta's size

@@ -3,7 +3,8 @@ same header answers alike every time it comes, a refused header stays refused, a
 accepted once does not let another through (a serve token's inserting lookup after its
 non-inserting one), and a body-less message of an accepted header is still refused. Only
 the store call of a stream's request holds the worker's store lock: a malformed request is
-refused while another call holds it. The request histogram counts each request in every
+refused while another call holds it, and a request still arriving holds up no other
+caller. The request histogram counts each request in every
 bucket at or above its latency."""
 
 from __future__ import annotations
@@ -111,3 +112,26 @@ def test_a_stream_request_is_checked_without_the_store_lock():
     finally:
         w.shutdown()
         store.close()
+
+
+def test_a_request_still_arriving_holds_up_no_other_caller():
+    # a caller that opened a delete and has not sent its keys yet: the worker reads them
+    # before it takes the store lock, so another client's calls go through meanwhile
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        client = flight.FlightClient(f"grpc+tcp://{w.address}")
+        keys = wire.batch(key=wire.keys_column(np.arange(2, dtype=np.int64)))
+        writer, reader = client.do_exchange(wire.command("delete", shard=0, shards=1),
+                                            flight.FlightCallOptions(timeout=30))
+        writer.begin(keys.schema)                 # ... and nothing more, yet
+        with embstore.open(f"des://{w.address}", timeout=5) as des:
+            des.update(np.arange(3), np.ones((3, DIM), np.float32))
+            assert np.allclose(des.lookup(np.arange(3)), -1.0)
+            writer.write_batch(keys)
+            writer.done_writing()
+            assert reader.read_all().column("deleted")[0].as_py() == 2
+            assert des.contains(np.arange(3)).tolist() == [False, False, True]
+        writer.close()
+        client.close()
+    finally:
+        w.stop()

@@ -138,7 +138,7 @@ class DesStore:
                 writer.write_batch(batch)
                 writer.done_writing()
                 return reader.read_all()
-        except flight.FlightError as e:
+        except (flight.FlightError, OSError) as e:  # OSError: the call closed under a write
             wire.raise_remote(e, self._where(s))
             raise  # unreachable: raise_remote always raises
 

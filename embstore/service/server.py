@@ -247,10 +247,11 @@ class Worker(flight.FlightServerBase):
         def run() -> pa.RecordBatch | pa.Table:
             header = wire.parse_header(descriptor.command)
             self._check(context, header)
+            # read before the store lock: a slow sender holds up no other caller; and read
+            # whole before answering, or a caller still writing finds the call over
+            t = wire.read_request(reader)
             if header["op"] == "changes":  # takes the lock per chunk (service/delta.py)
                 return self._changes(header)
-            # read before the store lock: a slow sender holds up no other caller
-            t = wire.read_request(reader)
             if header["op"] in STREAM_OPS:
                 return self._exchange(header, t, self._counted)
             with self._counted():

@@ -47,7 +47,7 @@ def remote_error(e: BaseException) -> str:
     return f"[embstore:{name}] {text}"
 
 
-def raise_remote(e: flight.FlightError, where: str) -> None:
+def raise_remote(e: Exception, where: str) -> None:
     """Raise the :mod:`embstore.errors` class a DEW named, or a ``BackendError``/
     ``AuthenticationError`` for transport failures; ``where`` names the worker."""
     m = _MARK.search(str(e))

@@ -135,3 +135,26 @@ def test_a_request_still_arriving_holds_up_no_other_caller():
         client.close()
     finally:
         w.stop()
+
+
+def test_a_poll_is_answered_only_after_its_request_arrived():
+    """A follower's ``changes`` call: the worker reads the request whole before it answers,
+    so a caller still writing it never finds the call over (it failed with "server
+    disconnect" once the worker answered first)."""
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        client = flight.FlightClient(f"grpc+tcp://{w.address}")
+        opts = flight.FlightCallOptions(timeout=20)
+        empty = wire.batch(key=wire.keys_column(np.zeros(0, dtype=np.int64)))
+        for _ in range(3):
+            writer, reader = client.do_exchange(
+                wire.command("changes", shard=0, shards=1, since=0), opts)
+            writer.begin(empty.schema)
+            threading.Event().wait(0.3)  # the answer, if sent now, would close the call
+            writer.write_batch(empty)
+            writer.done_writing()
+            t = reader.read_all()
+            assert t.schema.metadata[b"resync"] == b"0" and t.num_rows == 0
+            writer.close()
+    finally:
+        w.kill()

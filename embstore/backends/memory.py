@@ -293,7 +293,7 @@ class MemoryBackend(Backend):
         if slots is None:
             slots, n_new = self._place_new(keys, initial, template, np.empty(len(keys), np.uint8))
             self._bags.pool(self._records, slots, *bags)
-        self._last_find = (keys.copy(), slots, self._epoch)
+        self._last_find = (self._bags.snapshot(keys), slots, self._epoch)
         return n_new
 
     @serialized

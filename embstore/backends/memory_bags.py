@@ -33,6 +33,7 @@ class BagKernels:
         # the keys whose step it runs later, with their gradient sums and the list of steps.
         self.ahead: tuple[np.ndarray, np.ndarray | None] | None = None
         self.deferred: tuple[np.ndarray, np.ndarray | None, list | None] | None = None
+        self.kept: np.ndarray | None = None
 
     def vector_field(self) -> tuple[int, int]:
         """``(offset, kind)`` of the vector field (``fused.KINDS``), as :meth:`pool` reads it."""
@@ -47,7 +48,13 @@ class BagKernels:
     def take_ahead(self, keys: np.ndarray) -> np.ndarray | None:
         """The slots :meth:`pooled_ahead` left for ``keys``, once; None for other keys."""
         ahead, self.ahead = self.ahead, None
-        return ahead[1] if ahead is not None and ahead[0] is keys else None
+        self.kept = keys if ahead is not None and ahead[0] is keys else None
+        return None if self.kept is None or ahead is None else ahead[1]
+
+    def snapshot(self, keys: np.ndarray) -> np.ndarray:
+        """A copy of ``keys`` to recognise them at the step, or the keys themselves where
+        :meth:`pooled_ahead` gave them (a batch of the collection's own, never changed)."""
+        return keys if keys is self.kept else keys.copy()
 
     def defer_step(self, keys: np.ndarray | None, sums: np.ndarray | None = None,
                    steps: list | None = None) -> None:

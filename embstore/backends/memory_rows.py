@@ -210,6 +210,8 @@ def recall(last: tuple[Any, np.ndarray, int] | None, epoch: int,
 
 def same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
     """Whether ``keys`` are the batch ``snapshot`` was taken of."""
+    if snapshot is keys:  # (a batch kept as it is: BagKernels.snapshot)
+        return True
     if isinstance(snapshot, KeySnapshot):
         return keys.dtype == object and snapshot.same(keys)  # numpy compares in Python
     return keys.dtype != object and np.array_equal(snapshot, keys)

@@ -125,6 +125,20 @@ def _native(store: Any) -> bool:
             and not getattr(store.optimizer, "prune", False) and store.fused_bags())
 
 
+def _holding(parts: list[Part]) -> contextlib.ExitStack:
+    """Every part's store lock, taken in one global order (by identity), so that two threads
+    stepping collections that share stores in different orders cannot deadlock."""
+    locks = {id(lock): lock for lock in (p.store.backend.fused_table()[0] for p in parts)}
+    stack = contextlib.ExitStack()
+    try:
+        for key in sorted(locks):
+            stack.enter_context(locks[key])
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
 def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
                    stride: int, weights: np.ndarray | None, buf: np.ndarray,
                    threads: int) -> None:
@@ -136,10 +150,9 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
     uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
     slots = np.empty(n, dtype=np.uint32)
     w = _NO_WEIGHTS if weights is None else weights
-    with contextlib.ExitStack() as locks:
+    with _holding(parts):
         specs, blocks = [], []
         for part, block in zip(parts, where, strict=True):
-            locks.enter_context(part.store.backend.fused_table()[0])
             part.store.check_open()
             _, table, arena, bags = part.store.backend.fused_table()  # (read under the lock)
             lo, hi = int(bounds[block * stride]), int(bounds[(block + 1) * stride])
@@ -192,11 +205,8 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
     sums = [np.empty((len(p.batch.uniq), p.dim), dtype=np.float32) for p in parts]
     finite = np.empty(len(parts), dtype=np.uint8)
     steps: list = []
-    with contextlib.ExitStack() as locks:
-        tables = []
-        for part in parts:
-            locks.enter_context(part.store.backend.fused_table()[0])
-            tables.append(part.store.backend.fused_table()[3])
+    with _holding(parts):
+        tables = [part.store.backend.fused_table()[3] for part in parts]
         sum_tables([(p.batch.inv, p.batch.offsets, p.batch.weights, p.batch.mean,
                            gb.numpy(), s) for p, gb, s in zip(parts, grads, sums, strict=True)],
                          finite, threads)

@@ -215,3 +215,30 @@ def test_other_threads_using_the_stores_meanwhile_see_whole_steps():
     for s in stores.values():
         rows = _rows(s, [1, 2, 3])
         assert np.array_equal(rows, np.full_like(rows, -30.0 - rounds[0]))
+
+
+def test_two_threads_stepping_collections_that_share_stores_in_other_orders():
+    """Each step holds every store's lock: taken in one global order, so two collections over
+    the same stores listed in opposite orders, trained from two threads, do not deadlock."""
+    stores = {f: embstore.open("memory://", dim=d) for f, d in DIMS.items()}
+    names = list(DIMS)
+    colls = [DynamicEmbeddingBagCollection({f: stores[f] for f in order})
+             for order in (names, names[::-1])]
+    errors: list[BaseException] = []
+
+    def train(coll, order):
+        try:
+            for _ in range(40):
+                kj = KeyedJagged.from_dict({f: [[1, 2], [3]] for f in order})
+                coll(kj).values().sum().backward()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(c, o), daemon=True)
+               for c, o in zip(colls, (names, names[::-1]), strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors
+    assert all(s.step == 80 for s in stores.values())

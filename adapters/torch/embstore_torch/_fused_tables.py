@@ -93,8 +93,8 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
     buf = out.numpy()
     threads = torch.get_num_threads()
     together = [i for i, p in enumerate(parts) if TABLE_PARALLEL and _native(p.store)]
-    if len(together) < 2 or (np.diff(bounds) < 0).any():  # (bad lengths: the store says so)
-        together = []
+    if not _distinct([parts[i] for i in together]) or (np.diff(bounds) < 0).any():
+        together = []  # (bad lengths: each store's own call says so)
     rest = [i for i in range(len(parts)) if i not in together]
     if together:
         _pool_together([parts[i] for i in together], [where[i] for i in together], flat,
@@ -110,6 +110,12 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
             raise RuntimeError("embstore: a store refused the fused bag path")
         part.batch = got[1]
     return out
+
+
+def _distinct(parts: list[Part]) -> bool:
+    """Whether ``parts`` are two or more tables of as many backends (a backend twice would be
+    stepped by two threads at once, where one call per table steps it twice in order)."""
+    return len(parts) >= 2 and len({id(p.store.backend) for p in parts}) == len(parts)
 
 
 def _native(store: Any) -> bool:
@@ -182,7 +188,7 @@ def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:
     gradient sums and steps in two native calls over the threads (:func:`_step_together`)."""
     g = grad.detach().to("cpu", torch.float32)
     together = [p for p in parts if TABLE_PARALLEL and _native(p.store)]
-    if len(together) < 2:
+    if not _distinct(together):
         together = []
     else:
         _step_together(together, g, torch.get_num_threads())

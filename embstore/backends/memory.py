@@ -289,9 +289,10 @@ class MemoryBackend(Backend):
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                     template: Callable[[], np.ndarray], *bags: Any) -> int:
         """``FusedBagPooling.lookup_pool``; the slots stay remembered for ``step_bags``."""
-        slots, n_new = self._bags.take_ahead(keys), 0  # pooled already: BagKernels.pooled_ahead
-        if slots is None:
-            slots, n_new = self._place_new(keys, initial, template, np.empty(len(keys), np.uint8))
+        (slots, miss), n_new = self._bags.take_ahead(keys), 0  # (BagKernels.pooled_ahead)
+        if miss is not None:  # the keys to place: all, or those a probe ahead did not find
+            slots[miss], n_new = self._place_new(keys[miss], initial, template,
+                                                 np.empty(len(keys[miss]), np.uint8))
             self._bags.pool(self._records, slots, *bags)
         self._last_find = (self._bags.snapshot(keys), slots, self._epoch)
         return n_new
@@ -300,11 +301,10 @@ class MemoryBackend(Backend):
     def step_bags(self, keys: np.ndarray, update: RowUpdate, *bags: Any) -> bool | None:
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         slots = recall(self._last_find, self._epoch, keys)
-        slots = self._slots(keys) if slots is None else slots
-        return self._bags.step(self._records, slots, update, *bags, keys=keys)
+        return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
+                               update, *bags, keys=keys)
 
-    def fused_table(self) -> tuple[Any, CuckooTable | BytesTable | None, RecordArena | None,
-                                   BagKernels]:
+    def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:
         """``(lock, key table, arena, bag kernels)`` for ``fused.probe_pool`` / ``step_tables``
         of several stores at once: table and arena are valid while the caller holds the lock."""
         return self._lock, self._table, self._arena, self._bags

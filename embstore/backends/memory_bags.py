@@ -31,7 +31,7 @@ class BagKernels:
         # The table-parallel path of a collection (fused.probe_pool / step_tables), under the
         # store's lock: the distinct keys of a batch it pooled already, with their slots, and
         # the keys whose step it runs later, with their gradient sums and the list of steps.
-        self.ahead: tuple[np.ndarray, np.ndarray | None] | None = None
+        self.ahead: tuple[np.ndarray, np.ndarray | None, int] | None = None
         self.deferred: tuple[np.ndarray, np.ndarray | None, list | None] | None = None
         self.kept: np.ndarray | None = None
 
@@ -40,16 +40,24 @@ class BagKernels:
         layout = self.rows.layout
         return layout.fields["vector"][1], fused.KINDS[layout.value_dtype]
 
-    def pooled_ahead(self, keys: np.ndarray | None, slots: np.ndarray | None = None) -> None:
+    def pooled_ahead(self, keys: np.ndarray | None, slots: np.ndarray | None = None,
+                     absent: int = 0) -> None:
         """The next ``lookup_pool`` of exactly ``keys`` (the same array) finds them at
-        ``slots``, its bags pooled already (:func:`~embstore._cython.fused.probe_pool`)."""
-        self.ahead = None if keys is None else (keys, slots)
+        ``slots`` (:func:`~embstore._cython.fused.probe_pool`), its bags pooled already, or,
+        with ``absent`` keys (``EMPTY`` slots), only those keys left to place and then every
+        bag to pool."""
+        self.ahead = None if keys is None else (keys, slots, absent)
 
-    def take_ahead(self, keys: np.ndarray) -> np.ndarray | None:
-        """The slots :meth:`pooled_ahead` left for ``keys``, once; None for other keys."""
+    def take_ahead(self, keys: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``(slots, which keys to place)`` for ``lookup_pool`` of ``keys``: the slots
+        :meth:`pooled_ahead` left for them and None (nothing to place or pool) or a mask of
+        the absent keys; for other keys, an empty slot array and every key. Once."""
         ahead, self.ahead = self.ahead, None
-        self.kept = keys if ahead is not None and ahead[0] is keys else None
-        return None if self.kept is None or ahead is None else ahead[1]
+        if ahead is None or ahead[0] is not keys or ahead[1] is None:
+            self.kept = None
+            return np.empty(len(keys), dtype=np.uint32), slice(None)
+        self.kept = keys
+        return ahead[1], (ahead[1] == _EMPTY if ahead[2] else None)
 
     def snapshot(self, keys: np.ndarray) -> np.ndarray:
         """A copy of ``keys`` to recognise them at the step, or the keys themselves where

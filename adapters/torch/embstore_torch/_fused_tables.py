@@ -150,8 +150,9 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
                    threads: int) -> None:
     """:func:`_pool_parts` of ``memory://`` tables: their dedupe, probe and pooling in one
     native call over ``threads`` threads (``fused.probe_pool``), each store's lock held; a
-    table with new ids inserts them and pools on its own afterwards (``lookup_pool``). Each
-    store's bookkeeping (counters, the slots for its step) then goes as ``pool_bags``'."""
+    table with new ids inserts them (those only: the probe found the others) and pools on its
+    own afterwards (``lookup_pool``). Each store's bookkeeping (counters, the slots for its
+    step) then goes as ``pool_bags``'."""
     n = len(flat)
     uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
     slots = np.empty(n, dtype=np.uint32)
@@ -175,7 +176,7 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
                                                                 strict=True):
             part.batch = BagBatch(uniq[lo:lo + nu], inv[lo:hi], counts[lo:lo + nu], offsets,
                                   w[lo:hi] if len(w) else w, part.mean)
-            bags.pooled_ahead(None if absent else part.batch.uniq, slots[lo:lo + nu])
+            bags.pooled_ahead(part.batch.uniq, slots[lo:lo + nu], absent)
             try:
                 part.store.writer.pool(part.batch, buf[:, part.column:part.column + part.dim],
                                        threads)

@@ -24,7 +24,6 @@ from libc.math cimport sqrt
 from libc.string cimport memcpy, memset
 
 from .arena cimport RecordArena
-from .cuckoo cimport CuckooProbe, probe_of, probe_find
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
@@ -34,11 +33,6 @@ cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
 
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
-    ctypedef struct es_rule_t:
-        int rule
-        float alpha, lr, eps
-        float h[4]
-        double thresh
     int es_rule_slots(int rule) noexcept nogil
     Py_ssize_t es_slot_width(int rule, Py_ssize_t d) noexcept nogil
     void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
@@ -60,13 +54,7 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
                         int vec_kind, int acc_kind, float* tmp, uint64_t seed, int stochastic,
                         uint64_t u) noexcept nogil
 
-# How a float field is stored (``KINDS[name]``): float32, bfloat16 (its upper 16 bits) or
-# IEEE float16 (the values of es_fused.h's ES_F32, ES_BF16, ES_F16)
-cdef enum:
-    KIND_F32 = 0
-    KIND_BF16 = 1
-    KIND_F16 = 2
-
+# How a float field is stored (``KINDS[name]``; fused.pxd's KIND_*)
 KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
 
 cdef enum:
@@ -76,11 +64,6 @@ cdef enum:
     # at all: below that a fork and join costs more than it saves.
     CHUNK = 64
     MIN_SPLIT = 16384
-
-
-cdef inline Py_ssize_t SCRATCH(Py_ssize_t d) noexcept nogil:
-    """Floats of one thread's scratch in :func:`step_bags` (see ``es_step_narrow``)."""
-    return 3 * d + 2
 
 
 cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
@@ -130,15 +113,15 @@ def dedupe(const int64_t[::1] keys, int64_t[::1] uniq, int64_t[::1] inv,
     if uniq.shape[0] < n or inv.shape[0] < n or counts.shape[0] < n:
         raise ValueError("dedupe: output arrays are shorter than the keys")
     with nogil:
-        nu = _dedupe(&keys[0] if n else NULL, n, &uniq[0] if n else NULL,
-                     &inv[0] if n else NULL, &counts[0] if n else NULL)
+        nu = dedupe_keys(&keys[0] if n else NULL, n, &uniq[0] if n else NULL,
+                         &inv[0] if n else NULL, &counts[0] if n else NULL)
     if nu < 0:
         raise MemoryError("dedupe: no memory for the hash table")
     return nu
 
 
-cdef Py_ssize_t _dedupe(const int64_t* keys, Py_ssize_t n, int64_t* uniq, int64_t* inv,
-                        int64_t* counts) noexcept nogil:
+cdef Py_ssize_t dedupe_keys(const int64_t* keys, Py_ssize_t n, int64_t* uniq, int64_t* inv,
+                            int64_t* counts) noexcept nogil:
     """:func:`dedupe` of ``n`` keys (one open-addressing pass); -1: no memory."""
     cdef Py_ssize_t i, nu = 0
     cdef uint64_t cap = 16, mask, h
@@ -172,9 +155,9 @@ cdef Py_ssize_t _dedupe(const int64_t* keys, Py_ssize_t n, int64_t* uniq, int64_
     return nu
 
 
-cdef int _check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
-                     const float[::1] weights, Py_ssize_t n_bags, Py_ssize_t n_rows,
-                     str what) except -1:
+cdef int check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
+                    const float[::1] weights, Py_ssize_t n_bags, Py_ssize_t n_rows,
+                    str what) except -1:
     cdef Py_ssize_t b, e
     if offsets.shape[0] != n_bags + 1 or offsets[0] != 0 or offsets[n_bags] > inv.shape[0]:
         raise ValueError(f"{what}: offsets must be n_bags + 1 bounds within the input")
@@ -211,7 +194,7 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
         raise ValueError("pool: the vector field does not fit the record")
     if d > 1 and out.strides[1] != sizeof(float):
         raise ValueError("pool: each output row must be contiguous")
-    _check_bags(inv, offsets, weights, n_bags, nu, "pool")
+    check_bags(inv, offsets, weights, n_bags, nu, "pool")
     arena._check_slots(slots, "pool")
     rows = <const float**> malloc((nu if nu else 1) * sizeof(float*))
     if rows == NULL:
@@ -241,7 +224,7 @@ def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::
     if sums.shape[1] != d or (d > 1 and grad.strides[1] != sizeof(float)):
         raise ValueError("grad_sums: the sums must have the gradient's width, and gradient "
                          "rows must be contiguous")
-    _check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
+    check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
     scaled = <float*> malloc((d if d else 1) * sizeof(float))
     if scaled == NULL:
         raise MemoryError("grad_sums: no memory")
@@ -303,12 +286,12 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     cdef int bad = 0
     cdef StepSpec sp
     cdef StepJob job
-    _step_spec(&sp, arena.itemsize, d, rule, alpha, lr, eps, hyper, vec_offset, acc_offset,
+    step_spec(&sp, arena.itemsize, d, rule, alpha, lr, eps, hyper, vec_offset, acc_offset,
                acc2_offset, vec_kind, acc_kind, seed, stochastic)
     if d > 1 and grad.strides[1] != sizeof(float):
         raise ValueError("step_bags: gradient rows must be contiguous")
     arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_bags")
-    _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
+    check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
     arena._check_slots(slots, "step_bags")
     sums = <float*> malloc((nu * d + d + 1) * sizeof(float))  # the sums, then a scratch row
     if sums == NULL:
@@ -328,7 +311,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     if scratch == NULL:
         free(sums)
         raise MemoryError("step_bags: no memory")
-    _step_job(&job, arena, slots, sums, &sp, add_offsets, add_values, set_offsets, set_bits)
+    step_job(&job, arena, slots, sums, &sp, add_offsets, add_values, set_offsets, set_bits)
     with nogil:
         if nt == 1:  # (an OpenMP region of one thread still costs its setup)
             for u in range(nu):
@@ -341,10 +324,10 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     return True
 
 
-cdef int _step_spec(StepSpec* sp, Py_ssize_t itemsize, Py_ssize_t d, int rule, float alpha,
-                    float lr, float eps, const double[::1] hyper, Py_ssize_t vec_offset,
-                    Py_ssize_t acc_offset, Py_ssize_t acc2_offset, int vec_kind, int acc_kind,
-                    uint64_t seed, bint stochastic) except -1:
+cdef int step_spec(StepSpec* sp, Py_ssize_t itemsize, Py_ssize_t d, int rule, float alpha,
+                   float lr, float eps, const double[::1] hyper, Py_ssize_t vec_offset,
+                   Py_ssize_t acc_offset, Py_ssize_t acc2_offset, int vec_kind, int acc_kind,
+                   uint64_t seed, bint stochastic) except -1:
     """``sp``: one table's step as :func:`step_bags` takes it (records of ``itemsize`` bytes,
     gradients of width ``d``), checked: a ``ValueError`` for an unknown rule or field kind,
     missing constants, or float fields outside the record."""
@@ -387,37 +370,10 @@ cdef int _rule_of(es_rule_t* r, int rule, float alpha, float lr, float eps,
     return 0
 
 
-cdef struct StepSpec:
-    es_rule_t r
-    Py_ssize_t d, vec_offset, acc_offset, acc2_offset
-    int vec_kind, acc_kind
-    uint64_t seed
-    bint stochastic
-
-
-cdef struct StepJob:
-    # one table's step (step_bags, step_tables): its records, keys, sums and metadata
-    uint8_t** chunks
-    uint64_t low_mask
-    Py_ssize_t itemsize
-    int shift
-    const uint32_t* slots
-    Py_ssize_t nu
-    const float* sums
-    StepSpec sp
-    const Py_ssize_t* add_offsets
-    Py_ssize_t n_add
-    const int64_t* add_values     # (n_add, add_stride): key u's at [f * add_stride + u]
-    Py_ssize_t add_stride
-    const Py_ssize_t* set_offsets
-    Py_ssize_t n_set
-    const uint64_t* set_bits
-
-
-cdef int _step_job(StepJob* j, RecordArena arena, const uint32_t[::1] slots, const float* sums,
-                   const StepSpec* sp, const Py_ssize_t[::1] add_offsets,
-                   const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
-                   const uint64_t[::1] set_bits) except -1:
+cdef int step_job(StepJob* j, RecordArena arena, const uint32_t[::1] slots, const float* sums,
+                  const StepSpec* sp, const Py_ssize_t[::1] add_offsets,
+                  const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
+                  const uint64_t[::1] set_bits) except -1:
     """``j``: the step of the keys at ``slots`` (checked by the caller) with their ``sums``."""
     j.chunks, j.low_mask, j.itemsize, j.shift = arena.chunks, arena.low_mask, arena.itemsize, \
         arena.shift
@@ -509,266 +465,9 @@ def split_threads(int threads, Py_ssize_t work):
     return _split(threads, work)
 
 
-# -- a collection's tables in one call, spread over native threads ------------------------------
-# (DynamicEmbeddingBagCollection's fused path: one table per thread at a time, each table's
-# loops on its thread, so two threads share the whole embedding part of a step, not only the
-# loops of tables big enough to split)
-
-cdef struct PoolJob:
-    CuckooProbe probe
-    uint8_t** chunks
-    uint64_t low_mask
-    Py_ssize_t itemsize
-    int shift
-    const int64_t* keys
-    Py_ssize_t n
-    int64_t* uniq
-    int64_t* inv
-    int64_t* counts
-    uint32_t* slots
-    const int64_t* offsets
-    Py_ssize_t n_bags
-    const float* w
-    int mean, kind
-    Py_ssize_t vec_offset
-    float* out
-    Py_ssize_t ostride, d
-    Py_ssize_t nu, missing   # results: distinct keys, how many absent (-1: no memory)
-
-
-def probe_pool(list tables, int64_t[:, ::1] found, int threads=1):
-    """Each table's :func:`dedupe`, the slots of its distinct keys found in its key table and,
-    where every key is there, its bags pooled as :func:`pool` pools them; ``found[t]``
-    becomes ``(distinct keys, keys absent)`` of table ``t`` (absent: not pooled, the caller
-    inserts and pools them). Tables go over ``threads`` native threads, one table per thread
-    at a time, GIL released: the bits are those of one table at a time.
-
-    ``tables[t]`` is ``(key_table, arena, keys, uniq, inv, counts, slots, offsets, weights,
-    vec_offset, mean, out, kind)``: an int64 :class:`~embstore._cython.cuckoo.CuckooTable`
-    and the arena of its records (the caller holds their store's lock), the table's ids, the
-    outputs of :func:`dedupe` and the slots (``len(keys)`` rows each), then :func:`pool`'s
-    arguments."""
-    cdef Py_ssize_t nt_ = len(tables), t
-    cdef PoolJob* jobs
-    if found.shape[0] < nt_ or found.shape[1] < 2:
-        raise ValueError("probe_pool: found needs a (distinct, absent) row per table")
-    jobs = <PoolJob*> malloc((nt_ if nt_ else 1) * sizeof(PoolJob))
-    if jobs == NULL:
-        raise MemoryError("probe_pool: no memory")
-    try:
-        for t in range(nt_):
-            _pool_job(&jobs[t], tables[t])
-        with nogil:
-            if threads <= 1 or nt_ <= 1:
-                for t in range(nt_):
-                    _probe_pool_one(&jobs[t])
-            else:
-                for t in prange(nt_, num_threads=min(threads, nt_), schedule="dynamic",
-                                chunksize=1):
-                    _probe_pool_one(&jobs[t])
-        for t in range(nt_):
-            if jobs[t].missing < 0:
-                raise MemoryError("probe_pool: no memory")
-            found[t, 0], found[t, 1] = jobs[t].nu, jobs[t].missing
-    finally:
-        free(jobs)
-
-
-cdef int _pool_job(PoolJob* j, tuple spec) except -1:
-    """``j`` from one table of :func:`probe_pool`, checked."""
-    cdef RecordArena arena = spec[1]
-    cdef const int64_t[::1] keys = spec[2], offsets = spec[7]
-    cdef int64_t[::1] uniq = spec[3], inv = spec[4], counts = spec[5]
-    cdef uint32_t[::1] slots = spec[6]
-    cdef const float[::1] weights = spec[8]
-    cdef float[:, :] out = spec[11]
-    cdef Py_ssize_t n = keys.shape[0], b, vec_offset = spec[9]
-    cdef int kind = spec[12]
-    probe_of(spec[0], &j.probe)
-    if min(uniq.shape[0], inv.shape[0], counts.shape[0], slots.shape[0]) < n:
-        raise ValueError("probe_pool: output arrays are shorter than the keys")
-    if kind not in (KIND_F32, KIND_BF16, KIND_F16) or vec_offset < 0 or \
-            vec_offset + out.shape[1] * (4 if kind == KIND_F32 else 2) > arena.itemsize:
-        raise ValueError("probe_pool: the vector field does not fit the record")
-    if out.shape[1] > 1 and out.strides[1] != sizeof(float) or \
-            out.strides[0] % sizeof(float) != 0:
-        raise ValueError("probe_pool: each output row must be contiguous")
-    if offsets.shape[0] != out.shape[0] + 1 or offsets[0] != 0 or offsets[out.shape[0]] != n:
-        raise ValueError("probe_pool: offsets must be n_bags + 1 bounds of the keys")
-    for b in range(out.shape[0]):
-        if offsets[b + 1] < offsets[b]:
-            raise ValueError("probe_pool: offsets must not decrease")
-    if weights.shape[0] and weights.shape[0] < n:
-        raise ValueError("probe_pool: fewer weights than keys")
-    j.chunks, j.low_mask, j.itemsize, j.shift = arena.chunks, arena.low_mask, arena.itemsize, \
-        arena.shift
-    j.keys, j.n = &keys[0] if n else NULL, n
-    j.uniq, j.inv = &uniq[0] if n else NULL, &inv[0] if n else NULL
-    j.counts, j.slots = &counts[0] if n else NULL, &slots[0] if n else NULL
-    j.offsets, j.n_bags = &offsets[0], out.shape[0]
-    j.w = &weights[0] if weights.shape[0] else NULL
-    j.mean, j.kind, j.vec_offset = bool(spec[10]), kind, vec_offset
-    j.out = &out[0, 0] if out.shape[0] and out.shape[1] else NULL
-    j.ostride, j.d = out.strides[0] // sizeof(float), out.shape[1]
-    j.nu = j.missing = 0
-    return 0
-
-
-cdef void _probe_pool_one(PoolJob* j) noexcept nogil:
-    cdef Py_ssize_t u, b
-    cdef uint32_t s
-    cdef const void** rows
-    j.nu = _dedupe(j.keys, j.n, j.uniq, j.inv, j.counts)
-    if j.nu < 0:
-        j.missing = -1
-        return
-    j.missing = probe_find(&j.probe, j.uniq, j.nu, j.slots)
-    if j.missing or j.out == NULL:
-        return
-    rows = <const void**> malloc((j.nu if j.nu else 1) * sizeof(void*))
-    if rows == NULL:
-        j.missing = -1
-        return
-    for u in range(j.nu):
-        s = j.slots[u]
-        rows[u] = j.chunks[s >> j.shift] + (s & j.low_mask) * j.itemsize + j.vec_offset
-    for b in range(j.n_bags):
-        es_pool_bag(j.out + b * j.ostride, j.d, rows, j.inv, j.offsets[b], j.offsets[b + 1],
-                    j.w, j.mean, j.kind, j.offsets[j.n_bags])
-    free(rows)
-
-
-cdef struct SumJob:
-    float* sums
-    Py_ssize_t nu, d, n_bags, gstride
-    const char* grad
-    const int64_t* inv
-    const int64_t* offsets
-    const float* w
-    int mean
-    int state   # result: 1 finite, 0 not, -1 no memory
-
-
-def sum_tables(list tables, uint8_t[::1] finite, int threads=1):
-    """Each table's :func:`grad_sums` (the same bits), tables over ``threads`` native threads;
-    ``finite[t]`` becomes 1 where every sum of table ``t`` is finite. ``tables[t]`` is
-    ``(inv, offsets, weights, mean, grad, sums)`` as :func:`grad_sums` takes them."""
-    cdef Py_ssize_t nt_ = len(tables), t
-    cdef SumJob* jobs
-    if finite.shape[0] < nt_:
-        raise ValueError("sum_tables: finite needs a row per table")
-    jobs = <SumJob*> malloc((nt_ if nt_ else 1) * sizeof(SumJob))
-    if jobs == NULL:
-        raise MemoryError("sum_tables: no memory")
-    try:
-        for t in range(nt_):
-            _sum_job(&jobs[t], tables[t])
-        with nogil:
-            if threads <= 1 or nt_ <= 1:
-                for t in range(nt_):
-                    _sum_one(&jobs[t])
-            else:
-                for t in prange(nt_, num_threads=min(threads, nt_), schedule="dynamic",
-                                chunksize=1):
-                    _sum_one(&jobs[t])
-        for t in range(nt_):
-            if jobs[t].state < 0:
-                raise MemoryError("sum_tables: no memory")
-            finite[t] = jobs[t].state
-    finally:
-        free(jobs)
-
-
-cdef int _sum_job(SumJob* j, tuple spec) except -1:
-    cdef const int64_t[::1] inv = spec[0], offsets = spec[1]
-    cdef const float[::1] weights = spec[2]
-    cdef const float[:, :] grad = spec[4]
-    cdef float[:, ::1] sums = spec[5]
-    if sums.shape[1] != grad.shape[1] or (grad.shape[1] > 1 and grad.strides[1] != sizeof(float)):
-        raise ValueError("sum_tables: the sums must have the gradient's width, and gradient "
-                         "rows must be contiguous")
-    _check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "sum_tables")
-    j.sums = &sums[0, 0] if sums.shape[0] and sums.shape[1] else NULL
-    j.nu, j.d, j.n_bags, j.gstride = sums.shape[0], grad.shape[1], grad.shape[0], grad.strides[0]
-    j.grad = <const char*> &grad[0, 0] if grad.shape[0] and grad.shape[1] else NULL
-    j.inv = &inv[0] if inv.shape[0] else NULL
-    j.offsets, j.w = &offsets[0], &weights[0] if weights.shape[0] else NULL
-    j.mean, j.state = bool(spec[3]), 0
-    return 0
-
-
-cdef void _sum_one(SumJob* j) noexcept nogil:
-    cdef float* scaled
-    if j.sums == NULL:  # nothing to sum (no keys, or rows of width 0)
-        j.state = 1
-        return
-    scaled = <float*> malloc((j.d if j.d else 1) * sizeof(float))
-    if scaled == NULL:
-        j.state = -1
-        return
-    es_scatter_sums(j.sums, j.nu, j.d, j.grad, j.gstride, j.n_bags, j.inv, j.offsets, j.w,
-                    j.mean, scaled)
-    free(scaled)
-    j.state = es_finite(j.sums, j.nu * j.d)
-
-
-def step_tables(list tables, int threads=1):
-    """Each table's optimizer step from sums :func:`sum_tables` made, as :func:`step_bags`
-    steps (the same bits), tables over ``threads`` native threads. ``tables[t]`` is ``(sums,
-    args)``: ``args`` the arguments of a :func:`step_bags` call of that table (its gradient,
-    bags and threads are not used: ``sums`` holds the per-key sums, all finite)."""
-    cdef Py_ssize_t nt_ = len(tables), t
-    cdef StepJob* jobs
-    jobs = <StepJob*> malloc((nt_ if nt_ else 1) * sizeof(StepJob))
-    if jobs == NULL:
-        raise MemoryError("step_tables: no memory")
-    try:
-        for t in range(nt_):
-            _table_step(&jobs[t], tables[t][0], tables[t][1])
-        with nogil:
-            if threads <= 1 or nt_ <= 1:
-                for t in range(nt_):
-                    _step_one(&jobs[t])
-            else:
-                for t in prange(nt_, num_threads=min(threads, nt_), schedule="dynamic",
-                                chunksize=1):
-                    _step_one(&jobs[t])
-    finally:
-        free(jobs)
-
-
-cdef int _table_step(StepJob* j, object sums_, tuple args) except -1:
-    """``j``: the step of one table of :func:`step_tables`, checked as :func:`step_bags`
-    checks it (``args``: its 24 arguments by position)."""
-    cdef const float[:, ::1] sums = sums_
-    cdef RecordArena arena = args[0]
-    cdef const uint32_t[::1] slots = args[1]
-    cdef const Py_ssize_t[::1] add_offsets = args[13], set_offsets = args[15]
-    cdef const int64_t[:, ::1] add_values = args[14]
-    cdef const uint64_t[::1] set_bits = args[16]
-    cdef StepSpec sp
-    cdef Py_ssize_t nu = slots.shape[0]
-    if len(args) != 24:
-        raise ValueError("step_tables: a table's step takes step_bags' 24 arguments")
-    _step_spec(&sp, arena.itemsize, sums.shape[1], args[7], args[8], args[9], args[10],
-               args[22], args[11], args[12], args[23], args[18], args[19], args[20], args[21])
-    if sums.shape[0] != nu:
-        raise ValueError("step_tables: one row of sums per key")
-    arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_tables")
-    arena._check_slots(slots, "step_tables")
-    _step_job(j, arena, slots, &sums[0, 0] if nu and sums.shape[1] else NULL, &sp, add_offsets,
-              add_values, set_offsets, set_bits)
-    return 0
-
-
-cdef void _step_one(const StepJob* j) noexcept nogil:
+cdef void step_all(const StepJob* j, float* scratch) noexcept nogil:
+    """Every key of ``j`` stepped in order on this thread (``scratch``: ``SCRATCH(d)``
+    floats)."""
     cdef Py_ssize_t u
-    cdef float* scratch
-    if j.sums == NULL:
-        return
-    scratch = <float*> malloc(SCRATCH(j.sp.d) * sizeof(float))
-    if scratch == NULL:  # pragma: no cover - a few floats
-        return
     for u in range(j.nu):
         _step_key(j, u, scratch)
-    free(scratch)

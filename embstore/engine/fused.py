@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._cython import fused
+from .._cython import fused, fused_tables
 from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
@@ -27,9 +27,9 @@ _NO_WEIGHTS = np.zeros(0, dtype=np.float32)
 
 # The table-parallel calls of a collection's fused step (several memory:// tables in one
 # native call, tables spread over threads; embstore_torch's _fused_tables.py): see the kernels
-probe_pool = fused.probe_pool
-sum_tables = fused.sum_tables
-step_tables = fused.step_tables
+probe_pool = fused_tables.probe_pool
+sum_tables = fused_tables.sum_tables
+step_tables = fused_tables.step_tables
 
 
 class BagBatch:

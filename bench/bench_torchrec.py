@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -175,14 +176,7 @@ class Contender:
         else:
             pooled = torch.cat([self.bags[f](torch.from_numpy(ids[f]))
                                 for f in range(features)], dim=1)
-        loss = self.loss(self.linear(pooled), self.labels)
-        self.dense_opt.zero_grad()
-        if self.sparse_opt is not None:
-            self.sparse_opt.zero_grad()
-        loss.backward()
-        self.dense_opt.step()
-        if self.sparse_opt is not None:
-            self.sparse_opt.step()
+        dense_step(self, pooled)
 
     def round(self, batches: np.ndarray, steps: int, threads: int) -> dict[str, float]:
         """``steps`` steps over the batches; per-step wall and CPU seconds."""
@@ -192,6 +186,21 @@ class Contender:
             self.step(batches[i % len(batches)])
         return {"wall": (time.perf_counter() - wall) / steps,
                 "cpu": (time.process_time() - cpu) / steps}
+
+
+def dense_step(model: Any, pooled: Any) -> None:
+    """The rest of a step after the pooled features: the head's BCE loss, its backward (the
+    tables' update where a contender fuses it) and the optimizers' steps. ``model`` has
+    ``linear``, ``loss``, ``labels``, ``dense_opt`` and ``sparse_opt`` (None where the
+    tables step themselves)."""
+    loss = model.loss(model.linear(pooled), model.labels)
+    model.dense_opt.zero_grad()
+    if model.sparse_opt is not None:
+        model.sparse_opt.zero_grad()
+    loss.backward()
+    model.dense_opt.step()
+    if model.sparse_opt is not None:
+        model.sparse_opt.step()
 
 
 def serve_peer() -> None:

@@ -163,6 +163,8 @@ class DesStore:
 
     def _keyed(self, op: str, keys: np.ndarray, make: Callable[[np.ndarray | None], dict],
                **fields: Any) -> list[tuple[np.ndarray | None, pa.Table | pa.RecordBatch]]:
+        if len(self._addrs) == 1:  # one worker: no routing, no hand-off to the pool
+            return [(None, self._exchange(0, op, wire.batch(**make(None)), **fields))]
         routes = self._route(keys)
         by_shard = dict(routes)
 

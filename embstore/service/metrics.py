@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import re
 import threading
@@ -33,18 +35,21 @@ class RequestMetrics:
         self.counts: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.sums: dict[str, float] = {}
+        #: per operation, the count of requests in each bucket alone (the text sums them):
+        #: one increment per request, not one per bound above its latency
         self.buckets: dict[str, list[int]] = {}
 
     def observe(self, op: str, seconds: float, failed: bool) -> None:
+        i = bisect.bisect_left(BUCKETS, seconds)   # the first bound >= seconds
         with self._lock:
             self.counts[op] = self.counts.get(op, 0) + 1
             if failed:
                 self.errors[op] = self.errors.get(op, 0) + 1
             self.sums[op] = self.sums.get(op, 0.0) + seconds
-            b = self.buckets.setdefault(op, [0] * len(BUCKETS))
-            for i, bound in enumerate(BUCKETS):
-                if seconds <= bound:
-                    b[i] += 1
+            b = self.buckets.get(op)
+            if b is None:
+                b = self.buckets[op] = [0] * (len(BUCKETS) + 1)
+            b[i] += 1
 
     def text(self) -> list[str]:
         with self._lock:
@@ -56,7 +61,8 @@ class RequestMetrics:
                     for op in sorted(self.counts)]
             out.append("# TYPE embstore_request_seconds histogram")
             for op in sorted(self.counts):
-                for bound, n in zip(BUCKETS, self.buckets[op], strict=True):
+                for bound, n in zip(BUCKETS, itertools.accumulate(self.buckets[op][:-1]),
+                                    strict=True):
                     out.append(f'embstore_request_seconds_bucket{{op="{op}",le="{bound}"}} {n}')
                 out.append(f'embstore_request_seconds_bucket{{op="{op}",le="+Inf"}} '
                            f"{self.counts[op]}")

@@ -20,10 +20,11 @@ from ..api import open as open_store
 from ..errors import BackendError, InvalidInputError
 from ..policies.admission import admission_from_config
 from .ann import AnnIndex
+from .auth import read_token_file
 from .client import DesStore
 from .follower import Follower, replica_options
 from .metrics import OpsServer
-from .server import Worker, read_token_file
+from .server import Worker
 
 
 def parse_shard(text: str) -> tuple[int, int]:

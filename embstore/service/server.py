@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..sampling.candidate import sampling_index
 from . import wire
+from .auth import READ_OPS, TokenAuth
 from .changelog import ChangeLog
 from .delta import delta_parts, message_slices
 from .metrics import RequestMetrics, gauges
@@ -39,32 +40,9 @@ from .streams import STREAM_OPS
 
 log = logging.getLogger("embstore.service")
 
-#: operations a ``serve`` token may call (everything else writes)
-READ_OPS = frozenset({"info", "len", "stats", "lookup", "contains", "top_k", "sample_weight",
-                      "sample_draw", "sample_prob", "records", "changes", "snapshot",
-                      "subscribe"})
-ROLES = ("train", "serve")
-
-
-def read_token_file(path: str) -> dict[str, str]:
-    """``token -> role`` from a file of ``ROLE TOKEN`` lines (``#`` comments)."""
-    tokens: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2 or parts[0] not in ROLES or len(parts[1]) < 16:
-                raise InvalidInputError(f"{path}:{n}: expected 'train|serve TOKEN' with a "
-                                        "token of at least 16 characters")
-            tokens[parts[1]] = parts[0]
-    if not tokens:
-        raise InvalidInputError(f"{path}: no tokens")
-    return tokens
-
-
 _WRITES = frozenset({"update", "assign", "delete"})
+#: distinct headers a kept stream remembers as checked (a client sends a handful)
+_CHECKED_HEADERS = 64
 _OPS = READ_OPS | _WRITES | {"flush"}
 
 
@@ -83,27 +61,6 @@ def _peek_op(raw: bytes) -> str:
     return op if isinstance(op, str) and op in _OPS else "other"
 
 
-class _Role(flight.ServerMiddleware):
-    def __init__(self, role: str) -> None:
-        self.role = role
-
-
-class _TokenAuth(flight.ServerMiddlewareFactory):
-    """Bearer tokens per role; no token file means every caller may train (loopback use)."""
-
-    def __init__(self, tokens: dict[str, str] | None) -> None:
-        self.tokens = tokens
-
-    def start_call(self, info: Any, headers: dict[str, list[str]]) -> _Role:
-        if self.tokens is None:
-            return _Role("train")
-        for value in headers.get("authorization", []):
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token in self.tokens:
-                return _Role(self.tokens[token])
-        raise flight.FlightUnauthenticatedError("no valid token (Authorization: Bearer ...)")
-
-
 class Worker(flight.FlightServerBase):
     """Serve ``store`` (an open :class:`~embstore.EmbeddingStore`) as shard ``shard`` of
     ``shards``."""
@@ -112,7 +69,7 @@ class Worker(flight.FlightServerBase):
                  tokens: dict[str, str] | None = None,
                  tls: tuple[bytes, bytes] | None = None, read_only: bool = False,
                  log_keys: int = 4_000_000) -> None:
-        super().__init__(location, middleware={"auth": _TokenAuth(tokens)},
+        super().__init__(location, middleware={"auth": TokenAuth(tokens)},
                          tls_certificates=[tls] if tls else None)
         self.store = store
         self.shard, self.shards = int(shard), int(shards)
@@ -173,17 +130,26 @@ class Worker(flight.FlightServerBase):
                     f"shards than {self.shard}/{self.shards}")
         return keys
 
-    def _guard(self, fn: Callable[[], Any], op: str, locked: bool = True) -> Any:
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """:meth:`held` for one request, counted (a kept stream's store call)."""
+        with self.held():
+            self.requests += 1
+            yield
+
+    def _guard(self, fn: Callable[[], Any], op: str, locked: bool | None = True) -> Any:
         """Run ``fn`` under the store lock (``locked=False``: ``fn`` takes it itself where it
-        needs it); every error leaves as one typed line."""
+        needs it; None: and counts the request, :meth:`_counted`); every error leaves as one
+        typed line."""
         t0 = time.perf_counter()
         failed = True
         try:
-            with self.lock:
-                if self.stopping:
-                    raise BackendError("this worker is stopping: it takes no more calls")
-                self.requests += 1
-                out = fn() if locked else None
+            if locked is not None:
+                with self.lock:
+                    if self.stopping:
+                        raise BackendError("this worker is stopping: it takes no more calls")
+                    self.requests += 1
+                    out = fn() if locked else None
             if not locked:
                 out = fn()
             failed = False
@@ -283,10 +249,15 @@ class Worker(flight.FlightServerBase):
             self._check(context, header)
             if header["op"] == "changes":  # takes the lock per chunk (service/delta.py)
                 return self._changes(header)
-            return self._exchange(header, wire.read_request(reader))
+            # read before the store lock: a slow sender holds up no other caller
+            t = wire.read_request(reader)
+            if header["op"] in STREAM_OPS:
+                return self._exchange(header, t, self._counted)
+            with self._counted():
+                return self._exchange(header, t)
 
         op = _peek_op(descriptor.command)
-        out = self._guard(run, op, locked=op != "changes")
+        out = self._guard(run, op, locked=False if op == "changes" else None)
         writer.begin(out.schema)
         # a follower's delta can hold a whole table: messages of at most 16 MB each, under
         # gRPC's message limit whatever the delta's size
@@ -300,6 +271,10 @@ class Worker(flight.FlightServerBase):
         (its header in the message's metadata; shard and N from the stream's), answered with
         one batch, or with a metadata-only error line that leaves the stream open."""
         route = {k: head.get(k) for k in ("shard", "shards")}
+        # a stream's headers repeat call after call ({"op": "lookup", "insert": true}) and
+        # its caller's role and shard are the stream's: each distinct header is parsed and
+        # checked once, a header that failed is checked again each time it comes
+        checked: dict[bytes, dict[str, Any]] = {}
         started = False
         while not self.stopping:
             try:
@@ -307,20 +282,30 @@ class Worker(flight.FlightServerBase):
             except StopIteration:
                 return
             raw = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b"{}"
-            head = _peek_header(raw)  # parsed once: its op names the metrics, run checks it
-            op = head.get("op")
+            known = checked.get(raw)
+            if known is None:
+                head = _peek_header(raw)  # parsed once: its op names the metrics, run checks
+                op = head.get("op")
+                op = op if isinstance(op, str) and op in _OPS else "other"
+            else:
+                head, op = known, known["op"]
 
-            def run(raw: bytes = raw, head: dict[str, Any] = head,
+            def run(raw: bytes = raw, head: dict[str, Any] = head, known: Any = known,
                     data: Any = chunk.data) -> pa.RecordBatch:
-                h = {**(head if isinstance(head.get("op"), str) else wire.parse_header(raw)),
-                     **route}
+                h = known
+                if h is None:
+                    h = {**(head if isinstance(head.get("op"), str)
+                            else wire.parse_header(raw)), **route}
                 if h["op"] not in STREAM_OPS or data is None:
                     raise InvalidInputError(f"{h['op']!r} is not a request a stream carries")
-                self._check(context, h)
-                return self._exchange(h, wire.request_table(data))
+                if known is None:
+                    self._check(context, h)
+                    if len(checked) < _CHECKED_HEADERS:
+                        checked[raw] = h
+                return self._exchange(h, wire.request_table(data), self._counted)
 
             try:
-                out = self._guard(run, op if isinstance(op, str) and op in _OPS else "other")
+                out = self._guard(run, op, locked=None)
             except flight.FlightServerError as e:
                 writer.write_metadata(pa.py_buffer(str(e).encode()))
                 continue
@@ -334,35 +319,27 @@ class Worker(flight.FlightServerBase):
 
     @staticmethod
     def _counts(t: pa.Table) -> np.ndarray | None:
-        if "count" not in t.column_names:
+        if "count" not in t.schema.names:  # cheaper than t.column_names
             return None
         col = t.column("count")
         if col.type != pa.int64() or col.null_count:
             raise InvalidInputError(f"counts must be int64, got {col.type}")
         return np.asarray(col.to_numpy(), np.int64)
 
-    def _exchange(self, h: dict[str, Any], t: pa.Table | pa.RecordBatch) -> pa.RecordBatch:
+    def _exchange(self, h: dict[str, Any], t: pa.Table | pa.RecordBatch,
+                  hold: Callable[[], AbstractContextManager[Any]] = nullcontext
+                  ) -> pa.RecordBatch:
+        """Answer a request; ``hold()`` holds the store lock (the default: the caller holds
+        it already)."""
         s = self.store
         op = h["op"]
-        if op in _WRITES or (op == "lookup" and h.get("insert", True)):
+        if op in STREAM_OPS:
+            return self._rows_call(h, t, hold)
+        if op in _WRITES:
             # a worker that cannot hold its shard's writer lease (a cache over a shared
             # table) acknowledges no write: LeaseLostError after a takeover, BackendError
             # when cut from the table past half a lease
             s.backend.hold_writer_lease()
-        if op == "lookup":
-            v = s.lookup(self._keys(t), insert=bool(h.get("insert", True)),
-                         counts=self._counts(t))
-            return wire.batch(vec=wire.vectors_column(v))
-        if op == "contains":
-            return wire.batch(found=pa.array(s.contains(self._keys(t))))
-        if op in ("update", "assign"):
-            keys = self._keys(t)
-            rows = wire.vectors_from(t.column("vec"), s.dim, len(keys))
-            if op == "assign":
-                s.assign(keys, rows)
-            else:
-                s.update(keys, rows, counts=self._counts(t))
-            return wire.batch(step=pa.array([s.step], pa.int64()))
         if op == "delete":
             return wire.batch(deleted=pa.array([s.delete(self._keys(t))], pa.int64()))
         if op == "top_k":
@@ -375,6 +352,36 @@ class Worker(flight.FlightServerBase):
             w = idx.prob_of(snap, self._keys(t)) * snap.total
             return wire.batch(weight=pa.array(w, pa.float64()))
         raise InvalidInputError(f"unknown operation {op!r}")
+
+    def _rows_call(self, h: dict[str, Any], t: pa.Table | pa.RecordBatch,
+                   hold: Callable[[], AbstractContextManager[Any]]) -> pa.RecordBatch:
+        """lookup, contains, update, assign: the request's columns are read and checked
+        before ``hold()`` and the answer is built after it, so on kept streams only the
+        store call holds the store lock and the rest of several streams' calls overlap."""
+        s, op = self.store, h["op"]
+        keys = self._keys(t)
+        rows = (wire.vectors_from(t.column("vec"), s.dim, len(keys))
+                if op in ("update", "assign") else None)
+        counts = self._counts(t) if op in ("lookup", "update") else None
+        insert = bool(h.get("insert", True))
+        with hold():
+            if op in _WRITES or (op == "lookup" and insert):
+                s.backend.hold_writer_lease()   # see _exchange
+            if op == "lookup":
+                out = s.lookup(keys, insert=insert, counts=counts)
+            elif op == "contains":
+                out = s.contains(keys)
+            else:
+                if op == "assign":
+                    s.assign(keys, rows)
+                else:
+                    s.update(keys, rows, counts=counts)
+                out = np.array([s.step], np.int64)
+        if op == "lookup":
+            return wire.batch(vec=wire.vectors_column(out))
+        if op == "contains":
+            return wire.batch(found=pa.array(out))
+        return wire.batch(step=pa.array(out))
 
     def _top_k(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
         s = self.store

@@ -98,12 +98,15 @@ class Streams:
         self._open: dict[int, tuple[Any, Any]] = {}   # every thread's, to close them all
         self._lock = threading.Lock()
         self._watchdog = Watchdog()
+        self._headers: dict[Any, pa.Buffer] = {}
 
     def exchange(self, s: int, head: dict[str, Any], op: str, batch: pa.RecordBatch,
                  fields: dict[str, Any], where: str) -> pa.RecordBatch:
         """Send ``op`` with ``batch`` to worker ``s`` on this thread's stream; its answer."""
         mine: dict[Any, tuple[Any, Any]] = self._local.__dict__.setdefault("streams", {})
-        key = (s, op, batch.schema)
+        # by column names: a client's column of a name always has the same type (hashing
+        # the schema itself costs more than the rest of this method's Python)
+        key = (s, op, *batch.schema.names)
         stream = mine.get(key)
         if stream is None:
             stream = self._start(s, head, batch.schema, where)
@@ -111,8 +114,7 @@ class Streams:
         writer, reader = stream
         token = self._watchdog.arm(reader, self._timeout)
         try:
-            writer.write_with_metadata(batch, pa.py_buffer(json.dumps({"op": op, **fields})
-                                                           .encode()))
+            writer.write_with_metadata(batch, self._header(op, fields))
             chunk = reader.read_chunk()
         except (flight.FlightError, pa.ArrowException, StopIteration, OSError) as e:
             fired = self._watchdog.disarm(token)
@@ -128,6 +130,19 @@ class Streams:
             text = chunk.app_metadata.to_pybytes().decode("utf-8", "replace")
             wire.raise_remote(flight.FlightServerError(text), where)
         return chunk.data
+
+    def _header(self, op: str, fields: dict[str, Any]) -> pa.Buffer:
+        """A request's header as sent: the same few each call, encoded once each."""
+        key = (op, *fields.items())
+        try:
+            buf = self._headers.get(key)
+        except TypeError:  # an unhashable field: encoded each time
+            return pa.py_buffer(json.dumps({"op": op, **fields}).encode())
+        if buf is None:
+            buf = pa.py_buffer(json.dumps({"op": op, **fields}).encode())
+            if len(self._headers) < 64:
+                self._headers[key] = buf
+        return buf
 
     def _start(self, s: int, head: dict[str, Any], schema: pa.Schema,
                where: str) -> tuple[Any, Any]:

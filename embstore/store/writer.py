@@ -466,7 +466,7 @@ class RecordWriter:
         """Whether the fused bag path applies now (see ``EmbeddingStore.fused_bags``)."""
         return bool(self.backend.supports_fused_bags and self.key_type == "int64"
                     and self.layout.fused_kernels and not self.read_only
-                    and self.policy.admission is None and not self.observers)
+                    and self.policy.admission is None and not self.observers.registered)
 
     def pool(self, batch: BagBatch, out: np.ndarray | None = None,
              threads: int = 1) -> np.ndarray:

@@ -143,8 +143,10 @@ def traceable(module: Any, input: Any) -> bool:
 def lookup(input: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,
            insert: bool) -> torch.Tensor:
     """The rows of ``input`` through the custom op (see the module docstring): ``handle``
-    names the module, ``trigger`` is its grad-requiring buffer (detached: frozen)."""
-    return _lookup_op(input, trigger, handle, dim, insert)
+    names the module, ``trigger`` is its grad-requiring buffer (detached: frozen). The op
+    takes host tensors (ids on a GPU are copied over: the rows live there; the trigger
+    moves with the module, and autograd takes its gradient back to its device)."""
+    return _lookup_op(input.cpu(), trigger.cpu(), handle, dim, insert)
 
 
 def bag(rows: torch.Tensor, input: torch.Tensor, offsets: Any,

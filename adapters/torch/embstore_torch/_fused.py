@@ -33,13 +33,13 @@ from embstore import StoreProtocol
 from embstore.engine.fused import bag_batch
 from embstore.errors import ReadOnlyError
 
-from . import _compiled
+from . import _compiled, _transfer
 
 _NONE = torch.zeros(0)
 
 
 def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) -> bool:
-    """Whether the fused op takes these arguments: an integer CPU tensor, 2-D (one bag per
+    """Whether the fused op takes these arguments: an integer tensor, 2-D (one bag per
     row) or 1-D with a 1-D offsets tensor, weights (sum only) that need no gradient."""
     if (not isinstance(input, torch.Tensor) or mode not in ("sum", "mean")
             or not int64_ids_usable(input) or input.numel() == 0):
@@ -51,9 +51,9 @@ def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) 
 
 
 def int64_ids_usable(ids: torch.Tensor) -> bool:
-    """Whether a tensor holds ids the fused path takes: integers on the CPU."""
-    return (ids.device.type == "cpu" and not ids.dtype.is_floating_point
-            and not ids.dtype.is_complex and ids.dtype != torch.bool)
+    """Whether a tensor holds ids the fused path takes: integers, on any device (ids on a GPU
+    are copied to the host, where the rows live)."""
+    return not ids.dtype.is_floating_point and not ids.dtype.is_complex and ids.dtype != torch.bool
 
 
 def int64_ids(values: Any) -> np.ndarray | None:
@@ -62,7 +62,7 @@ def int64_ids(values: Any) -> np.ndarray | None:
     if isinstance(values, torch.Tensor):
         if not int64_ids_usable(values):
             return None
-        arr = values.detach()
+        arr = values.detach().cpu()
         arr = arr.view(torch.int64) if arr.dtype == torch.uint64 else arr.to(torch.int64)
         return np.ascontiguousarray(arr.reshape(-1).numpy())
     try:
@@ -85,23 +85,28 @@ def store_pools(store: StoreProtocol) -> bool:
 def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: torch.Tensor,
         handle: int, mean: bool, dim: int, custom_op: bool) -> torch.Tensor:
     """The pooled bags of ``input``: through ``embstore::fused_bag`` with ``custom_op``,
-    else through :class:`FusedBag` (the same store calls without the dispatcher)."""
-    offs = _NONE if offsets is None else offsets.to(torch.long)
-    weights = _NONE if psw is None else psw.detach().reshape(-1).to(torch.float32)
-    if custom_op:
-        return _bag_op(input, offs, weights, trigger, handle, mean, dim)
+    else through :class:`FusedBag` (the same store calls without the dispatcher). Every
+    argument is taken to the host first (the op's output is placed by the module)."""
+    input = input.cpu()
+    offs = _NONE if offsets is None else offsets.to("cpu", torch.long)
+    weights = _NONE if psw is None else psw.detach().reshape(-1).to("cpu", torch.float32)
+    if custom_op:  # (the trigger moves with the module: autograd takes its gradient back)
+        return _bag_op(input, offs, weights, trigger.cpu(), handle, mean, dim)
     module = _compiled.module_of(handle)
-    return FusedBag.apply(trigger, input, offs, weights, mean, module.store, module.count)
+    return FusedBag.apply(trigger, input, offs, weights, mean, module.store, module.count,
+                          module.pooled_pinned)
 
 
 def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-          mean: bool) -> tuple[torch.Tensor, Any]:
+          mean: bool, pinned: bool = False) -> tuple[torch.Tensor, Any]:
+    n_bags = ids.shape[0] if ids.dim() == 2 else offsets.shape[0]
+    out = _transfer.host_empty((n_bags, int(store.dim)), pinned)
     got = store.pool_bags(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
                           weights=weights.numpy() if weights.numel() else None, mean=mean,
-                          threads=torch.get_num_threads())
+                          threads=torch.get_num_threads(), out=out.numpy())
     if got is None:  # pragma: no cover - the module asked the store just before
         raise RuntimeError("embstore: the store refused the fused bag path")
-    return torch.from_numpy(got[0]), got[1]
+    return out, got[1]
 
 
 def update_block(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:
@@ -123,15 +128,16 @@ class FusedBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                weights: torch.Tensor, mean: bool, store: StoreProtocol, count: bool):
-        pooled, ctx.batch = _pool(store, ids, offsets, weights, mean)
+                weights: torch.Tensor, mean: bool, store: StoreProtocol, count: bool,
+                pinned: bool):
+        pooled, ctx.batch = _pool(store, ids, offsets, weights, mean, pinned)
         ctx.store, ctx.count = store, count
         return pooled
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         update_block(ctx.store, ctx.batch, ctx.count, grad)
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
 
 
 # The batches of forwards through the op awaiting their backward, per module handle (a stack:

@@ -30,7 +30,7 @@ import torch
 
 from embstore.engine.fused import BagBatch, bag_batch, probe_pool, step_tables, sum_tables
 
-from . import _compiled, _fused
+from . import _compiled, _fused, _transfer
 
 _NO_WEIGHTS = np.zeros(0, dtype=np.float32)
 # The memory:// tables of a step in one native call each way (False: one store call per
@@ -50,15 +50,15 @@ class Part:
 
 
 def pool(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
-         stride: int, weights: torch.Tensor | None) -> torch.Tensor:
+         stride: int, weights: torch.Tensor | None, pinned: bool = False) -> torch.Tensor:
     """The pooled ``(stride, sum of dims)`` output of the fused forward of the int64 ids
     ``flat``; ``where[i]`` is the input block (feature position in the keyed jagged input)
-    of ``parts[i]``."""
+    of ``parts[i]``; ``pinned``: pooled into page-locked memory (for a model on a GPU)."""
     width = parts[-1].column + parts[-1].dim if parts else 0
     w = None if weights is None else np.ascontiguousarray(
-        weights.detach().reshape(-1).to(torch.float32).numpy())
+        weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
     return FusedTables.apply(torch.empty(0, requires_grad=True), parts, where, flat, bounds,
-                             stride, w, width)
+                             stride, w, width, pinned)
 
 
 class FusedTables(torch.autograd.Function):
@@ -68,14 +68,14 @@ class FusedTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, parts: list[Part], where: list[int],
                 flat: np.ndarray, bounds: np.ndarray, stride: int, weights: np.ndarray | None,
-                width: int) -> torch.Tensor:
+                width: int, pinned: bool) -> torch.Tensor:
         ctx.parts = parts
-        return _pool_parts(parts, where, flat, bounds, stride, weights, width)
+        return _pool_parts(parts, where, flat, bounds, stride, weights, width, pinned)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         _step_parts(ctx.parts, grad)
-        return (None,) * 8
+        return (None,) * 9
 
 
 def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.ndarray]:
@@ -85,11 +85,12 @@ def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.nd
 
 
 def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
-                stride: int, weights: np.ndarray | None, width: int) -> torch.Tensor:
+                stride: int, weights: np.ndarray | None, width: int,
+                pinned: bool = False) -> torch.Tensor:
     """Every table's bags into its columns of one ``(stride, width)`` output; each part keeps
     its batch for :func:`_step_parts`. The tables of ``memory://`` stores go through one
     native call (:func:`_pool_together`), the others one store call each."""
-    out = torch.empty(stride, width, dtype=torch.float32)
+    out = _transfer.host_empty((stride, width), pinned)
     buf = out.numpy()
     threads = torch.get_num_threads()
     together = [i for i, p in enumerate(parts) if TABLE_PARALLEL and _native(p.store)]
@@ -235,10 +236,11 @@ def compiled(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
              tables: list[Any], where: list[int], means: list[bool],
              stride: int) -> torch.Tensor:
     """The fused forward as ``embstore::fused_tables`` (``tables``: the collection's table
-    modules in output order, ``where[i]`` the input block of ``tables[i]``)."""
+    modules in output order, ``where[i]`` the input block of ``tables[i]``). The op takes
+    host tensors (a batch on a GPU is copied over: the rows live on the host)."""
     width = sum(t.embedding_dim for t in tables)
-    w = _NONE if weights is None else weights.detach().reshape(-1).to(torch.float32)
-    return _tables_op(values, lengths.to(torch.long), w, tables[0].op_trigger,
+    w = _NONE if weights is None else weights.detach().reshape(-1).to("cpu", torch.float32)
+    return _tables_op(values.cpu(), lengths.to("cpu", torch.long), w, tables[0].op_trigger.cpu(),
                       [t.op_handle for t in tables], where, [int(m) for m in means], stride,
                       width)
 

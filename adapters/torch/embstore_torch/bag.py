@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -92,14 +93,50 @@ class DynamicEmbeddingBag(StoreModule):
             return _compiled.graph_break(self._forward)(input, offsets, per_sample_weights)
         return self._forward(input, offsets, per_sample_weights)
 
-    def _fused_usable(self, input: Any, offsets: Any, psw: torch.Tensor | None) -> bool:
+    def _fused_usable(self, input: Any, offsets: Any, psw: torch.Tensor | None,
+                      eager: bool = False) -> bool:
         """Whether this training call runs as the fused op (``_fused.py``): options that
-        change the rows or the bags (padding, max_norm, ...) take the unfused path."""
-        return (self.use_fused_path and self._writes() and self.padding_key is None
-                and self.max_norm is None and not self.scale_grad_by_freq
-                and not self.include_last_offset and self._counts
+        change the rows (max_norm, scale_grad_by_freq) take the unfused path; eagerly, bags
+        with padding elements or a closing offset are first reshaped (:meth:`_fused_bags`),
+        which a compiled graph leaves to the unfused op (their sizes depend on the data)."""
+        return (self.use_fused_path and self._writes()
+                and (eager or (self.padding_key is None and not self.include_last_offset))
+                and self.max_norm is None and not self.scale_grad_by_freq and self._counts
                 and _fused.usable_input(input, offsets, psw, self.mode)
                 and _fused.store_pools(self._store_here()))
+
+    def _fused_bags(self, input: torch.Tensor, offsets: Any, psw: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, Any, torch.Tensor | None, int]:
+        """``(ids, offsets, weights, n_bags)`` for the fused op: ``include_last_offset``'s
+        closing offset taken off, padding elements dropped from their bags (the bits of the
+        unfused path, which drops them before its lookup)."""
+        offsets = self._open_offsets(input, offsets)
+        n_bags = input.shape[0] if input.dim() == 2 else offsets.shape[0]
+        if self.padding_key is None:
+            return input, offsets, psw, n_bags
+        ids = _fused.int64_ids(input)
+        assert ids is not None  # an integer tensor (usable_input)
+        keep = ids != self.padding_key
+        if input.dim() == 2:
+            lengths = np.full(n_bags, input.shape[1], dtype=np.int64)
+        else:
+            lengths = np.diff(offsets.to("cpu", torch.long).numpy(), append=len(ids))
+        kept = np.bincount(np.repeat(np.arange(n_bags), lengths)[keep], minlength=n_bags)
+        starts = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64)
+        weights = None if psw is None else psw.reshape(-1)[torch.from_numpy(keep).to(psw.device)]
+        return torch.from_numpy(ids[keep]), torch.from_numpy(starts), weights, n_bags
+
+    def _open_offsets(self, input: Any, offsets: Any) -> Any:
+        """``offsets`` without ``include_last_offset``'s closing entry (checked first)."""
+        if not self.include_last_offset:
+            return offsets
+        if offsets is None:
+            raise InvalidInputError("include_last_offset=True needs offsets")
+        offsets = torch.as_tensor(offsets)
+        if offsets.numel() < 1 or int(offsets[-1]) != len(input):
+            raise InvalidInputError("with include_last_offset=True the last offset must "
+                                    f"be len(input) = {len(input)}")
+        return offsets[:-1]
 
     def _check_weights(self, input: Any, offsets: Any, psw: torch.Tensor | None) -> None:
         """torch's checks on ``offsets`` and ``per_sample_weights``, before any lookup."""
@@ -123,18 +160,14 @@ class DynamicEmbeddingBag(StoreModule):
     def _forward(self, input: Any, offsets: Any = None,
                  per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         self._check_weights(input, offsets, per_sample_weights)
-        if self._fused_usable(input, offsets, per_sample_weights):
-            return self._output(_fused.bag(input, offsets, per_sample_weights, self._trigger,
-                                           self._handle, self.mode == "mean",
-                                           self.embedding_dim, self.fused_custom_op))
-        if self.include_last_offset:
-            if offsets is None:
-                raise InvalidInputError("include_last_offset=True needs offsets")
-            offsets = torch.as_tensor(offsets)
-            if offsets.numel() < 1 or int(offsets[-1]) != len(input):
-                raise InvalidInputError("with include_last_offset=True the last offset must "
-                                        f"be len(input) = {len(input)}")
-            offsets = offsets[:-1]
+        if self._fused_usable(input, offsets, per_sample_weights, eager=True):
+            ids, offs_in, psw_in, n_bags = self._fused_bags(input, offsets, per_sample_weights)
+            if ids.numel() == 0:  # every element padding: nothing to read or train
+                return self._empty_output((n_bags, self.embedding_dim))
+            return self._output(_fused.bag(ids, offs_in, psw_in, self._trigger, self._handle,
+                                           self.mode == "mean", self.embedding_dim,
+                                           self.fused_custom_op))
+        offsets = self._open_offsets(input, offsets)
         batch, offs, size = prepare_bags(input, offsets)
         psw = per_sample_weights
         if psw is not None:

@@ -199,9 +199,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
         parts = self._fused_parts(weights)
         flat = _fused.int64_ids(values) if parts is not None else None
         if parts is not None and flat is not None:
-            out = _fused_tables.pool(parts, [where[f] for f in self.features], flat, bounds,
-                                     stride, weights)
             first = self.embedding_bags[next(iter(self.embedding_bags))]
+            out = _fused_tables.pool(parts, [where[f] for f in self.features], flat, bounds,
+                                     stride, weights, first.pooled_pinned)
             return PooledFeatures(list(self.features), [p.dim for p in parts],
                                   first.placed(out))
         pooled: dict[str, torch.Tensor] = {}

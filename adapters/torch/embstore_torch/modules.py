@@ -23,7 +23,7 @@ from embstore import StoreProtocol
 from embstore.errors import EmbstoreError, InvalidInputError, ReadOnlyError
 from embstore.keys import normalize
 
-from . import _compiled, _fused
+from . import _compiled, _fused, _transfer
 from ._bridges import Sink, StoreGather, StoreRows
 from ._checkpoint import restore_store, store_state
 from ._keys import KeyBatch, factorize, int_batch, per_key_sum, prepare
@@ -188,7 +188,9 @@ class StoreModule(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         out = super()._apply(fn, recurse)
         # .double() / .to(dtype) turns the trigger into a non-leaf: it must stay a leaf that
-        # requires grad (the compiled backward hangs on it; deepcopy copies only leaves)
+        # requires grad (the compiled backward hangs on it; deepcopy copies only leaves). It
+        # moves with the module (DDP broadcasts buffers on the model's device): the ops'
+        # backwards give its gradient on its device (_compiled.on_trigger_device).
         trig = self._buffers.get("_trigger")
         if trig is not None and not trig.is_leaf:
             self._buffers["_trigger"] = trig.detach().requires_grad_(True)
@@ -201,7 +203,12 @@ class StoreModule(nn.Module):
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """The float32 rows in the module's device and dtype (autograd casts gradients back)."""
-        return out.to(self._anchor.device, self._anchor.dtype)
+        return _transfer.to_device(out, self._anchor.device, self._anchor.dtype)
+
+    @property
+    def pooled_pinned(self) -> bool:
+        """Whether fused forwards pool into pinned host memory (the module is on a GPU)."""
+        return _transfer.staged(self._anchor.device)
 
     def _store_here(self) -> StoreProtocol:
         """``self.store``, reopened read-only first where this is a forked child."""

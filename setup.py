@@ -30,6 +30,10 @@ extensions = [
     _module("fused", ["embstore/_cython/fused.pyx"],
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", *_OPENMP],
             extra_link_args=_OPENMP),
+    # fused_tables: fused's kernels for a collection's tables, spread over threads
+    _module("fused_tables", ["embstore/_cython/fused_tables.pyx"],
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", *_OPENMP],
+            extra_link_args=_OPENMP),
     _module("cuckoo", ["embstore/_cython/cuckoo.pyx"], extra_compile_args=["-O3"]),
     _module("initrand", ["embstore/_cython/initrand.pyx"], extra_compile_args=["-O3"]),
     _module("strkeys", ["embstore/_cython/strkeys.pyx"], extra_compile_args=["-O3"]),

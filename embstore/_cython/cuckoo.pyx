@@ -542,3 +542,51 @@ cdef int _undo_inserts(CuckooTable table, RecordArena arena, const int64_t[::1] 
     except MemoryError:
         pass            # the slots stay unused: memory is leaked, no record is harmed
     return 0
+
+
+cdef int probe_of(object table, CuckooProbe* p) except -1:
+    """``p``: a view of ``table``'s buckets (a :class:`CuckooTable`), valid until the table
+    next grows or is cleared: the caller holds the store's lock across its use."""
+    cdef CuckooTable t
+    if not isinstance(table, CuckooTable):
+        raise TypeError(f"probe_of: not an int64 cuckoo table: {type(table).__name__}")
+    t = <CuckooTable> table
+    p.buckets, p.mask, p.seed = <const void*> t.buckets, t.mask, t.seed
+    return 0
+
+
+cdef Py_ssize_t probe_find(const CuckooProbe* p, const int64_t* keys, Py_ssize_t n,
+                           uint32_t* out) noexcept nogil:
+    """:meth:`CuckooTable.find` through a view (the same hash and buckets, read only): the
+    slot of each key into ``out`` (``EMPTY`` when absent); returns how many were absent."""
+    cdef const Bucket* buckets = <const Bucket*> p.buckets
+    cdef const Bucket* b
+    cdef Py_ssize_t j, missing = 0
+    cdef uint64_t h, b1, b2
+    cdef uint32_t v
+    cdef int i
+    for j in range(n):
+        if j + PREFETCH_AHEAD < n:
+            h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD] ^ p.seed)
+            ES_PREFETCH(&buckets[h & p.mask])
+            ES_PREFETCH(&buckets[_other(h, p.mask)])
+        h = mix64(<uint64_t> keys[j] ^ p.seed)
+        b1 = h & p.mask
+        v = EMPTY
+        for b2 in range(2):
+            b = &buckets[b1 if b2 == 0 else _other(h, p.mask)]
+            for i in range(BUCKET):
+                if b.vals[i] != EMPTY and b.keys[i] == keys[j]:
+                    v = b.vals[i]
+                    break
+            if v != EMPTY:
+                break
+        out[j] = v
+        missing += v == EMPTY
+    return missing
+
+
+cdef inline uint64_t _other(uint64_t h, uint64_t mask) noexcept nogil:
+    # CuckooTable._b2: the second bucket, never the first
+    cdef uint64_t b = (h >> 32) & mask
+    return b ^ 1 if b == (h & mask) else b

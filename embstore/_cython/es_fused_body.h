@@ -266,6 +266,16 @@ ES_ATTR static inline uint32_t ES_NAME(es_bits)(uint32_t base, ptrdiff_t k) {
     return h;
 }
 
+/* One float32 value to bfloat16: to nearest even, or (stochastic) by adding the upper 16 of
+   the random bits before the cut; NaN stays a quiet NaN */
+ES_ATTR static inline uint16_t ES_NAME(es_round_bf16)(float x, uint32_t bits, int stochastic) {
+    uint32_t b, add, nan;
+    memcpy(&b, &x, 4);
+    add = stochastic ? (bits >> 16) : 0x7FFFu + ((b >> 16) & 1u);
+    nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+    return (uint16_t) (nan ? ((b >> 16) | 0x40u) : ((b + add) >> 16));
+}
+
 /* float32 values into a 16-bit field (kind ES_BF16 or ES_F16): to nearest even, or
    stochastically from the bits of es_bits. bfloat16 adds 16 random bits before the cut;
    float16 takes es_f32_to_f16_sr's upper neighbour below a uniform draw of 24 bits. NaN
@@ -283,12 +293,41 @@ ES_ATTR static void ES_NAME(es_round_field)(const float* restrict wide, uint16_t
         }
         return;
     }
-    for (k = 0; k < n; k++) {
-        uint32_t b, add, nan, h = ES_NAME(es_bits)(base, k);
-        memcpy(&b, wide + k, 4);
-        add = stochastic ? (h >> 16) : 0x7FFFu + ((b >> 16) & 1u);
-        nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
-        out[k] = (uint16_t) (nan ? ((b >> 16) | 0x40u) : ((b + add) >> 16));
+    for (k = 0; k < n; k++)
+        out[k] = ES_NAME(es_round_bf16)(wide[k], ES_NAME(es_bits)(base, k), stochastic);
+}
+
+#ifndef ES_FIELD_BASE
+#define ES_FIELD_BASE
+/* The stream base of field f of key u (see es_step_narrow) */
+static inline uint32_t es_field_base(uint64_t seed, uint64_t u, ptrdiff_t f) {
+    uint64_t salt = (uint64_t) (f >> 1) * 0xD6E8FEB86659FD93ull;
+    return (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) (f & 1)) ^ salt);
+}
+#endif
+
+/* Row-wise Adagrad on a bfloat16 vector with a float32 accumulator, in one pass: each
+   coordinate widened, stepped (es_step_row's arithmetic) and rounded back (es_round_field's)
+   in registers, with no float32 copy of the row: the bits of es_step_narrow's three passes. */
+ES_ATTR static void ES_NAME(es_step_rowwise_bf16)(uint8_t* row, const float* restrict s,
+                                                  ptrdiff_t d, const es_rule_t* r,
+                                                  ptrdiff_t vec_offset, ptrdiff_t acc_offset,
+                                                  uint64_t seed, int stochastic, uint64_t u) {
+    uint16_t* restrict h = (uint16_t*) (row + vec_offset);
+    float acc, sc;
+    uint32_t base = es_field_base(seed, u, 0);
+    ptrdiff_t k;
+    memcpy(&acc, row + acc_offset, 4);
+    acc = acc + (d ? es_sumsq(s, d) / (float) d : 0.0f);
+    memcpy(row + acc_offset, &acc, 4);
+    sc = r->lr / (sqrtf(acc) + r->eps);
+    if (stochastic) {
+        for (k = 0; k < d; k++)
+            h[k] = ES_NAME(es_round_bf16)(es_bf16_to_f32(h[k]) - s[k] * sc,
+                                          ES_NAME(es_bits)(base, k), 1);
+    } else {
+        for (k = 0; k < d; k++)
+            h[k] = ES_NAME(es_round_bf16)(es_bf16_to_f32(h[k]) - s[k] * sc, 0u, 0);
     }
 }
 
@@ -303,6 +342,10 @@ ES_ATTR static void ES_NAME(es_step_narrow)(uint8_t* row, const float* restrict 
                                             int vec_kind, int acc_kind, float* restrict tmp,
                                             uint64_t seed, int stochastic, uint64_t u) {
     ptrdiff_t sw = es_slot_width(r->rule, d), k, f, nf = 1 + es_rule_slots(r->rule);
+    if (r->rule == ES_RULE_ADAGRAD_ROWWISE && vec_kind == ES_BF16 && acc_kind == ES_F32) {
+        ES_NAME(es_step_rowwise_bf16)(row, s, d, r, vec_offset, acc_offset, seed, stochastic, u);
+        return;
+    }
     for (f = 0; f < nf; f++) {
         ptrdiff_t n = f ? sw : d;
         const uint16_t* field = (const uint16_t*) (row + (f == 0 ? vec_offset
@@ -323,13 +366,11 @@ ES_ATTR static void ES_NAME(es_step_narrow)(uint8_t* row, const float* restrict 
         uint8_t* field = row + (f == 0 ? vec_offset : f == 1 ? acc_offset : acc2_offset);
         const float* w = tmp + (f ? d + (f - 1) * sw : 0);
         int kind = f ? acc_kind : vec_kind;
-        uint64_t salt = (uint64_t) (f >> 1) * 0xD6E8FEB86659FD93ull;
         if (kind == ES_F32) {
             memcpy(field, w, (size_t) n * sizeof(float));
             continue;
         }
         ES_NAME(es_round_field)(w, (uint16_t*) field, n, kind, stochastic,
-                                (uint32_t) es_mix64(seed ^ es_mix64(2 * u + (uint64_t) (f & 1))
-                                                    ^ salt));
+                                es_field_base(seed, u, f));
     }
 }

@@ -33,11 +33,6 @@ cdef extern from "es_rowsq.h":
     float es_sumsq(const float* x, Py_ssize_t d) noexcept nogil
 
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
-    ctypedef struct es_rule_t:
-        int rule
-        float alpha, lr, eps
-        float h[4]
-        double thresh
     int es_rule_slots(int rule) noexcept nogil
     Py_ssize_t es_slot_width(int rule, Py_ssize_t d) noexcept nogil
     void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
@@ -59,13 +54,7 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
                         int vec_kind, int acc_kind, float* tmp, uint64_t seed, int stochastic,
                         uint64_t u) noexcept nogil
 
-# How a float field is stored (``KINDS[name]``): float32, bfloat16 (its upper 16 bits) or
-# IEEE float16 (the values of es_fused.h's ES_F32, ES_BF16, ES_F16)
-cdef enum:
-    KIND_F32 = 0
-    KIND_BF16 = 1
-    KIND_F16 = 2
-
+# How a float field is stored (``KINDS[name]``; fused.pxd's KIND_*)
 KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
 
 cdef enum:
@@ -75,11 +64,6 @@ cdef enum:
     # at all: below that a fork and join costs more than it saves.
     CHUNK = 64
     MIN_SPLIT = 16384
-
-
-cdef inline Py_ssize_t SCRATCH(Py_ssize_t d) noexcept nogil:
-    """Floats of one thread's scratch in :func:`step_bags` (see ``es_step_narrow``)."""
-    return 3 * d + 2
 
 
 cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
@@ -125,44 +109,55 @@ def dedupe(const int64_t[::1] keys, int64_t[::1] uniq, int64_t[::1] inv,
     """Distinct ``keys`` into ``uniq`` (first-seen order), each key's row of ``uniq`` into
     ``inv`` and each distinct key's occurrences into ``counts``; returns how many are
     distinct. Output arrays need ``len(keys)`` rows."""
-    cdef Py_ssize_t n = keys.shape[0], i, nu = 0
+    cdef Py_ssize_t n = keys.shape[0], nu
+    if uniq.shape[0] < n or inv.shape[0] < n or counts.shape[0] < n:
+        raise ValueError("dedupe: output arrays are shorter than the keys")
+    with nogil:
+        nu = dedupe_keys(&keys[0] if n else NULL, n, &uniq[0] if n else NULL,
+                         &inv[0] if n else NULL, &counts[0] if n else NULL)
+    if nu < 0:
+        raise MemoryError("dedupe: no memory for the hash table")
+    return nu
+
+
+cdef Py_ssize_t dedupe_keys(const int64_t* keys, Py_ssize_t n, int64_t* uniq, int64_t* inv,
+                            int64_t* counts) noexcept nogil:
+    """:func:`dedupe` of ``n`` keys (one open-addressing pass); -1: no memory."""
+    cdef Py_ssize_t i, nu = 0
     cdef uint64_t cap = 16, mask, h
     cdef int64_t k, u
     cdef int64_t* table
-    if uniq.shape[0] < n or inv.shape[0] < n or counts.shape[0] < n:
-        raise ValueError("dedupe: output arrays are shorter than the keys")
     while cap < <uint64_t> (2 * n):
         cap <<= 1
     mask = cap - 1
     table = <int64_t*> malloc(cap * sizeof(int64_t))
     if table == NULL:
-        raise MemoryError("dedupe: no memory for the hash table")
-    with nogil:
-        memset(table, 0xFF, cap * sizeof(int64_t))   # -1: empty
-        for i in range(n):
-            k = keys[i]
-            h = _mix(<uint64_t> k) & mask
-            while True:
-                u = table[h]
-                if u < 0:
-                    table[h] = nu
-                    uniq[nu] = k
-                    counts[nu] = 1
-                    inv[i] = nu
-                    nu += 1
-                    break
-                if uniq[u] == k:
-                    counts[u] += 1
-                    inv[i] = u
-                    break
-                h = (h + 1) & mask
+        return -1
+    memset(table, 0xFF, cap * sizeof(int64_t))   # -1: empty
+    for i in range(n):
+        k = keys[i]
+        h = _mix(<uint64_t> k) & mask
+        while True:
+            u = table[h]
+            if u < 0:
+                table[h] = nu
+                uniq[nu] = k
+                counts[nu] = 1
+                inv[i] = nu
+                nu += 1
+                break
+            if uniq[u] == k:
+                counts[u] += 1
+                inv[i] = u
+                break
+            h = (h + 1) & mask
     free(table)
     return nu
 
 
-cdef int _check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
-                     const float[::1] weights, Py_ssize_t n_bags, Py_ssize_t n_rows,
-                     str what) except -1:
+cdef int check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
+                    const float[::1] weights, Py_ssize_t n_bags, Py_ssize_t n_rows,
+                    str what) except -1:
     cdef Py_ssize_t b, e
     if offsets.shape[0] != n_bags + 1 or offsets[0] != 0 or offsets[n_bags] > inv.shape[0]:
         raise ValueError(f"{what}: offsets must be n_bags + 1 bounds within the input")
@@ -199,7 +194,7 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
         raise ValueError("pool: the vector field does not fit the record")
     if d > 1 and out.strides[1] != sizeof(float):
         raise ValueError("pool: each output row must be contiguous")
-    _check_bags(inv, offsets, weights, n_bags, nu, "pool")
+    check_bags(inv, offsets, weights, n_bags, nu, "pool")
     arena._check_slots(slots, "pool")
     rows = <const float**> malloc((nu if nu else 1) * sizeof(float*))
     if rows == NULL:
@@ -229,7 +224,7 @@ def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::
     if sums.shape[1] != d or (d > 1 and grad.strides[1] != sizeof(float)):
         raise ValueError("grad_sums: the sums must have the gradient's width, and gradient "
                          "rows must be contiguous")
-    _check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
+    check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
     scaled = <float*> malloc((d if d else 1) * sizeof(float))
     if scaled == NULL:
         raise MemoryError("grad_sums: no memory")
@@ -290,12 +285,13 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     cdef float* scratch
     cdef int bad = 0
     cdef StepSpec sp
-    _step_spec(&sp, arena.itemsize, d, rule, alpha, lr, eps, hyper, vec_offset, acc_offset,
+    cdef StepJob job
+    step_spec(&sp, arena.itemsize, d, rule, alpha, lr, eps, hyper, vec_offset, acc_offset,
                acc2_offset, vec_kind, acc_kind, seed, stochastic)
     if d > 1 and grad.strides[1] != sizeof(float):
         raise ValueError("step_bags: gradient rows must be contiguous")
     arena._check_metadata(nu, add_offsets, add_values, set_offsets, set_bits, "step_bags")
-    _check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
+    check_bags(inv, offsets, weights, n_bags, nu, "step_bags")
     arena._check_slots(slots, "step_bags")
     sums = <float*> malloc((nu * d + d + 1) * sizeof(float))  # the sums, then a scratch row
     if sums == NULL:
@@ -315,24 +311,23 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     if scratch == NULL:
         free(sums)
         raise MemoryError("step_bags: no memory")
+    step_job(&job, arena, slots, sums, &sp, add_offsets, add_values, set_offsets, set_bits)
     with nogil:
         if nt == 1:  # (an OpenMP region of one thread still costs its setup)
             for u in range(nu):
-                _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
-                          set_bits, scratch)
+                _step_key(&job, u, scratch)
         else:
             for u in prange(nu, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
-                _step_key(arena, slots, u, sums, &sp, add_offsets, add_values, set_offsets,
-                          set_bits, scratch + threadid() * SCRATCH(d))
+                _step_key(&job, u, scratch + threadid() * SCRATCH(d))
     free(scratch)
     free(sums)
     return True
 
 
-cdef int _step_spec(StepSpec* sp, Py_ssize_t itemsize, Py_ssize_t d, int rule, float alpha,
-                    float lr, float eps, const double[::1] hyper, Py_ssize_t vec_offset,
-                    Py_ssize_t acc_offset, Py_ssize_t acc2_offset, int vec_kind, int acc_kind,
-                    uint64_t seed, bint stochastic) except -1:
+cdef int step_spec(StepSpec* sp, Py_ssize_t itemsize, Py_ssize_t d, int rule, float alpha,
+                   float lr, float eps, const double[::1] hyper, Py_ssize_t vec_offset,
+                   Py_ssize_t acc_offset, Py_ssize_t acc2_offset, int vec_kind, int acc_kind,
+                   uint64_t seed, bint stochastic) except -1:
     """``sp``: one table's step as :func:`step_bags` takes it (records of ``itemsize`` bytes,
     gradients of width ``d``), checked: a ``ValueError`` for an unknown rule or field kind,
     missing constants, or float fields outside the record."""
@@ -375,43 +370,50 @@ cdef int _rule_of(es_rule_t* r, int rule, float alpha, float lr, float eps,
     return 0
 
 
-cdef struct StepSpec:
-    es_rule_t r
-    Py_ssize_t d, vec_offset, acc_offset, acc2_offset
-    int vec_kind, acc_kind
-    uint64_t seed
-    bint stochastic
+cdef int step_job(StepJob* j, RecordArena arena, const uint32_t[::1] slots, const float* sums,
+                  const StepSpec* sp, const Py_ssize_t[::1] add_offsets,
+                  const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
+                  const uint64_t[::1] set_bits) except -1:
+    """``j``: the step of the keys at ``slots`` (checked by the caller) with their ``sums``."""
+    j.chunks, j.low_mask, j.itemsize, j.shift = arena.chunks, arena.low_mask, arena.itemsize, \
+        arena.shift
+    j.slots, j.nu, j.sums, j.sp = &slots[0] if slots.shape[0] else NULL, slots.shape[0], sums, sp[0]
+    j.n_add, j.n_set = add_offsets.shape[0], set_offsets.shape[0]
+    j.add_offsets = &add_offsets[0] if j.n_add else NULL
+    j.add_values = &add_values[0, 0] if j.n_add and j.nu else NULL
+    j.add_stride = add_values.shape[1]
+    j.set_offsets = &set_offsets[0] if j.n_set else NULL
+    j.set_bits = &set_bits[0] if j.n_set else NULL
+    return 0
 
 
-cdef inline void _step_key(RecordArena arena, const uint32_t[::1] slots, Py_ssize_t u,
-                           const float* sums, const StepSpec* sp,
-                           const Py_ssize_t[::1] add_offsets, const int64_t[:, ::1] add_values,
-                           const Py_ssize_t[::1] set_offsets, const uint64_t[::1] set_bits,
-                           float* scratch) noexcept nogil:
+cdef inline void _step_key(const StepJob* j, Py_ssize_t u, float* scratch) noexcept nogil:
     """Key ``u``'s record: its optimizer step, counts and stamps, in one visit."""
     cdef uint8_t* row
-    cdef Py_ssize_t f, d = sp.d
-    if u + AHEAD < slots.shape[0]:  # every line of the record AHEAD keys on
-        row = _row_at(arena, slots[u + AHEAD])
-        for f in range(0, arena.itemsize, 64):
+    cdef Py_ssize_t f, d = j.sp.d
+    cdef const StepSpec* sp = &j.sp
+    if u + AHEAD < j.nu:  # every line of the record AHEAD keys on
+        row = _job_row(j, j.slots[u + AHEAD])
+        for f in range(0, j.itemsize, 64):
             ES_PREFETCH_W(row + f)
-        ES_PREFETCH_W(row + arena.itemsize - 1)
-    row = _row_at(arena, slots[u])
+        ES_PREFETCH_W(row + j.itemsize - 1)
+    row = _job_row(j, j.slots[u])
     if sp.vec_kind == KIND_F32 and sp.acc_kind == KIND_F32:
-        es_step_row(row, &sums[u * d], d, &sp.r, sp.vec_offset, sp.acc_offset, sp.acc2_offset)
+        es_step_row(row, &j.sums[u * d], d, &sp.r, sp.vec_offset, sp.acc_offset,
+                    sp.acc2_offset)
     else:
-        es_step_narrow(row, &sums[u * d], d, &sp.r, sp.vec_offset, sp.acc_offset,
+        es_step_narrow(row, &j.sums[u * d], d, &sp.r, sp.vec_offset, sp.acc_offset,
                        sp.acc2_offset, sp.vec_kind, sp.acc_kind, scratch, sp.seed,
                        sp.stochastic, u)
-    for f in range(add_offsets.shape[0]):
-        (<int64_t*> (row + add_offsets[f]))[0] += add_values[f, u]
-    for f in range(set_offsets.shape[0]):
-        memcpy(row + set_offsets[f], &set_bits[f], 8)
+    for f in range(j.n_add):
+        (<int64_t*> (row + j.add_offsets[f]))[0] += j.add_values[f * j.add_stride + u]
+    for f in range(j.n_set):
+        memcpy(row + j.set_offsets[f], &j.set_bits[f], 8)
 
 
-cdef inline uint8_t* _row_at(RecordArena arena, uint32_t s) noexcept nogil:
+cdef inline uint8_t* _job_row(const StepJob* j, uint32_t s) noexcept nogil:
     # the arena's row arithmetic, inlined: RecordArena._row is a call into another module
-    return arena.chunks[s >> arena.shift] + (s & arena.low_mask) * arena.itemsize
+    return j.chunks[s >> j.shift] + (s & j.low_mask) * j.itemsize
 
 
 cdef int _grouped_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
@@ -461,3 +463,11 @@ def split_threads(int threads, Py_ssize_t work):
     """How many native threads a kernel call of ``work`` floats uses when ``threads`` are
     asked for (small calls stay on one: a fork and join would cost more)."""
     return _split(threads, work)
+
+
+cdef void step_all(const StepJob* j, float* scratch) noexcept nogil:
+    """Every key of ``j`` stepped in order on this thread (``scratch``: ``SCRATCH(d)``
+    floats)."""
+    cdef Py_ssize_t u
+    for u in range(j.nu):
+        _step_key(j, u, scratch)

@@ -145,6 +145,16 @@ class RowKernels:
         16-bit fields round back to nearest, or stochastically from the 64-bit seed
         ``rounding``. The rule's ``params`` are ``(lr, eps, *hyper)`` in the kernel's terms
         (:meth:`~embstore.optim.Optimizer.fused_rule`)."""
+        args = self.step_args(arena, slots, update, inv, offsets, weights, mean, grad, threads,
+                              rounding)
+        return None if args is None else bool(fused.step_bags(*args))
+
+    def step_args(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
+                  offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
+                  threads: int, rounding: int | None = None) -> tuple | None:
+        """The arguments of :meth:`step_bags`' :func:`~embstore._cython.fused.step_bags` call
+        (also a table's step of :func:`~embstore._cython.fused.step_tables`); None where the
+        kernels do not cover this layout or rule."""
         name, alpha, _ = update.axpy
         rule = update.rule
         plan = self._plan(update, grad.shape[1:], narrow=True)
@@ -154,13 +164,11 @@ class RowKernels:
         counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
         lr, eps, *hyper = rule.params if rule is not None else (0.0, 0.0)
         kind = fused.RULES["axpy" if rule is None else rule.name]
-        return bool(fused.step_bags(arena, slots, inv, offsets, weights, mean, grad, kind,
-                                    float(alpha), lr, eps, axpy_offset, acc_offset, add_offsets,
-                                    counts, set_offsets, bits, threads,
-                                    fused.KINDS[self.layout.value_dtype],
-                                    fused.KINDS[self.layout.slot_dtype],
-                                    rounding or 0, rounding is not None,
-                                    np.array(hyper, dtype=np.float64), acc2_offset))
+        return (arena, slots, inv, offsets, weights, mean, grad, kind, float(alpha), lr, eps,
+                axpy_offset, acc_offset, add_offsets, counts, set_offsets, bits, threads,
+                fused.KINDS[self.layout.value_dtype], fused.KINDS[self.layout.slot_dtype],
+                rounding or 0, rounding is not None, np.array(hyper, dtype=np.float64),
+                acc2_offset)
 
     def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:
         rule = update.rule
@@ -202,6 +210,8 @@ def recall(last: tuple[Any, np.ndarray, int] | None, epoch: int,
 
 def same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
     """Whether ``keys`` are the batch ``snapshot`` was taken of."""
+    if snapshot is keys:  # (a batch kept as it is: BagKernels.snapshot)
+        return True
     if isinstance(snapshot, KeySnapshot):
         return keys.dtype == object and snapshot.same(keys)  # numpy compares in Python
     return keys.dtype != object and np.array_equal(snapshot, keys)

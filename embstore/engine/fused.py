@@ -5,6 +5,10 @@ compiled :func:`~embstore._cython.fused.dedupe` pass), has the backend place its
 their vectors straight into the bags (``Backend.lookup_pool``), and hands it back to the
 caller; ``update_bags`` later turns the pooled gradient into per-key sums with
 :meth:`BagBatch.grad_sums` (compiled) and applies them as ``update`` does (no regrouping).
+
+:func:`probe_pool`, :func:`sum_tables` and :func:`step_tables` run the same kernels for the
+tables of several ``memory://`` stores in one call, spread over native threads (a
+collection's step: ``MemoryBackend.fused_table``).
 """
 
 from __future__ import annotations
@@ -13,13 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from .._cython import fused
+from .._cython import fused, fused_tables
 from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
-__all__ = ["BagBatch", "bag_batch"]
+__all__ = ["BagBatch", "bag_batch", "probe_pool", "step_tables", "sum_tables"]
 
 _NO_WEIGHTS = np.zeros(0, dtype=np.float32)
+
+# The table-parallel calls of a collection's fused step (several memory:// tables in one
+# native call, tables spread over threads; embstore_torch's _fused_tables.py): see the kernels
+probe_pool = fused_tables.probe_pool
+sum_tables = fused_tables.sum_tables
+step_tables = fused_tables.step_tables
 
 
 class BagBatch:

@@ -22,14 +22,20 @@ general path; both give the same bits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from embstore.engine.fused import bag_batch
+from embstore.engine.fused import BagBatch, bag_batch, probe_pool, step_tables, sum_tables
 
 from . import _compiled, _fused, _transfer
+
+_NO_WEIGHTS = np.zeros(0, dtype=np.float32)
+# The memory:// tables of a step in one native call each way (False: one store call per
+# table, as before; the bits are the same, for comparisons)
+TABLE_PARALLEL = True
 
 
 class Part:
@@ -82,12 +88,21 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
                 stride: int, weights: np.ndarray | None, width: int,
                 pinned: bool = False) -> torch.Tensor:
     """Every table's bags into its columns of one ``(stride, width)`` output; each part keeps
-    its batch for :func:`_step_parts`."""
+    its batch for :func:`_step_parts`. The tables of ``memory://`` stores go through one
+    native call (:func:`_pool_together`), the others one store call each."""
     out = _transfer.host_empty((stride, width), pinned)
     buf = out.numpy()
     threads = torch.get_num_threads()
-    for part, block in zip(parts, where, strict=True):
-        lo, hi, offsets = _block(block, bounds, stride)
+    together = [i for i, p in enumerate(parts) if TABLE_PARALLEL and _native(p.store)]
+    if not _distinct([parts[i] for i in together]) or (np.diff(bounds) < 0).any():
+        together = []  # (bad lengths: each store's own call says so)
+    rest = [i for i in range(len(parts)) if i not in together]
+    if together:
+        _pool_together([parts[i] for i in together], [where[i] for i in together], flat,
+                       bounds, stride, weights, buf, threads)
+    for i in rest:
+        part = parts[i]
+        lo, hi, offsets = _block(where[i], bounds, stride)
         got = part.store.pool_bags(flat[lo:hi], offsets,
                                    weights=None if weights is None else weights[lo:hi],
                                    mean=part.mean, threads=threads,
@@ -98,12 +113,122 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
     return out
 
 
+def _distinct(parts: list[Part]) -> bool:
+    """Whether ``parts`` are two or more tables of as many backends (a backend twice would be
+    stepped by two threads at once, where one call per table steps it twice in order)."""
+    return len(parts) >= 2 and len({id(p.store.backend) for p in parts}) == len(parts)
+
+
+def _native(store: Any) -> bool:
+    """Whether ``store``'s tables take the table-parallel calls: a ``memory://`` backend
+    (``fused_table``) on the fused path (int64 keys), with no policy that acts on rows after an
+    update (expiry, eviction) or optimizer that prunes them: its step may wait for the others'
+    bookkeeping."""
+    if not (hasattr(store, "writer") and hasattr(store, "backend")):
+        return False
+    policy = getattr(store.writer, "policy", None)
+    return (hasattr(store.backend, "fused_table") and policy is not None
+            and policy.expiry is None and policy.eviction is None
+            and not getattr(store.optimizer, "prune", False) and store.fused_bags())
+
+
+def _holding(parts: list[Part]) -> contextlib.ExitStack:
+    """Every part's store lock, taken in one global order (by identity), so that two threads
+    stepping collections that share stores in different orders cannot deadlock."""
+    locks = {id(lock): lock for lock in (p.store.backend.fused_table()[0] for p in parts)}
+    stack = contextlib.ExitStack()
+    try:
+        for key in sorted(locks):
+            stack.enter_context(locks[key])
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
+                   stride: int, weights: np.ndarray | None, buf: np.ndarray,
+                   threads: int) -> None:
+    """:func:`_pool_parts` of ``memory://`` tables: their dedupe, probe and pooling in one
+    native call over ``threads`` threads (``fused.probe_pool``), each store's lock held; a
+    table with new ids inserts them (those only: the probe found the others) and pools on its
+    own afterwards (``lookup_pool``). Each store's bookkeeping (counters, the slots for its
+    step) then goes as ``pool_bags``'."""
+    n = len(flat)
+    uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
+    slots = np.empty(n, dtype=np.uint32)
+    w = _NO_WEIGHTS if weights is None else weights
+    with _holding(parts):
+        specs, blocks = [], []
+        for part, block in zip(parts, where, strict=True):
+            part.store.check_open()
+            _, table, arena, bags = part.store.backend.fused_table()  # (read under the lock)
+            lo, hi = int(bounds[block * stride]), int(bounds[(block + 1) * stride])
+            offsets = np.ascontiguousarray(bounds[block * stride:(block + 1) * stride + 1] - lo,
+                                           dtype=np.int64)  # the n_bags + 1 bounds
+            offset, kind = bags.vector_field()
+            specs.append((table, arena, flat[lo:hi], uniq[lo:hi], inv[lo:hi], counts[lo:hi],
+                          slots[lo:hi], offsets, w[lo:hi] if len(w) else w, offset, part.mean,
+                          buf[:, part.column:part.column + part.dim], kind))
+            blocks.append((lo, hi, offsets, bags))
+        found = np.empty((len(specs), 2), dtype=np.int64)
+        probe_pool(specs, found, threads)
+        for part, (lo, hi, offsets, bags), (nu, absent) in zip(parts, blocks, found.tolist(),
+                                                                strict=True):
+            part.batch = BagBatch(uniq[lo:lo + nu], inv[lo:hi], counts[lo:lo + nu], offsets,
+                                  w[lo:hi] if len(w) else w, part.mean)
+            bags.pooled_ahead(part.batch.uniq, slots[lo:lo + nu], absent)
+            try:
+                part.store.writer.pool(part.batch, buf[:, part.column:part.column + part.dim],
+                                       threads)
+            finally:
+                bags.pooled_ahead(None)
+
+
 def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:
-    """Each table's step with its columns of the output's gradient."""
+    """Each table's step with its columns of the output's gradient; the ``memory://`` tables'
+    gradient sums and steps in two native calls over the threads (:func:`_step_together`)."""
     g = grad.detach().to("cpu", torch.float32)
+    together = [p for p in parts if TABLE_PARALLEL and _native(p.store)]
+    if not _distinct(together):
+        together = []
+    else:
+        _step_together(together, g, torch.get_num_threads())
     for part in parts:
-        _fused.update_block(part.store, part.batch, part.count,
-                            g[:, part.column:part.column + part.dim])
+        if not any(part is p for p in together):
+            _fused.update_block(part.store, part.batch, part.count,
+                                g[:, part.column:part.column + part.dim])
+
+
+def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
+    """The steps of ``memory://`` tables: every table's per-id gradient sums in one native
+    call (``fused.sum_tables``), then each store's ``update_bags`` as usual, whose kernel call
+    is only noted (``BagKernels.defer_step``), then every noted step in one native call
+    (``fused.step_tables``), each store's lock held throughout. A table whose sums are not
+    finite takes its own path (which raises, as it would have): the tables before it are
+    stepped, none after it."""
+    if g.stride(1) != 1:  # (an expanded gradient: the kernels read contiguous rows)
+        g = g.contiguous()
+    grads = [g[:, p.column:p.column + p.dim] for p in parts]
+    sums = [np.empty((len(p.batch.uniq), p.dim), dtype=np.float32) for p in parts]
+    finite = np.empty(len(parts), dtype=np.uint8)
+    steps: list = []
+    with _holding(parts):
+        tables = [part.store.backend.fused_table()[3] for part in parts]
+        sum_tables([(p.batch.inv, p.batch.offsets, p.batch.weights, p.batch.mean,
+                           gb.numpy(), s) for p, gb, s in zip(parts, grads, sums, strict=True)],
+                         finite, threads)
+        try:
+            for part, gb, s, ok, bags in zip(parts, grads, sums, finite.tolist(), tables,
+                                             strict=True):
+                if ok:
+                    bags.defer_step(part.batch.uniq, s, steps)
+                try:
+                    _fused.update_block(part.store, part.batch, part.count, gb)
+                finally:
+                    bags.defer_step(None)
+        finally:
+            step_tables(steps, threads)
 
 
 # -- under torch.compile: one op for every table -----------------------------------------------

@@ -16,6 +16,8 @@ the dense part stepped by ``torch.optim.SGD``. Contenders:
   into its columns of one output, one autograd node, as FBGEMM's op;
 - ``embstore-bf16``: ``embstore`` with ``value_dtype="bfloat16"`` rows (half the bytes per
   row; pooled straight from the 16-bit rows, stepped and stochastically rounded in one pass);
+- ``embstore-per-table``: ``embstore`` with one native call per table (the path before the
+  table-parallel calls; ``_fused_tables.TABLE_PARALLEL = False``), for their 2-thread gain;
 - ``embstore-bags``: the same stores behind one ``DynamicEmbeddingBag(mode="sum")`` per table,
   their outputs concatenated (one fused call and one autograd node per table);
 - ``embstore-unfused``: the same with ``use_fused_path = False`` (the path before the fused
@@ -134,6 +136,9 @@ class Contender:
         batch = self.shape[0]
         self.lengths = self.torch.full((features * batch,), bag, dtype=self.torch.long)
 
+    def _init_embstore_per_table(self, rows: int, features: int, bag: int) -> None:
+        self._init_embstore(rows, features, bag)
+
     def _init_embstore_bf16(self, rows: int, features: int, bag: int) -> None:
         self._init_embstore(rows, features, bag, value_dtype="bfloat16")
 
@@ -168,9 +173,11 @@ class Contender:
         batch, features, bag = self.shape
         if self.kind == "fbgemm":  # table-major flat indices, one bag per (table, sample)
             pooled = self.tbe(torch.from_numpy(ids.reshape(-1)), self.offsets)
-        elif self.kind in ("embstore", "embstore-bf16"):  # table-major ids as a KeyedJagged
-            from embstore_torch import KeyedJagged
+        elif self.kind in ("embstore", "embstore-bf16", "embstore-per-table"):
+            from embstore_torch import KeyedJagged, _fused_tables
 
+            # table-major ids as a KeyedJagged; embstore-per-table: one native call per table
+            _fused_tables.TABLE_PARALLEL = self.kind != "embstore-per-table"
             kj = KeyedJagged(self.names, torch.from_numpy(ids.reshape(-1)), self.lengths)
             pooled = self.collection(kj).values()
         else:

@@ -1,0 +1,69 @@
+"""The ANN index's build threads and its fresh segment's blocked product: a one-thread build
+answers the same candidates every time, and the segment's scores equal one matrix product's
+whatever its length and the number of queries."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore.errors import InvalidInputError
+from embstore.sampling.keyindex import KeyIndex
+
+pytest.importorskip("usearch")
+
+from embstore.service.ann import _BLOCK, AnnIndex, _segment_scores  # noqa: E402
+
+
+def test_a_one_thread_build_answers_the_same_candidates_every_time():
+    rng = np.random.default_rng(21)
+    n, dim, k = 5000, 16, 10
+    store = embstore.open("memory://", dim=dim)
+    store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
+    guard = threading.RLock()
+    q = rng.standard_normal((40, dim), dtype=np.float32)
+    answers = []
+    for _ in range(3):
+        # k candidates from a narrow search: the answer is whatever the graph reaches
+        ann = AnnIndex(store, guard, threads=1, oversample=1, expansion_search=k,
+                       connectivity=8, rebuild_at=1.0)
+        with guard:
+            answers.append(ann.top_k(q, k).keys.tolist())
+        store.remove_observer(ann)
+    with guard:
+        exact = store.top_k(q, k).keys.tolist()
+    assert answers[0] != exact           # the graph decides what is found...
+    assert answers[1] == answers[0] and answers[2] == answers[0]   # ...the same way each time
+
+
+def test_build_threads_must_not_be_negative():
+    store = embstore.open("memory://", dim=4)
+    with pytest.raises(InvalidInputError, match="threads"):
+        AnnIndex(store, threading.RLock(), threads=-1)
+
+
+@pytest.mark.parametrize("n", [1, _BLOCK - 1, _BLOCK, _BLOCK + 1, 1000, 3000])
+@pytest.mark.parametrize("nq", [1, 3])
+def test_the_segment_is_scored_as_one_product(n, nq):
+    rng = np.random.default_rng(n + nq)
+    dim = 24
+    seg = KeyIndex("int64", {"vector": (np.float32, (dim,))})
+    seg.upsert(np.arange(n), {"vector": rng.standard_normal((n, dim), dtype=np.float32)})
+    seg.remove(np.arange(0, n, 7))      # the tail moves into the holes; stale rows stay past n
+    q = rng.standard_normal((nq, dim), dtype=np.float32)
+    got = _segment_scores(seg, q)
+    assert got.shape == (nq, seg.n)
+    np.testing.assert_allclose(got, q @ seg.col("vector").T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_segment_whose_rows_do_not_fill_whole_blocks_is_scored_too():
+    rng = np.random.default_rng(22)
+    seg = KeyIndex("int64", {"vector": (np.float32, (8,))}, capacity=_BLOCK + 3)
+    seg.upsert(np.arange(_BLOCK + 2), {"vector": rng.standard_normal((_BLOCK + 2, 8),
+                                                                    dtype=np.float32)})
+    q = rng.standard_normal((2, 8), dtype=np.float32)
+    np.testing.assert_allclose(_segment_scores(seg, q), q @ seg.col("vector").T, rtol=1e-5,
+                               atol=1e-5)

@@ -290,7 +290,18 @@ class AnnIndex:
             keep = ~np.isin(cand, drop[drop >= 0])
             cand, c_scores = cand[keep], c_scores[keep]
         keys, sc = b.snap.keys[cand], c_scores
-        if f_scores is not None:
+        num = c_scores[c_scores == c_scores]     # the candidates' numbers (NaN ranks last)
+        if f_scores is not None and len(num) >= k:
+            # k candidates score at least the k-th best of them: only the segment rows that
+            # reach it can still enter (ties kept for the key order), found in one pass
+            # instead of partitioning the whole segment
+            pick = np.flatnonzero(f_scores >= np.partition(num, len(num) - k)[len(num) - k])
+            if ex is not None and len(pick):
+                at = b.seg.positions(ex)
+                pick = pick[~np.isin(pick, at[at >= 0])]
+            keys = np.concatenate((keys, seg_keys[pick]))
+            sc = np.concatenate((sc, f_scores[pick]))
+        elif f_scores is not None:
             neg, rows = -f_scores, None
             if ex is not None:      # the excluded rows are left out before picking
                 at = b.seg.positions(ex)

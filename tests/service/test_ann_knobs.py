@@ -67,3 +67,32 @@ def test_a_segment_whose_rows_do_not_fill_whole_blocks_is_scored_too():
     q = rng.standard_normal((2, 8), dtype=np.float32)
     np.testing.assert_allclose(_segment_scores(seg, q), q @ seg.col("vector").T, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_fresh_rows_tied_with_the_kth_candidate_or_excluded_rank_as_exactly():
+    """The segment rows that can enter are those scoring at least the graph candidates' k-th
+    best: a row tied with it stays (before it: its key is smaller), excluded rows do not
+    enter. Small integer vectors make every dot product exact, so ties are ties."""
+    rng = np.random.default_rng(23)
+    n, dim, k, base = 300, 4, 5, 1000
+    vecs = rng.integers(-5, 6, (n, dim)).astype(np.float32)
+    store = embstore.open("memory://", dim=dim)
+    store.assign(base + np.arange(n), vecs)
+    guard = threading.RLock()
+    ann = AnnIndex(store, guard, threads=1, rebuild_at=1.0)
+    q = np.array([[1, 2, 3, 4], [4, 3, 2, 1], [-1, 2, -3, 4]], np.float32)
+    with guard:
+        ann.top_k(q, k)                          # built: what is written below is fresh
+        before = store.top_k(q, k).keys - base
+    new = np.concatenate([vecs[before[:, k - 1]],                  # ties with the k-th
+                          10 * vecs[before[:, 0]]]).astype(np.float32)   # excluded
+    store.assign(np.arange(len(new)), new)       # keys below the table's: first in a tie
+    store.assign(base + before[2, 1:3], -vecs[before[2, 1:3]])   # candidates gone dirty
+    best = np.arange(3, 6)
+    for ex in ([best] * 3, [np.append(best, base + before[0, 1]), best, best[:2]]):
+        with guard:
+            got, want = ann.top_k(q, k, ex), store.top_k(q, k, ex)
+        assert got.keys.tolist() == want.keys.tolist()
+        np.testing.assert_array_equal(got.scores, want.scores)
+        if ex[1] is ex[2]:      # nothing but the best excluded: row 0 ties query 0's k-th
+            assert 0 in want.keys[0] and want.scores[0, -1] == want.scores[0, -2]

@@ -102,6 +102,7 @@ class AnnIndex:
         HNSW candidates per query, as a multiple of ``k``, before exact re-scoring.
     connectivity, expansion_search : int
         HNSW graph degree and search breadth (see docs/service.md for the measured trade-off).
+        :attr:`expansion_search` may be set later: the next query searches with it.
     dtype : {"bf16", "f16", "f32"}
         How the graph stores vectors. It only picks candidates, which are re-scored from an
         exact float32 copy, so halving its bytes cost no measured recall, and with bf16 a
@@ -127,9 +128,13 @@ class AnnIndex:
         except ImportError as e:
             raise BackendUnavailableError(f"approximate top_k needs usearch ({e}); install it "
                                           "with: pip install -e '.[ann]'") from e
-        conn, search = int(connectivity), int(expansion_search)
+        if expansion_search < 1 or connectivity < 2:
+            raise InvalidInputError("expansion_search must be >= 1 and connectivity >= 2")
+        conn = int(connectivity)
         self._new_index = lambda: Index(ndim=store.dim, metric="ip", dtype=dtype,
-                                        connectivity=conn, expansion_search=search)
+                                        connectivity=conn)
+        #: HNSW search breadth of the next queries
+        self.expansion_search = int(expansion_search)
         self.store, self.guard = store, guard
         self.oversample, self.rebuild_at = int(oversample), float(rebuild_at)
         self.threads = int(threads)
@@ -252,6 +257,8 @@ class AnnIndex:
         nq, want = len(q), min(b.n, k * self.oversample)
         found = np.full((nq, want), b.n, np.int64)     # misses stay the sentinel label
         if want:
+            if b.index.expansion_search != self.expansion_search:
+                b.index.expansion_search = self.expansion_search
             m = b.index.search(q, want, threads=1)
             if nq == 1:     # one query's Matches holds only what was found
                 found[0, :len(m.keys)] = m.keys

@@ -96,3 +96,27 @@ def test_fresh_rows_tied_with_the_kth_candidate_or_excluded_rank_as_exactly():
         np.testing.assert_array_equal(got.scores, want.scores)
         if ex[1] is ex[2]:      # nothing but the best excluded: row 0 ties query 0's k-th
             assert 0 in want.keys[0] and want.scores[0, -1] == want.scores[0, -2]
+
+
+def test_the_search_breadth_set_on_a_live_index_applies_to_the_next_query():
+    rng = np.random.default_rng(24)
+    n, dim, k = 2000, 16, 10
+    store = embstore.open("memory://", dim=dim)
+    store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
+    guard = threading.RLock()
+    # twice k candidates: re-scoring them exactly orders the graph's bf16 near-ties
+    ann = AnnIndex(store, guard, threads=1, oversample=2, expansion_search=k, connectivity=8)
+    q = rng.standard_normal((40, dim), dtype=np.float32)
+    with guard:
+        narrow, want = ann.top_k(q, k).keys.tolist(), store.top_k(q, k).keys.tolist()
+        ann.expansion_search = n       # as broad as the table: every row is reached
+        broad = ann.top_k(q, k).keys.tolist()
+    assert narrow != want and broad == want
+    assert ann.builds == 1             # the same graph, searched wider
+
+
+@pytest.mark.parametrize("knob", [{"expansion_search": 0}, {"connectivity": 1}])
+def test_graph_knobs_out_of_range_are_refused(knob):
+    store = embstore.open("memory://", dim=4)
+    with pytest.raises(InvalidInputError, match=next(iter(knob))):
+        AnnIndex(store, threading.RLock(), **knob)

@@ -36,21 +36,26 @@ def _distinct(parts: list[np.ndarray]) -> np.ndarray:
     return keys[factorize_keys(keys)[0]] if keys.dtype == object else np.unique(keys)
 
 
-_BLOCK = 128   # rows x dim 64 stays under OpenBLAS's threading threshold (m * n < 9216)
+def _block_rows(dim: int) -> int:
+    """Rows of the fresh segment scored per BLAS call: 128 at dim 64 (8192 floats, a power of
+    two so that the segment's capacity, 1024 doubled, holds whole blocks)."""
+    return min(1024, 1 << max(0, (8192 // dim).bit_length() - 1))
 
 
 def _segment_scores(seg: KeyIndex, q: np.ndarray) -> np.ndarray:
-    """``q @ seg's vectors.T``, (len(q), seg.n), as blocks of ``_BLOCK`` rows in one stacked
-    matmul. One product over the whole segment is large enough that OpenBLAS splits it over
-    threads that spin-wait for each other: on a busy machine (load 8 on 2 cores) a 20k-row
-    query then took 16-28 ms instead of 0.04-0.07, measured. The blocks run on the calling
-    thread, one BLAS call each, and score as one product does, up to float rounding."""
+    """``q @ seg's vectors.T``, (len(q), seg.n), as blocks of :func:`_block_rows` rows in one
+    stacked matmul. One product over the whole segment is large enough for OpenBLAS to split
+    over threads that spin-wait for each other: on a busy machine (load 7-8 on 2 cores) a
+    20k-row query then took 16-28 ms instead of 0.04-0.07, measured; blocks of 64 to 256 rows
+    x 64 did not. The blocks run on the calling thread, one BLAS call each, and score as one
+    product does, up to float rounding."""
     vecs, n = seg.cols["vector"], seg.n
-    rows = -(-n // _BLOCK) * _BLOCK      # rows past n are stale or zero: cut off below
+    block = _block_rows(vecs.shape[1])
+    rows = -(-n // block) * block       # rows past n are stale or zero: cut off below
     if rows > len(vecs):
         return (vecs[:n] @ q.T).T
-    blocks = vecs[:rows].reshape(rows // _BLOCK, _BLOCK, vecs.shape[1])
-    if len(q) == 1:     # a matrix-vector product per block: a third of a (dim, 1) product's
+    blocks = vecs[:rows].reshape(rows // block, block, vecs.shape[1])
+    if len(q) == 1:     # a matrix-vector product per block (q.T as a matrix took 3x as long)
         return (blocks @ q[0]).reshape(1, rows)[:, :n]
     return (blocks @ q.T).reshape(rows, len(q))[:n].T
 

@@ -15,7 +15,7 @@ from embstore.sampling.keyindex import KeyIndex
 
 pytest.importorskip("usearch")
 
-from embstore.service.ann import _BLOCK, AnnIndex, _segment_scores  # noqa: E402
+from embstore.service.ann import AnnIndex, _block_rows, _segment_scores  # noqa: E402
 
 
 def test_a_one_thread_build_answers_the_same_candidates_every_time():
@@ -45,7 +45,15 @@ def test_build_threads_must_not_be_negative():
         AnnIndex(store, threading.RLock(), threads=-1)
 
 
-@pytest.mark.parametrize("n", [1, _BLOCK - 1, _BLOCK, _BLOCK + 1, 1000, 3000])
+_B24 = _block_rows(24)
+
+
+def test_blocks_hold_as_many_floats_as_128_rows_of_64_in_whole_capacities():
+    assert [_block_rows(d) for d in (1, 24, 64, 100, 128, 256, 8192, 20000)] == [
+        1024, 256, 128, 64, 64, 32, 1, 1]
+
+
+@pytest.mark.parametrize("n", [1, _B24 - 1, _B24, _B24 + 1, 1000, 3000])
 @pytest.mark.parametrize("nq", [1, 3])
 def test_the_segment_is_scored_as_one_product(n, nq):
     rng = np.random.default_rng(n + nq)
@@ -61,9 +69,9 @@ def test_the_segment_is_scored_as_one_product(n, nq):
 
 def test_a_segment_whose_rows_do_not_fill_whole_blocks_is_scored_too():
     rng = np.random.default_rng(22)
-    seg = KeyIndex("int64", {"vector": (np.float32, (8,))}, capacity=_BLOCK + 3)
-    seg.upsert(np.arange(_BLOCK + 2), {"vector": rng.standard_normal((_BLOCK + 2, 8),
-                                                                    dtype=np.float32)})
+    b = _block_rows(8)
+    seg = KeyIndex("int64", {"vector": (np.float32, (8,))}, capacity=b + 3)
+    seg.upsert(np.arange(b + 2), {"vector": rng.standard_normal((b + 2, 8), dtype=np.float32)})
     q = rng.standard_normal((2, 8), dtype=np.float32)
     np.testing.assert_allclose(_segment_scores(seg, q), q @ seg.col("vector").T, rtol=1e-5,
                                atol=1e-5)

@@ -449,7 +449,7 @@ def test_ann_index_keeps_recall_while_training_rewrites_the_table():
     store = embstore.open("memory://", dim=dim)
     store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
     guard = threading.RLock()
-    ann = AnnIndex(store, guard, rebuild_at=0.1)
+    ann = AnnIndex(store, guard, rebuild_at=0.1, threads=1)   # one thread: the same graph
     recalls = []
     gone: set[int] = set()
     for _ in range(10):

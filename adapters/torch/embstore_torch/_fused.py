@@ -99,14 +99,17 @@ def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: to
 
 def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
           mean: bool, pinned: bool = False) -> tuple[torch.Tensor, Any]:
-    n_bags = ids.shape[0] if ids.dim() == 2 else offsets.shape[0]
-    out = _transfer.host_empty((n_bags, int(store.dim)), pinned)
+    out = None
+    if pinned:  # for a model on a GPU: pooled into page-locked memory (_transfer.py)
+        n_bags = ids.shape[0] if ids.dim() == 2 else offsets.shape[0]
+        out = _transfer.host_empty((n_bags, int(store.dim)), pinned)
     got = store.pool_bags(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
                           weights=weights.numpy() if weights.numel() else None, mean=mean,
-                          threads=torch.get_num_threads(), out=out.numpy())
+                          threads=torch.get_num_threads(),
+                          out=None if out is None else out.numpy())
     if got is None:  # pragma: no cover - the module asked the store just before
         raise RuntimeError("embstore: the store refused the fused bag path")
-    return out, got[1]
+    return (torch.from_numpy(got[0]) if out is None else out), got[1]
 
 
 def update_block(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:

@@ -161,9 +161,11 @@ class DynamicEmbeddingBag(StoreModule):
                  per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         self._check_weights(input, offsets, per_sample_weights)
         if self._fused_usable(input, offsets, per_sample_weights, eager=True):
-            ids, offs_in, psw_in, n_bags = self._fused_bags(input, offsets, per_sample_weights)
-            if ids.numel() == 0:  # every element padding: nothing to read or train
-                return self._empty_output((n_bags, self.embedding_dim))
+            ids, offs_in, psw_in = input, offsets, per_sample_weights
+            if self.padding_key is not None or self.include_last_offset:
+                ids, offs_in, psw_in, n_bags = self._fused_bags(input, offsets, psw_in)
+                if ids.numel() == 0:  # every element padding: nothing to read or train
+                    return self._empty_output((n_bags, self.embedding_dim))
             return self._output(_fused.bag(ids, offs_in, psw_in, self._trigger, self._handle,
                                            self.mode == "mean", self.embedding_dim,
                                            self.fused_custom_op))

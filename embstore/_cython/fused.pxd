@@ -11,6 +11,15 @@ cdef extern from "es_fused.h":
         float alpha, lr, eps
         float h[4]
         double thresh
+    # the inner loops both modules call (built per CPU class, see the header)
+    void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
+                     Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
+                     int kind, Py_ssize_t ahead_stop) noexcept nogil
+    void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
+                         Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
+                         const int64_t* offsets, const float* w, int mean,
+                         float* scaled) noexcept nogil
+    int es_finite(const float* x, Py_ssize_t n) noexcept nogil
 
 # How a float field is stored: float32, bfloat16 (its upper 16 bits) or IEEE float16 (the
 # values of es_fused.h's ES_F32, ES_BF16, ES_F16)

@@ -35,20 +35,12 @@ cdef extern from "es_rowsq.h":
 cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the header)
     int es_rule_slots(int rule) noexcept nogil
     Py_ssize_t es_slot_width(int rule, Py_ssize_t d) noexcept nogil
-    void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
-                     Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
-                     int kind, Py_ssize_t ahead_stop) noexcept nogil
-    void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
-                         Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
-                         const int64_t* offsets, const float* w, int mean,
-                         float* scaled) noexcept nogil
     int es_sum_key(float* s, Py_ssize_t d, const char* grad, Py_ssize_t gstride,
                    const int64_t* el_bag, int64_t first, int64_t stop, const int64_t* offsets,
                    const float* w, int mean) noexcept nogil
     void es_step_row(uint8_t* row, const float* s, Py_ssize_t d, const es_rule_t* r,
                      Py_ssize_t vec_offset, Py_ssize_t acc_offset,
                      Py_ssize_t acc2_offset) noexcept nogil
-    int es_finite(const float* x, Py_ssize_t n) noexcept nogil
     void es_step_narrow(uint8_t* row, const float* s, Py_ssize_t d, const es_rule_t* r,
                         Py_ssize_t vec_offset, Py_ssize_t acc_offset, Py_ssize_t acc2_offset,
                         int vec_kind, int acc_kind, float* tmp, uint64_t seed, int stochastic,

@@ -19,17 +19,9 @@ from libc.stdlib cimport malloc, free
 from .arena cimport RecordArena
 from .cuckoo cimport CuckooProbe, probe_of, probe_find
 from .fused cimport (KIND_BF16, KIND_F16, KIND_F32, SCRATCH, StepJob, StepSpec, check_bags,
-                     dedupe_keys, step_all, step_job, step_spec)
+                     dedupe_keys, es_finite, es_pool_bag, es_scatter_sums, step_all, step_job,
+                     step_spec)
 
-cdef extern from "es_fused.h":  # (built per CPU class, see the header)
-    void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
-                     Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
-                     int kind, Py_ssize_t ahead_stop) noexcept nogil
-    void es_scatter_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
-                         Py_ssize_t gstride, Py_ssize_t n_bags, const int64_t* inv,
-                         const int64_t* offsets, const float* w, int mean,
-                         float* scaled) noexcept nogil
-    int es_finite(const float* x, Py_ssize_t n) noexcept nogil
 
 
 cdef struct PoolJob:

@@ -26,20 +26,10 @@ from embstore.service import wire  # noqa: E402
 from embstore.service.metrics import BUCKETS, RequestMetrics  # noqa: E402
 from embstore.service.server import Worker  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
+from tests.service.stream_calls import ask  # noqa: E402
 
 DIM = 4
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
-
-
-def _ask(writer, reader, meta: bytes, batch: pa.RecordBatch | None):
-    if batch is None:
-        writer.write_metadata(pa.py_buffer(meta))
-    else:
-        writer.write_with_metadata(batch, pa.py_buffer(meta))
-    chunk = reader.read_chunk()
-    if chunk.data is None:
-        return chunk.app_metadata.to_pybytes().decode()
-    return chunk.data
 
 
 def test_a_stream_checks_every_header_it_has_not_accepted(tmp_path):
@@ -57,12 +47,12 @@ def test_a_stream_checks_every_header_it_has_not_accepted(tmp_path):
         reads = b'{"op": "lookup", "insert": false}'
         inserts = b'{"op": "lookup", "insert": true}'
         for _ in range(3):   # accepted, then answered from the checked header, alike
-            got = _ask(writer, reader, reads, keys)
+            got = ask(writer, reader, reads, keys)
             assert isinstance(got, pa.RecordBatch) and got.num_rows == 3
-            refused = _ask(writer, reader, inserts, keys)   # never accepted: refused each time
+            refused = ask(writer, reader, inserts, keys)   # never accepted: refused each time
             assert isinstance(refused, str) and "AuthenticationError" in refused, refused
             assert "may not call 'lookup'" in refused
-            bare = _ask(writer, reader, reads, None)       # a checked header without rows
+            bare = ask(writer, reader, reads, None)       # a checked header without rows
             assert isinstance(bare, str) and "InvalidInputError" in bare, bare
         writer.done_writing()
         writer.close()
@@ -100,7 +90,7 @@ def test_a_stream_request_is_checked_without_the_store_lock():
                                             flight.FlightCallOptions(timeout=5))
         writer.begin(bad.schema)
         with w.lock:
-            refused = _ask(writer, reader, b'{"op": "lookup", "insert": true}', bad)
+            refused = ask(writer, reader, b'{"op": "lookup", "insert": true}', bad)
         assert isinstance(refused, str) and "KeyTypeError" in refused, refused
         writer.done_writing()
         writer.close()

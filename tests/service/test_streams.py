@@ -21,6 +21,7 @@ import pyarrow.flight as flight  # noqa: E402
 
 from embstore.service import wire  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
+from tests.service.stream_calls import ask  # noqa: E402
 
 DIM = 4
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
@@ -35,14 +36,6 @@ def _stream(address: str, head: dict, schema: pa.Schema, token: str | None = Non
     return client, writer, reader
 
 
-def _ask(writer, reader, meta: bytes, batch: pa.RecordBatch):
-    writer.write_with_metadata(batch, pa.py_buffer(meta))
-    chunk = reader.read_chunk()
-    if chunk.data is None:
-        return chunk.app_metadata.to_pybytes().decode()
-    return chunk.data
-
-
 def test_a_stream_answers_refusals_with_one_line_and_stays_usable(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("train " + "t" * 20 + "\nserve " + "s" * 20 + "\n")
@@ -54,9 +47,9 @@ def test_a_stream_answers_refusals_with_one_line_and_stays_usable(tmp_path):
                                          token="s" * 20)
         for meta in (b"not json", b"[1]", b'{"op": "delete"}', b'{"op": "no-such-op"}',
                      b'{"op": "lookup"}'):               # lookup inserts: the serve role may not
-            answer = _ask(writer, reader, meta, keys)
+            answer = ask(writer, reader, meta, keys)
             assert isinstance(answer, str) and "\n" not in answer.strip(), answer
-        got = _ask(writer, reader, b'{"op": "lookup", "insert": false}', keys)
+        got = ask(writer, reader, b'{"op": "lookup", "insert": false}', keys)
         assert isinstance(got, pa.RecordBatch) and got.num_rows == 3
         writer.close()
         client.close()

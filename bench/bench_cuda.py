@@ -14,6 +14,9 @@ its shapes. Contenders, rounds alternating in one run, each round ending with
   data loader yields (the rows live on the host: no copy of the ids to the GPU and back);
 - ``embstore-gpu-ids``: the same with the ids copied to the GPU first, as code written for a
   GPU table does (the adapter copies them back to the host);
+- ``embstore-unfused``: ``embstore`` on the general path (``use_fused_path = False``), what
+  stores without the fused path (LMDB, SQL, ...) run: its outputs are made in pageable memory
+  and go to the GPU through a pinned copy;
 - ``embstore-cpu``: the same collection with the whole model on the CPU (every core);
 - ``torch``: ``nn.EmbeddingBag(rows, 64, sparse=True)`` tables on the GPU with
   ``torch.optim.Adagrad`` (full Adagrad: torch has no row-wise one), ids copied to the GPU.
@@ -36,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_torchrec import DIM, EPS, LR, SHAPES, dense_step, zipf_batches  # noqa: E402
 
-CONTENDERS = ("embstore", "embstore-gpu-ids", "embstore-cpu", "torch")
+CONTENDERS = ("embstore", "embstore-gpu-ids", "embstore-unfused", "embstore-cpu", "torch")
 
 
 class Model:
@@ -68,6 +71,7 @@ class Model:
                                    optimizer=Adagrad(lr=LR, eps=EPS, rowwise=True))
                   for f, n in enumerate(self.names)}
         self.collection = DynamicEmbeddingBagCollection(stores).to(self.device)
+        self.collection.use_fused_path = kind != "embstore-unfused"
         self.lengths = torch.full((features * batch,), bag, dtype=torch.long)
 
     def step(self, ids: np.ndarray) -> None:

@@ -5,7 +5,9 @@ an H100 host a 4096 x 512 float32 output and its gradient cost ~12 ms a step tha
 than the embedding work); from page-locked memory it is one DMA. So the fused forwards pool
 straight into a pinned buffer (PyTorch's caching host allocator: reused, and not handed out
 again before the copy that reads it has finished), the copy to the GPU is queued without
-waiting, and the gradient comes back into a pinned buffer.
+waiting, and the gradient comes back into a pinned buffer. Outputs the general path made in
+pageable memory (stores without the fused path: LMDB, SQL, ...) are first copied into a
+pinned buffer when large: one memory copy on the host costs less than the driver's staging.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+#: pageable outputs at least this large go to the GPU through a pinned copy (smaller ones are
+#: cheaper to hand to the driver as they are)
+PIN_COPY_BYTES = 1 << 18
 
 
 def staged(device: torch.device) -> bool:
@@ -37,8 +43,12 @@ class _ToDevice(torch.autograd.Function):
     def forward(ctx: Any, out: torch.Tensor, device: torch.device,
                 dtype: torch.dtype) -> torch.Tensor:
         ctx.dtype = out.dtype
+        if not staged(device):
+            return out.to(device, dtype)
+        if not out.is_pinned() and out.numel() * out.element_size() >= PIN_COPY_BYTES:
+            out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True).copy_(out)
         # a pinned source is copied without waiting; a pageable one waits for its copy
-        return out.to(device, dtype, non_blocking=staged(device) and out.is_pinned())
+        return out.to(device, dtype, non_blocking=out.is_pinned())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._keys import KeyBatch, prepare
+from ._keys import KeyBatch, integer_ids, prepare
 
 _MODULES: dict[int, weakref.ref] = {}
 _HANDLES = itertools.count(1)
@@ -136,8 +136,7 @@ def graph_break(method: Any) -> Any:
 def traceable(module: Any, input: Any) -> bool:
     """Whether ``module(input)`` can run as the custom op (int keys in a tensor)."""
     return (isinstance(input, torch.Tensor) and module.store.key_type == "int64"
-            and not input.dtype.is_floating_point and not input.dtype.is_complex
-            and input.dtype != torch.bool)
+            and integer_ids(input))
 
 
 def lookup(input: torch.Tensor, trigger: torch.Tensor, handle: int, dim: int,

@@ -34,6 +34,7 @@ from embstore.engine.fused import bag_batch
 from embstore.errors import ReadOnlyError
 
 from . import _compiled, _transfer
+from ._keys import integer_ids
 
 _NONE = torch.zeros(0)
 
@@ -42,7 +43,7 @@ def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) 
     """Whether the fused op takes these arguments: an integer tensor, 2-D (one bag per
     row) or 1-D with a 1-D offsets tensor, weights (sum only) that need no gradient."""
     if (not isinstance(input, torch.Tensor) or mode not in ("sum", "mean")
-            or not int64_ids_usable(input) or input.numel() == 0):
+            or not integer_ids(input) or input.numel() == 0):
         return False
     if not ((input.dim() == 2 and offsets is None)
             or (input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1)):
@@ -50,17 +51,11 @@ def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) 
     return psw is None or (not psw.requires_grad and mode == "sum")
 
 
-def int64_ids_usable(ids: torch.Tensor) -> bool:
-    """Whether a tensor holds ids the fused path takes: integers, on any device (ids on a GPU
-    are copied to the host, where the rows live)."""
-    return not ids.dtype.is_floating_point and not ids.dtype.is_complex and ids.dtype != torch.bool
-
-
 def int64_ids(values: Any) -> np.ndarray | None:
     """Flat integer ids (a CPU tensor, a numpy array or a list of ints) as a contiguous int64
     array (uint64 ids keep their bits); None for anything else (strings, floats, bools)."""
     if isinstance(values, torch.Tensor):
-        if not int64_ids_usable(values):
+        if not integer_ids(values):
             return None
         arr = values.detach().cpu()
         arr = arr.view(torch.int64) if arr.dtype == torch.uint64 else arr.to(torch.int64)

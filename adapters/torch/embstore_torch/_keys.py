@@ -160,10 +160,16 @@ def int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
     return KeyBatch(uniq, torch.from_numpy(inv).reshape(shape), shape, group)
 
 
+def integer_ids(ids: torch.Tensor) -> bool:
+    """Whether a tensor's dtype holds keys: integers (not float, complex or bool), on any
+    device (ids on a GPU are copied to the host, where the rows live)."""
+    return not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
+
+
 def prepare(input: Any) -> KeyBatch:
     """Deduplicate a batch of keys (any shape) into a :class:`KeyBatch`."""
     if isinstance(input, torch.Tensor):
-        if input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool:
+        if not integer_ids(input):
             raise KeyTypeError(f"keys must be an integer tensor, got dtype {input.dtype}")
         if input.dtype == torch.int64 and input.device.type == "cpu":
             flat = input.detach().reshape(-1).numpy()
@@ -211,6 +217,14 @@ def prepare(input: Any) -> KeyBatch:
         return prepare(torch.from_numpy(arr))
     uniq, inv = factorize(flat)
     return KeyBatch(uniq, torch.from_numpy(inv).reshape(shape), shape)
+
+
+def kept_starts(starts: np.ndarray, n: int, keep: np.ndarray) -> np.ndarray:
+    """The start of each bag (``starts``: bags over ``n`` elements) once the elements where
+    ``keep`` is False are dropped from their bags (int64; a bag may come out empty)."""
+    lengths = np.diff(starts, append=n)
+    kept = np.bincount(np.repeat(np.arange(len(starts)), lengths)[keep], minlength=len(starts))
+    return np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64)
 
 
 def prepare_bags(input: Any, offsets: Any) -> tuple[KeyBatch, torch.Tensor, int]:

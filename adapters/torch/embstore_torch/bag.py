@@ -13,7 +13,7 @@ from embstore.errors import InvalidInputError
 
 from . import _compiled, _fused
 from ._bridges import StoreBag, StoreRows
-from ._keys import prepare_bags
+from ._keys import kept_starts, prepare_bags
 from .modules import StoreModule, padding_key_of, store_is_collective
 
 __all__ = ["DynamicEmbeddingBag"]
@@ -117,12 +117,9 @@ class DynamicEmbeddingBag(StoreModule):
         ids = _fused.int64_ids(input)
         assert ids is not None  # an integer tensor (usable_input)
         keep = ids != self.padding_key
-        if input.dim() == 2:
-            lengths = np.full(n_bags, input.shape[1], dtype=np.int64)
-        else:
-            lengths = np.diff(offsets.to("cpu", torch.long).numpy(), append=len(ids))
-        kept = np.bincount(np.repeat(np.arange(n_bags), lengths)[keep], minlength=n_bags)
-        starts = np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64)
+        starts = (np.arange(n_bags, dtype=np.int64) * input.shape[1] if input.dim() == 2
+                  else offsets.to("cpu", torch.long).numpy())
+        starts = kept_starts(starts, len(ids), keep)
         weights = None if psw is None else psw.reshape(-1)[torch.from_numpy(keep).to(psw.device)]
         return torch.from_numpy(ids[keep]), torch.from_numpy(starts), weights, n_bags
 

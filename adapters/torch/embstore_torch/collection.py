@@ -24,7 +24,7 @@ from embstore.keys import normalize
 
 from . import _compiled, _fused, _fused_tables
 from ._bridges import Sink, StoreBag, StoreGather, StoreRows
-from ._keys import KeyBatch, factorize, int_batch
+from ._keys import KeyBatch, factorize, int_batch, integer_ids
 from .jagged import KeyedJagged, PooledFeatures, as_keyed_jagged
 from .modules import StoreModule, padding_key_of
 
@@ -171,7 +171,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if not isinstance(features, KeyedJagged):
             return None
         values, keys, weights = features.values(), features.keys(), features.weights_or_none()
-        if (not isinstance(values, torch.Tensor) or not _fused.int64_ids_usable(values)
+        if (not isinstance(values, torch.Tensor) or not integer_ids(values)
                 or sorted(keys) != sorted(self.features)):
             return None
         parts = self._fused_parts(weights)

@@ -26,7 +26,7 @@ from embstore.keys import normalize
 from . import _compiled, _fused, _transfer
 from ._bridges import Sink, StoreGather, StoreRows
 from ._checkpoint import restore_store, store_state
-from ._keys import KeyBatch, factorize, int_batch, per_key_sum, prepare
+from ._keys import KeyBatch, factorize, int_batch, integer_ids, kept_starts, per_key_sum, prepare
 from .distributed.checkpoint import restore_shard, shard_state
 
 __all__ = ["DynamicEmbedding", "TracingUnsupportedError", "store_rows"]
@@ -189,8 +189,8 @@ class StoreModule(nn.Module):
         out = super()._apply(fn, recurse)
         # .double() / .to(dtype) turns the trigger into a non-leaf: it must stay a leaf that
         # requires grad (the compiled backward hangs on it; deepcopy copies only leaves). It
-        # moves with the module (DDP broadcasts buffers on the model's device): the ops'
-        # backwards give its gradient on its device (_compiled.on_trigger_device).
+        # moves with the module (DDP broadcasts buffers on the model's device): the ops take
+        # it as .cpu(), and autograd carries its gradient back to its device.
         trig = self._buffers.get("_trigger")
         if trig is not None and not trig.is_leaf:
             self._buffers["_trigger"] = trig.detach().requires_grad_(True)
@@ -355,11 +355,7 @@ class StoreModule(nn.Module):
             return batch, offs, size, psw
         inv = batch.inv.reshape(-1).numpy()
         keep = inv != pad
-        n = len(inv)
-        lengths = np.diff(offs.numpy(), append=n)
-        kept = np.bincount(np.repeat(np.arange(len(offs)), lengths)[keep],
-                           minlength=len(offs))
-        offs = torch.from_numpy(np.concatenate(([0], np.cumsum(kept)[:-1])).astype(np.int64))
+        offs = torch.from_numpy(kept_starts(offs.numpy(), len(inv), keep))
         rows = inv[keep]
         if isinstance(batch.uniq, np.ndarray) and batch.uniq.dtype != object:
             batch = int_batch(batch.uniq[rows], (len(rows),))
@@ -475,7 +471,7 @@ class DynamicEmbedding(StoreModule):
         return (self.use_fused_path and self._writes() and self.padding_key is None
                 and self.max_norm is None and not self.scale_grad_by_freq and self._counts
                 and isinstance(input, torch.Tensor) and input.numel() > 0
-                and _fused.int64_ids_usable(input) and _fused.store_pools(self._store_here()))
+                and integer_ids(input) and _fused.store_pools(self._store_here()))
 
     def _fused_rows(self, input: torch.Tensor, custom_op: bool) -> torch.Tensor:
         """The rows of ``input`` as bags of one id each (``_fused.bag``)."""

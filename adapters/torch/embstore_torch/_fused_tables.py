@@ -93,15 +93,14 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
     out = _transfer.host_empty((stride, width), pinned)
     buf = out.numpy()
     threads = torch.get_num_threads()
-    together = [i for i, p in enumerate(parts) if TABLE_PARALLEL and _native(p.store)]
-    if not _distinct([parts[i] for i in together]) or (np.diff(bounds) < 0).any():
-        together = []  # (bad lengths: each store's own call says so)
-    rest = [i for i in range(len(parts)) if i not in together]
+    # (bad lengths: each store's own call says so)
+    together = [] if (np.diff(bounds) < 0).any() else _together(parts)
     if together:
         _pool_together([parts[i] for i in together], [where[i] for i in together], flat,
                        bounds, stride, weights, buf, threads)
-    for i in rest:
-        part = parts[i]
+    for i, part in enumerate(parts):
+        if i in together:
+            continue
         lo, hi, offsets = _block(where[i], bounds, stride)
         got = part.store.pool_bags(flat[lo:hi], offsets,
                                    weights=None if weights is None else weights[lo:hi],
@@ -113,10 +112,14 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
     return out
 
 
-def _distinct(parts: list[Part]) -> bool:
-    """Whether ``parts`` are two or more tables of as many backends (a backend twice would be
-    stepped by two threads at once, where one call per table steps it twice in order)."""
-    return len(parts) >= 2 and len({id(p.store.backend) for p in parts}) == len(parts)
+def _together(parts: list[Part]) -> list[int]:
+    """The positions of the parts that take the table-parallel calls (forward and backward
+    ask again: a policy may come between them): ``memory://`` tables (:func:`_native`), two
+    or more, of as many backends (a backend twice would be stepped by two threads at once,
+    where one call per table steps it twice in order); none where TABLE_PARALLEL is off."""
+    together = [i for i, p in enumerate(parts) if TABLE_PARALLEL and _native(p.store)]
+    backends = {id(parts[i].store.backend) for i in together}
+    return together if len(together) >= 2 and len(backends) == len(together) else []
 
 
 def _native(store: Any) -> bool:
@@ -189,13 +192,11 @@ def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:
     """Each table's step with its columns of the output's gradient; the ``memory://`` tables'
     gradient sums and steps in two native calls over the threads (:func:`_step_together`)."""
     g = grad.detach().to("cpu", torch.float32)
-    together = [p for p in parts if TABLE_PARALLEL and _native(p.store)]
-    if not _distinct(together):
-        together = []
-    else:
-        _step_together(together, g, torch.get_num_threads())
-    for part in parts:
-        if not any(part is p for p in together):
+    together = _together(parts)
+    if together:
+        _step_together([parts[i] for i in together], g, torch.get_num_threads())
+    for i, part in enumerate(parts):
+        if i not in together:
             _fused.update_block(part.store, part.batch, part.count,
                                 g[:, part.column:part.column + part.dim])
 

@@ -1,10 +1,25 @@
-"""A request on a worker's kept stream, sent by hand (tests of ``Worker._serve_stream``)."""
+"""A worker's kept stream opened and asked by hand (tests of ``Worker._serve_stream``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.flight as flight
+
+from embstore.service import wire
+
+
+def open_stream(address: str, head: dict, schema: pa.Schema, token: str | None = None
+                ) -> tuple[Any, Any, Any]:
+    """``(client, writer, reader)`` of a kept stream to the worker at ``address`` (``head``:
+    its shard and N), begun with ``schema``, sent with a bearer ``token`` when given."""
+    client = flight.FlightClient(f"grpc+tcp://{address}")
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    writer, reader = client.do_exchange(wire.command("stream", **head),
+                                        flight.FlightCallOptions(headers=headers, timeout=20))
+    writer.begin(schema)
+    return client, writer, reader
 
 
 def ask(writer: Any, reader: Any, meta: bytes, batch: pa.RecordBatch | None) -> Any:

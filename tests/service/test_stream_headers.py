@@ -26,7 +26,7 @@ from embstore.service import wire  # noqa: E402
 from embstore.service.metrics import BUCKETS, RequestMetrics  # noqa: E402
 from embstore.service.server import Worker  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
-from tests.service.stream_calls import ask  # noqa: E402
+from tests.service.stream_calls import ask, open_stream  # noqa: E402
 
 DIM = 4
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
@@ -39,11 +39,8 @@ def test_a_stream_checks_every_header_it_has_not_accepted(tmp_path):
                      extra=["--token-file", str(tokens)])
     try:
         keys = wire.batch(key=wire.keys_column(np.arange(3, dtype=np.int64)))
-        client = flight.FlightClient(f"grpc+tcp://{w.address}")
-        opts = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer " + b"s" * 20)],
-                                        timeout=20)
-        writer, reader = client.do_exchange(wire.command("stream", shard=0, shards=1), opts)
-        writer.begin(keys.schema)
+        client, writer, reader = open_stream(w.address, {"shard": 0, "shards": 1},
+                                             keys.schema, token="s" * 20)
         reads = b'{"op": "lookup", "insert": false}'
         inserts = b'{"op": "lookup", "insert": true}'
         for _ in range(3):   # accepted, then answered from the checked header, alike

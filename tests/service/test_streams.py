@@ -21,19 +21,10 @@ import pyarrow.flight as flight  # noqa: E402
 
 from embstore.service import wire  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
-from tests.service.stream_calls import ask  # noqa: E402
+from tests.service.stream_calls import ask, open_stream  # noqa: E402
 
 DIM = 4
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
-
-
-def _stream(address: str, head: dict, schema: pa.Schema, token: str | None = None):
-    client = flight.FlightClient(f"grpc+tcp://{address}")
-    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-    writer, reader = client.do_exchange(wire.command("stream", **head),
-                                        flight.FlightCallOptions(headers=headers, timeout=20))
-    writer.begin(schema)
-    return client, writer, reader
 
 
 def test_a_stream_answers_refusals_with_one_line_and_stays_usable(tmp_path):
@@ -43,7 +34,7 @@ def test_a_stream_answers_refusals_with_one_line_and_stays_usable(tmp_path):
                      extra=["--token-file", str(tokens)])
     try:
         keys = wire.batch(key=wire.keys_column(np.arange(3, dtype=np.int64)))
-        client, writer, reader = _stream(w.address, {"shard": 0, "shards": 1}, keys.schema,
+        client, writer, reader = open_stream(w.address, {"shard": 0, "shards": 1}, keys.schema,
                                          token="s" * 20)
         for meta in (b"not json", b"[1]", b'{"op": "delete"}', b'{"op": "no-such-op"}',
                      b'{"op": "lookup"}'):               # lookup inserts: the serve role may not

@@ -283,8 +283,11 @@ def test_a_follower_serves_the_trainers_table_and_keeps_up(tmp_path):
                     deadline = time.monotonic() + 30
                     want = _table(des, keys)
                     while time.monotonic() < deadline:
+                        # (each worker's delta comes on its own: wait for the keys beyond
+                        # these too, the lookup's new ones, before comparing the sizes)
                         got = _table(served, keys)
-                        if all(np.array_equal(a, b) for a, b in zip(got, want)):
+                        if (all(np.array_equal(a, b) for a, b in zip(got, want))
+                                and len(served) == len(des)):
                             break
                         time.sleep(0.05)
                     np.testing.assert_array_equal(got[0], want[0])

@@ -83,8 +83,10 @@ def test_a_stream_request_is_checked_without_the_store_lock():
     try:
         client = flight.FlightClient(f"grpc+tcp://127.0.0.1:{w.port}")
         bad = pa.RecordBatch.from_pydict({"key": pa.array([1.5, 2.5])})   # float keys
+        # (a generous deadline: a worker that wanted the lock would wait it out and fail
+        # the test; one that does not answers at once, however loaded the machine)
         writer, reader = client.do_exchange(wire.command("stream", shard=0, shards=1),
-                                            flight.FlightCallOptions(timeout=5))
+                                            flight.FlightCallOptions(timeout=30))
         writer.begin(bad.schema)
         with w.lock:
             refused = ask(writer, reader, b'{"op": "lookup", "insert": true}', bad)

@@ -83,6 +83,65 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
     if (mean) for (k = k0; k < d; k++) o[k] = o[k] / fl;
 }
 
+/* Bag [start, stop) max-pooled into o as torch's CPU embedding_bag (mode="max") pools it,
+   column by column: the first element's value, then each later element's where it is
+   greater (a strict >: on a tie, a NaN or -0.0 against +0.0 the earlier element stays; a NaN
+   that came first stays). am[k] receives the row of the keys (inv[e]) that gave o[k].
+   Rows are float32, or bfloat16 / float16 widened exactly (the order of widened values is
+   the order of the stored ones). An empty bag gives zeros and rows -1 (no gradient). */
+ES_ATTR static void ES_NAME(es_max_bag)(float* restrict o, int32_t* restrict am, ptrdiff_t d,
+                                        const void* const* rows, const int64_t* inv,
+                                        ptrdiff_t start, ptrdiff_t stop, int kind,
+                                        ptrdiff_t ahead_stop) {
+    ptrdiff_t e, k;
+    ptrdiff_t row_bytes = d * (kind == ES_F32 ? 4 : 2);
+    for (e = start; e < stop && e + ES_AHEAD < ahead_stop; e++)
+        es_prefetch_span((const char*) rows[inv[e + ES_AHEAD]], row_bytes);
+    if (stop == start) {
+        memset(o, 0, (size_t) d * sizeof(float));
+        for (k = 0; k < d; k++) am[k] = -1;
+        return;
+    }
+    for (e = start; e < stop; e++) {
+        const float* restrict r = (const float*) rows[inv[e]];
+        const uint16_t* restrict h = (const uint16_t*) rows[inv[e]];
+        int32_t u = (int32_t) inv[e];
+        if (e == start) {  /* its own loop: the others are compare-and-select, vector code */
+            for (k = 0; k < d; k++) {
+                o[k] = kind == ES_F32 ? r[k] : kind == ES_BF16 ? es_bf16_to_f32(h[k])
+                                                               : es_f16_to_f32(h[k]);
+                am[k] = u;
+            }
+            continue;
+        }
+        for (k = 0; k < d; k++) {
+            float x = kind == ES_F32 ? r[k] : kind == ES_BF16 ? es_bf16_to_f32(h[k])
+                                                              : es_f16_to_f32(h[k]);
+            int take = x > o[k];
+            o[k] = take ? x : o[k];
+            am[k] = take ? u : am[k];
+        }
+    }
+}
+
+/* The backward of es_max_bag: row am[b*d+k] of sums (nu rows of d) gets column k of bag b's
+   gradient row (grad + b * gstride bytes), added from zero in bag order as torch's max
+   backward adds them (an index_add per column over the non-empty bags); am < 0 (an empty
+   bag) adds nothing. */
+ES_ATTR static void ES_NAME(es_max_sums)(float* restrict sums, ptrdiff_t nu, ptrdiff_t d,
+                                         const char* grad, ptrdiff_t gstride, ptrdiff_t n_bags,
+                                         const int32_t* restrict am) {
+    ptrdiff_t b, k;
+    memset(sums, 0, (size_t) (nu * d) * sizeof(float));
+    for (b = 0; b < n_bags; b++) {
+        const float* g = (const float*) (grad + b * gstride);
+        const int32_t* a = am + b * d;
+        for (k = 0; k < d; k++) {
+            if (a[k] >= 0) sums[a[k] * d + k] = sums[a[k] * d + k] + g[k];
+        }
+    }
+}
+
 /* Per key u = inv[e], the gradient of its elements summed into row u of sums (nu rows of d),
    bag by bag in element order: a bag's gradient row (grad + b * gstride bytes) divided by its
    length first with mean, times w[e] (fmaf) when w is not NULL. scaled: d floats of scratch. */

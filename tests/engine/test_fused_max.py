@@ -16,7 +16,7 @@ from embstore.optim import SGD, Momentum
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-DIM = 16
+DIM = 40  # a block of 32 columns in registers, and the rest
 
 
 def _bags(n_bags: int, seed: int = 0, high: int = 60):
@@ -39,7 +39,7 @@ def _torch_max(store, ids, offsets, grad):
 @pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("threads", [1, 4])
 def test_pool_bags_max_and_its_gradient_sums_are_torchs(value_dtype, threads):
-    # (2048 bags of 16: enough work that 4 threads split the pooling)
+    # (2048 bags of 40: enough work that 4 threads split the pooling)
     store = embstore.open("memory://", dim=DIM, seed=2, value_dtype=value_dtype)
     ids, offsets = _bags(2048)
     store.lookup(np.unique(ids))
@@ -52,6 +52,26 @@ def test_pool_bags_max_and_its_gradient_sums_are_torchs(value_dtype, threads):
     assert batch.grad_sums(grad).tobytes() == want_grad[order].tobytes()
     empty = np.diff(np.append(offsets, len(ids))) == 0
     assert empty.any() and (batch.argmax[empty] == -1).all() and not pooled[empty].any()
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
+def test_ties_nan_and_signed_zeros_in_every_column_pool_as_torch_does(value_dtype):
+    store = embstore.open("memory://", dim=DIM, seed=2, value_dtype=value_dtype)
+    rng = np.random.default_rng(5)
+    keys = np.arange(12)
+    store.lookup(keys)
+    recs, _ = store.get_records(keys)
+    rows = rng.choice(np.array([-1.0, -0.0, 0.0, 0.5, np.nan], np.float32), (12, DIM))
+    recs["vector"] = store.layout.encode_vectors(rows)
+    store.load_records([(keys, recs)])
+    ids, offsets = _bags(300, seed=6, high=12)
+    pooled, batch = store.pool_bags(ids, offsets, mode="max")
+    grad = rng.standard_normal((300, DIM)).astype(np.float32)
+    uniq, want, want_grad = _torch_max(store, ids, offsets, grad)
+    assert pooled.tobytes() == want.tobytes()
+    assert np.isnan(pooled).any() and (np.signbit(pooled) & (pooled == 0)).any()
+    order = np.searchsorted(uniq, batch.uniq)
+    assert batch.grad_sums(grad).tobytes() == want_grad[order].tobytes()
 
 
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1), Momentum(lr=0.1, momentum=0.5)],

@@ -164,18 +164,32 @@ ES_ATTR static void ES_NAME(es_max_bag)(float* restrict o, int32_t* restrict am,
 
 /* The backward of es_max_bag: row am[b*d+k] of sums (nu rows of d) gets column k of bag b's
    gradient row (grad + b * gstride bytes), added from zero in bag order as torch's max
-   backward adds them (an index_add per column over the non-empty bags); am < 0 (an empty
-   bag) adds nothing. */
+   backward adds them (an index_add per column over the non-empty bags). Bag by bag, each
+   distinct key u of the bag adds to the columns it gave, a whole row at a time: the sum
+   computed in every column and kept by a bit select where am is u (a vector loop, where a
+   scatter of single columns would not be one); a column's additions are the same. */
 ES_ATTR static void ES_NAME(es_max_sums)(float* restrict sums, ptrdiff_t nu, ptrdiff_t d,
                                          const char* grad, ptrdiff_t gstride, ptrdiff_t n_bags,
-                                         const int32_t* restrict am) {
-    ptrdiff_t b, k;
+                                         const int32_t* restrict am, const int64_t* inv,
+                                         const int64_t* offsets) {
+    ptrdiff_t b, e, e2, k;
     memset(sums, 0, (size_t) (nu * d) * sizeof(float));
     for (b = 0; b < n_bags; b++) {
-        const float* g = (const float*) (grad + b * gstride);
-        const int32_t* a = am + b * d;
-        for (k = 0; k < d; k++) {
-            if (a[k] >= 0) sums[a[k] * d + k] = sums[a[k] * d + k] + g[k];
+        const float* restrict g = (const float*) (grad + b * gstride);
+        const int32_t* restrict a = am + b * d;
+        for (e = offsets[b]; e < offsets[b + 1]; e++) {
+            int32_t u = (int32_t) inv[e];
+            float* restrict s = sums + (ptrdiff_t) u * d;
+            for (e2 = offsets[b]; e2 < e && inv[e2] != u; e2++) {}
+            if (e2 < e) continue;  /* a repeat in the bag: its columns are added already */
+            for (k = 0; k < d; k++) {
+                float t = s[k] + g[k];
+                uint32_t keep = 0u - (uint32_t) (a[k] == u), tb, sb;
+                memcpy(&tb, &t, 4);
+                memcpy(&sb, s + k, 4);
+                sb = (tb & keep) | (sb & ~keep);
+                memcpy(s + k, &sb, 4);
+            }
         }
     }
 }

@@ -52,7 +52,8 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
                     const int64_t* inv, Py_ssize_t start, Py_ssize_t stop, int kind,
                     Py_ssize_t ahead_stop) noexcept nogil
     void es_max_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
-                     Py_ssize_t gstride, Py_ssize_t n_bags, const int32_t* am) noexcept nogil
+                     Py_ssize_t gstride, Py_ssize_t n_bags, const int32_t* am,
+                     const int64_t* inv, const int64_t* offsets) noexcept nogil
 
 # How a float field is stored (``KINDS[name]``; fused.pxd's KIND_*)
 KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
@@ -245,7 +246,8 @@ def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::
                          "rows must be contiguous")
     check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
     if argmax is not None:
-        _max_sums(&sums[0, 0] if sums.shape[0] else NULL, sums.shape[0], grad, argmax)
+        _max_sums(&sums[0, 0] if sums.shape[0] else NULL, sums.shape[0], grad, argmax, inv,
+                  offsets)
         return
     scaled = <float*> malloc((d if d else 1) * sizeof(float))
     if scaled == NULL:
@@ -267,19 +269,18 @@ cdef inline void _scatter_sums(float* sums, Py_ssize_t nu, const float[:, :] gra
 
 
 cdef int _max_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
-                   const int32_t[:, ::1] argmax) except -1:
-    """:func:`grad_sums` of max-pooled bags into ``nu`` rows at ``sums`` (checked here:
-    ``argmax`` has the gradient's shape and names rows below ``nu``)."""
-    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1], b, k
+                   const int32_t[:, ::1] argmax, const int64_t[::1] inv,
+                   const int64_t[::1] offsets) except -1:
+    """:func:`grad_sums` of max-pooled bags into ``nu`` rows at ``sums`` (``inv`` and
+    ``offsets`` checked by the caller; ``argmax`` here: the gradient's shape. Its values are
+    only compared with the bags' keys, never used as an address)."""
+    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1]
     if argmax.shape[0] != n_bags or argmax.shape[1] != d:
         raise ValueError("grad_sums: argmax must have the gradient's shape")
-    for b in range(n_bags):
-        for k in range(d):
-            if argmax[b, k] >= nu:
-                raise ValueError("grad_sums: an argmax row is out of range")
     with nogil:
         es_max_sums(sums, nu, d, <const char*> &grad[0, 0] if n_bags else NULL,
-                    grad.strides[0], n_bags, &argmax[0, 0] if n_bags and d else NULL)
+                    grad.strides[0], n_bags, &argmax[0, 0] if n_bags and d else NULL,
+                    &inv[0] if inv.shape[0] else NULL, &offsets[0])
     return 0
 
 
@@ -341,7 +342,7 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
         raise MemoryError("step_bags: no memory")
     if argmax is not None:
         try:
-            _max_sums(sums, nu, grad, argmax)
+            _max_sums(sums, nu, grad, argmax, inv, offsets)
         except ValueError:
             free(sums)
             raise

@@ -27,7 +27,9 @@ class DynamicEmbeddingBag(StoreModule):
     store : embstore.EmbeddingStore
     mode : {"mean", "sum", "max"}
         How the vectors of one bag are pooled (an empty bag gives zeros). The default is
-        ``"mean"``, as ``nn.EmbeddingBag``'s.
+        ``"mean"``, as ``nn.EmbeddingBag``'s. Each trains on the fused path where the store
+        offers it (``_fused.py``); max as torch's CPU ``embedding_bag`` takes it (ties and
+        NaN: the earlier element), its gradient to the id that gave each value.
     trainable, count : bool, optional
         As in :class:`~embstore_torch.DynamicEmbedding`.
     padding_key : int, str or bytes, optional

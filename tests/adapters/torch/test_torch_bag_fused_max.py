@@ -157,6 +157,15 @@ def test_padding_elements_are_left_out_of_the_max_as_on_the_unfused_path():
     assert not stores[0].contains([pad]).any()
 
 
+def test_a_closing_offset_is_taken_off_before_the_fused_max():
+    stores = [_open(opt="adagrad-rowwise") for _ in range(2)]
+    batches = [(ids, torch.cat([offs, torch.tensor([len(ids)])])) for ids, offs in _batches(False)]
+    a_outs, a_nodes = _train(stores[0], True, batches, include_last_offset=True)
+    b_outs, _ = _train(stores[1], False, batches, include_last_offset=True)
+    assert set(a_nodes) == {"FusedBagBackward"}
+    _same_bits((a_outs, stores[0]), (b_outs, stores[1]))
+
+
 def test_the_custom_op_switch_keeps_max_on_the_eager_fused_path():
     """``fused_custom_op`` covers sum and mean; max stays on ``FusedBag`` with the same bits."""
     stores = [_open() for _ in range(2)]

@@ -22,6 +22,9 @@ the dense part stepped by ``torch.optim.SGD``. Contenders:
   their outputs concatenated (one fused call and one autograd node per table);
 - ``embstore-unfused``: the same with ``use_fused_path = False`` (the path before the fused
   one: store lookup of the distinct ids, torch ``embedding_bag``, ``store.update``);
+- ``embstore-bags-max`` / ``embstore-unfused-max`` (not run unless named in ``--contenders``):
+  ``embstore-bags`` / ``embstore-unfused`` with ``mode="max"`` pooling (FBGEMM's figure is
+  still its sum's);
 - ``torch``: ``nn.EmbeddingBag(rows, 64, mode="sum", sparse=True)`` + ``torch.optim.Adagrad``
   (torch has no row-wise Adagrad: full Adagrad, 64 accumulators per row);
 - ``fbgemm``: ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU, ``EXACT_ROWWISE_ADAGRAD``, its
@@ -116,7 +119,8 @@ class Contender:
         self.loss = torch.nn.BCEWithLogitsLoss()
         getattr(self, f"_init_{kind.replace('-', '_')}")(rows, features, bag, **opts)
 
-    def _init_embstore_bags(self, rows: int, features: int, bag: int, **opts: object) -> None:
+    def _init_embstore_bags(self, rows: int, features: int, bag: int, mode: str = "sum",
+                            **opts: object) -> None:
         import embstore
         from embstore.optim import Adagrad
         from embstore_torch import DynamicEmbeddingBag
@@ -124,7 +128,7 @@ class Contender:
         self.stores = [embstore.open("memory://", dim=DIM, seed=f, **opts,  # type: ignore[arg-type]
                                      optimizer=Adagrad(lr=LR, eps=EPS, rowwise=True))
                        for f in range(features)]
-        self.bags = [DynamicEmbeddingBag(s, mode="sum") for s in self.stores]
+        self.bags = [DynamicEmbeddingBag(s, mode=mode) for s in self.stores]
         self.sparse_opt = None
 
     def _init_embstore(self, rows: int, features: int, bag: int, **opts: object) -> None:
@@ -146,6 +150,12 @@ class Contender:
         self._init_embstore_bags(rows, features, bag, **opts)
         for b in self.bags:
             b.use_fused_path = False
+
+    def _init_embstore_bags_max(self, rows: int, features: int, bag: int) -> None:
+        self._init_embstore_bags(rows, features, bag, mode="max")
+
+    def _init_embstore_unfused_max(self, rows: int, features: int, bag: int) -> None:
+        self._init_embstore_unfused(rows, features, bag, mode="max")
 
     def _init_torch(self, rows: int, features: int, bag: int) -> None:
         nn = self.torch.nn

@@ -1,4 +1,5 @@
-/* The inner loops of the fused bag kernels (fused.pyx): one bag pooled, the gradient sums,
+/* The inner loops of the fused bag kernels (fused.pyx): one bag pooled (sum, mean or max),
+   the gradient sums (per element, or by the max's rows),
    one record's optimizer step, a finiteness test (es_fused_body.h).
 
    On x86-64 with GCC each loop is built twice, for the baseline and for CPUs with AVX2 and
@@ -83,6 +84,8 @@ static inline int es_wide(void) {
 #endif
 
 #define es_pool_bag ES_PICK(es_pool_bag)
+#define es_max_bag ES_PICK(es_max_bag)
+#define es_max_sums ES_PICK(es_max_sums)
 #define es_scatter_sums ES_PICK(es_scatter_sums)
 #define es_sum_key ES_PICK(es_sum_key)
 #define es_step_row ES_PICK(es_step_row)

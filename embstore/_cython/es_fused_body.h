@@ -83,6 +83,117 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
     if (mean) for (k = k0; k < d; k++) o[k] = o[k] / fl;
 }
 
+/* *o = x and *am = u where x > *o (torch's strict >: NaN never takes), as a bit select:
+   GCC makes "o[k] = take ? x : o[k]" a masked store, slow on some CPUs */
+ES_ATTR static inline void ES_NAME(es_take)(float* o, int32_t* am, float x, int32_t u) {
+    uint32_t take = 0u - (uint32_t) (x > *o), xb, ob;
+    memcpy(&xb, &x, 4);
+    memcpy(&ob, o, 4);
+    ob = (xb & take) | (ob & ~take);
+    memcpy(o, &ob, 4);
+    *am = (int32_t) (((uint32_t) u & take) | ((uint32_t) *am & ~take));
+}
+
+/* es_take of each value k of a row read as kind (first: o and am set from it); one loop per
+   kind and case, so that each is a compare-and-select vector loop */
+ES_ATTR static void ES_NAME(es_max_row)(float* restrict o, int32_t* restrict am, ptrdiff_t d,
+                                        const void* row, int kind, int32_t u, int first) {
+    const float* restrict r = (const float*) row;
+    const uint16_t* restrict h = (const uint16_t*) row;
+    ptrdiff_t k;
+    if (first) {
+        if (kind == ES_F32) memcpy(o, r, (size_t) d * sizeof(float));
+        else if (kind == ES_BF16) for (k = 0; k < d; k++) o[k] = es_bf16_to_f32(h[k]);
+        else for (k = 0; k < d; k++) o[k] = es_f16_to_f32(h[k]);
+        for (k = 0; k < d; k++) am[k] = u;
+    } else if (kind == ES_F32) {
+        for (k = 0; k < d; k++) ES_NAME(es_take)(o + k, am + k, r[k], u);
+    } else if (kind == ES_BF16) {
+        for (k = 0; k < d; k++) ES_NAME(es_take)(o + k, am + k, es_bf16_to_f32(h[k]), u);
+    } else {
+        for (k = 0; k < d; k++) ES_NAME(es_take)(o + k, am + k, es_f16_to_f32(h[k]), u);
+    }
+}
+
+/* Bag [start, stop) max-pooled into o as torch's CPU embedding_bag (mode="max") pools it,
+   column by column: the first element's value, then each later element's where it is
+   greater (a strict >: on a tie, a NaN or -0.0 against +0.0 the earlier element stays; a NaN
+   that came first stays). am[k] receives the row of the keys (inv[e]) that gave o[k].
+   Rows are float32, or bfloat16 / float16 widened exactly (the order of widened values is
+   the order of the stored ones). An empty bag gives zeros and rows -1 (no gradient). */
+ES_ATTR static void ES_NAME(es_max_bag)(float* restrict o, int32_t* restrict am, ptrdiff_t d,
+                                        const void* const* rows, const int64_t* inv,
+                                        ptrdiff_t start, ptrdiff_t stop, int kind,
+                                        ptrdiff_t ahead_stop) {
+    ptrdiff_t e, k, k0 = 0;
+    ptrdiff_t row_bytes = d * (kind == ES_F32 ? 4 : 2);
+    for (e = start; e < stop && e + ES_AHEAD < ahead_stop; e++)
+        es_prefetch_span((const char*) rows[inv[e + ES_AHEAD]], row_bytes);
+    if (stop == start) {
+        memset(o, 0, (size_t) d * sizeof(float));
+        for (k = 0; k < d; k++) am[k] = -1;
+        return;
+    }
+    /* float32 and bfloat16 columns ES_BLOCK at a time with the maxima and their rows in
+       registers (a select, not a masked store back to o per element), the rest one loop */
+    for (; kind != ES_F16 && k0 + ES_BLOCK <= d; k0 += ES_BLOCK) {
+        float acc[ES_BLOCK];
+        int32_t arg[ES_BLOCK];
+        int32_t u = (int32_t) inv[start];
+        const float* restrict r = (const float*) rows[inv[start]] + k0;
+        const uint16_t* restrict h = (const uint16_t*) rows[inv[start]] + k0;
+        for (k = 0; k < ES_BLOCK; k++) {
+            acc[k] = kind == ES_BF16 ? es_bf16_to_f32(h[k]) : r[k];
+            arg[k] = u;
+        }
+        for (e = start + 1; e < stop; e++) {
+            u = (int32_t) inv[e];
+            r = (const float*) rows[inv[e]] + k0;
+            h = (const uint16_t*) rows[inv[e]] + k0;
+            for (k = 0; k < ES_BLOCK; k++)
+                ES_NAME(es_take)(acc + k, arg + k,
+                                 kind == ES_BF16 ? es_bf16_to_f32(h[k]) : r[k], u);
+        }
+        memcpy(o + k0, acc, sizeof acc);
+        memcpy(am + k0, arg, sizeof arg);
+    }
+    for (e = start; k0 < d && e < stop; e++)
+        ES_NAME(es_max_row)(o + k0, am + k0, d - k0, (const char*) rows[inv[e]]
+                            + k0 * (kind == ES_F32 ? 4 : 2), kind, (int32_t) inv[e], e == start);
+}
+
+/* The backward of es_max_bag: row am[b*d+k] of sums (nu rows of d) gets column k of bag b's
+   gradient row (grad + b * gstride bytes), added from zero in bag order as torch's max
+   backward adds them (an index_add per column over the non-empty bags). Bag by bag, each
+   distinct key u of the bag adds to the columns it gave, a whole row at a time: the sum
+   computed in every column and kept by a bit select where am is u (a vector loop, where a
+   scatter of single columns would not be one); a column's additions are the same. */
+ES_ATTR static void ES_NAME(es_max_sums)(float* restrict sums, ptrdiff_t nu, ptrdiff_t d,
+                                         const char* grad, ptrdiff_t gstride, ptrdiff_t n_bags,
+                                         const int32_t* restrict am, const int64_t* inv,
+                                         const int64_t* offsets) {
+    ptrdiff_t b, e, e2, k;
+    memset(sums, 0, (size_t) (nu * d) * sizeof(float));
+    for (b = 0; b < n_bags; b++) {
+        const float* restrict g = (const float*) (grad + b * gstride);
+        const int32_t* restrict a = am + b * d;
+        for (e = offsets[b]; e < offsets[b + 1]; e++) {
+            int32_t u = (int32_t) inv[e];
+            float* restrict s = sums + (ptrdiff_t) u * d;
+            for (e2 = offsets[b]; e2 < e && inv[e2] != u; e2++) {}
+            if (e2 < e) continue;  /* a repeat in the bag: its columns are added already */
+            for (k = 0; k < d; k++) {
+                float t = s[k] + g[k];
+                uint32_t keep = 0u - (uint32_t) (a[k] == u), tb, sb;
+                memcpy(&tb, &t, 4);
+                memcpy(&sb, s + k, 4);
+                sb = (tb & keep) | (sb & ~keep);
+                memcpy(s + k, &sb, 4);
+            }
+        }
+    }
+}
+
 /* Per key u = inv[e], the gradient of its elements summed into row u of sums (nu rows of d),
    bag by bag in element order: a bag's gradient row (grad + b * gstride bytes) divided by its
    length first with mean, times w[e] (fmaf) when w is not NULL. scaled: d floats of scratch. */

@@ -3,12 +3,15 @@
 
 One forward: :func:`dedupe` (distinct keys in first-seen order, the inverse index and the
 occurrences, one hash pass) and :func:`pool` (each bag summed straight from the records'
-vector fields into the pooled output: no ``(distinct, dim)`` copy in between). One backward:
+vector fields into the pooled output, or their maximum with the key that gave each value: no
+``(distinct, dim)`` copy in between). One backward:
 :func:`step_bags` (the pooled gradients summed per distinct key, as :func:`grad_sums` sums
 them, and the optimizer's step applied to each record in place, counts and stamps with it).
 
 The arithmetic is the one of today's torch path, operation by operation, so both give the
-same bits: bag sums add rows in element order starting from zero; ``mean`` divides the sum by
+same bits: bag sums add rows in element order starting from zero; the max keeps the first
+element's value unless a later one is greater (torch's strict ``>``, ties and NaN included), and
+its gradient goes to the key that gave each value; ``mean`` divides the sum by
 the bag's length; weighted sums use one fused multiply-add per element (as torch's
 ``embedding_bag`` kernel does); per-key gradient sums add in element order. Each optimizer
 step repeats the float32 operations of the optimizer's numpy step in their order. The
@@ -18,7 +21,7 @@ This module imports nothing from embstore; callers pass clean, contiguous arrays
 """
 
 from cython.parallel cimport prange, threadid
-from libc.stdint cimport int64_t, uint64_t, uint32_t, uint16_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uint32_t, uint16_t, uint8_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport sqrt
 from libc.string cimport memcpy, memset
@@ -45,6 +48,12 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
                         Py_ssize_t vec_offset, Py_ssize_t acc_offset, Py_ssize_t acc2_offset,
                         int vec_kind, int acc_kind, float* tmp, uint64_t seed, int stochastic,
                         uint64_t u) noexcept nogil
+    void es_max_bag(float* o, int32_t* am, Py_ssize_t d, const void* const* rows,
+                    const int64_t* inv, Py_ssize_t start, Py_ssize_t stop, int kind,
+                    Py_ssize_t ahead_stop) noexcept nogil
+    void es_max_sums(float* sums, Py_ssize_t nu, Py_ssize_t d, const char* grad,
+                     Py_ssize_t gstride, Py_ssize_t n_bags, const int32_t* am,
+                     const int64_t* inv, const int64_t* offsets) noexcept nogil
 
 # How a float field is stored (``KINDS[name]``; fused.pxd's KIND_*)
 KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
@@ -166,14 +175,21 @@ cdef int check_bags(const int64_t[::1] inv, const int64_t[::1] offsets,
 
 def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
          const int64_t[::1] offsets, const float[::1] weights, Py_ssize_t vec_offset,
-         bint mean, float[:, :] out, int threads=1, int kind=KIND_F32):
+         bint mean, float[:, :] out, int threads=1, int kind=KIND_F32,
+         int32_t[:, ::1] argmax=None):
     """Bag ``b`` of ``out``: the float32 vectors (at ``vec_offset`` in each record) of the
     records ``slots[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, summed in element
     order (``weights[e]`` times each when ``weights`` is not empty), divided by the bag's
     length with ``mean``; an empty bag gives zeros. ``out`` may be a column block of a wider
     array (rows apart, each row contiguous); bags are split over ``threads`` native
     threads. ``kind`` (``KINDS``) is how the vectors are stored: bfloat16 or float16 rows
-    are widened as they are read (exactly), with no float32 copy of them in between."""
+    are widened as they are read (exactly), with no float32 copy of them in between.
+
+    With ``argmax`` (int32, ``(n_bags, dim)``) the bags are max-pooled instead (``mean``
+    and ``weights`` unused), as torch's ``embedding_bag(mode="max")`` on CPU: per column the
+    first element's value, replaced by a later element's only where that is greater (ties,
+    NaN and signed zeros keep the earlier one); ``argmax[b, k]`` receives the row of the keys
+    (``inv[e]``) that gave ``out[b, k]``, -1 in an empty bag (whose values are zeros)."""
     cdef Py_ssize_t n_bags = out.shape[0], d = out.shape[1], b
     cdef Py_ssize_t nu = slots.shape[0], u
     cdef const float* w = &weights[0] if weights.shape[0] else NULL
@@ -187,6 +203,10 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
     if d > 1 and out.strides[1] != sizeof(float):
         raise ValueError("pool: each output row must be contiguous")
     check_bags(inv, offsets, weights, n_bags, nu, "pool")
+    if argmax is not None and (argmax.shape[0] != n_bags or argmax.shape[1] != d):
+        raise ValueError("pool: argmax must have the output's shape")
+    if argmax is not None and nu > 0x7FFFFFFF:
+        raise ValueError("pool: too many keys for int32 rows")
     arena._check_slots(slots, "pool")
     rows = <const float**> malloc((nu if nu else 1) * sizeof(float*))
     if rows == NULL:
@@ -198,25 +218,37 @@ def pool(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
             s = slots[u]
             rows[u] = <const float*> (arena.chunks[s >> arena.shift]
                                       + (s & arena.low_mask) * arena.itemsize + vec_offset)
-        for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
-            es_pool_bag(&out[b, 0], d, <const void**> rows, &inv[0], offsets[b],
-                        offsets[b + 1], w, mean, kind, offsets[n_bags])
+        if argmax is not None:
+            for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
+                es_max_bag(&out[b, 0], &argmax[b, 0], d, <const void**> rows, &inv[0],
+                           offsets[b], offsets[b + 1], kind, offsets[n_bags])
+        else:
+            for b in prange(n_bags, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
+                es_pool_bag(&out[b, 0], d, <const void**> rows, &inv[0], offsets[b],
+                            offsets[b + 1], w, mean, kind, offsets[n_bags])
     free(rows)
 
 
 def grad_sums(const int64_t[::1] inv, const int64_t[::1] offsets, const float[::1] weights,
-              bint mean, const float[:, :] grad, float[:, ::1] sums):
+              bint mean, const float[:, :] grad, float[:, ::1] sums,
+              const int32_t[:, ::1] argmax=None):
     """Row ``u`` of ``sums``: the gradient of every element ``e`` with ``inv[e] == u``,
     added in element order; an element's gradient is its bag's row of ``grad``, divided by
     the bag's length with ``mean``, times ``weights[e]`` when weights are given. ``grad``
     may be a strided view of a wider array (a slice of a concatenated output's gradient),
-    its rows contiguous."""
+    its rows contiguous. With ``argmax`` (:func:`pool`'s, max pooling) row ``u`` instead
+    sums, per column ``k``, ``grad[b, k]`` of the bags whose ``argmax[b, k] == u``, in bag
+    order."""
     cdef Py_ssize_t d = grad.shape[1]
     cdef float* scaled
     if sums.shape[1] != d or (d > 1 and grad.strides[1] != sizeof(float)):
         raise ValueError("grad_sums: the sums must have the gradient's width, and gradient "
                          "rows must be contiguous")
     check_bags(inv, offsets, weights, grad.shape[0], sums.shape[0], "grad_sums")
+    if argmax is not None:
+        _max_sums(&sums[0, 0] if sums.shape[0] else NULL, sums.shape[0], grad, argmax, inv,
+                  offsets)
+        return
     scaled = <float*> malloc((d if d else 1) * sizeof(float))
     if scaled == NULL:
         raise MemoryError("grad_sums: no memory")
@@ -236,6 +268,22 @@ cdef inline void _scatter_sums(float* sums, Py_ssize_t nu, const float[:, :] gra
                     &weights[0] if weights.shape[0] else NULL, mean, scaled)
 
 
+cdef int _max_sums(float* sums, Py_ssize_t nu, const float[:, :] grad,
+                   const int32_t[:, ::1] argmax, const int64_t[::1] inv,
+                   const int64_t[::1] offsets) except -1:
+    """:func:`grad_sums` of max-pooled bags into ``nu`` rows at ``sums`` (``inv`` and
+    ``offsets`` checked by the caller; ``argmax`` here: the gradient's shape. Its values are
+    only compared with the bags' keys, never used as an address)."""
+    cdef Py_ssize_t n_bags = grad.shape[0], d = grad.shape[1]
+    if argmax.shape[0] != n_bags or argmax.shape[1] != d:
+        raise ValueError("grad_sums: argmax must have the gradient's shape")
+    with nogil:
+        es_max_sums(sums, nu, d, <const char*> &grad[0, 0] if n_bags else NULL,
+                    grad.strides[0], n_bags, &argmax[0, 0] if n_bags and d else NULL,
+                    &inv[0] if inv.shape[0] else NULL, &offsets[0])
+    return 0
+
+
 def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] inv,
               const int64_t[::1] offsets, const float[::1] weights, bint mean,
               const float[:, :] grad, int rule, float alpha, float lr, float eps,
@@ -243,7 +291,8 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
               const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,
               const uint64_t[::1] set_bits, int threads=1, int vec_kind=KIND_F32,
               int acc_kind=KIND_F32, uint64_t seed=0, bint stochastic=False,
-              const double[::1] hyper=None, Py_ssize_t acc2_offset=-1):
+              const double[::1] hyper=None, Py_ssize_t acc2_offset=-1,
+              const int32_t[:, ::1] argmax=None):
     """The backward of :func:`pool` and the optimizer's step, in one call: returns False
     (and writes nothing) when a key's summed gradient is not finite.
 
@@ -269,7 +318,10 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     ``vec_kind`` / ``acc_kind`` (``KINDS``) say how the vector and the slots are stored:
     16-bit fields are widened, stepped in float32 (the arithmetic above) and rounded back,
     to nearest, or with ``stochastic`` by random bits that are a function of ``seed``, the
-    key's row ``u``, the field and the coordinate only (not of the thread split)."""
+    key's row ``u``, the field and the coordinate only (not of the thread split).
+
+    With ``argmax`` (:func:`pool`'s, max pooling) the sums are :func:`grad_sums`' of max
+    pooling (one thread: a pass over the gradient); the step is the same."""
     cdef Py_ssize_t nu = slots.shape[0], n_bags = grad.shape[0], d = grad.shape[1]
     cdef Py_ssize_t u
     cdef int nt = _split(threads, (nu if nu > n_bags else n_bags) * d)
@@ -288,7 +340,13 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     sums = <float*> malloc((nu * d + d + 1) * sizeof(float))  # the sums, then a scratch row
     if sums == NULL:
         raise MemoryError("step_bags: no memory")
-    if nt == 1:  # bag by bag, as grad_sums: no grouping pass needed
+    if argmax is not None:
+        try:
+            _max_sums(sums, nu, grad, argmax, inv, offsets)
+        except ValueError:
+            free(sums)
+            raise
+    elif nt == 1:  # bag by bag, as grad_sums: no grouping pass needed
         with nogil:
             _scatter_sums(sums, nu, grad, inv, offsets, weights, mean, sums + nu * d)
     else:

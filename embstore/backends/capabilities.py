@@ -44,24 +44,31 @@ class SlotAddressed(Protocol):
 
 class FusedBagPooling(Protocol):
     """A backend that pools bags of stored vectors in one pass (``supports_fused_bags``):
-    the engine's fused bag path (:mod:`embstore.engine.fused`)."""
+    the engine's fused bag path (:mod:`embstore.engine.fused`), for sum, mean and max
+    pooling (its two calls' ``argmax=``)."""
 
     supports_fused_bags: bool
 
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                     template: Callable[[], np.ndarray], inv: np.ndarray, offsets: np.ndarray,
-                    weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> int:
+                    weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1, *,
+                    argmax: np.ndarray | None = None) -> int:
         """``Backend.lookup_insert`` of distinct ``keys`` with the vectors pooled into bags
         instead of returned: row ``b`` of ``out`` sums (``mean``: averages) the vectors of
         ``keys[inv[e]]`` for ``e`` in ``offsets[b]:offsets[b+1]``, each times ``weights[e]``
         where ``weights`` is not empty. ``out`` may be a column block of a wider array; the
         bags may be split over ``threads`` native threads. Returns how many keys were
-        inserted. Only called when ``supports_fused_bags``."""
+        inserted. Only called when ``supports_fused_bags``. With ``argmax`` (int32
+        ``(n_bags, dim)``) row ``b`` of ``out`` is instead the bag's maximum per column, as
+        torch's CPU ``embedding_bag(mode="max")`` takes it (``weights`` and ``mean`` unused),
+        and ``argmax[b, k]`` receives the row of ``keys`` that gave ``out[b, k]`` (-1 in an
+        empty bag, whose values are zeros)."""
         ...
 
     def step_bags(self, keys: np.ndarray, update: RowUpdate, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                  threads: int = 1, rounding: int | None = None) -> bool | None:
+                  threads: int = 1, rounding: int | None = None, *,
+                  argmax: np.ndarray | None = None) -> bool | None:
         """The backward of :meth:`lookup_pool` in one pass: each distinct key's gradient
         summed from the pooled ``grad`` (``(n_bags, dim)``) as ``BagBatch.grad_sums`` sums
         it, then ``update`` (a ``RowUpdate`` whose rows are those sums: counts, stamps and
@@ -69,7 +76,8 @@ class FusedBagPooling(Protocol):
         False when a sum is not finite (nothing written), None when this backend cannot
         (a key lost its record, or the layout or rule is not covered): then the caller
         takes the general path. 16-bit fields round back to nearest, or stochastically
-        from the 64-bit seed ``rounding``."""
+        from the 64-bit seed ``rounding``. ``argmax``: the bags were max-pooled, the
+        pooling's ``argmax`` (each value's gradient goes to the key that gave it)."""
         ...
 
 
@@ -82,14 +90,16 @@ class SlotBagPooling(Protocol):
     supports_fused_bags: bool
 
     def pool_slots(self, slots: np.ndarray, inv: np.ndarray, offsets: np.ndarray,
-                   weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> None:
-        """``FusedBagPooling.lookup_pool``'s pooling, of the vectors at ``slots`` (distinct
-        keys' records, in the order ``inv`` indexes)."""
+                   weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1, *,
+                   argmax: np.ndarray | None = None) -> None:
+        """``FusedBagPooling.lookup_pool``'s pooling (max pooling with ``argmax``), of the
+        vectors at ``slots`` (distinct keys' records, in the order ``inv`` indexes)."""
         ...
 
     def step_slots(self, slots: np.ndarray, update: RowUpdate, inv: np.ndarray,
                    offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                   threads: int = 1, rounding: int | None = None) -> bool | None:
+                   threads: int = 1, rounding: int | None = None, *,
+                   argmax: np.ndarray | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` on the records at ``slots``: True when applied, False
         when a summed gradient is not finite (nothing written), None when the kernels do not
         cover the layout or rule (nothing written)."""

@@ -287,37 +287,37 @@ class MemoryBackend(Backend):
 
     @serialized
     def lookup_pool(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
-                    template: Callable[[], np.ndarray], *bags: Any) -> int:
+                    template: Callable[[], np.ndarray], *bags: Any, **kw: Any) -> int:
         """``FusedBagPooling.lookup_pool``; the slots stay remembered for ``step_bags``."""
         (slots, miss), n_new = self._bags.take_ahead(keys), 0  # (BagKernels.pooled_ahead)
         if miss is not None:  # the keys to place: all, or those a probe ahead did not find
             slots[miss], n_new = self._place_new(keys[miss], initial, template,
                                                  np.empty(len(keys[miss]), np.uint8))
-            self._bags.pool(self._records, slots, *bags)
+            self._bags.pool(self._records, slots, *bags, **kw)
         self._last_find = (self._bags.snapshot(keys), slots, self._epoch)
         return n_new
 
     @serialized
-    def step_bags(self, keys: np.ndarray, update: RowUpdate, *bags: Any) -> bool | None:
+    def step_bags(self, keys: np.ndarray, update: RowUpdate, *bags: Any, **kw: Any) -> bool | None:
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         slots = recall(self._last_find, self._epoch, keys)
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
-                               update, *bags, keys=keys)
+                               update, *bags, keys=keys, **kw)
 
     def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:
-        """``(lock, key table, arena, bag kernels)`` for ``fused.probe_pool`` / ``step_tables``
-        of several stores at once: table and arena are valid while the caller holds the lock."""
+        """``(lock, key table, arena, bag kernels)`` for ``fused_tables``, valid under the lock."""
         return self._lock, self._table, self._arena, self._bags
 
     @serialized
-    def pool_slots(self, slots: np.ndarray, *bags: Any) -> None:
+    def pool_slots(self, slots: np.ndarray, *bags: Any, **kw: Any) -> None:
         """``SlotBagPooling.pool_slots``: bags pooled from the records at occupied ``slots``."""
-        self._bags.pool(self._records, slots, *bags)
+        self._bags.pool(self._records, slots, *bags, **kw)
 
     @serialized
-    def step_slots(self, slots: np.ndarray, update: RowUpdate, *bags: Any) -> bool | None:
+    def step_slots(self, slots: np.ndarray, update: RowUpdate, *bags: Any,
+                   **kw: Any) -> bool | None:
         """``SlotBagPooling.step_slots``: ``step_bags`` on the records at ``slots``."""
-        return self._bags.step(self._records, slots, update, *bags)
+        return self._bags.step(self._records, slots, update, *bags, **kw)
 
     @serialized
     def insert_rows(self, keys: np.ndarray, vectors: np.ndarray,

@@ -72,17 +72,19 @@ class BagKernels:
         self.deferred = None if keys is None else (keys, sums, steps)
 
     def pool(self, arena: Any, slots: np.ndarray, inv: np.ndarray, offsets: np.ndarray,
-             weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1) -> None:
+             weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1, *,
+             argmax: np.ndarray | None = None) -> None:
         """Row ``b`` of ``out`` pools the vectors at ``slots[inv[e]]`` for the elements ``e``
-        of bag ``b`` (``FusedBagPooling.lookup_pool``'s pooling); every slot is occupied."""
+        of bag ``b`` (``FusedBagPooling.lookup_pool``'s pooling, max pooling with
+        ``argmax``); every slot is occupied."""
         layout = self.rows.layout
         fused.pool(arena, slots, inv, offsets, weights, layout.fields["vector"][1], mean, out,
-                   threads, fused.KINDS[layout.value_dtype])
+                   threads, fused.KINDS[layout.value_dtype], argmax)
 
     def step(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
              offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
              threads: int = 1, rounding: int | None = None, *,
-             keys: np.ndarray | None = None) -> bool | None:
+             keys: np.ndarray | None = None, argmax: np.ndarray | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` at ``slots``: None where a slot is empty (a key lost
         its record) or the kernels do not cover the layout or rule; False (nothing written)
         where a summed gradient is not finite. True, not yet written, for the ``keys`` of
@@ -92,9 +94,9 @@ class BagKernels:
         deferred, self.deferred = self.deferred, None
         if deferred is None or keys is None or deferred[0] is not keys:
             return self.rows.step_bags(arena, slots, update, inv, offsets, weights, mean, grad,
-                                       threads, rounding)
+                                       threads, rounding, argmax)
         args = self.rows.step_args(arena, slots, update, inv, offsets, weights, mean, grad,
-                                   threads, rounding)
+                                   threads, rounding, argmax)
         if args is not None and deferred[2] is not None:
             deferred[2].append((deferred[1], args))
         return None if args is None else True

@@ -136,7 +136,8 @@ class RowKernels:
 
     def step_bags(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                  threads: int, rounding: int | None = None) -> bool | None:
+                  threads: int, rounding: int | None = None,
+                  argmax: np.ndarray | None = None) -> bool | None:
         """``update`` (its counts, stamps and rule; no gradient rows) applied to the records
         at ``slots`` with each key's gradient summed from the pooled ``grad`` of the bags
         ``inv``/``offsets``/``weights``/``mean``, in one compiled call
@@ -144,14 +145,16 @@ class RowKernels:
         and nothing was written; None: the kernels do not cover this layout or rule.
         16-bit fields round back to nearest, or stochastically from the 64-bit seed
         ``rounding``. The rule's ``params`` are ``(lr, eps, *hyper)`` in the kernel's terms
-        (:meth:`~embstore.optim.Optimizer.fused_rule`)."""
+        (:meth:`~embstore.optim.Optimizer.fused_rule`). ``argmax``: the bags were max-pooled
+        (:func:`~embstore._cython.fused.pool`'s rows of each value)."""
         args = self.step_args(arena, slots, update, inv, offsets, weights, mean, grad, threads,
-                              rounding)
+                              rounding, argmax)
         return None if args is None else bool(fused.step_bags(*args))
 
     def step_args(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
-                  threads: int, rounding: int | None = None) -> tuple | None:
+                  threads: int, rounding: int | None = None,
+                  argmax: np.ndarray | None = None) -> tuple | None:
         """The arguments of :meth:`step_bags`' :func:`~embstore._cython.fused.step_bags` call
         (also a table's step of :func:`~embstore._cython.fused.step_tables`); None where the
         kernels do not cover this layout or rule."""
@@ -168,7 +171,7 @@ class RowKernels:
                 axpy_offset, acc_offset, add_offsets, counts, set_offsets, bits, threads,
                 fused.KINDS[self.layout.value_dtype], fused.KINDS[self.layout.slot_dtype],
                 rounding or 0, rounding is not None, np.array(hyper, dtype=np.float64),
-                acc2_offset)
+                acc2_offset) + (() if argmax is None else (argmax,))
 
     def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:
         rule = update.rule

@@ -5,6 +5,9 @@ compiled :func:`~embstore._cython.fused.dedupe` pass), has the backend place its
 their vectors straight into the bags (``Backend.lookup_pool``), and hands it back to the
 caller; ``update_bags`` later turns the pooled gradient into per-key sums with
 :meth:`BagBatch.grad_sums` (compiled) and applies them as ``update`` does (no regrouping).
+A batch pools by its :attr:`BagBatch.mode`: ``"sum"``, ``"mean"`` or ``"max"``; a max batch
+also keeps which key gave each pooled value (:attr:`BagBatch.argmax`, filled by the pooling),
+the one thing its backward needs.
 
 :func:`probe_pool`, :func:`sum_tables` and :func:`step_tables` run the same kernels for the
 tables of several ``memory://`` stores in one call, spread over native threads (a
@@ -21,7 +24,11 @@ from .._cython import fused, fused_tables
 from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
-__all__ = ["BagBatch", "bag_batch", "probe_pool", "step_tables", "sum_tables"]
+__all__ = ["MODES", "BagBatch", "bag_batch", "pooling_mode", "probe_pool", "step_tables",
+           "sum_tables"]
+
+#: How a batch's bags are pooled
+MODES = ("sum", "mean", "max")
 
 _NO_WEIGHTS = np.zeros(0, dtype=np.float32)
 
@@ -47,16 +54,40 @@ class BagBatch:
         ``n_bags + 1`` bounds: bag ``b`` holds elements ``offsets[b]:offsets[b+1]``.
     weights : float32 array
         Per-element weights (empty: none).
+    mode : {"sum", "mean", "max"}
+        How the bags are pooled (given as a bool, the older form: True is ``"mean"``, False
+        ``"sum"``).
     mean : bool
-        Bags are averaged, not summed.
+        ``mode == "mean"``.
+    argmax : int32 array or None
+        With ``mode="max"``, once pooled: ``(n_bags, dim)``, the row of ``uniq`` that gave
+        each pooled value (-1 in an empty bag); None otherwise.
     """
 
-    __slots__ = ("uniq", "inv", "counts", "offsets", "weights", "mean")
+    __slots__ = ("uniq", "inv", "counts", "offsets", "weights", "mode", "mean", "argmax")
 
     def __init__(self, uniq: np.ndarray, inv: np.ndarray, counts: np.ndarray,
-                 offsets: np.ndarray, weights: np.ndarray, mean: bool) -> None:
+                 offsets: np.ndarray, weights: np.ndarray, mode: str | bool) -> None:
         self.uniq, self.inv, self.counts = uniq, inv, counts
-        self.offsets, self.weights, self.mean = offsets, weights, mean
+        self.offsets, self.weights = offsets, weights
+        self.mode = pooling_mode(mode)
+        self.mean = self.mode == "mean"
+        self.argmax: np.ndarray | None = None
+
+    def pooling(self, dim: int) -> dict[str, Any]:
+        """The keyword arguments that make a backend's pooling (``lookup_pool``,
+        ``pool_slots``) max-pool: ``{"argmax": (n_bags, dim) int32}``, made here for it to
+        fill; none for sum and mean."""
+        if self.mode != "max":
+            return {}
+        self.argmax = np.empty((self.n_bags, dim), dtype=np.int32)
+        return {"argmax": self.argmax}
+
+    def stepping(self) -> dict[str, Any]:
+        """The keyword arguments that make a backend's step (``step_bags``, ``step_slots``)
+        take the gradient of a max-pooled batch: ``{"argmax": ...}`` its pooling filled;
+        none for sum and mean."""
+        return {} if self.argmax is None else {"argmax": self.argmax}
 
     @property
     def n_bags(self) -> int:
@@ -64,10 +95,12 @@ class BagBatch:
 
     def grad_sums(self, grad: np.ndarray, finite: bool = False) -> np.ndarray:
         """Per distinct id, the gradient of its elements (``(n_bags, dim)`` pooled gradient
-        in), added in element order as the unfused path adds them; with ``finite``, an
+        in), added in element order as the unfused path adds them (max: each pooled value's
+        gradient to the id that gave it, in bag order); with ``finite``, an
         ``InvalidInputError`` where a sum is NaN or inf."""
         sums = np.empty((len(self.uniq), grad.shape[1]), dtype=np.float32)
-        fused.grad_sums(self.inv, self.offsets, self.weights, self.mean, grad, sums)
+        fused.grad_sums(self.inv, self.offsets, self.weights, self.mean, grad, sums,
+                        self.argmax)
         if finite and not all_finite(sums):
             raise InvalidInputError("gradients contain NaN or inf")
         return sums
@@ -76,6 +109,8 @@ class BagBatch:
         """A pooled gradient as given to ``update_bags``, checked (shape ``(n_bags, dim)``)
         and as float32 with contiguous rows (the rows may sit apart, e.g. one table's columns
         of a wider gradient); None when the batch holds no ids."""
+        if self.mode == "max" and self.argmax is None and len(self.uniq):
+            raise InvalidInputError("a max-pooled batch steps after its pooling (pool_bags)")
         g = np.asarray(grad, dtype=np.float32)
         if g.ndim == 2 and g.shape[1] > 1 and g.strides[1] != 4:
             g = np.ascontiguousarray(g)
@@ -97,9 +132,24 @@ class BagBatch:
                                     f"({self.n_bags}, {dim}) with contiguous rows, got {got}")
 
 
-def bag_batch(ids: Any, offsets: Any, weights: Any, mean: bool) -> BagBatch:
+def pooling_mode(mode: str | bool | None, mean: bool = False) -> str:
+    """``mode`` as one of :data:`MODES`: None takes ``mean`` (the older flag: True is
+    ``"mean"``), as does a bool; an ``InvalidInputError`` for anything else, or for ``mean``
+    with another mode."""
+    if mode is None or isinstance(mode, (bool, np.bool_)):
+        return "mean" if (mean or mode) else "sum"
+    if mean and mode != "mean":
+        raise InvalidInputError(f"mean=True contradicts mode={mode!r}")
+    if mode not in MODES:
+        raise InvalidInputError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+    return str(mode)
+
+
+def bag_batch(ids: Any, offsets: Any, weights: Any, mode: str | bool) -> BagBatch:
     """A :class:`BagBatch` of int64 ``ids`` (1-D with ``offsets``, the start of each bag, or
-    2-D: one bag per row), checked as ``nn.EmbeddingBag`` checks them."""
+    2-D: one bag per row) pooled by ``mode`` (:func:`pooling_mode`), checked as
+    ``nn.EmbeddingBag`` checks them."""
+    mode = pooling_mode(mode)
     ids = np.asarray(ids)
     if ids.dtype.kind not in "iu":
         raise InvalidInputError(f"bag ids must be integers, got dtype {ids.dtype}")
@@ -126,11 +176,11 @@ def bag_batch(ids: Any, offsets: Any, weights: Any, mean: bool) -> BagBatch:
         w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
         if len(w) != n:
             raise InvalidInputError("per_sample_weights must have one weight per id")
-        if mean:
+        if mode != "sum":
             raise InvalidInputError("per_sample_weights only work with sum pooling")
     uniq = np.empty(n, dtype=np.int64)
     inv = np.empty(n, dtype=np.int64)
     counts = np.empty(n, dtype=np.int64)
     nu = fused.dedupe(flat, uniq, inv, counts)
     return BagBatch(uniq[:nu], inv, counts[:nu], np.ascontiguousarray(bounds, dtype=np.int64),
-                    w, bool(mean))
+                    w, mode)

@@ -14,7 +14,7 @@ import numpy as np
 from .._keys import normalize_keys
 from ..backends.base import Backend
 from ..engine.batch import check_counts, check_rows, nd_keys, unique_first, unique_last
-from ..engine.fused import BagBatch, bag_batch
+from ..engine.fused import BagBatch, pooling_mode
 from ..engine.pickling import reduce_store
 from ..engine.protocols import StoreObserver
 from ..engine.row_count import store_stats
@@ -30,6 +30,7 @@ from ..retrieval import top_k as _top_k
 from ..sampling import sample as _sample
 from ..sampling import subsample_mask as _subsample_mask
 from ..urls import redact_url
+from .bag_path import BagPath
 from .history import changes_since, expiry_to_apply
 from .meta import StoreMeta
 from .writer import RecordWriter
@@ -89,6 +90,7 @@ class EmbeddingStore:
             key_type=self.key_type, initializer=self.initializer, optimizer=self.optimizer,
             seed=self.seed, step=step, version=version, read_only=self.read_only,
             stochastic_rounding=bool(stochastic_rounding))
+        self.bags = BagPath(self.writer)  # pool_bags / update_bags
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -323,30 +325,28 @@ class EmbeddingStore:
 
     # -- the fused bag path (embstore.engine.fused) --------------------------------------------
     def fused_bags(self) -> bool:
-        """Whether :meth:`pool_bags` takes the fused path now: a backend that pools in place
-        (``supports_fused_bags``), int64 keys, float32 rows, writable, and nothing that must
-        see each lookup as today (an admission policy, observers such as sampling indexes)."""
+        """Whether :meth:`pool_bags` takes the fused path now (sum, mean or max): a backend
+        that pools in place (``supports_fused_bags``), int64 keys, float32 rows, writable, and
+        nothing that must see each lookup as today (an admission policy, observers such as
+        sampling indexes)."""
         return self.writer.fused_ok()
 
     def pool_bags(self, ids: Any, offsets: Any = None, *, weights: Any = None,
-                  mean: bool = False, out: np.ndarray | None = None,
+                  mean: bool = False, mode: str | None = None, out: np.ndarray | None = None,
                   threads: int = 1) -> tuple[np.ndarray, BagBatch] | None:
         """Bags of ``ids`` pooled straight from the stored rows, new ids inserted with their
         initial vectors: ``(pooled (n_bags, dim) float32, batch)``, or None where
         :meth:`fused_bags` is False (then use :meth:`lookup`).
 
         ``ids`` is 2-D (one bag per row) or 1-D with ``offsets`` (the start of each bag);
-        ``weights`` (sum pooling only) scale each id's vector. The result equals an
-        ``embedding_bag`` over ``lookup`` of the distinct ids, bit for bit, and the store's
-        counters move as that ``lookup`` moves them. Hand ``batch`` and the pooled gradient to
-        :meth:`update_bags`. ``out`` (``(n_bags, dim)`` float32 rows, e.g. one table's columns
-        of a wider output) receives the bags; ``threads`` native threads share the pooling."""
+        ``weights`` (sum only) scale each id's vector; ``mode``: ``"sum"``, ``"mean"`` (also
+        ``mean=True``) or ``"max"``. The result equals an ``embedding_bag`` over ``lookup`` of
+        the distinct ids, bit for bit, and the store's counters move as that ``lookup`` moves
+        them. Hand ``batch`` and the pooled gradient to :meth:`update_bags`. ``out``
+        (``(n_bags, dim)`` float32 rows, e.g. one table's columns of a wider output) receives
+        the bags; ``threads`` native threads share the pooling."""
         self.check_open()
-        if not self.writer.fused_ok():
-            return None
-        batch = bag_batch(ids, offsets, weights, mean)
-        batch.check_out(out, self.dim)
-        return self.writer.pool(batch, out, threads), batch
+        return self.bags.pool_bags(ids, offsets, weights, pooling_mode(mode, mean), out, threads)
 
     def update_bags(self, batch: BagBatch, grad: Any, *, counts: Any = None,
                     threads: int = 1) -> None:
@@ -356,7 +356,7 @@ class EmbeddingStore:
         On ``memory://`` (and a write-back cache on it) with SGD or Adagrad, sums and step
         are one compiled call (keys split over ``threads`` native threads)."""
         self.check_writable()
-        self.writer.update_bags(batch, grad, counts, threads)
+        self.bags.update_bags(batch, grad, counts, threads)
 
     # -- sampling and retrieval (parameters: embstore.sampling.sample, embstore.retrieval.top_k) -
     def sample(self, positive_keys: Any, num_sampled: int, sampler: Any = None, *,

@@ -28,7 +28,7 @@ from ..engine.batch import (
     unique_first,
     unique_last,
 )
-from ..errors import CapabilityError, InvalidInputError, SchemaMismatchError
+from ..errors import CapabilityError, SchemaMismatchError
 from ..valuetypes import round_trip
 from .observers import Observers
 
@@ -154,7 +154,7 @@ class RecordWriter:
         self._stamp(template, now)  # slots are per-row constants
         return template
 
-    def _rounding_seed(self) -> int | None:
+    def rounding_seed(self) -> int | None:
         """The fused step's stochastic-rounding seed (None: to nearest), of seed and step."""
         if self.stochastic_rounding and not self.layout.is_wide:
             return (self.seed * 0x9E3779B97F4A7C15 + self.step * 0xBF58476D1CE4E5B9) % 2**64
@@ -482,49 +482,11 @@ class RecordWriter:
             return out
         pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
         n_new = pooling.lookup_pool(uniq, self.initial_stored, self.template, batch.inv,
-                                    batch.offsets, batch.weights, batch.mean, out, threads)
+                                    batch.offsets, batch.weights, batch.mean, out, threads,
+                                    **batch.pooling(self.layout.dim))
         self.stats["hits"] += n - n_new
         if n_new:
             self.stats["misses"] += n_new
             self.stats["inserts"] += n_new
             self.policy.maybe_evict(self, lookup=uniq)
         return out
-
-    def update_bags(self, batch: BagBatch, grad: Any, counts: Any, threads: int) -> None:
-        """``EmbeddingStore.update_bags``: the fused step where the backend covers it, else
-        the per-id sums applied as ``update`` applies them."""
-        g = batch.checked_grad(grad, self.layout.dim)
-        if g is None:
-            return
-        mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
-        # (an observer or a policy added since the forward: the general path tells it)
-        if self.fused_ok() and self._step_bags(batch, g, mult, threads):
-            return
-        self.apply_distinct(batch.uniq, batch.grad_sums(g, finite=True), mult, len(batch.uniq))
-
-    def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
-                   threads: int) -> bool:
-        """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
-        (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
-        width = np.empty((0, self.layout.dim), dtype=np.float32)
-        axpy = self.optimizer.axpy_step(width)
-        rule = self.optimizer.fused_rule(self.step + 1) if axpy is None else None
-        if axpy is None and rule is None:
-            return False
-        now = self.stamp_time()
-        counts = {"count": mult} if "count" in self.layout.meta_names else {}
-        self.step += 1
-        done = None
-        try:
-            row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, self.stamps(now), rule)
-            done = cast("FusedBagPooling", self.backend).step_bags(
-                batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
-                threads, self._rounding_seed())
-        finally:
-            self.step -= 0 if done else 1  # nothing was written
-        if done is False:
-            raise InvalidInputError("gradients contain NaN or inf")
-        if done:
-            self.stats["updates"] += len(batch.uniq)
-            self.policy.after_update(self)
-        return bool(done)

@@ -12,9 +12,14 @@ no sort and no torch ``embedding_bag`` in between. Its backward hands the pooled
 ``store.update_bags``, which sums it per id and runs the optimizer's step in place on the rows.
 Both give the bits of the unfused path (``StoreBag``): the same sums in the same order.
 
-Anything else (max/ragged-list inputs, padding, ``max_norm``, ``scale_grad_by_freq``,
-``include_last_offset``, weights that need their own gradient, eval / no-grad forwards, other
-stores) takes the unfused path.
+``mode="max"`` takes :class:`FusedBag` only (eagerly, whatever ``fused_custom_op`` says): the
+store keeps which id gave each
+pooled value in the batch, and the backward sends each value's gradient to that id, the bits
+of torch's ``embedding_bag(mode="max")`` over the rows. Under ``torch.compile`` max bags take
+the unfused path (the op covers sum and mean).
+
+Anything else (ragged-list inputs, ``max_norm``, ``scale_grad_by_freq``, weights that need
+their own gradient, eval / no-grad forwards, other stores) takes the unfused path.
 
 The op's backward is a second op, ``embstore::fused_bag_update``, whose (empty) result is the
 gradient of the module's trigger buffer, so a compiled graph keeps it. The batch of a forward
@@ -42,7 +47,7 @@ _NONE = torch.zeros(0)
 def usable_input(input: Any, offsets: Any, psw: torch.Tensor | None, mode: str) -> bool:
     """Whether the fused op takes these arguments: an integer tensor, 2-D (one bag per
     row) or 1-D with a 1-D offsets tensor, weights (sum only) that need no gradient."""
-    if (not isinstance(input, torch.Tensor) or mode not in ("sum", "mean")
+    if (not isinstance(input, torch.Tensor) or mode not in ("sum", "mean", "max")
             or not integer_ids(input) or input.numel() == 0):
         return False
     if not ((input.dim() == 2 and offsets is None)
@@ -78,28 +83,30 @@ def store_pools(store: StoreProtocol) -> bool:
 
 
 def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: torch.Tensor,
-        handle: int, mean: bool, dim: int, custom_op: bool) -> torch.Tensor:
-    """The pooled bags of ``input``: through ``embstore::fused_bag`` with ``custom_op``,
-    else through :class:`FusedBag` (the same store calls without the dispatcher). Every
+        handle: int, mode: str, dim: int, custom_op: bool) -> torch.Tensor:
+    """The bags of ``input`` pooled by ``mode``: through ``embstore::fused_bag`` with
+    ``custom_op`` (sum and mean), else through :class:`FusedBag` (the same store calls
+    without the dispatcher). Every
     argument is taken to the host first (the op's output is placed by the module)."""
     input = input.cpu()
     offs = _NONE if offsets is None else offsets.to("cpu", torch.long)
     weights = _NONE if psw is None else psw.detach().reshape(-1).to("cpu", torch.float32)
-    if custom_op:  # (the trigger moves with the module: autograd takes its gradient back)
-        return _bag_op(input, offs, weights, trigger.cpu(), handle, mean, dim)
+    if custom_op and mode != "max":  # (the trigger moves with the module: autograd takes
+        # its gradient back)
+        return _bag_op(input, offs, weights, trigger.cpu(), handle, mode == "mean", dim)
     module = _compiled.module_of(handle)
-    return FusedBag.apply(trigger, input, offs, weights, mean, module.store, module.count,
+    return FusedBag.apply(trigger, input, offs, weights, mode, module.store, module.count,
                           module.pooled_pinned)
 
 
 def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-          mean: bool, pinned: bool = False) -> tuple[torch.Tensor, Any]:
+          mode: str, pinned: bool = False) -> tuple[torch.Tensor, Any]:
     out = None
     if pinned:  # for a model on a GPU: pooled into page-locked memory (_transfer.py)
         n_bags = ids.shape[0] if ids.dim() == 2 else offsets.shape[0]
         out = _transfer.host_empty((n_bags, int(store.dim)), pinned)
     got = store.pool_bags(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None,
-                          weights=weights.numpy() if weights.numel() else None, mean=mean,
+                          weights=weights.numpy() if weights.numel() else None, mode=mode,
                           threads=torch.get_num_threads(),
                           out=None if out is None else out.numpy())
     if got is None:  # pragma: no cover - the module asked the store just before
@@ -126,9 +133,9 @@ class FusedBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                weights: torch.Tensor, mean: bool, store: StoreProtocol, count: bool,
+                weights: torch.Tensor, mode: str, store: StoreProtocol, count: bool,
                 pinned: bool):
-        pooled, ctx.batch = _pool(store, ids, offsets, weights, mean, pinned)
+        pooled, ctx.batch = _pool(store, ids, offsets, weights, mode, pinned)
         ctx.store, ctx.count = store, count
         return pooled
 
@@ -170,7 +177,8 @@ def take_for_backward(stacks: dict[int, list[tuple[torch.Tensor, Any]]], handle:
 @torch.library.custom_op("embstore::fused_bag", mutates_args=())
 def _bag_op(ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
             trigger: torch.Tensor, handle: int, mean: bool, dim: int) -> torch.Tensor:
-    pooled, batch = _pool(_compiled.module_of(handle).store, ids, offsets, weights, mean)
+    pooled, batch = _pool(_compiled.module_of(handle).store, ids, offsets, weights,
+                          "mean" if mean else "sum")
     keep_for_backward(_BATCHES, handle, ids, batch)
     return pooled
 

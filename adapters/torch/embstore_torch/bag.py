@@ -27,7 +27,9 @@ class DynamicEmbeddingBag(StoreModule):
     store : embstore.EmbeddingStore
     mode : {"mean", "sum", "max"}
         How the vectors of one bag are pooled (an empty bag gives zeros). The default is
-        ``"mean"``, as ``nn.EmbeddingBag``'s.
+        ``"mean"``, as ``nn.EmbeddingBag``'s. Each trains on the fused path where the store
+        offers it (``_fused.py``); max as torch's CPU ``embedding_bag`` takes it (ties and
+        NaN: the earlier element), its gradient to the id that gave each value.
     trainable, count : bool, optional
         As in :class:`~embstore_torch.DynamicEmbedding`.
     padding_key : int, str or bytes, optional
@@ -76,10 +78,11 @@ class DynamicEmbeddingBag(StoreModule):
     def forward(self, input: Any, offsets: Any = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if self._fused_usable(input, offsets, per_sample_weights):  # one fused op
+            if (self.mode != "max"  # (the op covers sum and mean)
+                    and self._fused_usable(input, offsets, per_sample_weights)):  # one fused op
                 self._check_weights(input, offsets, per_sample_weights)
                 return self._output(_fused.bag(input, offsets, per_sample_weights,
-                                               self._trigger, self._handle, self.mode == "mean",
+                                               self._trigger, self._handle, self.mode,
                                                self.embedding_dim, True))
             if (self.padding_key is None and self.max_norm is None
                     and not self.include_last_offset and _compiled.traceable(self, input)
@@ -164,7 +167,7 @@ class DynamicEmbeddingBag(StoreModule):
                 if ids.numel() == 0:  # every element padding: nothing to read or train
                     return self._empty_output((n_bags, self.embedding_dim))
             return self._output(_fused.bag(ids, offs_in, psw_in, self._trigger, self._handle,
-                                           self.mode == "mean", self.embedding_dim,
+                                           self.mode, self.embedding_dim,
                                            self.fused_custom_op))
         offsets = self._open_offsets(input, offsets)
         batch, offs, size = prepare_bags(input, offsets)

@@ -477,7 +477,7 @@ class DynamicEmbedding(StoreModule):
         """The rows of ``input`` as bags of one id each (``_fused.bag``)."""
         flat = input.reshape(-1)
         ones = torch.arange(flat.numel(), dtype=torch.long)
-        rows = _fused.bag(flat, ones, None, self._trigger, self._handle, False,
+        rows = _fused.bag(flat, ones, None, self._trigger, self._handle, "sum",
                           self.embedding_dim, custom_op)
         return self._output(rows.reshape(*input.shape, self.embedding_dim))
 

@@ -263,13 +263,13 @@ class CachedBackend(Backend):
         """Bags pool where the cached rows sit (a memory:// arena, write-back): :mod:`.bags`."""
         return self.bags.usable
 
-    def lookup_pool(self, keys: np.ndarray, *args: Any) -> int:
+    def lookup_pool(self, keys: np.ndarray, *args: Any, **kw: Any) -> int:
         """``FusedBagPooling.lookup_pool`` (:meth:`.bags.CachedBags.pool`, the lock held)."""
-        return self._probed(keys, functools.partial(self.bags.pool, keys, args), claim=False)
+        return self._probed(keys, functools.partial(self.bags.pool, keys, args, **kw), claim=False)
 
-    def step_bags(self, keys: np.ndarray, *args: Any) -> bool | None:
+    def step_bags(self, keys: np.ndarray, *args: Any, **kw: Any) -> bool | None:
         """``FusedBagPooling.step_bags`` (:meth:`.bags.CachedBags.step`, the lock held)."""
-        return self._probed(keys, functools.partial(self.bags.step, keys, args))
+        return self._probed(keys, functools.partial(self.bags.step, keys, args, **kw))
 
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         return self._probed(keys, lambda *probe: self._modify(keys, fn, *probe))

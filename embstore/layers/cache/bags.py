@@ -64,18 +64,19 @@ class CachedBags:
         return self._pooling
 
     def pool(self, keys: np.ndarray, args: tuple[Any, ...], slots: np.ndarray,
-             found: np.ndarray) -> int:
-        """``FusedBagPooling.lookup_pool(keys, *args)`` of distinct ``keys`` (``slots``/
-        ``found``: their probe); returns how many keys were made new."""
-        return self._pool(keys, slots, found, *args)
+             found: np.ndarray, *, argmax: np.ndarray | None = None) -> int:
+        """``FusedBagPooling.lookup_pool(keys, *args, argmax=argmax)`` of distinct ``keys``
+        (``slots``/``found``: their probe); returns how many keys were made new."""
+        return self._pool(keys, slots, found, argmax, *args)
 
     def _pool(self, keys: np.ndarray, slots: np.ndarray, found: np.ndarray,
+              argmax: np.ndarray | None,
               initial: Callable[[np.ndarray], np.ndarray], template: Callable[[], np.ndarray],
               *bags: Any) -> int:
         local, res = self._local(), self.resident
         if found.all():  # the hit path: the lookup's bookkeeping, no copy of a row
             res.hit(slots)
-            local.pool_slots(slots, *bags)
+            local.pool_slots(slots, *bags, argmax=argmax)
             return 0
         vectors, found = res.lookup(keys, "vector", slots, found)  # the miss path, unchanged
         n_new = len(keys) - int(np.count_nonzero(found))
@@ -86,26 +87,27 @@ class CachedBags:
             self.insert(keys[new], records)
         slots, cached = res.find(keys)
         if cached.all():
-            local.pool_slots(slots, *bags)
+            local.pool_slots(slots, *bags, argmax=argmax)
         else:  # more rows than the cache holds: pooled from the rows as they were read
-            _pool_apart(vectors, res.rows.local.layout, bags)
+            _pool_apart(vectors, res.rows.local.layout, bags, argmax)
         return n_new
 
     def step(self, keys: np.ndarray, args: tuple[Any, ...], slots: np.ndarray,
-             found: np.ndarray) -> bool | None:
-        """``FusedBagPooling.step_bags(keys, *args)`` of distinct ``keys`` (``slots``/
+             found: np.ndarray, *, argmax: np.ndarray | None = None) -> bool | None:
+        """``FusedBagPooling.step_bags(keys, *args, argmax=...)`` of distinct ``keys`` (``slots``/
         ``found``: their probe), on the cached rows in place. None (nothing done) where a
         key's row left the cache since its forward: the general update reads it back."""
         local = self._local()
         if not found.all():
             return None
-        done = local.step_slots(slots, *args)
+        done = local.step_slots(slots, *args, argmax=argmax)
         if done:
             self.resident.stepped(keys, slots)
         return done
 
 
-def _pool_apart(vectors: np.ndarray, layout: Any, bags: tuple[Any, ...]) -> None:
+def _pool_apart(vectors: np.ndarray, layout: Any, bags: tuple[Any, ...],
+                argmax: np.ndarray | None) -> None:
     """Pool ``vectors`` (one stored row per distinct key, in ``inv``'s order) with the same
     compiled kernel, from a scratch ``memory://`` table: the bits of the cached path."""
     n = len(vectors)
@@ -116,6 +118,6 @@ def _pool_apart(vectors: np.ndarray, layout: Any, bags: tuple[Any, ...]) -> None
         records["vector"] = vectors
         ids = np.arange(n, dtype=np.int64)
         scratch.put(ids, records)
-        scratch.pool_slots(scratch.find_slots(ids), *bags)
+        scratch.pool_slots(scratch.find_slots(ids), *bags, argmax=argmax)
     finally:
         scratch.close()

@@ -1,0 +1,85 @@
+"""The fused bag path of an :class:`~embstore.store.core.EmbeddingStore`: ``pool_bags`` and
+``update_bags`` (:class:`BagPath`), over the store's :class:`~embstore.store.writer.RecordWriter`.
+
+The forward makes the batch (:func:`~embstore.engine.fused.bag_batch`) and has the writer pool
+it; the backward hands the pooled gradient to the backend's one-pass step
+(``FusedBagPooling.step_bags``: per-key sums, element by element for sum and mean, by the
+pooling's ``argmax`` for max, then the optimizer's step on the records in place), with the
+counts and stamps ``RecordWriter.apply_distinct`` writes, or, where the backend does not cover
+the optimizer or the layout, to ``apply_distinct`` itself: the same bits either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from ..backends.base import RowUpdate
+from ..engine.fused import BagBatch, bag_batch
+from ..errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from ..backends.base import FusedBagPooling
+    from .writer import RecordWriter
+
+__all__ = ["BagPath"]
+
+
+class BagPath:
+    """``EmbeddingStore.pool_bags`` / ``update_bags`` through ``writer``."""
+
+    def __init__(self, writer: RecordWriter) -> None:
+        self.writer = writer
+
+    def pool_bags(self, ids: Any, offsets: Any, weights: Any, mode: str,
+                  out: np.ndarray | None, threads: int) -> tuple[np.ndarray, BagBatch] | None:
+        """``EmbeddingStore.pool_bags`` of bags pooled by ``mode`` (``"sum"``, ``"mean"`` or
+        ``"max"``); None where the fused path does not apply now."""
+        w = self.writer
+        if not w.fused_ok():
+            return None
+        batch = bag_batch(ids, offsets, weights, mode)
+        batch.check_out(out, w.layout.dim)
+        return w.pool(batch, out, threads), batch
+
+    def update_bags(self, batch: BagBatch, grad: Any, counts: Any, threads: int) -> None:
+        """``EmbeddingStore.update_bags``: the fused step where the backend covers it, else
+        the per-id sums applied as ``update`` applies them."""
+        w = self.writer
+        g = batch.checked_grad(grad, w.layout.dim)
+        if g is None:
+            return
+        mult = batch.counts if counts is None else np.asarray(counts, dtype=np.int64)
+        # (an observer or a policy added since the forward: the general path tells it)
+        if w.fused_ok() and self._step_bags(batch, g, mult, threads):
+            return
+        w.apply_distinct(batch.uniq, batch.grad_sums(g, finite=True), mult, len(batch.uniq))
+
+    def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
+                   threads: int) -> bool:
+        """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
+        (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
+        w = self.writer
+        width = np.empty((0, w.layout.dim), dtype=np.float32)
+        axpy = w.optimizer.axpy_step(width)
+        rule = w.optimizer.fused_rule(w.step + 1) if axpy is None else None
+        if axpy is None and rule is None:
+            return False
+        now = w.stamp_time()
+        counts = {"count": mult} if "count" in w.layout.meta_names else {}
+        w.step += 1
+        done = None
+        try:
+            row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
+            done = cast("FusedBagPooling", w.backend).step_bags(
+                batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
+                threads, w.rounding_seed(), **batch.stepping())
+        finally:
+            w.step -= 0 if done else 1  # nothing was written
+        if done is False:
+            raise InvalidInputError("gradients contain NaN or inf")
+        if done:
+            w.stats["updates"] += len(batch.uniq)
+            w.policy.after_update(w)
+        return bool(done)

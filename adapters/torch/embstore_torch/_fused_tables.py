@@ -15,9 +15,11 @@ Under ``torch.compile`` the same forward is one custom op for every table,
 follows from the input's (no data-dependent split of the jagged values in the graph); the op
 names the tables by their modules' handles, as ``embstore::fused_bag`` does.
 
-Anything else (features sharing a table, max pooling, padding keys, namespaces, weights that
-need a gradient, ragged lists, eval / no-grad forwards, other stores) takes the collection's
-general path; both give the same bits.
+Max-pooled tables take the fused path eagerly, one ``store.pool_bags(mode="max")`` call each
+(the table-parallel calls cover sum and mean); under ``torch.compile`` a collection with a max
+table takes the general path. Anything else (features sharing a table, padding keys,
+namespaces, weights that need a gradient, ragged lists, eval / no-grad forwards, other stores)
+takes the collection's general path; both give the same bits.
 """
 
 from __future__ import annotations
@@ -42,11 +44,18 @@ class Part:
     """One table of a fused forward: its store, output columns and options (the collection
     plans them: ``DynamicEmbeddingBagCollection._fused_parts``)."""
 
-    __slots__ = ("store", "column", "dim", "mean", "count", "batch")
+    __slots__ = ("store", "column", "dim", "mode", "count", "batch")
 
-    def __init__(self, store: Any, column: int, dim: int, mean: bool, count: bool) -> None:
-        self.store, self.column, self.dim, self.mean, self.count = store, column, dim, mean, count
+    def __init__(self, store: Any, column: int, dim: int, mode: str | bool,
+                 count: bool) -> None:
+        # (mode: "sum", "mean" or "max"; a bool is the older form, True meaning "mean")
+        mode = ("mean" if mode else "sum") if isinstance(mode, bool) else mode
+        self.store, self.column, self.dim, self.mode, self.count = store, column, dim, mode, count
         self.batch: Any = None
+
+    @property
+    def mean(self) -> bool:
+        return self.mode == "mean"
 
 
 def pool(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
@@ -104,7 +113,7 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
         lo, hi, offsets = _block(where[i], bounds, stride)
         got = part.store.pool_bags(flat[lo:hi], offsets,
                                    weights=None if weights is None else weights[lo:hi],
-                                   mean=part.mean, threads=threads,
+                                   mode=part.mode, threads=threads,
                                    out=buf[:, part.column:part.column + part.dim])
         if got is None:  # pragma: no cover - the plan asked each store just before
             raise RuntimeError("embstore: a store refused the fused bag path")
@@ -116,8 +125,10 @@ def _together(parts: list[Part]) -> list[int]:
     """The positions of the parts that take the table-parallel calls (forward and backward
     ask again: a policy may come between them): ``memory://`` tables (:func:`_native`), two
     or more, of as many backends (a backend twice would be stepped by two threads at once,
-    where one call per table steps it twice in order); none where TABLE_PARALLEL is off."""
-    together = [i for i, p in enumerate(parts) if TABLE_PARALLEL and _native(p.store)]
+    where one call per table steps it twice in order); none where TABLE_PARALLEL is off. Max
+    pooled tables take one store call each (the table-parallel kernels sum and average)."""
+    together = [i for i, p in enumerate(parts)
+                if TABLE_PARALLEL and p.mode != "max" and _native(p.store)]
     backends = {id(parts[i].store.backend) for i in together}
     return together if len(together) >= 2 and len(backends) == len(together) else []
 

@@ -108,10 +108,10 @@ class DynamicEmbeddingBagCollection(nn.Module):
     table next to a bytes one); a feature's bags may be given as lists of lists (multi-hot),
     a 2-D tensor (fixed-size bags), a 1-D tensor or flat list (one id per sample).
 
-    With one table per feature, sum/mean pooling and stores that pool in place
-    (``store.fused_bags()``), a training forward pools every table straight into its columns
-    of one output under one autograd node (``_fused_tables.py``; set ``use_fused_path`` to
-    False to turn it off); both paths give the same bits.
+    With one table per feature and stores that pool in place (``store.fused_bags()``), a
+    training forward pools every table (sum, mean or max) straight into its columns of one
+    output under one autograd node (``_fused_tables.py``; set ``use_fused_path`` to False to
+    turn it off); both paths give the same bits.
     """
 
     use_fused_path = True
@@ -175,7 +175,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 or sorted(keys) != sorted(self.features)):
             return None
         parts = self._fused_parts(weights)
-        if parts is None:
+        if parts is None or any(p.mode == "max" for p in parts):  # (the op sums and averages)
             return None
         tables = [self.embedding_bags[t] for t in self.features.values()]
         out = _fused_tables.compiled(values, features.lengths(), weights, tables,
@@ -237,14 +237,14 @@ class DynamicEmbeddingBagCollection(nn.Module):
         parts, column = [], 0
         for feature, name in self.features.items():
             mode = self.pooling[feature]
-            if (len(self._by_table[name]) != 1 or mode not in ("sum", "mean")
+            if (len(self._by_table[name]) != 1 or mode not in ("sum", "mean", "max")
                     or (weights is not None and mode != "sum")):
                 return None
             table = self.embedding_bags[name]
             store = table.fused_store()
             if store is None:
                 return None
-            parts.append(_fused_tables.Part(store, column, table.embedding_dim, mode == "mean",
+            parts.append(_fused_tables.Part(store, column, table.embedding_dim, mode,
                                             table.count))
             column += table.embedding_dim
         return parts

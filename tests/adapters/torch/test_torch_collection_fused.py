@@ -90,8 +90,7 @@ def test_count_false_leaves_counts_alone():
         assert found.any() and not recs["count"][found].any()
 
 
-@pytest.mark.parametrize("case", ["shared-table", "max", "padding", "eval", "no-grad",
-                                  "bytes-keys"])
+@pytest.mark.parametrize("case", ["shared-table", "padding", "eval", "no-grad", "bytes-keys"])
 def test_what_the_fused_collection_does_not_take_runs_the_general_path(case, monkeypatch):
     called = []
     monkeypatch.setattr(_fused_tables, "pool", lambda *a, **k: called.append(1))
@@ -103,8 +102,6 @@ def test_what_the_fused_collection_does_not_take_runs_the_general_path(case, mon
     if case == "shared-table":
         stores = {"shared": embstore.open("memory://", dim=8)}
         features = dict.fromkeys(DIMS, "shared")
-    if case == "max":
-        kw["pooling"] = "max"
     if case == "padding":
         kw["padding_key"] = 0
     coll = DynamicEmbeddingBagCollection(stores, features, **kw)

@@ -13,6 +13,8 @@ from embstore.optim import SGD, Adagrad, Adam
 torch = pytest.importorskip("torch")
 from embstore_torch import DynamicEmbeddingBagCollection, KeyedJagged, _fused_tables  # noqa: E402
 
+from .same_tables import assert_same_tables  # noqa: E402
+
 DIMS = {"user": 8, "item": 4, "tag": 8}
 OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.1),
@@ -69,15 +71,7 @@ def test_the_fused_collection_trains_the_bits_of_the_general_path(opt, pooling, 
     assert "FusedTablesBackward" not in b_nodes
     for x, y in zip(a_outs, b_outs, strict=True):
         assert torch.equal(x, y)
-    for f in DIMS:
-        (ra, fa), (rb, fb) = a_recs[f], b_recs[f]
-        assert np.array_equal(fa, fb)
-        for name in ra.dtype.names:
-            if name not in ("version", "last_seen"):  # wall-clock stamps
-                assert np.array_equal(ra[fa][name], rb[fb][name]), (f, name)
-        sa, sb = a_tables[f].stats(), b_tables[f].stats()
-        for k in ("lookups", "hits", "misses", "inserts", "updates"):
-            assert sa[k] == sb[k], (f, k)
+    assert_same_tables(a_tables, b_tables)
 
 
 def test_count_false_leaves_counts_alone():

@@ -14,6 +14,8 @@ from embstore.optim import SGD, Adagrad, Adam
 torch = pytest.importorskip("torch")
 from embstore_torch import DynamicEmbeddingBagCollection, KeyedJagged  # noqa: E402
 
+from .same_tables import assert_same_tables  # noqa: E402
+
 DIMS = {"user": 8, "item": 40, "tag": 8, "genre": 4}
 OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.1),
@@ -68,15 +70,7 @@ def _same(a, b) -> None:
     assert "FusedTablesBackward" not in b_nodes
     for x, y in zip(a_outs, b_outs, strict=True):
         assert torch.equal(x, y)
-    for f in DIMS:
-        (ra, fa), (rb, fb) = a_recs[f], b_recs[f]
-        assert np.array_equal(fa, fb)
-        for name in ra.dtype.names:
-            if name not in ("version", "last_seen"):  # wall-clock stamps
-                assert np.array_equal(ra[fa][name], rb[fb][name]), (f, name)
-        sa, sb = a_tables[f].stats(), b_tables[f].stats()
-        for k in ("lookups", "hits", "misses", "inserts", "updates"):
-            assert sa[k] == sb[k], (f, k)
+    assert_same_tables(a_tables, b_tables)
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))

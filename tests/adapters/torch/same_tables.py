@@ -1,0 +1,25 @@
+"""What two training runs over stores of the same features must share: every record field but
+the wall-clock stamps, and the store counters."""
+
+from __future__ import annotations
+
+import numpy as np
+
+COUNTERS = ("lookups", "hits", "misses", "inserts", "updates")
+
+
+def assert_same_tables(a: dict, b: dict, keys: np.ndarray | None = None) -> None:
+    """The stores of ``a`` and ``b`` (feature -> store) hold the same keys among ``keys``
+    (default 0-399) with the same fields (``version`` and ``last_seen`` aside: clocks), and
+    counted the same lookups, hits, misses, inserts and updates."""
+    keys = np.arange(400, dtype=np.int64) if keys is None else keys
+    assert a.keys() == b.keys()
+    for f in a:
+        (ra, fa), (rb, fb) = a[f].get_records(keys), b[f].get_records(keys)
+        assert np.array_equal(fa, fb), f
+        for name in ra.dtype.names:
+            if name not in ("version", "last_seen"):  # wall-clock stamps
+                assert np.array_equal(ra[fa][name], rb[fb][name]), (f, name)
+        sa, sb = a[f].stats(), b[f].stats()
+        for k in COUNTERS:
+            assert sa[k] == sb[k], (f, k)

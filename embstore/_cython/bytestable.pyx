@@ -28,7 +28,9 @@ import os
 import numpy as np
 
 from .arena cimport RecordArena
-from .strkeys cimport KeySnapshot, KeyView, hash_view, key_views
+from cpython.ref cimport PyObject
+
+from .strkeys cimport KeySnapshot, KeyView, bytes_view, hash_view, key_items, key_views
 
 cdef extern from "es_memory.h":
     void* es_alloc_probed(size_t n) nogil
@@ -37,9 +39,14 @@ cdef extern from "es_keyword.h":
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
+cdef extern from "es_keyobj.h":
+    const char* ES_BYTES_SHORT_END(PyObject* o) nogil
 
 cdef enum:
     PREFETCH_AHEAD = 16
+    # How many key objects ahead of the one being viewed the loops fetch: the objects lie
+    # scattered over the heap (strkeys.OBJ_AHEAD is the same distance).
+    OBJ_AHEAD = 32
     INLINE = 16         # keys this short are kept in the entry itself, not the key buffer
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 cdef double MAX_LOAD = 0.75
@@ -248,32 +255,26 @@ cdef class BytesTable:
         self.data_len = pos
         self.data_dead = 0
 
-    cdef inline const char* _key_ahead(self, KeyView* v, uint64_t* hs, Py_ssize_t k,
-                                       Py_ssize_t n) noexcept nogil:
-        """Where the stored bytes that key ``k``'s probe will compare lie, when they are out of
-        line; else NULL. The probe loops prefetch the home entry of the key PREFETCH_AHEAD on,
-        and these bytes for the key half as far on (its entry has arrived by then), so that a
-        key longer than INLINE does not wait for two memory accesses in a row. Only a query
-        key longer than INLINE can match an out-of-line key (lengths must agree), so short
-        keys skip the entry read, which would otherwise stall on every key.
-
-        The loops issue the prefetches themselves: a helper that only prefetched has no
-        visible effect, and the C compiler drops calls to it."""
-        cdef Entry* e
-        if k < n and v[k].n > INLINE:
-            e = &self.entries[hs[k] & self.mask]
-            if e.val != EMPTY and e.len > INLINE:
-                return self.data + e.off
-        return NULL
-
     cdef inline void _prefetch_home(self, uint64_t h) noexcept nogil:
-        """Fetch the home entry of hash ``h`` and the entry after it: a probe that goes on
-        past the home entry (a fifth of hits at the usual load) reads it, and for a home
-        entry in the second half of its cache line it lies on the next line, which waited
-        on memory unfetched (the stall on entry loads took half the time of ``find``)."""
+        """Fetch the home entry of hash ``h``: the probe loops do it PREFETCH_AHEAD keys
+        before the probe, and :meth:`_prefetch_chain` what else the probe will read."""
         cdef const Entry* e = &self.entries[h & self.mask]
         ES_PREFETCH(e)
-        ES_PREFETCH(e + 1)  # past the last entry: a hint only, never a fault
+        ES_PREFETCH(e + 1)
+
+    cdef inline void _prefetch_chain(self, uint64_t h, Py_ssize_t n) noexcept nogil:
+        """Fetch what the probe of a key of hash ``h`` and length ``n`` reads beyond its home
+        entry's cache line; the probe loops call it half as far ahead as they fetch the home
+        entry, which has arrived by then. A probe that goes on past the home line (a fifth
+        to a third of probes at the usual loads) waited on memory with only the line
+        fetched, and always fetching the next line too costs a line per key for the two
+        thirds that end at home; a key longer than INLINE that matches a stored one also
+        compares the stored bytes, which lie out of line. Walks the home line's entries to
+        the one that ends the probe: free, or of the same hash (almost surely the key)."""
+        cdef uint64_t j = h & self.mask
+        cdef const Entry* e = &self.entries[j]
+        if n > INLINE and e.val != EMPTY and e.len > INLINE:
+            ES_PREFETCH(self.data + e.off)
 
     cdef uint64_t* _hashes(self, KeyView* v, Py_ssize_t n) except NULL:
         cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
@@ -285,28 +286,127 @@ cdef class BytesTable:
                 hs[j] = hash_view(v[j], self.seed) & self.fp_mask
         return hs
 
+    cdef inline bint _view_hashed(self, PyObject** items, Py_ssize_t k, Py_ssize_t n,
+                                  KeyView* v, uint64_t* hs) noexcept nogil:
+        """View and hash key ``k`` when it is bytes (False otherwise), fetching the object
+        OBJ_AHEAD on: one touch of each scattered key object, with its hashing overlapping
+        the fetches in flight, instead of a walk over the objects and one over their views."""
+        cdef PyObject* o
+        if k + OBJ_AHEAD < n:
+            o = items[k + OBJ_AHEAD]
+            ES_PREFETCH(o)
+            ES_PREFETCH(ES_BYTES_SHORT_END(o))
+        if not bytes_view(items[k], &v[k]):
+            return False
+        if v[k].n > 15:     # a long key: its end lies past the line fetched ahead
+            ES_PREFETCH(v[k].p + v[k].n - 1)
+        hs[k] = hash_view(v[k], self.seed) & self.fp_mask
+        return True
+
+    cdef Py_ssize_t _views_hashed(self, PyObject** items, Py_ssize_t n, KeyView* v,
+                                  uint64_t* hs) noexcept nogil:
+        """Views and hashes of the keys in one pass; returns at the first key that is not
+        bytes (a str, or a wrong type), or ``n``."""
+        cdef Py_ssize_t k
+        for k in range(n):
+            if not self._view_hashed(items, k, n, v, hs):
+                return k
+        return n
+
+    cdef KeyView* _views(self, object keys, Py_ssize_t* n, uint64_t** hs_out) except NULL:
+        """Views and hashes (``hs_out``) of ``keys``; the caller frees both. Bytes keys take
+        the fused pass (:meth:`_views_hashed`); a batch holding a str or a wrong type goes
+        through ``key_views`` (which encodes str and raises TypeError as always)."""
+        cdef PyObject** items = key_items(keys, n)
+        cdef KeyView* v = <KeyView*> malloc((n[0] + 1) * sizeof(KeyView))
+        cdef uint64_t* hs = <uint64_t*> malloc((n[0] + 1) * sizeof(uint64_t))
+        cdef Py_ssize_t done
+        if v == NULL or hs == NULL:
+            free(v)
+            free(hs)
+            raise MemoryError("bytes table: cannot allocate key views")
+        with nogil:
+            done = self._views_hashed(items, n[0], v, hs)
+        if done < n[0]:
+            free(v)
+            free(hs)
+            v = key_views(keys, n)
+            try:
+                hs = self._hashes(v, n[0])
+            except BaseException:
+                free(v)
+                raise
+        hs_out[0] = hs
+        return v
+
+    cdef Py_ssize_t _find_bytes(self, PyObject** items, Py_ssize_t n, KeyView* v,
+                                uint64_t* hs, uint32_t* out, uint64_t* hits) noexcept nogil:
+        """``find`` of keys that are bytes in one pass: key ``j + PREFETCH_AHEAD`` is viewed,
+        hashed and its home entry fetched while key ``j`` is probed, so the hashing overlaps
+        the entry fetches in flight. Returns at the first key that is not bytes, or ``n``."""
+        cdef Py_ssize_t j, k
+        cdef uint32_t r
+        for k in range(min(n, <Py_ssize_t> PREFETCH_AHEAD)):
+            if not self._view_hashed(items, k, n, v, hs):
+                return k
+            self._prefetch_home(hs[k])
+        for j in range(n):
+            k = j + PREFETCH_AHEAD
+            if k < n:
+                if not self._view_hashed(items, k, n, v, hs):
+                    return k
+                self._prefetch_home(hs[k])
+            k = j + PREFETCH_AHEAD // 2
+            if k < n:
+                self._prefetch_chain(hs[k], v[k].n)
+            r = self._find(v[j].p, v[j].n, hs[j])
+            out[j] = r
+            hits[0] += r != EMPTY
+        return n
+
     def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None):
         """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits.
         ``snapshot``, when given, is filled with a copy of ``keys``."""
-        cdef Py_ssize_t n, j
-        cdef KeyView* v = key_views(keys, &n)
+        cdef Py_ssize_t n, j, done
+        cdef PyObject** items = key_items(keys, &n)
         cdef uint64_t hits = 0
+        cdef KeyView* v = NULL
         cdef uint64_t* hs = NULL
         cdef uint32_t r
-        try:
-            if out.shape[0] < n:
-                raise ValueError("find: output has too few rows")
-            hs = self._hashes(v, n)
+        if out.shape[0] < n:
+            free(key_views(keys, &n))  # a wrong key type is still told first
+            raise ValueError("find: output has too few rows")
+        if n == 0:
             if snapshot is not None:
-                snapshot.fill(v, n)     # the hashing just brought the keys into cache
+                snapshot.fill(NULL, 0)
+            return 0
+        try:
+            v = <KeyView*> malloc((n + 1) * sizeof(KeyView))
+            hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
+            if v == NULL or hs == NULL:
+                raise MemoryError("bytes table: cannot allocate key views")
             with nogil:
-                for j in range(n):
-                    if j + PREFETCH_AHEAD < n:
-                        self._prefetch_home(hs[j + PREFETCH_AHEAD])
-                    ES_PREFETCH(self._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
-                    r = self._find(v[j].p, v[j].n, hs[j])
-                    out[j] = r
-                    hits += r != EMPTY
+                done = self._find_bytes(items, n, v, hs, &out[0], &hits)
+            if done < n:
+                # a str or a wrong type: the general views (str encoded, TypeError raised)
+                free(v)
+                free(hs)
+                v = hs = NULL
+                hits = 0
+                v = key_views(keys, &n)
+                hs = self._hashes(v, n)
+                with nogil:
+                    for j in range(n):
+                        if j + PREFETCH_AHEAD < n:
+                            self._prefetch_home(hs[j + PREFETCH_AHEAD])
+                        if j + PREFETCH_AHEAD // 2 < n:
+                            self._prefetch_chain(hs[j + PREFETCH_AHEAD // 2],
+                                                 v[j + PREFETCH_AHEAD // 2].n)
+                        r = self._find(v[j].p, v[j].n, hs[j])
+                        out[j] = r
+                        hits += r != EMPTY
+            if snapshot is not None:
+                snapshot.fill(v, n)     # the probe just read the keys: they are in cache
         finally:
             free(hs)
             free(v)
@@ -315,12 +415,11 @@ cdef class BytesTable:
     def insert_new(self, object keys, const uint32_t[::1] vals):
         """Insert keys the caller knows are absent and unique, with their slots."""
         cdef Py_ssize_t n, j
-        cdef KeyView* v = key_views(keys, &n)
         cdef uint64_t* hs = NULL
+        cdef KeyView* v = self._views(keys, &n, &hs)
         try:
             if vals.shape[0] < n:
                 raise ValueError("insert_new: fewer values than keys")
-            hs = self._hashes(v, n)
             for j in range(n):
                 self._insert(v[j].p, v[j].n, hs[j], vals[j])
         finally:
@@ -330,17 +429,13 @@ cdef class BytesTable:
     def erase(self, object keys, uint32_t[::1] out):
         """Remove keys; ``out`` receives each removed key's slot or 0xFFFFFFFF."""
         cdef Py_ssize_t n, j
-        cdef KeyView* v = key_views(keys, &n)
         cdef uint64_t removed = 0
-        cdef uint64_t* hs
+        cdef uint64_t* hs = NULL
+        cdef KeyView* v = self._views(keys, &n, &hs)
         if out.shape[0] < n:
+            free(hs)
             free(v)
             raise ValueError("erase: output has too few rows")
-        try:
-            hs = self._hashes(v, n)
-        except BaseException:
-            free(v)
-            raise
         with nogil:
             for j in range(n):
                 out[j] = self._erase(v[j].p, v[j].n, hs[j])
@@ -428,9 +523,9 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
     ``missed`` (optional, one element) receives how many positions held a key absent before
     the call: the inserted ones and the later occurrences of those keys."""
     cdef Py_ssize_t n, j, i
-    cdef KeyView* v = key_views(keys, &n)
-    cdef uint64_t inserted = 0, repeats = 0
     cdef uint64_t* hs = NULL
+    cdef KeyView* v = table._views(keys, &n, &hs)
+    cdef uint64_t inserted = 0, repeats = 0
     cdef uint32_t r
     cdef bint mark = inserted_out is not None
     cdef _SlotSet fresh = None
@@ -447,13 +542,13 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
         new_at = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
         if new_at == NULL:
             raise MemoryError("find_or_insert: no memory for the batch")
-        hs = table._hashes(v, n)
         if snapshot is not None:
             snapshot.fill(v, n)
         for j in range(n):
             if j + PREFETCH_AHEAD < n:
                 table._prefetch_home(hs[j + PREFETCH_AHEAD])
-            ES_PREFETCH(table._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
+            if j + PREFETCH_AHEAD // 2 < n:
+                table._prefetch_chain(hs[j + PREFETCH_AHEAD // 2], v[j + PREFETCH_AHEAD // 2].n)
             r = table._find(v[j].p, v[j].n, hs[j])
             if r == EMPTY:
                 r = arena._alloc_one()

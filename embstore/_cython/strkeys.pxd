@@ -1,5 +1,6 @@
 """Declarations shared by the bytes-key modules: borrowed (pointer, length) views of keys."""
 
+from cpython.ref cimport PyObject
 from libc.stdint cimport uint64_t
 
 
@@ -9,6 +10,25 @@ ctypedef struct KeyView:
 
 
 cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL
+cdef PyObject** key_items(object keys, Py_ssize_t* n) except NULL
+
+
+cdef extern from "Python.h":
+    # On a borrowed pointer: going through an ``object`` variable would write each scattered
+    # key object's reference count, twice.
+    bint _is_bytes "PyBytes_Check"(PyObject* o) nogil
+    char* _bytes_data "PyBytes_AS_STRING"(PyObject* o) nogil
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject* o) nogil
+
+
+cdef inline bint bytes_view(PyObject* o, KeyView* v) noexcept nogil:
+    """Set ``v`` to the key of ``o`` when it is bytes (or a bytes subclass, as
+    :c:func:`key_views` takes); False, ``v`` untouched, for anything else (str included)."""
+    if not _is_bytes(o):
+        return False
+    v.p = _bytes_data(o)
+    v.n = _bytes_size(o)
+    return True
 
 
 cdef class KeySnapshot:

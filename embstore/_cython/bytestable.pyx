@@ -30,7 +30,15 @@ import numpy as np
 from .arena cimport RecordArena
 from cpython.ref cimport PyObject
 
-from .strkeys cimport KeySnapshot, KeyView, bytes_view, hash_view, key_items, key_views
+from .strkeys cimport (
+    KeySnapshot,
+    KeyView,
+    bytes_view,
+    hash_view,
+    key_items,
+    key_views,
+    snapshot_add,
+)
 
 cdef extern from "es_memory.h":
     void* es_alloc_probed(size_t n) nogil
@@ -340,10 +348,12 @@ cdef class BytesTable:
         return v
 
     cdef Py_ssize_t _find_bytes(self, PyObject** items, Py_ssize_t n, KeyView* v,
-                                uint64_t* hs, uint32_t* out, uint64_t* hits) noexcept nogil:
+                                uint64_t* hs, uint32_t* out, uint64_t* hits,
+                                KeySnapshot snapshot, bint* no_memory) noexcept nogil:
         """``find`` of keys that are bytes in one pass: key ``j + PREFETCH_AHEAD`` is viewed,
-        hashed and its home entry fetched while key ``j`` is probed, so the hashing overlaps
-        the entry fetches in flight. Returns at the first key that is not bytes, or ``n``."""
+        hashed and its home entry fetched while key ``j`` is probed (and copied into
+        ``snapshot``, when given), so the hashing overlaps the entry fetches in flight.
+        Returns at the first key that is not bytes, or ``n``."""
         cdef Py_ssize_t j, k
         cdef uint32_t r
         for k in range(min(n, <Py_ssize_t> PREFETCH_AHEAD)):
@@ -362,6 +372,8 @@ cdef class BytesTable:
             r = self._find(v[j].p, v[j].n, hs[j])
             out[j] = r
             hits[0] += r != EMPTY
+            if snapshot is not None and not snapshot_add(snapshot, v[j]):
+                no_memory[0] = True
         return n
 
     def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None):
@@ -373,6 +385,7 @@ cdef class BytesTable:
         cdef KeyView* v = NULL
         cdef uint64_t* hs = NULL
         cdef uint32_t r
+        cdef bint no_memory = False
         if out.shape[0] < n:
             free(key_views(keys, &n))  # a wrong key type is still told first
             raise ValueError("find: output has too few rows")
@@ -385,8 +398,10 @@ cdef class BytesTable:
             hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
             if v == NULL or hs == NULL:
                 raise MemoryError("bytes table: cannot allocate key views")
+            if snapshot is not None:
+                snapshot.reserve(n, 16 * n)
             with nogil:
-                done = self._find_bytes(items, n, v, hs, &out[0], &hits)
+                done = self._find_bytes(items, n, v, hs, &out[0], &hits, snapshot, &no_memory)
             if done < n:
                 # a str or a wrong type: the general views (str encoded, TypeError raised)
                 free(v)
@@ -405,8 +420,10 @@ cdef class BytesTable:
                         r = self._find(v[j].p, v[j].n, hs[j])
                         out[j] = r
                         hits += r != EMPTY
-            if snapshot is not None:
-                snapshot.fill(v, n)     # the probe just read the keys: they are in cache
+                if snapshot is not None:
+                    snapshot.fill(v, n)     # the probe just read the keys: they are in cache
+            elif no_memory:
+                raise MemoryError("cannot allocate a key snapshot")
         finally:
             free(hs)
             free(v)
@@ -522,7 +539,7 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
     as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``.
     ``missed`` (optional, one element) receives how many positions held a key absent before
     the call: the inserted ones and the later occurrences of those keys."""
-    cdef Py_ssize_t n, j, i
+    cdef Py_ssize_t n, j, i, snap_bytes = 0
     cdef uint64_t* hs = NULL
     cdef KeyView* v = table._views(keys, &n, &hs)
     cdef uint64_t inserted = 0, repeats = 0
@@ -543,7 +560,10 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
         if new_at == NULL:
             raise MemoryError("find_or_insert: no memory for the batch")
         if snapshot is not None:
-            snapshot.fill(v, n)
+            # room for every key now: the loop below must not fail once it has inserted
+            for j in range(n):
+                snap_bytes += max(v[j].n, <Py_ssize_t> 16)
+            snapshot.reserve(n, snap_bytes)
         for j in range(n):
             if j + PREFETCH_AHEAD < n:
                 table._prefetch_home(hs[j + PREFETCH_AHEAD])
@@ -574,6 +594,8 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
                 if inserted and fresh is not None and fresh.has(r):
                     repeats += 1    # a key this call inserted, seen again
             out[j] = r
+            if snapshot is not None:
+                snapshot_add(snapshot, v[j])    # room made above: never fails
         if missed is not None:
             missed[0] = <int64_t> (inserted + repeats)
     finally:

@@ -30,8 +30,6 @@ import numpy as np
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
-cdef extern from "es_keyword.h":
-    uint64_t _word "es_key_word"(const char* p, Py_ssize_t n) nogil
 cdef extern from "es_keyobj.h":
     const char* ES_BYTES_SHORT_END(PyObject* o) nogil
 
@@ -265,9 +263,10 @@ cdef class KeySnapshot:
     than the bytes-table probe of the batch. Being a copy, it is not fooled by a caller that
     refills its key array in place.
 
-    ``KeySnapshot()`` is empty; the bytes table's ``find`` fills one from the key views it
-    already holds, while the keys are still in cache (a second walk over the scattered key
-    objects cost 8% of a lookup)."""
+    ``KeySnapshot()`` is empty; the bytes table's probe loops fill one key by key
+    (:c:func:`snapshot_add`) as they probe it, while its bytes are in cache: a second walk
+    over the scattered key objects cost 8% of a lookup, and a pass over the views after the
+    probe, which had to fetch the keys' bytes again, 4 ns per key."""
 
     def __cinit__(self, object keys=None):
         cdef Py_ssize_t n
@@ -280,36 +279,29 @@ cdef class KeySnapshot:
         finally:
             free(v)
 
-    cdef int fill(self, KeyView* v, Py_ssize_t n) except -1:
-        """Take the ``n`` keys of ``v`` (replacing any held before)."""
-        cdef Py_ssize_t i, total = 0, pos = 0
-        for i in range(n):
-            total += v[i].n
+    cdef int reserve(self, Py_ssize_t n, Py_ssize_t nbytes) except -1:
+        """Empty the snapshot, with room for ``n`` keys and ``nbytes`` bytes of them, a key
+        of up to 16 bytes counting 16 (:c:func:`snapshot_add` grows it past that)."""
         free(self.lens)
         free(self.data)
-        self.n = 0
+        self.n = self.used = 0
+        self.cap = nbytes
         self.lens = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
-        self.data = <char*> malloc(total + 16)     # room for the last key's word stores
+        self.data = <char*> malloc(nbytes + 16)
         if self.lens == NULL or self.data == NULL:
+            self.cap = 0
             raise MemoryError("cannot allocate a key snapshot")
-        cdef uint64_t w
-        cdef Py_ssize_t m
+        return 0
+
+    cdef int fill(self, KeyView* v, Py_ssize_t n) except -1:
+        """Take the ``n`` keys of ``v`` (replacing any held before)."""
+        cdef Py_ssize_t i, nbytes = 0
+        for i in range(n):
+            nbytes += max(v[i].n, <Py_ssize_t> 16)
+        self.reserve(n, nbytes)
         with nogil:
             for i in range(n):
-                m = v[i].n
-                self.lens[i] = m
-                if m <= 16:
-                    # Two word stores (zero-padded past the key, overwritten by the next
-                    # key): a memcpy call of a variable length per key cost 4 ns of a
-                    # 25 ns probe.
-                    w = _word(v[i].p, m)
-                    memcpy(self.data + pos, &w, 8)
-                    w = _word(v[i].p + 8, m - 8)
-                    memcpy(self.data + pos + 8, &w, 8)
-                else:
-                    memcpy(self.data + pos, v[i].p, <size_t> m)
-                pos += m
-        self.n = n
+                snapshot_add(self, v[i])    # room made above: never fails
         return 0
 
     def __dealloc__(self):

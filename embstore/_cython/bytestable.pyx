@@ -529,6 +529,78 @@ cdef class _SlotSet:
         return False
 
 
+cdef void _undo(BytesTable table, RecordArena arena, const KeyView* v, const uint64_t* hs,
+                const Py_ssize_t* new_at, uint64_t inserted, list gone) except *:
+    """All or nothing: the keys a ``find_or_insert`` call inserted leave again, and their
+    slots (and the slots in ``gone``) go back to the arena."""
+    cdef uint64_t i
+    for i in range(inserted):
+        gone.append(table._erase(v[new_at[i]].p, v[new_at[i]].n, hs[new_at[i]]))
+    arena.release(np.array(gone, dtype=np.uint32))
+
+
+cdef enum:
+    _PLACED = 0
+    _NOT_BYTES = 1      # a key that is not bytes stopped the pass; nothing stays inserted
+
+
+cdef int _place(BytesTable table, RecordArena arena, PyObject** items, Py_ssize_t n,
+                KeyView* v, uint64_t* hs, bint lazy, uint32_t[::1] out,
+                uint8_t[::1] inserted_out, _SlotSet fresh, KeySnapshot snapshot,
+                Py_ssize_t* new_at, uint64_t* counts) except -1:
+    """The probe-and-insert pass of :func:`find_or_insert`; ``counts`` receives (inserted,
+    repeats). ``lazy``: ``v``/``hs`` are filled here, key ``j + PREFETCH_AHEAD`` viewed and
+    hashed while key ``j`` is probed (one touch of each key object, its bytes still in cache
+    for the probe: a separate pass over a 48,000-key batch found them evicted again), and a
+    key that is not bytes undoes the pass and returns _NOT_BYTES. Otherwise ``v``/``hs`` hold
+    every key already."""
+    cdef Py_ssize_t j, k
+    cdef uint64_t inserted = 0, repeats = 0
+    cdef uint32_t r
+    cdef bint mark = inserted_out is not None
+    if lazy:
+        for k in range(min(n, <Py_ssize_t> PREFETCH_AHEAD)):
+            if not table._view_hashed(items, k, n, v, hs):
+                return _NOT_BYTES
+            table._prefetch_home(hs[k])
+    for j in range(n):
+        k = j + PREFETCH_AHEAD
+        if k < n:
+            if lazy and not table._view_hashed(items, k, n, v, hs):
+                _undo(table, arena, v, hs, new_at, inserted, [])
+                return _NOT_BYTES
+            table._prefetch_home(hs[k])
+        k = j + PREFETCH_AHEAD // 2
+        if k < n:
+            table._prefetch_chain(hs[k], v[k].n)
+        r = table._find(v[j].p, v[j].n, hs[j])
+        if r == EMPTY:
+            r = arena._alloc_one()
+            try:
+                table._insert(v[j].p, v[j].n, hs[j], r)
+            except BaseException:
+                _undo(table, arena, v, hs, new_at, inserted, [r])
+                raise
+            new_at[inserted] = j
+            inserted += 1
+            if fresh is not None:
+                fresh.add(r)
+            if mark:
+                inserted_out[j] = 1
+        else:
+            if mark:
+                inserted_out[j] = 0
+            if inserted and fresh is not None and fresh.has(r):
+                repeats += 1    # a key this call inserted, seen again
+        out[j] = r
+        if snapshot is not None and not snapshot_add(snapshot, v[j]):
+            _undo(table, arena, v, hs, new_at, inserted, [])
+            raise MemoryError("cannot allocate a key snapshot")
+    counts[0] = inserted
+    counts[1] = repeats
+    return _PLACED
+
+
 def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::1] out,
                    uint8_t[::1] inserted_out=None, KeySnapshot snapshot=None,
                    int64_t[::1] missed=None):
@@ -539,67 +611,45 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
     as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``.
     ``missed`` (optional, one element) receives how many positions held a key absent before
     the call: the inserted ones and the later occurrences of those keys."""
-    cdef Py_ssize_t n, j, i, snap_bytes = 0
+    cdef Py_ssize_t n
+    cdef PyObject** items = key_items(keys, &n)
+    cdef KeyView* v = NULL
     cdef uint64_t* hs = NULL
-    cdef KeyView* v = table._views(keys, &n, &hs)
-    cdef uint64_t inserted = 0, repeats = 0
-    cdef uint32_t r
-    cdef bint mark = inserted_out is not None
-    cdef _SlotSet fresh = None
+    cdef uint64_t counts[2]
     # positions inserted by this call, undone if a later one fails (a C array: a Python list
     # append per new key cost as much as the probe)
     cdef Py_ssize_t* new_at = NULL
+    if out.shape[0] < n or (inserted_out is not None and inserted_out.shape[0] < n):
+        free(key_views(keys, &n))  # a wrong key type is still told first
+        raise ValueError("find_or_insert: output has too few rows")
+    if missed is not None and missed.shape[0] < 1:
+        free(key_views(keys, &n))
+        raise ValueError("find_or_insert: missed needs one element")
     try:
-        if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
-            raise ValueError("find_or_insert: output has too few rows")
-        if missed is not None:
-            if missed.shape[0] < 1:
-                raise ValueError("find_or_insert: missed needs one element")
-            fresh = _SlotSet(n)
+        v = <KeyView*> malloc((n + 1) * sizeof(KeyView))
+        hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
         new_at = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
-        if new_at == NULL:
+        if v == NULL or hs == NULL or new_at == NULL:
             raise MemoryError("find_or_insert: no memory for the batch")
         if snapshot is not None:
-            # room for every key now: the loop below must not fail once it has inserted
-            for j in range(n):
-                snap_bytes += max(v[j].n, <Py_ssize_t> 16)
-            snapshot.reserve(n, snap_bytes)
-        for j in range(n):
-            if j + PREFETCH_AHEAD < n:
-                table._prefetch_home(hs[j + PREFETCH_AHEAD])
-            if j + PREFETCH_AHEAD // 2 < n:
-                table._prefetch_chain(hs[j + PREFETCH_AHEAD // 2], v[j + PREFETCH_AHEAD // 2].n)
-            r = table._find(v[j].p, v[j].n, hs[j])
-            if r == EMPTY:
-                r = arena._alloc_one()
-                try:
-                    table._insert(v[j].p, v[j].n, hs[j], r)
-                except BaseException:
-                    # All or nothing: the keys this call inserted leave again with their slots.
-                    gone = [r]
-                    for i in range(inserted):
-                        gone.append(table._erase(v[new_at[i]].p, v[new_at[i]].n,
-                                                 hs[new_at[i]]))
-                    arena.release(np.array(gone, dtype=np.uint32))
-                    raise
-                new_at[inserted] = j
-                inserted += 1
-                if fresh is not None:
-                    fresh.add(r)
-                if mark:
-                    inserted_out[j] = 1
-            else:
-                if mark:
-                    inserted_out[j] = 0
-                if inserted and fresh is not None and fresh.has(r):
-                    repeats += 1    # a key this call inserted, seen again
-            out[j] = r
+            snapshot.reserve(n, 16 * n)
+        if _place(table, arena, items, n, v, hs, True, out, inserted_out,
+                  None if missed is None else _SlotSet(n), snapshot, new_at,
+                  counts) == _NOT_BYTES:
+            # a str (its UTF-8 form is the key) or a wrong type (TypeError): the general views
+            free(v)
+            free(hs)
+            v = hs = NULL
+            v = key_views(keys, &n)
+            hs = table._hashes(v, n)
             if snapshot is not None:
-                snapshot_add(snapshot, v[j])    # room made above: never fails
+                snapshot.reserve(n, 16 * n)
+            _place(table, arena, items, n, v, hs, False, out, inserted_out,
+                   None if missed is None else _SlotSet(n), snapshot, new_at, counts)
         if missed is not None:
-            missed[0] = <int64_t> (inserted + repeats)
+            missed[0] = <int64_t> (counts[0] + counts[1])
     finally:
         free(new_at)
         free(hs)
         free(v)
-    return inserted
+    return counts[0]

@@ -51,9 +51,12 @@ cdef extern from "es_keyobj.h":
     const char* ES_BYTES_SHORT_END(PyObject* o) nogil
 
 cdef enum:
-    PREFETCH_AHEAD = 16
-    # How many key objects ahead of the one being viewed the loops fetch: the objects lie
-    # scattered over the heap (strkeys.OBJ_AHEAD is the same distance).
+    # How many keys ahead of its probe a key is hashed and its home entry fetched: 32
+    # measured faster than 16 (1M-key lookups, bytes/int64 0.74x -> 0.77x on a busy machine)
+    # and than 64, now that the loops hash the keys they fetch for.
+    PREFETCH_AHEAD = 32
+    # How many key objects ahead of the one being hashed the loops fetch: the objects lie
+    # scattered over the heap.
     OBJ_AHEAD = 32
     INLINE = 16         # keys this short are kept in the entry itself, not the key buffer
 cdef uint32_t EMPTY = 0xFFFFFFFFu

@@ -354,23 +354,24 @@ cdef class BytesTable:
         hs_out[0] = hs
         return v
 
-    cdef Py_ssize_t _find_bytes(self, PyObject** items, Py_ssize_t n, KeyView* v,
-                                uint64_t* hs, uint32_t* out, uint64_t* hits,
-                                KeySnapshot snapshot, bint* no_memory) noexcept nogil:
-        """``find`` of keys that are bytes in one pass: key ``j + PREFETCH_AHEAD`` is viewed,
-        hashed and its home entry fetched while key ``j`` is probed (and copied into
-        ``snapshot``, when given), so the hashing overlaps the entry fetches in flight.
-        Returns at the first key that is not bytes, or ``n``."""
+    cdef Py_ssize_t _find_all(self, PyObject** items, Py_ssize_t n, KeyView* v, uint64_t* hs,
+                              bint lazy, uint32_t* out, uint64_t* hits, KeySnapshot snapshot,
+                              bint* no_memory) noexcept nogil:
+        """The probe pass of ``find``, each key copied into ``snapshot`` (when given) as it is
+        probed. ``lazy``: ``v``/``hs`` are filled here, key ``j + PREFETCH_AHEAD`` viewed and
+        hashed while key ``j`` is probed, so the hashing overlaps the entry fetches in
+        flight; returns at the first key that is not bytes. Otherwise ``v``/``hs`` hold every
+        key already. Returns ``n`` when every key was probed."""
         cdef Py_ssize_t j, k
         cdef uint32_t r
         for k in range(min(n, <Py_ssize_t> PREFETCH_AHEAD)):
-            if not self._view_hashed(items, k, n, v, hs):
+            if lazy and not self._view_hashed(items, k, n, v, hs):
                 return k
             self._prefetch_home(hs[k])
         for j in range(n):
             k = j + PREFETCH_AHEAD
             if k < n:
-                if not self._view_hashed(items, k, n, v, hs):
+                if lazy and not self._view_hashed(items, k, n, v, hs):
                     return k
                 self._prefetch_home(hs[k])
             k = j + PREFETCH_AHEAD // 2
@@ -386,12 +387,11 @@ cdef class BytesTable:
     def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None):
         """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits.
         ``snapshot``, when given, is filled with a copy of ``keys``."""
-        cdef Py_ssize_t n, j, done
+        cdef Py_ssize_t n, done
         cdef PyObject** items = key_items(keys, &n)
         cdef uint64_t hits = 0
         cdef KeyView* v = NULL
         cdef uint64_t* hs = NULL
-        cdef uint32_t r
         cdef bint no_memory = False
         if out.shape[0] < n:
             free(key_views(keys, &n))  # a wrong key type is still told first
@@ -408,7 +408,8 @@ cdef class BytesTable:
             if snapshot is not None:
                 snapshot.reserve(n, 16 * n)
             with nogil:
-                done = self._find_bytes(items, n, v, hs, &out[0], &hits, snapshot, &no_memory)
+                done = self._find_all(items, n, v, hs, True, &out[0], &hits, snapshot,
+                                      &no_memory)
             if done < n:
                 # a str or a wrong type: the general views (str encoded, TypeError raised)
                 free(v)
@@ -417,19 +418,12 @@ cdef class BytesTable:
                 hits = 0
                 v = key_views(keys, &n)
                 hs = self._hashes(v, n)
-                with nogil:
-                    for j in range(n):
-                        if j + PREFETCH_AHEAD < n:
-                            self._prefetch_home(hs[j + PREFETCH_AHEAD])
-                        if j + PREFETCH_AHEAD // 2 < n:
-                            self._prefetch_stored(hs[j + PREFETCH_AHEAD // 2],
-                                                 v[j + PREFETCH_AHEAD // 2].n)
-                        r = self._find(v[j].p, v[j].n, hs[j])
-                        out[j] = r
-                        hits += r != EMPTY
                 if snapshot is not None:
-                    snapshot.fill(v, n)     # the probe just read the keys: they are in cache
-            elif no_memory:
+                    snapshot.reserve(n, 16 * n)
+                with nogil:
+                    self._find_all(items, n, v, hs, False, &out[0], &hits, snapshot,
+                                   &no_memory)
+            if no_memory:
                 raise MemoryError("cannot allocate a key snapshot")
         finally:
             free(hs)

@@ -494,7 +494,7 @@ cdef class _SlotSet:
     """The arena slots handed out by one ``find_or_insert`` call (open addressing over a
     power-of-two array of uint32, EMPTY where free): a later occurrence of a key inserted by
     the same call finds its slot here, which counts it as a miss without a second pass over
-    the keys."""
+    the keys (see :func:`_count_repeats`)."""
 
     cdef uint32_t* slots
     cdef uint64_t mask
@@ -529,6 +529,32 @@ cdef class _SlotSet:
             j = (j + 1) & self.mask
         return False
 
+    cdef inline void prefetch(self, uint32_t r) noexcept nogil:
+        ES_PREFETCH(&self.slots[self._home(r)])
+
+
+cdef uint64_t _count_repeats(const uint32_t[::1] out, Py_ssize_t n, const Py_ssize_t* new_at,
+                             uint64_t inserted) except? 0:
+    """How many of the ``n`` positions hold a key that this ``find_or_insert`` call inserted
+    at an earlier position (``out``: every position's slot; ``new_at``: the ``inserted``
+    positions where keys went in). A set of the new slots, then a look-up of every slot,
+    each fetched PREFETCH_AHEAD ahead: done in the probe loop, the set's random reads and
+    writes waited on memory for 40% of that loop at 48,000-key batches (the set outgrew
+    the caches the probe's keys and entries were passing through)."""
+    cdef _SlotSet fresh = _SlotSet(inserted)
+    cdef uint64_t i, found = 0
+    cdef Py_ssize_t j
+    with nogil:
+        for i in range(inserted):
+            if i + PREFETCH_AHEAD < inserted:
+                fresh.prefetch(out[new_at[i + PREFETCH_AHEAD]])
+            fresh.add(out[new_at[i]])
+        for j in range(n):
+            if j + PREFETCH_AHEAD < n:
+                fresh.prefetch(out[j + PREFETCH_AHEAD])
+            found += fresh.has(out[j])
+    return found - inserted     # each inserted position finds itself
+
 
 cdef void _undo(BytesTable table, RecordArena arena, const KeyView* v, const uint64_t* hs,
                 const Py_ssize_t* new_at, uint64_t inserted, list gone) except *:
@@ -547,16 +573,16 @@ cdef enum:
 
 cdef int _place(BytesTable table, RecordArena arena, PyObject** items, Py_ssize_t n,
                 KeyView* v, uint64_t* hs, bint lazy, uint32_t[::1] out,
-                uint8_t[::1] inserted_out, _SlotSet fresh, KeySnapshot snapshot,
-                Py_ssize_t* new_at, uint64_t* counts) except -1:
-    """The probe-and-insert pass of :func:`find_or_insert`; ``counts`` receives (inserted,
-    repeats). ``lazy``: ``v``/``hs`` are filled here, key ``j + PREFETCH_AHEAD`` viewed and
+                uint8_t[::1] inserted_out, KeySnapshot snapshot, Py_ssize_t* new_at,
+                uint64_t* inserted_count) except -1:
+    """The probe-and-insert pass of :func:`find_or_insert`; ``inserted_count`` receives how
+    many keys went in, ``new_at`` their positions. ``lazy``: ``v``/``hs`` are filled here, key ``j + PREFETCH_AHEAD`` viewed and
     hashed while key ``j`` is probed (one touch of each key object, its bytes still in cache
     for the probe: a separate pass over a 48,000-key batch found them evicted again), and a
     key that is not bytes undoes the pass and returns _NOT_BYTES. Otherwise ``v``/``hs`` hold
     every key already."""
     cdef Py_ssize_t j, k
-    cdef uint64_t inserted = 0, repeats = 0
+    cdef uint64_t inserted = 0
     cdef uint32_t r
     cdef bint mark = inserted_out is not None
     if lazy:
@@ -584,21 +610,15 @@ cdef int _place(BytesTable table, RecordArena arena, PyObject** items, Py_ssize_
                 raise
             new_at[inserted] = j
             inserted += 1
-            if fresh is not None:
-                fresh.add(r)
             if mark:
                 inserted_out[j] = 1
-        else:
-            if mark:
-                inserted_out[j] = 0
-            if inserted and fresh is not None and fresh.has(r):
-                repeats += 1    # a key this call inserted, seen again
+        elif mark:
+            inserted_out[j] = 0
         out[j] = r
         if snapshot is not None and not snapshot_add(snapshot, v[j]):
             _undo(table, arena, v, hs, new_at, inserted, [])
             raise MemoryError("cannot allocate a key snapshot")
-    counts[0] = inserted
-    counts[1] = repeats
+    inserted_count[0] = inserted
     return _PLACED
 
 
@@ -616,7 +636,7 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
     cdef PyObject** items = key_items(keys, &n)
     cdef KeyView* v = NULL
     cdef uint64_t* hs = NULL
-    cdef uint64_t counts[2]
+    cdef uint64_t inserted = 0
     # positions inserted by this call, undone if a later one fails (a C array: a Python list
     # append per new key cost as much as the probe)
     cdef Py_ssize_t* new_at = NULL
@@ -634,9 +654,8 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
             raise MemoryError("find_or_insert: no memory for the batch")
         if snapshot is not None:
             snapshot.reserve(n, 16 * n)
-        if _place(table, arena, items, n, v, hs, True, out, inserted_out,
-                  None if missed is None else _SlotSet(n), snapshot, new_at,
-                  counts) == _NOT_BYTES:
+        if _place(table, arena, items, n, v, hs, True, out, inserted_out, snapshot, new_at,
+                  &inserted) == _NOT_BYTES:
             # a str (its UTF-8 form is the key) or a wrong type (TypeError): the general views
             free(v)
             free(hs)
@@ -645,12 +664,13 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
             hs = table._hashes(v, n)
             if snapshot is not None:
                 snapshot.reserve(n, 16 * n)
-            _place(table, arena, items, n, v, hs, False, out, inserted_out,
-                   None if missed is None else _SlotSet(n), snapshot, new_at, counts)
+            _place(table, arena, items, n, v, hs, False, out, inserted_out, snapshot, new_at,
+                   &inserted)
         if missed is not None:
-            missed[0] = <int64_t> (counts[0] + counts[1])
+            missed[0] = <int64_t> (inserted + (_count_repeats(out, n, new_at, inserted)
+                                               if inserted else 0))
     finally:
         free(new_at)
         free(hs)
         free(v)
-    return counts[0]
+    return inserted

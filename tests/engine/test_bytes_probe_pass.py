@@ -164,3 +164,24 @@ def test_non_contiguous_and_non_object_arrays_are_refused_as_before():
     with pytest.raises(TypeError, match="int"):  # a wrong type is told before a short output
         find_or_insert(table, arena, objects([b"a", 1, b"c"]), np.empty(1, np.uint32))
     assert len(table) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=3), max_size=40),
+       st.lists(st.binary(max_size=3), min_size=1, max_size=300))
+def test_misses_count_every_position_whose_key_was_absent_before_the_call(stored, batch):
+    # repeats of the call's new keys are counted after the probe, over the slots it wrote
+    table, arena = BytesTable(16, seed=1), RecordArena(8)
+    find_or_insert(table, arena, objects(stored), np.empty(len(stored), np.uint32))
+    before = set(stored)
+    out, new, missed = (np.empty(len(batch), np.uint32), np.empty(len(batch), np.uint8),
+                        np.zeros(1, np.int64))
+    inserted = find_or_insert(table, arena, objects(batch), out, new, None, missed)
+    assert inserted == len(set(batch) - before) == int(new.sum())
+    assert missed[0] == sum(k not in before for k in batch)
+    first = {}
+    for i, k in enumerate(batch):
+        first.setdefault(k, i)
+    assert new.tolist() == [int(k not in before and first[k] == i)
+                            for i, k in enumerate(batch)]
+    assert out.tolist() == [table_dict(table)[k] for k in batch]

@@ -28,7 +28,17 @@ import os
 import numpy as np
 
 from .arena cimport RecordArena
-from .strkeys cimport KeySnapshot, KeyView, hash_view, key_views
+from cpython.ref cimport PyObject
+
+from .strkeys cimport (
+    KeySnapshot,
+    KeyView,
+    bytes_view,
+    hash_view,
+    key_items,
+    key_views,
+    snapshot_add,
+)
 
 cdef extern from "es_memory.h":
     void* es_alloc_probed(size_t n) nogil
@@ -37,9 +47,17 @@ cdef extern from "es_keyword.h":
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
+cdef extern from "es_keyobj.h":
+    const char* ES_BYTES_SHORT_END(PyObject* o) nogil
 
 cdef enum:
-    PREFETCH_AHEAD = 16
+    # How many keys ahead of its probe a key is hashed and its home entry fetched: 32
+    # measured faster than 16 (1M-key lookups, bytes/int64 0.74x -> 0.77x on a busy machine)
+    # and than 64, now that the loops hash the keys they fetch for.
+    PREFETCH_AHEAD = 32
+    # How many key objects ahead of the one being hashed the loops fetch: the objects lie
+    # scattered over the heap.
+    OBJ_AHEAD = 32
     INLINE = 16         # keys this short are kept in the entry itself, not the key buffer
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 cdef double MAX_LOAD = 0.75
@@ -248,32 +266,30 @@ cdef class BytesTable:
         self.data_len = pos
         self.data_dead = 0
 
-    cdef inline const char* _key_ahead(self, KeyView* v, uint64_t* hs, Py_ssize_t k,
-                                       Py_ssize_t n) noexcept nogil:
-        """Where the stored bytes that key ``k``'s probe will compare lie, when they are out of
-        line; else NULL. The probe loops prefetch the home entry of the key PREFETCH_AHEAD on,
-        and these bytes for the key half as far on (its entry has arrived by then), so that a
-        key longer than INLINE does not wait for two memory accesses in a row. Only a query
-        key longer than INLINE can match an out-of-line key (lengths must agree), so short
-        keys skip the entry read, which would otherwise stall on every key.
-
-        The loops issue the prefetches themselves: a helper that only prefetched has no
-        visible effect, and the C compiler drops calls to it."""
-        cdef Entry* e
-        if k < n and v[k].n > INLINE:
-            e = &self.entries[hs[k] & self.mask]
-            if e.val != EMPTY and e.len > INLINE:
-                return self.data + e.off
-        return NULL
-
     cdef inline void _prefetch_home(self, uint64_t h) noexcept nogil:
-        """Fetch the home entry of hash ``h`` and the entry after it: a probe that goes on
-        past the home entry (a fifth of hits at the usual load) reads it, and for a home
-        entry in the second half of its cache line it lies on the next line, which waited
-        on memory unfetched (the stall on entry loads took half the time of ``find``)."""
+        """Fetch the cache line of the home entry of hash ``h`` and the two lines after it
+        (two entries a line): the probe loops do it PREFETCH_AHEAD keys before the probe. A
+        probe that went on past the fetched entries waited on memory, and the stall on the
+        entries past home was a third of the time of ``find`` with the home entry and the
+        one after it fetched. Measured on 1M-key lookups, bytes/int64 in one run on a busy
+        machine: 0.75x with the entry after home, 0.78-0.81x with the next line, 0.84x with
+        the next two (0.85x with three: little more for another line per key)."""
         cdef const Entry* e = &self.entries[h & self.mask]
         ES_PREFETCH(e)
-        ES_PREFETCH(e + 1)  # past the last entry: a hint only, never a fault
+        ES_PREFETCH(e + 2)  # past the last entry: a hint only, never a fault
+        ES_PREFETCH(e + 4)
+
+    cdef inline void _prefetch_stored(self, uint64_t h, Py_ssize_t n) noexcept nogil:
+        """For a key longer than INLINE (length ``n``, hash ``h``): fetch the stored bytes of
+        its home entry, which the probe compares and which lie out of line. The probe loops
+        call it half as far ahead as they fetch the home entry, which has arrived by then,
+        so that such a key does not wait for two memory accesses in a row; short keys skip
+        the entry read (only a key longer than INLINE can match an out-of-line one)."""
+        cdef const Entry* e
+        if n > INLINE:
+            e = &self.entries[h & self.mask]
+            if e.val != EMPTY and e.len > INLINE:
+                ES_PREFETCH(self.data + e.off)
 
     cdef uint64_t* _hashes(self, KeyView* v, Py_ssize_t n) except NULL:
         cdef uint64_t* hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
@@ -285,28 +301,130 @@ cdef class BytesTable:
                 hs[j] = hash_view(v[j], self.seed) & self.fp_mask
         return hs
 
+    cdef inline bint _view_hashed(self, PyObject** items, Py_ssize_t k, Py_ssize_t n,
+                                  KeyView* v, uint64_t* hs) noexcept nogil:
+        """View and hash key ``k`` when it is bytes (False otherwise), fetching the object
+        OBJ_AHEAD on: one touch of each scattered key object, with its hashing overlapping
+        the fetches in flight, instead of a walk over the objects and one over their views."""
+        cdef PyObject* o
+        if k + OBJ_AHEAD < n:
+            o = items[k + OBJ_AHEAD]
+            ES_PREFETCH(o)
+            ES_PREFETCH(ES_BYTES_SHORT_END(o))
+        if not bytes_view(items[k], &v[k]):
+            return False
+        if v[k].n > 15:     # a long key: its end lies past the line fetched ahead
+            ES_PREFETCH(v[k].p + v[k].n - 1)
+        hs[k] = hash_view(v[k], self.seed) & self.fp_mask
+        return True
+
+    cdef Py_ssize_t _views_hashed(self, PyObject** items, Py_ssize_t n, KeyView* v,
+                                  uint64_t* hs) noexcept nogil:
+        """Views and hashes of the keys in one pass; returns at the first key that is not
+        bytes (a str, or a wrong type), or ``n``."""
+        cdef Py_ssize_t k
+        for k in range(n):
+            if not self._view_hashed(items, k, n, v, hs):
+                return k
+        return n
+
+    cdef KeyView* _views(self, object keys, Py_ssize_t* n, uint64_t** hs_out) except NULL:
+        """Views and hashes (``hs_out``) of ``keys``; the caller frees both. Bytes keys take
+        the fused pass (:meth:`_views_hashed`); a batch holding a str or a wrong type goes
+        through ``key_views`` (which encodes str and raises TypeError as always)."""
+        cdef PyObject** items = key_items(keys, n)
+        cdef KeyView* v = <KeyView*> malloc((n[0] + 1) * sizeof(KeyView))
+        cdef uint64_t* hs = <uint64_t*> malloc((n[0] + 1) * sizeof(uint64_t))
+        cdef Py_ssize_t done
+        if v == NULL or hs == NULL:
+            free(v)
+            free(hs)
+            raise MemoryError("bytes table: cannot allocate key views")
+        with nogil:
+            done = self._views_hashed(items, n[0], v, hs)
+        if done < n[0]:
+            free(v)
+            free(hs)
+            v = key_views(keys, n)
+            try:
+                hs = self._hashes(v, n[0])
+            except BaseException:
+                free(v)
+                raise
+        hs_out[0] = hs
+        return v
+
+    cdef Py_ssize_t _find_all(self, PyObject** items, Py_ssize_t n, KeyView* v, uint64_t* hs,
+                              bint lazy, uint32_t* out, uint64_t* hits, KeySnapshot snapshot,
+                              bint* no_memory) noexcept nogil:
+        """The probe pass of ``find``, each key copied into ``snapshot`` (when given) as it is
+        probed. ``lazy``: ``v``/``hs`` are filled here, key ``j + PREFETCH_AHEAD`` viewed and
+        hashed while key ``j`` is probed, so the hashing overlaps the entry fetches in
+        flight; returns at the first key that is not bytes. Otherwise ``v``/``hs`` hold every
+        key already. Returns ``n`` when every key was probed."""
+        cdef Py_ssize_t j, k
+        cdef uint32_t r
+        for k in range(min(n, <Py_ssize_t> PREFETCH_AHEAD)):
+            if lazy and not self._view_hashed(items, k, n, v, hs):
+                return k
+            self._prefetch_home(hs[k])
+        for j in range(n):
+            k = j + PREFETCH_AHEAD
+            if k < n:
+                if lazy and not self._view_hashed(items, k, n, v, hs):
+                    return k
+                self._prefetch_home(hs[k])
+            k = j + PREFETCH_AHEAD // 2
+            if k < n:
+                self._prefetch_stored(hs[k], v[k].n)
+            r = self._find(v[j].p, v[j].n, hs[j])
+            out[j] = r
+            hits[0] += r != EMPTY
+            if snapshot is not None and not snapshot_add(snapshot, v[j]):
+                no_memory[0] = True
+        return n
+
     def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None):
         """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits.
         ``snapshot``, when given, is filled with a copy of ``keys``."""
-        cdef Py_ssize_t n, j
-        cdef KeyView* v = key_views(keys, &n)
+        cdef Py_ssize_t n, done
+        cdef PyObject** items = key_items(keys, &n)
         cdef uint64_t hits = 0
+        cdef KeyView* v = NULL
         cdef uint64_t* hs = NULL
-        cdef uint32_t r
-        try:
-            if out.shape[0] < n:
-                raise ValueError("find: output has too few rows")
-            hs = self._hashes(v, n)
+        cdef bint no_memory = False
+        if out.shape[0] < n:
+            free(key_views(keys, &n))  # a wrong key type is still told first
+            raise ValueError("find: output has too few rows")
+        if n == 0:
             if snapshot is not None:
-                snapshot.fill(v, n)     # the hashing just brought the keys into cache
+                snapshot.fill(NULL, 0)
+            return 0
+        try:
+            v = <KeyView*> malloc((n + 1) * sizeof(KeyView))
+            hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
+            if v == NULL or hs == NULL:
+                raise MemoryError("bytes table: cannot allocate key views")
+            if snapshot is not None:
+                snapshot.reserve(n, 16 * n)
             with nogil:
-                for j in range(n):
-                    if j + PREFETCH_AHEAD < n:
-                        self._prefetch_home(hs[j + PREFETCH_AHEAD])
-                    ES_PREFETCH(self._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
-                    r = self._find(v[j].p, v[j].n, hs[j])
-                    out[j] = r
-                    hits += r != EMPTY
+                done = self._find_all(items, n, v, hs, True, &out[0], &hits, snapshot,
+                                      &no_memory)
+            if done < n:
+                # a str or a wrong type: the general views (str encoded, TypeError raised)
+                free(v)
+                free(hs)
+                v = hs = NULL
+                hits = 0
+                v = key_views(keys, &n)
+                hs = self._hashes(v, n)
+                if snapshot is not None:
+                    snapshot.reserve(n, 16 * n)
+                with nogil:
+                    self._find_all(items, n, v, hs, False, &out[0], &hits, snapshot,
+                                   &no_memory)
+            if no_memory:
+                raise MemoryError("cannot allocate a key snapshot")
         finally:
             free(hs)
             free(v)
@@ -315,12 +433,11 @@ cdef class BytesTable:
     def insert_new(self, object keys, const uint32_t[::1] vals):
         """Insert keys the caller knows are absent and unique, with their slots."""
         cdef Py_ssize_t n, j
-        cdef KeyView* v = key_views(keys, &n)
         cdef uint64_t* hs = NULL
+        cdef KeyView* v = self._views(keys, &n, &hs)
         try:
             if vals.shape[0] < n:
                 raise ValueError("insert_new: fewer values than keys")
-            hs = self._hashes(v, n)
             for j in range(n):
                 self._insert(v[j].p, v[j].n, hs[j], vals[j])
         finally:
@@ -330,17 +447,13 @@ cdef class BytesTable:
     def erase(self, object keys, uint32_t[::1] out):
         """Remove keys; ``out`` receives each removed key's slot or 0xFFFFFFFF."""
         cdef Py_ssize_t n, j
-        cdef KeyView* v = key_views(keys, &n)
         cdef uint64_t removed = 0
-        cdef uint64_t* hs
+        cdef uint64_t* hs = NULL
+        cdef KeyView* v = self._views(keys, &n, &hs)
         if out.shape[0] < n:
+            free(hs)
             free(v)
             raise ValueError("erase: output has too few rows")
-        try:
-            hs = self._hashes(v, n)
-        except BaseException:
-            free(v)
-            raise
         with nogil:
             for j in range(n):
                 out[j] = self._erase(v[j].p, v[j].n, hs[j])
@@ -381,7 +494,7 @@ cdef class _SlotSet:
     """The arena slots handed out by one ``find_or_insert`` call (open addressing over a
     power-of-two array of uint32, EMPTY where free): a later occurrence of a key inserted by
     the same call finds its slot here, which counts it as a miss without a second pass over
-    the keys."""
+    the keys (see :func:`_count_repeats`)."""
 
     cdef uint32_t* slots
     cdef uint64_t mask
@@ -416,6 +529,98 @@ cdef class _SlotSet:
             j = (j + 1) & self.mask
         return False
 
+    cdef inline void prefetch(self, uint32_t r) noexcept nogil:
+        ES_PREFETCH(&self.slots[self._home(r)])
+
+
+cdef uint64_t _count_repeats(const uint32_t[::1] out, Py_ssize_t n, const Py_ssize_t* new_at,
+                             uint64_t inserted) except? 0:
+    """How many of the ``n`` positions hold a key that this ``find_or_insert`` call inserted
+    at an earlier position (``out``: every position's slot; ``new_at``: the ``inserted``
+    positions where keys went in). A set of the new slots, then a look-up of every slot,
+    each fetched PREFETCH_AHEAD ahead: done in the probe loop, the set's random reads and
+    writes waited on memory for 40% of that loop at 48,000-key batches (the set outgrew
+    the caches the probe's keys and entries were passing through)."""
+    cdef _SlotSet fresh = _SlotSet(inserted)
+    cdef uint64_t i, found = 0
+    cdef Py_ssize_t j
+    with nogil:
+        for i in range(inserted):
+            if i + PREFETCH_AHEAD < inserted:
+                fresh.prefetch(out[new_at[i + PREFETCH_AHEAD]])
+            fresh.add(out[new_at[i]])
+        for j in range(n):
+            if j + PREFETCH_AHEAD < n:
+                fresh.prefetch(out[j + PREFETCH_AHEAD])
+            found += fresh.has(out[j])
+    return found - inserted     # each inserted position finds itself
+
+
+cdef void _undo(BytesTable table, RecordArena arena, const KeyView* v, const uint64_t* hs,
+                const Py_ssize_t* new_at, uint64_t inserted, list gone) except *:
+    """All or nothing: the keys a ``find_or_insert`` call inserted leave again, and their
+    slots (and the slots in ``gone``) go back to the arena."""
+    cdef uint64_t i
+    for i in range(inserted):
+        gone.append(table._erase(v[new_at[i]].p, v[new_at[i]].n, hs[new_at[i]]))
+    arena.release(np.array(gone, dtype=np.uint32))
+
+
+cdef enum:
+    _PLACED = 0
+    _NOT_BYTES = 1      # a key that is not bytes stopped the pass; nothing stays inserted
+
+
+cdef int _place(BytesTable table, RecordArena arena, PyObject** items, Py_ssize_t n,
+                KeyView* v, uint64_t* hs, bint lazy, uint32_t[::1] out,
+                uint8_t[::1] inserted_out, KeySnapshot snapshot, Py_ssize_t* new_at,
+                uint64_t* inserted_count) except -1:
+    """The probe-and-insert pass of :func:`find_or_insert`; ``inserted_count`` receives how
+    many keys went in, ``new_at`` their positions. ``lazy``: ``v``/``hs`` are filled here, key ``j + PREFETCH_AHEAD`` viewed and
+    hashed while key ``j`` is probed (one touch of each key object, its bytes still in cache
+    for the probe: a separate pass over a 48,000-key batch found them evicted again), and a
+    key that is not bytes undoes the pass and returns _NOT_BYTES. Otherwise ``v``/``hs`` hold
+    every key already."""
+    cdef Py_ssize_t j, k
+    cdef uint64_t inserted = 0
+    cdef uint32_t r
+    cdef bint mark = inserted_out is not None
+    if lazy:
+        for k in range(min(n, <Py_ssize_t> PREFETCH_AHEAD)):
+            if not table._view_hashed(items, k, n, v, hs):
+                return _NOT_BYTES
+            table._prefetch_home(hs[k])
+    for j in range(n):
+        k = j + PREFETCH_AHEAD
+        if k < n:
+            if lazy and not table._view_hashed(items, k, n, v, hs):
+                _undo(table, arena, v, hs, new_at, inserted, [])
+                return _NOT_BYTES
+            table._prefetch_home(hs[k])
+        k = j + PREFETCH_AHEAD // 2
+        if k < n:
+            table._prefetch_stored(hs[k], v[k].n)
+        r = table._find(v[j].p, v[j].n, hs[j])
+        if r == EMPTY:
+            r = arena._alloc_one()
+            try:
+                table._insert(v[j].p, v[j].n, hs[j], r)
+            except BaseException:
+                _undo(table, arena, v, hs, new_at, inserted, [r])
+                raise
+            new_at[inserted] = j
+            inserted += 1
+            if mark:
+                inserted_out[j] = 1
+        elif mark:
+            inserted_out[j] = 0
+        out[j] = r
+        if snapshot is not None and not snapshot_add(snapshot, v[j]):
+            _undo(table, arena, v, hs, new_at, inserted, [])
+            raise MemoryError("cannot allocate a key snapshot")
+    inserted_count[0] = inserted
+    return _PLACED
+
 
 def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::1] out,
                    uint8_t[::1] inserted_out=None, KeySnapshot snapshot=None,
@@ -427,60 +632,43 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
     as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``.
     ``missed`` (optional, one element) receives how many positions held a key absent before
     the call: the inserted ones and the later occurrences of those keys."""
-    cdef Py_ssize_t n, j, i
-    cdef KeyView* v = key_views(keys, &n)
-    cdef uint64_t inserted = 0, repeats = 0
+    cdef Py_ssize_t n
+    cdef PyObject** items = key_items(keys, &n)
+    cdef KeyView* v = NULL
     cdef uint64_t* hs = NULL
-    cdef uint32_t r
-    cdef bint mark = inserted_out is not None
-    cdef _SlotSet fresh = None
+    cdef uint64_t inserted = 0
     # positions inserted by this call, undone if a later one fails (a C array: a Python list
     # append per new key cost as much as the probe)
     cdef Py_ssize_t* new_at = NULL
+    if out.shape[0] < n or (inserted_out is not None and inserted_out.shape[0] < n):
+        free(key_views(keys, &n))  # a wrong key type is still told first
+        raise ValueError("find_or_insert: output has too few rows")
+    if missed is not None and missed.shape[0] < 1:
+        free(key_views(keys, &n))
+        raise ValueError("find_or_insert: missed needs one element")
     try:
-        if out.shape[0] < n or (mark and inserted_out.shape[0] < n):
-            raise ValueError("find_or_insert: output has too few rows")
-        if missed is not None:
-            if missed.shape[0] < 1:
-                raise ValueError("find_or_insert: missed needs one element")
-            fresh = _SlotSet(n)
+        v = <KeyView*> malloc((n + 1) * sizeof(KeyView))
+        hs = <uint64_t*> malloc((n + 1) * sizeof(uint64_t))
         new_at = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
-        if new_at == NULL:
+        if v == NULL or hs == NULL or new_at == NULL:
             raise MemoryError("find_or_insert: no memory for the batch")
-        hs = table._hashes(v, n)
         if snapshot is not None:
-            snapshot.fill(v, n)
-        for j in range(n):
-            if j + PREFETCH_AHEAD < n:
-                table._prefetch_home(hs[j + PREFETCH_AHEAD])
-            ES_PREFETCH(table._key_ahead(v, hs, j + PREFETCH_AHEAD // 2, n))
-            r = table._find(v[j].p, v[j].n, hs[j])
-            if r == EMPTY:
-                r = arena._alloc_one()
-                try:
-                    table._insert(v[j].p, v[j].n, hs[j], r)
-                except BaseException:
-                    # All or nothing: the keys this call inserted leave again with their slots.
-                    gone = [r]
-                    for i in range(inserted):
-                        gone.append(table._erase(v[new_at[i]].p, v[new_at[i]].n,
-                                                 hs[new_at[i]]))
-                    arena.release(np.array(gone, dtype=np.uint32))
-                    raise
-                new_at[inserted] = j
-                inserted += 1
-                if fresh is not None:
-                    fresh.add(r)
-                if mark:
-                    inserted_out[j] = 1
-            else:
-                if mark:
-                    inserted_out[j] = 0
-                if inserted and fresh is not None and fresh.has(r):
-                    repeats += 1    # a key this call inserted, seen again
-            out[j] = r
+            snapshot.reserve(n, 16 * n)
+        if _place(table, arena, items, n, v, hs, True, out, inserted_out, snapshot, new_at,
+                  &inserted) == _NOT_BYTES:
+            # a str (its UTF-8 form is the key) or a wrong type (TypeError): the general views
+            free(v)
+            free(hs)
+            v = hs = NULL
+            v = key_views(keys, &n)
+            hs = table._hashes(v, n)
+            if snapshot is not None:
+                snapshot.reserve(n, 16 * n)
+            _place(table, arena, items, n, v, hs, False, out, inserted_out, snapshot, new_at,
+                   &inserted)
         if missed is not None:
-            missed[0] = <int64_t> (inserted + repeats)
+            missed[0] = <int64_t> (inserted + (_count_repeats(out, n, new_at, inserted)
+                                               if inserted else 0))
     finally:
         free(new_at)
         free(hs)

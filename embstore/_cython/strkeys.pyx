@@ -30,17 +30,15 @@ import numpy as np
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH(const void* p) nogil
+cdef extern from "es_keyobj.h":
+    const char* ES_BYTES_SHORT_END(PyObject* o) nogil
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
     object PyUnicode_AsUTF8String(object s)
     PyObject** PySequence_Fast_ITEMS(object o)
+    # (on a borrowed pointer, as the checks in strkeys.pxd)
     bint _is_plain_bytes "PyBytes_CheckExact"(PyObject* o) nogil
-    # The same checks and accessors on a borrowed pointer: going through an ``object``
-    # variable would write each scattered key object's reference count, twice.
-    bint _is_bytes "PyBytes_Check"(PyObject* o) nogil
-    char* _bytes_data "PyBytes_AS_STRING"(PyObject* o) nogil
-    Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject* o) nogil
 
 # factorize() only needs a hash no outsider can predict (its result does not depend on it):
 # a per-process seed keeps crafted batches from piling onto one probe chain.
@@ -52,12 +50,21 @@ cdef enum:
     _BY_OBJECT_MIN = 1024
     _PROBE = 256
 # How many key objects ahead the loops over object arrays fetch: the objects lie scattered
-# over the heap, a miss costs ~100 ns and a loop step a few, so 8 ahead left most of it exposed.
+# over the heap and a loop step takes a few ns. A miss took longer than 32 steps of
+# all_plain_bytes on a busy machine: its 1M-key batches ran at 5.5 ns/key 32 ahead, 3.5 ns
+# 96 to 128 ahead (the two lines of each object in flight at once, see es_keyobj.h).
 cdef enum:
-    OBJ_AHEAD = 32
+    OBJ_AHEAD = 128
 
 
-cdef PyObject** _items(object keys, Py_ssize_t* n) except NULL:
+cdef inline void _prefetch_key(PyObject* o) noexcept nogil:
+    """Fetch the object ``o`` and the line holding its bytes when it is a bytes key of up to
+    15 bytes (ES_BYTES_SHORT_END), from its address alone."""
+    ES_PREFETCH(o)
+    ES_PREFETCH(ES_BYTES_SHORT_END(o))
+
+
+cdef PyObject** key_items(object keys, Py_ssize_t* n) except NULL:
     """The object pointers of a 1-D object ndarray, list or tuple (borrowed)."""
     if isinstance(keys, np.ndarray):
         if keys.dtype != object or keys.ndim != 1:
@@ -78,7 +85,7 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
     """(pointer, length) of every key; the caller frees the array. bytes (and subclasses such
     as ``np.bytes_``) are viewed as they are, str as its cached UTF-8 encoding."""
     cdef Py_ssize_t n, i
-    cdef PyObject** items = _items(keys, &n)
+    cdef PyObject** items = key_items(keys, &n)
     cdef KeyView* v = <KeyView*> malloc((n + 1) * sizeof(KeyView))
     cdef PyObject* p
     cdef object o
@@ -88,7 +95,7 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
         for i in range(n):
             # The key objects lie scattered over the heap: fetch ahead, or each costs a miss.
             if i + OBJ_AHEAD < n:
-                ES_PREFETCH(items[i + OBJ_AHEAD])
+                _prefetch_key(items[i + OBJ_AHEAD])
             p = items[i]
             if _is_bytes(p):
                 v[i].p = _bytes_data(p)
@@ -99,10 +106,9 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
                     v[i].p = PyUnicode_AsUTF8AndSize(o, &v[i].n)
                 else:
                     raise TypeError(f"keys must be bytes or str, got {type(o).__name__}")
-            # The key's last bytes can lie on the cache line after its header: fetch it now,
-            # for the hashing pass that follows, which otherwise waited on it (a fifth of the
-            # time of a 1M-key find).
-            if v[i].n:
+            # A long key's last bytes lie past the line fetched ahead: fetch them now, for
+            # the hashing pass that follows, which otherwise waited on them.
+            if v[i].n > 15:
                 ES_PREFETCH(v[i].p + v[i].n - 1)
     except BaseException:
         free(v)
@@ -118,7 +124,7 @@ def encode_keys(object keys):
     Raises TypeError naming the first key of any other type (ints, None, nested lists).
     """
     cdef Py_ssize_t n, i
-    cdef PyObject** items = _items(keys, &n)
+    cdef PyObject** items = key_items(keys, &n)
     out = np.empty(n, dtype=object)
     if n == 0:
         return out
@@ -149,16 +155,17 @@ def all_plain_bytes(object keys):
     an array is already in the store's key form, so it needs no copy. Only reads the items
     (a copy would write each scattered object's reference count)."""
     cdef Py_ssize_t n, i
-    cdef PyObject** items = _items(keys, &n)
+    cdef PyObject** items = key_items(keys, &n)
     for i in range(n):
+        # This is the first walk over the key objects; the store's probe walks them next
+        # and reads their bytes, which can lie on the line after the header: both lines
+        # are fetched ahead, so neither walk waits for them.
         if i + OBJ_AHEAD < n:
-            ES_PREFETCH(items[i + OBJ_AHEAD])   # scattered objects: fetch ahead
+            _prefetch_key(items[i + OBJ_AHEAD])
         if not _is_plain_bytes(items[i]):   # on the pointer: no reference count written
             return False
-        # This is the first walk over the key objects; the store's probe walks them next
-        # and reads their bytes, whose end can lie on the line after the header: fetched
-        # now, it waits for neither line.
-        ES_PREFETCH(_bytes_data(items[i]) + _bytes_size(items[i]))
+        if _bytes_size(items[i]) > 15:
+            ES_PREFETCH(_bytes_data(items[i]) + _bytes_size(items[i]))   # a long key's end
     return True
 
 
@@ -256,9 +263,10 @@ cdef class KeySnapshot:
     than the bytes-table probe of the batch. Being a copy, it is not fooled by a caller that
     refills its key array in place.
 
-    ``KeySnapshot()`` is empty; the bytes table's ``find`` fills one from the key views it
-    already holds, while the keys are still in cache (a second walk over the scattered key
-    objects cost 8% of a lookup)."""
+    ``KeySnapshot()`` is empty; the bytes table's probe loops fill one key by key
+    (:c:func:`snapshot_add`) as they probe it, while its bytes are in cache: a second walk
+    over the scattered key objects cost 8% of a lookup, and a pass over the views after the
+    probe, which had to fetch the keys' bytes again, 4 ns per key."""
 
     def __cinit__(self, object keys=None):
         cdef Py_ssize_t n
@@ -271,24 +279,29 @@ cdef class KeySnapshot:
         finally:
             free(v)
 
-    cdef int fill(self, KeyView* v, Py_ssize_t n) except -1:
-        """Take the ``n`` keys of ``v`` (replacing any held before)."""
-        cdef Py_ssize_t i, total = 0, pos = 0
-        for i in range(n):
-            total += v[i].n
+    cdef int reserve(self, Py_ssize_t n, Py_ssize_t nbytes) except -1:
+        """Empty the snapshot, with room for ``n`` keys and ``nbytes`` bytes of them, a key
+        of up to 16 bytes counting 16 (:c:func:`snapshot_add` grows it past that)."""
         free(self.lens)
         free(self.data)
-        self.n = 0
+        self.n = self.used = 0
+        self.cap = nbytes
         self.lens = <Py_ssize_t*> malloc((n + 1) * sizeof(Py_ssize_t))
-        self.data = <char*> malloc(total + 1)
+        self.data = <char*> malloc(nbytes + 16)
         if self.lens == NULL or self.data == NULL:
+            self.cap = 0
             raise MemoryError("cannot allocate a key snapshot")
+        return 0
+
+    cdef int fill(self, KeyView* v, Py_ssize_t n) except -1:
+        """Take the ``n`` keys of ``v`` (replacing any held before)."""
+        cdef Py_ssize_t i, nbytes = 0
+        for i in range(n):
+            nbytes += max(v[i].n, <Py_ssize_t> 16)
+        self.reserve(n, nbytes)
         with nogil:
             for i in range(n):
-                self.lens[i] = v[i].n
-                memcpy(self.data + pos, v[i].p, <size_t> v[i].n)
-                pos += v[i].n
-        self.n = n
+                snapshot_add(self, v[i])    # room made above: never fails
         return 0
 
     def __dealloc__(self):
@@ -327,7 +340,7 @@ def factorize(object keys):
     hashes no bytes; only the distinct objects are then hashed and compared by content.
     """
     cdef Py_ssize_t n
-    cdef PyObject** items = _items(keys, &n)
+    cdef PyObject** items = key_items(keys, &n)
     cdef int64_t[::1] oinv, cinv
     cdef Py_ssize_t i
     if n >= _BY_OBJECT_MIN and _objects_repeat(items, n):

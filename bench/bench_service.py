@@ -18,7 +18,8 @@
    the staleness of what the follower serves (a probe key stamped with the time each step; p50
    and p99, target p99 <= 1 s), the trainer's rate against no follower (target >= 0.9x) and
    the CPU per training step of the worker and of the follower. ``--follower-only`` runs
-   only this part.
+   only this part; ``--baseline DIR`` alternates another checkout's worker and followers
+   with this one's in the same rounds (before and after a change under one load).
 """
 
 from __future__ import annotations

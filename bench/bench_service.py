@@ -18,7 +18,8 @@
    the staleness of what the follower serves (a probe key stamped with the time each step; p50
    and p99, target p99 <= 1 s), the trainer's rate against no follower (target >= 0.9x) and
    the CPU per training step of the worker and of the follower. ``--follower-only`` runs
-   only this part.
+   only this part; ``--baseline DIR`` alternates another checkout's worker and followers
+   with this one's in the same rounds (before and after a change under one load).
 """
 
 from __future__ import annotations
@@ -112,11 +113,21 @@ def transport_rounds(local, worker: WorkerProcess, n: int, count: int, rounds: i
               f"{os.getloadavg()[0]:.1f}")
 
 
+def checkout_env(root: str | None) -> dict[str, str] | None:
+    """The environment that makes ``embstore serve`` run the code of another checkout at
+    ``root`` (None: this one's): its paths first, and not the working directory's."""
+    if root is None:
+        return None
+    root = os.path.abspath(root)
+    paths = [root, os.path.join(root, "adapters", "torch"), os.path.join(root, "adapters", "tf")]
+    return {"PYTHONPATH": os.pathsep.join(paths), "PYTHONSAFEPATH": "1"}
+
+
 def staleness(worker: WorkerProcess, n: int, seconds: float, follow: str | None, tmp: str,
-              replica_url: str = "lmdb"):
+              replica_url: str = "lmdb", env: dict[str, str] | None = None):
     """(trainer rows/s, staleness samples in seconds, CPU seconds per training step of the
     trainer's thread, the worker and the follower) over ``seconds`` of training; ``follow``:
-    None (no follower), ``"push"`` or ``"poll"``."""
+    None (no follower), ``"push"`` or ``"poll"``; ``env``: the follower's (``checkout_env``)."""
     probe = np.array([n + 7])
     t_ref = time.time()  # stamps relative to it: float32 cannot hold epoch seconds exactly
     replica = None
@@ -129,7 +140,7 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: str | None,
             extra += ["-o", "writemap=true"]    # and written through the memory map
         how = ["--poll", "0.1"] if follow == "poll" else ["--push-interval", "0.1"]
         replica = WorkerProcess([url, "--listen", "127.0.0.1:0", "--follow",
-                                 f"des://{worker.address}", *how, *extra])
+                                 f"des://{worker.address}", *how, *extra], env=env)
     trainer = embstore.open(f"des://{worker.address}")
     stop = threading.Event()
     lags: list[float] = []
@@ -173,33 +184,45 @@ def staleness(worker: WorkerProcess, n: int, seconds: float, follow: str | None,
 
 
 def follower_rounds(worker: WorkerProcess, n: int, seconds: float, rounds: int, tmp: str,
-                    replicas: str, modes: str = "push,poll") -> None:
+                    replicas: str, modes: str = "push,poll",
+                    baseline: tuple[str, WorkerProcess] | None = None) -> None:
     """Rounds alternating no follower and a follower of each mode (``push``, ``poll``) over
     each replica (``lmdb``, ``lmdb-writemap``, ``memory``, comma-separated); each one's
-    trainer rate against no follower's, staleness and CPU per step."""
-    runs: list[tuple[str, str] | None] = [None] + [
+    trainer rate against no follower's, staleness and CPU per step. ``baseline``: another
+    checkout's root and a worker running its code; its runs (no follower and each follower,
+    of its code too) join the same rotation, each compared with its own worker's."""
+    trees: list[tuple[str, WorkerProcess, dict[str, str] | None]] = [("", worker, None)]
+    if baseline is not None:
+        trees.append((f" [{baseline[0]}]", baseline[1], checkout_env(baseline[0])))
+    kinds: list[tuple[str, str] | None] = [None] + [
         (m, r) for r in replicas.split(",") for m in modes.split(",")]
+    runs = [(t, k) for t in range(len(trees)) for k in kinds]
     got: dict[Any, list[tuple[float, np.ndarray, tuple[float, ...]]]] = {k: [] for k in runs}
     for i in range(rounds):
-        for k in runs[i % len(runs):] + runs[:i % len(runs)]:  # another one first each round
-            got[k].append(staleness(worker, n, seconds, k and k[0], tmp, k[1] if k else ""))
-    base = np.mean([rate for rate, _, _ in got[None]])
-    cpu_base = np.mean([c for _, _, c in got[None]], axis=0)
+        for t, k in runs[i % len(runs):] + runs[:i % len(runs)]:  # another first each round
+            got[t, k].append(staleness(trees[t][1], n, seconds, k and k[0], tmp,
+                                       k[1] if k else "", env=trees[t][2]))
     print(f"\nfollowers, {rounds} rounds of {seconds:.0f} s each, load average "
-          f"{os.getloadavg()[0]:.1f}; trainer without a follower {base / 1e6:.2f}M rows/s, "
-          f"CPU per step: trainer {cpu_base[0] * 1e3:.2f} ms, worker {cpu_base[1] * 1e3:.2f} ms")
-    for k in runs[1:]:
-        assert k is not None
-        rate = np.mean([r for r, _, _ in got[k]])
-        lags = np.concatenate([lg for _, lg, _ in got[k]])
-        cpu = np.mean([c for _, _, c in got[k]], axis=0)
-        stale = (f"staleness p50 {np.percentile(lags, 50) * 1e3:.0f} ms, p99 "
-                 f"{np.percentile(lags, 99) * 1e3:.0f} ms over {len(lags)} reads"
-                 if len(lags) else "no reads completed")
-        print(f"  {k[1]} replica, {k[0]} every 0.1 s: {stale} (target p99 <= 1 s); trainer "
-              f"{rate / base:.2f}x (target >= 0.9x); CPU per step: trainer "
-              f"{cpu[0] * 1e3:.2f} ms, worker {cpu[1] * 1e3:.2f} ms, follower "
-              f"{cpu[2] * 1e3:.2f} ms")
+          f"{os.getloadavg()[0]:.1f}")
+    for t, (label, _, _) in enumerate(trees):
+        base = np.mean([rate for rate, _, _ in got[t, None]])
+        cpu_base = np.mean([c for _, _, c in got[t, None]], axis=0)
+        print(f"  trainer{label} without a follower {base / 1e6:.2f}M rows/s, CPU per step: "
+              f"trainer {cpu_base[0] * 1e3:.2f} ms, worker {cpu_base[1] * 1e3:.2f} ms")
+        for k in kinds[1:]:
+            assert k is not None
+            rate = np.mean([r for r, _, _ in got[t, k]])
+            lags = np.concatenate([lg for _, lg, _ in got[t, k]])
+            cpu = np.mean([c for _, _, c in got[t, k]], axis=0)
+            stale = (f"staleness p50 {np.percentile(lags, 50) * 1e3:.0f} ms, p99 "
+                     f"{np.percentile(lags, 99) * 1e3:.0f} ms over {len(lags)} reads"
+                     if len(lags) else "no reads completed")
+            each = ", ".join(f"{r / b:.2f}" for (r, _, _), (b, _, _) in zip(got[t, k],
+                                                                            got[t, None]))
+            print(f"  {k[1]} replica{label}, {k[0]} every 0.1 s: {stale} (target p99 <= 1 s); "
+                  f"trainer {rate / base:.2f}x (target >= 0.9x; per round {each}"
+                  f"); CPU per step: trainer {cpu[0] * 1e3:.2f} ms, worker {cpu[1] * 1e3:.2f} ms, "
+                  f"follower {cpu[2] * 1e3:.2f} ms")
 
 
 def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10,
@@ -277,6 +300,9 @@ def main() -> None:
     p.add_argument("--ann-ef", default="", help="HNSW search breadths to compare in one run, "
                    "comma-separated (default: the index's)")
     p.add_argument("--follower-only", action="store_true", help="time only the follower")
+    p.add_argument("--baseline", metavar="DIR", help="another checkout of embstore (say, "
+                   "a `git worktree` of the commit before a change): the follower rounds "
+                   "alternate its worker and followers with this checkout's, in one run")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds of (in process, one worker) and of (no follower, push, "
                    "poll), alternating (default 2)")
@@ -293,18 +319,22 @@ def main() -> None:
     local = embstore.open("memory://", dim=DIM, optimizer="sgd")
     fill(local, n)
     worker = start_worker("memory://", dim=DIM, optimizer="sgd")
+    other = (start_worker("memory://", dim=DIM, optimizer="sgd",
+                          env=checkout_env(args.baseline)) if args.baseline else None)
     try:
-        with embstore.open(f"des://{worker.address}") as des:
-            fill(des, n)
-        if args.follower_only:
-            follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
-                            args.replica, args.modes)
-            return
-        transport_rounds(local, worker, n, count, args.rounds)
+        for w in (worker, other):
+            if w is not None:
+                with embstore.open(f"des://{w.address}") as des:
+                    fill(des, n)
+        baseline = (args.baseline, other) if other is not None else None
+        if not args.follower_only:
+            transport_rounds(local, worker, n, count, args.rounds)
         follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
-                        args.replica, args.modes)
+                        args.replica, args.modes, baseline)
     finally:
         worker.stop()
+        if other is not None:
+            other.stop()
         local.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if args.ann:

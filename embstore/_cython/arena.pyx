@@ -262,8 +262,15 @@ cdef class RecordArena:
         cdef Py_ssize_t n = slots.shape[0], j
         if src.shape[1] != self.itemsize or src.shape[0] < n:
             raise ValueError("scatter: source rows do not match the record size")
+        cdef uint8_t* ahead
         with nogil:
             for j in range(n):
+                if j + PREFETCH_AHEAD < n and slots[j + PREFETCH_AHEAD] != EMPTY:
+                    # for writing, first and last line (as gather): a follower's deltas
+                    # scatter ~100k rows spread over the table, each a cache miss otherwise
+                    ahead = self._row(slots[j + PREFETCH_AHEAD])
+                    ES_PREFETCH_W(ahead)
+                    ES_PREFETCH_W(ahead + self.itemsize - 1)
                 memcpy(self._row(slots[j]), &src[j, 0], self.itemsize)
 
     cdef int _check_slots(self, const uint32_t[::1] slots, str what) except -1:

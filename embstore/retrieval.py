@@ -366,8 +366,9 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
         if len(qc) == 0:
             acc = TopK(0, k_eff, key_dtype)
         elif among is not None:
-            acc = _run(qc, k_eff, key_dtype,
-                       [among(qc, k_eff + (0 if glob is None else len(glob)))], rows, glob)
+            few = among(qc, k_eff + (0 if glob is None else len(glob)))
+            # one block, and a score buffer of its size (not 32 MB mapped per call)
+            acc = _run(qc, k_eff, key_dtype, [few], max(1, min(rows, len(few[0]))), glob)
         elif dense:
             idx = _dense(store)
             acc = _run(qc, k_eff, key_dtype, [(idx.live_keys, idx.col("vector"))], rows, glob)

@@ -45,7 +45,7 @@ static void es_quantize_row(const float* x, ptrdiff_t d, int8_t* c, float* scale
     }
     r = m / 127.0f;
     if (!finite || !(r >= 1.17549435e-38f)) {
-        memset(c, 0, (size_t) d);
+        for (j = 0; j < d; j++) c[j] = 0;
         *scale = 0.0f;
         *norm = finite ? es_up(sqrt(nn)) : INFINITY;
         *resid = *norm;

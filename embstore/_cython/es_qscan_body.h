@@ -88,6 +88,25 @@ ES_ATTR static ptrdiff_t ES_NAME(es_qscan)(const int8_t* restrict codes,
         ptrdiff_t m = n - i < ES_QS_BLOCK ? n - i : ES_QS_BLOCK;
         int any = 0;
         ES_NAME(es_dot8)(codes + i * d, d, cq, m, s);
+#ifdef ES_QS_AVX2
+        if (m == ES_QS_BLOCK) {   /* the same float operations, 8 lanes at once, one test */
+            __m256 N = _mm256_loadu_ps(norm + i), R = _mm256_loadu_ps(resid + i);
+            __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(sq),
+                                                   _mm256_loadu_ps(scale + i)),
+                                     _mm256_cvtepi32_ps(_mm256_loadu_si256((__m256i*) s)));
+            __m256 e = _mm256_add_ps(
+                _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(qp), R),
+                              _mm256_mul_ps(_mm256_set1_ps(qe), N)),
+                _mm256_mul_ps(_mm256_set1_ps(sl), _mm256_add_ps(N, R)));
+            __m256 lv = _mm256_sub_ps(a, e), hv = _mm256_add_ps(a, e), Lv = _mm256_set1_ps(L);
+            if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(hv, Lv, _CMP_NLT_UQ),
+                                                 _mm256_cmp_ps(lv, Lv, _CMP_GT_OQ))))
+                continue;
+            _mm256_storeu_ps(lo, lv);
+            _mm256_storeu_ps(hi, hv);
+            goto rows;
+        }
+#endif
         for (r = 0; r < m; r++) {
             float N = norm[i + r], R = resid[i + r];
             float a = (sq * scale[i + r]) * (float) s[r];
@@ -97,6 +116,9 @@ ES_ATTR static ptrdiff_t ES_NAME(es_qscan)(const int8_t* restrict codes,
         }
         for (r = 0; r < m; r++) any |= !(hi[r] < L) | (lo[r] > L);
         if (!any) continue;
+#ifdef ES_QS_AVX2
+    rows:
+#endif
         for (r = 0; r < m; r++) {
             if (!(hi[r] < L)) {
                 cand[nc] = i + r;

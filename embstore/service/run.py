@@ -94,15 +94,17 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         store.close()
         raise
     stop = threading.Event()
-    if ann:
-        worker.ann = ann_index(ann_index_kind, store, worker.lock, rebuild_at=ann_rebuild)
-        if isinstance(worker.ann, ScanIndex):   # quantized once, then kept current
-            with worker.lock:
-                worker.ann.build()
+    follower: Follower | None = None
     if upstream is not None:
         follower = Follower(store, upstream, guard=worker.lock)
         worker.follower = follower
         follower.poll()  # a replica serves once it holds the whole table
+    if ann:     # after a replica's first poll: --ann-index auto goes by the table's size
+        worker.ann = ann_index(ann_index_kind, store, worker.lock, rebuild_at=ann_rebuild)
+        if isinstance(worker.ann, ScanIndex):   # quantized once, then kept current
+            with worker.lock:
+                worker.ann.build()
+    if follower is not None:
         threading.Thread(target=follower.run if poll else follower.follow,
                          args=(stop, poll or push_interval), name="embstore-follow",
                          daemon=True).start()

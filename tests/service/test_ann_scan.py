@@ -186,3 +186,18 @@ def test_the_bound_holds(d):
         got = qscan.scan(code, scale, resid, norm, q, 10, (d + 16) * 2.0 ** -24, cand, ub)
         assert set(np.argsort(-(x @ q), kind="stable")[:10]) <= set(cand[:got])
         assert got < n // 10
+
+
+def test_auto_picks_hnsw_beyond_the_scan_rows(monkeypatch):
+    pytest.importorskip("usearch")
+    from embstore.service import ann_scan
+    from embstore.service.ann import AnnIndex
+
+    store = embstore.open("memory://", dim=DIM)
+    store.assign(np.arange(50), np.ones((50, DIM), np.float32))
+    guard = threading.RLock()
+    monkeypatch.setattr(ann_scan, "AUTO_SCAN_ROWS", 49)
+    assert isinstance(ann_index("auto", store, guard), AnnIndex)
+    assert isinstance(ann_index("scan", store, guard), ScanIndex)
+    monkeypatch.setattr(ann_scan, "AUTO_SCAN_ROWS", 50)
+    assert isinstance(ann_index("auto", store, guard), ScanIndex)

@@ -36,3 +36,32 @@ def test_workers_with_the_scan_index_answer_as_exact_top_k():
         assert st["ann_indexed"] == len(des)
         with pytest.raises(InvalidInputError, match="k must be"):
             des.top_k(q, 0, approximate=True)
+
+
+def test_a_replicas_scan_index_follows_the_followed_table():
+    """A ``--follow`` replica with ``--ann`` (auto: the scan at this size, chosen after its
+    first poll) answers approximate queries exactly as the replicated rows change."""
+    import time
+
+    from embstore.testing.service import WorkerProcess
+
+    rng = np.random.default_rng(8)
+    with start_workers(["memory://"], dim=DIM) as workers, \
+            embstore.open(workers.url) as des:
+        des.assign(np.arange(3000), rng.standard_normal((3000, DIM), dtype=np.float32))
+        replica = WorkerProcess(["memory://", "--listen", "127.0.0.1:0", "--follow",
+                                 workers.url, "--poll", "0.05", "--ann"])
+        try:
+            with embstore.open(f"des://{replica.address}") as served:
+                assert "ann_queries" in served.stats()       # the scan index's counters
+                des.assign(np.arange(3000, 3100),
+                           rng.standard_normal((100, DIM), dtype=np.float32))
+                deadline = time.monotonic() + 30
+                while len(served) < 3100 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                q = rng.standard_normal((3, DIM), dtype=np.float32)
+                got = served.top_k(q, 10, approximate=True)
+                assert got.keys.tolist() == served.top_k(q, 10).keys.tolist()
+                assert served.stats()["ann_indexed"] == 3100
+        finally:
+            replica.stop()

@@ -42,8 +42,9 @@ from .ann import AnnIndex
 log = logging.getLogger(__name__)
 
 #: ``--ann-index auto`` picks the scan up to this many rows (at start), HNSW beyond: the
-#: scan's cost grows with the rows (0.4-0.5 ms at 200k x 64 here, ~2.6 ms at 1M, where the
-#: codes no longer fit the L3 cache), the HNSW search's barely (docs/service.md).
+#: scan's cost grows with the rows (0.36 ms a query at 200k x 64 here, 1.2 ms at 400k where
+#: the codes outgrow the cache, 3.0 ms at 1M), the HNSW search's barely; the two crossed at
+#: about 600k rows (docs/service.md).
 AUTO_SCAN_ROWS = 400_000
 _MAX_DIM = 65536    # int32 sums of 127 * 127 * d stay exact
 _PROGRESS_ROWS = 1 << 20

@@ -41,6 +41,8 @@ extensions = [
     # digest: XXH3-128 of a part file (a manifest's checksum)
     _module("digest", ["embstore/_cython/digest.pyx"], extra_compile_args=["-O3"]),
     # rowops: the row-wise mean square (es_rowsq.h) must round as the fused step's
+    # qscan: the int8 scan of the exact "scan" top-k index (an AVX2 build picked at run time)
+    _module("qscan", ["embstore/_cython/qscan.pyx"], extra_compile_args=["-O3"]),
     _module("rowops", ["embstore/_cython/rowops.pyx"],
             extra_compile_args=["-O3", "-ffp-contract=off"]),
 ]

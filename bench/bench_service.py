@@ -12,7 +12,11 @@
    rows: recall@10 against the exact top-10 after each of 10 rounds of 5% of the rows
    rewritten (target >= 0.95) and the p50 and p99 time of one query (target p50 <= 1 ms).
    ``--ann-only`` runs only this part; ``--ann-ef 192,256`` compares search breadths on the
-   same graphs, queries alternating between them.
+   same graphs, queries alternating between them. The exact scan index (``--ann-index
+   scan``: int8 codes with provable bounds, then exact re-scoring) runs on the same store
+   and rounds, its queries alternating with HNSW's: its recall (1.0 by construction), p50
+   and p99, CPU and candidates per query. ``--ann-only --ann-sizes 200000,1000000``
+   compares the two kinds' query time on static tables of those sizes (the crossover).
 2. A follower (`--follow`) while one trainer runs at its full rate, subscribed (the workers
    push changes every 0.1 s) and polling every 0.1 s, in rounds alternating with no follower:
    the staleness of what the follower serves (a probe key stamped with the time each step; p50
@@ -230,7 +234,9 @@ def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10,
     """Recall@10 and the time of one query of the ANN index through ``rounds`` rounds of 5%
     of the rows rewritten; ``efs``: HNSW search breadths compared on the same graphs in one
     run (queries alternate between them; each one's recall over the same query batches)."""
+    from embstore._cython import qscan
     from embstore.service.ann import AnnIndex
+    from embstore.service.ann_scan import ScanIndex
 
     load0 = os.getloadavg()[0]
     rng = np.random.default_rng(9)
@@ -238,32 +244,56 @@ def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10,
     store.assign(np.arange(n), rng.standard_normal((n, dim), dtype=np.float32))
     guard = threading.RLock()
     ann = AnnIndex(store, guard)
+    scan = ScanIndex(store, guard)     # the exact int8 scan, on the same store and rounds
     efs = efs or (ann.expansion_search,)
     t = time.perf_counter()
     with guard:
         ann.top_k(rng.standard_normal((1, dim), dtype=np.float32), 10)  # the first build
     build = time.perf_counter() - t
-    recalls: dict[int, list[float]] = {ef: [] for ef in efs}
-    lat: dict[int, list[float]] = {ef: [] for ef in efs}
-    cpu: dict[int, list[float]] = {ef: [] for ef in efs}
+    t = time.perf_counter()
+    with guard:
+        scan.build()
+    scan_build = time.perf_counter() - t
+    recalls: dict[Any, list[float]] = {ef: [] for ef in (*efs, "scan")}
+    lat: dict[Any, list[float]] = {ef: [] for ef in (*efs, "scan")}
+    cpu: dict[Any, list[float]] = {ef: [] for ef in (*efs, "scan")}
     walk: dict[int, list[float]] = {ef: [] for ef in efs}
+    warm: list[float] = []
+
+    def one_scan(row: np.ndarray) -> None:
+        t, c = time.perf_counter(), time.thread_time()
+        scan.top_k(row[None, :], 10)
+        lat["scan"].append(time.perf_counter() - t)
+        cpu["scan"].append(time.thread_time() - c)
+
     for r in range(rounds):
         touched = rng.choice(n, n // 20, replace=False)
         store.assign(touched, rng.standard_normal((len(touched), dim), dtype=np.float32))
         q = rng.standard_normal((50, dim), dtype=np.float32)
         with guard:
             for j, row in enumerate(q[:20]):
+                if (j + r) % 2:     # the kinds alternate which goes first
+                    one_scan(row)
                 ann.expansion_search = ef = efs[(j + r) % len(efs)]
                 t, c = time.perf_counter(), time.thread_time()
                 ann.top_k(row[None, :], 10)
                 lat[ef].append(time.perf_counter() - t)
                 cpu[ef].append(time.thread_time() - c)  # this thread's: not a background build
+                if not (j + r) % 2:
+                    one_scan(row)
+            for row in q[20:40]:    # back to back: the codes cache-warm, as in a worker
+                t = time.perf_counter()   # that serves with the scan index alone
+                scan.top_k(row[None, :], 10)
+                warm.append(time.perf_counter() - t)
                 b = ann._built      # the graph walk alone, for another (as cold) query
                 assert b is not None
                 t = time.perf_counter()
                 b.index.search(q[20 + j][None, :], 10 * ann.oversample, threads=1)
                 walk[ef].append(time.perf_counter() - t)
             exact = store.top_k(q, 10).keys.tolist()
+            got = scan.top_k(q, 10).keys.tolist()
+            recalls["scan"].append(np.mean([len(set(a) & set(b)) / 10
+                                            for a, b in zip(got, exact)]))
             for ef in efs:
                 ann.expansion_search = ef
                 got = ann.top_k(q, 10).keys.tolist()
@@ -282,6 +312,52 @@ def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10,
               f"(target <= 1 ms), p99 {ms[1]:.2f} ms; CPU p50 {cms[0]:.2f} ms, p99 "
               f"{cms[1]:.2f} ms; the HNSW search alone p50 "
               f"{np.percentile(walk[ef], 50) * 1e3:.2f} ms")
+    ms = np.percentile(lat["scan"], [50, 99]) * 1e3
+    cms = np.percentile(cpu["scan"], [50, 99]) * 1e3
+    print(f"  scan index (exact, int8 scan, {qscan.kernel()} kernel; built in "
+          f"{scan_build:.2f} s): recall@10 min {min(recalls['scan']):.3f} mean "
+          f"{np.mean(recalls['scan']):.3f} (1.0 by construction); one query p50 {ms[0]:.2f} ms "
+          f"(target <= 1 ms), p99 {ms[1]:.2f} ms; CPU p50 {cms[0]:.2f} ms, p99 "
+          f"{cms[1]:.2f} ms; candidates re-scored per query, mean "
+          f"{scan.candidates / max(scan.queries, 1):.1f}; back to back (no graph walk "
+          f"between to evict the codes from the cache) p50 "
+          f"{np.percentile(warm, 50) * 1e3:.2f} ms, p99 {np.percentile(warm, 99) * 1e3:.2f} "
+          f"ms; load average {os.getloadavg()[0]:.1f}")
+
+
+def bench_scan_sizes(sizes: list[int], dim: int = 64, queries: int = 60,
+                     hnsw: bool = True) -> None:
+    """The crossover of the two kinds: one query's p50 over static tables of ``sizes`` rows
+    (i.i.d. Gaussian, inner product), the scan and HNSW alternating on the same queries."""
+    from embstore.service.ann import AnnIndex
+    from embstore.service.ann_scan import ScanIndex
+
+    print(f"\nscan against HNSW by table size, dim {dim}, {queries} queries each, "
+          f"alternating; p50 (p99) of one query")
+    for n in sizes:
+        rng = np.random.default_rng(n)
+        store = embstore.open("memory://", dim=dim)
+        for s in range(0, n, 1 << 18):
+            k = np.arange(s, min(n, s + (1 << 18)))
+            store.assign(k, rng.standard_normal((len(k), dim), dtype=np.float32))
+        guard = threading.RLock()
+        kinds: dict[str, Any] = {"scan": ScanIndex(store, guard)}
+        if hnsw:
+            kinds["hnsw"] = AnnIndex(store, guard)
+        lat: dict[str, list[float]] = {k: [] for k in kinds}
+        q = rng.standard_normal((queries + 1, dim), dtype=np.float32)
+        with guard:
+            for ix in kinds.values():
+                ix.top_k(q[:1], 10)         # built
+            for j, row in enumerate(q[1:]):
+                for name in (list(kinds) if j % 2 else list(kinds)[::-1]):
+                    t = time.perf_counter()
+                    kinds[name].top_k(row[None, :], 10)
+                    lat[name].append(time.perf_counter() - t)
+        print(f"  {n:>10,} rows: " + ", ".join(
+            f"{name} {np.percentile(v, 50) * 1e3:.2f} ms ({np.percentile(v, 99) * 1e3:.2f})"
+            for name, v in lat.items()) + f"; load average {os.getloadavg()[0]:.1f}")
+        store.close()
 
 
 def main() -> None:
@@ -299,6 +375,10 @@ def main() -> None:
     p.add_argument("--ann-only", action="store_true", help="time only the ANN index")
     p.add_argument("--ann-ef", default="", help="HNSW search breadths to compare in one run, "
                    "comma-separated (default: the index's)")
+    p.add_argument("--ann-sizes", default="", help="with --ann-only: the scan index "
+                   "against HNSW on static tables of these row counts, comma-separated "
+                   "(the crossover; --no-hnsw: the scan alone)")
+    p.add_argument("--no-hnsw", action="store_true", help="--ann-sizes without HNSW")
     p.add_argument("--follower-only", action="store_true", help="time only the follower")
     p.add_argument("--baseline", metavar="DIR", help="another checkout of embstore (say, "
                    "a `git worktree` of the commit before a change): the follower rounds "
@@ -309,6 +389,10 @@ def main() -> None:
     args = p.parse_args()
     efs = tuple(int(e) for e in args.ann_ef.split(",") if e)
     if args.ann_only:
+        if args.ann_sizes:
+            bench_scan_sizes([int(x) for x in args.ann_sizes.split(",")],
+                             hnsw=not args.no_hnsw)
+            return
         bench_ann(20_000 if args.quick else 200_000, efs=efs)
         return
     n = 100_000 if args.quick else args.keys

@@ -20,7 +20,7 @@ the engine's write/delete observers) and multiplies against it directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -308,10 +308,11 @@ def _run(q: np.ndarray, k: int, key_dtype: Any, source: Iterable, rows: int,
 
 def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
           batch_size: int | None = None, dense: bool | None = None,
+          among: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]] | None = None,
           ) -> TopKResult:
     """Exact top-``k`` keys of ``store`` by dot product for each query row
     (``store.top_k``; ``dense``: score a dense copy of the vectors, the default for an
-    in-process store of one shard).
+    in-process store of one shard; ``among``: rank only the rows it returns, see below).
 
     Parameters
     ----------
@@ -321,6 +322,12 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
         Keys never returned (for all queries, or per query).
     batch_size : int, optional
         Items per block (default: about 8M scores per block).
+    among : callable, optional
+        ``among(q, m) -> (keys, vectors)``: for the validated queries ``q`` (a chunk of at
+        most 8192 rows), distinct rows of the table that hold every query's ``m`` best
+        rows (ties at the ``m``-th included; ``m`` counts the excluded keys too). They are
+        ranked as the whole table is, so the result equals the whole table's (an index
+        that can bound scores, ``embstore.service.ann_scan``).
 
     Returns
     -------
@@ -358,6 +365,10 @@ def top_k(store: Any, queries: Any, k: int, exclude: Any = None, *,
     for qc in [q] if nq <= _MAX_QUERIES else np.array_split(q, -(-nq // _MAX_QUERIES)):
         if len(qc) == 0:
             acc = TopK(0, k_eff, key_dtype)
+        elif among is not None:
+            few = among(qc, k_eff + (0 if glob is None else len(glob)))
+            # one block, and a score buffer of its size (not 32 MB mapped per call)
+            acc = _run(qc, k_eff, key_dtype, [few], max(1, min(rows, len(few[0]))), glob)
         elif dense:
             idx = _dense(store)
             acc = _run(qc, k_eff, key_dtype, [(idx.live_keys, idx.col("vector"))], rows, glob)

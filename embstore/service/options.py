@@ -32,6 +32,10 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    "/healthz and /readyz over HTTP on this address")
     s.add_argument("--ann", action="store_true", help="keep an HNSW index (usearch) for "
                    "top_k(approximate=True); fresh keys are scored exactly until a rebuild")
+    s.add_argument("--ann-index", choices=("auto", "scan", "hnsw"), default="auto",
+                   help="the --ann index: scan (exact: an int8 scan with provable bounds, "
+                   "then exact re-scoring), hnsw (usearch graph + fresh segment), or auto "
+                   "(default): scan up to 400k rows at start, hnsw beyond")
     s.add_argument("--ann-rebuild", type=float, default=0.1, metavar="SHARE",
                    help="rebuild the ANN index once this share of rows changed (default 0.1)")
     s.add_argument("--follow", metavar="DES_URL", help="serve URL as a read-only replica kept "

@@ -19,7 +19,7 @@ from typing import Any
 from ..api import open as open_store
 from ..errors import BackendError, InvalidInputError
 from ..policies.admission import admission_from_config
-from .ann import AnnIndex
+from .ann_scan import ScanIndex, ann_index
 from .auth import read_token_file
 from .client import DesStore
 from .follower import Follower, replica_options
@@ -54,7 +54,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
           follow: str | None = None, follow_token_file: str | None = None,
           poll: float | None = None, push_interval: float = 0.1, log_keys: int = 4_000_000,
           metrics: str | None = None, ann: bool = False,
-          ann_rebuild: float = 0.1, ready: Any = None, **options: Any) -> int:
+          ann_rebuild: float = 0.1, ann_index_kind: str = "auto", ready: Any = None,
+          **options: Any) -> int:
     """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens.
 
     With ``follow`` (a ``des://`` URL), ``url`` is a replica: created with the followed
@@ -93,12 +94,17 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         store.close()
         raise
     stop = threading.Event()
-    if ann:
-        worker.ann = AnnIndex(store, worker.lock, rebuild_at=ann_rebuild)
+    follower: Follower | None = None
     if upstream is not None:
         follower = Follower(store, upstream, guard=worker.lock)
         worker.follower = follower
         follower.poll()  # a replica serves once it holds the whole table
+    if ann:     # after a replica's first poll: --ann-index auto goes by the table's size
+        worker.ann = ann_index(ann_index_kind, store, worker.lock, rebuild_at=ann_rebuild)
+        if isinstance(worker.ann, ScanIndex):   # quantized once, then kept current
+            with worker.lock:
+                worker.ann.build()
+    if follower is not None:
         threading.Thread(target=follower.run if poll else follower.follow,
                          args=(stop, poll or push_interval), name="embstore-follow",
                          daemon=True).start()
@@ -159,7 +165,8 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
                tls_cert=args.tls_cert, tls_key=args.tls_key, flush_every=args.flush_every,
                follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
                push_interval=args.push_interval, log_keys=args.log_keys,
-               metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild, **options)
+               metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild,
+               ann_index_kind=args.ann_index, **options)
     # The store is closed and flushed. The Flight server, torn down at interpreter exit,
     # would wait for every stream a client still keeps open (embstore.service.streams),
     # possibly forever: the process ends here instead.

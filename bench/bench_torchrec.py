@@ -271,7 +271,8 @@ def run(args: argparse.Namespace) -> dict:
         print("(no .venv-torchrec: FBGEMM left out; `make torchrec-venv` adds it)")
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), torch {torch.__version__}"
-          f", {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+          f", {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, OMP_WAIT_POLICY "
+          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} (every contender: the peer inherits it)")
     results: dict = {"bandwidth": bandwidth, "shapes": {}}
     tmp = tempfile.mkdtemp(prefix="bench_torchrec_")
     for name, dims in SHAPES.items():

@@ -12,11 +12,11 @@ no sort and no torch ``embedding_bag`` in between. Its backward hands the pooled
 ``store.update_bags``, which sums it per id and runs the optimizer's step in place on the rows.
 Both give the bits of the unfused path (``StoreBag``): the same sums in the same order.
 
-``mode="max"`` takes :class:`FusedBag` only (eagerly, whatever ``fused_custom_op`` says): the
-store keeps which id gave each
-pooled value in the batch, and the backward sends each value's gradient to that id, the bits
-of torch's ``embedding_bag(mode="max")`` over the rows. Under ``torch.compile`` max bags take
-the unfused path (the op covers sum and mean).
+With ``mode="max"`` the store keeps which id gave each pooled value in the batch, and the
+backward sends each value's gradient to that id, the bits of torch's
+``embedding_bag(mode="max")`` over the rows; through the custom ops (under ``torch.compile``,
+or with ``fused_custom_op``) max bags take ``embstore::fused_bag_max``, which returns those
+ids too (kept by autograd for its backward op).
 
 Anything else (ragged-list inputs, ``max_norm``, ``scale_grad_by_freq``, weights that need
 their own gradient, eval / no-grad forwards, other stores) takes the unfused path.
@@ -227,3 +227,75 @@ class _FusedBagGrad:
 
 
 _bag_op.register_autograd(_FusedBagGrad.backward, setup_context=_FusedBagGrad.setup)
+
+
+# -- max pooling through the custom ops ---------------------------------------------------------
+# ``embstore::fused_bag_max`` also returns, per bag and column, the row of the distinct ids that
+# gave the maximum (int32, ``BagBatch.argmax``); autograd keeps that output for the backward op,
+# so a backward whose forward's batch is gone groups the ids again (first-seen order: the same
+# rows) without pooling a second time (the rows may have changed since).
+def max_bag(input: torch.Tensor, offsets: Any, trigger: torch.Tensor, handle: int,
+            dim: int) -> torch.Tensor:
+    """The max-pooled bags of ``input`` through ``embstore::fused_bag_max`` (arguments taken
+    to the host first; the module places the output)."""
+    offs = _NONE if offsets is None else offsets.to("cpu", torch.long)
+    return _bag_max_op(input.cpu(), offs, trigger.cpu(), handle, dim)[0]
+
+
+@torch.library.custom_op("embstore::fused_bag_max", mutates_args=())
+def _bag_max_op(ids: torch.Tensor, offsets: torch.Tensor, trigger: torch.Tensor, handle: int,
+                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pooled, argmax)`` of max-pooled bags of ``ids`` (2-D, or 1-D with ``offsets``)."""
+    pooled, batch = _pool(_compiled.module_of(handle).store, ids, offsets, torch.zeros(0),
+                          "max")
+    keep_for_backward(_BATCHES, handle, ids, batch)
+    return pooled, torch.from_numpy(np.ascontiguousarray(batch.argmax, dtype=np.int32))
+
+
+@_bag_max_op.register_fake
+def _(ids, offsets, trigger, handle, dim):
+    n_bags = ids.shape[0] if ids.dim() == 2 else offsets.shape[0]
+    return (ids.new_empty((n_bags, dim), dtype=torch.float32),
+            ids.new_empty((n_bags, dim), dtype=torch.int32))
+
+
+@torch.library.custom_op("embstore::fused_bag_max_update", mutates_args=())
+def _bag_max_update_op(ids: torch.Tensor, offsets: torch.Tensor, argmax: torch.Tensor,
+                       grad: torch.Tensor, handle: int) -> torch.Tensor:
+    """The backward of ``embstore::fused_bag_max``; its (empty) result is the module
+    trigger's gradient, so no compiler drops it."""
+    module = _compiled.module_of(handle)
+    batch = take_for_backward(_BATCHES, handle, ids)
+    if batch is None:  # a forward long gone: the ids grouped again, its argmax as returned
+        batch = bag_batch(ids.numpy(), offsets.numpy() if ids.dim() == 1 else None, None,
+                          "max")
+        batch.argmax = argmax.numpy()
+    update_block(module.store, batch, module.count, grad)
+    return grad.new_zeros(0)
+
+
+@_bag_max_update_op.register_fake
+def _(ids, offsets, argmax, grad, handle):
+    return grad.new_empty(0)
+
+
+class _FusedBagMaxGrad:
+    """``embstore::fused_bag_max``'s autograd formula: ``setup`` keeps the ids and the
+    argmax output, ``backward`` hands them and the gradient to
+    ``embstore::fused_bag_max_update``."""
+
+    @staticmethod
+    def setup(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        ids, offsets, _, handle, _ = inputs
+        ctx.save_for_backward(ids, offsets, output[1])
+        ctx.handle = handle
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _argmax_grad: Any):
+        ids, offsets, argmax = ctx.saved_tensors
+        trigger = _bag_max_update_op(ids, offsets, argmax, grad, ctx.handle)
+        return None, None, trigger, None, None
+
+
+_bag_max_op.register_autograd(_FusedBagMaxGrad.backward, setup_context=_FusedBagMaxGrad.setup)

@@ -78,12 +78,9 @@ class DynamicEmbeddingBag(StoreModule):
     def forward(self, input: Any, offsets: Any = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if (self.mode != "max"  # (the op covers sum and mean)
-                    and self._fused_usable(input, offsets, per_sample_weights)):  # one fused op
+            if self._fused_usable(input, offsets, per_sample_weights):  # one fused op
                 self._check_weights(input, offsets, per_sample_weights)
-                return self._output(_fused.bag(input, offsets, per_sample_weights,
-                                               self._trigger, self._handle, self.mode,
-                                               self.embedding_dim, True))
+                return self._fused_op(input, offsets, per_sample_weights, True)
             if (self.padding_key is None and self.max_norm is None
                     and not self.include_last_offset and _compiled.traceable(self, input)
                     and (input.dim(), offsets is None) in ((2, True), (1, False))
@@ -107,6 +104,19 @@ class DynamicEmbeddingBag(StoreModule):
                 and self.max_norm is None and not self.scale_grad_by_freq and self._counts
                 and _fused.usable_input(input, offsets, psw, self.mode)
                 and _fused.store_pools(self._store_here()))
+
+    def _fused_op(self, ids: torch.Tensor, offsets: Any, psw: torch.Tensor | None,
+                  custom_op: bool) -> torch.Tensor:
+        """The fused path's output for these bags: through the custom ops with ``custom_op``
+        (``embstore::fused_bag``, or ``embstore::fused_bag_max`` for max), else
+        ``FusedBag``."""
+        if custom_op and self.mode == "max":
+            out = _fused.max_bag(ids, offsets, self._trigger, self._handle,
+                                self.embedding_dim)
+        else:
+            out = _fused.bag(ids, offsets, psw, self._trigger, self._handle, self.mode,
+                             self.embedding_dim, custom_op)
+        return self._output(out)
 
     def _fused_bags(self, input: torch.Tensor, offsets: Any, psw: torch.Tensor | None
                     ) -> tuple[torch.Tensor, Any, torch.Tensor | None, int]:
@@ -166,9 +176,7 @@ class DynamicEmbeddingBag(StoreModule):
                 ids, offs_in, psw_in, n_bags = self._fused_bags(input, offsets, psw_in)
                 if ids.numel() == 0:  # every element padding: nothing to read or train
                     return self._empty_output((n_bags, self.embedding_dim))
-            return self._output(_fused.bag(ids, offs_in, psw_in, self._trigger, self._handle,
-                                           self.mode, self.embedding_dim,
-                                           self.fused_custom_op))
+            return self._fused_op(ids, offs_in, psw_in, self.fused_custom_op)
         offsets = self._open_offsets(input, offsets)
         batch, offs, size = prepare_bags(input, offsets)
         psw = per_sample_weights

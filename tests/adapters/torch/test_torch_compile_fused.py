@@ -25,7 +25,7 @@ def _run(compiled: bool, mode: str, value_dtype: str = "float32", steps: int = 4
     return losses, recs[found], ops
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
 def test_a_compiled_bag_is_one_fused_op_with_the_eager_bits(mode, value_dtype):
     eager_losses, eager_recs, _ = _run(False, mode, value_dtype)
@@ -81,3 +81,28 @@ class _Quiet:
 
     def stats(self):
         return {}
+
+
+def _max_rows(custom_op: bool, forwards: int) -> np.ndarray:
+    """Rows after ``forwards`` max-pooled forwards and then their backwards, last first
+    (more forwards than the ops keep batches for: the first backwards group their ids
+    again)."""
+    store = embstore.open("memory://", dim=DIM, seed=2, optimizer=Adagrad(lr=0.1))
+    bag = DynamicEmbeddingBag(store, "max")
+    bag.fused_custom_op = custom_op
+    rng = np.random.default_rng(5)
+    outs = [bag(torch.from_numpy(rng.integers(0, 30, (6, 3)))) for _ in range(forwards)]
+    assert {type(o.grad_fn).__name__ for o in outs} == (
+        {"GeneratedBackwardFor_embstore_fused_bag_max_defaultBackward"} if custom_op
+        else {"FusedBagBackward"}), outs[0].grad_fn
+    for i, out in enumerate(reversed(outs)):
+        (out * torch.linspace(-1, 1 + i, DIM)).sum().backward()
+    recs, found = store.get_records(np.arange(30))
+    return recs[found]
+
+
+@pytest.mark.parametrize("forwards", [1, 12])
+def test_the_max_op_trains_the_bits_of_the_eager_fused_path(forwards):
+    a, b = _max_rows(True, forwards), _max_rows(False, forwards)
+    for name in ("vector", "accum", "count"):
+        assert a[name].tobytes() == b[name].tobytes(), name

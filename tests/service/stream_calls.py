@@ -8,6 +8,18 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from embstore.service import wire
+from embstore.testing.service import WorkerProcess, start_worker
+
+TRAIN_TOKEN, SERVE_TOKEN = "t" * 20, "s" * 20
+
+
+def token_worker(tmp_path: Any, dim: int) -> WorkerProcess:
+    """A ``memory://`` worker (zeros, SGD at lr 1) that takes a ``train`` role token
+    (TRAIN_TOKEN) and a ``serve`` one (SERVE_TOKEN) from a token file in ``tmp_path``."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"train {TRAIN_TOKEN}\nserve {SERVE_TOKEN}\n")
+    return start_worker("memory://", dim=dim, optimizer='{"name": "sgd", "lr": 1.0}',
+                        initializer="zeros", extra=["--token-file", str(tokens)])
 
 
 def open_stream(address: str, head: dict, schema: pa.Schema, token: str | None = None

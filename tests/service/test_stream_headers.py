@@ -26,21 +26,18 @@ from embstore.service import wire  # noqa: E402
 from embstore.service.metrics import BUCKETS, RequestMetrics  # noqa: E402
 from embstore.service.server import Worker  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
-from tests.service.stream_calls import ask, open_stream  # noqa: E402
+from tests.service.stream_calls import SERVE_TOKEN, ask, open_stream, token_worker  # noqa: E402
 
 DIM = 4
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
 
 
 def test_a_stream_checks_every_header_it_has_not_accepted(tmp_path):
-    tokens = tmp_path / "tokens"
-    tokens.write_text("train " + "t" * 20 + "\nserve " + "s" * 20 + "\n")
-    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros",
-                     extra=["--token-file", str(tokens)])
+    w = token_worker(tmp_path, DIM)
     try:
         keys = wire.batch(key=wire.keys_column(np.arange(3, dtype=np.int64)))
         client, writer, reader = open_stream(w.address, {"shard": 0, "shards": 1},
-                                             keys.schema, token="s" * 20)
+                                             keys.schema, token=SERVE_TOKEN)
         reads = b'{"op": "lookup", "insert": false}'
         inserts = b'{"op": "lookup", "insert": true}'
         for _ in range(3):   # accepted, then answered from the checked header, alike

@@ -21,21 +21,24 @@ import pyarrow.flight as flight  # noqa: E402
 
 from embstore.service import wire  # noqa: E402
 from embstore.testing.service import start_worker  # noqa: E402
-from tests.service.stream_calls import ask, open_stream  # noqa: E402
+from tests.service.stream_calls import (  # noqa: E402
+    SERVE_TOKEN,
+    TRAIN_TOKEN,
+    ask,
+    open_stream,
+    token_worker,
+)
 
 DIM = 4
 SGD1 = json.dumps({"name": "sgd", "lr": 1.0})
 
 
 def test_a_stream_answers_refusals_with_one_line_and_stays_usable(tmp_path):
-    tokens = tmp_path / "tokens"
-    tokens.write_text("train " + "t" * 20 + "\nserve " + "s" * 20 + "\n")
-    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros",
-                     extra=["--token-file", str(tokens)])
+    w = token_worker(tmp_path, DIM)
     try:
         keys = wire.batch(key=wire.keys_column(np.arange(3, dtype=np.int64)))
         client, writer, reader = open_stream(w.address, {"shard": 0, "shards": 1}, keys.schema,
-                                         token="s" * 20)
+                                             token=SERVE_TOKEN)
         for meta in (b"not json", b"[1]", b'{"op": "delete"}', b'{"op": "no-such-op"}',
                      b'{"op": "lookup"}'):               # lookup inserts: the serve role may not
             answer = ask(writer, reader, meta, keys)
@@ -44,14 +47,14 @@ def test_a_stream_answers_refusals_with_one_line_and_stays_usable(tmp_path):
         assert isinstance(got, pa.RecordBatch) and got.num_rows == 3
         writer.close()
         client.close()
-        with embstore.open(f"des://{w.address}", token="t" * 20) as des:
+        with embstore.open(f"des://{w.address}", token=TRAIN_TOKEN) as des:
             assert len(des) == 0                          # nothing the refusals changed
             des.update([1], np.ones((1, DIM), np.float32))
             with pytest.raises(InvalidInputError):        # refused on the kept stream ...
                 des.update([1], np.full((1, DIM), np.inf, np.float32))
             des.update([1], np.ones((1, DIM), np.float32))  # ... which still carries calls
             np.testing.assert_array_equal(des.lookup([1], insert=False), [[-2.0] * DIM])
-        with embstore.open(f"des://{w.address}", token="s" * 20) as reader_store:
+        with embstore.open(f"des://{w.address}", token=SERVE_TOKEN) as reader_store:
             reader_store.lookup([1], insert=False)
             with pytest.raises(AuthenticationError):
                 reader_store.update([1], np.ones((1, DIM), np.float32))

@@ -46,6 +46,30 @@ cdef struct PoolJob:
     Py_ssize_t nu, missing   # results: distinct keys, how many absent (-1: no memory)
 
 
+ctypedef void (*JobFn)(void* job) noexcept nogil
+
+
+cdef void* _alloc_jobs(Py_ssize_t n, size_t size, str what) except NULL:
+    """An array of ``n`` jobs of ``size`` bytes (one at least), for the call ``what``."""
+    cdef void* jobs = malloc((n if n else 1) * size)
+    if jobs == NULL:
+        raise MemoryError(f"{what}: no memory")
+    return jobs
+
+
+cdef void _run_jobs(char* jobs, size_t size, Py_ssize_t n, int threads,
+                    JobFn one) noexcept nogil:
+    """``one`` on each of the ``n`` jobs (``size`` bytes apart): on this thread in order,
+    or a table at a time over ``threads`` native threads."""
+    cdef Py_ssize_t t
+    if threads <= 1 or n <= 1:
+        for t in range(n):
+            one(jobs + t * size)
+    else:
+        for t in prange(n, num_threads=min(threads, n), schedule="dynamic", chunksize=1):
+            one(jobs + t * size)
+
+
 def probe_pool(list tables, int64_t[:, ::1] found, int threads=1):
     """Each table's :func:`dedupe`, the slots of its distinct keys found in its key table and,
     where every key is there, its bags pooled as :func:`pool` pools them; ``found[t]``
@@ -62,20 +86,12 @@ def probe_pool(list tables, int64_t[:, ::1] found, int threads=1):
     cdef PoolJob* jobs
     if found.shape[0] < nt_ or found.shape[1] < 2:
         raise ValueError("probe_pool: found needs a (distinct, absent) row per table")
-    jobs = <PoolJob*> malloc((nt_ if nt_ else 1) * sizeof(PoolJob))
-    if jobs == NULL:
-        raise MemoryError("probe_pool: no memory")
+    jobs = <PoolJob*> _alloc_jobs(nt_, sizeof(PoolJob), "probe_pool")
     try:
         for t in range(nt_):
             _pool_job(&jobs[t], tables[t])
         with nogil:
-            if threads <= 1 or nt_ <= 1:
-                for t in range(nt_):
-                    _probe_pool_one(&jobs[t])
-            else:
-                for t in prange(nt_, num_threads=min(threads, nt_), schedule="dynamic",
-                                chunksize=1):
-                    _probe_pool_one(&jobs[t])
+            _run_jobs(<char*> jobs, sizeof(PoolJob), nt_, threads, _probe_pool_one)
         for t in range(nt_):
             if jobs[t].missing < 0:
                 raise MemoryError("probe_pool: no memory")
@@ -124,7 +140,8 @@ cdef int _pool_job(PoolJob* j, tuple spec) except -1:
     return 0
 
 
-cdef void _probe_pool_one(PoolJob* j) noexcept nogil:
+cdef void _probe_pool_one(void* job) noexcept nogil:
+    cdef PoolJob* j = <PoolJob*> job
     cdef Py_ssize_t u, b
     cdef uint32_t s
     cdef const void** rows
@@ -167,20 +184,12 @@ def sum_tables(list tables, uint8_t[::1] finite, int threads=1):
     cdef SumJob* jobs
     if finite.shape[0] < nt_:
         raise ValueError("sum_tables: finite needs a row per table")
-    jobs = <SumJob*> malloc((nt_ if nt_ else 1) * sizeof(SumJob))
-    if jobs == NULL:
-        raise MemoryError("sum_tables: no memory")
+    jobs = <SumJob*> _alloc_jobs(nt_, sizeof(SumJob), "sum_tables")
     try:
         for t in range(nt_):
             _sum_job(&jobs[t], tables[t])
         with nogil:
-            if threads <= 1 or nt_ <= 1:
-                for t in range(nt_):
-                    _sum_one(&jobs[t])
-            else:
-                for t in prange(nt_, num_threads=min(threads, nt_), schedule="dynamic",
-                                chunksize=1):
-                    _sum_one(&jobs[t])
+            _run_jobs(<char*> jobs, sizeof(SumJob), nt_, threads, _sum_one)
         for t in range(nt_):
             if jobs[t].state < 0:
                 raise MemoryError("sum_tables: no memory")
@@ -207,7 +216,8 @@ cdef int _sum_job(SumJob* j, tuple spec) except -1:
     return 0
 
 
-cdef void _sum_one(SumJob* j) noexcept nogil:
+cdef void _sum_one(void* job) noexcept nogil:
+    cdef SumJob* j = <SumJob*> job
     cdef float* scaled
     if j.sums == NULL:  # nothing to sum (no keys, or rows of width 0)
         j.state = 1
@@ -229,20 +239,12 @@ def step_tables(list tables, int threads=1):
     bags and threads are not used: ``sums`` holds the per-key sums, all finite)."""
     cdef Py_ssize_t nt_ = len(tables), t
     cdef StepJob* jobs
-    jobs = <StepJob*> malloc((nt_ if nt_ else 1) * sizeof(StepJob))
-    if jobs == NULL:
-        raise MemoryError("step_tables: no memory")
+    jobs = <StepJob*> _alloc_jobs(nt_, sizeof(StepJob), "step_tables")
     try:
         for t in range(nt_):
             _table_step(&jobs[t], tables[t][0], tables[t][1])
         with nogil:
-            if threads <= 1 or nt_ <= 1:
-                for t in range(nt_):
-                    _step_one(&jobs[t])
-            else:
-                for t in prange(nt_, num_threads=min(threads, nt_), schedule="dynamic",
-                                chunksize=1):
-                    _step_one(&jobs[t])
+            _run_jobs(<char*> jobs, sizeof(StepJob), nt_, threads, _step_one)
     finally:
         free(jobs)
 
@@ -271,7 +273,8 @@ cdef int _table_step(StepJob* j, object sums_, tuple args) except -1:
     return 0
 
 
-cdef void _step_one(const StepJob* j) noexcept nogil:
+cdef void _step_one(void* job) noexcept nogil:
+    cdef const StepJob* j = <const StepJob*> job
     cdef float* scratch
     if j.sums == NULL:
         return

@@ -1,9 +1,13 @@
-"""What two training runs over stores of the same features must share: every record field but
-the wall-clock stamps, and the store counters."""
+"""Training runs of a ``DynamicEmbeddingBagCollection`` to compare (:func:`train_collection`),
+and what two runs over stores of the same features must share (:func:`assert_same_tables`):
+every record field but the wall-clock stamps, and the store counters."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import torch
 
 COUNTERS = ("lookups", "hits", "misses", "inserts", "updates")
 
@@ -23,3 +27,21 @@ def assert_same_tables(a: dict, b: dict, keys: np.ndarray | None = None) -> None
         sa, sb = a[f].stats(), b[f].stats()
         for k in COUNTERS:
             assert sa[k] == sb[k], (f, k)
+
+
+def train_collection(coll: Any, batches: list, threads: int = 1) -> tuple[list, list[str]]:
+    """``(outputs, grad_fn names)`` of training ``coll`` on ``batches`` (keyed jagged), one
+    step each against a fixed head, on ``threads`` torch threads (restored after)."""
+    outs, nodes, head = [], [], None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kj in batches:
+            values = coll(kj).values()
+            nodes.append(type(values.grad_fn).__name__)
+            head = torch.linspace(-1, 1, values.shape[1]) if head is None else head
+            outs.append(values.detach().clone())
+            (values * head).square().sum().backward()
+    finally:
+        torch.set_num_threads(before)
+    return outs, nodes

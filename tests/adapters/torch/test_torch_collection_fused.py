@@ -13,7 +13,7 @@ from embstore.optim import SGD, Adagrad, Adam
 torch = pytest.importorskip("torch")
 from embstore_torch import DynamicEmbeddingBagCollection, KeyedJagged, _fused_tables  # noqa: E402
 
-from .same_tables import assert_same_tables  # noqa: E402
+from .same_tables import assert_same_tables, train_collection  # noqa: E402
 
 DIMS = {"user": 8, "item": 4, "tag": 8}
 OPTIMIZERS = {
@@ -44,29 +44,15 @@ def _train(fused: bool, opt: str, pooling: str, weighted: bool = False, threads:
               for f, d in DIMS.items()}
     coll = DynamicEmbeddingBagCollection(tables, pooling=pooling)
     coll.use_fused_path = fused
-    head = None
-    outs, nodes = [], []
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for kj in _batches(weighted=weighted):
-            values = coll(kj).values()
-            nodes.append(type(values.grad_fn).__name__)
-            head = torch.linspace(-1, 1, values.shape[1]) if head is None else head
-            outs.append(values.detach().clone())
-            (values * head).square().sum().backward()
-    finally:
-        torch.set_num_threads(before)
-    keys = np.arange(200, dtype=np.int64)
-    recs = {f: s.get_records(keys) for f, s in tables.items()}
-    return tables, outs, recs, nodes
+    outs, nodes = train_collection(coll, _batches(weighted=weighted), threads)
+    return tables, outs, nodes
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", False), ("sum", True)])
 def test_the_fused_collection_trains_the_bits_of_the_general_path(opt, pooling, weighted):
-    a_tables, a_outs, a_recs, a_nodes = _train(True, opt, pooling, weighted, threads=2)
-    b_tables, b_outs, b_recs, b_nodes = _train(False, opt, pooling, weighted)
+    a_tables, a_outs, a_nodes = _train(True, opt, pooling, weighted, threads=2)
+    b_tables, b_outs, b_nodes = _train(False, opt, pooling, weighted)
     assert set(a_nodes) == {"FusedTablesBackward"}  # one node for every table
     assert "FusedTablesBackward" not in b_nodes
     for x, y in zip(a_outs, b_outs, strict=True):

@@ -14,7 +14,7 @@ from embstore.optim import SGD, Adagrad, Adam
 torch = pytest.importorskip("torch")
 from embstore_torch import DynamicEmbeddingBagCollection, KeyedJagged  # noqa: E402
 
-from .same_tables import assert_same_tables  # noqa: E402
+from .same_tables import assert_same_tables, train_collection  # noqa: E402
 
 DIMS = {"user": 8, "item": 40, "tag": 8, "genre": 4}
 OPTIMIZERS = {
@@ -47,25 +47,13 @@ def _train(fused: bool, opt: str, pooling, value_dtype: str = "float32", threads
               for f, d in DIMS.items()}
     coll = DynamicEmbeddingBagCollection(tables, pooling=pooling)
     coll.use_fused_path = fused
-    outs, nodes, head = [], [], None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for kj in _batches():
-            values = coll(kj).values()
-            nodes.append(type(values.grad_fn).__name__)
-            head = torch.linspace(-1, 1, values.shape[1]) if head is None else head
-            outs.append(values.detach().clone())
-            (values * head).square().sum().backward()
-    finally:
-        torch.set_num_threads(before)
-    keys = np.arange(200, dtype=np.int64)
-    return tables, outs, {f: s.get_records(keys) for f, s in tables.items()}, nodes
+    outs, nodes = train_collection(coll, _batches(), threads)
+    return tables, outs, nodes
 
 
 def _same(a, b) -> None:
-    a_tables, a_outs, a_recs, a_nodes = a
-    b_tables, b_outs, b_recs, b_nodes = b
+    a_tables, a_outs, a_nodes = a
+    b_tables, b_outs, b_nodes = b
     assert set(a_nodes) == {"FusedTablesBackward"}  # one node for every table, max ones too
     assert "FusedTablesBackward" not in b_nodes
     for x, y in zip(a_outs, b_outs, strict=True):

@@ -15,11 +15,11 @@ Under ``torch.compile`` the same forward is one custom op for every table,
 follows from the input's (no data-dependent split of the jagged values in the graph); the op
 names the tables by their modules' handles, as ``embstore::fused_bag`` does.
 
-Max-pooled tables take the fused path eagerly, one ``store.pool_bags(mode="max")`` call each
-(the table-parallel calls cover sum and mean); under ``torch.compile`` a collection with a max
-table takes the general path. Anything else (features sharing a table, padding keys,
-namespaces, weights that need a gradient, ragged lists, eval / no-grad forwards, other stores)
-takes the collection's general path; both give the same bits.
+Max-pooled tables take the fused path, one ``store.pool_bags(mode="max")`` call each (the
+table-parallel calls cover sum and mean); under ``torch.compile`` the op also returns which id
+gave each max-pooled value, the one thing their backward needs. Anything else (features
+sharing a table, padding keys, namespaces, weights that need a gradient, ragged lists, eval /
+no-grad forwards, other stores) takes the collection's general path; both give the same bits.
 """
 
 from __future__ import annotations
@@ -244,17 +244,22 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
 
 
 # -- under torch.compile: one op for every table -----------------------------------------------
+# A table's pooling in the op's arguments (ints: the op's schema has no strings list)
+_MODES = ("sum", "mean", "max")
+
+
 def compiled(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
-             tables: list[Any], where: list[int], means: list[bool],
+             tables: list[Any], where: list[int], modes: list[str],
              stride: int) -> torch.Tensor:
     """The fused forward as ``embstore::fused_tables`` (``tables``: the collection's table
-    modules in output order, ``where[i]`` the input block of ``tables[i]``). The op takes
-    host tensors (a batch on a GPU is copied over: the rows live on the host)."""
+    modules in output order, ``where[i]`` the input block of ``tables[i]``, ``modes[i]`` its
+    pooling). The op takes host tensors (a batch on a GPU is copied over: the rows live on the
+    host)."""
     width = sum(t.embedding_dim for t in tables)
     w = _NONE if weights is None else weights.detach().reshape(-1).to("cpu", torch.float32)
     return _tables_op(values.cpu(), lengths.to("cpu", torch.long), w, tables[0].op_trigger.cpu(),
-                      [t.op_handle for t in tables], where, [int(m) for m in means], stride,
-                      width)
+                      [t.op_handle for t in tables], where, [_MODES.index(m) for m in modes],
+                      stride, width)[0]
 
 
 # The parts of forwards through the op awaiting their backward, by the first table's handle
@@ -263,18 +268,24 @@ _PARTS: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 _NONE = torch.zeros(0)
 
 
-def _parts_of(handles: list[int], means: list[int]) -> list[Part]:
+def _parts_of(handles: list[int], modes: list[int]) -> list[Part]:
     parts, column = [], 0
-    for handle, mean in zip(handles, means, strict=True):
+    for handle, mode in zip(handles, modes, strict=True):
         table = _compiled.module_of(handle)
         # (the module's other conditions were settled when the graph was made; grad mode is
         # off inside an op)
         if not _fused.store_pools(table.store):
             raise RuntimeError(f"embstore: the store {table.store} no longer takes the fused "
                                "bag path this compiled graph was made for")
-        parts.append(Part(table.store, column, table.embedding_dim, bool(mean), table.count))
+        parts.append(Part(table.store, column, table.embedding_dim, _MODES[mode], table.count))
         column += table.embedding_dim
     return parts
+
+
+def _max_width(handles: list[int], modes: list[int]) -> int:
+    """The columns of the op's second output: the max-pooled tables' dims, in output order."""
+    return sum(_compiled.module_of(h).embedding_dim for h, m in zip(handles, modes, strict=True)
+               if _MODES[m] == "max")
 
 
 def _arrays(values: torch.Tensor, lengths: torch.Tensor,
@@ -286,57 +297,70 @@ def _arrays(values: torch.Tensor, lengths: torch.Tensor,
 
 @torch.library.custom_op("embstore::fused_tables", mutates_args=())
 def _tables_op(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor,
-               trigger: torch.Tensor, handles: list[int], where: list[int], means: list[int],
-               stride: int, width: int) -> torch.Tensor:
-    parts = _parts_of(handles, means)
+               trigger: torch.Tensor, handles: list[int], where: list[int], modes: list[int],
+               stride: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pooled, argmax)``: every table's bags in its columns of ``pooled``, and for the
+    max-pooled tables, side by side in output order, the row of the distinct ids that gave
+    each pooled value (``BagBatch.argmax``; no columns without such tables). Autograd keeps
+    ``argmax`` for the backward op, so a backward whose forward is gone still steps."""
+    parts = _parts_of(handles, modes)
     flat, bounds, w = _arrays(values, lengths, weights)
     out = _pool_parts(parts, where, flat, bounds, stride, w, width)
+    maxed = [p.batch.argmax for p in parts if p.mode == "max"]
+    argmax = (np.concatenate(maxed, axis=1) if maxed
+              else np.empty((stride, 0), dtype=np.int32))
     _fused.keep_for_backward(_PARTS, handles[0], values, parts)
-    return out
+    return out, torch.from_numpy(np.ascontiguousarray(argmax, dtype=np.int32))
 
 
 @_tables_op.register_fake
-def _(values, lengths, weights, trigger, handles, where, means, stride, width):
-    return values.new_empty((stride, width), dtype=torch.float32)
+def _(values, lengths, weights, trigger, handles, where, modes, stride, width):
+    return (values.new_empty((stride, width), dtype=torch.float32),
+            values.new_empty((stride, _max_width(handles, modes)), dtype=torch.int32))
 
 
 @torch.library.custom_op("embstore::fused_tables_update", mutates_args=())
 def _tables_update_op(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor,
-                      grad: torch.Tensor, handles: list[int], where: list[int],
-                      means: list[int], stride: int) -> torch.Tensor:
+                      argmax: torch.Tensor, grad: torch.Tensor, handles: list[int],
+                      where: list[int], modes: list[int], stride: int) -> torch.Tensor:
     """The backward of ``embstore::fused_tables``: each table steps with its columns of the
     gradient. Its (empty) result is the trigger's gradient, so no compiler drops it."""
     parts = _fused.take_for_backward(_PARTS, handles[0], values)
-    if parts is None:  # a forward long gone: group each table's ids again
-        parts = _parts_of(handles, means)
+    if parts is None:  # a forward long gone: group each table's ids again, argmax as returned
+        parts = _parts_of(handles, modes)
         flat, bounds, w = _arrays(values, lengths, weights)
+        column = 0
         for part, block in zip(parts, where, strict=True):
             lo, hi, offsets = _block(block, bounds, stride)
             part.batch = bag_batch(flat[lo:hi], offsets, None if w is None else w[lo:hi],
-                                   part.mean)
+                                   part.mode)
+            if part.mode == "max":
+                part.batch.argmax = np.ascontiguousarray(
+                    argmax[:, column:column + part.dim].numpy())
+                column += part.dim
     _step_parts(parts, grad)
     return grad.new_zeros(0)
 
 
 @_tables_update_op.register_fake
-def _(values, lengths, weights, grad, handles, where, means, stride):
+def _(values, lengths, weights, argmax, grad, handles, where, modes, stride):
     return grad.new_empty(0)
 
 
 class _FusedTablesGrad:
-    """The op's autograd formula: ``setup`` keeps the inputs, ``backward`` hands the gradient
-    to ``embstore::fused_tables_update``."""
+    """The op's autograd formula: ``setup`` keeps the inputs and the argmax output,
+    ``backward`` hands them and the gradient to ``embstore::fused_tables_update``."""
 
     @staticmethod
-    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        values, lengths, weights, _, handles, where, means, stride, _ = inputs
-        ctx.save_for_backward(values, lengths, weights)
-        ctx.spec = (handles, where, means, stride)
+    def setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+        values, lengths, weights, _, handles, where, modes, stride, _ = inputs
+        ctx.save_for_backward(values, lengths, weights, output[1])
+        ctx.spec = (handles, where, modes, stride)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        values, lengths, weights = ctx.saved_tensors
-        trigger = _tables_update_op(values, lengths, weights, grad, *ctx.spec)
+    def backward(ctx: Any, grad: torch.Tensor, _argmax_grad: Any):
+        values, lengths, weights, argmax = ctx.saved_tensors
+        trigger = _tables_update_op(values, lengths, weights, argmax, grad, *ctx.spec)
         return None, None, None, trigger, None, None, None, None, None
 
 

@@ -175,12 +175,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 or sorted(keys) != sorted(self.features)):
             return None
         parts = self._fused_parts(weights)
-        if parts is None or any(p.mode == "max" for p in parts):  # (the op sums and averages)
+        if parts is None:
             return None
         tables = [self.embedding_bags[t] for t in self.features.values()]
         out = _fused_tables.compiled(values, features.lengths(), weights, tables,
                                      [keys.index(f) for f in self.features],
-                                     [p.mean for p in parts], features.stride())
+                                     [p.mode for p in parts], features.stride())
         return PooledFeatures(list(self.features), [p.dim for p in parts],
                               tables[0].placed(out))
 

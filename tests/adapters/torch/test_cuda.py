@@ -104,10 +104,11 @@ def test_two_d_bags_on_the_device():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_a_collection_on_the_device_pools_and_trains_as_on_the_cpu(fused, weighted):
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("sum", True), ("mean", False),
+                                              ("max", False)])
+def test_a_collection_on_the_device_pools_and_trains_as_on_the_cpu(fused, pooling, weighted):
     def collection():
-        c = DynamicEmbeddingBagCollection({"user": _store(), "item": _store()})
+        c = DynamicEmbeddingBagCollection({"user": _store(), "item": _store()}, pooling=pooling)
         c.use_fused_path = fused
         return c
 
@@ -185,9 +186,13 @@ def test_a_compiled_model_on_the_device_matches_its_eager_run():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
 
 
-def test_a_compiled_collection_on_the_device_is_one_graph():
-    coll = DynamicEmbeddingBagCollection({"user": _store(), "item": _store()}).to(DEVICE)
-    eager = DynamicEmbeddingBagCollection({"user": _store(), "item": _store()}).to(DEVICE)
+@pytest.mark.parametrize("pooling", ["sum", "max"])
+def test_a_compiled_collection_on_the_device_is_one_graph(pooling):
+    def collection():
+        return DynamicEmbeddingBagCollection({"user": _store(), "item": _store()},
+                                             pooling=pooling).to(DEVICE)
+
+    coll, eager = collection(), collection()
     head = _head((3, 2 * DIM), DEVICE)
 
     def step(module, kj):

@@ -137,12 +137,12 @@ def _native(store: Any) -> bool:
     """Whether ``store``'s tables take the table-parallel calls: a ``memory://`` backend
     (``fused_table``) on the fused path (int64 keys), with no policy that acts on rows after an
     update (expiry, eviction) or optimizer that prunes them: its step may wait for the others'
-    bookkeeping."""
+    bookkeeping; nor an admission policy (``probe_pool`` places every new id)."""
     if not (hasattr(store, "writer") and hasattr(store, "backend")):
         return False
     policy = getattr(store.writer, "policy", None)
     return (hasattr(store.backend, "fused_table") and policy is not None
-            and policy.expiry is None and policy.eviction is None
+            and policy.expiry is None and policy.eviction is None and policy.admission is None
             and not getattr(store.optimizer, "prune", False) and store.fused_bags())
 
 

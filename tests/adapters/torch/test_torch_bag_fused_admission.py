@@ -190,7 +190,7 @@ def test_two_forwards_before_their_backward_drop_the_same_gradients(monkeypatch)
     the first): the step of each still drops exactly the turned-away ids' gradients."""
     def train(fused: bool):
         store = _store("cutoff3")
-        _spy(store, monkeypatch)
+        calls = _spy(store, monkeypatch)
         module = DynamicEmbeddingBag(store, mode="sum")
         module.use_fused_path = fused
         batches = _batches()
@@ -200,10 +200,15 @@ def test_two_forwards_before_their_backward_drop_the_same_gradients(monkeypatch)
                                     module(ids2, offsets2))
             outs += [t.detach().numpy().tobytes() for t in (first, again, second)]
             (first.sum() + (again * 2).sum() + second.square().sum()).backward()
-        return outs, _state(store)
+        return outs, _state(store), calls
 
-    a_outs, a = train(True)
-    b_outs, b = train(False)
+    a_outs, a, a_calls = train(True)
+    b_outs, b, _ = train(False)
+    # backwards in reverse: the last forward's slots are remembered, the others are probed
+    # again (turned-away ids still absent: the general update, which drops their gradients;
+    # admitted by a later forward: the fused step)
+    steps = a_calls["step_bags"]
+    assert len(a_calls["lookup_pool"]) == 9 and steps[::3] == [True] * 3 and None in steps
     assert a_outs == b_outs
     _assert_same(a, b)
 

@@ -2,7 +2,8 @@
 into its columns of one output, under one autograd node for all tables.
 
 Where each feature has a table of its own whose store pools in place (``store.fused_bags()``:
-``memory://``, int64 keys, float32 rows, no admission policy or observers), a training
+``memory://``, int64 keys, float32 rows, no observers; an admission policy on ``memory://``
+itself only), a training
 forward makes one ``store.pool_bags`` call per table, each writing its bags into its column
 block of the one ``(batch, sum of dims)`` output (no per-table tensor, no ``torch.cat``), and
 the backward hands each table its column block of the output's gradient

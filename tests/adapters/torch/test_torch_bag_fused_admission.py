@@ -22,6 +22,8 @@ from embstore_torch import (  # noqa: E402
     KeyedJagged,
 )
 
+from .compiled_bags import train_bag  # noqa: E402
+
 DIM = 8
 KEYS = np.arange(200, dtype=np.int64)
 COUNTERS = ("lookups", "hits", "misses", "inserts", "updates", "admission_rejected",
@@ -36,10 +38,11 @@ POLICIES = {
 OPTIMIZERS = {"sgd": lambda: SGD(lr=0.1), "adagrad": lambda: Adagrad(lr=0.1)}
 
 
-def _store(policy: str, opt: str = "sgd", value_dtype: str = "float32", seed: int = 1):
+def _store(policy: str, opt: str = "sgd", value_dtype: str = "float32", seed: int = 1,
+           **kw):
     return embstore.open("memory://", dim=DIM, seed=seed, optimizer=OPTIMIZERS[opt](),
                          value_dtype=value_dtype, stochastic_rounding=False,
-                         admission=POLICIES[policy]())
+                         admission=POLICIES[policy](), **kw)
 
 
 def _spy(store, monkeypatch) -> dict[str, list]:
@@ -90,8 +93,8 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 def _train_bag(fused: bool, policy: str, mode: str, opt: str, value_dtype: str, monkeypatch,
-               weighted: bool = False, custom_op: bool = False):
-    store = _store(policy, opt, value_dtype)
+               weighted: bool = False, custom_op: bool = False, **store_kw):
+    store = _store(policy, opt, value_dtype, **store_kw)
     calls = _spy(store, monkeypatch)
     module = DynamicEmbeddingBag(store, mode=mode)
     module.use_fused_path, module.fused_custom_op = fused, custom_op
@@ -131,6 +134,36 @@ def test_weighted_bags_through_either_form_of_the_fused_op(custom_op, monkeypatc
     assert a_calls["step_bags"] == [True] * 6
     assert a_outs == b_outs
     _assert_same(a, b)
+
+
+def test_a_store_over_capacity_evicts_as_the_general_path_does(monkeypatch):
+    """Rows evicted after a forward's inserts: the step finds its slots gone and takes the
+    general update, which drops the turned-away ids' gradients all the same."""
+    a_outs, a, a_calls = _train_bag(True, "cutoff2", "mean", "adagrad", "float32", monkeypatch,
+                                    capacity=30)
+    b_outs, b, _ = _train_bag(False, "cutoff2", "mean", "adagrad", "float32", monkeypatch,
+                              capacity=30)
+    assert len(a_calls["lookup_pool"]) == 6 and None in a_calls["step_bags"]
+    assert a_outs == b_outs
+    _assert_same(a, b)
+    assert a["stats"]["rows"] <= 30
+
+
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_a_compiled_bag_with_admission_has_the_general_paths_bits(mode):
+    """Under ``torch.compile`` the bag is the fused op (``embstore::fused_bag``, or
+    ``fused_bag_max``), admission and all."""
+    runs = {}
+    for compiled in (True, False):
+        store = _store("cutoff2", "adagrad")
+        bag = DynamicEmbeddingBag(store, mode)
+        bag.use_fused_path = compiled
+        losses, ops = train_bag(bag, compiled, 40, steps=5)
+        runs[compiled] = losses, _state(store), ops
+    assert any("embstore.fused_bag" in op for op in runs[True][2]), runs[True][2]
+    assert runs[True][0] == runs[False][0]
+    _assert_same(runs[True][1], runs[False][1])
+    assert runs[True][1]["stats"]["gradients_dropped"] > 0
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -10,7 +10,6 @@ PolicyHost`): expiry and eviction read its rows and delete through it.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
@@ -485,10 +484,11 @@ class RecordWriter:
             out.fill(0.0)
             return out
         pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
-        kw, template, admit = batch.pooling(self.layout.dim), self.template, None
+        kw, admit = batch.pooling(self.layout.dim), None
+        template: Callable[[], np.ndarray] = self.template
         if self.policy.admission is not None:  # asked about the absent keys as lookup asks
-            kw["admit"] = admit = AbsentKeys(self.policy, batch)
-            template = functools.partial(self.template, self.stamp_time())
+            kw["admit"] = admit = AbsentKeys(self.policy, batch, self.stamp_time, self.template)
+            template = admit.template
         n_new = pooling.lookup_pool(uniq, self.initial_stored, template, batch.inv,
                                     batch.offsets, batch.weights, batch.mean, out, threads, **kw)
         misses = n_new if admit is None else admit.absent

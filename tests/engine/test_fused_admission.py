@@ -107,3 +107,20 @@ def test_a_gradient_that_is_not_finite_writes_nothing_and_frees_the_scratch_rows
         store.update_bags(batch, np.full((1, DIM), np.inf, dtype=np.float32))
     assert store.get_records([1])[0].tobytes() == before
     assert arena.live == len(store) == 1
+
+
+def test_a_clock_that_strays_raises_before_the_policy_counts():
+    """As ``lookup``: the clock is read once there are absent ids, before the policy is
+    asked (a failing reading leaves the policy and the table as they were); a batch of
+    known ids reads no clock."""
+    reading = [100.0]
+    store = embstore.open("memory://", dim=DIM, seed=2, optimizer=Adagrad(lr=0.1),
+                          admission=FrequencyCutoff(2), clock=lambda: reading[0])
+    store.pool_bags(np.array([[1, 1]]), mode="sum")
+    state = store.writer.policy.admission.state()
+    reading[0] = float("nan")
+    store.pool_bags(np.array([[1, 1]]), mode="sum")  # known ids only
+    with pytest.raises(InvalidInputError):
+        store.pool_bags(np.array([[1, 2]]), mode="sum")
+    assert store.writer.policy.admission.state() == state
+    assert store.stats()["admission_rejected"] == 0 and len(store) == 1

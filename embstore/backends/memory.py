@@ -178,7 +178,7 @@ class MemoryBackend(Backend):
     @serialized
     def close(self) -> None:
         # Dropping the references frees the C memory now, not at interpreter exit.
-        self._table = self._arena = None
+        self._table = self._arena = self._bags.scratch = None
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)

@@ -6,6 +6,9 @@ as the table's (an ``update`` of the batch, a cleared table)."""
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import numpy as np
 import pytest
 
@@ -124,3 +127,14 @@ def test_a_clock_that_strays_raises_before_the_policy_counts():
         store.pool_bags(np.array([[1, 2]]), mode="sum")
     assert store.writer.policy.admission.state() == state
     assert store.stats()["admission_rejected"] == 0 and len(store) == 1
+
+
+def test_closing_between_forward_and_step_lets_the_arena_go():
+    """A store closed while a forward's scratch rows wait for its step keeps no reference to
+    its records (close frees the memory now)."""
+    store = _store()
+    _, batch = store.pool_bags(np.array([[1, 2, 3]]), mode="sum")
+    arena = store.writer.backend._arena
+    store.close()
+    gc.collect()
+    assert sys.getrefcount(arena) == 2  # this test's name and the call's argument

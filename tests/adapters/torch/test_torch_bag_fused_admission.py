@@ -153,6 +153,9 @@ def test_a_store_over_capacity_evicts_as_the_general_path_does(monkeypatch):
 def test_a_compiled_bag_with_admission_has_the_general_paths_bits(mode):
     """Under ``torch.compile`` the bag is the fused op (``embstore::fused_bag``, or
     ``fused_bag_max``), admission and all."""
+    # (a new module is a new constant of train_bag's step: other files' cases compiled it
+    # too, up to dynamo's recompile limit)
+    torch._dynamo.reset()
     runs = {}
     for compiled in (True, False):
         store = _store("cutoff2", "adagrad")

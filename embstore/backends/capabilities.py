@@ -45,7 +45,14 @@ class SlotAddressed(Protocol):
 class FusedBagPooling(Protocol):
     """A backend that pools bags of stored vectors in one pass (``supports_fused_bags``):
     the engine's fused bag path (:mod:`embstore.engine.fused`), for sum, mean and max
-    pooling (its two calls' ``argmax=``)."""
+    pooling (its two calls' ``argmax=``).
+
+    One whose class sets ``supports_fused_admission`` (``memory://``) also takes
+    ``lookup_pool(..., admit=)``: a callable asked with the rows of ``keys`` absent from the
+    table, answering which may be placed (the store's admission policy); the others are not
+    placed but pool their ``initial`` vectors. Its ``step_bags(..., dropped=)`` (an int64
+    array of one) then receives how many keys' gradients it dropped: those turned away at the
+    pooling, where it stepped at the slots that pooling left."""
 
     supports_fused_bags: bool
 

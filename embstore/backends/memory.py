@@ -114,7 +114,7 @@ class MemoryBackend(Backend):
     supports_row_update = True
     cheap_len = True  # the table's own size (stats() reads it without a scan)
     supports_slots = True  # SlotAddressed: the cache layer's key -> slot index
-    supports_fused_bags = True  # lookup_pool (int64 keys): the engine's fused bag path
+    supports_fused_bags = supports_fused_admission = True  # lookup_pool (int64), admit= too
     supports_ranges = True  # slices of the 64-bit key hash: a hash table has no key order
     scheme = "memory"
     replace_mechanism = "staging-table"
@@ -178,7 +178,7 @@ class MemoryBackend(Backend):
     @serialized
     def close(self) -> None:
         # Dropping the references frees the C memory now, not at interpreter exit.
-        self._table = self._arena = None
+        self._table = self._arena = self._bags.scratch = None
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         out = np.empty(len(keys), dtype=np.uint32)
@@ -290,11 +290,11 @@ class MemoryBackend(Backend):
                     template: Callable[[], np.ndarray], *bags: Any, **kw: Any) -> int:
         """``FusedBagPooling.lookup_pool``; the slots stay remembered for ``step_bags``."""
         (slots, miss), n_new = self._bags.take_ahead(keys), 0  # (BagKernels.pooled_ahead)
+        place = self._bags.placer(self._place_new, self._slots, self._arena, kw.pop("admit", None))
         if miss is not None:  # the keys to place: all, or those a probe ahead did not find
-            slots[miss], n_new = self._place_new(keys[miss], initial, template,
-                                                 np.empty(len(keys[miss]), np.uint8))
+            slots[miss], n_new = place(keys[miss], initial, template)
             self._bags.pool(self._records, slots, *bags, **kw)
-        self._last_find = (self._bags.snapshot(keys), slots, self._epoch)
+        self._last_find = (self._bags.snapshot(keys), self._bags.found(slots), self._epoch)
         return n_new
 
     @serialized
@@ -405,7 +405,7 @@ class MemoryBackend(Backend):
 
     @serialized
     def clear(self) -> None:
-        self._epoch += 1
+        self._epoch, self._bags.scratch = self._epoch + 1, None  # (the arena frees those rows)
         if self._arena is None:
             return
         self._records.clear()

@@ -6,11 +6,14 @@ it holds)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._cython import fused
+from ..errors import CapacityError
 from .memory_rows import RowKernels
 
 __all__ = ["BagKernels"]
@@ -34,6 +37,9 @@ class BagKernels:
         self.ahead: tuple[np.ndarray, np.ndarray | None, int] | None = None
         self.deferred: tuple[np.ndarray, np.ndarray | None, list | None] | None = None
         self.kept: np.ndarray | None = None
+        # The rows of keys an admission policy turned away in the last ``lookup_pool``: ``(its
+        # slots, EMPTY for them; the slots pooled and stepped; arena; theirs)`` (:meth:`found`)
+        self.scratch: tuple[np.ndarray | None, np.ndarray | None, Any, np.ndarray] | None = None
 
     def vector_field(self) -> tuple[int, int]:
         """``(offset, kind)`` of the vector field (``fused.KINDS``), as :meth:`pool` reads it."""
@@ -64,6 +70,78 @@ class BagKernels:
         :meth:`pooled_ahead` gave them (a batch of the collection's own, never changed)."""
         return keys if keys is self.kept else keys.copy()
 
+    def placer(self, place: Callable[..., tuple[np.ndarray, int]],
+               probe: Callable[[np.ndarray], np.ndarray], arena: Any,
+               admit: Callable[[np.ndarray], np.ndarray] | None
+               ) -> Callable[..., tuple[np.ndarray, int]]:
+        """``lookup_pool``'s placing of new keys, ``(keys, initial, template) -> (slots,
+        placed)``: ``place`` (the table's ``_place_new``) of every absent key, or with ``admit``
+        (the policy, asked with the rows of ``keys`` that ``probe`` finds absent), of those
+        it lets in; the others get :meth:`scratch_rows` (:meth:`found` tells them apart)."""
+        if admit is None:
+            return lambda keys, initial, template: place(keys, initial, template,
+                                                         np.empty(len(keys), np.uint8))
+        self.drop_scratch(arena)  # (the last batch's)
+        return functools.partial(self._admitted, place, probe, arena, admit)
+
+    def _admitted(self, place: Callable[..., tuple[np.ndarray, int]],
+                  probe: Callable[[np.ndarray], np.ndarray], arena: Any,
+                  admit: Callable[[np.ndarray], np.ndarray], keys: np.ndarray,
+                  initial: Callable[[np.ndarray], np.ndarray],
+                  template: Callable[[], np.ndarray]) -> tuple[np.ndarray, int]:
+        slots = probe(keys)
+        rows = np.flatnonzero(slots == _EMPTY)
+        if not len(rows):
+            return slots, 0
+        ok = np.asarray(admit(rows), dtype=bool)
+        made: list[np.ndarray] = []
+
+        def once() -> np.ndarray:  # one template (one version stamp) for the batch
+            if not made:
+                made.append(template())
+            return made[0]
+
+        n_new, placed, rejected = 0, rows[ok], rows[~ok]
+        if len(placed):
+            slots[placed], n_new = place(keys[placed], initial, once,
+                                         np.empty(len(placed), np.uint8))
+        if len(rejected):
+            slots[rejected] = self.scratch_rows(arena, once(), initial(keys[rejected]))
+        return slots, n_new
+
+    def scratch_rows(self, arena: Any, template: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+        """Slots of new records, ``template`` with ``vectors``, for keys an admission policy
+        turned away: arena slots no key of the table points to, so the pooling reads their
+        initial vectors and the step's writes to them go nowhere. They are the batch's until
+        :meth:`drop_scratch` (the step frees them)."""
+        scratch = np.empty(len(vectors), dtype=np.uint32)
+        try:
+            arena.alloc(scratch)
+        except MemoryError as e:
+            raise CapacityError(f"memory:// store: no room for {len(scratch)} rows ({e})") from e
+        self.rows.write_new(arena, scratch, template, vectors)
+        self.scratch = (None, None, arena, scratch)
+        return scratch
+
+    def found(self, slots: np.ndarray) -> np.ndarray:
+        """The slots ``lookup_pool`` remembers for its step: ``slots`` with the scratch rows of
+        the batch it just placed as ``EMPTY`` (absent, as the table holds them; the step
+        recognises the array, :meth:`step`)."""
+        s = self.scratch
+        if s is None or s[0] is not None:
+            return slots
+        held = slots.copy()
+        held[np.isin(slots, s[3])] = _EMPTY
+        self.scratch = (held, slots, s[2], s[3])
+        return held
+
+    def drop_scratch(self, arena: Any) -> None:
+        """Free the scratch rows (into ``arena`` if they came from it: a table cleared or
+        swapped in by a restore has none of them)."""
+        s, self.scratch = self.scratch, None
+        if s is not None and s[2] is arena:
+            arena.release(s[3])
+
     def defer_step(self, keys: np.ndarray | None, sums: np.ndarray | None = None,
                    steps: list | None = None) -> None:
         """The next ``step_bags`` of exactly ``keys`` appends ``(sums, step_bags' arguments)``
@@ -84,11 +162,23 @@ class BagKernels:
     def step(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
              offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
              threads: int = 1, rounding: int | None = None, *,
-             keys: np.ndarray | None = None, argmax: np.ndarray | None = None) -> bool | None:
+             keys: np.ndarray | None = None, argmax: np.ndarray | None = None,
+             dropped: np.ndarray | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` at ``slots``: None where a slot is empty (a key lost
         its record) or the kernels do not cover the layout or rule; False (nothing written)
         where a summed gradient is not finite. True, not yet written, for the ``keys`` of
-        :meth:`defer_step`."""
+        :meth:`defer_step`. The slots of a batch with :meth:`scratch_rows` step those rows
+        (and free them), ``dropped[0]`` set to how many."""
+        scratch = self.scratch
+        if scratch is not None and scratch[0] is slots and scratch[1] is not None:
+            try:  # ``lookup_pool``'s with ids turned away: their rows, freed after the step
+                done = self.step(arena, scratch[1], update, inv, offsets, weights, mean, grad,
+                                 threads, rounding, keys=keys, argmax=argmax)
+            finally:
+                self.drop_scratch(arena)
+            if done and dropped is not None:
+                dropped[0] = len(scratch[3])
+            return done
         if len(slots) and (slots == _EMPTY).any():
             return None
         deferred, self.deferred = self.deferred, None

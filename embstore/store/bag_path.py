@@ -7,6 +7,12 @@ it; the backward hands the pooled gradient to the backend's one-pass step
 pooling's ``argmax`` for max, then the optimizer's step on the records in place), with the
 counts and stamps ``RecordWriter.apply_distinct`` writes, or, where the backend does not cover
 the optimizer or the layout, to ``apply_distinct`` itself: the same bits either way.
+
+With an admission policy (on a backend that keeps it on this path, ``memory://``'s
+``supports_fused_admission``) the forward asks it about the batch's absent keys as ``lookup``
+asks (:mod:`.bag_admission`): the admitted ones are placed, the others pool their initial
+vectors from rows the table does not hold, and the step drops their gradients (counted as
+``update`` counts them).
 """
 
 from __future__ import annotations
@@ -70,16 +76,22 @@ class BagPath:
         counts = {"count": mult} if "count" in w.layout.meta_names else {}
         w.step += 1
         done = None
+        kw = batch.stepping()
+        if w.policy.admission is not None:  # keys turned away at the forward: no step
+            kw["dropped"] = dropped = np.zeros(1, dtype=np.int64)
         try:
             row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
             done = cast("FusedBagPooling", w.backend).step_bags(
                 batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
-                threads, w.rounding_seed(), **batch.stepping())
+                threads, w.rounding_seed(), **kw)
         finally:
             w.step -= 0 if done else 1  # nothing was written
         if done is False:
             raise InvalidInputError("gradients contain NaN or inf")
         if done:
             w.stats["updates"] += len(batch.uniq)
+            if "dropped" in kw:  # (rejected by the lookup: counted as update counts them)
+                w.policy.count_update(np.zeros(int(dropped[0]), dtype=bool),
+                                      np.zeros(int(dropped[0]), dtype=bool))
             w.policy.after_update(w)
         return bool(done)

@@ -327,8 +327,8 @@ class EmbeddingStore:
     def fused_bags(self) -> bool:
         """Whether :meth:`pool_bags` takes the fused path now (sum, mean or max): a backend
         that pools in place (``supports_fused_bags``), int64 keys, float32 rows, writable, and
-        nothing that must see each lookup as today (an admission policy, observers such as
-        sampling indexes)."""
+        nothing that must see each lookup as today (observers such as sampling indexes; an
+        admission policy, unless the backend keeps it: ``supports_fused_admission``)."""
         return self.writer.fused_ok()
 
     def pool_bags(self, ids: Any, offsets: Any = None, *, weights: Any = None,

@@ -30,6 +30,7 @@ from ..engine.batch import (
 )
 from ..errors import CapabilityError, SchemaMismatchError
 from ..valuetypes import round_trip
+from .bag_admission import AbsentKeys
 from .observers import Observers
 
 if TYPE_CHECKING:
@@ -466,7 +467,9 @@ class RecordWriter:
         """Whether the fused bag path applies now (see ``EmbeddingStore.fused_bags``)."""
         return bool(self.backend.supports_fused_bags and self.key_type == "int64"
                     and self.layout.fused_kernels and not self.read_only
-                    and self.policy.admission is None and not self.observers.registered)
+                    and (self.policy.admission is None
+                         or getattr(self.backend, "supports_fused_admission", False))
+                    and not self.observers.registered)
 
     def pool(self, batch: BagBatch, out: np.ndarray | None = None,
              threads: int = 1) -> np.ndarray:
@@ -481,12 +484,18 @@ class RecordWriter:
             out.fill(0.0)
             return out
         pooling = cast("FusedBagPooling", self.backend)  # supports_fused_bags
-        n_new = pooling.lookup_pool(uniq, self.initial_stored, self.template, batch.inv,
-                                    batch.offsets, batch.weights, batch.mean, out, threads,
-                                    **batch.pooling(self.layout.dim))
-        self.stats["hits"] += n - n_new
+        kw, admit = batch.pooling(self.layout.dim), None
+        template: Callable[[], np.ndarray] = self.template
+        if self.policy.admission is not None:  # asked about the absent keys as lookup asks
+            kw["admit"] = admit = AbsentKeys(self.policy, batch, self.stamp_time, self.template)
+            template = admit.template
+        n_new = pooling.lookup_pool(uniq, self.initial_stored, template, batch.inv,
+                                    batch.offsets, batch.weights, batch.mean, out, threads, **kw)
+        misses = n_new if admit is None else admit.absent
+        self.stats["hits"] += n - misses
+        if misses:
+            self.stats["misses"] += misses
         if n_new:
-            self.stats["misses"] += n_new
             self.stats["inserts"] += n_new
             self.policy.maybe_evict(self, lookup=uniq)
         return out

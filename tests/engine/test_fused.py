@@ -144,10 +144,12 @@ def test_pool_bags_checks_its_input():
     assert store.stats()["updates"] == 0
 
 
-@pytest.mark.parametrize("kw", [{"admission": embstore.policies.FrequencyCutoff(2)},
+@pytest.mark.parametrize("kw", [{"admission": embstore.policies.FrequencyCutoff(2),
+                                 "cache": "memory://"},  # (memory:// alone keeps admission)
                                 {"key_type": "bytes"}])
-def test_stores_the_fused_path_does_not_cover_fall_back(kw):
-    store = embstore.open("memory://", dim=DIM, **kw)
+def test_stores_the_fused_path_does_not_cover_fall_back(kw, tmp_path):
+    url = f"lmdb://{tmp_path}/t" if "cache" in kw else "memory://"
+    store = embstore.open(url, dim=DIM, **kw)
     assert not store.fused_bags()
     if kw.get("key_type"):
         return

@@ -1,7 +1,8 @@
 """The fused bag path: ``DynamicEmbeddingBag`` over a store that pools in place.
 
 Where the store offers it (``store.fused_bags()``: ``memory://`` or a write-back cache on it,
-int64 keys, float32 or bfloat16 rows, no admission policy or observers), a training forward
+int64 keys, float32 or bfloat16 rows, no observers; an admission policy on ``memory://``
+itself only), a training forward
 is one call per table, either the custom op ``embstore::fused_bag`` (under ``torch.compile``,
 or eagerly with ``DynamicEmbeddingBag.fused_custom_op = True``) or, eagerly by default, its form
 :class:`FusedBag` (an ``autograd.Function``, as the unfused bridges are: the custom op's Python

@@ -2,7 +2,8 @@
 into its columns of one output, under one autograd node for all tables.
 
 Where each feature has a table of its own whose store pools in place (``store.fused_bags()``:
-``memory://``, int64 keys, float32 rows, no admission policy or observers), a training
+``memory://``, int64 keys, float32 rows, no observers; an admission policy on ``memory://``
+itself only), a training
 forward makes one ``store.pool_bags`` call per table, each writing its bags into its column
 block of the one ``(batch, sum of dims)`` output (no per-table tensor, no ``torch.cat``), and
 the backward hands each table its column block of the output's gradient
@@ -137,12 +138,12 @@ def _native(store: Any) -> bool:
     """Whether ``store``'s tables take the table-parallel calls: a ``memory://`` backend
     (``fused_table``) on the fused path (int64 keys), with no policy that acts on rows after an
     update (expiry, eviction) or optimizer that prunes them: its step may wait for the others'
-    bookkeeping."""
+    bookkeeping; nor an admission policy (``probe_pool`` places every new id)."""
     if not (hasattr(store, "writer") and hasattr(store, "backend")):
         return False
     policy = getattr(store.writer, "policy", None)
     return (hasattr(store.backend, "fused_table") and policy is not None
-            and policy.expiry is None and policy.eviction is None
+            and policy.expiry is None and policy.eviction is None and policy.admission is None
             and not getattr(store.optimizer, "prune", False) and store.fused_bags())
 
 

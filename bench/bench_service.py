@@ -4,10 +4,11 @@
     python bench/bench_service.py --quick    # 100k keys
 
 1. One training step (lookup + SGD update of 4096 random keys of a filled table) through one
-   worker (`embstore serve memory://`, Arrow Flight on loopback) against the same calls on a
-   memory:// store in this process: CPU per step of client and worker together (target
-   <= 3.5x in-process) and rows/s with 1 and 4 trainer threads (target >= 0.5x), medians of
-   ``--rounds`` rounds alternating which runs first.
+   worker (`embstore serve memory://` on loopback; rows through shared memory, and through
+   Arrow Flight alone with ``?shm=0``) against the same calls on a memory:// store in this
+   process: CPU per step of client and worker together (target <= 3.5x in-process) and
+   rows/s with 1 and 4 trainer threads (target >= 0.5x), medians of ``--rounds`` rounds
+   rotating which runs first.
 3. (``--ann``) The approximate top-k of a worker (HNSW + exact fresh segment) over 200k x 64
    rows: recall@10 against the exact top-10 after each of 10 rounds of 5% of the rows
    rewritten (target >= 0.95) and the p50 and p99 time of one query (target p50 <= 1 ms).
@@ -92,29 +93,35 @@ def timed(store_factory, n: int, count: int, threads: int, pid: int | None, seed
 
 
 def transport_rounds(local, worker: WorkerProcess, n: int, count: int, rounds: int) -> None:
-    """In process against one worker, 1 and 4 trainer threads, in ``rounds`` rounds that
-    alternate which goes first (the machine is shared: one pair of runs moves with the other
-    jobs); the medians over the rounds."""
+    """In process against one worker, through shared memory (a client on the worker's host,
+    the default) and through Arrow Flight alone (``?shm=0``: the path of a client on another
+    host, and of every client before the shared-memory path), 1 and 4 trainer threads, in
+    ``rounds`` rounds that rotate which goes first (the machine is shared: the runs of a
+    round move with the other jobs together); the medians over the rounds."""
     print(f"{n:,} keys, dim {DIM}, lookup + update of {BATCH} keys per step, medians of "
-          f"{rounds} alternating rounds")
-    print(f"  {'threads':>7s} {'in-process':>12s} {'one worker':>12s} {'ratio':>6s}   "
-          f"CPU/step in-process, worker (client+server), ratio")
+          f"{rounds} rotating rounds; rows/s and CPU per step (client + worker) against in "
+          f"process (targets >= 0.5x and <= 3.5x)")
+    urls = {"shm": f"des://{worker.address}", "flight": f"des://{worker.address}?shm=0"}
     steps(local, n, 5, 7)    # warm: the first steps of a process run slower
-    with embstore.open(f"des://{worker.address}") as des:
-        steps(des, n, 5, 7)
+    for url in urls.values():
+        with embstore.open(url) as des:
+            steps(des, n, 5, 7)
+    kinds = ["in", "shm", "flight"]
     for threads in (1, 4):
-        got: dict[str, list[tuple[float, float]]] = {"in": [], "des": []}
+        got: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
         for i in range(rounds):
-            for k in (("in", "des") if i % 2 == 0 else ("des", "in")):
+            for k in kinds[i % 3:] + kinds[:i % 3]:
                 got[k].append(timed(lambda: local, n, count, threads, None, 100 * i)
                               if k == "in" else
-                              timed(lambda: embstore.open(f"des://{worker.address}"), n, count,
-                                    threads, worker.pid, 100 * i))
-        (r_in, c_in), (r_des, c_des) = (np.median(got[k], axis=0) for k in ("in", "des"))
-        print(f"  {threads:7d} {r_in / 1e6:11.2f}M {r_des / 1e6:11.2f}M {r_des / r_in:5.2f}x"
-              f"   {c_in * 1e3:.2f} ms, {c_des * 1e3:.2f} ms, {c_des / c_in:.2f}x "
-              f"(target <= 3.5x; rows/s target >= 0.5x), load average "
-              f"{os.getloadavg()[0]:.1f}")
+                              timed(lambda k=k: embstore.open(urls[k]), n, count, threads,
+                                    worker.pid, 100 * i))
+        med = {k: np.median(got[k], axis=0) for k in kinds}
+        r_in, c_in = med["in"]
+        print(f"  {threads} thread(s): in process {r_in / 1e6:.2f}M rows/s, "
+              f"{c_in * 1e3:.2f} ms CPU/step; " + "; ".join(
+                  f"{k} {med[k][0] / 1e6:.2f}M rows/s {med[k][0] / r_in:.2f}x, "
+                  f"{med[k][1] * 1e3:.2f} ms CPU/step {med[k][1] / c_in:.2f}x"
+                  for k in kinds[1:]) + f"; load average {os.getloadavg()[0]:.1f}")
 
 
 def checkout_env(root: str | None) -> dict[str, str] | None:
@@ -380,6 +387,7 @@ def main() -> None:
                    "(the crossover; --no-hnsw: the scan alone)")
     p.add_argument("--no-hnsw", action="store_true", help="--ann-sizes without HNSW")
     p.add_argument("--follower-only", action="store_true", help="time only the follower")
+    p.add_argument("--transport-only", action="store_true", help="time only part 1")
     p.add_argument("--baseline", metavar="DIR", help="another checkout of embstore (say, "
                    "a `git worktree` of the commit before a change): the follower rounds "
                    "alternate its worker and followers with this checkout's, in one run")
@@ -413,8 +421,9 @@ def main() -> None:
         baseline = (args.baseline, other) if other is not None else None
         if not args.follower_only:
             transport_rounds(local, worker, n, count, args.rounds)
-        follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
-                        args.replica, args.modes, baseline)
+        if not args.transport_only:
+            follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
+                            args.replica, args.modes, baseline)
     finally:
         worker.stop()
         if other is not None:

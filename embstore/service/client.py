@@ -479,9 +479,9 @@ class DesStore:
         ``interval`` seconds (``embstore.service.push``)."""
         self.check_open()
         cmd = wire.command("subscribe", **self._head(s), since=int(since), interval=interval,
-                           **({"log": log} if log else {}))
+                           **({"log": log} if log else {}), **self._streams.push_fields(s))
         return Subscription(self._clients[s], cmd, self._headers, self._key_type,
-                            self.layout.dtype, self._where(s))
+                            self.layout.dtype, self._where(s), lambda: self._streams.refuse(s))
 
     def __len__(self) -> int:
         self.check_open()

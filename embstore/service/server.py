@@ -36,6 +36,7 @@ from .changelog import ChangeLog
 from .delta import delta_parts, message_slices
 from .metrics import RequestMetrics, gauges
 from .push import check_interval, push_changes
+from .shm import host_id
 from .shm_serve import ShmSession
 from .streams import STREAM_OPS
 
@@ -482,7 +483,7 @@ class Worker(flight.FlightServerBase):
     def _subscribe(self, context: Any, raw: bytes, reader: Any, writer: Any) -> None:
         """A follower's subscription (``embstore.service.push``): the stream stays open and
         carries each delta as the change log grows, until the follower or this worker goes."""
-        def check() -> tuple[int, float]:
+        def check() -> tuple[int, float, bool]:
             h = wire.parse_header(raw)
             self._check(context, h)
             since, interval = h.get("since"), check_interval(h.get("interval", 0.1))
@@ -491,12 +492,13 @@ class Worker(flight.FlightServerBase):
             # a log of another worker (restarted since), or a position it never reached:
             # whatever since is, a snapshot
             known = h.get("log") in (None, self.log.id) and since <= self.log.seq
-            return (since if known else -1), interval
+            # deltas through shared memory to a follower on this host (service/shm.py)
+            return (since if known else -1), interval, self.shm and h.get("host") == host_id()
 
-        since, interval = self._guard(check, "subscribe")
+        since, interval, shm = self._guard(check, "subscribe")
         push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
                                                       locked=False),
-                     reader, writer, since, interval, lambda: self.stopping)
+                     reader, writer, since, interval, lambda: self.stopping, shm)
 
     # -- export ------------------------------------------------------------------------------
     def _changed_rows(self, since: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -122,6 +122,15 @@ class ShmStreams:
             raise
         return self.flight.exchange(s, head, op, batch, fields, where) if out is None else out
 
+    def push_fields(self, s: int) -> dict[str, Any]:
+        """What a subscription to worker ``s`` asks for: deltas through shared memory
+        where it may (``service/push.py``)."""
+        return {"host": self._host} if self._host is not None and s not in self.refused else {}
+
+    def refuse(self, s: int) -> None:
+        """Worker ``s``'s segments cannot be mapped here: Flight from now on."""
+        self.refused.add(s)
+
     def _start(self, s: int, head: dict[str, Any], where: str) -> _Channel:
         try:
             writer, reader = self._clients[s].do_exchange(wire.command("shm", **head),

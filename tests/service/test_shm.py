@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore.errors import AuthenticationError
+from embstore.errors import AuthenticationError, InvalidInputError
 
 pytest.importorskip("pyarrow.flight")
 
@@ -26,7 +26,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.flight as flight  # noqa: E402
 
 from embstore.service import wire  # noqa: E402
-from embstore.service.shm import HEADER, Segment, host_id  # noqa: E402
+from embstore.service.shm import HEADER, Segment, host_id, read_push  # noqa: E402
 from embstore.testing.service import WorkerProcess, start_worker, start_workers  # noqa: E402
 from tests.paths import REPO_ROOT  # noqa: E402
 from tests.service.stream_calls import SERVE_TOKEN, TRAIN_TOKEN, token_worker  # noqa: E402
@@ -69,7 +69,7 @@ def _calls(des, seed: int):
     res = des.top_k(out[1][:3], k=7)
     out += [res.keys, res.scores]
     # which keys a worker draws depends on its process (its table's order): the rest not
-    s = des.sample([3, 4], 16, "uniform", seed=0, unique=False)
+    s = des.sample([3, 4], 16, "uniform", seed=0, unique=False, remove_accidental_hits=False)
     assert des.contains(s.keys).all()
     out += [s.keys[:2], s.prob, s.is_positive, np.array([len(des)])]
     return out
@@ -89,9 +89,18 @@ def test_shared_memory_answers_as_flight_does():
             assert not any(files(w.pid) for w in a.workers)   # unlinked once mapped
 
 
-def test_a_follower_equals_a_table_trained_through_shared_memory(tmp_path):
+def mapped_from(pid: int, maker: int) -> bool:
+    """Whether process ``pid`` maps a segment process ``maker`` made."""
+    return any(f"/dev/shm/embstore-{maker}-" in line for line in mapped(pid))
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_follower_equals_a_table_trained_through_shared_memory(tmp_path, shm):
+    """Trained through segments; the workers push their deltas to the follower through
+    segments too, or (``--no-shm``) as Arrow batches."""
     with start_workers(["memory://", "memory://"], dim=DIM, optimizer="adagrad",
-                       initializer="zeros") as workers, embstore.open(workers.url) as des:
+                       initializer="zeros", extra=[] if shm else ["--no-shm"]) as workers, \
+            embstore.open(workers.url) as des:
         des.update(np.arange(300), np.ones((300, DIM), np.float32))
         replica = WorkerProcess([f"lmdb://{tmp_path}/replica", "--listen", "127.0.0.1:0",
                                  "--follow", workers.url, "--push-interval", "0.02"])
@@ -106,7 +115,9 @@ def test_a_follower_equals_a_table_trained_through_shared_memory(tmp_path):
                 assert wait_until(lambda: np.array_equal(
                     served.lookup(keys, insert=False), want[0]))
                 np.testing.assert_array_equal(served.contains(keys), want[1])
-                assert all(mapped(w.pid) for w in workers.workers)
+                assert all(bool(mapped(w.pid)) == shm for w in workers.workers)
+                assert all(mapped_from(replica.pid, w.pid) == shm for w in workers.workers)
+                assert served.stats()["follower_resubscribes"] == 0
         finally:
             replica.stop()
 
@@ -231,3 +242,33 @@ def test_segments_go_with_a_client_that_closes_or_crashes_and_with_the_worker():
     finally:
         w.stop()
     assert not files(pid)
+
+
+def test_a_segment_is_mapped_only_as_the_one_its_worker_named(tmp_path):
+    seg = Segment.create(1 << 16)
+    try:
+        name = seg.path.rsplit("/", 1)[1]
+        assert Segment.attach(name, "0" * 32, seg.size) is None        # another nonce
+        assert Segment.attach(name, seg.nonce, seg.size + 8) is None   # another size
+        assert Segment.attach("../../etc/passwd", seg.nonce, seg.size) is None
+        assert Segment.attach(name + "x", seg.nonce, seg.size) is None
+        other = Segment.attach(name, seg.nonce, seg.size)
+        assert other is not None
+        other.close()
+    finally:
+        seg.close()
+    assert not glob.glob(seg.nonce)
+
+
+def test_a_hostile_pushed_delta_is_refused():
+    dtype = np.dtype([("v", np.float32, DIM)])
+    seg = Segment.create(1 << 16)
+    try:
+        good = {"rows": 4, "key": HEADER, "rec": 128, "found": 1024}
+        assert [len(x) for x in read_push(seg, good, dtype)] == [4, 4, 4]
+        for bad in ({**good, "rows": 1 << 40}, {**good, "rows": -1}, {**good, "rec": seg.size},
+                    {**good, "key": 3}, {k: v for k, v in good.items() if k != "found"}):
+            with pytest.raises(InvalidInputError):
+                read_push(seg, bad, dtype)
+    finally:
+        seg.close()

@@ -109,7 +109,7 @@ class DesStore:
             raise
         meta = infos[0]["meta"]
         self.layout = Layout.from_json(meta["layout"])
-        self._streams.dim = self.layout.dim
+        self._streams.ready(self.layout.dim, infos)
         self._key_type = str(meta["key_type"])
         self._optimizer = optim.resolve(meta["optimizer"])
         self._meta = meta

@@ -220,7 +220,7 @@ class Worker(flight.FlightServerBase):
         s = self.store
         op = h["op"]
         if op == "info":
-            return {"meta": s.meta, "shard": self.shard, "shards": self.shards,
+            return {"meta": s.meta, "shard": self.shard, "shards": self.shards, "shm": self.shm,
                     "read_only": s.read_only, "step": s.step, "version": s.version}
         if op == "len":
             return len(s)

@@ -122,6 +122,12 @@ class ShmStreams:
             raise
         return self.flight.exchange(s, head, op, batch, fields, where) if out is None else out
 
+    def ready(self, dim: int, infos: list[dict[str, Any]]) -> None:
+        """The table's ``dim`` and the workers' ``info``: a worker that does not say it
+        offers segments (``--no-shm``, or older than them) gets every call on Flight."""
+        self.dim = int(dim)
+        self.refused.update(s for s, i in enumerate(infos) if i.get("shm") is not True)
+
     def push_fields(self, s: int) -> dict[str, Any]:
         """What a subscription to worker ``s`` asks for: deltas through shared memory
         where it may (``service/push.py``)."""

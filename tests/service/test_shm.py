@@ -65,7 +65,8 @@ def _calls(des, seed: int):
                counts=np.ones(300, np.int64))
     des.assign([1000, 1001], np.full((2, DIM), 2.0, np.float32))
     out += [des.lookup(np.arange(-5, 600), insert=False), des.contains(np.arange(990, 1010)),
-            des.lookup(np.arange(20).reshape(4, 5))]
+            des.lookup(np.arange(20).reshape(4, 5)),
+            des.lookup(np.arange(300_000), insert=False)]    # over a first segment: grown
     res = des.top_k(out[1][:3], k=7)
     out += [res.keys, res.scores]
     # which keys a worker draws depends on its process (its table's order): the rest not

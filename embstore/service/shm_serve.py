@@ -114,7 +114,10 @@ class ShmSession:
         if self.seg is not None:
             self.seg.close()
             self.seg = None
-        self.seg = Segment.create(size)
+        try:
+            self.seg = Segment.create(size)
+        except OSError as e:    # /dev/shm full or read-only: this client uses Flight
+            return {"refused": f"no shared memory: {e}"}
         assert self.seg.path is not None
         return {"name": self.seg.path.rsplit("/", 1)[1], "nonce": self.seg.nonce,
                 "bytes": size}

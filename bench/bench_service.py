@@ -25,6 +25,8 @@
    the CPU per training step of the worker and of the follower. ``--follower-only`` runs
    only this part; ``--baseline DIR`` alternates another checkout's worker and followers
    with this one's in the same rounds (before and after a change under one load).
+   ``--push-cost`` runs only the worker's and a follower's CPU per step with a trainer at a
+   fixed pace, deltas pushed through shared memory against Arrow batches (``--no-shm``).
 """
 
 from __future__ import annotations
@@ -236,6 +238,51 @@ def follower_rounds(worker: WorkerProcess, n: int, seconds: float, rounds: int, 
                   f"follower {cpu[2] * 1e3:.2f} ms")
 
 
+def push_cost(n: int, rounds: int, tmp: str, replica_url: str = "memory",
+              pace: float = 40.0, count: int = 200) -> None:
+    """What pushing a trainer's changes costs, apart from the trainer's rate: a trainer
+    updates 4096 keys ``pace`` times a second (the same Flight calls both ways) on a worker
+    that pushes to its follower through shared memory and on one with ``--no-shm`` (Arrow
+    batches over gRPC), rounds alternating; the worker's and the follower's CPU per step."""
+    workers = {shm: start_worker("memory://", dim=DIM, optimizer="sgd",
+                                 extra=[] if shm else ["--no-shm"]) for shm in (True, False)}
+    got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    try:
+        for w in workers.values():
+            with embstore.open(f"des://{w.address}") as des:
+                fill(des, n)
+        for r in range(rounds):
+            for shm in ((True, False) if r % 2 == 0 else (False, True)):
+                w = workers[shm]
+                url = (f"lmdb://{tmp}/push-{r}-{shm}" if replica_url == "lmdb"
+                       else "memory://")
+                replica = WorkerProcess([url, "--listen", "127.0.0.1:0", "--follow",
+                                         f"des://{w.address}", "--push-interval", "0.1",
+                                         *(["-o", "durable=false"] if "lmdb" in url else [])])
+                trainer = embstore.open(f"des://{w.address}?shm=0")
+                rng = np.random.default_rng(r)
+                g = np.full((BATCH, DIM), 1e-3, np.float32)
+                c0, f0, t0 = proc_cpu(w.pid), proc_cpu(replica.pid), time.perf_counter()
+                for i in range(count):
+                    trainer.update(rng.integers(0, n, BATCH), g)
+                    time.sleep(max(0.0, t0 + (i + 1) / pace - time.perf_counter()))
+                time.sleep(1.0)     # the last deltas applied
+                got[shm].append(((proc_cpu(w.pid) - c0) / count,
+                                 (proc_cpu(replica.pid) - f0) / count))
+                trainer.close()
+                replica.stop()
+                shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)
+    finally:
+        for w in workers.values():
+            w.stop()
+    print(f"\npushing to a {replica_url} follower, {count} updates of {BATCH} keys at "
+          f"{pace:.0f}/s, {rounds} rounds, load average {os.getloadavg()[0]:.1f}")
+    for shm in (True, False):
+        c = np.mean(got[shm], axis=0)
+        print(f"  {'shared memory' if shm else 'Arrow over gRPC'}: CPU per step worker "
+              f"{c[0] * 1e3:.2f} ms, follower {c[1] * 1e3:.2f} ms")
+
+
 def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10,
               efs: tuple[int, ...] = ()) -> None:
     """Recall@10 and the time of one query of the ANN index through ``rounds`` rounds of 5%
@@ -388,6 +435,8 @@ def main() -> None:
     p.add_argument("--no-hnsw", action="store_true", help="--ann-sizes without HNSW")
     p.add_argument("--follower-only", action="store_true", help="time only the follower")
     p.add_argument("--transport-only", action="store_true", help="time only part 1")
+    p.add_argument("--push-cost", action="store_true", help="only the CPU of pushing a "
+                   "trainer's changes at a fixed pace, shared memory against Arrow over gRPC")
     p.add_argument("--baseline", metavar="DIR", help="another checkout of embstore (say, "
                    "a `git worktree` of the commit before a change): the follower rounds "
                    "alternate its worker and followers with this checkout's, in one run")
@@ -408,6 +457,12 @@ def main() -> None:
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="bench_service_")
+    if args.push_cost:
+        try:
+            push_cost(n, args.rounds, tmp, args.replica.split(",")[0])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     local = embstore.open("memory://", dim=DIM, optimizer="sgd")
     fill(local, n)
     worker = start_worker("memory://", dim=DIM, optimizer="sgd")

@@ -89,16 +89,20 @@ def push_changes(log: ChangeLog,
             if batches is None:
                 writer.write_metadata(_meta(seq=seq, resync=True, last=True))
                 return
-            fields = pushed.write(batches) if pushed is not None else None
-            if fields is not None:
-                writer.write_metadata(_meta(seq=seq, last=True, **fields))
+            parts = pushed.parts(batches) if pushed is not None else None
+            if pushed is not None and parts is not None:
+                for fields, last in parts:
+                    writer.write_metadata(_meta(seq=seq, last=last, **fields))
+                    if not last:    # copied out: the next part goes into the same pages
+                        reader.read_chunk()
+                        pushed.acked()
             else:
                 if not started:
                     writer.begin(batches[0].schema)
                     started = True
-                parts = [m for b in batches for m in message_slices(b)]
-                for i, part in enumerate(parts):
-                    writer.write_with_metadata(part, _meta(seq=seq, last=i == len(parts) - 1))
+                msgs = [m for b in batches for m in message_slices(b)]
+                for i, part in enumerate(msgs):
+                    writer.write_with_metadata(part, _meta(seq=seq, last=i == len(msgs) - 1))
             since = seq
             # the next delta once the follower applied this one: a follower slower than the
             # trainer gets larger, coalesced deltas instead of a queue of stale ones
@@ -176,19 +180,24 @@ class Subscription:
             if meta.get("resync"):
                 yield Push(seq, None, True)
                 return
-            if "rows" in meta:
-                parts.append(read_push(self._segment(meta), meta, self._dtype))
+            if "rows" in meta:  # a part through shared memory: copied out, the slot free
+                parts.extend(read_push(self._segment(meta), meta, self._dtype))
+                if not meta.get("last"):
+                    self._ack()
             elif chunk.data is not None:
                 parts.append(delta_rows(chunk.data, self._key_type, self._dtype))
             if not meta.get("last"):
                 continue
             yield Push(seq, parts)
             if parts:   # applied (the caller asks for the next): the worker may send again
-                try:
-                    self._writer.write_metadata(_ACK)
-                except _WRITE_ERRORS as e:
-                    raise BackendError(f"{self._where}: subscription broke ({e!r})") from None
+                self._ack()
             parts = []
+
+    def _ack(self) -> None:
+        try:
+            self._writer.write_metadata(_ACK)
+        except _WRITE_ERRORS as e:
+            raise BackendError(f"{self._where}: subscription broke ({e!r})") from None
 
     def _segment(self, meta: dict[str, Any]) -> Segment:
         """The segment a shared-memory delta lies in (a new one mapped when named)."""

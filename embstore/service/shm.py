@@ -27,6 +27,7 @@ import re
 import secrets
 import stat
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -177,54 +178,74 @@ def row_count(h: dict[str, Any]) -> int:
 
 
 # -- a subscription's deltas ----------------------------------------------------------------
-#: a first push segment's bytes (grown to the delta that needs more)
-FIRST_PUSH = 8 << 20
+#: a push segment's bytes: one slot a delta streams through in parts, each copied out by the
+#: subscriber before the next is written. The same pages every time: a segment as large as
+#: a delta would fault in fresh pages in both processes as deltas grow (up to seconds a
+#: delta on this project's VMs), as the Arrow path's 16 MB messages do not
+PUSH_SEGMENT = HEADER + (32 << 20)
+#: the most bytes of records a subscriber copies out of a segment at once
+PART_BYTES = 8 << 20
 
 
 class PushSegment:
-    """A worker's segment for one subscriber on its host: each delta's keys, records and
-    found flags written into it, named by the delta's message; a delta it cannot carry (bytes
-    keys, over :data:`MAX_SEGMENT`) travels as Arrow batches."""
+    """A worker's segment for one subscriber on its host: a delta's keys, records and found
+    flags streamed through it in parts, each named by a message; a delta it cannot carry
+    (bytes keys, no segment to be had) travels as Arrow batches."""
 
     def __init__(self) -> None:
         self.seg: Segment | None = None
 
-    def write(self, batches: list[Any]) -> dict[str, Any] | None:
-        """The message fields of ``batches`` (``key``, ``rec``, ``found`` columns) written
-        into the segment (``segment`` when it is a new one), or None: send them as Arrow."""
+    def parts(self, batches: list[Any]) -> Iterator[tuple[dict[str, Any], bool]] | None:
+        """``(message fields, last)`` of each part of ``batches`` (``key``, ``rec``,
+        ``found`` columns), the part written into the segment as it is asked for: ask for
+        the next once the subscriber copied the last out. None: send them as Arrow."""
         if not batches or batches[0].schema.field("key").type != pa.int64():
             return None
+        fields: dict[str, Any] = {}
+        if self.seg is None:
+            try:
+                self.seg = Segment.create(PUSH_SEGMENT)
+            except OSError:     # /dev/shm full: over Flight
+                return None
+            fields["segment"] = {"name": os.path.basename(self.seg.path or ""),
+                                 "nonce": self.seg.nonce, "bytes": self.seg.size}
+        return self._parts(batches, fields)
+
+    def _parts(self, batches: list[Any], first: dict[str, Any]
+               ) -> Iterator[tuple[dict[str, Any], bool]]:
+        seg = self.seg
+        assert seg is not None
         n = sum(b.num_rows for b in batches)
         width = batches[0].schema.field("rec").type.byte_width
-        key, rec, found = HEADER, HEADER + aligned(n * 8), HEADER + aligned(n * 8) + aligned(
-            n * width)
-        need = found + aligned(n)
-        if need > MAX_SEGMENT:
-            return None
-        fields: dict[str, Any] = {}
-        if self.seg is None or need > self.seg.size:
-            size = min(MAX_SEGMENT, max(need, FIRST_PUSH, 2 * self.seg.size if self.seg else 0))
-            try:
-                seg = Segment.create(size)
-            except OSError:     # /dev/shm full: this delta over Flight
-                return None
-            self.close()
-            self.seg = seg
-            fields["segment"] = {"name": os.path.basename(seg.path or ""), "nonce": seg.nonce,
-                                 "bytes": size}
-        at = 0
-        for b in batches:
-            m, recs = b.num_rows, b.column("rec")
-            self.seg.array(key + at * 8, m, np.int64)[:] = b.column("key").to_numpy()
-            self.seg.array(rec + at * width, m * width, np.uint8)[:] = np.frombuffer(
-                recs.buffers()[1], np.uint8, m * width, recs.offset * width)
-            self.seg.array(found + at, m, np.bool_)[:] = b.column("found").to_numpy(
-                zero_copy_only=False)
-            at += m
-        return {**fields, "rows": n, "key": key, "rec": rec, "found": found}
+        per = max(1, (seg.size - HEADER - 3 * ALIGN) // (9 + width))
+        key, rec = HEADER, HEADER + aligned(per * 8)
+        found = rec + aligned(per * width)
+        cols = [(b.column("key").to_numpy(), np.frombuffer(
+            b.column("rec").buffers()[1], np.uint8, b.num_rows * width,
+            b.column("rec").offset * width), b.column("found").to_numpy(zero_copy_only=False))
+            for b in batches]
+        done, at, fill = 0, 0, 0     # rows sent, parts sent, rows in the slot
+        src, pos = 0, 0              # the source batch and row
+        while True:
+            while fill < per and src < len(cols):
+                k, r, f = cols[src]
+                take = min(per - fill, len(k) - pos)
+                seg.array(key + fill * 8, take, np.int64)[:] = k[pos:pos + take]
+                seg.array(rec + fill * width, take * width, np.uint8)[:] = r[
+                    pos * width:(pos + take) * width]
+                seg.array(found + fill, take, np.bool_)[:] = f[pos:pos + take]
+                fill, pos = fill + take, pos + take
+                if pos == len(k):
+                    src, pos = src + 1, 0
+            done += fill
+            yield ({**(first if not at else {}), "rows": fill, "key": key, "rec": rec,
+                    "found": found}, done >= n)
+            if done >= n:
+                return
+            at, fill = at + 1, 0
 
     def acked(self) -> None:
-        """The subscriber applied a delta: it mapped the segment, whose file can go."""
+        """The subscriber copied a part out: it mapped the segment, whose file can go."""
         if self.seg is not None:
             self.seg.unlink()
 
@@ -235,9 +256,13 @@ class PushSegment:
 
 
 def read_push(seg: Segment, meta: dict[str, Any], dtype: np.dtype
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(keys, records, found)`` of a delta a message names in ``seg``, checked against the
-    segment; copies (one memcpy each): the worker writes the next delta over them."""
+              ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The ``(keys, records, found)`` parts of a delta a message names in ``seg``, checked
+    against the segment; copies (the worker writes the next delta over them) of at most
+    :data:`PART_BYTES` each: a copy into memory of tens of megabytes at once is fresh memory
+    every time (the allocator maps it and gives it back), whose page faults and zeroing cost
+    more than the copy (up to seconds a delta on this project's VMs); parts the size of the
+    Arrow path's messages reuse the allocator's memory."""
     n = meta.get("rows")
     width = dtype.itemsize
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= seg.size // (9 + width):
@@ -246,7 +271,11 @@ def read_push(seg: Segment, meta: dict[str, Any], dtype: np.dtype
     at = {f: region(meta, f, seg.size, nbytes) for f, nbytes in spans.items()}
     if any(v is None for v in at.values()):
         raise InvalidInputError("a pushed delta without its key, rec and found offsets")
-    keys = seg.array(at["key"] or 0, n, np.int64).copy()
-    # copied as bytes: numpy copies a structured dtype field by field (10x slower)
-    recs = seg.array(at["rec"] or 0, n * width, np.uint8).copy().view(dtype)
-    return keys, recs, seg.array(at["found"] or 0, n, np.uint8) != 0
+    keys = seg.array(at["key"] or 0, n, np.int64)
+    recs = seg.array(at["rec"] or 0, n * width, np.uint8)
+    found = seg.array(at["found"] or 0, n, np.uint8)
+    step = max(1, PART_BYTES // width)
+    # records copied as bytes: numpy copies a structured dtype field by field (10x slower)
+    # one part at least: an empty delta is acknowledged as any other
+    return [(keys[i:i + step].copy(), recs[i * width:(i + step) * width].copy().view(dtype),
+             found[i:i + step] != 0) for i in range(0, max(n, 1), step)]

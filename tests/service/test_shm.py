@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -26,7 +28,9 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.flight as flight  # noqa: E402
 
 from embstore.service import wire  # noqa: E402
-from embstore.service.shm import HEADER, Segment, host_id, read_push  # noqa: E402
+from embstore.service.client import DesStore  # noqa: E402
+from embstore.service.follower import Follower, replica_options  # noqa: E402
+from embstore.service.shm import HEADER, PUSH_SEGMENT, Segment, host_id, read_push  # noqa: E402
 from embstore.testing.service import WorkerProcess, start_worker, start_workers  # noqa: E402
 from tests.paths import REPO_ROOT  # noqa: E402
 from tests.service.stream_calls import SERVE_TOKEN, TRAIN_TOKEN, token_worker  # noqa: E402
@@ -266,10 +270,38 @@ def test_a_hostile_pushed_delta_is_refused():
     seg = Segment.create(1 << 16)
     try:
         good = {"rows": 4, "key": HEADER, "rec": 128, "found": 1024}
-        assert [len(x) for x in read_push(seg, good, dtype)] == [4, 4, 4]
+        (part,) = read_push(seg, good, dtype)
+        assert [len(x) for x in part] == [4, 4, 4]
         for bad in ({**good, "rows": 1 << 40}, {**good, "rows": -1}, {**good, "rec": seg.size},
                     {**good, "key": 3}, {k: v for k, v in good.items() if k != "found"}):
             with pytest.raises(InvalidInputError):
                 read_push(seg, bad, dtype)
     finally:
         seg.close()
+
+
+def test_a_delta_larger_than_the_push_slot_streams_through_it_in_parts():
+    w = start_worker("memory://", dim=DIM, optimizer="sgd")
+    try:
+        with embstore.open(f"des://{w.address}") as des, \
+                DesStore(f"des://{w.address}", read_only=True) as up:
+            local = embstore.open("memory://", **replica_options(up))
+            follower = Follower(local, up)
+            follower.poll()                                  # the (empty) snapshot
+            per = (PUSH_SEGMENT - HEADER) // (9 + up.layout.itemsize)
+            keys = np.arange(per + per // 2)                 # two parts
+            values = np.random.default_rng(0).standard_normal((len(keys), DIM))
+            des.assign(keys, values.astype(np.float32))
+            stop = threading.Event()
+            t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
+            t.start()
+            assert wait_until(lambda: follower.applied >= len(keys))
+            assert mapped_from(os.getpid(), w.pid)           # it came through the segment
+            stop.set()
+            t.join(60)
+            np.testing.assert_array_equal(local.lookup(keys, insert=False),
+                                          des.lookup(keys, insert=False))
+            assert follower.snapshots == 1 and follower.applied == len(keys)
+            local.close()
+    finally:
+        w.stop()

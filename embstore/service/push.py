@@ -209,6 +209,7 @@ class Subscription:
                 self._refuse()
                 raise BackendError(f"{self._where}: the worker's shared memory cannot be "
                                    "mapped here; subscribing again over Flight")
+            seg.unlink()    # mapped: nothing to leave behind, whoever crashes
             if self._seg is not None:
                 self._seg.close()
             self._seg = seg

@@ -25,7 +25,7 @@ from .client import DesStore
 from .follower import Follower, replica_options
 from .metrics import OpsServer
 from .server import Worker
-from .shm import unlink_all
+from .shm import sweep, unlink_all
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -87,6 +87,8 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         upstream = _connect_when_up(follow, follow_token_file)
         options = {**replica_options(upstream), **options}
     store = open_store(url, **options)
+    if shm:
+        sweep()     # segment files of workers killed before their clients mapped them
     scheme = "grpc+tls" if tls else "grpc+tcp"
     try:
         worker = Worker(f"{scheme}://{host}:{port}", store, shard=i, shards=n, tokens=tokens,

@@ -148,6 +148,25 @@ class Segment:
             pass  # a view of it is still alive: unmapped when that goes
 
 
+def sweep() -> int:
+    """Remove the segment files of processes that are gone (a worker killed before its
+    client mapped a segment): those of this user whose maker's pid is not running. Returns
+    how many."""
+    gone = 0
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        if not _NAME.match(name):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if (os.lstat(path).st_uid == os.geteuid()
+                    and not os.path.exists(f"/proc/{name.split('-')[1]}")):
+                os.unlink(path)
+                gone += 1
+        except OSError:
+            pass    # gone meanwhile, or not ours to remove
+    return gone
+
+
 def unlink_all() -> None:
     """Remove every file this process created and has not unlinked (a worker stopping)."""
     with _live_lock:

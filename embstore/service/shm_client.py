@@ -65,6 +65,7 @@ class _Channel:
         seg = Segment.attach(reply.get("name"), reply.get("nonce"), reply.get("bytes"))
         if seg is None:
             raise _Refused("the worker's segment cannot be mapped here")
+        seg.unlink()    # mapped: nothing to leave behind, whoever crashes (the worker too)
         old, self.seg = self.seg, seg
         if old is not None:
             old.close()

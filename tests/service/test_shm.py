@@ -305,3 +305,36 @@ def test_a_delta_larger_than_the_push_slot_streams_through_it_in_parts():
             local.close()
     finally:
         w.stop()
+
+
+def test_a_worker_sweeps_the_segment_files_of_processes_gone():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"/dev/shm/embstore-{dead.pid}-{'ab' * 16}"
+    mine = f"/dev/shm/embstore-{os.getpid()}-{'cd' * 16}"     # a live process's: kept
+    for path in (stale, mine):
+        with open(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), "wb") as f:
+            f.write(b"x")
+    try:
+        w = start_worker("memory://", dim=DIM)
+        w.stop()
+        assert not os.path.exists(stale) and os.path.exists(mine)
+    finally:
+        for path in (stale, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_killed_worker_leaves_no_push_segment_file():
+    w = start_worker("memory://", dim=DIM)
+    try:
+        with embstore.open(f"des://{w.address}") as des:
+            log_id, seq, _ = des.shard_state(0)
+            des.assign(np.arange(10), np.ones((10, DIM), np.float32))
+            with des.shard_subscribe(0, seq, log_id, interval=0.01) as sub:
+                push = next(iter(sub))                # mapped, not yet acknowledged
+                assert len(push.rows[0][0]) == 10 and mapped_from(os.getpid(), w.pid)
+                w.kill()
+                assert not files(w.pid)
+    finally:
+        w.stop()

@@ -4,10 +4,11 @@
     python bench/bench_service.py --quick    # 100k keys
 
 1. One training step (lookup + SGD update of 4096 random keys of a filled table) through one
-   worker (`embstore serve memory://`, Arrow Flight on loopback) against the same calls on a
-   memory:// store in this process: CPU per step of client and worker together (target
-   <= 3.5x in-process) and rows/s with 1 and 4 trainer threads (target >= 0.5x), medians of
-   ``--rounds`` rounds alternating which runs first.
+   worker (`embstore serve memory://` on loopback; rows through shared memory, and through
+   Arrow Flight alone with ``?shm=0``) against the same calls on a memory:// store in this
+   process: CPU per step of client and worker together (target <= 3.5x in-process) and
+   rows/s with 1 and 4 trainer threads (target >= 0.5x), medians of ``--rounds`` rounds
+   rotating which runs first.
 3. (``--ann``) The approximate top-k of a worker (HNSW + exact fresh segment) over 200k x 64
    rows: recall@10 against the exact top-10 after each of 10 rounds of 5% of the rows
    rewritten (target >= 0.95) and the p50 and p99 time of one query (target p50 <= 1 ms).
@@ -24,6 +25,8 @@
    the CPU per training step of the worker and of the follower. ``--follower-only`` runs
    only this part; ``--baseline DIR`` alternates another checkout's worker and followers
    with this one's in the same rounds (before and after a change under one load).
+   ``--push-cost`` runs only the worker's and a follower's CPU per step with a trainer at a
+   fixed pace, deltas pushed through shared memory against Arrow batches (``--no-shm``).
 """
 
 from __future__ import annotations
@@ -92,29 +95,35 @@ def timed(store_factory, n: int, count: int, threads: int, pid: int | None, seed
 
 
 def transport_rounds(local, worker: WorkerProcess, n: int, count: int, rounds: int) -> None:
-    """In process against one worker, 1 and 4 trainer threads, in ``rounds`` rounds that
-    alternate which goes first (the machine is shared: one pair of runs moves with the other
-    jobs); the medians over the rounds."""
+    """In process against one worker, through shared memory (a client on the worker's host,
+    the default) and through Arrow Flight alone (``?shm=0``: the path of a client on another
+    host, and of every client before the shared-memory path), 1 and 4 trainer threads, in
+    ``rounds`` rounds that rotate which goes first (the machine is shared: the runs of a
+    round move with the other jobs together); the medians over the rounds."""
     print(f"{n:,} keys, dim {DIM}, lookup + update of {BATCH} keys per step, medians of "
-          f"{rounds} alternating rounds")
-    print(f"  {'threads':>7s} {'in-process':>12s} {'one worker':>12s} {'ratio':>6s}   "
-          f"CPU/step in-process, worker (client+server), ratio")
+          f"{rounds} rotating rounds; rows/s and CPU per step (client + worker) against in "
+          f"process (targets >= 0.5x and <= 3.5x)")
+    urls = {"shm": f"des://{worker.address}", "flight": f"des://{worker.address}?shm=0"}
     steps(local, n, 5, 7)    # warm: the first steps of a process run slower
-    with embstore.open(f"des://{worker.address}") as des:
-        steps(des, n, 5, 7)
+    for url in urls.values():
+        with embstore.open(url) as des:
+            steps(des, n, 5, 7)
+    kinds = ["in", "shm", "flight"]
     for threads in (1, 4):
-        got: dict[str, list[tuple[float, float]]] = {"in": [], "des": []}
+        got: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
         for i in range(rounds):
-            for k in (("in", "des") if i % 2 == 0 else ("des", "in")):
+            for k in kinds[i % 3:] + kinds[:i % 3]:
                 got[k].append(timed(lambda: local, n, count, threads, None, 100 * i)
                               if k == "in" else
-                              timed(lambda: embstore.open(f"des://{worker.address}"), n, count,
-                                    threads, worker.pid, 100 * i))
-        (r_in, c_in), (r_des, c_des) = (np.median(got[k], axis=0) for k in ("in", "des"))
-        print(f"  {threads:7d} {r_in / 1e6:11.2f}M {r_des / 1e6:11.2f}M {r_des / r_in:5.2f}x"
-              f"   {c_in * 1e3:.2f} ms, {c_des * 1e3:.2f} ms, {c_des / c_in:.2f}x "
-              f"(target <= 3.5x; rows/s target >= 0.5x), load average "
-              f"{os.getloadavg()[0]:.1f}")
+                              timed(lambda k=k: embstore.open(urls[k]), n, count, threads,
+                                    worker.pid, 100 * i))
+        med = {k: np.median(got[k], axis=0) for k in kinds}
+        r_in, c_in = med["in"]
+        print(f"  {threads} thread(s): in process {r_in / 1e6:.2f}M rows/s, "
+              f"{c_in * 1e3:.2f} ms CPU/step; " + "; ".join(
+                  f"{k} {med[k][0] / 1e6:.2f}M rows/s {med[k][0] / r_in:.2f}x, "
+                  f"{med[k][1] * 1e3:.2f} ms CPU/step {med[k][1] / c_in:.2f}x"
+                  for k in kinds[1:]) + f"; load average {os.getloadavg()[0]:.1f}")
 
 
 def checkout_env(root: str | None) -> dict[str, str] | None:
@@ -227,6 +236,51 @@ def follower_rounds(worker: WorkerProcess, n: int, seconds: float, rounds: int, 
                   f"trainer {rate / base:.2f}x (target >= 0.9x; per round {each}"
                   f"); CPU per step: trainer {cpu[0] * 1e3:.2f} ms, worker {cpu[1] * 1e3:.2f} ms, "
                   f"follower {cpu[2] * 1e3:.2f} ms")
+
+
+def push_cost(n: int, rounds: int, tmp: str, replica_url: str = "memory",
+              pace: float = 40.0, count: int = 200) -> None:
+    """What pushing a trainer's changes costs, apart from the trainer's rate: a trainer
+    updates 4096 keys ``pace`` times a second (the same Flight calls both ways) on a worker
+    that pushes to its follower through shared memory and on one with ``--no-shm`` (Arrow
+    batches over gRPC), rounds alternating; the worker's and the follower's CPU per step."""
+    workers = {shm: start_worker("memory://", dim=DIM, optimizer="sgd",
+                                 extra=[] if shm else ["--no-shm"]) for shm in (True, False)}
+    got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    try:
+        for w in workers.values():
+            with embstore.open(f"des://{w.address}") as des:
+                fill(des, n)
+        for r in range(rounds):
+            for shm in ((True, False) if r % 2 == 0 else (False, True)):
+                w = workers[shm]
+                url = (f"lmdb://{tmp}/push-{r}-{shm}" if replica_url == "lmdb"
+                       else "memory://")
+                replica = WorkerProcess([url, "--listen", "127.0.0.1:0", "--follow",
+                                         f"des://{w.address}", "--push-interval", "0.1",
+                                         *(["-o", "durable=false"] if "lmdb" in url else [])])
+                trainer = embstore.open(f"des://{w.address}?shm=0")
+                rng = np.random.default_rng(r)
+                g = np.full((BATCH, DIM), 1e-3, np.float32)
+                c0, f0, t0 = proc_cpu(w.pid), proc_cpu(replica.pid), time.perf_counter()
+                for i in range(count):
+                    trainer.update(rng.integers(0, n, BATCH), g)
+                    time.sleep(max(0.0, t0 + (i + 1) / pace - time.perf_counter()))
+                time.sleep(1.0)     # the last deltas applied
+                got[shm].append(((proc_cpu(w.pid) - c0) / count,
+                                 (proc_cpu(replica.pid) - f0) / count))
+                trainer.close()
+                replica.stop()
+                shutil.rmtree(url.removeprefix("lmdb://"), ignore_errors=True)
+    finally:
+        for w in workers.values():
+            w.stop()
+    print(f"\npushing to a {replica_url} follower, {count} updates of {BATCH} keys at "
+          f"{pace:.0f}/s, {rounds} rounds, load average {os.getloadavg()[0]:.1f}")
+    for shm in (True, False):
+        c = np.mean(got[shm], axis=0)
+        print(f"  {'shared memory' if shm else 'Arrow over gRPC'}: CPU per step worker "
+              f"{c[0] * 1e3:.2f} ms, follower {c[1] * 1e3:.2f} ms")
 
 
 def bench_ann(n: int = 200_000, dim: int = 64, rounds: int = 10,
@@ -380,6 +434,9 @@ def main() -> None:
                    "(the crossover; --no-hnsw: the scan alone)")
     p.add_argument("--no-hnsw", action="store_true", help="--ann-sizes without HNSW")
     p.add_argument("--follower-only", action="store_true", help="time only the follower")
+    p.add_argument("--transport-only", action="store_true", help="time only part 1")
+    p.add_argument("--push-cost", action="store_true", help="only the CPU of pushing a "
+                   "trainer's changes at a fixed pace, shared memory against Arrow over gRPC")
     p.add_argument("--baseline", metavar="DIR", help="another checkout of embstore (say, "
                    "a `git worktree` of the commit before a change): the follower rounds "
                    "alternate its worker and followers with this checkout's, in one run")
@@ -400,6 +457,12 @@ def main() -> None:
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="bench_service_")
+    if args.push_cost:
+        try:
+            push_cost(n, args.rounds, tmp, args.replica.split(",")[0])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     local = embstore.open("memory://", dim=DIM, optimizer="sgd")
     fill(local, n)
     worker = start_worker("memory://", dim=DIM, optimizer="sgd")
@@ -413,8 +476,9 @@ def main() -> None:
         baseline = (args.baseline, other) if other is not None else None
         if not args.follower_only:
             transport_rounds(local, worker, n, count, args.rounds)
-        follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
-                        args.replica, args.modes, baseline)
+        if not args.transport_only:
+            follower_rounds(worker, n, 3.0 if args.quick else args.seconds, args.rounds, tmp,
+                            args.replica, args.modes, baseline)
     finally:
         worker.stop()
         if other is not None:

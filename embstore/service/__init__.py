@@ -6,5 +6,7 @@ jobs and frameworks share.
 - ``embstore.open("des://host:port[,host:port...]")`` returns a client store
   (:class:`embstore.service.client.DesStore`) that satisfies :class:`embstore.StoreProtocol`.
 
-Transport: Arrow Flight (``pyarrow``, the ``parquet`` extra). See docs/service.md.
+Transport: Arrow Flight (``pyarrow``, the ``parquet`` extra); a client or follower on a
+worker's host, as its user, sends the rows through shared memory (:mod:`embstore.service.shm`).
+See docs/service.md.
 """

@@ -41,7 +41,8 @@ from ..sampling.samplers import resolve_sampler
 from . import wire
 from .merge import check_infos, merge_top_k
 from .push import Subscription, delta_rows
-from .streams import STREAM_OPS, Streams
+from .shm_client import ShmStreams
+from .streams import STREAM_OPS
 from .wire import SCHEME, parse_des_url
 
 _T = TypeVar("_T")
@@ -65,6 +66,8 @@ class DesStore:
         raises ``BackendError`` naming it.
     tls_root_certs : str, optional
         PEM file of the CA that signed the workers' certificates (``grpc+tls`` then).
+    shm : bool
+        Rows through shared memory with workers on this host (default; ``?shm=0``: Flight).
     """
 
     collective = False
@@ -74,7 +77,7 @@ class DesStore:
     def __init__(self, url: str, *, dim: int | None = None, key_type: str | None = None,
                  token: str | None = None, token_file: str | None = None,
                  timeout: float = 30.0, tls_root_certs: str | None = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, shm: bool = True) -> None:
         addrs, query = parse_des_url(url)
         token_file = token_file or query.get("token_file")
         if token is None and token_file:
@@ -95,7 +98,7 @@ class DesStore:
                                                                wire.GRPC_MESSAGE_BYTES)])
                          for a in addrs]
         self._pool = ThreadPoolExecutor(len(addrs), thread_name_prefix="embstore-des")
-        self._streams = Streams(self._clients, headers, timeout)
+        self._streams = ShmStreams(self._clients, headers, timeout, shm and query.get("shm") != "0")
         self._headers = headers
         self._closed = False
         try:
@@ -106,6 +109,7 @@ class DesStore:
             raise
         meta = infos[0]["meta"]
         self.layout = Layout.from_json(meta["layout"])
+        self._streams.ready(self.layout.dim, infos)
         self._key_type = str(meta["key_type"])
         self._optimizer = optim.resolve(meta["optimizer"])
         self._meta = meta
@@ -169,9 +173,7 @@ class DesStore:
         by_shard = dict(routes)
 
         def one(s: int) -> pa.Table | pa.RecordBatch:
-            sel = by_shard[s]
-            cols = make(sel)
-            return self._exchange(s, op, wire.batch(**cols), **fields)
+            return self._exchange(s, op, wire.batch(**make(by_shard[s])), **fields)
 
         tables = self._each(one, [s for s, _ in routes])
         return [(sel, t) for (_, sel), t in zip(routes, tables, strict=True)]
@@ -477,9 +479,9 @@ class DesStore:
         ``interval`` seconds (``embstore.service.push``)."""
         self.check_open()
         cmd = wire.command("subscribe", **self._head(s), since=int(since), interval=interval,
-                           **({"log": log} if log else {}))
+                           **({"log": log} if log else {}), **self._streams.push_fields(s))
         return Subscription(self._clients[s], cmd, self._headers, self._key_type,
-                            self.layout.dtype, self._where(s))
+                            self.layout.dtype, self._where(s), lambda: self._streams.refuse(s))
 
     def __len__(self) -> int:
         self.check_open()

@@ -26,6 +26,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="flush the store on this period (default: on shutdown only)")
     s.add_argument("--token-file", help="file of 'train|serve TOKEN' lines; callers then need "
                    "a bearer token ('serve' tokens only read)")
+    s.add_argument("--no-shm", action="store_true", help="send every client's rows over the "
+                   "network, also a client on this host (default: through shared memory)")
     s.add_argument("--tls-cert", help="PEM certificate (with --tls-key): serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--metrics", metavar="HOST:PORT", help="serve /metrics (Prometheus text), "

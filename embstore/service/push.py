@@ -33,6 +33,7 @@ from ..errors import BackendError
 from . import wire
 from .changelog import ChangeLog
 from .delta import message_slices
+from .shm import PushSegment, Segment, read_push
 from .streams import Watchdog
 
 #: seconds between the heartbeats of an idle subscription
@@ -63,14 +64,16 @@ def check_interval(value: Any) -> float:
 def push_changes(log: ChangeLog,
                  delta: Callable[[int], tuple[int, list[pa.RecordBatch] | None]],
                  reader: Any, writer: Any, since: int, interval: float,
-                 stopping: Callable[[], bool]) -> None:
+                 stopping: Callable[[], bool], shm: bool = False) -> None:
     """Write the changes after ``since`` to ``writer`` as ``log`` grows, each delta once the
     subscriber acknowledged the one before on ``reader``, until ``stopping()``, a resync, or
     the subscriber goes away. ``delta(since)`` reads ``(seq, batch)`` of the keys
     changed after ``since`` as one state, in batches no key is in two of (None: the log no
-    longer holds ``since``); they travel as one message each, the last one marked."""
+    longer holds ``since``); they travel as one message each, the last one marked, or with
+    ``shm`` (a subscriber on this host) through a segment, named by one message."""
     started = reading = False
     sent = 0.0
+    pushed = PushSegment() if shm else None
     try:
         while not stopping():
             if not log.wait_past(since, HEARTBEAT):
@@ -86,22 +89,35 @@ def push_changes(log: ChangeLog,
             if batches is None:
                 writer.write_metadata(_meta(seq=seq, resync=True, last=True))
                 return
-            if not started:
-                writer.begin(batches[0].schema)
-                started = True
-            parts = [m for b in batches for m in message_slices(b)]
-            for i, part in enumerate(parts):
-                writer.write_with_metadata(part, _meta(seq=seq, last=i == len(parts) - 1))
+            parts = pushed.parts(batches) if pushed is not None else None
+            if pushed is not None and parts is not None:
+                for fields, last in parts:
+                    writer.write_metadata(_meta(seq=seq, last=last, **fields))
+                    if not last:    # copied out: the next part goes into the same pages
+                        reader.read_chunk()
+                        pushed.acked()
+            else:
+                if not started:
+                    writer.begin(batches[0].schema)
+                    started = True
+                msgs = [m for b in batches for m in message_slices(b)]
+                for i, part in enumerate(msgs):
+                    writer.write_with_metadata(part, _meta(seq=seq, last=i == len(msgs) - 1))
             since = seq
             # the next delta once the follower applied this one: a follower slower than the
             # trainer gets larger, coalesced deltas instead of a queue of stale ones
             reader.read_chunk()
+            if pushed is not None:
+                pushed.acked()
     except StopIteration:
         return  # the subscriber ended the stream
     except _WRITE_ERRORS:
         if reading:
             raise
         return  # the subscriber went away (or the stream broke): nothing more to send
+    finally:
+        if pushed is not None:
+            pushed.close()
 
 
 def delta_rows(batch: Any, key_type: str, dtype: np.dtype
@@ -126,8 +142,12 @@ class Subscription:
     iterate it for :class:`Push` messages, :meth:`close` it to stop."""
 
     def __init__(self, client: Any, command: Any, headers: list[tuple[bytes, bytes]],
-                 key_type: str, dtype: np.dtype, where: str) -> None:
+                 key_type: str, dtype: np.dtype, where: str,
+                 refuse: Callable[[], None] = lambda: None) -> None:
         self._key_type, self._dtype, self._where = key_type, dtype, where
+        #: the worker's segment for this subscription (deltas through shared memory)
+        self._seg: Segment | None = None
+        self._refuse = refuse   # called when it cannot be mapped: subscribe over Flight
         try:  # no deadline: the stream lasts; a silent one is cancelled by the watchdog
             self._writer, self._reader = client.do_exchange(
                 command, flight.FlightCallOptions(headers=headers))
@@ -160,21 +180,49 @@ class Subscription:
             if meta.get("resync"):
                 yield Push(seq, None, True)
                 return
-            if chunk.data is not None:
+            if "rows" in meta:  # a part through shared memory: copied out, the slot free
+                parts.extend(read_push(self._segment(meta), meta, self._dtype))
+                if not meta.get("last"):
+                    self._ack()
+            elif chunk.data is not None:
                 parts.append(delta_rows(chunk.data, self._key_type, self._dtype))
             if not meta.get("last"):
                 continue
             yield Push(seq, parts)
             if parts:   # applied (the caller asks for the next): the worker may send again
-                try:
-                    self._writer.write_metadata(_ACK)
-                except _WRITE_ERRORS as e:
-                    raise BackendError(f"{self._where}: subscription broke ({e!r})") from None
+                self._ack()
             parts = []
+
+    def _ack(self) -> None:
+        try:
+            self._writer.write_metadata(_ACK)
+        except _WRITE_ERRORS as e:
+            raise BackendError(f"{self._where}: subscription broke ({e!r})") from None
+
+    def _segment(self, meta: dict[str, Any]) -> Segment:
+        """The segment a shared-memory delta lies in (a new one mapped when named)."""
+        new = meta.get("segment")
+        if new is not None:
+            seg = (Segment.attach(new.get("name"), new.get("nonce"), new.get("bytes"))
+                   if isinstance(new, dict) else None)
+            if seg is None:
+                self._refuse()
+                raise BackendError(f"{self._where}: the worker's shared memory cannot be "
+                                   "mapped here; subscribing again over Flight")
+            seg.unlink()    # mapped: nothing to leave behind, whoever crashes
+            if self._seg is not None:
+                self._seg.close()
+            self._seg = seg
+        if self._seg is None:
+            raise BackendError(f"{self._where}: a shared-memory delta before its segment")
+        return self._seg
 
     def close(self) -> None:
         """Stop the stream (the worker's handler returns at its next write)."""
         self._watchdog.close()
+        if self._seg is not None:
+            self._seg.close()
+            self._seg = None
         try:
             self._reader.cancel()
             self._writer.close()

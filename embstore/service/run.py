@@ -25,6 +25,7 @@ from .client import DesStore
 from .follower import Follower, replica_options
 from .metrics import OpsServer
 from .server import Worker
+from .shm import sweep, unlink_all
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -55,7 +56,7 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
           poll: float | None = None, push_interval: float = 0.1, log_keys: int = 4_000_000,
           metrics: str | None = None, ann: bool = False,
           ann_rebuild: float = 0.1, ann_index_kind: str = "auto", ready: Any = None,
-          **options: Any) -> int:
+          shm: bool = True, **options: Any) -> int:
     """Serve ``url`` until SIGTERM/SIGINT; ``ready(port)`` is called once it listens.
 
     With ``follow`` (a ``des://`` URL), ``url`` is a replica: created with the followed
@@ -86,10 +87,12 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
         upstream = _connect_when_up(follow, follow_token_file)
         options = {**replica_options(upstream), **options}
     store = open_store(url, **options)
+    if shm:
+        sweep()     # segment files of workers killed before their clients mapped them
     scheme = "grpc+tls" if tls else "grpc+tcp"
     try:
         worker = Worker(f"{scheme}://{host}:{port}", store, shard=i, shards=n, tokens=tokens,
-                        tls=tls, read_only=upstream is not None, log_keys=log_keys)
+                        tls=tls, read_only=upstream is not None, log_keys=log_keys, shm=shm)
     except BaseException:
         store.close()
         raise
@@ -146,6 +149,7 @@ def serve(url: str, *, listen: str = "127.0.0.1:0", shard: str = "0/1",
             store.close()
         if upstream is not None:
             upstream.close()
+        unlink_all()    # segments made for clients that never mapped them
         # new calls get an answer at once (GOAWAY); this waits for kept streams: not joined
         threading.Thread(target=worker.shutdown, daemon=True).start()
     return 0
@@ -166,7 +170,7 @@ def main(args: argparse.Namespace, options: dict[str, Any]) -> int:
                follow=args.follow, follow_token_file=args.follow_token_file, poll=args.poll,
                push_interval=args.push_interval, log_keys=args.log_keys,
                metrics=args.metrics, ann=args.ann, ann_rebuild=args.ann_rebuild,
-               ann_index_kind=args.ann_index, **options)
+               ann_index_kind=args.ann_index, shm=not args.no_shm, **options)
     # The store is closed and flushed. The Flight server, torn down at interpreter exit,
     # would wait for every stream a client still keeps open (embstore.service.streams),
     # possibly forever: the process ends here instead.

@@ -36,6 +36,8 @@ from .changelog import ChangeLog
 from .delta import delta_parts, message_slices
 from .metrics import RequestMetrics, gauges
 from .push import check_interval, push_changes
+from .shm import host_id
+from .shm_serve import ShmSession
 from .streams import STREAM_OPS
 
 log = logging.getLogger("embstore.service")
@@ -68,13 +70,15 @@ class Worker(flight.FlightServerBase):
     def __init__(self, location: str, store: Any, *, shard: int = 0, shards: int = 1,
                  tokens: dict[str, str] | None = None,
                  tls: tuple[bytes, bytes] | None = None, read_only: bool = False,
-                 log_keys: int = 4_000_000) -> None:
+                 log_keys: int = 4_000_000, shm: bool = True) -> None:
         super().__init__(location, middleware={"auth": TokenAuth(tokens)},
                          tls_certificates=[tls] if tls else None)
         self.store = store
         self.shard, self.shards = int(shard), int(shards)
         #: refuse every write whatever the token (a follower's replica)
         self.read_only = bool(read_only)
+        #: offer same-host clients shared-memory payloads (``service/shm.py``; ``--no-shm``)
+        self.shm = bool(shm)
         #: keys written since a sequence number, for followers (O(changed keys))
         self.log = ChangeLog(log_keys, version=lambda: store.version)
         store.add_observer(self.log)
@@ -216,7 +220,7 @@ class Worker(flight.FlightServerBase):
         s = self.store
         op = h["op"]
         if op == "info":
-            return {"meta": s.meta, "shard": self.shard, "shards": self.shards,
+            return {"meta": s.meta, "shard": self.shard, "shards": self.shards, "shm": self.shm,
                     "read_only": s.read_only, "step": s.step, "version": s.version}
         if op == "len":
             return len(s)
@@ -242,6 +246,14 @@ class Worker(flight.FlightServerBase):
             return
         if head.get("op") == "subscribe":
             self._subscribe(context, descriptor.command, reader, writer)
+            return
+        if head.get("op") == "shm":     # same-host payloads (service/shm_serve.py)
+            route = {k: head.get(k) for k in ("shard", "shards")}
+            ShmSession(lambda h: self._check(context, {**h, **route}),
+                       lambda fn, op: self._guard(fn, op, locked=None),
+                       lambda h, k, r, c: self._rows_apply(h, self._own(k), r, c, self._counted),
+                       self.store.dim, self.store.key_type == "int64",
+                       self.shm).serve(reader, writer, lambda: self.stopping)
             return
 
         def run() -> pa.RecordBatch | pa.Table:
@@ -364,7 +376,17 @@ class Worker(flight.FlightServerBase):
         rows = (wire.vectors_from(t.column("vec"), s.dim, len(keys))
                 if op in ("update", "assign") else None)
         counts = self._counts(t) if op in ("lookup", "update") else None
-        insert = bool(h.get("insert", True))
+        out = self._rows_apply(h, keys, rows, counts, hold)
+        if op == "lookup":
+            return wire.batch(vec=wire.vectors_column(out))
+        if op == "contains":
+            return wire.batch(found=pa.array(out))
+        return wire.batch(step=pa.array(out))
+
+    def _rows_apply(self, h: dict[str, Any], keys: np.ndarray, rows: Any, counts: Any,
+                    hold: Callable[[], AbstractContextManager[Any]]) -> np.ndarray:
+        """The store call of :meth:`_rows_call` (checked arrays), under ``hold()``."""
+        s, op, insert = self.store, h["op"], bool(h.get("insert", True))
         with hold():
             if op in _WRITES or (op == "lookup" and insert):
                 s.backend.hold_writer_lease()   # see _exchange
@@ -378,11 +400,7 @@ class Worker(flight.FlightServerBase):
                 else:
                     s.update(keys, rows, counts=counts)
                 out = np.array([s.step], np.int64)
-        if op == "lookup":
-            return wire.batch(vec=wire.vectors_column(out))
-        if op == "contains":
-            return wire.batch(found=pa.array(out))
-        return wire.batch(step=pa.array(out))
+        return out
 
     def _top_k(self, h: dict[str, Any], t: pa.Table) -> pa.RecordBatch:
         s = self.store
@@ -465,7 +483,7 @@ class Worker(flight.FlightServerBase):
     def _subscribe(self, context: Any, raw: bytes, reader: Any, writer: Any) -> None:
         """A follower's subscription (``embstore.service.push``): the stream stays open and
         carries each delta as the change log grows, until the follower or this worker goes."""
-        def check() -> tuple[int, float]:
+        def check() -> tuple[int, float, bool]:
             h = wire.parse_header(raw)
             self._check(context, h)
             since, interval = h.get("since"), check_interval(h.get("interval", 0.1))
@@ -474,12 +492,13 @@ class Worker(flight.FlightServerBase):
             # a log of another worker (restarted since), or a position it never reached:
             # whatever since is, a snapshot
             known = h.get("log") in (None, self.log.id) and since <= self.log.seq
-            return (since if known else -1), interval
+            # deltas through shared memory to a follower on this host (service/shm.py)
+            return (since if known else -1), interval, self.shm and h.get("host") == host_id()
 
-        since, interval = self._guard(check, "subscribe")
+        since, interval, shm = self._guard(check, "subscribe")
         push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
                                                       locked=False),
-                     reader, writer, since, interval, lambda: self.stopping)
+                     reader, writer, since, interval, lambda: self.stopping, shm)
 
     # -- export ------------------------------------------------------------------------------
     def _changed_rows(self, since: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -67,9 +67,9 @@ class BagPath:
         if out is None:
             out = np.empty((len(bounds) - 1, w.layout.dim), dtype=np.float32)  # pool sets all
         found = np.empty((1, 2), dtype=np.int64)
-        lock = w.backend.fused_table()[0]
-        with lock:
-            _, table, arena, bags = w.backend.fused_table()  # (read under the lock)
+        backend: Any = w.backend  # (a MemoryBackend: pool_bags asked for fused_table)
+        with backend.fused_table()[0]:
+            _, table, arena, bags = backend.fused_table()  # (read under the lock)
             offset, kind = bags.vector_field()
             probe_pool([(table, arena, flat, uniq, inv, counts, slots, bounds, wts, offset,
                          mode == "mean", out, kind)], found, threads)

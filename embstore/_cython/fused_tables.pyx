@@ -12,6 +12,7 @@ caller holds every table's store lock across a call: nothing grows, moves or fre
 a record meanwhile, and tables share no rows.
 """
 
+from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
 from libc.stdlib cimport malloc, free
 
@@ -48,10 +49,6 @@ cdef struct PoolJob:
 ctypedef void (*JobFn)(void* job) noexcept nogil
 
 
-cdef extern from "es_runner.h" nogil:
-    void es_run(char* jobs, size_t size, long n, int threads, JobFn fn)
-
-
 cdef void* _alloc_jobs(Py_ssize_t n, size_t size, str what) except NULL:
     """An array of ``n`` jobs of ``size`` bytes (one at least), for the call ``what``."""
     cdef void* jobs = malloc((n if n else 1) * size)
@@ -63,14 +60,14 @@ cdef void* _alloc_jobs(Py_ssize_t n, size_t size, str what) except NULL:
 cdef void _run_jobs(char* jobs, size_t size, Py_ssize_t n, int threads,
                     JobFn one) noexcept nogil:
     """``one`` on each of the ``n`` jobs (``size`` bytes apart): on this thread in order,
-    or a table at a time over this thread and up to ``threads - 1`` helpers
-    (``es_runner.h``: no join with a helper that has not started, as an OpenMP team's)."""
+    or a table at a time over ``threads`` native threads."""
     cdef Py_ssize_t t
     if threads <= 1 or n <= 1:
         for t in range(n):
             one(jobs + t * size)
     else:
-        es_run(jobs, size, n, threads, one)
+        for t in prange(n, num_threads=min(threads, n), schedule="dynamic", chunksize=1):
+            one(jobs + t * size)
 
 
 def probe_pool(list tables, int64_t[:, ::1] found, int threads=1):

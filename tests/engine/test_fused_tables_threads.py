@@ -1,10 +1,8 @@
-"""The helper threads of the table-parallel calls (``es_runner.h``): every job runs once,
-whatever the thread count, from several Python threads at once (a call that finds the
-helpers busy runs on its own thread) and in a forked child (which starts its own helpers)."""
+"""The native threads of the table-parallel calls: every table runs once, whatever the
+thread count and the number of tables, with calls from several Python threads at once."""
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 
 import numpy as np
@@ -50,7 +48,7 @@ def _pool(specs, threads):
 def test_every_table_is_pooled_once_on_any_thread_count(threads):
     for n_tables in (2, 5, 17):
         specs, want, outs = _tables(n_tables, n_tables)
-        for _ in range(3):  # (helpers started once, woken again)
+        for _ in range(3):  # (threads started once, woken again)
             for out in outs:
                 out.fill(np.nan)
             found = _pool(specs, threads)
@@ -84,22 +82,3 @@ def test_calls_from_several_python_threads_at_once():
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads) and not errors, errors
-
-
-def _child(conn) -> None:
-    specs, want, outs = _tables(4, 9)
-    _pool(specs, 2)
-    conn.send(all(np.array_equal(o, w) for o, w in zip(outs, want, strict=True)))
-
-
-def test_a_forked_child_starts_its_own_helpers():
-    specs, _, _ = _tables(4, 1)
-    _pool(specs, 2)  # the parent's helpers exist now
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(child,))
-    p.start()
-    assert parent.poll(120), "the child hung"
-    assert parent.recv() is True
-    p.join(60)
-    assert p.exitcode == 0

@@ -47,14 +47,16 @@ class BagPath:
             return None
         flat, bounds, wts, mode = bag_input(ids, offsets, weights, mode)
         check_out(out, len(bounds) - 1, w.layout.dim)
-        if threads <= 1 and mode != "max" and len(flat) and hasattr(w.backend, "fused_table"):
+        if (threads <= 1 and mode != "max" and len(flat) and w.policy.admission is None
+                and hasattr(w.backend, "fused_table")):  # (admission: lookup_pool asks it)
             return self._probe_pool(flat, bounds, wts, mode, out, threads)
         batch = batch_of(flat, bounds, wts, mode)
         return w.pool(batch, out, threads), batch
 
     def _probe_pool(self, flat: np.ndarray, bounds: np.ndarray, wts: np.ndarray, mode: str,
                     out: np.ndarray | None, threads: int) -> tuple[np.ndarray, BagBatch]:
-        """:meth:`pool_bags` on a ``memory://`` table (``fused_table``) on one thread: the
+        """:meth:`pool_bags` on a ``memory://`` table (``fused_table``) on one thread, with no
+        admission policy (its ``lookup_pool`` asks the policy about the batch's rows): the
         dedupe, the probe of the distinct ids and, where all are there, the pooling in one
         native call (``fused.probe_pool``, as a collection's tables take it), under the
         store's lock; the writer then places the absent ids only and pools, and keeps the

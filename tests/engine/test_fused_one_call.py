@@ -22,7 +22,7 @@ def _records(store, keys):
 
 
 @pytest.mark.parametrize("mode,weighted", [("sum", False), ("mean", False), ("sum", True)])
-@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("optimizer", [SGD(lr=0.1), Adagrad(lr=0.1, rowwise=True)])
 def test_one_call_pooling_and_step_match_the_general_path(mode, weighted, value_dtype,
                                                           optimizer):

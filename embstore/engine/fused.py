@@ -24,8 +24,8 @@ from .._cython import fused, fused_tables
 from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
-__all__ = ["MODES", "BagBatch", "bag_batch", "pooling_mode", "probe_pool", "step_tables",
-           "sum_tables"]
+__all__ = ["MODES", "BagBatch", "bag_batch", "bag_input", "batch_of", "check_out",
+           "pooling_mode", "probe_pool", "step_tables", "sum_tables"]
 
 #: How a batch's bags are pooled
 MODES = ("sum", "mean", "max")
@@ -120,16 +120,21 @@ class BagBatch:
         return g if len(self.uniq) else None
 
     def check_out(self, out: Any, dim: int) -> None:
-        """Raise unless ``out`` is None or can receive the bags: a float32 ``(n_bags, dim)``
-        array whose rows are contiguous (they may sit apart)."""
-        if out is None:
-            return
-        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
-                or out.shape != (self.n_bags, dim) or (dim > 1 and out.strides[1] != 4)
-                or not out.flags.writeable):
-            got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out)
-            raise InvalidInputError(f"out must be a writable float32 array of shape "
-                                    f"({self.n_bags}, {dim}) with contiguous rows, got {got}")
+        """Raise unless ``out`` is None or can receive the bags (:func:`check_out`)."""
+        check_out(out, self.n_bags, dim)
+
+
+def check_out(out: Any, n_bags: int, dim: int) -> None:
+    """Raise unless ``out`` is None or can receive ``n_bags`` bags: a float32
+    ``(n_bags, dim)`` array whose rows are contiguous (they may sit apart)."""
+    if out is None:
+        return
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+            or out.shape != (n_bags, dim) or (dim > 1 and out.strides[1] != 4)
+            or not out.flags.writeable):
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out)
+        raise InvalidInputError(f"out must be a writable float32 array of shape "
+                                f"({n_bags}, {dim}) with contiguous rows, got {got}")
 
 
 def pooling_mode(mode: str | bool | None, mean: bool = False) -> str:
@@ -149,6 +154,24 @@ def bag_batch(ids: Any, offsets: Any, weights: Any, mode: str | bool) -> BagBatc
     """A :class:`BagBatch` of int64 ``ids`` (1-D with ``offsets``, the start of each bag, or
     2-D: one bag per row) pooled by ``mode`` (:func:`pooling_mode`), checked as
     ``nn.EmbeddingBag`` checks them."""
+    return batch_of(*bag_input(ids, offsets, weights, mode))
+
+
+def batch_of(flat: np.ndarray, bounds: np.ndarray, w: np.ndarray, mode: str) -> BagBatch:
+    """The :class:`BagBatch` of :func:`bag_input`'s checked arrays: one dedupe pass."""
+    n = len(flat)
+    uniq = np.empty(n, dtype=np.int64)
+    inv = np.empty(n, dtype=np.int64)
+    counts = np.empty(n, dtype=np.int64)
+    nu = fused.dedupe(flat, uniq, inv, counts)
+    return BagBatch(uniq[:nu], inv, counts[:nu], bounds, w, mode)
+
+
+def bag_input(ids: Any, offsets: Any, weights: Any,
+              mode: str | bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """``(flat ids, n_bags + 1 bounds, weights, mode)`` of :func:`bag_batch`'s arguments,
+    checked as it checks them, before any dedupe: contiguous int64 ids and bounds,
+    float32 weights (empty: none)."""
     mode = pooling_mode(mode)
     ids = np.asarray(ids)
     if ids.dtype.kind not in "iu":
@@ -178,9 +201,4 @@ def bag_batch(ids: Any, offsets: Any, weights: Any, mode: str | bool) -> BagBatc
             raise InvalidInputError("per_sample_weights must have one weight per id")
         if mode != "sum":
             raise InvalidInputError("per_sample_weights only work with sum pooling")
-    uniq = np.empty(n, dtype=np.int64)
-    inv = np.empty(n, dtype=np.int64)
-    counts = np.empty(n, dtype=np.int64)
-    nu = fused.dedupe(flat, uniq, inv, counts)
-    return BagBatch(uniq[:nu], inv, counts[:nu], np.ascontiguousarray(bounds, dtype=np.int64),
-                    w, mode)
+    return flat, np.ascontiguousarray(bounds, dtype=np.int64), w, mode

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..backends.base import RowUpdate
-from ..engine.fused import BagBatch, bag_batch
+from ..engine.fused import BagBatch, bag_input, batch_of, check_out, probe_pool
 from ..errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -45,9 +45,44 @@ class BagPath:
         w = self.writer
         if not w.fused_ok():
             return None
-        batch = bag_batch(ids, offsets, weights, mode)
-        batch.check_out(out, w.layout.dim)
+        flat, bounds, wts, mode = bag_input(ids, offsets, weights, mode)
+        check_out(out, len(bounds) - 1, w.layout.dim)
+        if (threads <= 1 and mode != "max" and len(flat) and w.policy.admission is None
+                and hasattr(w.backend, "fused_table")):  # (admission: lookup_pool asks it)
+            return self._probe_pool(flat, bounds, wts, mode, out, threads)
+        batch = batch_of(flat, bounds, wts, mode)
         return w.pool(batch, out, threads), batch
+
+    def _probe_pool(self, flat: np.ndarray, bounds: np.ndarray, wts: np.ndarray, mode: str,
+                    out: np.ndarray | None, threads: int) -> tuple[np.ndarray, BagBatch]:
+        """:meth:`pool_bags` on a ``memory://`` table (``fused_table``) on one thread, with no
+        admission policy (its ``lookup_pool`` asks the policy about the batch's rows): the
+        dedupe, the probe of the distinct ids and, where all are there, the pooling in one
+        native call (``fused.probe_pool``, as a collection's tables take it), under the
+        store's lock; the writer then places the absent ids only and pools, and keeps the
+        slots for the step (``BagKernels.pooled_ahead``). The bits of :func:`batch_of` and
+        ``lookup_pool``: the same dedupe, the same rows, the same pooling."""
+        w = self.writer
+        n = len(flat)
+        uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
+        slots = np.empty(n, dtype=np.uint32)
+        if out is None:
+            out = np.empty((len(bounds) - 1, w.layout.dim), dtype=np.float32)  # pool sets all
+        found = np.empty((1, 2), dtype=np.int64)
+        backend: Any = w.backend  # (a MemoryBackend: pool_bags asked for fused_table)
+        with backend.fused_table()[0]:
+            _, table, arena, bags = backend.fused_table()  # (read under the lock)
+            offset, kind = bags.vector_field()
+            probe_pool([(table, arena, flat, uniq, inv, counts, slots, bounds, wts, offset,
+                         mode == "mean", out, kind)], found, threads)
+            nu, absent = found[0].tolist()
+            batch = BagBatch(uniq[:nu], inv, counts[:nu], bounds, wts, mode)
+            bags.pooled_ahead(batch.uniq, slots[:nu], absent)
+            try:
+                w.pool(batch, out, threads)
+            finally:
+                bags.pooled_ahead(None)
+        return out, batch
 
     def update_bags(self, batch: BagBatch, grad: Any, counts: Any, threads: int) -> None:
         """``EmbeddingStore.update_bags``: the fused step where the backend covers it, else

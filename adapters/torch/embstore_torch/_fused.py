@@ -118,14 +118,20 @@ def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weight
 def update_block(store: StoreProtocol, batch: Any, count: bool, grad: torch.Tensor) -> None:
     """``store.update_bags`` of a fused forward's batch with its pooled gradient (rows may
     sit apart: one table's columns of a wider gradient)."""
-    if store.read_only:
-        raise ReadOnlyError(f"{store.url} is open read-only, so this backward cannot update it")
-    counts = None if count else np.zeros(len(batch.uniq), dtype=np.int64)
     g = grad.detach().to("cpu", torch.float32)
     if g.dim() == 2 and g.shape[1] > 1 and g.stride(1) != 1:
         g = g.contiguous()
-    # the store's threads follow torch's (torch.set_num_threads), as its own kernels do
-    store.update_bags(batch, g.numpy(), counts=counts, threads=torch.get_num_threads())
+    step_block(store, batch, count, g.numpy(), torch.get_num_threads())
+
+
+def step_block(store: StoreProtocol, batch: Any, count: bool, grad: np.ndarray,
+               threads: int) -> None:
+    """:func:`update_block` of a float32 host gradient (rows contiguous) on ``threads``
+    native threads (torch's: ``torch.set_num_threads``, as the store's own kernels)."""
+    if store.read_only:
+        raise ReadOnlyError(f"{store.url} is open read-only, so this backward cannot update it")
+    counts = None if count else np.zeros(len(batch.uniq), dtype=np.int64)
+    store.update_bags(batch, grad, counts=counts, threads=threads)
 
 
 class FusedBag(torch.autograd.Function):

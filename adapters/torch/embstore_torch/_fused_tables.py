@@ -222,22 +222,22 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
     stepped, none after it."""
     if g.stride(1) != 1:  # (an expanded gradient: the kernels read contiguous rows)
         g = g.contiguous()
-    grads = [g[:, p.column:p.column + p.dim] for p in parts]
+    gn = g.numpy()
+    grads = [gn[:, p.column:p.column + p.dim] for p in parts]
     sums = [np.empty((len(p.batch.uniq), p.dim), dtype=np.float32) for p in parts]
     finite = np.empty(len(parts), dtype=np.uint8)
     steps: list = []
     with _holding(parts):
         tables = [part.store.backend.fused_table()[3] for part in parts]
-        sum_tables([(p.batch.inv, p.batch.offsets, p.batch.weights, p.batch.mean,
-                           gb.numpy(), s) for p, gb, s in zip(parts, grads, sums, strict=True)],
-                         finite, threads)
+        sum_tables([(p.batch.inv, p.batch.offsets, p.batch.weights, p.batch.mean, gb, s)
+                    for p, gb, s in zip(parts, grads, sums, strict=True)], finite, threads)
         try:
             for part, gb, s, ok, bags in zip(parts, grads, sums, finite.tolist(), tables,
                                              strict=True):
                 if ok:
                     bags.defer_step(part.batch.uniq, s, steps)
                 try:
-                    _fused.update_block(part.store, part.batch, part.count, gb)
+                    _fused.step_block(part.store, part.batch, part.count, gb, threads)
                 finally:
                     bags.defer_step(None)
         finally:

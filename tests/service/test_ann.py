@@ -16,8 +16,10 @@ import pytest
 import embstore
 from embstore.errors import InvalidInputError
 
-pytest.importorskip("usearch")
+# pyarrow before usearch: with usearch's libraries loaded first, a Flight server this
+# process starts later reports port -1 (tests/service/test_stream_headers.py makes one)
 pytest.importorskip("pyarrow")
+pytest.importorskip("usearch")
 
 from embstore.service.ann import AnnIndex  # noqa: E402
 

@@ -13,6 +13,9 @@ import embstore
 from embstore.errors import InvalidInputError
 from embstore.sampling.keyindex import KeyIndex
 
+# pyarrow before usearch: with usearch's libraries loaded first, a Flight server this
+# process starts later reports port -1 (tests/service/test_stream_headers.py makes one)
+pytest.importorskip("pyarrow")
 pytest.importorskip("usearch")
 
 from embstore.service.ann import AnnIndex, _block_rows, _segment_scores  # noqa: E402

@@ -45,6 +45,9 @@ extensions = [
     _module("qscan", ["embstore/_cython/qscan.pyx"], extra_compile_args=["-O3"]),
     _module("rowops", ["embstore/_cython/rowops.pyx"],
             extra_compile_args=["-O3", "-ffp-contract=off"]),
+    # indexops: the sampler's inverse-cdf search and weights, a batch's grouping (exact ops)
+    _module("indexops", ["embstore/_cython/indexops.pyx"],
+            extra_compile_args=["-O3", "-ffp-contract=off"]),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

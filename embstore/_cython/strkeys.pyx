@@ -314,8 +314,11 @@ cdef class KeySnapshot:
     def same(self, object keys):
         """True when ``keys`` holds the snapshot's keys, byte for byte, in the same order."""
         cdef Py_ssize_t n, i, pos = 0
+        key_items(keys, &n)
+        if n != self.n:     # another batch, told without reading its keys
+            return False
         cdef KeyView* v = key_views(keys, &n)
-        cdef bint same = n == self.n
+        cdef bint same = True
         if same:
             with nogil:
                 for i in range(n):

@@ -44,6 +44,7 @@ try:
     from .memory_rows import (
         RowKernels,
         find_kept,
+        kept_slots,
         new_snapshot,
         new_table,
         recall,
@@ -196,7 +197,8 @@ class MemoryBackend(Backend):
     @serialized
     def find_slots(self, keys: np.ndarray) -> np.ndarray:
         """The arena slot of each key (uint32; ``0xFFFFFFFF``: absent), valid until deleted."""
-        return self._slots(keys)
+        slots, self._last_find = kept_slots(self._key_table, self._last_find, self._epoch, keys)
+        return slots
 
     @serialized
     def read_slots(self, slots: np.ndarray, field: str | None = None) -> np.ndarray:
@@ -331,9 +333,7 @@ class MemoryBackend(Backend):
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
-        slots = recall(self._last_find, self._epoch, keys)
-        if slots is None:
-            slots = self._slots(keys)
+        slots, self._last_find = kept_slots(self._key_table, self._last_find, self._epoch, keys)
         found = slots != _EMPTY
         if not found.all():
             slots, update = slots[found], update.subset(found)

@@ -220,6 +220,19 @@ def same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
     return keys.dtype != object and np.array_equal(snapshot, keys)
 
 
+def kept_slots(table: Any, last: tuple[Any, np.ndarray, int] | None, epoch: int,
+               keys: np.ndarray) -> tuple[np.ndarray, tuple[Any, np.ndarray, int]]:
+    """``(slots, last)``: the slots ``last`` remembered where ``keys`` are its batch and no
+    key was inserted or removed since (:func:`recall`), else a probe of ``keys`` in ``table``,
+    remembered as the new ``last`` (a training step probes its keys for the lookup and again
+    for the update: the second costs a comparison of the keys instead)."""
+    slots = recall(last, epoch, keys)
+    if slots is not None and last is not None:
+        return slots, last
+    snapshot, slots = find_kept(table, keys)
+    return slots, (snapshot, slots, epoch)
+
+
 def find_kept(table: Any, keys: np.ndarray) -> tuple[np.ndarray | KeySnapshot, np.ndarray]:
     """``(snapshot, slots)``: the slot of each key and a :func:`new_snapshot` of ``keys``
     (a bytes table fills a string snapshot during its probe)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cython.indexops import group_by_inverse
 from .._cython.rowops import all_finite
 from .._keys import count_matching, factorize_keys
 from ..errors import InvalidInputError
@@ -34,6 +35,18 @@ def nd_keys(keys: Any) -> tuple[Any, tuple[int, ...] | None]:
         keys = keys.numpy()
     arr = np.asarray(keys)
     return arr.reshape(-1), tuple(arr.shape)
+
+
+def group_inverse(inv: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(order, starts, counts)`` of an inverse index with values in ``0..n_keys-1``: the
+    positions grouped by value (ascending within a group, as ``np.argsort(inv,
+    kind="stable")`` orders them), where each value's run starts, and its length. One
+    compiled counting sort, O(n)."""
+    order = np.empty(len(inv), dtype=np.int64)
+    starts = np.empty(n_keys, dtype=np.int64)
+    counts = np.empty(n_keys, dtype=np.int64)
+    group_by_inverse(np.ascontiguousarray(inv, dtype=np.int64), n_keys, order, starts, counts)
+    return order, starts, counts
 
 
 def coalesce(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

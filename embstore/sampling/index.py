@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cython.indexops import draw_weights, search_sorted_right
 from ..errors import CapabilityError, InvalidInputError
 from .keyindex import KeyIndex
 from .samplers import LogUniformSampler, Sampler
@@ -324,14 +325,17 @@ class SamplingIndex:
         spacing = np.cumsum(rng.standard_exponential(c + 1))
         u = spacing[:c]
         u *= snap.part_w[s] / spacing[c]
-        if len(cdf) <= _CACHED_CDF:  # in cache: numpy's search of sorted probes is enough
-            pos = np.searchsorted(cdf, u, side="right")
+        if len(cdf) <= _CACHED_CDF:
+            # in cache: one forward sweep over the sorted probes (numpy's searchsorted
+            # bisects the whole cdf for each, ~4x slower on 40k draws from 8k keys)
+            pos = search_sorted_right(cdf, u, np.empty(c, dtype=np.int64))
         else:
             assert snap.coarse is not None  # invariant: built together with the cdfs
             pos = _inverse_cdf(cdf, snap.coarse[s], u)
-        pos = pos[rng.permutation(c)]
-        np.minimum(pos, snap.last[s], out=pos)
-        return pos, snap.weight_at(s, pos)
+        # pos[perm], clipped to the last weighted key, and Snapshot.weight_at's weights: in
+        # one compiled pass, the same bits
+        return draw_weights(cdf, pos, rng.permutation(c), int(snap.last[s]),
+                            np.empty(c, dtype=np.int64), np.empty(c, dtype=np.float64))
 
     def draw(self, snap: Snapshot, rng: np.random.Generator,
              m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

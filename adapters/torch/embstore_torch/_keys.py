@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embstore.engine.batch import group_inverse
 from embstore.errors import InvalidInputError, KeyTypeError
 from embstore.keys import factorize as factorize_strings
 from embstore.keys import normalize
@@ -59,18 +60,11 @@ class KeyBatch:
 
 def _group_dense(inv: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(order, starts, counts)`` of an inverse index in which every value of
-    ``0..n_keys-1`` occurs: a counting sort, O(n). numpy's stable argsort is a radix sort on
-    16-bit integers, so up to 65536 keys it runs on a uint16 copy; measured ~7x faster than
-    :func:`_group_int`'s comparison sort on 48k-element Zipf batches (same result: positions
-    ascending within each key)."""
-    if n_keys <= 1 << 16:
-        order = np.argsort(inv.astype(np.uint16), kind="stable")
-    else:
-        order = np.argsort(inv, kind="stable")
-    counts = np.bincount(inv, minlength=n_keys)
-    starts = np.zeros(n_keys, dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    return order.astype(np.int64, copy=False), starts, counts
+    ``0..n_keys-1`` occurs: a compiled counting sort (:func:`embstore.engine.batch.group_inverse`),
+    O(n); the stable argsort's result, ~4x faster than numpy's (of a uint16 copy) plus
+    ``bincount`` and ``cumsum`` on 49k-element batches of 9k keys, itself ~7x faster than
+    :func:`_group_int`'s comparison sort."""
+    return group_inverse(inv, n_keys)
 
 
 _POSITIONS = np.arange(1 << 14, dtype=np.int64)  # shared by batches up to 16k ids

@@ -12,6 +12,7 @@ import embstore
 from embstore._cython.indexops import draw_weights, search_sorted_right
 from embstore.engine.batch import group_inverse
 from embstore.sampling import UniformSampler, UnigramSampler, sampling_index
+from tests.numpy_draw import numpy_draw
 
 
 def zipf_cdf(rng, n, zeros=0.1):
@@ -96,18 +97,6 @@ def test_group_inverse_refuses_values_out_of_range():
         group_inverse(np.array([0, -1]), 2)
 
 
-def _numpy_draw(idx, snap, rng, m):
-    """``SamplingIndex.draw`` of one part as it was written in numpy (the reference)."""
-    cdf = snap.cdfs[0]
-    spacing = np.cumsum(rng.standard_exponential(m + 1))
-    u = spacing[:m]
-    u *= snap.part_w[0] / spacing[m]
-    pos = np.searchsorted(cdf, u, side="right")[rng.permutation(m)]
-    np.minimum(pos, snap.last[0], out=pos)
-    w = cdf[pos] - np.where(pos > 0, cdf[np.maximum(pos - 1, 0)], 0.0)
-    return idx.parts[0].keys[pos], pos, w / snap.total
-
-
 @pytest.mark.parametrize("key_type", ["int64", "bytes"])
 def test_store_draws_are_the_numpy_draws(key_type):
     """Negatives drawn through the kernels are the ones the numpy draw gave: same keys, same
@@ -128,7 +117,7 @@ def test_store_draws_are_the_numpy_draws(key_type):
     snap = idx.snapshot(sampler)
     for m in (1, 17, 40960):
         got = idx.draw(snap, np.random.default_rng(m), m)
-        want = _numpy_draw(idx, snap, np.random.default_rng(m), m)
+        want = numpy_draw(idx, snap, np.random.default_rng(m), m)
         assert np.array_equal(got[0], want[0])
         assert np.array_equal(got[1], want[1])
         assert np.array_equal(got[2].view(np.int64), want[2].view(np.int64))

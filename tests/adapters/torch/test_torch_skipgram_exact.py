@@ -17,6 +17,7 @@ from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler, sampling_index
 from embstore_torch import DynamicEmbedding
+from tests.numpy_draw import numpy_draw
 
 from .same_tables import assert_same_tables
 
@@ -47,15 +48,9 @@ def numpy_negatives(out, sampler, m, rng):
     """``store.sample(..., unique=False, remove_accidental_hits=False).keys`` with the numpy
     draw it had before the kernels (one part, a cdf in cache)."""
     idx = sampling_index(out)
-    snap = idx.snapshot(sampler)
-    cdf = snap.cdfs[0]
-    spacing = np.cumsum(rng.standard_exponential(m + 1))
-    u = spacing[:m]
-    u *= snap.part_w[0] / spacing[m]
-    pos = np.searchsorted(cdf, u, side="right")[rng.permutation(m)]
-    np.minimum(pos, snap.last[0], out=pos)
+    keys, pos, _ = numpy_draw(idx, idx.snapshot(sampler), rng, m)
     assert idx.parts[0].alive[pos].all()  # no deleted key to draw again here
-    return idx.parts[0].keys[pos]
+    return keys
 
 
 def numpy_rows(store, keys, counts_on_update, admission_counts):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..backends.base import FusedBagPooling
     from .writer import RecordWriter
 
-__all__ = ["BagPath"]
+__all__ = ["BagPath", "pool_probed", "probe_spec"]
 
 
 class BagPath:
@@ -71,17 +71,11 @@ class BagPath:
         found = np.empty((1, 2), dtype=np.int64)
         backend: Any = w.backend  # (a MemoryBackend: pool_bags asked for fused_table)
         with backend.fused_table()[0]:
-            _, table, arena, bags = backend.fused_table()  # (read under the lock)
-            offset, kind = bags.vector_field()
-            probe_pool([(table, arena, flat, uniq, inv, counts, slots, bounds, wts, offset,
-                         mode == "mean", out, kind)], found, threads)
+            probe_pool([probe_spec(backend, flat, uniq, inv, counts, slots, bounds, wts,
+                                   mode == "mean", out)], found, threads)
             nu, absent = found[0].tolist()
             batch = BagBatch(uniq[:nu], inv, counts[:nu], bounds, wts, mode)
-            bags.pooled_ahead(batch.uniq, slots[:nu], absent)
-            try:
-                w.pool(batch, out, threads)
-            finally:
-                bags.pooled_ahead(None)
+            pool_probed(w, batch, slots[:nu], absent, out, threads)
         return out, batch
 
     def update_bags(self, batch: BagBatch, grad: Any, counts: Any, threads: int) -> None:
@@ -130,3 +124,28 @@ class BagPath:
                                       np.zeros(int(dropped[0]), dtype=bool))
             w.policy.after_update(w)
         return bool(done)
+
+
+def probe_spec(backend: Any, flat: np.ndarray, uniq: np.ndarray, inv: np.ndarray,
+               counts: np.ndarray, slots: np.ndarray, bounds: np.ndarray, wts: np.ndarray,
+               mean: bool, out: np.ndarray) -> tuple[Any, ...]:
+    """One table's entry of ``fused.probe_pool``'s list: the key table, arena and vector
+    field of ``backend`` (a ``memory://`` backend's ``fused_table``, read under its lock) with
+    the batch's ids, bag bounds (n_bags + 1), weights, output and the arrays it fills."""
+    _, table, arena, bags = backend.fused_table()
+    offset, kind = bags.vector_field()
+    return (table, arena, flat, uniq, inv, counts, slots, bounds, wts, offset, mean, out, kind)
+
+
+def pool_probed(writer: RecordWriter, batch: BagBatch, slots: np.ndarray, absent: int,
+                out: np.ndarray, threads: int) -> None:
+    """``writer``'s pooling of ``batch`` after ``fused.probe_pool`` deduplicated and probed it
+    (``slots``: those of the distinct ids, ``absent``: how many it did not find): the writer
+    places the absent ids only, pools again where there were any, counts, and keeps the
+    slots for the step (``BagKernels.pooled_ahead``); under the backend's lock."""
+    bags = cast(Any, writer.backend).fused_table()[3]
+    bags.pooled_ahead(batch.uniq, slots, absent)
+    try:
+        writer.pool(batch, out, threads)
+    finally:
+        bags.pooled_ahead(None)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from embstore.engine.fused import BagBatch, bag_batch, probe_pool, step_tables, sum_tables
+from embstore.store.bag_path import pool_probed, probe_spec
 
 from . import _compiled, _fused, _transfer
 
@@ -177,27 +178,22 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
         specs, blocks = [], []
         for part, block in zip(parts, where, strict=True):
             part.store.check_open()
-            _, table, arena, bags = part.store.backend.fused_table()  # (read under the lock)
             lo, hi = int(bounds[block * stride]), int(bounds[(block + 1) * stride])
             offsets = np.ascontiguousarray(bounds[block * stride:(block + 1) * stride + 1] - lo,
                                            dtype=np.int64)  # the n_bags + 1 bounds
-            offset, kind = bags.vector_field()
-            specs.append((table, arena, flat[lo:hi], uniq[lo:hi], inv[lo:hi], counts[lo:hi],
-                          slots[lo:hi], offsets, w[lo:hi] if len(w) else w, offset, part.mean,
-                          buf[:, part.column:part.column + part.dim], kind))
-            blocks.append((lo, hi, offsets, bags))
+            specs.append(probe_spec(part.store.backend, flat[lo:hi], uniq[lo:hi], inv[lo:hi],
+                                    counts[lo:hi], slots[lo:hi], offsets,
+                                    w[lo:hi] if len(w) else w, part.mean,
+                                    buf[:, part.column:part.column + part.dim]))
+            blocks.append((lo, hi, offsets))
         found = np.empty((len(specs), 2), dtype=np.int64)
         probe_pool(specs, found, threads)
-        for part, (lo, hi, offsets, bags), (nu, absent) in zip(parts, blocks, found.tolist(),
-                                                                strict=True):
+        for part, (lo, hi, offsets), (nu, absent) in zip(parts, blocks, found.tolist(),
+                                                          strict=True):
             part.batch = BagBatch(uniq[lo:lo + nu], inv[lo:hi], counts[lo:lo + nu], offsets,
                                   w[lo:hi] if len(w) else w, part.mean)
-            bags.pooled_ahead(part.batch.uniq, slots[lo:lo + nu], absent)
-            try:
-                part.store.writer.pool(part.batch, buf[:, part.column:part.column + part.dim],
-                                       threads)
-            finally:
-                bags.pooled_ahead(None)
+            pool_probed(part.store.writer, part.batch, slots[lo:lo + nu], absent,
+                        buf[:, part.column:part.column + part.dim], threads)
 
 
 def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:

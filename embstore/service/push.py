@@ -203,13 +203,11 @@ class Subscription:
         """The segment a shared-memory delta lies in (a new one mapped when named)."""
         new = meta.get("segment")
         if new is not None:
-            seg = (Segment.attach(new.get("name"), new.get("nonce"), new.get("bytes"))
-                   if isinstance(new, dict) else None)
+            seg = Segment.adopt(new)
             if seg is None:
                 self._refuse()
                 raise BackendError(f"{self._where}: the worker's shared memory cannot be "
                                    "mapped here; subscribing again over Flight")
-            seg.unlink()    # mapped: nothing to leave behind, whoever crashes
             if self._seg is not None:
                 self._seg.close()
             self._seg = seg

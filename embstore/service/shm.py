@@ -123,6 +123,18 @@ class Segment:
             return None
         return cls(path, mm, size, nonce)
 
+    @classmethod
+    def adopt(cls, named: Any) -> Segment | None:
+        """The segment a worker named (``{"name", "nonce", "bytes"}``) mapped with
+        :meth:`attach`, its file unlinked at once (nothing left behind, whoever crashes);
+        None where it cannot be mapped here."""
+        if not isinstance(named, dict):
+            return None
+        seg = cls.attach(named.get("name"), named.get("nonce"), named.get("bytes"))
+        if seg is not None:
+            seg.unlink()
+        return seg
+
     def array(self, offset: int, count: int, dtype: Any) -> np.ndarray:
         """A view of ``count`` items of ``dtype`` at ``offset`` (checked by the caller)."""
         dt = np.dtype(dtype)

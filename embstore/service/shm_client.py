@@ -62,10 +62,9 @@ class _Channel:
         reply = self.ask({"op": "open", "bytes": size, "host": host}, where)
         if "refused" in reply:
             raise _Refused(str(reply["refused"]))
-        seg = Segment.attach(reply.get("name"), reply.get("nonce"), reply.get("bytes"))
+        seg = Segment.adopt(reply)
         if seg is None:
             raise _Refused("the worker's segment cannot be mapped here")
-        seg.unlink()    # mapped: nothing to leave behind, whoever crashes (the worker too)
         old, self.seg = self.seg, seg
         if old is not None:
             old.close()

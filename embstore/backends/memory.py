@@ -306,6 +306,12 @@ class MemoryBackend(Backend):
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
                                update, *bags, keys=keys, **kw)
 
+    def keep_found(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """What ``lookup_pool`` keeps for ``step_bags`` where a probe ahead found every key of
+        ``keys`` (a batch's own distinct keys, never changed) at ``slots`` and pooled the
+        bags: nothing to place or pool. The caller holds the lock (``fused_table``)."""
+        self._last_find = (keys, slots, self._epoch)
+
     def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:
         """``(lock, key table, arena, bag kernels)`` for ``fused_tables``, valid under the lock."""
         return self._lock, self._table, self._arena, self._bags

@@ -91,6 +91,15 @@ class BagPath:
             return
         w.apply_distinct(batch.uniq, batch.grad_sums(g, finite=True), mult, len(batch.uniq))
 
+    def step_checked(self, batch: BagBatch, grad: np.ndarray, counts: np.ndarray | None,
+                     threads: int) -> bool:
+        """:meth:`update_bags` for a caller that checked what it checks: the store writable,
+        the fused path on (``fused_ok``), ``grad`` float32 ``(n_bags, dim)`` with contiguous
+        rows, ``batch`` with ids (a collection's table-parallel step). False where the
+        backend's step does not cover the optimizer (then :meth:`update_bags` takes it)."""
+        return self._step_bags(batch, grad, batch.counts if counts is None else counts,
+                               threads)
+
     def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
                    threads: int) -> bool:
         """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
@@ -142,8 +151,16 @@ def pool_probed(writer: RecordWriter, batch: BagBatch, slots: np.ndarray, absent
     """``writer``'s pooling of ``batch`` after ``fused.probe_pool`` deduplicated and probed it
     (``slots``: those of the distinct ids, ``absent``: how many it did not find): the writer
     places the absent ids only, pools again where there were any, counts, and keeps the
-    slots for the step (``BagKernels.pooled_ahead``); under the backend's lock."""
-    bags = cast(Any, writer.backend).fused_table()[3]
+    slots for the step (``BagKernels.pooled_ahead``); under the backend's lock. Where every
+    id was found and there is no admission policy to ask, the counters and the kept slots
+    only: the probe pooled every bag."""
+    backend = cast(Any, writer.backend)
+    if not absent and writer.policy.admission is None:
+        writer.stats["lookups"] += len(batch.uniq)
+        writer.stats["hits"] += len(batch.uniq)
+        backend.keep_found(batch.uniq, slots)
+        return
+    bags = backend.fused_table()[3]
     bags.pooled_ahead(batch.uniq, slots, absent)
     try:
         writer.pool(batch, out, threads)

@@ -233,11 +233,25 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
                 if ok:
                     bags.defer_step(part.batch.uniq, s, steps)
                 try:
-                    _fused.step_block(part.store, part.batch, part.count, gb, threads)
+                    _step_table(part, gb, threads)
                 finally:
                     bags.defer_step(None)
         finally:
             step_tables(steps, threads)
+
+
+def _step_table(part: Part, grad: np.ndarray, threads: int) -> None:
+    """``_fused.step_block`` of a table of :func:`_step_together`, whose checks were made:
+    the fused path is on (:func:`_native`), ``grad`` is the table's columns of the float32
+    gradient (rows contiguous); the general path where the backend's step does not cover
+    the optimizer."""
+    store, batch = part.store, part.batch
+    store.check_writable()
+    if not len(batch.uniq):
+        return
+    counts = None if part.count else np.zeros(len(batch.uniq), dtype=np.int64)
+    if not store.bags.step_checked(batch, grad, counts, threads):
+        _fused.step_block(store, batch, part.count, grad, threads)
 
 
 # -- under torch.compile: one op for every table -----------------------------------------------

@@ -306,6 +306,23 @@ class MemoryBackend(Backend):
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
                                update, *bags, keys=keys, **kw)
 
+    def defer_bags_step(self, sums: np.ndarray, steps: list, keys: np.ndarray,
+                        update: RowUpdate, *bags: Any, **kw: Any) -> bool | None:
+        """``step_bags`` of a collection's table-parallel step: its arguments appended to
+        ``steps`` with ``sums`` (the keys' gradient sums, all finite) for one
+        ``fused.step_tables`` call, True; None, with nothing done, where the slots
+        ``lookup_pool`` kept for ``keys`` are gone (a key placed or removed since) or the
+        kernels do not cover the layout or rule. The caller holds the lock (``fused_table``);
+        a batch with keys turned away or max-pooled takes ``step_bags``."""
+        slots = recall(self._last_find, self._epoch, keys)
+        if slots is None or kw:
+            return None
+        args = self._bags.rows.step_args(self._records, slots, update, *bags)
+        if args is None:
+            return None
+        steps.append((sums, args))
+        return True
+
     def keep_found(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """What ``lookup_pool`` keeps for ``step_bags`` where a probe ahead found every key of
         ``keys`` (a batch's own distinct keys, never changed) at ``slots`` and pooled the

@@ -17,6 +17,8 @@ vectors from rows the table does not hold, and the step drops their gradients (c
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -91,19 +93,23 @@ class BagPath:
             return
         w.apply_distinct(batch.uniq, batch.grad_sums(g, finite=True), mult, len(batch.uniq))
 
-    def step_checked(self, batch: BagBatch, grad: np.ndarray, counts: np.ndarray | None,
-                     threads: int) -> bool:
-        """:meth:`update_bags` for a caller that checked what it checks: the store writable,
-        the fused path on (``fused_ok``), ``grad`` float32 ``(n_bags, dim)`` with contiguous
-        rows, ``batch`` with ids (a collection's table-parallel step). False where the
-        backend's step does not cover the optimizer (then :meth:`update_bags` takes it)."""
+    def defer_checked(self, batch: BagBatch, grad: np.ndarray, counts: np.ndarray | None,
+                      threads: int, sums: np.ndarray, steps: list[Any]) -> bool:
+        """:meth:`update_bags` of a collection's table-parallel step (``memory://``'s
+        ``defer_bags_step``): the table's step appended to ``steps`` with ``sums``, its per-id
+        gradient sums (all finite), for one ``fused.step_tables`` call of every table, which
+        the caller makes under the store's lock. The caller checked what :meth:`update_bags`
+        checks: the store writable, the fused path on, ``grad`` float32 ``(n_bags, dim)`` with
+        contiguous rows, ``batch`` with ids. False where this does not apply (the optimizer
+        has no fused step, or the slots of the forward are gone): then nothing was done."""
         return self._step_bags(batch, grad, batch.counts if counts is None else counts,
-                               threads)
+                               threads, (sums, steps))
 
     def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
-                   threads: int) -> bool:
+                   threads: int, defer: tuple[np.ndarray, list[Any]] | None = None) -> bool:
         """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
-        (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
+        (``FusedBagPooling.step_bags``, or with ``defer`` its deferred form); False where it
+        does not cover the optimizer."""
         w = self.writer
         width = np.empty((0, w.layout.dim), dtype=np.float32)
         axpy = w.optimizer.axpy_step(width)
@@ -119,9 +125,11 @@ class BagPath:
             kw["dropped"] = dropped = np.zeros(1, dtype=np.int64)
         try:
             row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
-            done = cast("FusedBagPooling", w.backend).step_bags(
-                batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
-                threads, w.rounding_seed(), **kw)
+            step: Callable[..., bool | None] = (
+                cast("FusedBagPooling", w.backend).step_bags if defer is None
+                else functools.partial(cast(Any, w.backend).defer_bags_step, *defer))
+            done = step(batch.uniq, row_update, batch.inv, batch.offsets, batch.weights,
+                        batch.mean, grad, threads, w.rounding_seed(), **kw)
         finally:
             w.step -= 0 if done else 1  # nothing was written
         if done is False:

@@ -230,28 +230,30 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
         try:
             for part, gb, s, ok, bags in zip(parts, grads, sums, finite.tolist(), tables,
                                              strict=True):
+                if ok and _defer_table(part, gb, s, steps, threads):
+                    continue
                 if ok:
                     bags.defer_step(part.batch.uniq, s, steps)
                 try:
-                    _step_table(part, gb, threads)
+                    _fused.step_block(part.store, part.batch, part.count, gb, threads)
                 finally:
                     bags.defer_step(None)
         finally:
             step_tables(steps, threads)
 
 
-def _step_table(part: Part, grad: np.ndarray, threads: int) -> None:
-    """``_fused.step_block`` of a table of :func:`_step_together`, whose checks were made:
-    the fused path is on (:func:`_native`), ``grad`` is the table's columns of the float32
-    gradient (rows contiguous); the general path where the backend's step does not cover
-    the optimizer."""
+def _defer_table(part: Part, grad: np.ndarray, sums: np.ndarray, steps: list,
+                 threads: int) -> bool:
+    """A table's step of :func:`_step_together` appended to ``steps`` (``sums``: its finite
+    gradient sums; ``grad``: its columns of the float32 gradient, rows contiguous), the
+    checks of ``_fused.step_block`` made here or by :func:`_native`; False where it takes
+    ``step_block`` (nothing done)."""
     store, batch = part.store, part.batch
     store.check_writable()
     if not len(batch.uniq):
-        return
+        return True
     counts = None if part.count else np.zeros(len(batch.uniq), dtype=np.int64)
-    if not store.bags.step_checked(batch, grad, counts, threads):
-        _fused.step_block(store, batch, part.count, grad, threads)
+    return bool(store.bags.defer_checked(batch, grad, counts, threads, sums, steps))
 
 
 # -- under torch.compile: one op for every table -----------------------------------------------

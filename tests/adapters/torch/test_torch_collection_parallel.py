@@ -127,6 +127,35 @@ def test_the_memory_tables_go_through_one_native_call_each_way(monkeypatch):
     assert calls == [("probe_pool", n), ("sum_tables", n), ("step_tables", n)] * 2
 
 
+def test_keys_placed_between_a_forward_and_its_backward_leave_the_step_whole(monkeypatch):
+    """A table whose keys changed between a forward and its backward (another caller placed
+    keys, so the slots kept at the forward may not be used) steps through its own store call,
+    the others as one call: the bits of one call per table."""
+    from embstore.backends.memory import MemoryBackend
+
+    deferred: list[bool | None] = []
+    real = MemoryBackend.defer_bags_step
+
+    def spy(self, *args, **kw):
+        deferred.append(real(self, *args, **kw))
+        return deferred[-1]
+    monkeypatch.setattr(MemoryBackend, "defer_bags_step", spy)
+    batches = _batches(3, True)
+    trained = []
+    for parallel in (True, False):
+        monkeypatch.setattr(_fused_tables, "TABLE_PARALLEL", parallel)
+        stores = _stores("adagrad")
+        coll = DynamicEmbeddingBagCollection(stores)
+        for i, kj in enumerate(batches):
+            values = coll(kj).values()
+            stores["item"].lookup(np.arange(1000 + 10 * i, 1010 + 10 * i))  # placed meanwhile
+            values.square().sum().backward()
+        trained.append(stores)
+    _same_stores(*trained)
+    assert deferred.count(None) == len(batches)  # the "item" table each step
+    assert deferred.count(True) == (len(DIMS) - 1) * len(batches)
+
+
 def test_stores_that_cannot_take_them_keep_their_own_calls(monkeypatch):
     """A store with an eviction capacity (its policy acts on rows after each update) steps
     on its own; the others together; the bits are the general path's either way."""

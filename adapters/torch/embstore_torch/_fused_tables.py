@@ -105,7 +105,7 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
     buf = out.numpy()
     threads = torch.get_num_threads()
     # (bad lengths: each store's own call says so)
-    together = [] if (np.diff(bounds) < 0).any() else _together(parts)
+    together = [] if (bounds[1:] < bounds[:-1]).any() else _together(parts)
     if together:
         _pool_together([parts[i] for i in together], [where[i] for i in together], flat,
                        bounds, stride, weights, buf, threads)

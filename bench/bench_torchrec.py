@@ -4,7 +4,7 @@ Usage::
 
     make torchrec-venv                       # .venv-torchrec: torch 2.13 + fbgemm-gpu-cpu 1.8.0
     python bench/bench_torchrec.py [--quick] [--threads 1,2] [--rounds 5] [--json out.json]
-                                   [--keep-freed-memory]
+                                   [--keep-freed-memory] [--phases]
 
 The model is the same for every contender: one table per sparse feature (dim 64, ids drawn
 Zipf(1.1) over ``--rows`` ids per table), the pooled (sum) features concatenated -> Linear -> BCE,
@@ -42,6 +42,9 @@ time over the contender's (above 1: faster than FBGEMM); ``x floor`` is the cont
 time over the floor's (how far from moving each byte once). ``--keep-freed-memory`` runs
 every contender with glibc keeping freed memory for reuse (see ``KEEP_FREED``).
 On a loaded machine wall time drifts; compare within one run, and read CPU time alongside.
+``--phases`` then prints where each contender's one-thread step goes: CPU per step of the
+forward, of the backward (the rest of the step less the dense part alone) and of the dense
+part, and embstore's native calls' share of its forward and backward (the rest is Python).
 """
 
 from __future__ import annotations
@@ -179,6 +182,10 @@ class Contender:
         self.sparse_opt = None
 
     def step(self, ids: np.ndarray) -> None:
+        dense_step(self, self.forward(ids))
+
+    def forward(self, ids: np.ndarray) -> Any:
+        """The pooled features of a batch (every table's forward)."""
         torch = self.torch
         batch, features, bag = self.shape
         if self.kind == "fbgemm":  # table-major flat indices, one bag per (table, sample)
@@ -193,7 +200,7 @@ class Contender:
         else:
             pooled = torch.cat([self.bags[f](torch.from_numpy(ids[f]))
                                 for f in range(features)], dim=1)
-        dense_step(self, pooled)
+        return pooled
 
     def round(self, batches: np.ndarray, steps: int, threads: int) -> dict[str, float]:
         """``steps`` steps over the batches; per-step wall and CPU seconds."""
@@ -203,6 +210,65 @@ class Contender:
             self.step(batches[i % len(batches)])
         return {"wall": (time.perf_counter() - wall) / steps,
                 "cpu": (time.process_time() - cpu) / steps}
+
+
+    def phases(self, batches: np.ndarray, steps: int) -> dict[str, float]:
+        """``--phases``: CPU seconds per step (this thread's, one thread) of the forward, of
+        the rest of the step (the dense part, the tables' backward and every optimizer) and
+        of the dense part alone (the same head stepped from a leaf in place of the tables),
+        and for embstore's table-parallel calls the native calls' share of the forward
+        (``probe_pool``) and of the backward (``sum_tables``, ``step_tables``)."""
+        torch = self.torch
+        torch.set_num_threads(1)
+        native = {"probe_pool": 0.0, "sum_tables": 0.0, "step_tables": 0.0}
+        timed = {}
+        if self.kind in ("embstore", "embstore-bf16"):  # (the table-parallel calls)
+            from embstore_torch import _fused_tables
+
+            for name in native:
+                timed[name] = real = getattr(_fused_tables, name)
+
+                def spy(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+                    t = time.thread_time()
+                    try:
+                        return _real(*a, **kw)
+                    finally:
+                        native[_name] += time.thread_time() - t
+                setattr(_fused_tables, name, spy)
+        fwd = rest = dense = 0.0
+        leaf = torch.randn(self.shape[0], self.shape[1] * DIM, requires_grad=True)
+        try:
+            for i in range(steps):
+                t0 = time.thread_time()
+                pooled = self.forward(batches[i % len(batches)])
+                t1 = time.thread_time()
+                dense_step(self, pooled)
+                t2 = time.thread_time()
+                dense_step(self, leaf)  # (the head's own step: the same cost every time)
+                t3 = time.thread_time()
+                fwd, rest, dense = fwd + t1 - t0, rest + t2 - t1, dense + t3 - t2
+        finally:
+            for name, real in timed.items():
+                setattr(_fused_tables, name, real)
+        out = {"forward": fwd / steps, "rest": rest / steps, "dense": dense / steps}
+        if timed:
+            out["forward_native"] = native["probe_pool"] / steps
+            out["backward_native"] = (native["sum_tables"] + native["step_tables"]) / steps
+        return out
+
+
+def print_phases(name: str, phases: dict[str, dict[str, float]]) -> None:
+    """The ``--phases`` table of one shape: CPU ms per step by phase, each contender."""
+    print(f"\n{name}: CPU ms per step by phase (one thread; backward: the rest of the step "
+          f"less the dense part alone)")
+    print(f"{'contender':<17}{'forward':>9}{'native':>8}{'backward':>10}{'native':>8}"
+          f"{'dense':>8}{'step':>8}")
+    for kind, p in phases.items():
+        back = p["rest"] - p["dense"]
+        fn, bn = (f"{p[k] * 1e3:>8.2f}" if k in p else f"{'-':>8}"
+                  for k in ("forward_native", "backward_native"))
+        print(f"{kind:<17}{p['forward'] * 1e3:>9.2f}{fn}{back * 1e3:>10.2f}{bn}"
+              f"{p['dense'] * 1e3:>8.2f}{(p['forward'] + p['rest']) * 1e3:>8.2f}")
 
 
 def dense_step(model: Any, pooled: Any) -> None:
@@ -233,6 +299,8 @@ def serve_peer() -> None:
             models[name] = Contender("fbgemm", cmd["rows"], tuple(cmd["dims"]))
             models[name].round(data[name], len(data[name]), 1)  # warm up
             out: dict[str, object] = {"ok": True}
+        elif cmd["op"] == "phases":
+            out = models[name].phases(data[name], cmd["steps"])
         else:
             out = models[name].round(data[name], cmd["steps"], cmd["threads"])
         print(json.dumps(out), flush=True)
@@ -293,8 +361,16 @@ def run(args: argparse.Namespace) -> dict:
                 if peer is not None:
                     times.setdefault(("fbgemm", t), []).append(
                         peer.ask(op="round", shape=name, steps=args.steps, threads=t))
-        del models
         results["shapes"][name] = report(name, dims, times, floor, threads)
+        if args.phases:
+            phases = {kind: m.phases(batches, args.steps * args.rounds)
+                      for kind, m in models.items()}
+            if peer is not None:
+                phases["fbgemm"] = peer.ask(op="phases", shape=name,
+                                            steps=args.steps * args.rounds)
+            print_phases(name, phases)
+            results["shapes"][name]["phases"] = phases
+        del models
     if peer is not None:
         peer.close()
     return results
@@ -349,6 +425,9 @@ def main() -> None:
                     help="run every contender (this process and the FBGEMM peer) with glibc "
                     "keeping freed memory for reuse (MALLOC_MMAP_THRESHOLD_ / "
                     "MALLOC_TRIM_THRESHOLD_), as jemalloc or tcmalloc would")
+    ap.add_argument("--phases", action="store_true",
+                    help="after the rounds, CPU per step by phase on one thread (forward, "
+                    "backward, the dense part; embstore's native calls' share)")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer:

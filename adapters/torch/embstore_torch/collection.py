@@ -194,7 +194,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
         bad = [f for f in self.features if weights is not None and self.pooling[f] != "sum"]
         if bad:  # checked before any table is read: bad input writes nothing
             raise InvalidInputError(f"weighted features need sum pooling: {bad}")
-        bounds = np.concatenate(([0], np.cumsum(lengths)))
+        bounds = (features.offsets_array() if isinstance(features, KeyedJagged)
+                  else np.concatenate(([0], np.cumsum(lengths))))
         where = {k: i for i, k in enumerate(keys)}  # feature -> its block of bags
         parts = self._fused_parts(weights)
         flat = _fused.int64_ids(values) if parts is not None else None

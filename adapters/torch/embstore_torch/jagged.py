@@ -61,12 +61,14 @@ class KeyedJagged:
             raise InvalidInputError("give exactly one of lengths and offsets")
         if lengths is not None:
             lens = _int_array(lengths, "lengths")
-            if (lens < 0).any() or int(lens.sum()) != n:
+            offs = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offs[1:])
+            if (lens < 0).any() or int(offs[-1]) != n:
                 raise InvalidInputError(
                     f"lengths must be non-negative and sum to len(values) = {n}, "
                     f"got sum {int(lens.sum())}")
         else:
-            offs = _int_array(offsets, "offsets")
+            offs = _int_array(offsets, "offsets").copy()  # (held: not the caller's array)
             if (len(offs) == 0 or offs[0] != 0 or offs[-1] != n
                     or (np.diff(offs) < 0).any()):
                 raise InvalidInputError(
@@ -75,7 +77,7 @@ class KeyedJagged:
         if self._keys and len(lens) % len(self._keys):
             raise InvalidInputError(
                 f"{len(lens)} bags do not split evenly over {len(self._keys)} features")
-        self._lengths = lens
+        self._lengths, self._offsets = lens, offs
         self._stride = len(lens) // len(self._keys) if self._keys else 0
         if weights is not None and len(weights) != n:
             raise InvalidInputError(f"weights must have one entry per value ({n})")
@@ -139,7 +141,12 @@ class KeyedJagged:
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(([0], np.cumsum(self._lengths))))
+        return torch.from_numpy(self._offsets)
+
+    def offsets_array(self) -> np.ndarray:
+        """The bags' bounds (``len(lengths) + 1``, int64) as the array held (no copy: do not
+        modify)."""
+        return self._offsets
 
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights

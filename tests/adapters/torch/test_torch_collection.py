@@ -91,6 +91,22 @@ def test_trains_like_embedding_bags_over_shared_tables():
         assert store.step == 6
 
 
+def test_keyed_jagged_offsets_and_lengths_agree_and_are_its_own():
+    lengths = np.array([2, 0, 1, 3], dtype=np.int64)
+    values = np.arange(6)
+    by_lengths = KeyedJagged(["a", "b"], values, lengths=lengths)
+    offsets = np.array([0, 2, 2, 3, 6])
+    by_offsets = KeyedJagged(["a", "b"], values, offsets=offsets)
+    for kj in (by_lengths, by_offsets):
+        assert kj.offsets().tolist() == [0, 2, 2, 3, 6]
+        assert kj.offsets_array().dtype == np.int64
+        assert kj.lengths().tolist() == [2, 0, 1, 3]
+    offsets[1] = 5  # the caller's array changes afterwards: the bags do not
+    assert by_offsets.offsets().tolist() == [0, 2, 2, 3, 6]
+    with pytest.raises(InvalidInputError, match="non-negative"):
+        KeyedJagged(["a"], values, lengths=np.array([7, -1]))
+
+
 def test_counts_cover_every_feature_of_a_shared_table():
     ebc, stores = _collection(_weights())
     out = ebc({"item_id": [[1, 2], [1]], "history": [[1, 3, 3], []], "user_tags": [[0], [0]]})

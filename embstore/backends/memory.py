@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -65,6 +65,10 @@ def _forked(pid: int) -> ForkedProcessError:
         "child only has a copy, its updates would never reach the parent. Open the store in "
         "the child, use a persistent backend (lmdb://, rocksdb://, sql, bigtable://) shared "
         "by URL, or start workers with 'spawn'")
+
+
+def _closed(url: str) -> NoReturn:
+    raise StoreClosedError(f"{url}: the memory:// table is closed (or not bound)")
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
@@ -160,15 +164,11 @@ class MemoryBackend(Backend):
 
     @property
     def _records(self) -> RecordArena:
-        if self._arena is None:
-            raise StoreClosedError(f"{self.url}: the memory:// table is closed (or not bound)")
-        return self._arena
+        return self._arena if self._arena is not None else _closed(self.url)
 
     @property
     def _key_table(self) -> CuckooTable | BytesTable:
-        if self._table is None:
-            raise StoreClosedError(f"{self.url}: the memory:// table is closed (or not bound)")
-        return self._table
+        return self._table if self._table is not None else _closed(self.url)
 
     def read_meta(self) -> dict | None:
         return None if self._meta is None else dict(self._meta)
@@ -304,29 +304,10 @@ class MemoryBackend(Backend):
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         slots = recall(self._last_find, self._epoch, keys)
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
-                               update, *bags, keys=keys, **kw)
-
-    def defer_bags_step(self, sums: np.ndarray, steps: list, keys: np.ndarray,
-                        update: RowUpdate, *bags: Any, **kw: Any) -> bool | None:
-        """``step_bags`` of a collection's table-parallel step: its arguments appended to
-        ``steps`` with ``sums`` (the keys' gradient sums, all finite) for one
-        ``fused.step_tables`` call, True; None, with nothing done, where the slots
-        ``lookup_pool`` kept for ``keys`` are gone (a key placed or removed since) or the
-        kernels do not cover the layout or rule. The caller holds the lock (``fused_table``);
-        a batch with keys turned away or max-pooled takes ``step_bags``."""
-        slots = recall(self._last_find, self._epoch, keys)
-        if slots is None or kw:
-            return None
-        args = self._bags.rows.step_args(self._records, slots, update, *bags)
-        if args is None:
-            return None
-        steps.append((sums, args))
-        return True
+                               update, *bags, keys=keys, kept=slots is not None, **kw)
 
     def keep_found(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        """What ``lookup_pool`` keeps for ``step_bags`` where a probe ahead found every key of
-        ``keys`` (a batch's own distinct keys, never changed) at ``slots`` and pooled the
-        bags: nothing to place or pool. The caller holds the lock (``fused_table``)."""
+        """``lookup_pool``'s record of a probe ahead that found every key (under the lock)."""
         self._last_find = (keys, slots, self._epoch)
 
     def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:

@@ -149,6 +149,22 @@ class BagKernels:
         ``sums``, its per-key gradient sums, all finite (``fused.sum_tables``)."""
         self.deferred = None if keys is None else (keys, sums, steps)
 
+    def defer(self, arena: Any, slots: np.ndarray, update: Any, *bags: Any,
+              defer: tuple[np.ndarray, list[Any]], **kw: Any) -> bool | None:
+        """:meth:`step` of a collection's table-parallel step at ``slots`` (those its forward
+        kept: all occupied, no scratch rows): ``(sums, step_bags' arguments)`` appended to
+        ``steps`` for one :func:`~embstore._cython.fused.step_tables` call, ``defer`` being
+        ``(sums, steps)`` (the keys' gradient sums, all finite), True; None, nothing done,
+        where the kernels do not cover the layout or rule, or ``kw`` asks for more (a max's
+        ``argmax``, ``dropped`` keys): then :meth:`step` takes it."""
+        if any(v is not None for v in kw.values()):
+            return None
+        args = self.rows.step_args(arena, slots, update, *bags)
+        if args is None:
+            return None
+        defer[1].append((defer[0], args))
+        return True
+
     def pool(self, arena: Any, slots: np.ndarray, inv: np.ndarray, offsets: np.ndarray,
              weights: np.ndarray, mean: bool, out: np.ndarray, threads: int = 1, *,
              argmax: np.ndarray | None = None) -> None:
@@ -163,12 +179,19 @@ class BagKernels:
              offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
              threads: int = 1, rounding: int | None = None, *,
              keys: np.ndarray | None = None, argmax: np.ndarray | None = None,
-             dropped: np.ndarray | None = None) -> bool | None:
+             dropped: np.ndarray | None = None, kept: bool = False,
+             defer: tuple[np.ndarray, list[Any]] | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` at ``slots``: None where a slot is empty (a key lost
         its record) or the kernels do not cover the layout or rule; False (nothing written)
         where a summed gradient is not finite. True, not yet written, for the ``keys`` of
         :meth:`defer_step`. The slots of a batch with :meth:`scratch_rows` step those rows
-        (and free them), ``dropped[0]`` set to how many."""
+        (and free them), ``dropped[0]`` set to how many. ``defer``: :meth:`defer` at the
+        slots the forward ``kept`` (None where they are gone)."""
+        if defer is not None:
+            if not kept:
+                return None
+            return self.defer(arena, slots, update, inv, offsets, weights, mean, grad, threads,
+                              rounding, defer=defer, argmax=argmax, dropped=dropped)
         scratch = self.scratch
         if scratch is not None and scratch[0] is slots and scratch[1] is not None:
             try:  # ``lookup_pool``'s with ids turned away: their rows, freed after the step

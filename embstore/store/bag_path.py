@@ -17,8 +17,6 @@ vectors from rows the table does not hold, and the step drops their gradients (c
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -96,12 +94,13 @@ class BagPath:
     def defer_checked(self, batch: BagBatch, grad: np.ndarray, counts: np.ndarray | None,
                       threads: int, sums: np.ndarray, steps: list[Any]) -> bool:
         """:meth:`update_bags` of a collection's table-parallel step (``memory://``'s
-        ``defer_bags_step``): the table's step appended to ``steps`` with ``sums``, its per-id
-        gradient sums (all finite), for one ``fused.step_tables`` call of every table, which
-        the caller makes under the store's lock. The caller checked what :meth:`update_bags`
-        checks: the store writable, the fused path on, ``grad`` float32 ``(n_bags, dim)`` with
-        contiguous rows, ``batch`` with ids. False where this does not apply (the optimizer
-        has no fused step, or the slots of the forward are gone): then nothing was done."""
+        ``step_bags`` with ``defer``): the table's step appended to ``steps`` with ``sums``,
+        its per-id gradient sums (all finite), for one ``fused.step_tables`` call of every
+        table, which the caller makes under the store's lock. The caller checked what
+        :meth:`update_bags` checks: the store writable, the fused path on, ``grad`` float32
+        ``(n_bags, dim)`` with contiguous rows, ``batch`` with ids. False where this does not
+        apply (the optimizer has no fused step, or the slots of the forward are gone): then
+        nothing was done."""
         return self._step_bags(batch, grad, batch.counts if counts is None else counts,
                                threads, (sums, steps))
 
@@ -125,11 +124,11 @@ class BagPath:
             kw["dropped"] = dropped = np.zeros(1, dtype=np.int64)
         try:
             row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
-            step: Callable[..., bool | None] = (
-                cast("FusedBagPooling", w.backend).step_bags if defer is None
-                else functools.partial(cast(Any, w.backend).defer_bags_step, *defer))
-            done = step(batch.uniq, row_update, batch.inv, batch.offsets, batch.weights,
-                        batch.mean, grad, threads, w.rounding_seed(), **kw)
+            if defer is not None:  # (memory://'s step_bags appends it: BagKernels.defer)
+                kw["defer"] = defer
+            done = cast("FusedBagPooling", w.backend).step_bags(
+                batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
+                threads, w.rounding_seed(), **kw)
         finally:
             w.step -= 0 if done else 1  # nothing was written
         if done is False:

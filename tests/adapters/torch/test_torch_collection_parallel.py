@@ -134,12 +134,14 @@ def test_keys_placed_between_a_forward_and_its_backward_leave_the_step_whole(mon
     from embstore.backends.memory import MemoryBackend
 
     deferred: list[bool | None] = []
-    real = MemoryBackend.defer_bags_step
+    real = MemoryBackend.step_bags
 
     def spy(self, *args, **kw):
-        deferred.append(real(self, *args, **kw))
-        return deferred[-1]
-    monkeypatch.setattr(MemoryBackend, "defer_bags_step", spy)
+        done = real(self, *args, **kw)
+        if "defer" in kw:
+            deferred.append(done)
+        return done
+    monkeypatch.setattr(MemoryBackend, "step_bags", spy)
     batches = _batches(3, True)
     trained = []
     for parallel in (True, False):

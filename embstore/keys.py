@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ._keys import BYTES_KEY_HASH, factorize_keys, key_hash64, normalize_keys
+from ._keys import BYTES_KEY_HASH, DistinctKeys, factorize_keys, key_hash64, normalize_keys
 
 # one public name per operation; the compiled primitives behind them stay in embstore._keys
-__all__ = ["BYTES_KEY_HASH", "factorize", "hash64", "normalize"]
+__all__ = ["BYTES_KEY_HASH", "DistinctKeys", "factorize", "hash64", "normalize"]
 
 
 def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:
@@ -31,19 +31,22 @@ def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:
     return normalize_keys(keys, key_type)
 
 
-def factorize(keys: Any, *, return_index: bool = False
-              ) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]:
+def factorize(keys: Any, *, return_index: bool = False, distinct: bool = False
+              ) -> tuple[Any, np.ndarray] | tuple[Any, np.ndarray, np.ndarray]:
     """Distinct string keys in first-seen order and each element's index among them.
 
     Returns ``(uniq, inverse)``: ``uniq`` an object array of ``bytes``, ``inverse`` int64,
     with ``uniq[inverse]`` equal to the normalized keys. With ``return_index=True``,
     ``(uniq, first, inverse)``: ``first`` (int64) the position of each distinct key's first
     occurrence, to pick the caller's own values (``str`` kept as ``str``). Hashing and
-    comparing run in compiled code (no per-key Python).
+    comparing run in compiled code (no per-key Python). With ``distinct=True``, ``uniq`` is
+    a :class:`DistinctKeys` (the array is its ``keys``): a store's ``lookup`` and ``update``
+    take it and skip normalizing and deduplicating it again.
     """
     k = normalize_keys(keys, "bytes")
     first, inverse = factorize_keys(k)
-    return (k[first], first, inverse) if return_index else (k[first], inverse)
+    uniq = DistinctKeys.found(k[first]) if distinct else k[first]
+    return (uniq, first, inverse) if return_index else (uniq, inverse)
 
 
 def hash64(keys: Any, key_type: str | None = None) -> np.ndarray:

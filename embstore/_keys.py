@@ -227,6 +227,32 @@ def factorize_keys(keys: Any) -> tuple[np.ndarray, np.ndarray]:
         raise _bad_key_error(keys, e) from None
 
 
+def raw_string_array(keys: Any) -> bool:
+    """Whether ``keys`` is a 1-D contiguous object array: the compiled loops read its
+    ``bytes``/``str`` items as they are (str by its UTF-8 form, the key it normalizes to), so
+    a dedupe or a hash of it needs no normalizing walk over every key object first."""
+    return (type(keys) is np.ndarray and keys.dtype == object and keys.ndim == 1
+            and keys.flags.c_contiguous)
+
+
+def factorize_raw(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`factorize_keys` of a :func:`raw_string_array` as it is, or None where an item
+    is neither bytes nor str (the caller normalizes then, and refuses with a typed error)."""
+    try:
+        return strkeys.factorize(keys)
+    except TypeError:
+        return None
+
+
+def hash64_raw(keys: np.ndarray) -> np.ndarray | None:
+    """:func:`key_hash64` of a :func:`raw_string_array` as it is (the hashes of its
+    normalized keys), or None where an item is neither bytes nor str."""
+    try:
+        return strkeys.hash64(keys)
+    except TypeError:
+        return None
+
+
 def keys_in(keys: np.ndarray, among: np.ndarray) -> np.ndarray:
     """Bool mask (the shape of ``keys``) of the keys found among ``among``: ``np.isin`` for
     int64 keys; for bytes keys a compiled hash set of ``among`` probed once per key, linear

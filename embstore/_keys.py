@@ -88,7 +88,9 @@ class DistinctKeys:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         # a store that does not know this type reads it as the array it wraps
-        return self.keys if dtype is None else self.keys.astype(dtype)
+        if dtype is not None:
+            return self.keys.astype(dtype)
+        return self.keys.copy() if copy else self.keys
 
     def __repr__(self) -> str:
         return f"DistinctKeys({self.keys!r})"

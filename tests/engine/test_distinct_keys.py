@@ -106,7 +106,8 @@ def test_a_batch_with_repeats_is_still_summed_per_key():
 def test_distinct_keys_built_by_hand_are_normalized_and_checked():
     dk = DistinctKeys(["a", b"b", "é"])
     assert dk.keys.tolist() == [b"a", b"b", "é".encode()] and len(dk) == 3
-    assert np.asarray(dk).tolist() == dk.keys.tolist()   # read as its array by other code
+    assert np.asarray(dk) is dk.keys                    # read as its array by other code
+    assert not np.shares_memory(np.array(dk), dk.keys)   # a copy where one is asked for
     with pytest.raises(InvalidInputError, match="1 of 3 keys repeat"):
         DistinctKeys(["a", "b", b"a"])
     with pytest.raises(InvalidInputError, match="repeat"):

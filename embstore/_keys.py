@@ -45,16 +45,78 @@ def _to_numpy(keys: Any) -> Any:
     return keys
 
 
+class DistinctKeys:
+    """A batch of keys in a store's key form (a contiguous 1-D int64 array, or an object
+    array of plain ``bytes``) in which no key repeats: what a dedupe found.
+
+    Stores take it wherever they take keys. ``lookup`` and ``update`` then skip the work the
+    dedupe did already: normalizing the batch again, and summing the rows of repeated keys
+    (``update``) or deduplicating the keys it inserts (``lookup``), which would find none.
+    :func:`embstore.keys.factorize` returns one with ``distinct=True`` at no extra cost (the
+    PyTorch adapter hands its batches' keys to the store so); ``DistinctKeys(keys, key_type)``
+    normalizes any keys and checks them (``InvalidInputError`` where a key repeats).
+
+    Attributes
+    ----------
+    keys : numpy.ndarray
+        The keys (do not modify them: the batch is known distinct as it is).
+    """
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Any, key_type: str = "bytes") -> None:
+        k = normalize_keys(keys, key_type)
+        n_distinct = (len(factorize_keys(k)[0]) if k.dtype == object
+                      else len(np.unique(k)))
+        if n_distinct != len(k):
+            raise InvalidInputError(f"DistinctKeys: {len(k) - n_distinct} of {len(k)} keys "
+                                    "repeat an earlier key")
+        self.keys = k
+
+    @classmethod
+    def found(cls, keys: np.ndarray) -> DistinctKeys:
+        """The distinct keys a dedupe returned, as they are: not checked again (trusted)."""
+        out = cls.__new__(cls)
+        out.keys = keys
+        return out
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Any:
+        return iter(self.keys)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        # a store that does not know this type reads it as the array it wraps
+        if dtype is not None:
+            return self.keys.astype(dtype)
+        return self.keys.copy() if copy else self.keys
+
+    def __repr__(self) -> str:
+        return f"DistinctKeys({self.keys!r})"
+
+
 def normalize_keys(keys: Any, key_type: str) -> np.ndarray:
     """Return keys as a contiguous 1-D int64 array or 1-D object array of bytes.
 
     Raises ``KeyTypeError`` when the keys do not fit ``key_type`` and ``InvalidInputError``
     for shapes other than 1-D (a scalar is promoted to one key).
     """
+    return normalize_distinct(keys, key_type)[0]
+
+
+def normalize_distinct(keys: Any, key_type: str) -> tuple[np.ndarray, bool]:
+    """:func:`normalize_keys`, and whether the keys are known distinct: a
+    :class:`DistinctKeys` of the store's key type, taken as it is (no second walk over it)."""
+    if type(keys) is DistinctKeys:
+        k = keys.keys
+        if k.dtype == (object if key_type == "bytes" else np.int64):
+            return k, True
+        keys = k  # the other key type's: normalized (and refused) as any array
     keys = _to_numpy(keys)
     if key_type == "int64":
-        return _normalize_int_keys(keys)
-    return _normalize_bytes_keys(keys)
+        return _normalize_int_keys(keys), False
+    return _normalize_bytes_keys(keys), False
 
 
 _U64_SPAN = 1 << 64
@@ -165,6 +227,32 @@ def factorize_keys(keys: Any) -> tuple[np.ndarray, np.ndarray]:
         return strkeys.factorize(keys)
     except TypeError as e:
         raise _bad_key_error(keys, e) from None
+
+
+def raw_string_array(keys: Any) -> bool:
+    """Whether ``keys`` is a 1-D contiguous object array: the compiled loops read its
+    ``bytes``/``str`` items as they are (str by its UTF-8 form, the key it normalizes to), so
+    a dedupe or a hash of it needs no normalizing walk over every key object first."""
+    return (type(keys) is np.ndarray and keys.dtype == object and keys.ndim == 1
+            and keys.flags.c_contiguous)
+
+
+def factorize_raw(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`factorize_keys` of a :func:`raw_string_array` as it is, or None where an item
+    is neither bytes nor str (the caller normalizes then, and refuses with a typed error)."""
+    try:
+        return strkeys.factorize(keys)
+    except TypeError:
+        return None
+
+
+def hash64_raw(keys: np.ndarray) -> np.ndarray | None:
+    """:func:`key_hash64` of a :func:`raw_string_array` as it is (the hashes of its
+    normalized keys), or None where an item is neither bytes nor str."""
+    try:
+        return strkeys.hash64(keys)
+    except TypeError:
+        return None
 
 
 def keys_in(keys: np.ndarray, among: np.ndarray) -> np.ndarray:

@@ -15,10 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from ._keys import BYTES_KEY_HASH, factorize_keys, key_hash64, normalize_keys
+from ._keys import (
+    BYTES_KEY_HASH,
+    DistinctKeys,
+    factorize_keys,
+    factorize_raw,
+    hash64_raw,
+    key_hash64,
+    normalize_keys,
+    raw_string_array,
+)
 
 # one public name per operation; the compiled primitives behind them stay in embstore._keys
-__all__ = ["BYTES_KEY_HASH", "factorize", "hash64", "normalize"]
+__all__ = ["BYTES_KEY_HASH", "DistinctKeys", "factorize", "hash64", "normalize"]
 
 
 def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:
@@ -31,19 +40,31 @@ def normalize(keys: Any, key_type: str = "bytes") -> np.ndarray:
     return normalize_keys(keys, key_type)
 
 
-def factorize(keys: Any, *, return_index: bool = False
-              ) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]:
+def factorize(keys: Any, *, return_index: bool = False, distinct: bool = False
+              ) -> tuple[Any, np.ndarray] | tuple[Any, np.ndarray, np.ndarray]:
     """Distinct string keys in first-seen order and each element's index among them.
 
     Returns ``(uniq, inverse)``: ``uniq`` an object array of ``bytes``, ``inverse`` int64,
     with ``uniq[inverse]`` equal to the normalized keys. With ``return_index=True``,
     ``(uniq, first, inverse)``: ``first`` (int64) the position of each distinct key's first
     occurrence, to pick the caller's own values (``str`` kept as ``str``). Hashing and
-    comparing run in compiled code (no per-key Python).
+    comparing run in compiled code (no per-key Python). With ``distinct=True``, ``uniq`` is
+    a :class:`DistinctKeys` (the array is its ``keys``): a store's ``lookup`` and ``update``
+    take it and skip normalizing and deduplicating it again.
     """
-    k = normalize_keys(keys, "bytes")
-    first, inverse = factorize_keys(k)
-    return (k[first], first, inverse) if return_index else (k[first], inverse)
+    found = factorize_raw(keys) if raw_string_array(keys) else None
+    if found is not None:
+        # deduplicated as they are, then only the distinct keys normalized: one walk over
+        # every key object instead of two (the same groups: a str is its UTF-8 bytes' key)
+        first, inverse = found
+        k = normalize_keys(keys[first], "bytes")
+        uniq: Any = k
+    else:
+        k = normalize_keys(keys, "bytes")
+        first, inverse = factorize_keys(k)
+        uniq = k[first]
+    uniq = DistinctKeys.found(uniq) if distinct else uniq
+    return (uniq, first, inverse) if return_index else (uniq, inverse)
 
 
 def hash64(keys: Any, key_type: str | None = None) -> np.ndarray:
@@ -55,4 +76,8 @@ def hash64(keys: Any, key_type: str | None = None) -> np.ndarray:
     if key_type is None:
         integral = isinstance(keys, np.ndarray) and keys.dtype.kind in "iu"
         key_type = "int64" if integral else "bytes"
+    if key_type == "bytes" and raw_string_array(keys):
+        hashes = hash64_raw(keys)  # one walk over the key objects, none to normalize them
+        if hashes is not None:
+            return hashes
     return key_hash64(normalize_keys(keys, key_type))

@@ -192,17 +192,22 @@ def sample(store: Any, positive_keys: Any, num_sampled: int, sampler: Any = None
         neg_prob = expected_count(p, tries, unique)
         pos_prob = expected_count(idx.prob_of(snap, flat_pos), tries, unique)
 
+    # the drawn negatives are this call's own array (a fixed sampler's are the sampler's)
+    owned = not isinstance(sampler, FixedCandidatesSampler)
     results = merge_candidates(positives, pos_prob, neg, neg_prob, tries,
-                               remove_accidental_hits)
+                               remove_accidental_hits, owned)
     return results if batch else results[0]
 
 
 def merge_candidates(positives: list[np.ndarray], pos_prob: np.ndarray, neg: np.ndarray,
-                     neg_prob: np.ndarray, tries: int,
-                     remove_accidental_hits: bool) -> list[SampledResult]:
+                     neg_prob: np.ndarray, tries: int, remove_accidental_hits: bool,
+                     owned: bool = False) -> list[SampledResult]:
     """One :class:`SampledResult` per row of positives: its positives, then the shared
     negatives (less the row's own positives with ``remove_accidental_hits``), with their
-    expected counts (``pos_prob`` holds the positives' of every row, in order)."""
+    expected counts (``pos_prob`` holds the positives' of every row, in order). ``owned``:
+    ``neg`` is the caller's to give away, so the one result that returns it whole (no
+    positives, a single row) takes it as it is, where a copy would write the reference count
+    of every drawn key object once more."""
     results = []
     start = 0
     for pos in positives:
@@ -213,11 +218,15 @@ def merge_candidates(positives: list[np.ndarray], pos_prob: np.ndarray, neg: np.
             nk, npb = neg[keep], neg_prob[keep]
         else:
             nk, npb = neg, neg_prob
-        keys = np.concatenate((pos, nk)) if len(pos) else nk.copy()
+        if len(pos):
+            keys = np.concatenate((pos, nk))
+        else:
+            keys = nk if owned and len(positives) == 1 and nk is neg else nk.copy()
         is_pos = np.zeros(len(keys), dtype=bool)
         is_pos[:len(pos)] = True
         results.append(SampledResult(keys=keys, is_positive=is_pos,
-                                     prob=np.concatenate((pp, npb)).astype(np.float64),
+                                     prob=np.concatenate((pp, npb)).astype(np.float64,
+                                                                           copy=False),
                                      num_tries=tries))
     return results
 

@@ -374,7 +374,7 @@ class SamplingIndex:
         """Probability of one draw returning each key, under the snapshot (0 if not in it)."""
         out = np.zeros(len(keys), dtype=np.float64)
         total = snap.total
-        if total <= 0:
+        if total <= 0 or not len(keys):  # (sampling without positives asks for none)
             return out
         for s, sel in self._route(keys):
             k = keys if sel is None else keys[sel]

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .._keys import normalize_keys
+from .._keys import normalize_distinct, normalize_keys
 from ..backends.base import Backend
 from ..engine.batch import check_counts, check_rows, nd_keys, unique_first, unique_last
 from ..engine.fused import BagBatch, pooling_mode
@@ -249,9 +249,9 @@ class EmbeddingStore:
             cflat = None if counts is None else np.asarray(counts).reshape(-1)
             return self.lookup(keys, insert=insert, counts=cflat).reshape(
                 *shape, self.layout.dim)
-        k = normalize_keys(keys, self.key_type)
+        k, known_distinct = normalize_distinct(keys, self.key_type)
         c = None if counts is None else check_counts(counts, len(k))
-        return self.writer.lookup(k, c, insert)
+        return self.writer.lookup(k, c, insert, known_distinct)
 
     def prefetch(self, keys: Any) -> None:
         """Load the rows of ``keys`` in the background while the current step computes (with
@@ -287,11 +287,11 @@ class EmbeddingStore:
                 f"{self.url}: an {self.layout.value_dtype} store serves vectors and is not "
                 "trained; train a float32/float16/bfloat16 store and export it with "
                 "quantize='int8'")
-        k = normalize_keys(keys, self.key_type)
+        k, known_distinct = normalize_distinct(keys, self.key_type)
         g = check_rows(grads, len(k), self.layout.dim, "gradients")
         c = None if counts is None else check_counts(counts, len(k))
         if len(k):
-            self.writer.apply_gradients(k, g, c)
+            self.writer.apply_gradients(k, g, c, known_distinct)
 
     def assign(self, keys: Any, values: Any) -> None:
         """Set vectors directly (warm start). Optimizer slots and counts of existing keys are

@@ -170,8 +170,10 @@ class RecordWriter:
         return np.random.default_rng((self.seed & 0xFFFFFFFFFFFFFFFF, self.step, 0x5EED))
 
     # -- lookup ------------------------------------------------------------------------------------
-    def lookup(self, k: np.ndarray, c: np.ndarray | None, insert: bool) -> np.ndarray:
-        """``lookup`` of a clean key array: read, insert the misses a policy admits."""
+    def lookup(self, k: np.ndarray, c: np.ndarray | None, insert: bool,
+               known_distinct: bool = False) -> np.ndarray:
+        """``lookup`` of a clean key array: read, insert the misses a policy admits
+        (``known_distinct``: no key of ``k`` repeats, so none of its misses does)."""
         n = len(k)
         stats = self.stats
         stats["lookups"] += n
@@ -214,7 +216,7 @@ class RecordWriter:
         if insert and not self.read_only:
             now = self.stamp_time()  # before admission counts this batch's sightings
             miss_counts = None if c is None else (c if nfound == 0 else c[~found])
-            if distinct(miss_keys):
+            if known_distinct or distinct(miss_keys):
                 uniq, seen = miss_keys, miss_counts
             else:
                 uniq, first = unique_first(miss_keys)
@@ -265,9 +267,17 @@ class RecordWriter:
         return vectors, new, missed
 
     # -- update ------------------------------------------------------------------------------------
-    def apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None) -> None:
-        """``update`` of clean keys and gradients: one optimizer step per distinct key."""
-        uniq, summed, mult = coalesce(k, g)
+    def apply_gradients(self, k: np.ndarray, g: np.ndarray, c: np.ndarray | None,
+                        known_distinct: bool = False) -> None:
+        """``update`` of clean keys and gradients: one optimizer step per distinct key.
+        ``known_distinct``: no key of ``k`` repeats (a caller's dedupe found them), so the
+        rows need no summing; bytes keys then skip :func:`coalesce`, which would hash and
+        compare every key to find that (int64 keys take it still: it sorts them, in O(n)
+        where they come sorted)."""
+        if known_distinct and k.dtype == object:
+            uniq, summed, mult = k, g, np.ones(len(k), dtype=np.int64)
+        else:
+            uniq, summed, mult = coalesce(k, g)
         if c is not None:
             mult = sum_counts(k, uniq, c)
         self.apply_distinct(uniq, summed, mult, len(k))

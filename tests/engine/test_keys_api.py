@@ -9,7 +9,8 @@ from embstore._keys import factorize_keys, key_hash64
 
 
 def test_one_public_name_per_operation():
-    assert sorted(keys.__all__) == ["BYTES_KEY_HASH", "factorize", "hash64", "normalize"]
+    assert sorted(keys.__all__) == ["BYTES_KEY_HASH", "DistinctKeys", "factorize", "hash64",
+                                    "normalize"]
     for alias in ("normalize_keys", "factorize_keys", "key_hash64"):
         assert alias not in keys.__all__
 

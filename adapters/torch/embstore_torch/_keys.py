@@ -38,13 +38,19 @@ class KeyBatch:
         Row in ``uniq`` of each input element.
     shape : tuple of int
         The input's shape.
+    keys : DistinctKeys or the same as ``uniq``
+        ``uniq`` as the store is handed it: an :class:`embstore.keys.DistinctKeys` where
+        embstore's dedupe made ``uniq`` (the store's key form, no repeats), so that the store's
+        ``lookup`` and ``update`` do not normalize and deduplicate it once more each.
     """
 
-    __slots__ = ("uniq", "inv", "shape", "_group")
+    __slots__ = ("uniq", "inv", "shape", "_group", "keys")
 
     def __init__(self, uniq: Any, inv: torch.Tensor, shape: tuple[int, ...],
-                 group: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+                 group: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 keys: Any = None) -> None:
         self.uniq, self.inv, self.shape, self._group = uniq, inv, shape, group
+        self.keys = uniq if keys is None else keys
 
     def group(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(order, starts, counts)``: flat element positions grouped by key, where each
@@ -146,6 +152,13 @@ def factorize(flat: Sequence) -> tuple[np.ndarray, np.ndarray]:
     return out[0], out[-1]
 
 
+def string_batch(flat: Sequence, shape: tuple[int, ...]) -> KeyBatch:
+    """The :class:`KeyBatch` of flat str/bytes keys (see :func:`factorize`), its ``keys`` a
+    :class:`~embstore.keys.DistinctKeys`."""
+    uniq, inv = factorize_strings(flat, distinct=True)
+    return KeyBatch(uniq.keys, torch.from_numpy(inv).reshape(shape), shape, keys=uniq)
+
+
 def int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
     if len(flat) == 0:
         return KeyBatch(flat, torch.zeros(shape, dtype=torch.long), shape,
@@ -184,8 +197,7 @@ def prepare(input: Any) -> KeyBatch:
         flat = input.reshape(-1)
         flat = (np.ascontiguousarray(flat) if flat.dtype == object
                 else flat.astype(object))   # numpy str/bytes dtypes: one object each, in C
-        uniq, inv = factorize(flat)
-        return KeyBatch(uniq, torch.from_numpy(inv).reshape(input.shape), tuple(input.shape))
+        return string_batch(flat, tuple(input.shape))
     if isinstance(input, _STR):
         return KeyBatch([input], torch.zeros((), dtype=torch.long), ())
     if type(input).__module__.startswith("pyarrow") and hasattr(input, "to_numpy"):
@@ -209,8 +221,7 @@ def prepare(input: Any) -> KeyBatch:
         except (TypeError, ValueError, OverflowError) as e:
             raise KeyTypeError(f"keys mix integers with other types: {e}") from e
         return prepare(torch.from_numpy(arr))
-    uniq, inv = factorize(flat)
-    return KeyBatch(uniq, torch.from_numpy(inv).reshape(shape), shape)
+    return string_batch(flat, shape)
 
 
 def kept_starts(starts: np.ndarray, n: int, keep: np.ndarray) -> np.ndarray:
@@ -238,8 +249,7 @@ def prepare_bags(input: Any, offsets: Any) -> tuple[KeyBatch, torch.Tensor, int]
         if flat and isinstance(flat[0], (int, np.integer)):
             batch = prepare(torch.from_numpy(normalize(flat, "int64")))
         else:
-            uniq, inv_np = factorize(flat)
-            batch = KeyBatch(uniq, torch.from_numpy(inv_np), (len(flat),))
+            batch = string_batch(flat, (len(flat),))
         return batch, offs, 0
     batch = prepare(input)
     shape = batch.shape

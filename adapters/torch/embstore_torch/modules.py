@@ -233,8 +233,9 @@ class StoreModule(nn.Module):
         to the store, summed per key (the padding key's dropped): the backward of the
         ``embstore::lookup`` custom op."""
         pad = self._pad_row(batch.uniq)
-        keys = batch.uniq
+        keys = batch.keys
         if pad is not None:
+            keys = batch.uniq
             keys = (np.delete(keys, pad) if isinstance(keys, np.ndarray)
                     else keys[:pad] + keys[pad + 1:])
         order, starts, _ = batch.group()
@@ -294,7 +295,8 @@ class StoreModule(nn.Module):
         """``(vectors of batch.uniq, the keys looked up, padding row or None)``."""
         store = self._store_here()
         pad = self._pad_row(batch.uniq)
-        keys = batch.uniq
+        # the store's key form, known distinct where embstore deduplicated the batch
+        keys = batch.uniq if pad is not None or self.max_norm is not None else batch.keys
         counts = None
         if insert and self._lookup_counts and getattr(store, "admission", None) is not None:
             counts = batch.group()[2]  # admission counts occurrences, not distinct keys

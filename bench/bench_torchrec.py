@@ -244,7 +244,8 @@ class Contender:
                 t1 = time.thread_time()
                 dense_step(self, pooled)
                 t2 = time.thread_time()
-                dense_step(self, leaf)  # (the head's own step: the same cost every time)
+                leaf.grad = None  # (a fresh gradient, as the tables' output gets)
+                dense_step(self, leaf)
                 t3 = time.thread_time()
                 fwd, rest, dense = fwd + t1 - t0, rest + t2 - t1, dense + t3 - t2
         finally:

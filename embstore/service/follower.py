@@ -176,6 +176,7 @@ class Follower:
                 assert since is not None
                 with self.up.shard_subscribe(s, since, self.logs[s], interval) as sub:
                     self._subs[s] = sub
+                    sub.views = True   # each delta applied before the next is asked for
                     if stop.is_set():
                         return
                     for push in sub:

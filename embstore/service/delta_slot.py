@@ -3,18 +3,18 @@
 :func:`embstore.service.delta.delta_parts` reads a delta into fresh arrays, which the push
 then wrapped as Arrow batches and copied into the subscriber's segment: every changed row
 written twice and read three times per push at a trainer's full rate (a third of the
-worker's push CPU, measured). Where the delta fits the slot (int64 keys, at most its row
-capacity: 113k rows of 288 bytes in the 32 MB slot) the rows are gathered into the slot
-itself, chunk by chunk under the worker's lock as before (``memory://`` writes them there
-from its arena; other backends' rows are copied in once), and the keys changed during the
-read are read again and written over their rows in place. The result is the delta
+worker's push CPU, measured). For int64 keys the rows are gathered into the slot itself
+instead, chunk by chunk under the worker's lock as before (``memory://`` writes them there
+from its arena; other backends' rows are copied in once), a slot's worth at a time (113k
+rows of 288 bytes in the 32 MB slot), and the keys changed during the read are read again
+and written over their rows in place. The result is the delta
 :func:`~embstore.service.delta.delta_parts` reads — the same rows, one state of the shard —
-as one part the follower can apply from the slot without copying it out.
+whose last part the follower applies from the slot without copying it out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -24,7 +24,7 @@ from ..backends.memory import MemoryBackend
 from .changelog import ChangeLog
 from .delta import CHUNK, ascending, read_rows
 
-#: ``delta_into``'s answer where the delta does not fit the slot: read it the other way
+#: ``delta_into``'s answer where the slot cannot carry a delta: read it the other way
 NO_FIT = -1
 
 
@@ -60,59 +60,87 @@ def _read_into(store: Any, keys: np.ndarray, recs: np.ndarray, found: np.ndarray
 
 
 def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextManager[Any]],
-               since: int, slot: Slot | None, chunk: int = CHUNK) -> tuple[int, int | None]:
-    """``(seq, rows)``: the delta after ``since`` (what ``delta_parts`` reads) written into
-    the slot's first ``rows`` rows, keys distinct; rows None when the log no longer holds
-    ``since`` (a snapshot), :data:`NO_FIT` when the delta does not fit the slot or there
-    is none (nothing of it is sent from there: read it with ``delta_parts``)."""
+               since: int, slot: Slot | None, chunk: int = CHUNK
+               ) -> Iterator[tuple[int, int | None, bool]]:
+    """The delta after ``since`` (what ``delta_parts`` reads: one state of the shard) read
+    into the slot a part at a time: yields ``(seq, rows, last)`` once the slot's first
+    ``rows`` rows hold a part, and writes the next part into the same rows when asked for
+    it (send the part, wait until the subscriber copied it out, then ask). ``seq`` is the
+    delta's on the last part. One ``(seq, None, True)`` when the log no longer holds
+    ``since`` (a snapshot); one ``(since, NO_FIT, True)`` where the slot cannot carry it
+    (no slot, bytes keys: read it with ``delta_parts``).
+
+    A key written during the read is read again at the end: written over its row where the
+    part still in the slot holds it, else after the rows (where an earlier part, already
+    sent, held it, it travels twice and the subscriber applies the parts in order: its
+    last row wins)."""
     if slot is None:
-        return since, NO_FIT
+        yield since, NO_FIT, True
+        return
     keys, seq = log.since(since)
     if keys is None:
-        return seq, None
+        yield seq, None, True
+        return
     keys = store.normalize_keys(keys if len(keys) else [])
-    n = len(keys)
-    if keys.dtype != np.int64 or n > slot.rows or not ascending(keys):
-        return seq, NO_FIT
-    slot.keys[:n] = keys
-    for i in range(0, n, chunk):
-        j = min(n, i + chunk)
-        with hold():
-            _read_into(store, keys[i:j], slot.recs[i:j], slot.flags[i:j])
+    if keys.dtype != np.int64:
+        yield since, NO_FIT, True
+        return
+    n, cap, start = len(keys), slot.rows, 0
+    while True:    # the slot's part: keys[start:end]
+        end = min(n, start + cap)
+        slot.keys[:end - start] = keys[start:end]
+        for i in range(start, end, chunk):
+            j, a = min(end, i + chunk), i - start
+            with hold():
+                _read_into(store, keys[i:j], slot.recs[a:a + j - i], slot.flags[a:a + j - i])
+        if end == n:
+            break
+        yield since, end - start, False
+        start = end
     with hold():
         again, seq = log.since(seq)
         if again is None:
-            return seq, None
+            yield seq, None, True
+            return
         again = store.normalize_keys(again if len(again) else [])
-        if not len(again):
-            return seq, n
-        if not ascending(again):
-            return seq, NO_FIT
-        # a key written while the chunks were read travels once, as read last: over its
-        # row where the delta holds it (a binary search: both are sorted), else after them
-        pos = np.searchsorted(keys, again)
-        hit = pos < n
-        hit[hit] = keys[pos[hit]] == again[hit]
-        new = again[~hit]
-        if n + len(new) > slot.rows:
-            return seq, NO_FIT
         recs, found = read_rows(store, again)
+    fill = n - start
     raw = np.ascontiguousarray(recs).view(np.uint8).reshape(len(again), slot.width)
-    slot.recs[pos[hit]] = raw[hit]
-    slot.flags[pos[hit]] = found[hit]
-    m = len(new)
-    slot.keys[n:n + m] = new
-    slot.recs[n:n + m] = raw[~hit]
-    slot.flags[n:n + m] = found[~hit]
-    return seq, n + m
+    part = keys[start:]
+    hit = np.zeros(len(again), bool)
+    if len(again) and ascending(part) and ascending(again):
+        # both sorted: each key found in the part by a binary search, its row overwritten
+        pos = np.searchsorted(part, again)
+        hit = pos < fill
+        hit[hit] = part[pos[hit]] == again[hit]
+        slot.recs[pos[hit]] = raw[hit]
+        slot.flags[pos[hit]] = found[hit]
+    rest = np.flatnonzero(~hit)
+    while len(rest):
+        if fill == cap:     # the slot is full: this part goes, the rest comes after it
+            yield since, fill, False
+            fill = 0
+        take = rest[:cap - fill]
+        slot.keys[fill:fill + len(take)] = again[take]
+        slot.recs[fill:fill + len(take)] = raw[take]
+        slot.flags[fill:fill + len(take)] = found[take]
+        fill, rest = fill + len(take), rest[len(take):]
+    yield seq, fill, True
 
 
-def into_slot(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextManager[Any]]
-              ) -> Callable[[int, Any], tuple[int, int | None]]:
+def into_slot(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextManager[Any]],
+              guard: Callable[[Callable[[], Any]], Any]
+              ) -> Callable[[int, Any], Iterator[tuple[int, int | None, bool]]]:
     """``into(since, pushed)``: :func:`delta_into` the slot of ``pushed`` (a
-    :class:`~embstore.service.shm.PushSegment`) for ``store``'s records."""
+    :class:`~embstore.service.shm.PushSegment`) for ``store``'s records, each step run
+    by ``guard(fn)`` (the worker's: errors leave as one typed line)."""
     width = store.layout.itemsize
 
-    def into(since: int, pushed: Any) -> tuple[int, int | None]:
-        return delta_into(store, log, hold, since, pushed.slot(width))
+    def into(since: int, pushed: Any) -> Iterator[tuple[int, int | None, bool]]:
+        steps = delta_into(store, log, hold, since, pushed.slot(width))
+        while True:
+            step = guard(lambda: next(steps, None))
+            if step is None:
+                return
+            yield step
     return into

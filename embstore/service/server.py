@@ -494,11 +494,11 @@ class Worker(flight.FlightServerBase):
             return (since if known else -1), interval, self.shm and h.get("host") == host_id()
 
         since, interval, shm = self._guard(check, "subscribe")
-        into = into_slot(self.store, self.log, self.held)   # service/delta_slot.py
+        into = into_slot(self.store, self.log, self.held,   # service/delta_slot.py
+                         lambda fn: self._guard(fn, "subscribe", locked=False))
         push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
                                                       locked=False),
-                     reader, writer, since, interval, lambda: self.stopping, shm,
-                     lambda n, p: self._guard(lambda: into(n, p), "subscribe", locked=False))
+                     reader, writer, since, interval, lambda: self.stopping, shm, into)
 
     # -- export ------------------------------------------------------------------------------
     def _changed_rows(self, since: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

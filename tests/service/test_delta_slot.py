@@ -41,24 +41,36 @@ def _table(store) -> dict[int, bytes]:
             for k, r in zip(keys.tolist(), recs)}
 
 
-def _slot_rows(slot: Slot, n: int, dtype: np.dtype):
-    return (slot.keys[:n].copy(), slot.recs[:n].copy().reshape(-1).view(dtype),
-            slot.flags[:n].copy())
+def _parts(slot: Slot, steps, dtype: np.dtype):
+    """Each part ``delta_into`` yields, copied out as a subscriber does; the last seq."""
+    parts, step = [], None
+    for step in steps:
+        n = step[1]
+        assert n is not None and n != NO_FIT and n <= slot.rows
+        parts.append((slot.keys[:n].copy(), slot.recs[:n].copy().reshape(-1).view(dtype),
+                      slot.flags[:n].copy()))
+    assert step is not None and step[2]      # the last part says so
+    return parts, step[0]
 
 
-@pytest.fixture
-def segment():
-    seg = Segment.create(1 << 20)
-    yield seg
-    seg.close()
+def _apply_in_order(replica, parts) -> None:
+    for keys, recs, found in parts:
+        replica.delete(keys[~found])
+        replica.load_records(iter([(keys[found], recs[found])]))
+
+
+def _segment(rows: int, itemsize: int) -> Segment:
+    return Segment.create(HEADER + 3 * ALIGN + rows * (9 + itemsize))
 
 
 @pytest.mark.parametrize("backend", ["memory", "lmdb"])
+@pytest.mark.parametrize("rows", [100_000, 600])
 def test_a_delta_read_into_the_slot_is_one_state_while_the_trainer_writes(
-        backend, segment, tmp_path):
+        backend, rows, tmp_path):
     """memory:// gathers into the slot from its arena, other backends are copied in; either
-    way a key rewritten, deleted or new while the chunks were read travels once, as read
-    last, and the delta applied makes the replica the table of the last read."""
+    way, in one part or in slot-sized parts, a key rewritten, deleted or new while the
+    chunks were read comes with its last row, and the parts applied in order make the
+    replica the table of the last read."""
     url = "memory://" if backend == "memory" else f"lmdb://{tmp_path}/t"
     with embstore.open(url, dim=DIM, optimizer="sgd") as store, \
             embstore.open("memory://", dim=DIM, optimizer="sgd") as replica:
@@ -73,67 +85,77 @@ def test_a_delta_read_into_the_slot_is_one_state_while_the_trainer_writes(
             store.assign([2 * n, 1000 + 2 * n, 2 * n + 1], np.full((3, DIM), 10 + n, np.float32))
             store.delete([2000 + 2 * n])
 
-        slot = Slot(segment, HEADER, ALIGN, store.layout.itemsize)
-        seq, n = delta_into(store, log, lambda: _WriteBetween(write), 0, slot, chunk=200)
-        assert n is not None and n != NO_FIT and len(states) == 9  # 8 chunks and the last
-        keys, recs, found = _slot_rows(slot, n, store.layout.dtype)
-        assert len(set(keys.tolist())) == n == 1500 + 8      # every key once, new ones too
-        assert not found[np.isin(keys, [2002, 2004])].any()   # deleted meanwhile
-        replica.delete(keys[~found])
-        replica.load_records(iter([(keys[found], recs[found])]))
+        seg = _segment(rows, store.layout.itemsize)
+        try:
+            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+            assert slot.rows == rows
+            parts, seq = _parts(slot, delta_into(store, log, lambda: _WriteBetween(write), 0,
+                                                 slot, chunk=200), store.layout.dtype)
+        finally:
+            seg.close()
+        keys = np.concatenate([k for k, _, _ in parts])
+        assert len(parts) == (1 if rows > 3000 else 3)
+        assert len(states) == 9                               # 8 chunks and the last hold
+        if len(parts) == 1:
+            assert len(set(keys.tolist())) == len(keys) == 1500 + 8   # every key once
+        assert set(keys.tolist()) == set(range(0, 3000, 2)) | {2 * n + 1 for n in range(1, 9)}
+        _apply_in_order(replica, parts)
         assert _table(replica) == states[-1]    # the last hold's write came after its read
         assert seq == log.seq - 2
 
 
-def test_a_delta_that_does_not_fit_the_slot_is_left_to_delta_parts(segment):
-    with embstore.open("memory://", dim=DIM, optimizer="sgd") as store:
+def test_a_delta_the_slot_cannot_carry_is_left_to_delta_parts():
+    with embstore.open("memory://", dim=DIM, key_type="bytes") as store:
         log = ChangeLog(version=lambda: store.version)
         store.add_observer(log)
-        slot = Slot(segment, HEADER, ALIGN, store.layout.itemsize)
-        store.assign(np.arange(slot.rows - 2), np.ones((slot.rows - 2, DIM), np.float32))
-        assert delta_into(store, log, threading.Lock, 0, None) == (0, NO_FIT)   # no slot
-        assert delta_into(store, log, threading.Lock, 0, slot) == (log.seq, slot.rows - 2)
-        # new keys written during the read that overflow it: all of it read the other way
-        more = iter([np.arange(slot.rows, slot.rows + 5)])
-
-        def write() -> None:
-            k = next(more, None)
-            if k is not None:
-                store.assign(k, np.ones((5, DIM), np.float32))
-
-        assert delta_into(store, log, lambda: _WriteBetween(write), 0, slot,
-                          chunk=slot.rows)[1] == NO_FIT
-        store.assign(np.arange(slot.rows + 1), np.ones((slot.rows + 1, DIM), np.float32))
-        assert delta_into(store, log, threading.Lock, 0, slot)[1] == NO_FIT
+        store.assign([b"a", b"b"], np.ones((2, DIM), np.float32))
+        assert list(delta_into(store, log, threading.Lock, 0, None)) == [(0, NO_FIT, True)]
+        seg = _segment(100, store.layout.itemsize)
+        try:
+            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+            assert list(delta_into(store, log, threading.Lock, 0, slot)) == [(0, NO_FIT, True)]
+        finally:
+            seg.close()
 
 
-def test_a_position_the_log_no_longer_holds_is_a_resync(segment):
+def test_a_position_the_log_no_longer_holds_is_a_resync():
     with embstore.open("memory://", dim=DIM, optimizer="sgd") as store:
         log = ChangeLog(max_keys=10, version=lambda: store.version)
         store.add_observer(log)
         for i in range(3):
             store.assign(np.arange(10 * i, 10 * i + 10), np.ones((10, DIM), np.float32))
-        slot = Slot(segment, HEADER, ALIGN, store.layout.itemsize)
-        assert delta_into(store, log, threading.Lock, 0, slot) == (log.seq, None)
+        seg = _segment(100, store.layout.itemsize)
+        try:
+            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+            assert list(delta_into(store, log, threading.Lock, 0, slot)) == [
+                (log.seq, None, True)]
+        finally:
+            seg.close()
 
 
-def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch):
-    """A worker in this process (to count its reads): the pushed deltas are read into the
-    slot and the follower's replica equals the table."""
+@pytest.mark.parametrize("slot_rows", [None, 700])
+def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slot_rows):
+    """A worker in this process (to count its reads, and to shrink its slot so that deltas
+    come in several parts): the deltas pushed while a trainer writes are read into the slot,
+    and once it stopped the follower's replica equals the table, whole records."""
+    from embstore.service import shm
     from embstore.service.client import DesStore
     from embstore.service.follower import Follower, replica_options
     from embstore.service.server import Worker
 
-    calls = []
+    steps = []
     real = delta_slot.delta_into
 
     def counted(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out[1])
-        return out
+        for step in real(*args, **kwargs):
+            steps.append(step)
+            yield step
 
     monkeypatch.setattr(delta_slot, "delta_into", counted)
     store = embstore.open("memory://", dim=DIM, optimizer="adagrad", initializer="zeros")
+    if slot_rows:
+        monkeypatch.setattr(shm, "PUSH_SEGMENT",
+                            HEADER + 3 * ALIGN + slot_rows * (9 + store.layout.itemsize))
     w = Worker("grpc+tcp://127.0.0.1:0", store)
     threading.Thread(target=w.serve, daemon=True).start()
     try:
@@ -142,25 +164,61 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch):
             local = embstore.open("memory://", **replica_options(up))
             follower = Follower(local, up)
             stop = threading.Event()
-            t = threading.Thread(target=follower.follow, args=(stop, 0.01), daemon=True)
+            t = threading.Thread(target=follower.follow, args=(stop, 0.001), daemon=True)
             t.start()
-            keys = np.arange(-5, 3000)
-            for i in range(5):
-                des.update(np.arange(i * 500, i * 500 + 1000), np.full((1000, DIM), i, np.float32))
-            des.delete(np.arange(0, 3000, 7))
+            rng = np.random.default_rng(0)
+            for i in range(40):
+                k = rng.integers(0, 3000, 1000)
+                des.update(k, np.full((1000, DIM), i % 3, np.float32))
+                if i % 10 == 9:
+                    des.delete(rng.integers(0, 3000, 50))
+            des.flush()
             want = _table(store)
-            deadline = threading.Event()
             for _ in range(3000):
                 if _table(local) == want:
                     break
-                deadline.wait(0.02)
+                stop.wait(0.02)
             stop.set()
             t.join(60)
             assert _table(local) == want      # whole records: the optimizer's slots too
+            keys = np.arange(-5, 3005)
             np.testing.assert_array_equal(local.lookup(keys, insert=False),
                                           des.lookup(keys, insert=False))
-            assert any(c is not None and c > 0 for c in calls), calls
-            assert NO_FIT not in calls
+            assert steps and all(n is not None and n != NO_FIT for _, n, _ in steps)
+            if slot_rows:
+                assert any(not last for _, _, last in steps)   # several parts
+            local.close()
+    finally:
+        w.shutdown()
+        store.close()
+
+
+def test_a_follower_applies_the_parts_of_an_ordered_delta_in_order():
+    """A key in two parts of a shared-memory delta (written while the first was sent): the
+    later part's row, or its deletion, is what the replica keeps."""
+    from embstore.service.client import DesStore
+    from embstore.service.follower import Follower, replica_options
+    from embstore.service.server import Worker
+
+    store = embstore.open("memory://", dim=DIM, optimizer="sgd")
+    w = Worker("grpc+tcp://127.0.0.1:0", store)
+    threading.Thread(target=w.serve, daemon=True).start()
+    try:
+        with DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
+            local = embstore.open("memory://", **replica_options(up))
+            dtype = local.layout.dtype
+
+            def part(keys, value, found):
+                recs = np.zeros(len(keys), dtype)
+                recs["vector"] = value
+                return np.asarray(keys), recs, np.asarray(found)
+
+            first = part([1, 2, 3], 1.0, [True, True, True])
+            later = part([1, 2, 4], 2.0, [False, True, True])   # 1 deleted, 2 rewritten
+            Follower(local, up)._apply(0, 7, [first, later], ordered=True)
+            assert local.contains([1, 2, 3, 4]).tolist() == [False, True, True, True]
+            np.testing.assert_array_equal(local.lookup([2, 3, 4], insert=False)[:, 0],
+                                          [2.0, 1.0, 2.0])
             local.close()
     finally:
         w.shutdown()

@@ -138,9 +138,13 @@ def into_slot(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMana
 
     def into(since: int, pushed: Any) -> Iterator[tuple[int, int | None, bool]]:
         steps = delta_into(store, log, hold, since, pushed.slot(width))
+        parts = rows = 0
         while True:
             step = guard(lambda: next(steps, None))
             if step is None:
-                return
+                break
+            parts, rows = parts + 1, rows + (step[1] if step[1] is not None else 0)
+            if step[2] and parts > 1:   # the next delta in one part, if the segment may grow
+                pushed.fit(rows, width)
             yield step
     return into

@@ -154,8 +154,9 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slo
     monkeypatch.setattr(delta_slot, "delta_into", counted)
     store = embstore.open("memory://", dim=DIM, optimizer="adagrad", initializer="zeros")
     if slot_rows:
-        monkeypatch.setattr(shm, "PUSH_SEGMENT",
-                            HEADER + 3 * ALIGN + slot_rows * (9 + store.layout.itemsize))
+        small = HEADER + 3 * ALIGN + slot_rows * (9 + store.layout.itemsize)
+        monkeypatch.setattr(shm, "PUSH_SEGMENT", small)
+        monkeypatch.setattr(shm, "MAX_PUSH_SEGMENT", small)   # no growing out of parts
     w = Worker("grpc+tcp://127.0.0.1:0", store)
     threading.Thread(target=w.serve, daemon=True).start()
     try:
@@ -219,6 +220,57 @@ def test_a_follower_applies_the_parts_of_an_ordered_delta_in_order():
             assert local.contains([1, 2, 3, 4]).tolist() == [False, True, True, True]
             np.testing.assert_array_equal(local.lookup([2, 3, 4], insert=False)[:, 0],
                                           [2.0, 1.0, 2.0])
+            local.close()
+    finally:
+        w.shutdown()
+        store.close()
+
+
+def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypatch):
+    """The first delta larger than the slot streams through it in parts; the worker then
+    names a larger segment, and a delta as large comes as one part."""
+    from embstore.service import shm
+    from embstore.service.client import DesStore
+    from embstore.service.follower import Follower, replica_options
+    from embstore.service.server import Worker
+
+    steps = []
+    real = delta_slot.delta_into
+
+    def counted(*args, **kwargs):
+        for step in real(*args, **kwargs):
+            steps.append(step)
+            yield step
+
+    monkeypatch.setattr(delta_slot, "delta_into", counted)
+    store = embstore.open("memory://", dim=DIM, optimizer="sgd", initializer="zeros")
+    monkeypatch.setattr(shm, "PUSH_SEGMENT", HEADER + 3 * ALIGN + 700 * (9 + store.layout.itemsize))
+    w = Worker("grpc+tcp://127.0.0.1:0", store)
+    threading.Thread(target=w.serve, daemon=True).start()
+    try:
+        with embstore.open(f"des://127.0.0.1:{w.port}") as des, \
+                DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
+            local = embstore.open("memory://", **replica_options(up))
+            follower = Follower(local, up)
+            stop = threading.Event()
+            t = threading.Thread(target=follower.follow, args=(stop, 0.001), daemon=True)
+            t.start()
+            keys = np.arange(2000)
+            for value in (1.0, 2.0):
+                del steps[:]
+                des.assign(keys, np.full((2000, DIM), value, np.float32))
+                for _ in range(3000):
+                    if (local.lookup(keys[-1:], insert=False) == value).all():
+                        break
+                    stop.wait(0.02)
+                assert all(n is not None and n != NO_FIT for _, n, _ in steps)
+                if value == 1.0:
+                    assert len(steps) == 3            # 700 + 700 + 600 rows
+                else:
+                    assert [n for _, n, _ in steps] == [2000]
+            stop.set()
+            t.join(60)
+            np.testing.assert_array_equal(local.lookup(keys, insert=False), des.lookup(keys))
             local.close()
     finally:
         w.shutdown()

@@ -15,7 +15,7 @@ whose last part the follower applies from the slot without copying it out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,8 @@ from ..backends.memory import MemoryBackend
 from .changelog import ChangeLog
 from .delta import CHUNK, ascending, read_rows
 
+#: keys read per call of a ``memory://`` backend outside the worker's lock
+FREE_CHUNK = 4096
 #: ``delta_into``'s answer where the slot cannot carry a delta: read it the other way
 NO_FIT = -1
 
@@ -60,7 +62,8 @@ def _read_into(store: Any, keys: np.ndarray, recs: np.ndarray, found: np.ndarray
 
 
 def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextManager[Any]],
-               since: int, slot: Slot | None, chunk: int = CHUNK
+               since: int, slot: Slot | None, chunk: int = CHUNK,
+               read_hold: Callable[[], AbstractContextManager[Any]] | None = None
                ) -> Iterator[tuple[int, int | None, bool]]:
     """The delta after ``since`` (what ``delta_parts`` reads: one state of the shard) read
     into the slot a part at a time: yields ``(seq, rows, last)`` once the slot's first
@@ -73,7 +76,16 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     A key written during the read is read again at the end: written over its row where the
     part still in the slot holds it, else after the rows (where an earlier part, already
     sent, held it, it travels twice and the subscriber applies the parts in order: its
-    last row wins)."""
+    last row wins).
+
+    The chunks are read under ``read_hold()``: by default the worker's lock, but for
+    ``memory://`` nothing besides the backend's own lock, in chunks of
+    :data:`FREE_CHUNK` keys (a trainer's call waits for one chunk's read at most, not for
+    the worker's lock through 16k rows). That is one state all the same: the engine
+    tells the log of a write once the backend holds it, so a key logged up to the first
+    sequence number read holds that write or a later one, and every later one is logged
+    after it and read again at the end, under the worker's lock (no write under way); the
+    backend's lock makes each row's read whole."""
     if slot is None:
         yield since, NO_FIT, True
         return
@@ -85,13 +97,15 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     if keys.dtype != np.int64:
         yield since, NO_FIT, True
         return
+    if read_hold is None and isinstance(store.backend, MemoryBackend):
+        read_hold, chunk = nullcontext, min(chunk, FREE_CHUNK)
     n, cap, start = len(keys), slot.rows, 0
     while True:    # the slot's part: keys[start:end]
         end = min(n, start + cap)
         slot.keys[:end - start] = keys[start:end]
         for i in range(start, end, chunk):
             j, a = min(end, i + chunk), i - start
-            with hold():
+            with (read_hold or hold)():
                 _read_into(store, keys[i:j], slot.recs[a:a + j - i], slot.flags[a:a + j - i])
         if end == n:
             break

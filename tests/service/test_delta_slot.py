@@ -89,8 +89,9 @@ def test_a_delta_read_into_the_slot_is_one_state_while_the_trainer_writes(
         try:
             slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
             assert slot.rows == rows
-            parts, seq = _parts(slot, delta_into(store, log, lambda: _WriteBetween(write), 0,
-                                                 slot, chunk=200), store.layout.dtype)
+            between = lambda: _WriteBetween(write)    # noqa: E731
+            parts, seq = _parts(slot, delta_into(store, log, between, 0, slot, chunk=200,
+                                                 read_hold=between), store.layout.dtype)
         finally:
             seg.close()
         keys = np.concatenate([k for k, _, _ in parts])
@@ -102,6 +103,31 @@ def test_a_delta_read_into_the_slot_is_one_state_while_the_trainer_writes(
         _apply_in_order(replica, parts)
         assert _table(replica) == states[-1]    # the last hold's write came after its read
         assert seq == log.seq - 2
+
+
+@pytest.mark.parametrize("backend", ["memory", "lmdb"])
+def test_memory_chunks_are_read_without_the_workers_lock(backend, tmp_path):
+    """memory:// serializes its own calls: only the last read (of the keys written during
+    the others) takes the worker's lock; other backends' chunks each take it."""
+    url = "memory://" if backend == "memory" else f"lmdb://{tmp_path}/t"
+    with embstore.open(url, dim=DIM, optimizer="sgd") as store:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        store.assign(np.arange(20_000), np.ones((20_000, DIM), np.float32))
+        held = []
+
+        def hold() -> threading.Lock:
+            held.append(1)
+            return threading.Lock()
+
+        seg = _segment(30_000, store.layout.itemsize)
+        try:
+            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+            parts, _ = _parts(slot, delta_into(store, log, hold, 0, slot), store.layout.dtype)
+        finally:
+            seg.close()
+        assert len(held) == (1 if backend == "memory" else 3)    # 16k-key chunks: 2, + 1
+        assert len(parts) == 1 and len(parts[0][0]) == 20_000
 
 
 def test_a_delta_the_slot_cannot_carry_is_left_to_delta_parts():

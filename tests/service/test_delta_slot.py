@@ -5,6 +5,7 @@ keys written during the read included, and the follower applies it from the segm
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -57,6 +58,20 @@ def _apply_in_order(replica, parts) -> None:
     for keys, recs, found in parts:
         replica.delete(keys[~found])
         replica.load_records(iter([(keys[found], recs[found])]))
+
+
+@contextmanager
+def _following(follower):
+    """The follower subscribed in a thread; stopped on the way out, whatever happened (a
+    worker shutting down waits for its subscriptions to end)."""
+    stop = threading.Event()
+    t = threading.Thread(target=follower.follow, args=(stop, 0.001), daemon=True)
+    t.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        t.join(60)
 
 
 def _segment(rows: int, itemsize: int) -> Segment:
@@ -189,24 +204,19 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slo
         with embstore.open(f"des://127.0.0.1:{w.port}") as des, \
                 DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
             local = embstore.open("memory://", **replica_options(up))
-            follower = Follower(local, up)
-            stop = threading.Event()
-            t = threading.Thread(target=follower.follow, args=(stop, 0.001), daemon=True)
-            t.start()
-            rng = np.random.default_rng(0)
-            for i in range(40):
-                k = rng.integers(0, 3000, 1000)
-                des.update(k, np.full((1000, DIM), i % 3, np.float32))
-                if i % 10 == 9:
-                    des.delete(rng.integers(0, 3000, 50))
-            des.flush()
-            want = _table(store)
-            for _ in range(3000):
-                if _table(local) == want:
-                    break
-                stop.wait(0.02)
-            stop.set()
-            t.join(60)
+            with _following(Follower(local, up)) as stop:
+                rng = np.random.default_rng(0)
+                for i in range(40):
+                    k = rng.integers(0, 3000, 1000)
+                    des.update(k, np.full((1000, DIM), i % 3, np.float32))
+                    if i % 10 == 9:
+                        des.delete(rng.integers(0, 3000, 50))
+                des.flush()
+                want = _table(store)
+                for _ in range(3000):
+                    if _table(local) == want:
+                        break
+                    stop.wait(0.02)
             assert _table(local) == want      # whole records: the optimizer's slots too
             keys = np.arange(-5, 3005)
             np.testing.assert_array_equal(local.lookup(keys, insert=False),
@@ -277,25 +287,20 @@ def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypat
         with embstore.open(f"des://127.0.0.1:{w.port}") as des, \
                 DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
             local = embstore.open("memory://", **replica_options(up))
-            follower = Follower(local, up)
-            stop = threading.Event()
-            t = threading.Thread(target=follower.follow, args=(stop, 0.001), daemon=True)
-            t.start()
             keys = np.arange(2000)
-            for value in (1.0, 2.0):
-                del steps[:]
-                des.assign(keys, np.full((2000, DIM), value, np.float32))
-                for _ in range(3000):
-                    if (local.lookup(keys[-1:], insert=False) == value).all():
-                        break
-                    stop.wait(0.02)
-                assert all(n is not None and n != NO_FIT for _, n, _ in steps)
-                if value == 1.0:
-                    assert len(steps) == 3            # 700 + 700 + 600 rows
-                else:
-                    assert [n for _, n, _ in steps] == [2000]
-            stop.set()
-            t.join(60)
+            with _following(Follower(local, up)) as stop:
+                for value in (1.0, 2.0):
+                    del steps[:]
+                    des.assign(keys, np.full((2000, DIM), value, np.float32))
+                    for _ in range(3000):
+                        if (local.lookup(keys[-1:], insert=False) == value).all():
+                            break
+                        stop.wait(0.02)
+                    assert all(n is not None and n != NO_FIT for _, n, _ in steps)
+                    if value == 1.0:
+                        assert len(steps) == 3            # 700 + 700 + 600 rows
+                    else:
+                        assert [n for _, n, _ in steps] == [2000]
             np.testing.assert_array_equal(local.lookup(keys, insert=False), des.lookup(keys))
             local.close()
     finally:

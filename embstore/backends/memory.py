@@ -213,9 +213,9 @@ class MemoryBackend(Backend):
         self._kernels.scatter(self._records, slots, records)
 
     @serialized
-    def get(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        slots = self._slots(keys)
-        return self._kernels.gather(self._records, slots), slots != _EMPTY
+    def get(self, keys: np.ndarray, out: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        slots = self._slots(keys)  # ``out``: see RowKernels.gather (a follower's push slot)
+        return self._kernels.gather(self._records, slots, out), slots != _EMPTY
 
     @serialized
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:

@@ -67,9 +67,11 @@ class RowKernels:
         self.layout = layout
         self._plans: dict[tuple, Any] = {}
 
-    def gather(self, arena: Any, slots: np.ndarray) -> np.ndarray:
-        """Whole records at ``slots`` (zero rows for empty slots)."""
-        recs = np.empty(len(slots), dtype=self.layout.dtype)
+    def gather(self, arena: Any, slots: np.ndarray, out: Any = None) -> np.ndarray:
+        """Whole records at ``slots`` (zero rows for empty slots); with ``out`` (contiguous
+        memory of as many records, say uint8 rows of a record's bytes: a follower's
+        shared-memory slot) written there and ``out`` returned, no fresh array between."""
+        recs = np.empty(len(slots), dtype=self.layout.dtype) if out is None else out
         # the record width spelt out: reshape cannot infer it for zero rows
         arena.gather(slots, recs.view(np.uint8).reshape(len(slots), self.layout.itemsize))
         return recs

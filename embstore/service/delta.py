@@ -39,7 +39,7 @@ def _raw(recs: np.ndarray) -> np.ndarray:
     return recs.view(np.dtype((np.void, recs.dtype.itemsize)))
 
 
-def _read(store: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def read_rows(store: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(records, found)`` of ``keys``; a deleted key's record is zeros."""
     recs, found = store.backend.get(keys)
     found = np.asarray(found, bool)
@@ -68,12 +68,12 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
             if again is None:
                 return seq, None
             keys = _union(store, keys, again)
-            return seq, [(keys, *_read(store, keys))]
+            return seq, [(keys, *read_rows(store, keys))]
     parts = []
     for i in range(0, len(keys), chunk):
         with hold():
             part = keys[i:i + chunk]
-            parts.append((part, *_read(store, part)))
+            parts.append((part, *read_rows(store, part)))
     with hold():
         again, seq = log.since(seq)
         if again is None:
@@ -81,9 +81,9 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
         again = store.normalize_keys(again if len(again) else [])
         if not len(again):
             return seq, parts
-        last = (again, *_read(store, again))
+        last = (again, *read_rows(store, again))
     # a key written while the chunks were read travels once, as read last
-    if keys.dtype != object and _ascending(keys) and _ascending(again):
+    if keys.dtype != object and ascending(keys) and ascending(again):
         return seq, _overwrite(parts, last)
     out = []
     for k, r, f in parts:
@@ -92,7 +92,7 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
     return seq, [*out, last]
 
 
-def _ascending(keys: np.ndarray) -> bool:
+def ascending(keys: np.ndarray) -> bool:
     # the log hands int64 keys out sorted; checked (O(n), microseconds) rather than trusted,
     # as a binary search over keys in another order would miss some and send them twice
     return len(keys) < 2 or bool((keys[1:] > keys[:-1]).all())

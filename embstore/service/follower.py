@@ -108,20 +108,22 @@ class Follower:
         self._apply(s, seq, [rows])
         return True
 
-    def _apply(self, s: int, seq: int,
-               parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-        """Apply one delta (``(keys, records, found)`` parts, no key in two) as one step."""
+    def _apply(self, s: int, seq: int, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+               ordered: bool = False) -> None:
+        """Apply one delta (``(keys, records, found)`` parts, no key in two; ``ordered``: a
+        key may be in two, the later part's row or deletion wins) as one step."""
         n = sum(len(k) for k, _, _ in parts)
         if not n:
             self.seqs[s] = seq
             return
         with self.guard:
-            gone = [k[~f] for k, _, f in parts if not f.all()]
-            if gone:
-                self.local.delete(np.concatenate(gone))
-            live = [(k, r) if f.all() else (k[f], r[f]) for k, r, f in parts if f.any()]
-            if live:
-                self.local.load_records(iter(live))
+            for group in ([p] for p in parts) if ordered else [parts]:
+                gone = [k[~f] for k, _, f in group if not f.all()]
+                if gone:
+                    self.local.delete(np.concatenate(gone))
+                live = [(k, r) if f.all() else (k[f], r[f]) for k, r, f in group if f.any()]
+                if live:
+                    self.local.load_records(iter(live))
             self.seqs[s] = seq
         self.applied += n
 
@@ -176,6 +178,7 @@ class Follower:
                 assert since is not None
                 with self.up.shard_subscribe(s, since, self.logs[s], interval) as sub:
                     self._subs[s] = sub
+                    sub.views = True   # each delta applied before the next is asked for
                     if stop.is_set():
                         return
                     for push in sub:
@@ -185,7 +188,7 @@ class Follower:
                             self.seqs[s] = None   # behind the log, or a restarted worker
                             break
                         if push.rows is not None:
-                            self._apply(s, push.seq, push.rows)
+                            self._apply(s, push.seq, push.rows, push.ordered)
                         if stop.is_set():
                             return
             except Exception as e:  # noqa: BLE001 - a worker restarting: subscribe again

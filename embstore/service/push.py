@@ -33,6 +33,7 @@ from ..errors import BackendError
 from . import wire
 from .changelog import ChangeLog
 from .delta import message_slices
+from .delta_slot import NO_FIT
 from .shm import PushSegment, Segment, read_push
 from .streams import Watchdog
 
@@ -64,13 +65,18 @@ def check_interval(value: Any) -> float:
 def push_changes(log: ChangeLog,
                  delta: Callable[[int], tuple[int, list[pa.RecordBatch] | None]],
                  reader: Any, writer: Any, since: int, interval: float,
-                 stopping: Callable[[], bool], shm: bool = False) -> None:
+                 stopping: Callable[[], bool], shm: bool = False,
+                 into: Callable[[int, PushSegment], Iterator[tuple[int, int | None, bool]]]
+                 | None = None) -> None:
     """Write the changes after ``since`` to ``writer`` as ``log`` grows, each delta once the
     subscriber acknowledged the one before on ``reader``, until ``stopping()``, a resync, or
     the subscriber goes away. ``delta(since)`` reads ``(seq, batch)`` of the keys
     changed after ``since`` as one state, in batches no key is in two of (None: the log no
     longer holds ``since``); they travel as one message each, the last one marked, or with
-    ``shm`` (a subscriber on this host) through a segment, named by one message."""
+    ``shm`` (a subscriber on this host) through a segment, named by one message.
+    ``into(since, segment)`` (with ``shm``) reads such a delta straight into the segment's
+    slot a part at a time, as :func:`embstore.service.delta_slot.delta_into` yields them
+    (``NO_FIT``: read it with ``delta``)."""
     started = reading = False
     sent = 0.0
     pushed = PushSegment() if shm else None
@@ -83,14 +89,31 @@ def push_changes(log: ChangeLog,
             if pause > 0:      # coalesce: the writes of the rest of the interval join this one
                 time.sleep(pause)
             reading = True     # an error reading goes to the subscriber as its one line
-            seq, batches = delta(since)
+            steps = into(since, pushed) if into and pushed else iter([(since, NO_FIT, True)])
+            seq, rows, last = next(steps)
+            batches: list[pa.RecordBatch] | None = []
+            if rows == NO_FIT:
+                seq, batches = delta(since)
             reading = False
             sent = time.monotonic()
-            if batches is None:
+            if batches is None or rows is None:
                 writer.write_metadata(_meta(seq=seq, resync=True, last=True))
                 return
-            parts = pushed.parts(batches) if pushed is not None else None
-            if pushed is not None and parts is not None:
+            parts = pushed.parts(batches) if pushed is not None and batches else None
+            if pushed is not None and rows != NO_FIT:   # read into the slot, part by part
+                while True:
+                    writer.write_metadata(_meta(seq=seq, last=last, **pushed.filled(rows)))
+                    if last:
+                        break
+                    reader.read_chunk()     # copied out: the next part into the same pages
+                    pushed.acked()
+                    reading = True
+                    seq, rows, last = next(steps)
+                    reading = False
+                    if rows is None:
+                        writer.write_metadata(_meta(seq=seq, resync=True, last=True))
+                        return
+            elif pushed is not None and parts is not None:
                 for fields, last in parts:
                     writer.write_metadata(_meta(seq=seq, last=last, **fields))
                     if not last:    # copied out: the next part goes into the same pages
@@ -130,11 +153,14 @@ def delta_rows(batch: Any, key_type: str, dtype: np.dtype
 
 class Push(NamedTuple):
     """One delta of a subscription: the rows changed up to ``seq`` in parts no key is in two
-    of (none on a heartbeat, None on a resync: take a snapshot and subscribe again)."""
+    of (none on a heartbeat, None on a resync: take a snapshot and subscribe again), or
+    with ``ordered`` parts to apply in order (a shared-memory delta of several parts: a key
+    written while an earlier part was sent comes again in a later one, whose row wins)."""
 
     seq: int
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     resync: bool = False
+    ordered: bool = False
 
 
 class Subscription:
@@ -148,6 +174,9 @@ class Subscription:
         #: the worker's segment for this subscription (deltas through shared memory)
         self._seg: Segment | None = None
         self._refuse = refuse   # called when it cannot be mapped: subscribe over Flight
+        #: a shared-memory delta's last part as a view of the segment, not a copy: valid
+        #: only until the next message is asked for (a follower applies it before that)
+        self.views = False
         try:  # no deadline: the stream lasts; a silent one is cancelled by the watchdog
             self._writer, self._reader = client.do_exchange(
                 command, flight.FlightCallOptions(headers=headers))
@@ -157,6 +186,7 @@ class Subscription:
 
     def __iter__(self) -> Iterator[Push]:
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        shm_parts = 0
         while True:
             token = self._watchdog.arm(self._reader, HEARTBEAT * SILENT_HEARTBEATS)
             try:
@@ -181,17 +211,19 @@ class Subscription:
                 yield Push(seq, None, True)
                 return
             if "rows" in meta:  # a part through shared memory: copied out, the slot free
-                parts.extend(read_push(self._segment(meta), meta, self._dtype))
+                view = self.views and bool(meta.get("last"))
+                parts.extend(read_push(self._segment(meta), meta, self._dtype, view))
+                shm_parts += 1
                 if not meta.get("last"):
                     self._ack()
             elif chunk.data is not None:
                 parts.append(delta_rows(chunk.data, self._key_type, self._dtype))
             if not meta.get("last"):
                 continue
-            yield Push(seq, parts)
+            yield Push(seq, parts, ordered=shm_parts > 1)
             if parts:   # applied (the caller asks for the next): the worker may send again
                 self._ack()
-            parts = []
+            parts, shm_parts = [], 0
 
     def _ack(self) -> None:
         try:

@@ -34,6 +34,7 @@ from . import wire
 from .auth import READ_OPS, TokenAuth
 from .changelog import ChangeLog
 from .delta import delta_parts, message_slices
+from .delta_slot import into_slot
 from .metrics import RequestMetrics, gauges
 from .push import check_interval, push_changes
 from .shm import host_id
@@ -174,8 +175,7 @@ class Worker(flight.FlightServerBase):
 
     # -- operations endpoint -----------------------------------------------------------------
     def metrics_text(self) -> list[str]:
-        """Prometheus text lines: requests, the store's counters, the change log, a
-        follower's lag."""
+        """Prometheus lines: requests, the store's counters, the change log, a follower's lag."""
         lines = self.metrics.text()
         lines.append(f'embstore_shard_info{{index="{self.shard}",count="{self.shards}"}} 1')
         if self.lock.acquire(timeout=5):
@@ -450,10 +450,9 @@ class Worker(flight.FlightServerBase):
 
     def _records_batch(self, keys: np.ndarray, recs: np.ndarray,
                        found: np.ndarray | None = None) -> pa.RecordBatch:
-        s = self.store
-        rec_type = pa.binary(s.layout.itemsize)
         cols = {"key": wire.keys_column(keys), "rec": pa.Array.from_buffers(
-            rec_type, len(keys), [None, pa.py_buffer(np.ascontiguousarray(recs).view(np.uint8))])}
+            pa.binary(self.store.layout.itemsize), len(keys),
+            [None, pa.py_buffer(np.ascontiguousarray(recs).view(np.uint8))])}
         if found is not None:
             cols["found"] = pa.array(found)
         return wire.batch(**cols)
@@ -474,9 +473,8 @@ class Worker(flight.FlightServerBase):
         seq, batches = self._delta(h.get("since"), h.get("log"))
         meta = {"seq": str(seq), "resync": "0", "log": self.log.id}
         if batches is None:
-            s = self.store
-            batches = [self._records_batch(s.normalize_keys([]), s.layout.empty(0),
-                                           np.zeros(0, bool))]
+            empty = self.store.layout.empty(0)
+            batches = [self._records_batch(self.store.normalize_keys([]), empty, np.zeros(0, bool))]
             meta["resync"] = "1"
         return pa.Table.from_batches(batches).replace_schema_metadata(meta)
 
@@ -496,9 +494,11 @@ class Worker(flight.FlightServerBase):
             return (since if known else -1), interval, self.shm and h.get("host") == host_id()
 
         since, interval, shm = self._guard(check, "subscribe")
+        into = into_slot(self.store, self.log, self.held,   # service/delta_slot.py
+                         lambda fn: self._guard(fn, "subscribe", locked=False))
         push_changes(self.log, lambda n: self._guard(lambda: self._delta(n), "subscribe",
                                                       locked=False),
-                     reader, writer, since, interval, lambda: self.stopping, shm)
+                     reader, writer, since, interval, lambda: self.stopping, shm, into)
 
     # -- export ------------------------------------------------------------------------------
     def _changed_rows(self, since: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from ..errors import InvalidInputError
 from . import wire
+from .delta_slot import Slot
 
 #: where segments live (a tmpfs on Linux)
 SHM_DIR = "/dev/shm"
@@ -214,17 +215,70 @@ def row_count(h: dict[str, Any]) -> int:
 #: a delta would fault in fresh pages in both processes as deltas grow (up to seconds a
 #: delta on this project's VMs), as the Arrow path's 16 MB messages do not
 PUSH_SEGMENT = HEADER + (32 << 20)
+#: the most bytes a push segment grows to: a delta that took several parts makes the next
+#: segment a quarter larger than it (where ``/dev/shm`` has twice that free), so a
+#: trainer's steady deltas travel as one part the follower applies from the segment (a
+#: trainer at 1.9M rows/s changes 180k rows of 288 bytes, 52 MB, every 0.1 s)
+MAX_PUSH_SEGMENT = HEADER + (256 << 20)
 #: the most bytes of records a subscriber copies out of a segment at once
 PART_BYTES = 8 << 20
 
 
 class PushSegment:
     """A worker's segment for one subscriber on its host: a delta's keys, records and found
-    flags streamed through it in parts, each named by a message; a delta it cannot carry
-    (bytes keys, no segment to be had) travels as Arrow batches."""
+    flags streamed through its slot in parts, each named by a message, or read into it
+    directly (:mod:`embstore.service.delta_slot`); a delta it cannot carry (bytes keys, no
+    segment to be had) travels as Arrow batches."""
 
     def __init__(self) -> None:
         self.seg: Segment | None = None
+        self._named: dict[str, Any] = {}    # the new segment, for the next message
+        self._slot: Slot | None = None
+        self._want = 0                      # bytes the next segment should have
+
+    def slot(self, width: int) -> Slot | None:
+        """The segment's :class:`~embstore.service.delta_slot.Slot` for records of ``width``
+        bytes (the segment made at the first call, and made again larger after
+        :meth:`fit`), or None where none can be had."""
+        if self.seg is None or self._want > self.seg.size:
+            try:
+                seg = Segment.create(max(PUSH_SEGMENT, self._want))
+            except OSError:     # /dev/shm full: over Flight, or on through the one there is
+                if self.seg is None:
+                    return None
+            else:   # the subscriber acknowledged every part of the old one: it can go
+                if self.seg is not None:
+                    self.seg.close()
+                self.seg, self._slot = seg, None
+                self._named = {"segment": {"name": os.path.basename(seg.path or ""),
+                                           "nonce": seg.nonce, "bytes": seg.size}}
+            self._want = 0
+        if self._slot is None or self._slot.width != width:
+            self._slot = Slot(self.seg, HEADER, ALIGN, width)
+        return self._slot
+
+    def fit(self, rows: int, width: int) -> None:
+        """A delta of ``rows`` rows took several parts: the next segment holds a quarter
+        more, up to :data:`MAX_PUSH_SEGMENT`, where ``/dev/shm`` has twice that free (a
+        tmpfs sized below it would kill the writer with SIGBUS, not refuse a write)."""
+        want = min(MAX_PUSH_SEGMENT, HEADER + 3 * ALIGN + (rows + rows // 4) * (9 + width))
+        try:
+            st = os.statvfs(SHM_DIR)
+        except OSError:
+            return
+        if want > (self.seg.size if self.seg is not None else 0) and (
+                2 * want <= st.f_bavail * st.f_frsize):
+            self._want = want
+
+    def named(self) -> dict[str, Any]:
+        """The fields a message carries besides its own: the segment, once, when new."""
+        fields, self._named = self._named, {}
+        return fields
+
+    def filled(self, rows: int) -> dict[str, Any]:
+        """The fields of the message naming a delta of ``rows`` rows read into the slot."""
+        assert self._slot is not None
+        return {**self.named(), **self._slot.fields(rows)}
 
     def parts(self, batches: list[Any]) -> Iterator[tuple[dict[str, Any], bool]] | None:
         """``(message fields, last)`` of each part of ``batches`` (``key``, ``rec``,
@@ -232,48 +286,33 @@ class PushSegment:
         the next once the subscriber copied the last out. None: send them as Arrow."""
         if not batches or batches[0].schema.field("key").type != pa.int64():
             return None
-        fields: dict[str, Any] = {}
-        if self.seg is None:
-            try:
-                self.seg = Segment.create(PUSH_SEGMENT)
-            except OSError:     # /dev/shm full: over Flight
-                return None
-            fields["segment"] = {"name": os.path.basename(self.seg.path or ""),
-                                 "nonce": self.seg.nonce, "bytes": self.seg.size}
-        return self._parts(batches, fields)
+        slot = self.slot(batches[0].schema.field("rec").type.byte_width)
+        return None if slot is None else self._parts(batches, slot)
 
-    def _parts(self, batches: list[Any], first: dict[str, Any]
-               ) -> Iterator[tuple[dict[str, Any], bool]]:
-        seg = self.seg
-        assert seg is not None
+    def _parts(self, batches: list[Any], slot: Slot) -> Iterator[tuple[dict[str, Any], bool]]:
         n = sum(b.num_rows for b in batches)
-        width = batches[0].schema.field("rec").type.byte_width
-        per = max(1, (seg.size - HEADER - 3 * ALIGN) // (9 + width))
-        key, rec = HEADER, HEADER + aligned(per * 8)
-        found = rec + aligned(per * width)
+        width, per = slot.width, slot.rows
         cols = [(b.column("key").to_numpy(), np.frombuffer(
             b.column("rec").buffers()[1], np.uint8, b.num_rows * width,
-            b.column("rec").offset * width), b.column("found").to_numpy(zero_copy_only=False))
-            for b in batches]
-        done, at, fill = 0, 0, 0     # rows sent, parts sent, rows in the slot
+            b.column("rec").offset * width).reshape(b.num_rows, width),
+            b.column("found").to_numpy(zero_copy_only=False)) for b in batches]
+        done, fill = 0, 0            # rows sent, rows in the slot
         src, pos = 0, 0              # the source batch and row
         while True:
             while fill < per and src < len(cols):
                 k, r, f = cols[src]
                 take = min(per - fill, len(k) - pos)
-                seg.array(key + fill * 8, take, np.int64)[:] = k[pos:pos + take]
-                seg.array(rec + fill * width, take * width, np.uint8)[:] = r[
-                    pos * width:(pos + take) * width]
-                seg.array(found + fill, take, np.bool_)[:] = f[pos:pos + take]
+                slot.keys[fill:fill + take] = k[pos:pos + take]
+                slot.recs[fill:fill + take] = r[pos:pos + take]
+                slot.flags[fill:fill + take] = f[pos:pos + take]
                 fill, pos = fill + take, pos + take
                 if pos == len(k):
                     src, pos = src + 1, 0
             done += fill
-            yield ({**(first if not at else {}), "rows": fill, "key": key, "rec": rec,
-                    "found": found}, done >= n)
+            yield {**self.named(), **slot.fields(fill)}, done >= n
             if done >= n:
                 return
-            at, fill = at + 1, 0
+            fill = 0
 
     def acked(self) -> None:
         """The subscriber copied a part out: it mapped the segment, whose file can go."""
@@ -284,12 +323,16 @@ class PushSegment:
         if self.seg is not None:
             self.seg.close()
             self.seg = None
+            self._slot = None
 
 
-def read_push(seg: Segment, meta: dict[str, Any], dtype: np.dtype
+def read_push(seg: Segment, meta: dict[str, Any], dtype: np.dtype, view: bool = False
               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The ``(keys, records, found)`` parts of a delta a message names in ``seg``, checked
-    against the segment; copies (the worker writes the next delta over them) of at most
+    against the segment. With ``view`` one part whose records are a view of the segment
+    (keys and flags copied: what a replica's key table is built from cannot change under
+    it), valid until the subscriber acknowledges the message; else copies (the worker
+    writes the next delta over them) of at most
     :data:`PART_BYTES` each: a copy into memory of tens of megabytes at once is fresh memory
     every time (the allocator maps it and gives it back), whose page faults and zeroing cost
     more than the copy (up to seconds a delta on this project's VMs); parts the size of the
@@ -305,6 +348,8 @@ def read_push(seg: Segment, meta: dict[str, Any], dtype: np.dtype
     keys = seg.array(at["key"] or 0, n, np.int64)
     recs = seg.array(at["rec"] or 0, n * width, np.uint8)
     found = seg.array(at["found"] or 0, n, np.uint8)
+    if view:    # applied from the segment: the delta's records copied once less
+        return [(keys.copy(), recs.view(dtype), found != 0)]
     step = max(1, PART_BYTES // width)
     # records copied as bytes: numpy copies a structured dtype field by field (10x slower)
     # one part at least: an empty delta is acknowledged as any other

@@ -44,6 +44,7 @@ try:
     from .memory_rows import (
         RowKernels,
         find_kept,
+        kept_batch,
         kept_slots,
         new_snapshot,
         new_table,
@@ -302,9 +303,9 @@ class MemoryBackend(Backend):
     @serialized
     def step_bags(self, keys: np.ndarray, update: RowUpdate, *bags: Any, **kw: Any) -> bool | None:
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
-        slots = recall(self._last_find, self._epoch, keys)
+        last, slots = self._last_find, recall(self._last_find, self._epoch, keys)
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
-                               update, *bags, keys=keys, kept=slots is not None, **kw)
+                               update, *bags, keys=keys, kept=kept_batch(last, slots, keys), **kw)
 
     def keep_found(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """``lookup_pool``'s record of a probe ahead that found every key (under the lock)."""

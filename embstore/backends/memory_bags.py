@@ -185,8 +185,9 @@ class BagKernels:
         its record) or the kernels do not cover the layout or rule; False (nothing written)
         where a summed gradient is not finite. True, not yet written, for the ``keys`` of
         :meth:`defer_step`. The slots of a batch with :meth:`scratch_rows` step those rows
-        (and free them), ``dropped[0]`` set to how many. ``defer``: :meth:`defer` at the
-        slots the forward ``kept`` (None where they are gone)."""
+        (and free them), ``dropped[0]`` set to how many. ``kept``: the slots are those
+        ``lookup_pool`` kept for the batch's own keys (occupied, but for the scratch rows
+        taken first); ``defer``: :meth:`defer` at those (None where there are none)."""
         if defer is not None:
             if not kept:
                 return None
@@ -202,7 +203,7 @@ class BagKernels:
             if done and dropped is not None:
                 dropped[0] = len(scratch[3])
             return done
-        if len(slots) and (slots == _EMPTY).any():
+        if not kept and len(slots) and (slots == _EMPTY).any():
             return None
         deferred, self.deferred = self.deferred, None
         if deferred is None or keys is None or deferred[0] is not keys:

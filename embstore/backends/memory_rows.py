@@ -213,6 +213,14 @@ def recall(last: tuple[Any, np.ndarray, int] | None, epoch: int,
     return None
 
 
+def kept_batch(last: tuple[Any, np.ndarray, int] | None, slots: np.ndarray | None,
+               keys: np.ndarray) -> bool:
+    """Whether ``slots`` (:func:`recall` of ``last``) are those a pooled batch's own ``keys``
+    were kept with (``lookup_pool``: the array itself, not a copy): every slot occupied, but
+    for rows an admission policy turned away (``BagKernels.scratch_rows``)."""
+    return slots is not None and last is not None and last[0] is keys
+
+
 def same_keys(snapshot: np.ndarray | KeySnapshot, keys: np.ndarray) -> bool:
     """Whether ``keys`` are the batch ``snapshot`` was taken of."""
     if snapshot is keys:  # (a batch kept as it is: BagKernels.snapshot)

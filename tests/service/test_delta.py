@@ -13,6 +13,8 @@ import embstore
 from embstore.service.changelog import ChangeLog
 from embstore.service.delta import read_delta
 
+from .interleave import WriteBetween
+
 DIM = 4
 KEYS = np.arange(3000)
 
@@ -33,20 +35,6 @@ def _table(store) -> dict[int, bytes]:
     return out
 
 
-class _WriteBetween:
-    """A worker lock whose every release lets the trainer write once (as a trainer's call
-    waiting on the lock would): deterministic interleaving, no threads."""
-
-    def __init__(self, write) -> None:
-        self.write = write
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        self.write()
-
-
 def test_a_chunked_delta_is_one_state_while_the_trainer_writes():
     """Every write sets the whole key range to one generation: a delta mixing two writes
     would hold rows of two generations."""
@@ -62,7 +50,7 @@ def test_a_chunked_delta_is_one_state_while_the_trainer_writes():
         write()
         seq = 0
         for _ in range(3):
-            seq, rows = read_delta(store, log, lambda: _WriteBetween(write), seq, chunk=64)
+            seq, rows = read_delta(store, log, lambda: WriteBetween(write), seq, chunk=64)
             assert rows is not None
             keys, recs, found = rows
             assert found.all() and sorted(keys.tolist()) == KEYS.tolist()
@@ -156,7 +144,7 @@ def test_a_delta_read_in_chunks_stays_in_parts_no_key_in_two():
         def write() -> None:     # the trainer rewrites keys 0..9 between chunks
             store.assign(np.arange(10), np.full((10, DIM), next(rewrites), np.float32))
 
-        seq, parts = delta_parts(store, log, lambda: _WriteBetween(write), 0, chunk=500)
+        seq, parts = delta_parts(store, log, lambda: WriteBetween(write), 0, chunk=500)
         # keys 0..9, rewritten meanwhile, are written over in the first part: no part more
         assert parts is not None and len(parts) == 6
         assert all(len(k) <= 500 for k, _, _ in parts)
@@ -197,7 +185,7 @@ def test_keys_written_between_chunks_travel_once_as_read_last(key_type):
                          np.full((3, DIM), 10 + n, np.float32))
             store.delete(keys([2000 + 2 * n]))
 
-        seq, parts = delta_parts(store, log, lambda: _WriteBetween(write), 0, chunk=200)
+        seq, parts = delta_parts(store, log, lambda: WriteBetween(write), 0, chunk=200)
         assert parts is not None and len(states) == 9   # 8 chunks and the last hold
         got = [k for ks, _, _ in parts for k in ks.tolist()]
         assert len(got) == len(set(got)), "a key in two parts"

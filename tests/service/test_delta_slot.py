@@ -18,23 +18,11 @@ from embstore.service.changelog import ChangeLog  # noqa: E402
 from embstore.service.delta_slot import NO_FIT, Slot, delta_into  # noqa: E402
 from embstore.service.shm import ALIGN, HEADER, Segment, host_id  # noqa: E402
 
+from .interleave import WriteBetween  # noqa: E402
+
 pytestmark = pytest.mark.skipif(host_id() is None, reason="no /dev/shm and boot id here")
 
 DIM = 4
-
-
-class _WriteBetween:
-    """A worker lock whose every release lets the trainer write once (as a trainer's call
-    waiting on the lock would): deterministic interleaving, no threads."""
-
-    def __init__(self, write) -> None:
-        self.write = write
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        self.write()
 
 
 def _table(store) -> dict[int, bytes]:
@@ -104,7 +92,7 @@ def test_a_delta_read_into_the_slot_is_one_state_while_the_trainer_writes(
         try:
             slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
             assert slot.rows == rows
-            between = lambda: _WriteBetween(write)    # noqa: E731
+            between = lambda: WriteBetween(write)    # noqa: E731
             parts, seq = _parts(slot, delta_into(store, log, between, 0, slot, chunk=200,
                                                  read_hold=between), store.layout.dtype)
         finally:
@@ -174,17 +162,10 @@ def test_a_position_the_log_no_longer_holds_is_a_resync():
             seg.close()
 
 
-@pytest.mark.parametrize("slot_rows", [None, 700])
-def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slot_rows):
-    """A worker in this process (to count its reads, and to shrink its slot so that deltas
-    come in several parts): the deltas pushed while a trainer writes are read into the slot,
-    and once it stopped the follower's replica equals the table, whole records."""
-    from embstore.service import shm
-    from embstore.service.client import DesStore
-    from embstore.service.follower import Follower, replica_options
-    from embstore.service.server import Worker
-
-    steps = []
+@pytest.fixture
+def counted_steps(monkeypatch) -> list:
+    """What each ``delta_into`` of the worker yields (its parts), in order."""
+    steps: list = []
     real = delta_slot.delta_into
 
     def counted(*args, **kwargs):
@@ -193,6 +174,21 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slo
             yield step
 
     monkeypatch.setattr(delta_slot, "delta_into", counted)
+    return steps
+
+
+@pytest.mark.parametrize("slot_rows", [None, 700])
+def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slot_rows,
+                                                                   counted_steps):
+    """A worker in this process (to count its reads, and to shrink its slot so that deltas
+    come in several parts): the deltas pushed while a trainer writes are read into the slot,
+    and once it stopped the follower's replica equals the table, whole records."""
+    from embstore.service import shm
+    from embstore.service.client import DesStore
+    from embstore.service.follower import Follower, replica_options
+    from embstore.service.server import Worker
+
+    steps = counted_steps
     store = embstore.open("memory://", dim=DIM, optimizer="adagrad", initializer="zeros")
     if slot_rows:
         small = HEADER + 3 * ALIGN + slot_rows * (9 + store.layout.itemsize)
@@ -262,7 +258,8 @@ def test_a_follower_applies_the_parts_of_an_ordered_delta_in_order():
         store.close()
 
 
-def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypatch):
+def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypatch,
+                                                                         counted_steps):
     """The first delta larger than the slot streams through it in parts; the worker then
     names a larger segment, and a delta as large comes as one part."""
     from embstore.service import shm
@@ -270,15 +267,7 @@ def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypat
     from embstore.service.follower import Follower, replica_options
     from embstore.service.server import Worker
 
-    steps = []
-    real = delta_slot.delta_into
-
-    def counted(*args, **kwargs):
-        for step in real(*args, **kwargs):
-            steps.append(step)
-            yield step
-
-    monkeypatch.setattr(delta_slot, "delta_into", counted)
+    steps = counted_steps
     store = embstore.open("memory://", dim=DIM, optimizer="sgd", initializer="zeros")
     monkeypatch.setattr(shm, "PUSH_SEGMENT", HEADER + 3 * ALIGN + 700 * (9 + store.layout.itemsize))
     w = Worker("grpc+tcp://127.0.0.1:0", store)

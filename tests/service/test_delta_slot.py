@@ -62,6 +62,24 @@ def _following(follower):
         t.join(60)
 
 
+@contextmanager
+def _served(store):
+    """``store`` served by a worker in this process: ``(a trainer's client, a read-only
+    client for a follower)``; the worker shut down and the store closed on the way out."""
+    from embstore.service.client import DesStore
+    from embstore.service.server import Worker
+
+    w = Worker("grpc+tcp://127.0.0.1:0", store)
+    threading.Thread(target=w.serve, daemon=True).start()
+    try:
+        with embstore.open(f"des://127.0.0.1:{w.port}") as des, \
+                DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
+            yield des, up
+    finally:
+        w.shutdown()
+        store.close()
+
+
 def _segment(rows: int, itemsize: int) -> Segment:
     return Segment.create(HEADER + 3 * ALIGN + rows * (9 + itemsize))
 
@@ -184,9 +202,7 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slo
     come in several parts): the deltas pushed while a trainer writes are read into the slot,
     and once it stopped the follower's replica equals the table, whole records."""
     from embstore.service import shm
-    from embstore.service.client import DesStore
     from embstore.service.follower import Follower, replica_options
-    from embstore.service.server import Worker
 
     steps = counted_steps
     store = embstore.open("memory://", dim=DIM, optimizer="adagrad", initializer="zeros")
@@ -194,36 +210,29 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slo
         small = HEADER + 3 * ALIGN + slot_rows * (9 + store.layout.itemsize)
         monkeypatch.setattr(shm, "PUSH_SEGMENT", small)
         monkeypatch.setattr(shm, "MAX_PUSH_SEGMENT", small)   # no growing out of parts
-    w = Worker("grpc+tcp://127.0.0.1:0", store)
-    threading.Thread(target=w.serve, daemon=True).start()
-    try:
-        with embstore.open(f"des://127.0.0.1:{w.port}") as des, \
-                DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
-            local = embstore.open("memory://", **replica_options(up))
-            with _following(Follower(local, up)) as stop:
-                rng = np.random.default_rng(0)
-                for i in range(40):
-                    k = rng.integers(0, 3000, 1000)
-                    des.update(k, np.full((1000, DIM), i % 3, np.float32))
-                    if i % 10 == 9:
-                        des.delete(rng.integers(0, 3000, 50))
-                des.flush()
-                want = _table(store)
-                for _ in range(3000):
-                    if _table(local) == want:
-                        break
-                    stop.wait(0.02)
-            assert _table(local) == want      # whole records: the optimizer's slots too
-            keys = np.arange(-5, 3005)
-            np.testing.assert_array_equal(local.lookup(keys, insert=False),
-                                          des.lookup(keys, insert=False))
-            assert steps and all(n is not None and n != NO_FIT for _, n, _ in steps)
-            if slot_rows:
-                assert any(not last for _, _, last in steps)   # several parts
-            local.close()
-    finally:
-        w.shutdown()
-        store.close()
+    with _served(store) as (des, up):
+        local = embstore.open("memory://", **replica_options(up))
+        with _following(Follower(local, up)) as stop:
+            rng = np.random.default_rng(0)
+            for i in range(40):
+                k = rng.integers(0, 3000, 1000)
+                des.update(k, np.full((1000, DIM), i % 3, np.float32))
+                if i % 10 == 9:
+                    des.delete(rng.integers(0, 3000, 50))
+            des.flush()
+            want = _table(store)
+            for _ in range(3000):
+                if _table(local) == want:
+                    break
+                stop.wait(0.02)
+        assert _table(local) == want      # whole records: the optimizer's slots too
+        keys = np.arange(-5, 3005)
+        np.testing.assert_array_equal(local.lookup(keys, insert=False),
+                                      des.lookup(keys, insert=False))
+        assert steps and all(n is not None and n != NO_FIT for _, n, _ in steps)
+        if slot_rows:
+            assert any(not last for _, _, last in steps)   # several parts
+        local.close()
 
 
 def test_a_follower_applies_the_parts_of_an_ordered_delta_in_order():
@@ -263,35 +272,26 @@ def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypat
     """The first delta larger than the slot streams through it in parts; the worker then
     names a larger segment, and a delta as large comes as one part."""
     from embstore.service import shm
-    from embstore.service.client import DesStore
     from embstore.service.follower import Follower, replica_options
-    from embstore.service.server import Worker
 
     steps = counted_steps
     store = embstore.open("memory://", dim=DIM, optimizer="sgd", initializer="zeros")
     monkeypatch.setattr(shm, "PUSH_SEGMENT", HEADER + 3 * ALIGN + 700 * (9 + store.layout.itemsize))
-    w = Worker("grpc+tcp://127.0.0.1:0", store)
-    threading.Thread(target=w.serve, daemon=True).start()
-    try:
-        with embstore.open(f"des://127.0.0.1:{w.port}") as des, \
-                DesStore(f"des://127.0.0.1:{w.port}", read_only=True) as up:
-            local = embstore.open("memory://", **replica_options(up))
-            keys = np.arange(2000)
-            with _following(Follower(local, up)) as stop:
-                for value in (1.0, 2.0):
-                    del steps[:]
-                    des.assign(keys, np.full((2000, DIM), value, np.float32))
-                    for _ in range(3000):
-                        if (local.lookup(keys[-1:], insert=False) == value).all():
-                            break
-                        stop.wait(0.02)
-                    assert all(n is not None and n != NO_FIT for _, n, _ in steps)
-                    if value == 1.0:
-                        assert len(steps) == 3            # 700 + 700 + 600 rows
-                    else:
-                        assert [n for _, n, _ in steps] == [2000]
-            np.testing.assert_array_equal(local.lookup(keys, insert=False), des.lookup(keys))
-            local.close()
-    finally:
-        w.shutdown()
-        store.close()
+    with _served(store) as (des, up):
+        local = embstore.open("memory://", **replica_options(up))
+        keys = np.arange(2000)
+        with _following(Follower(local, up)) as stop:
+            for value in (1.0, 2.0):
+                del steps[:]
+                des.assign(keys, np.full((2000, DIM), value, np.float32))
+                for _ in range(3000):
+                    if (local.lookup(keys[-1:], insert=False) == value).all():
+                        break
+                    stop.wait(0.02)
+                assert all(n is not None and n != NO_FIT for _, n, _ in steps)
+                if value == 1.0:
+                    assert len(steps) == 3            # 700 + 700 + 600 rows
+                else:
+                    assert [n for _, n, _ in steps] == [2000]
+        np.testing.assert_array_equal(local.lookup(keys, insert=False), des.lookup(keys))
+        local.close()

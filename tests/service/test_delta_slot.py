@@ -80,6 +80,19 @@ def _served(store):
         store.close()
 
 
+def _subscribed(des, local, stop) -> None:
+    """Wait until the follower of ``local`` holds a marker key written now: it took the
+    worker's snapshot (which may hold what was written before it subscribed), so what is
+    written from here on comes as pushed deltas."""
+    marker = np.array([-1])
+    des.assign(marker, np.zeros((1, DIM), np.float32))
+    for _ in range(3000):
+        if local.contains(marker).all():
+            return
+        stop.wait(0.02)
+    raise AssertionError("the follower never caught up with the worker")
+
+
 def _segment(rows: int, itemsize: int) -> Segment:
     return Segment.create(HEADER + 3 * ALIGN + rows * (9 + itemsize))
 
@@ -213,6 +226,8 @@ def test_a_same_host_follower_applies_deltas_read_into_the_slot(monkeypatch, slo
     with _served(store) as (des, up):
         local = embstore.open("memory://", **replica_options(up))
         with _following(Follower(local, up)) as stop:
+            _subscribed(des, local, stop)
+            del steps[:]
             rng = np.random.default_rng(0)
             for i in range(40):
                 k = rng.integers(0, 3000, 1000)
@@ -281,6 +296,7 @@ def test_a_delta_that_took_several_parts_makes_the_next_segment_larger(monkeypat
         local = embstore.open("memory://", **replica_options(up))
         keys = np.arange(2000)
         with _following(Follower(local, up)) as stop:
+            _subscribed(des, local, stop)
             for value in (1.0, 2.0):
                 del steps[:]
                 des.assign(keys, np.full((2000, DIM), value, np.float32))

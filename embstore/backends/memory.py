@@ -305,7 +305,7 @@ class MemoryBackend(Backend):
         """``FusedBagPooling.step_bags`` at the slots ``lookup_pool`` remembered (or probed)."""
         last, slots = self._last_find, recall(self._last_find, self._epoch, keys)
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
-                               update, *bags, keys=keys, kept=kept_batch(last, slots, keys), **kw)
+                               update, *bags, kept=kept_batch(last, slots, keys), **kw)
 
     def keep_found(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """``lookup_pool``'s record of a probe ahead that found every key (under the lock)."""

@@ -31,11 +31,9 @@ class BagKernels:
 
     def __init__(self, rows: RowKernels) -> None:
         self.rows = rows
-        # The table-parallel path of a collection (fused.probe_pool / step_tables), under the
-        # store's lock: the distinct keys of a batch it pooled already, with their slots, and
-        # the keys whose step it runs later, with their gradient sums and the list of steps.
+        # The table-parallel path of a collection (fused.probe_pool), under the store's lock:
+        # the distinct keys of a batch it pooled already, with their slots.
         self.ahead: tuple[np.ndarray, np.ndarray | None, int] | None = None
-        self.deferred: tuple[np.ndarray, np.ndarray | None, list | None] | None = None
         self.kept: np.ndarray | None = None
         # The rows of keys an admission policy turned away in the last ``lookup_pool``: ``(its
         # slots, EMPTY for them; the slots pooled and stepped; arena; theirs)`` (:meth:`found`)
@@ -142,13 +140,6 @@ class BagKernels:
         if s is not None and s[2] is arena:
             arena.release(s[3])
 
-    def defer_step(self, keys: np.ndarray | None, sums: np.ndarray | None = None,
-                   steps: list | None = None) -> None:
-        """The next ``step_bags`` of exactly ``keys`` appends ``(sums, step_bags' arguments)``
-        to ``steps`` (for :func:`~embstore._cython.fused.step_tables`) instead of stepping:
-        ``sums``, its per-key gradient sums, all finite (``fused.sum_tables``)."""
-        self.deferred = None if keys is None else (keys, sums, steps)
-
     def defer(self, arena: Any, slots: np.ndarray, update: Any, *bags: Any,
               defer: tuple[np.ndarray, list[Any]], **kw: Any) -> bool | None:
         """:meth:`step` of a collection's table-parallel step at ``slots`` (those its forward
@@ -178,16 +169,16 @@ class BagKernels:
     def step(self, arena: Any, slots: np.ndarray, update: Any, inv: np.ndarray,
              offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
              threads: int = 1, rounding: int | None = None, *,
-             keys: np.ndarray | None = None, argmax: np.ndarray | None = None,
-             dropped: np.ndarray | None = None, kept: bool = False,
+             argmax: np.ndarray | None = None, dropped: np.ndarray | None = None,
+             kept: bool = False,
              defer: tuple[np.ndarray, list[Any]] | None = None) -> bool | None:
         """``FusedBagPooling.step_bags`` at ``slots``: None where a slot is empty (a key lost
         its record) or the kernels do not cover the layout or rule; False (nothing written)
-        where a summed gradient is not finite. True, not yet written, for the ``keys`` of
-        :meth:`defer_step`. The slots of a batch with :meth:`scratch_rows` step those rows
-        (and free them), ``dropped[0]`` set to how many. ``kept``: the slots are those
-        ``lookup_pool`` kept for the batch's own keys (occupied, but for the scratch rows
-        taken first); ``defer``: :meth:`defer` at those (None where there are none)."""
+        where a summed gradient is not finite. The slots of a batch with
+        :meth:`scratch_rows` step those rows (and free them), ``dropped[0]`` set to how many.
+        ``kept``: the slots are those ``lookup_pool`` kept for the batch's own keys
+        (occupied, but for the scratch rows taken first); ``defer``: :meth:`defer` at those
+        (None where there are none)."""
         if defer is not None:
             if not kept:
                 return None
@@ -197,7 +188,7 @@ class BagKernels:
         if scratch is not None and scratch[0] is slots and scratch[1] is not None:
             try:  # ``lookup_pool``'s with ids turned away: their rows, freed after the step
                 done = self.step(arena, scratch[1], update, inv, offsets, weights, mean, grad,
-                                 threads, rounding, keys=keys, argmax=argmax)
+                                 threads, rounding, argmax=argmax)
             finally:
                 self.drop_scratch(arena)
             if done and dropped is not None:
@@ -205,12 +196,5 @@ class BagKernels:
             return done
         if not kept and len(slots) and (slots == _EMPTY).any():
             return None
-        deferred, self.deferred = self.deferred, None
-        if deferred is None or keys is None or deferred[0] is not keys:
-            return self.rows.step_bags(arena, slots, update, inv, offsets, weights, mean, grad,
-                                       threads, rounding, argmax)
-        args = self.rows.step_args(arena, slots, update, inv, offsets, weights, mean, grad,
+        return self.rows.step_bags(arena, slots, update, inv, offsets, weights, mean, grad,
                                    threads, rounding, argmax)
-        if args is not None and deferred[2] is not None:
-            deferred[2].append((deferred[1], args))
-        return None if args is None else True

@@ -211,11 +211,12 @@ def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:
 
 def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
     """The steps of ``memory://`` tables: every table's per-id gradient sums in one native
-    call (``fused.sum_tables``), then each store's ``update_bags`` as usual, whose kernel call
-    is only noted (``BagKernels.defer_step``), then every noted step in one native call
-    (``fused.step_tables``), each store's lock held throughout. A table whose sums are not
-    finite takes its own path (which raises, as it would have): the tables before it are
-    stepped, none after it."""
+    call (``fused.sum_tables``), then each store's bookkeeping of its step, whose kernel call
+    is only noted (:func:`_defer_table`), then every noted step in one native call
+    (``fused.step_tables``), each store's lock held throughout. A table whose keys changed
+    since its forward steps in its own store call; one whose sums are not finite takes its
+    own path (which raises, as it would have): the tables before it are stepped, none after
+    it."""
     if g.stride(1) != 1:  # (an expanded gradient: the kernels read contiguous rows)
         g = g.contiguous()
     gn = g.numpy()
@@ -224,20 +225,12 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
     finite = np.empty(len(parts), dtype=np.uint8)
     steps: list = []
     with _holding(parts):
-        tables = [part.store.backend.fused_table()[3] for part in parts]
         sum_tables([(p.batch.inv, p.batch.offsets, p.batch.weights, p.batch.mean, gb, s)
                     for p, gb, s in zip(parts, grads, sums, strict=True)], finite, threads)
         try:
-            for part, gb, s, ok, bags in zip(parts, grads, sums, finite.tolist(), tables,
-                                             strict=True):
-                if ok and _defer_table(part, gb, s, steps, threads):
-                    continue
-                if ok:
-                    bags.defer_step(part.batch.uniq, s, steps)
-                try:
+            for part, gb, s, ok in zip(parts, grads, sums, finite.tolist(), strict=True):
+                if not (ok and _defer_table(part, gb, s, steps, threads)):
                     _fused.step_block(part.store, part.batch, part.count, gb, threads)
-                finally:
-                    bags.defer_step(None)
         finally:
             step_tables(steps, threads)
 

@@ -20,6 +20,7 @@ ES_ATTR static void ES_NAME(es_add_f16)(float* restrict o, const uint16_t* restr
 #ifndef ES_BLOCK
 #define ES_BLOCK 32
 #define ES_AHEAD 16
+#define ES_GRAD_AHEAD 8
 static inline void es_prefetch_span(const char* p, ptrdiff_t n) {
     ptrdiff_t off;
     for (off = 0; off < n; off += 64) ES_PREFETCH(p + off);
@@ -206,6 +207,8 @@ ES_ATTR static void ES_NAME(es_scatter_sums)(float* restrict sums, ptrdiff_t nu,
     for (b = 0; b < n_bags; b++) {
         ptrdiff_t ln = offsets[b + 1] - offsets[b];
         const float* g = (const float*) (grad + b * gstride);
+        if (b + ES_GRAD_AHEAD < n_bags)
+            es_prefetch_span(grad + (b + ES_GRAD_AHEAD) * gstride, d * (ptrdiff_t) sizeof(float));
         if (ln == 0) continue;
         if (mean) { /* torch divides the gradient by the length first, then sums */
             float fl = (float) ln;

@@ -22,6 +22,9 @@ from .fused cimport (KIND_BF16, KIND_F16, KIND_F32, SCRATCH, StepJob, StepSpec, 
                      dedupe_keys, es_finite, es_pool_bag, es_scatter_sums, step_all, step_job,
                      step_spec)
 
+cdef extern from "es_prefetch.h":
+    void ES_PREFETCH_W(const void* p) nogil
+
 
 
 cdef struct PoolJob:
@@ -140,6 +143,17 @@ cdef int _pool_job(PoolJob* j, tuple spec) except -1:
     return 0
 
 
+cdef enum:
+    OUT_AHEAD = 8
+
+
+cdef inline void _prefetch_out(const float* o, Py_ssize_t d) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in range(0, d, 16):
+        ES_PREFETCH_W(o + k)
+    ES_PREFETCH_W(o + d - 1)
+
+
 cdef void _probe_pool_one(void* job) noexcept nogil:
     cdef PoolJob* j = <PoolJob*> job
     cdef Py_ssize_t u, b
@@ -160,6 +174,8 @@ cdef void _probe_pool_one(void* job) noexcept nogil:
         s = j.slots[u]
         rows[u] = j.chunks[s >> j.shift] + (s & j.low_mask) * j.itemsize + j.vec_offset
     for b in range(j.n_bags):
+        if b + OUT_AHEAD < j.n_bags:
+            _prefetch_out(j.out + (b + OUT_AHEAD) * j.ostride, j.d)
         es_pool_bag(j.out + b * j.ostride, j.d, rows, j.inv, j.offsets[b], j.offsets[b + 1],
                     j.w, j.mean, j.kind, j.offsets[j.n_bags])
     free(rows)

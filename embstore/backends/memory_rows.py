@@ -3,6 +3,8 @@ key-table helpers of :class:`~embstore.backends.memory.MemoryBackend`."""
 
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Any
 
 import numpy as np
@@ -193,9 +195,28 @@ def _metadata(update: Any, n: int, set_offsets: np.ndarray,
               if len(adds) == 1 else
               np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
     # each assigned value in its field's dtype, as the 8 bytes the kernel copies
-    bits = (np.array([tuple(update.assign.values())], dtype=set_dtype).view(np.uint64)
-            if len(set_offsets) else np.empty(0, dtype=np.uint64))
-    return counts, bits
+    if not len(set_offsets):
+        return counts, np.empty(0, dtype=np.uint64)
+    packer = _packer(set_dtype)
+    values = tuple(update.assign.values())
+    if packer is not None:
+        try:
+            return counts, np.frombuffer(packer.pack(*values), dtype=np.uint64)
+        except struct.error:  # (a value struct takes otherwise than numpy: numpy converts)
+            pass
+    return counts, np.array([values], dtype=set_dtype).view(np.uint64)
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(set_dtype: np.dtype) -> struct.Struct | None:
+    """The assigned fields' bytes by :mod:`struct` (a tenth of a structured array's cost per
+    step) where each is a little-endian float64, int64 or uint64; None otherwise."""
+    codes = {"<f8": "d", "<i8": "q", "<u8": "Q"}
+    by_name = set_dtype.fields or {}
+    fields = [by_name[n] for n in set_dtype.names or ()]
+    if any(f[0].str not in codes for f in fields) or set_dtype.itemsize != 8 * len(fields):
+        return None
+    return struct.Struct("<" + "".join(codes[f[0].str] for f in fields))
 
 
 def new_snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:

@@ -25,7 +25,6 @@ no-grad forwards, other stores) takes the collection's general path; both give t
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -61,15 +60,17 @@ class Part:
 
 
 def pool(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
-         stride: int, weights: torch.Tensor | None, pinned: bool = False) -> torch.Tensor:
+         stride: int, weights: torch.Tensor | None, pinned: bool = False,
+         ordered: bool = False) -> torch.Tensor:
     """The pooled ``(stride, sum of dims)`` output of the fused forward of the int64 ids
     ``flat``; ``where[i]`` is the input block (feature position in the keyed jagged input)
-    of ``parts[i]``; ``pinned``: pooled into page-locked memory (for a model on a GPU)."""
+    of ``parts[i]``; ``pinned``: pooled into page-locked memory (for a model on a GPU);
+    ``ordered``: ``bounds`` are known not to decrease."""
     width = parts[-1].column + parts[-1].dim if parts else 0
     w = None if weights is None else np.ascontiguousarray(
         weights.detach().reshape(-1).to("cpu", torch.float32).numpy())
     return FusedTables.apply(torch.empty(0, requires_grad=True), parts, where, flat, bounds,
-                             stride, w, width, pinned)
+                             stride, w, width, pinned, ordered)
 
 
 class FusedTables(torch.autograd.Function):
@@ -79,14 +80,14 @@ class FusedTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, parts: list[Part], where: list[int],
                 flat: np.ndarray, bounds: np.ndarray, stride: int, weights: np.ndarray | None,
-                width: int, pinned: bool) -> torch.Tensor:
+                width: int, pinned: bool, ordered: bool) -> torch.Tensor:
         ctx.parts = parts
-        return _pool_parts(parts, where, flat, bounds, stride, weights, width, pinned)
+        return _pool_parts(parts, where, flat, bounds, stride, weights, width, pinned, ordered)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         _step_parts(ctx.parts, grad)
-        return (None,) * 9
+        return (None,) * 10
 
 
 def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.ndarray]:
@@ -97,15 +98,18 @@ def _block(where: int, bounds: np.ndarray, stride: int) -> tuple[int, int, np.nd
 
 def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
                 stride: int, weights: np.ndarray | None, width: int,
-                pinned: bool = False) -> torch.Tensor:
+                pinned: bool = False, ordered: bool = False) -> torch.Tensor:
     """Every table's bags into its columns of one ``(stride, width)`` output; each part keeps
     its batch for :func:`_step_parts`. The tables of ``memory://`` stores go through one
-    native call (:func:`_pool_together`), the others one store call each."""
+    native call (:func:`_pool_together`), the others one store call each. ``ordered``: the
+    bounds are known not to decrease (a :class:`~embstore_torch.KeyedJagged`'s)."""
     out = _transfer.host_empty((stride, width), pinned)
     buf = out.numpy()
     threads = torch.get_num_threads()
-    # (bad lengths: each store's own call says so)
-    together = [] if (bounds[1:] < bounds[:-1]).any() else _together(parts)
+    # (bad lengths: each store's own call says so; the parts' planner asked each store
+    # whether it pools in place just now)
+    together = [] if not ordered and (bounds[1:] < bounds[:-1]).any() else _together(
+        parts, asked=True)
     if together:
         _pool_together([parts[i] for i in together], [where[i] for i in together], flat,
                        bounds, stride, weights, buf, threads)
@@ -123,43 +127,62 @@ def _pool_parts(parts: list[Part], where: list[int], flat: np.ndarray, bounds: n
     return out
 
 
-def _together(parts: list[Part]) -> list[int]:
+def _together(parts: list[Part], asked: bool = False) -> list[int]:
     """The positions of the parts that take the table-parallel calls (forward and backward
     ask again: a policy may come between them): ``memory://`` tables (:func:`_native`), two
     or more, of as many backends (a backend twice would be stepped by two threads at once,
     where one call per table steps it twice in order); none where TABLE_PARALLEL is off. Max
-    pooled tables take one store call each (the table-parallel kernels sum and average)."""
-    together = [i for i, p in enumerate(parts)
-                if TABLE_PARALLEL and p.mode != "max" and _native(p.store)]
+    pooled tables take one store call each (the table-parallel kernels sum and average).
+    ``asked``: each store's ``fused_bags()`` was asked just before, and said yes."""
+    if not TABLE_PARALLEL:
+        return []
+    together = [i for i, p in enumerate(parts) if p.mode != "max" and _native(p.store, asked)]
     backends = {id(parts[i].store.backend) for i in together}
     return together if len(together) >= 2 and len(backends) == len(together) else []
 
 
-def _native(store: Any) -> bool:
+def _native(store: Any, asked: bool = False) -> bool:
     """Whether ``store``'s tables take the table-parallel calls: a ``memory://`` backend
     (``fused_table``) on the fused path (int64 keys), with no policy that acts on rows after an
     update (expiry, eviction) or optimizer that prunes them: its step may wait for the others'
-    bookkeeping; nor an admission policy (``probe_pool`` places every new id)."""
-    if not (hasattr(store, "writer") and hasattr(store, "backend")):
-        return False
-    policy = getattr(store.writer, "policy", None)
-    return (hasattr(store.backend, "fused_table") and policy is not None
+    bookkeeping; nor an admission policy (``probe_pool`` places every new id). ``asked``:
+    ``store.fused_bags()`` said yes just before."""
+    writer = getattr(store, "writer", None)
+    policy = getattr(writer, "policy", None)
+    return (policy is not None and hasattr(store, "backend")
+            and hasattr(store.backend, "fused_table")
             and policy.expiry is None and policy.eviction is None and policy.admission is None
-            and not getattr(store.optimizer, "prune", False) and store.fused_bags())
+            and not getattr(store.optimizer, "prune", False) and (asked or store.fused_bags()))
 
 
-def _holding(parts: list[Part]) -> contextlib.ExitStack:
+class _Holding:
     """Every part's store lock, taken in one global order (by identity), so that two threads
-    stepping collections that share stores in different orders cannot deadlock."""
-    locks = {id(lock): lock for lock in (p.store.backend.fused_table()[0] for p in parts)}
-    stack = contextlib.ExitStack()
-    try:
-        for key in sorted(locks):
-            stack.enter_context(locks[key])
-    except BaseException:
-        stack.close()
-        raise
-    return stack
+    stepping collections that share stores in different orders cannot deadlock; released in
+    the reverse order (a plain list: the step takes it twice per call, an ``ExitStack`` cost
+    more than the locks)."""
+
+    __slots__ = ("locks",)
+
+    def __init__(self, parts: list[Part]) -> None:
+        locks = {id(lock): lock for lock in (p.store.backend.fused_table()[0] for p in parts)}
+        self.locks = [locks[key] for key in sorted(locks)]
+
+    def __enter__(self) -> None:
+        taken = 0
+        try:
+            for lock in self.locks:
+                lock.__enter__()
+                taken += 1
+        except BaseException:
+            self._release(taken)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        self._release(len(self.locks))
+
+    def _release(self, taken: int) -> None:
+        for lock in reversed(self.locks[:taken]):
+            lock.__exit__(None, None, None)
 
 
 def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds: np.ndarray,
@@ -174,7 +197,7 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
     uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
     slots = np.empty(n, dtype=np.uint32)
     w = _NO_WEIGHTS if weights is None else weights
-    with _holding(parts):
+    with _Holding(parts):
         specs, blocks = [], []
         for part, block in zip(parts, where, strict=True):
             part.store.check_open()
@@ -224,7 +247,7 @@ def _step_together(parts: list[Part], g: torch.Tensor, threads: int) -> None:
     sums = [np.empty((len(p.batch.uniq), p.dim), dtype=np.float32) for p in parts]
     finite = np.empty(len(parts), dtype=np.uint8)
     steps: list = []
-    with _holding(parts):
+    with _Holding(parts):
         sum_tables([(p.batch.inv, p.batch.offsets, p.batch.weights, p.batch.mean, gb, s)
                     for p, gb, s in zip(parts, grads, sums, strict=True)], finite, threads)
         try:

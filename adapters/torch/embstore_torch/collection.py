@@ -194,7 +194,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
         bad = [f for f in self.features if weights is not None and self.pooling[f] != "sum"]
         if bad:  # checked before any table is read: bad input writes nothing
             raise InvalidInputError(f"weighted features need sum pooling: {bad}")
-        bounds = (features.offsets_array() if isinstance(features, KeyedJagged)
+        ordered = isinstance(features, KeyedJagged)  # (its lengths were checked: bounds rise)
+        bounds = (features.offsets_array() if ordered
                   else np.concatenate(([0], np.cumsum(lengths))))
         where = {k: i for i, k in enumerate(keys)}  # feature -> its block of bags
         parts = self._fused_parts(weights)
@@ -202,7 +203,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if parts is not None and flat is not None:
             first = self.embedding_bags[next(iter(self.embedding_bags))]
             out = _fused_tables.pool(parts, [where[f] for f in self.features], flat, bounds,
-                                     stride, weights, first.pooled_pinned)
+                                     stride, weights, first.pooled_pinned, ordered)
             return PooledFeatures(list(self.features), [p.dim for p in parts],
                                   first.placed(out))
         pooled: dict[str, torch.Tensor] = {}

@@ -212,7 +212,7 @@ def _packer(set_dtype: np.dtype) -> struct.Struct | None:
     """The assigned fields' bytes by :mod:`struct` (a tenth of a structured array's cost per
     step) where each is a little-endian float64, int64 or uint64; None otherwise."""
     codes = {"<f8": "d", "<i8": "q", "<u8": "Q"}
-    by_name = set_dtype.fields or {}
+    by_name: Any = set_dtype.fields or {}
     fields = [by_name[n] for n in set_dtype.names or ()]
     if any(f[0].str not in codes for f in fields) or set_dtype.itemsize != 8 * len(fields):
         return None

@@ -19,7 +19,7 @@ ES_ATTR static void ES_NAME(es_add_f16)(float* restrict o, const uint16_t* restr
    loop-invariant tests: each case is its own vector loop. */
 #ifndef ES_BLOCK
 #define ES_BLOCK 32
-#define ES_AHEAD 16
+#define ES_AHEAD 32
 #define ES_GRAD_AHEAD 8
 static inline void es_prefetch_span(const char* p, ptrdiff_t n) {
     ptrdiff_t off;

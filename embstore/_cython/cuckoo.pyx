@@ -55,7 +55,7 @@ cdef extern from "es_memory.h":
 cdef enum:
     BUCKET = 4
     MAX_KICKS = 500
-    PREFETCH_AHEAD = 16
+    PREFETCH_AHEAD = 32
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 
 cdef double MAX_LOAD = 0.85

@@ -59,7 +59,7 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
 KINDS = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
 
 cdef enum:
-    AHEAD = 8   # rows requested this many keys ahead of the one being stepped
+    AHEAD = 16   # rows requested this many keys ahead of the one being stepped
     # Threads take bags or keys CHUNK at a time (dynamic: a thread the OS holds back leaves
     # its share to the others), and only calls of at least MIN_SPLIT floats per thread split
     # at all: below that a fork and join costs more than it saves.

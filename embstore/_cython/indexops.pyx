@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Index kernels of a training step: the sampler's inverse-cdf search and draw weights, and a
-batch's grouping by its inverse index.
+"""Index kernels of a training step: the sampler's inverse-cdf search and draw weights, a
+batch's grouping by its inverse index, and jagged bags' bounds from their lengths.
 
 Each replaces a few numpy calls that each made a temporary and walked it again (a draw of
 40k negatives from an 8k-key cdf: ``searchsorted`` ~0.32 ms, the weights' gathers and
@@ -118,3 +118,22 @@ def group_by_inverse(const int64_t[::1] inv, Py_ssize_t n_keys, int64_t[::1] ord
             starts[v] += 1
         for i in range(n_keys):
             starts[i] -= counts[i]
+
+
+def bag_bounds(const int64_t[::1] lengths, int64_t[::1] out):
+    """``out[0] = 0`` and ``out[i + 1] = out[i] + lengths[i]`` (``len(lengths) + 1``
+    entries: ``np.cumsum``'s sums) in one pass that also looks for a negative length; returns
+    False where there is one (``out`` then partly written). A batch's lengths come cold from
+    the caches, and numpy's ``cumsum`` and a separate ``min`` read them twice."""
+    cdef Py_ssize_t i, n = lengths.shape[0]
+    cdef int64_t total = 0, bad = 0, x
+    if out.shape[0] != n + 1:
+        raise ValueError("bag_bounds: out needs len(lengths) + 1 entries")
+    with nogil:
+        out[0] = 0
+        for i in range(n):
+            x = lengths[i]
+            bad |= x
+            total += x
+            out[i + 1] = total
+    return bad >= 0

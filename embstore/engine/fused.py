@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from .._cython import fused, fused_tables
+from .._cython import fused, fused_tables, indexops
 from .._cython.rowops import all_finite
 from ..errors import InvalidInputError
 
-__all__ = ["MODES", "BagBatch", "bag_batch", "bag_input", "batch_of", "check_out",
-           "pooling_mode", "probe_pool", "step_tables", "sum_tables"]
+__all__ = ["MODES", "BagBatch", "bag_batch", "bag_bounds", "bag_input", "batch_of",
+           "check_out", "pooling_mode", "probe_pool", "step_tables", "sum_tables"]
 
 #: How a batch's bags are pooled
 MODES = ("sum", "mean", "max")
@@ -165,6 +165,15 @@ def batch_of(flat: np.ndarray, bounds: np.ndarray, w: np.ndarray, mode: str) -> 
     counts = np.empty(n, dtype=np.int64)
     nu = fused.dedupe(flat, uniq, inv, counts)
     return BagBatch(uniq[:nu], inv, counts[:nu], bounds, w, mode)
+
+
+def bag_bounds(lengths: np.ndarray) -> np.ndarray | None:
+    """The ``len(lengths) + 1`` bounds of bags of ``lengths`` (int64, 1-D; ``0`` then the
+    running sums), or None where a length is negative: one native pass, where numpy's
+    ``cumsum`` and a test for negatives would read the lengths twice."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+    out = np.empty(len(lengths) + 1, dtype=np.int64)
+    return out if indexops.bag_bounds(lengths, out) else None
 
 
 def bag_input(ids: Any, offsets: Any, weights: Any,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import embstore
 from embstore._cython.indexops import draw_weights, search_sorted_right
@@ -127,3 +129,15 @@ def test_store_draws_are_the_numpy_draws(key_type):
     assert np.array_equal(a.keys, b.keys)
     u = store.sample([], 100, UniformSampler(), unique=False, seed=1)
     assert len(u.keys) == 100
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=300), st.integers(-2**40, -1), st.data())
+def test_bag_bounds_are_cumsums_and_any_negative_length_is_found(lengths, negative, data):
+    from embstore.engine.fused import bag_bounds
+
+    lens = np.array(lengths, dtype=np.int64)
+    got = bag_bounds(lens)
+    assert got is not None
+    assert got.tolist() == [0, *np.cumsum(lens).tolist()]
+    at = data.draw(st.integers(0, len(lengths)))
+    assert bag_bounds(np.insert(lens, at, negative)) is None

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embstore.engine.fused import bag_bounds
 from embstore.errors import InvalidInputError
 
 __all__ = ["KeyedJagged", "PooledFeatures"]
@@ -61,12 +62,12 @@ class KeyedJagged:
             raise InvalidInputError("give exactly one of lengths and offsets")
         if lengths is not None:
             lens = _int_array(lengths, "lengths")
-            offs = np.zeros(len(lens) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offs[1:])
-            if (lens < 0).any() or int(offs[-1]) != n:
+            bounds = bag_bounds(lens)  # (sums and sign test in one pass: lengths come cold)
+            if bounds is None or int(bounds[-1]) != n:
                 raise InvalidInputError(
                     f"lengths must be non-negative and sum to len(values) = {n}, "
                     f"got sum {int(lens.sum())}")
+            offs = bounds
         else:
             offs = _int_array(offsets, "offsets").copy()  # (held: not the caller's array)
             if (len(offs) == 0 or offs[0] != 0 or offs[-1] != n

@@ -197,26 +197,27 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
     uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
     slots = np.empty(n, dtype=np.uint32)
     w = _NO_WEIGHTS if weights is None else weights
+    bounds = np.asarray(bounds, dtype=np.int64)  # (so each block's offsets are int64)
+    # every block's first and last element at once (bounds are numpy: one conversion)
+    edges = bounds[[b * stride + e for b in where for e in (0, stride)]].tolist()
     with _Holding(parts):
         specs, blocks = [], []
-        for part, block in zip(parts, where, strict=True):
+        for i, (part, block) in enumerate(zip(parts, where, strict=True)):
             part.store.check_open()
-            lo, hi = int(bounds[block * stride]), int(bounds[(block + 1) * stride])
-            offsets = np.ascontiguousarray(bounds[block * stride:(block + 1) * stride + 1] - lo,
-                                           dtype=np.int64)  # the n_bags + 1 bounds
+            lo, hi = edges[2 * i], edges[2 * i + 1]
+            offsets = bounds[block * stride:(block + 1) * stride + 1] - lo  # n_bags + 1
+            out = buf[:, part.column:part.column + part.dim]
+            wts = w[lo:hi] if len(w) else w
             specs.append(probe_spec(part.store.backend, flat[lo:hi], uniq[lo:hi], inv[lo:hi],
-                                    counts[lo:hi], slots[lo:hi], offsets,
-                                    w[lo:hi] if len(w) else w, part.mean,
-                                    buf[:, part.column:part.column + part.dim]))
-            blocks.append((lo, hi, offsets))
+                                    counts[lo:hi], slots[lo:hi], offsets, wts, part.mean, out))
+            blocks.append((lo, hi, offsets, wts, out))
         found = np.empty((len(specs), 2), dtype=np.int64)
         probe_pool(specs, found, threads)
-        for part, (lo, hi, offsets), (nu, absent) in zip(parts, blocks, found.tolist(),
-                                                          strict=True):
+        for part, (lo, hi, offsets, wts, out), (nu, absent) in zip(parts, blocks,
+                                                                   found.tolist(), strict=True):
             part.batch = BagBatch(uniq[lo:lo + nu], inv[lo:hi], counts[lo:lo + nu], offsets,
-                                  w[lo:hi] if len(w) else w, part.mean)
-            pool_probed(part.store.writer, part.batch, slots[lo:lo + nu], absent,
-                        buf[:, part.column:part.column + part.dim], threads)
+                                  wts, part.mean)
+            pool_probed(part.store.writer, part.batch, slots[lo:lo + nu], absent, out, threads)
 
 
 def _step_parts(parts: list[Part], grad: torch.Tensor) -> None:

@@ -148,8 +148,9 @@ class BagKernels:
         ``(sums, steps)`` (the keys' gradient sums, all finite), True; None, nothing done,
         where the kernels do not cover the layout or rule, or ``kw`` asks for more (a max's
         ``argmax``, ``dropped`` keys): then :meth:`step` takes it."""
-        if any(v is not None for v in kw.values()):
-            return None
+        for v in kw.values():
+            if v is not None:
+                return None
         args = self.rows.step_args(arena, slots, update, *bags)
         if args is None:
             return None

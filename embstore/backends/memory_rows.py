@@ -19,6 +19,8 @@ from .._cython.strkeys import KeySnapshot
 __all__ = ["RowKernels", "new_snapshot", "row_plan", "same_keys", "table_items"]
 
 
+_NO_CONSTANTS = np.zeros(0, dtype=np.float64)
+_NO_CONSTANTS.flags.writeable = False
 #: the rules :meth:`RowKernels.update` steps in place (the arena's Adagrad kernels); the fused
 #: step covers every rule of ``fused.RULES``
 IN_PLACE_RULES = ("adagrad", "adagrad_rowwise")
@@ -171,10 +173,11 @@ class RowKernels:
         counts, bits = _metadata(update, len(slots), set_offsets, set_dtype)
         lr, eps, *hyper = rule.params if rule is not None else (0.0, 0.0)
         kind = fused.RULES["axpy" if rule is None else rule.name]
+        constants = np.array(hyper, dtype=np.float64) if hyper else _NO_CONSTANTS
         return (arena, slots, inv, offsets, weights, mean, grad, kind, float(alpha), lr, eps,
                 axpy_offset, acc_offset, add_offsets, counts, set_offsets, bits, threads,
                 fused.KINDS[self.layout.value_dtype], fused.KINDS[self.layout.slot_dtype],
-                rounding or 0, rounding is not None, np.array(hyper, dtype=np.float64),
+                rounding or 0, rounding is not None, constants,
                 acc2_offset) + (() if argmax is None else (argmax,))
 
     def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:

@@ -84,6 +84,7 @@ static inline int es_wide(void) {
 #endif
 
 #define es_pool_bag ES_PICK(es_pool_bag)
+#define es_gather_bags ES_PICK(es_gather_bags)
 #define es_max_bag ES_PICK(es_max_bag)
 #define es_max_sums ES_PICK(es_max_sums)
 #define es_scatter_sums ES_PICK(es_scatter_sums)

@@ -84,6 +84,39 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
     if (mean) for (k = k0; k < d; k++) o[k] = o[k] / fl;
 }
 
+/* Bags of one element each, bag b the element b: row b of out (ostride floats apart) gets
+   es_pool_bag's result for such a bag, the same bits (0.0f + x, or fmaf(w[b], x, 0.0f)
+   weighted, divided by 1.0f with mean), in one loop without a call and a bounds read per
+   bag; the rows of the bags ES_AHEAD on and the output rows 8 on are requested first. */
+ES_ATTR static void ES_NAME(es_gather_bags)(float* restrict out, ptrdiff_t ostride,
+                                            ptrdiff_t n_bags, ptrdiff_t d,
+                                            const void* const* rows, const int64_t* inv,
+                                            const float* w, int mean, int kind) {
+    ptrdiff_t b, k;
+    ptrdiff_t row_bytes = d * (kind == ES_F32 ? 4 : 2);
+    for (b = 0; b < n_bags; b++) {
+        float* restrict o = out + b * ostride;
+        const float* restrict r = (const float*) rows[inv[b]];
+        const uint16_t* restrict h = (const uint16_t*) rows[inv[b]];
+        float we = w ? w[b] : 1.0f;
+        if (b + ES_AHEAD < n_bags)
+            es_prefetch_span((const char*) rows[inv[b + ES_AHEAD]], row_bytes);
+        if (b + 8 < n_bags)
+            for (k = 0; k < d; k += 16) ES_PREFETCH_W(out + (b + 8) * ostride + k);
+        if (kind == ES_F32) {
+            if (w) { for (k = 0; k < d; k++) o[k] = fmaf(we, r[k], 0.0f); }
+            else { for (k = 0; k < d; k++) o[k] = 0.0f + r[k]; }
+        } else if (kind == ES_BF16) {
+            if (w) { for (k = 0; k < d; k++) o[k] = fmaf(we, es_bf16_to_f32(h[k]), 0.0f); }
+            else { for (k = 0; k < d; k++) o[k] = 0.0f + es_bf16_to_f32(h[k]); }
+        } else {
+            if (w) { for (k = 0; k < d; k++) o[k] = fmaf(we, es_f16_to_f32(h[k]), 0.0f); }
+            else { for (k = 0; k < d; k++) o[k] = 0.0f + es_f16_to_f32(h[k]); }
+        }
+        if (mean) for (k = 0; k < d; k++) o[k] = o[k] / 1.0f;
+    }
+}
+
 /* *o = x and *am = u where x > *o (torch's strict >: NaN never takes), as a bit select:
    GCC makes "o[k] = take ? x : o[k]" a masked store, slow on some CPUs */
 ES_ATTR static inline void ES_NAME(es_take)(float* o, int32_t* am, float x, int32_t u) {

@@ -12,6 +12,9 @@ cdef extern from "es_fused.h":
         float h[4]
         double thresh
     # the inner loops both modules call (built per CPU class, see the header)
+    void es_gather_bags(float* out, Py_ssize_t ostride, Py_ssize_t n_bags, Py_ssize_t d,
+                        const void* const* rows, const int64_t* inv, const float* w, int mean,
+                        int kind) noexcept nogil
     void es_pool_bag(float* o, Py_ssize_t d, const void* const* rows, const int64_t* inv,
                      Py_ssize_t start, Py_ssize_t stop, const float* w, int mean,
                      int kind, Py_ssize_t ahead_stop) noexcept nogil

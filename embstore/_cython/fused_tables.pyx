@@ -19,8 +19,8 @@ from libc.stdlib cimport malloc, free
 from .arena cimport RecordArena
 from .cuckoo cimport CuckooProbe, probe_of, probe_find
 from .fused cimport (KIND_BF16, KIND_F16, KIND_F32, SCRATCH, StepJob, StepSpec, check_bags,
-                     dedupe_keys, es_finite, es_pool_bag, es_scatter_sums, step_all, step_job,
-                     step_spec)
+                     dedupe_keys, es_finite, es_gather_bags, es_pool_bag, es_scatter_sums,
+                     step_all, step_job, step_spec)
 
 cdef extern from "es_prefetch.h":
     void ES_PREFETCH_W(const void* p) nogil
@@ -43,6 +43,7 @@ cdef struct PoolJob:
     Py_ssize_t n_bags
     const float* w
     int mean, kind
+    bint single   # every bag holds one element (es_gather_bags)
     Py_ssize_t vec_offset
     float* out
     Py_ssize_t ostride, d
@@ -124,9 +125,11 @@ cdef int _pool_job(PoolJob* j, tuple spec) except -1:
         raise ValueError("probe_pool: each output row must be contiguous")
     if offsets.shape[0] != out.shape[0] + 1 or offsets[0] != 0 or offsets[out.shape[0]] != n:
         raise ValueError("probe_pool: offsets must be n_bags + 1 bounds of the keys")
+    j.single = True
     for b in range(out.shape[0]):
         if offsets[b + 1] < offsets[b]:
             raise ValueError("probe_pool: offsets must not decrease")
+        j.single = j.single and offsets[b + 1] == b + 1
     if weights.shape[0] and weights.shape[0] < n:
         raise ValueError("probe_pool: fewer weights than keys")
     j.chunks, j.low_mask, j.itemsize, j.shift = arena.chunks, arena.low_mask, arena.itemsize, \
@@ -173,11 +176,14 @@ cdef void _probe_pool_one(void* job) noexcept nogil:
     for u in range(j.nu):
         s = j.slots[u]
         rows[u] = j.chunks[s >> j.shift] + (s & j.low_mask) * j.itemsize + j.vec_offset
-    for b in range(j.n_bags):
-        if b + OUT_AHEAD < j.n_bags:
-            _prefetch_out(j.out + (b + OUT_AHEAD) * j.ostride, j.d)
-        es_pool_bag(j.out + b * j.ostride, j.d, rows, j.inv, j.offsets[b], j.offsets[b + 1],
-                    j.w, j.mean, j.kind, j.offsets[j.n_bags])
+    if j.single:  # (single-hot features: a gather, the same bits)
+        es_gather_bags(j.out, j.ostride, j.n_bags, j.d, rows, j.inv, j.w, j.mean, j.kind)
+    else:
+        for b in range(j.n_bags):
+            if b + OUT_AHEAD < j.n_bags:
+                _prefetch_out(j.out + (b + OUT_AHEAD) * j.ostride, j.d)
+            es_pool_bag(j.out + b * j.ostride, j.d, rows, j.inv, j.offsets[b],
+                        j.offsets[b + 1], j.w, j.mean, j.kind, j.offsets[j.n_bags])
     free(rows)
 
 

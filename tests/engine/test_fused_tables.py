@@ -111,3 +111,35 @@ def test_bad_arguments_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="row per table"):
         probe_pool([tuple(spec)] * 2, found)
     assert len(s) == 0
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("mean,weighted", [(False, False), (True, False), (False, True)])
+def test_single_hot_bags_gather_the_bits_pooling_gives_one_element_bags(value_dtype, mean,
+                                                                        weighted):
+    # every bag one id: probe_pool gathers (es_gather_bags) instead of pooling bag by bag;
+    # the reference pools the same bags through the store's threaded pooling (es_pool_bag)
+    rng = np.random.default_rng(5)
+    n, dim = 300, 40  # (a dim with a remainder past the 32-column blocks)
+    s = embstore.open("memory://", dim=dim, seed=0, value_dtype=value_dtype)
+    ids = (rng.zipf(1.3, n) % 40).astype(np.int64)
+    keys = np.unique(ids)
+    vecs = rng.standard_normal((len(keys), dim)).astype(np.float32)
+    vecs[0, :4] = [-0.0, 3e38, -1e-45, 1e-38]  # (a store holds no NaN or inf)
+    vecs[1, :] = -0.0
+    s.assign(keys, vecs)
+    offsets = np.arange(n + 1, dtype=np.int64)
+    w = rng.random(n, dtype=np.float32) if weighted else None
+    if weighted:
+        w[:5] = [-1.0, 0.0, 2.0, -0.0, 1.0]
+    want, _ = s.pool_bags(ids, offsets[:-1], weights=w, mean=mean, threads=2)
+    _, table, arena, bags = s.backend.fused_table()
+    out = np.full((n, 2 * dim), 7.0, np.float32)[:, dim:]  # a column block, as a collection's
+    bufs = [np.empty(n, np.int64) for _ in range(3)] + [np.empty(n, np.uint32)]
+    offset, kind = bags.vector_field()
+    spec = (table, arena, ids, *bufs, offsets, np.zeros(0, np.float32) if w is None else w,
+            offset, mean, out, kind)
+    found = np.zeros((1, 2), np.int64)
+    probe_pool([spec], found, 1)
+    assert found[0, 1] == 0
+    assert out.tobytes() == np.ascontiguousarray(want).tobytes()

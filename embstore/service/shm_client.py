@@ -136,7 +136,11 @@ class ShmStreams:
 
     def exchange(self, s: int, head: dict[str, Any], op: str, batch: pa.RecordBatch,
                  fields: dict[str, Any], where: str) -> pa.RecordBatch:
-        """``Streams.exchange``, through shared memory where it can."""
+        """``Streams.exchange``, through shared memory where it can. With one worker a
+        lookup's answer is a view of this thread's segment, valid until its next call: the
+        ``des://`` client calls a single worker on the caller's thread and copies the rows
+        out at once (one copy, not two); with several, pool threads call the workers for
+        any caller, and the rows are copied out of the segment first."""
         if (self._host is None or s in self.refused or not self.dim
                 or batch.schema.field("key").type != pa.int64()):
             return self.flight.exchange(s, head, op, batch, fields, where)
@@ -145,7 +149,7 @@ class ShmStreams:
         try:
             if ch is None:
                 ch = mine[s] = self._start(s, head, where)
-            out = self._call(ch, op, batch, fields, where)
+            out = self._call(ch, op, batch, fields, where, len(self._clients) == 1)
         except _Refused:
             self.refused.add(s)
             self._drop(mine, s)
@@ -184,7 +188,7 @@ class ShmStreams:
         return ch
 
     def _call(self, ch: _Channel, op: str, batch: pa.RecordBatch, fields: dict[str, Any],
-              where: str) -> pa.RecordBatch | None:
+              where: str, view: bool) -> pa.RecordBatch | None:
         """One call through ``ch``'s segment; None when it is over a segment's limit."""
         names = batch.schema.names
         keys = batch.column("key").to_numpy()
@@ -212,8 +216,8 @@ class ShmStreams:
             seg.array(msg[name], arr.size, arr.dtype)[:] = arr.reshape(-1)
         reply = ch.ask(msg, where)
         if op == "lookup":
-            vec = seg.array(msg["out"], n * dim, np.float32).reshape(n, dim).copy()
-            return wire.batch(vec=wire.vectors_column(vec))
+            vec = seg.array(msg["out"], n * dim, np.float32).reshape(n, dim)
+            return wire.batch(vec=wire.vectors_column(vec if view else vec.copy()))
         if op == "contains":
             return wire.batch(found=pa.array(seg.array(msg["out"], n, np.bool_).copy()))
         step = reply.get("step")

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
@@ -180,3 +181,34 @@ def test_a_socket_is_taken_only_from_this_user_with_the_nonce():
             assert os.waitpid(pid, 0)[1] == 0
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_lookups_rows_stay_the_callers_with_threads_sharing_a_client(n):
+    """With one worker a lookup's rows are read from the calling thread's segment (no copy
+    between); with several, pool threads serve every caller and copy them out first: either
+    way rows returned are not written over by a later call of any thread."""
+    from embstore.testing.service import start_workers
+
+    with start_workers(["memory://"] * n, dim=DIM, initializer="zeros") as workers, \
+            embstore.open(workers.url) as des:
+        des.assign(np.arange(2000), np.repeat(np.arange(2000, dtype=np.float32)[:, None],
+                                              DIM, axis=1))
+        errors: list[str] = []
+
+        def run(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            held = []
+            for _ in range(40):
+                keys = rng.integers(0, 2000, int(rng.integers(1, 700)))
+                held.append((keys, des.lookup(keys, insert=False)))
+            for keys, rows in held:
+                if not np.array_equal(rows, np.repeat(keys[:, None], DIM, 1)):
+                    errors.append(f"thread {seed}: rows changed after they were returned")
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors

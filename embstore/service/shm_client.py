@@ -8,6 +8,7 @@ over the segment limit) and every call of a client opened with ``shm=False``.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from typing import Any
 
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..errors import BackendError
-from . import wire
+from . import shm_sock, wire
 from .shm import HEADER, MAX_SEGMENT, Segment, aligned, host_id
 from .streams import Streams, Watchdog
 
@@ -30,18 +31,38 @@ class _Refused(Exception):
 
 
 class _Channel:
-    """One thread's stream and segment to one worker."""
+    """One thread's stream and segment to one worker (its messages over a socket once the
+    worker offered one: :mod:`embstore.service.shm_sock`)."""
 
     def __init__(self, writer: Any, reader: Any, watchdog: Watchdog, timeout: float) -> None:
         self.writer, self.reader = writer, reader
         self._watchdog, self._timeout = watchdog, timeout
         self.seg: Segment | None = None
+        self.sock: socket.socket | None = None
 
     def ask(self, msg: dict[str, Any], where: str) -> dict[str, Any]:
         """Send one message; its answer (a refusal raises its typed error)."""
+        data = json.dumps(msg).encode()
+        if self.sock is not None:
+            try:
+                self.sock.send(data, socket.MSG_NOSIGNAL)
+                raw = self.sock.recv(shm_sock.MAX_MESSAGE)
+            except TimeoutError:
+                raise BackendError(f"{where}: no answer within the deadline") from None
+            except OSError as e:
+                raise BackendError(f"{where}: the worker closed the stream ({e!r})") from None
+            if not raw:
+                raise BackendError(f"{where}: the worker closed the stream")
+        else:
+            raw = self._flight(data, where)
+        if raw.startswith(b"[embstore:"):   # a refusal: one typed line, the stream stays
+            wire.raise_remote(flight.FlightServerError(raw.decode("utf-8", "replace")), where)
+        return {} if raw == b"{}" else wire.parse_body(raw)
+
+    def _flight(self, data: bytes, where: str) -> bytes:
         token = self._watchdog.arm(self.reader, self._timeout)
         try:
-            self.writer.write_metadata(pa.py_buffer(json.dumps(msg).encode()))
+            self.writer.write_metadata(pa.py_buffer(data))
             chunk = self.reader.read_chunk()
         except _ERRORS as e:
             if self._watchdog.disarm(token):
@@ -51,15 +72,14 @@ class _Channel:
             raise BackendError(f"{where}: the worker closed the stream ({e!r})") from None
         if self._watchdog.disarm(token):
             raise BackendError(f"{where}: no answer within the deadline")
-        raw = chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
-        if raw.startswith(b"[embstore:"):   # a refusal: one typed line, the stream stays
-            wire.raise_remote(flight.FlightServerError(raw.decode("utf-8", "replace")), where)
-        reply = wire.parse_body(raw)
-        return reply
+        return chunk.app_metadata.to_pybytes() if chunk.app_metadata is not None else b""
 
     def open(self, size: int, host: str, where: str) -> None:
-        """Map a new segment of ``size`` bytes from the worker (``_Refused``: none)."""
-        reply = self.ask({"op": "open", "bytes": size, "host": host}, where)
+        """Map a new segment of ``size`` bytes from the worker (``_Refused``: none); the
+        stream's messages go over a socket from then on where the worker offers one."""
+        want_sock = self.sock is None and shm_sock.available()
+        reply = self.ask({"op": "open", "bytes": size, "host": host,
+                          **({"sock": True} if want_sock else {})}, where)
         if "refused" in reply:
             raise _Refused(str(reply["refused"]))
         seg = Segment.adopt(reply)
@@ -69,9 +89,23 @@ class _Channel:
         if old is not None:
             old.close()
         self.ask({"op": "attached"}, where)
+        if want_sock and "sock" in reply:
+            sock = shm_sock.connect(reply["sock"], seg.nonce, self._timeout)
+            if sock is not None:
+                # the worker takes the connection on switch; refused, this stream stays
+                if "refused" in self.ask({"op": "switch"}, where):
+                    sock.close()
+                else:
+                    self.sock = sock
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
+        """End the stream; ``broken``: after a transport failure, cancelled first (a worker
+        that does not answer would hold a graceful end as it held the call)."""
+        if self.sock is not None:
+            self.sock.close()
         try:
+            if broken:
+                self.reader.cancel()
             self.writer.done_writing()
             self.writer.close()
         except _ERRORS:
@@ -102,7 +136,11 @@ class ShmStreams:
 
     def exchange(self, s: int, head: dict[str, Any], op: str, batch: pa.RecordBatch,
                  fields: dict[str, Any], where: str) -> pa.RecordBatch:
-        """``Streams.exchange``, through shared memory where it can."""
+        """``Streams.exchange``, through shared memory where it can. With one worker a
+        lookup's answer is a view of this thread's segment, valid until its next call: the
+        ``des://`` client calls a single worker on the caller's thread and copies the rows
+        out at once (one copy, not two); with several, pool threads call the workers for
+        any caller, and the rows are copied out of the segment first."""
         if (self._host is None or s in self.refused or not self.dim
                 or batch.schema.field("key").type != pa.int64()):
             return self.flight.exchange(s, head, op, batch, fields, where)
@@ -111,14 +149,14 @@ class ShmStreams:
         try:
             if ch is None:
                 ch = mine[s] = self._start(s, head, where)
-            out = self._call(ch, op, batch, fields, where)
+            out = self._call(ch, op, batch, fields, where, len(self._clients) == 1)
         except _Refused:
             self.refused.add(s)
             self._drop(mine, s)
             return self.flight.exchange(s, head, op, batch, fields, where)
         except BackendError as e:
             if type(e) is BackendError:  # the transport: a new stream next call
-                self._drop(mine, s)
+                self._drop(mine, s, broken=True)
             raise
         return self.flight.exchange(s, head, op, batch, fields, where) if out is None else out
 
@@ -150,7 +188,7 @@ class ShmStreams:
         return ch
 
     def _call(self, ch: _Channel, op: str, batch: pa.RecordBatch, fields: dict[str, Any],
-              where: str) -> pa.RecordBatch | None:
+              where: str, view: bool) -> pa.RecordBatch | None:
         """One call through ``ch``'s segment; None when it is over a segment's limit."""
         names = batch.schema.names
         keys = batch.column("key").to_numpy()
@@ -178,8 +216,8 @@ class ShmStreams:
             seg.array(msg[name], arr.size, arr.dtype)[:] = arr.reshape(-1)
         reply = ch.ask(msg, where)
         if op == "lookup":
-            vec = seg.array(msg["out"], n * dim, np.float32).reshape(n, dim).copy()
-            return wire.batch(vec=wire.vectors_column(vec))
+            vec = seg.array(msg["out"], n * dim, np.float32).reshape(n, dim)
+            return wire.batch(vec=wire.vectors_column(vec if view else vec.copy()))
         if op == "contains":
             return wire.batch(found=pa.array(seg.array(msg["out"], n, np.bool_).copy()))
         step = reply.get("step")
@@ -187,12 +225,12 @@ class ShmStreams:
             raise BackendError(f"{where}: a write answered without its step")
         return wire.batch(step=pa.array([step], pa.int64()))
 
-    def _drop(self, mine: dict[int, _Channel], s: int) -> None:
+    def _drop(self, mine: dict[int, _Channel], s: int, broken: bool = False) -> None:
         ch = mine.pop(s, None)
         if ch is not None:
             with self._lock:
                 self._open.pop(id(ch), None)
-            ch.close()
+            ch.close(broken)
 
     def close(self) -> None:
         """End every thread's streams and unmap their segments."""

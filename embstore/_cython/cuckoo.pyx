@@ -551,19 +551,34 @@ cdef Py_ssize_t probe_find(const CuckooProbe* p, const int64_t* keys, Py_ssize_t
     """:meth:`CuckooTable.find` through a view (the same hash and buckets, read only): the
     slot of each key into ``out`` (``EMPTY`` when absent); returns how many were absent."""
     cdef const Bucket* buckets = <const Bucket*> p.buckets
-    cdef Py_ssize_t j, missing = 0
-    cdef uint64_t h
+    # the buckets of the keys requested ahead, kept until their key's turn (each key's hash
+    # made once: PREFETCH_AHEAD is a power of two)
+    cdef const Bucket* first[PREFETCH_AHEAD]
+    cdef const Bucket* second[PREFETCH_AHEAD]
+    cdef const Bucket* b
+    cdef const Bucket* c
+    cdef Py_ssize_t j, r, missing = 0
     cdef uint32_t v
+    for j in range(min(n, PREFETCH_AHEAD)):
+        _request(buckets, p, keys[j], &first[j], &second[j])
     for j in range(n):
+        r = j & (PREFETCH_AHEAD - 1)
+        b, c = first[r], second[r]
         if j + PREFETCH_AHEAD < n:
-            h = mix64(<uint64_t> keys[j + PREFETCH_AHEAD] ^ p.seed)
-            ES_PREFETCH(&buckets[h & p.mask])
-            ES_PREFETCH(&buckets[_other(h, p.mask)])
-        h = mix64(<uint64_t> keys[j] ^ p.seed)
-        v = _match(&buckets[h & p.mask], &buckets[_other(h, p.mask)], keys[j])
+            _request(buckets, p, keys[j + PREFETCH_AHEAD], &first[r], &second[r])
+        v = _match(b, c, keys[j])
         out[j] = v
         missing += v == EMPTY
     return missing
+
+
+cdef inline void _request(const Bucket* buckets, const CuckooProbe* p, int64_t key,
+                          const Bucket** b, const Bucket** c) noexcept nogil:
+    """``key``'s two buckets into ``b`` and ``c``, requested from memory."""
+    cdef uint64_t h = mix64(<uint64_t> key ^ p.seed)
+    b[0], c[0] = &buckets[h & p.mask], &buckets[_other(h, p.mask)]
+    ES_PREFETCH(b[0])
+    ES_PREFETCH(c[0])
 
 
 cdef inline uint32_t _match(const Bucket* b, const Bucket* c, int64_t key) noexcept nogil:

@@ -268,9 +268,9 @@ class StoreModule(nn.Module):
         pad = self.padding_key
         if pad is None or len(uniq) == 0:
             return None
-        if isinstance(uniq, np.ndarray) and uniq.dtype != object:  # sorted int64
-            i = int(np.searchsorted(uniq, pad))
-            return i if i < len(uniq) and uniq[i] == pad else None
+        if isinstance(uniq, np.ndarray) and uniq.dtype != object:  # int64 (FactorizedKeys':
+            hit = np.flatnonzero(uniq == pad)                        # in any order)
+            return int(hit[0]) if len(hit) else None
         for i, k in enumerate(uniq):  # str keys are UTF-8 encoded by the store
             if (k.encode("utf-8") if isinstance(k, str) else bytes(k)) == pad:
                 return i

@@ -203,7 +203,12 @@ class StoreModule(nn.Module):
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """The float32 rows in the module's device and dtype (autograd casts gradients back)."""
-        return _transfer.to_device(out, self._anchor.device, self._anchor.dtype)
+        anchor = self._buffers["_anchor"]  # (not nn.Module.__getattr__: paid every step)
+        return _transfer.to_device(out, anchor.device, anchor.dtype)
+
+    def _eager_how(self, mode: str) -> tuple[str, StoreProtocol, bool, bool]:
+        """``_fused.eager_bag``'s ``(mode, store, count, pinned)`` for this module."""
+        return mode, self.store, self.count, _transfer.staged(self._buffers["_anchor"].device)
 
     @property
     def pooled_pinned(self) -> bool:
@@ -479,8 +484,9 @@ class DynamicEmbedding(StoreModule):
         """The rows of ``input`` as bags of one id each (``_fused.bag``)."""
         flat = input.reshape(-1)
         ones = torch.arange(flat.numel(), dtype=torch.long)
-        rows = _fused.bag(flat, ones, None, self._trigger, self._handle, "sum",
-                          self.embedding_dim, custom_op)
+        rows = (_fused.bag(flat, ones, None, self._trigger, self._handle, "sum",
+                           self.embedding_dim, custom_op) if custom_op
+                else _fused.eager_bag(self._trigger, self._eager_how("sum"), flat, ones, None))
         return self._output(rows.reshape(*input.shape, self.embedding_dim))
 
     def _forward(self, input: Any) -> torch.Tensor:

@@ -41,11 +41,11 @@ import torch.nn.functional as F
 import embstore
 from embstore.allocator import retain_freed_memory
 from embstore.init import Uniform
-from embstore.keys import factorize, hash64
+from embstore.keys import factorize
 from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
-from embstore_torch import DynamicEmbedding
+from embstore_torch import DynamicEmbedding, FactorizedKeys
 
 try:
     from tqdm import tqdm
@@ -256,17 +256,21 @@ def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.n
     # k negatives per pair from the unigram^0.75 distribution over the output store's counts.
     negs = out.sample([], b * k, sampler, unique=False, remove_accidental_hits=False,
                       seed=rng).keys.reshape(b, k)
-    # Row i of the output keys: the context word of pair i, then its k negatives.
-    targets = np.concatenate((contexts[:, None], negs), axis=1)
+    # Row i of the output keys: the context word of pair i, then its k negatives,
+    # deduplicated here (as the module would: the same rows and bits), so that the job can
+    # compare keys by their row among the distinct ones.
+    uniq, inverse = factorize(np.concatenate((contexts[:, None], negs), axis=1).reshape(-1),
+                              distinct=True)
+    inverse = inverse.reshape(b, k + 1)
     v = in_emb(centers)                                     # (b, dim)
-    u = out_emb(targets)                                    # (b, 1 + k, dim)
+    u = out_emb(FactorizedKeys(uniq, inverse))              # (b, 1 + k, dim)
     scores = (u * v.unsqueeze(1)).sum(2)                    # elementwise: no tiny matmuls
     sign = torch.ones(k + 1)
     sign[1:] = -1.0
-    # word2vec skips a negative that happens to be the context word itself. Compared by
-    # their 64-bit hashes: numpy would compare the bytes objects one by one in Python.
+    # word2vec skips a negative that happens to be the context word itself: the same key,
+    # the same row of the distinct keys (no bytes compared or hashed again).
     weight = np.ones((b, k + 1), dtype=np.float32)
-    weight[:, 1:] = hash64(negs.reshape(-1)).reshape(b, k) != hash64(contexts)[:, None]
+    weight[:, 1:] = inverse[:, 1:] != inverse[:, :1]
     loss = -(F.logsigmoid(scores * sign) * torch.from_numpy(weight)).sum()
     (loss * scale).backward()  # both stores apply their SGD step here
     return float(loss.detach())

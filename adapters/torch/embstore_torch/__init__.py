@@ -18,6 +18,7 @@ except ImportError as e:  # say which extra brings it, not just "No module named
         "pip install -e '.[torch]' (or install torch for your platform from pytorch.org)"
     ) from e
 
+from ._keys import FactorizedKeys
 from .bag import DynamicEmbeddingBag
 from .collection import DynamicEmbeddingBagCollection
 from .jagged import KeyedJagged, PooledFeatures
@@ -28,6 +29,7 @@ __all__ = [
     "DynamicEmbedding",
     "DynamicEmbeddingBag",
     "DynamicEmbeddingBagCollection",
+    "FactorizedKeys",
     "KeyedJagged",
     "PooledFeatures",
     "SampledSoftmaxLoss",

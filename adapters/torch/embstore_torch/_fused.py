@@ -96,8 +96,18 @@ def bag(input: torch.Tensor, offsets: Any, psw: torch.Tensor | None, trigger: to
         # its gradient back)
         return _bag_op(input, offs, weights, trigger.cpu(), handle, mode == "mean", dim)
     module = _compiled.module_of(handle)
-    return FusedBag.apply(trigger, input, offs, weights, mode, module.store, module.count,
-                          module.pooled_pinned)
+    return eager_bag(trigger, (mode, module.store, module.count, module.pooled_pinned), input,
+                     offsets, psw)
+
+
+def eager_bag(trigger: torch.Tensor, how: tuple[str, StoreProtocol, bool, bool],
+              input: torch.Tensor, offsets: Any, psw: torch.Tensor | None) -> torch.Tensor:
+    """:func:`bag` through :class:`FusedBag` with the module's trigger and ``how``, ``(mode,
+    store, count, pinned)``, at hand (no handle to resolve): the eager default, whose fixed
+    cost is paid every step, so it is kept to few calls."""
+    return FusedBag.apply(
+        trigger, input.cpu(), _NONE if offsets is None else offsets.to("cpu", torch.long),
+        _NONE if psw is None else psw.detach().reshape(-1).to("cpu", torch.float32), how)
 
 
 def _pool(store: StoreProtocol, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
@@ -140,8 +150,9 @@ class FusedBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                weights: torch.Tensor, mode: str, store: StoreProtocol, count: bool,
-                pinned: bool):
+                weights: torch.Tensor, how: tuple[str, StoreProtocol, bool, bool]):
+        # ``how``: (mode, store, count, pinned), one argument (apply walks each one)
+        mode, store, count, pinned = how
         pooled, ctx.batch = _pool(store, ids, offsets, weights, mode, pinned)
         ctx.store, ctx.count = store, count
         return pooled
@@ -149,7 +160,7 @@ class FusedBag(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         update_block(ctx.store, ctx.batch, ctx.count, grad)
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, None
 
 
 # The batches of forwards through the op awaiting their backward, per module handle (a stack:

@@ -21,8 +21,8 @@ import torch
 
 from embstore.engine.batch import group_inverse
 from embstore.errors import InvalidInputError, KeyTypeError
+from embstore.keys import DistinctKeys, normalize
 from embstore.keys import factorize as factorize_strings
-from embstore.keys import normalize
 
 _STR = (str, bytes)
 
@@ -32,7 +32,8 @@ class KeyBatch:
 
     Attributes
     ----------
-    uniq : int64 array (sorted), or list or object array of str/bytes (first-seen order)
+    uniq : int64 array (sorted; a :class:`FactorizedKeys`' as given), or list or object array
+        of str/bytes (first-seen order)
         The distinct keys.
     inv : torch.long tensor of the input's shape
         Row in ``uniq`` of each input element.
@@ -167,6 +168,55 @@ def int_batch(flat: np.ndarray, shape: tuple[int, ...]) -> KeyBatch:
     return KeyBatch(uniq, torch.from_numpy(inv).reshape(shape), shape, group)
 
 
+class FactorizedKeys:
+    """A batch of keys deduplicated ahead, as a module input: the keys ``uniq[inverse]``.
+
+    A job that has the batch's distinct keys already (its own
+    ``embstore.keys.factorize(keys, distinct=True)``, whose ``inverse`` it reads too, e.g. to
+    compare keys by their row instead of hashing them again) hands the module this instead of
+    the keys: the module does not hash and compare them a second time. The rows and updates
+    are those of the keys themselves, bit for bit, where ``uniq`` is in the order the
+    module's own dedupe finds (first seen, as ``factorize`` returns it).
+
+    Parameters
+    ----------
+    uniq : embstore.keys.DistinctKeys, or keys with no repeats
+        The distinct keys (str/bytes, or int64). A ``DistinctKeys`` is taken as it is; other
+        keys are normalized and checked for repeats (``InvalidInputError``).
+    inverse : array of int, any shape
+        The row of ``uniq`` of each element; the input's shape. Every row of ``uniq`` occurs
+        in it (``InvalidInputError`` otherwise, as for a row out of range).
+    """
+
+    __slots__ = ("uniq", "inverse", "_group")
+
+    def __init__(self, uniq: Any, inverse: Any) -> None:
+        if not isinstance(uniq, DistinctKeys):
+            arr = uniq if isinstance(uniq, np.ndarray) else np.asarray(uniq, dtype=object)
+            uniq = DistinctKeys(uniq, "int64" if arr.dtype.kind in "iu" else "bytes")
+        inv = np.asarray(inverse)
+        if inv.dtype.kind not in "iu":
+            raise KeyTypeError(f"inverse must be an integer array, got dtype {inv.dtype}")
+        inv = np.ascontiguousarray(inv, dtype=np.int64)
+        n = len(uniq)
+        # grouped here, once: the counting sort checks the range as it counts
+        try:
+            group = _group_dense(inv.reshape(-1), n) if inv.size else (inv.reshape(-1),) * 3
+        except IndexError:
+            raise InvalidInputError(f"inverse must index the {n} distinct keys "
+                                    f"(0..{n - 1})") from None
+        if len(group[2]) != n or (n and not group[2].all()):
+            # its row would be looked up (inserted) and stepped for nothing
+            raise InvalidInputError("every distinct key of FactorizedKeys must occur in "
+                                    "inverse")
+        self.uniq, self.inverse, self._group = uniq, inv, group
+
+    def batch(self) -> KeyBatch:
+        """The :class:`KeyBatch` of these keys, grouped."""
+        return KeyBatch(self.uniq.keys, torch.from_numpy(self.inverse),
+                        tuple(self.inverse.shape), self._group, keys=self.uniq)
+
+
 def integer_ids(ids: torch.Tensor) -> bool:
     """Whether a tensor's dtype holds keys: integers (not float, complex or bool), on any
     device (ids on a GPU are copied to the host, where the rows live)."""
@@ -175,6 +225,8 @@ def integer_ids(ids: torch.Tensor) -> bool:
 
 def prepare(input: Any) -> KeyBatch:
     """Deduplicate a batch of keys (any shape) into a :class:`KeyBatch`."""
+    if isinstance(input, FactorizedKeys):  # deduplicated by the caller
+        return input.batch()
     if isinstance(input, torch.Tensor):
         if not integer_ids(input):
             raise KeyTypeError(f"keys must be an integer tensor, got dtype {input.dtype}")

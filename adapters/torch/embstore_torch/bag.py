@@ -110,7 +110,10 @@ class DynamicEmbeddingBag(StoreModule):
         """The fused path's output for these bags: through the custom ops with ``custom_op``
         (``embstore::fused_bag``, or ``embstore::fused_bag_max`` for max), else
         ``FusedBag``."""
-        if custom_op and self.mode == "max":
+        if not custom_op:
+            out = _fused.eager_bag(self._buffers["_trigger"], self._eager_how(self.mode), ids,
+                                   offsets, psw)
+        elif self.mode == "max":
             out = _fused.max_bag(ids, offsets, self._trigger, self._handle,
                                 self.embedding_dim)
         else:

@@ -203,7 +203,12 @@ class StoreModule(nn.Module):
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """The float32 rows in the module's device and dtype (autograd casts gradients back)."""
-        return _transfer.to_device(out, self._anchor.device, self._anchor.dtype)
+        anchor = self._buffers["_anchor"]  # (not nn.Module.__getattr__: paid every step)
+        return _transfer.to_device(out, anchor.device, anchor.dtype)
+
+    def _eager_how(self, mode: str) -> tuple[str, StoreProtocol, bool, bool]:
+        """``_fused.eager_bag``'s ``(mode, store, count, pinned)`` for this module."""
+        return mode, self.store, self.count, _transfer.staged(self._buffers["_anchor"].device)
 
     @property
     def pooled_pinned(self) -> bool:
@@ -268,9 +273,9 @@ class StoreModule(nn.Module):
         pad = self.padding_key
         if pad is None or len(uniq) == 0:
             return None
-        if isinstance(uniq, np.ndarray) and uniq.dtype != object:  # sorted int64
-            i = int(np.searchsorted(uniq, pad))
-            return i if i < len(uniq) and uniq[i] == pad else None
+        if isinstance(uniq, np.ndarray) and uniq.dtype != object:  # int64 (FactorizedKeys':
+            hit = np.flatnonzero(uniq == pad)                        # in any order)
+            return int(hit[0]) if len(hit) else None
         for i, k in enumerate(uniq):  # str keys are UTF-8 encoded by the store
             if (k.encode("utf-8") if isinstance(k, str) else bytes(k)) == pad:
                 return i
@@ -479,8 +484,9 @@ class DynamicEmbedding(StoreModule):
         """The rows of ``input`` as bags of one id each (``_fused.bag``)."""
         flat = input.reshape(-1)
         ones = torch.arange(flat.numel(), dtype=torch.long)
-        rows = _fused.bag(flat, ones, None, self._trigger, self._handle, "sum",
-                          self.embedding_dim, custom_op)
+        rows = (_fused.bag(flat, ones, None, self._trigger, self._handle, "sum",
+                           self.embedding_dim, custom_op) if custom_op
+                else _fused.eager_bag(self._trigger, self._eager_how("sum"), flat, ones, None))
         return self._output(rows.reshape(*input.shape, self.embedding_dim))
 
     def _forward(self, input: Any) -> torch.Tensor:

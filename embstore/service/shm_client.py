@@ -100,9 +100,12 @@ class _Channel:
 
     def close(self, broken: bool = False) -> None:
         """End the stream; ``broken``: after a transport failure, cancelled first (a worker
-        that does not answer would hold a graceful end as it held the call)."""
+        that does not answer would hold a graceful end as it held the call). A graceful end
+        the worker does not take within the deadline (a paused or partitioned worker) is
+        cancelled then: closing never waits longer than a call."""
         if self.sock is not None:
             self.sock.close()
+        token = None if broken else self._watchdog.arm(self.reader, self._timeout)
         try:
             if broken:
                 self.reader.cancel()
@@ -110,6 +113,9 @@ class _Channel:
             self.writer.close()
         except _ERRORS:
             pass  # already broken: nothing to end
+        finally:
+            if token is not None:
+                self._watchdog.disarm(token)
         if self.seg is not None:
             self.seg.close()
 
@@ -233,10 +239,13 @@ class ShmStreams:
             ch.close(broken)
 
     def close(self) -> None:
-        """End every thread's streams and unmap their segments."""
-        self._watchdog.close()
+        """End every thread's streams and unmap their segments (the watchdog bounds each
+        stream's end, then stops)."""
         with self._lock:
             chans, self._open = list(self._open.values()), {}
-        for ch in chans:
-            ch.close()
+        try:
+            for ch in chans:
+                ch.close()
+        finally:
+            self._watchdog.close()
         self.flight.close()

@@ -166,13 +166,19 @@ class Streams:
             pass  # the stream is already broken: nothing to end
 
     def close(self) -> None:
-        """End every thread's streams (the workers' handlers return)."""
-        self._watchdog.close()
+        """End every thread's streams (the workers' handlers return); a graceful end the
+        worker does not take within the deadline (paused, partitioned) is cancelled."""
         with self._lock:
             streams, self._open = list(self._open.values()), {}
-        for writer, _ in streams:
-            try:
-                writer.done_writing()
-                writer.close()
-            except (flight.FlightError, pa.ArrowException, OSError):
-                pass
+        try:
+            for writer, reader in streams:
+                token = self._watchdog.arm(reader, self._timeout)
+                try:
+                    writer.done_writing()
+                    writer.close()
+                except (flight.FlightError, pa.ArrowException, OSError):
+                    pass
+                finally:
+                    self._watchdog.disarm(token)
+        finally:
+            self._watchdog.close()

@@ -84,8 +84,13 @@ class WorkerProcess:
             self.proc.kill()
         return self.proc.wait()
 
-    def pause(self) -> None:
+    def pause(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, and wait until every thread of the worker is stopped (the signal reaches
+        them in turn: a call sent just after ``kill`` could still be answered)."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _stopped(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
@@ -138,3 +143,15 @@ def start_workers(urls: Sequence[str], extra: Sequence[str] = (), **options: Any
             w.kill()
         raise
     return Workers(started)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state ``T`` in ``/proc``)."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                    return False
+    except OSError:  # (gone, or no /proc: nothing more to wait for)
+        return True
+    return True

@@ -6,6 +6,7 @@ one-line errors and change nothing, deadlines hold on a kept stream, and a worke
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -121,4 +122,27 @@ def test_a_serve_token_cannot_insert_by_leaving_out_the_insert_flag(tmp_path):
         with embstore.open(f"des://{w.address}", token="s" * 20) as des:
             assert len(des) == 0
     finally:
+        w.kill()
+
+
+@pytest.mark.parametrize("shm", ["", "?shm=0"])
+def test_closing_a_client_whose_worker_is_paused_takes_at_most_the_deadline(shm):
+    # a graceful end of a kept stream waits for the worker's answer: bounded by the
+    # client's deadline, then cancelled (it used to wait as long as the worker was paused)
+    w = start_worker("memory://", dim=DIM, optimizer=SGD1, initializer="zeros")
+    try:
+        des = embstore.open(f"des://{w.address}{shm}", timeout=1.0)
+        des.update([1], np.ones((1, DIM), np.float32))   # the stream is open now
+        w.pause()
+        closing = threading.Thread(target=des.close, daemon=True)
+        t = time.monotonic()
+        closing.start()
+        closing.join(20)
+        assert not closing.is_alive(), "close waited for the paused worker"
+        assert time.monotonic() - t < 10
+        w.resume()
+        with embstore.open(f"des://{w.address}{shm}", timeout=5.0) as again:
+            np.testing.assert_array_equal(again.lookup([1], insert=False), [[-1.0] * DIM])
+    finally:
+        w.resume()
         w.kill()

@@ -34,6 +34,8 @@ from .forks import ProcessLock
 from .memory_url import TableOptions, capacity_hint
 from .ranges import KeyRange, hash_ranges, in_hash_range
 
+Batch = tuple[np.ndarray, np.ndarray]  # (keys, records)
+
 try:
     from .._cython import bytestable, cuckoo
     from .._cython.arena import RecordArena
@@ -307,6 +309,10 @@ class MemoryBackend(Backend):
         return self._bags.step(self._records, self._slots(keys) if slots is None else slots,
                                update, *bags, kept=kept_batch(last, slots, keys), **kw)
 
+    def defer_bags(self, batch: Any, update: RowUpdate, *step: Any) -> bool | None:
+        """``BagKernels.defer`` at the slots the forward kept (the caller holds the lock)."""
+        return self._bags.defer(self._records, self._last_find, self._epoch, batch, update, *step)
+
     def keep_found(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """``lookup_pool``'s record of a probe ahead that found every key (under the lock)."""
         self._last_find = (keys, slots, self._epoch)
@@ -362,8 +368,7 @@ class MemoryBackend(Backend):
     def __len__(self) -> int:
         return 0 if self._arena is None else len(self._key_table)
 
-    def scan(self, batch_size: int = 4096, rng: KeyRange | None = None
-             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan(self, batch_size: int = 4096, rng: KeyRange | None = None) -> Iterator[Batch]:
         if self._arena is None:
             return
         with self._lock:  # a snapshot of (key, slot) pairs: 12 bytes per key
@@ -385,8 +390,7 @@ class MemoryBackend(Backend):
         """Equal slices of the 64-bit key hash (``ranges.hash_ranges``)."""
         return hash_ranges(n)
 
-    def scan_range(self, rng: KeyRange, batch_size: int = 4096
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan_range(self, rng: KeyRange, batch_size: int = 4096) -> Iterator[Batch]:
         return self.scan(batch_size, rng)
 
     def replace_rows(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], meta: dict,
@@ -425,9 +429,8 @@ class MemoryBackend(Backend):
 
     @serialized
     def stats(self) -> dict[str, Any]:
-        figures = table_stats(self._table, self._arena)
-        figures.pop("bytes", None)
-        return {**self.counters, **figures}
+        figures = table_stats(self._table, self._arena).items()
+        return {**self.counters, **{k: v for k, v in figures if k != "bytes"}}
 
 
 def _built_aside(url: str, opts: TableOptions, layout: Layout, key_type: str,

@@ -31,6 +31,7 @@ class BagKernels:
 
     def __init__(self, rows: RowKernels) -> None:
         self.rows = rows
+        self._vector: tuple[int, int] | None = None  # (rows' layout is bound for good)
         # The table-parallel path of a collection (fused.probe_pool), under the store's lock:
         # the distinct keys of a batch it pooled already, with their slots.
         self.ahead: tuple[np.ndarray, np.ndarray | None, int] | None = None
@@ -41,8 +42,10 @@ class BagKernels:
 
     def vector_field(self) -> tuple[int, int]:
         """``(offset, kind)`` of the vector field (``fused.KINDS``), as :meth:`pool` reads it."""
-        layout = self.rows.layout
-        return layout.fields["vector"][1], fused.KINDS[layout.value_dtype]
+        if self._vector is None:
+            layout = self.rows.layout
+            self._vector = (layout.fields["vector"][1], fused.KINDS[layout.value_dtype])
+        return self._vector
 
     def pooled_ahead(self, keys: np.ndarray | None, slots: np.ndarray | None = None,
                      absent: int = 0) -> None:
@@ -140,21 +143,22 @@ class BagKernels:
         if s is not None and s[2] is arena:
             arena.release(s[3])
 
-    def defer(self, arena: Any, slots: np.ndarray, update: Any, *bags: Any,
-              defer: tuple[np.ndarray, list[Any]], **kw: Any) -> bool | None:
-        """:meth:`step` of a collection's table-parallel step at ``slots`` (those its forward
-        kept: all occupied, no scratch rows): ``(sums, step_bags' arguments)`` appended to
-        ``steps`` for one :func:`~embstore._cython.fused.step_tables` call, ``defer`` being
-        ``(sums, steps)`` (the keys' gradient sums, all finite), True; None, nothing done,
-        where the kernels do not cover the layout or rule, or ``kw`` asks for more (a max's
-        ``argmax``, ``dropped`` keys): then :meth:`step` takes it."""
-        for v in kw.values():
-            if v is not None:
-                return None
-        args = self.rows.step_args(arena, slots, update, *bags)
+    def defer(self, arena: Any, last: tuple[Any, np.ndarray, int] | None, epoch: int,
+              batch: Any, update: Any, grad: np.ndarray, threads: int, rounding: int | None,
+              sums: np.ndarray, steps: list[Any]) -> bool | None:
+        """:meth:`step` of a collection's table-parallel step: the kernel's arguments at the
+        slots the forward kept for ``batch``'s own keys (``last``, the table's
+        ``(keys, slots, epoch)``), with its gradient ``sums`` (all finite), appended to
+        ``steps`` for one :func:`~embstore._cython.fused.step_tables` call; True. None,
+        nothing done, where those slots are gone (a key placed or removed since: ``epoch``
+        moved) or the kernels do not cover the layout or rule."""
+        if last is None or last[0] is not batch.uniq or last[2] != epoch:
+            return None
+        args = self.rows.step_args(arena, last[1], update, batch.inv, batch.offsets,
+                                   batch.weights, batch.mean, grad, threads, rounding)
         if args is None:
             return None
-        defer[1].append((defer[0], args))
+        steps.append((sums, args))
         return True
 
     def pool(self, arena: Any, slots: np.ndarray, inv: np.ndarray, offsets: np.ndarray,
@@ -171,20 +175,13 @@ class BagKernels:
              offsets: np.ndarray, weights: np.ndarray, mean: bool, grad: np.ndarray,
              threads: int = 1, rounding: int | None = None, *,
              argmax: np.ndarray | None = None, dropped: np.ndarray | None = None,
-             kept: bool = False,
-             defer: tuple[np.ndarray, list[Any]] | None = None) -> bool | None:
+             kept: bool = False) -> bool | None:
         """``FusedBagPooling.step_bags`` at ``slots``: None where a slot is empty (a key lost
         its record) or the kernels do not cover the layout or rule; False (nothing written)
         where a summed gradient is not finite. The slots of a batch with
         :meth:`scratch_rows` step those rows (and free them), ``dropped[0]`` set to how many.
         ``kept``: the slots are those ``lookup_pool`` kept for the batch's own keys
-        (occupied, but for the scratch rows taken first); ``defer``: :meth:`defer` at those
-        (None where there are none)."""
-        if defer is not None:
-            if not kept:
-                return None
-            return self.defer(arena, slots, update, inv, offsets, weights, mean, grad, threads,
-                              rounding, defer=defer, argmax=argmax, dropped=dropped)
+        (occupied, but for the scratch rows taken first)."""
         scratch = self.scratch
         if scratch is not None and scratch[0] is slots and scratch[1] is not None:
             try:  # ``lookup_pool``'s with ids turned away: their rows, freed after the step

@@ -21,6 +21,7 @@ __all__ = ["RowKernels", "new_snapshot", "row_plan", "same_keys", "table_items"]
 
 _NO_CONSTANTS = np.zeros(0, dtype=np.float64)
 _NO_CONSTANTS.flags.writeable = False
+_UNPLANNED = object()
 #: the rules :meth:`RowKernels.update` steps in place (the arena's Adagrad kernels); the fused
 #: step covers every rule of ``fused.RULES``
 IN_PLACE_RULES = ("adagrad", "adagrad_rowwise")
@@ -182,21 +183,29 @@ class RowKernels:
 
     def _plan(self, update: Any, width: tuple[int, ...], narrow: bool = False) -> Any:
         rule = update.rule
-        key = (update.axpy[0], width, tuple(update.add), tuple(update.assign),
-               None if rule is None else (rule.name, len(rule.params)))
-        if (key, narrow) not in self._plans:  # worked out once per shape of update
-            self._plans[key, narrow] = row_plan(self.layout.fields, *key, narrow=narrow)
-        return self._plans[key, narrow]
+        # (one flat tuple: a step asks once per table, and nested tuples cost more to build)
+        key = (narrow, update.axpy[0], width, None if rule is None else rule.name,
+               None if rule is None else len(rule.params), *update.add, None, *update.assign)
+        plan = self._plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:  # worked out once per shape of update
+            plan = self._plans[key] = row_plan(
+                self.layout.fields, key[1], width, tuple(update.add), tuple(update.assign),
+                None if rule is None else (rule.name, len(rule.params)), narrow=narrow)
+        return plan
 
 
 
 def _metadata(update: Any, n: int, set_offsets: np.ndarray,
               set_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The kernels' count rows (one per added field) and the 8 bytes of each assigned value."""
-    adds = update.add.values()
-    counts = (np.ascontiguousarray(next(iter(adds)), dtype=np.int64).reshape(1, n)
-              if len(adds) == 1 else
-              np.array([np.asarray(v, dtype=np.int64) for v in adds]).reshape(-1, n))
+    adds = update.add
+    if len(adds) == 1:
+        (first,) = adds.values()
+        counts = (first if type(first) is np.ndarray and first.dtype == np.int64
+                  and first.flags.c_contiguous else
+                  np.ascontiguousarray(first, dtype=np.int64)).reshape(1, n)
+    else:
+        counts = np.array([np.asarray(v, dtype=np.int64) for v in adds.values()]).reshape(-1, n)
     # each assigned value in its field's dtype, as the 8 bytes the kernel copies
     if not len(set_offsets):
         return counts, np.empty(0, dtype=np.uint64)

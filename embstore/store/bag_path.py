@@ -37,6 +37,7 @@ class BagPath:
 
     def __init__(self, writer: RecordWriter) -> None:
         self.writer = writer
+        self._empty: np.ndarray | None = None
 
     def pool_bags(self, ids: Any, offsets: Any, weights: Any, mode: str,
                   out: np.ndarray | None, threads: int) -> tuple[np.ndarray, BagBatch] | None:
@@ -93,24 +94,57 @@ class BagPath:
 
     def defer_checked(self, batch: BagBatch, grad: np.ndarray, counts: np.ndarray | None,
                       threads: int, sums: np.ndarray, steps: list[Any]) -> bool:
-        """:meth:`update_bags` of a collection's table-parallel step (``memory://``'s
-        ``step_bags`` with ``defer``): the table's step appended to ``steps`` with ``sums``,
-        its per-id gradient sums (all finite), for one ``fused.step_tables`` call of every
-        table, which the caller makes under the store's lock. The caller checked what
-        :meth:`update_bags` checks: the store writable, the fused path on, ``grad`` float32
-        ``(n_bags, dim)`` with contiguous rows, ``batch`` with ids. False where this does not
-        apply (the optimizer has no fused step, or the slots of the forward are gone): then
-        nothing was done."""
-        return self._step_bags(batch, grad, batch.counts if counts is None else counts,
-                               threads, (sums, steps))
+        """:meth:`update_bags` of a collection's table-parallel step on ``memory://``: the
+        table's step appended to ``steps`` with ``sums``, its per-id gradient sums (all
+        finite), for one ``fused.step_tables`` call of every table, which the caller makes
+        under the store's lock (``MemoryBackend.defer_bags``). The writer's bookkeeping is
+        :meth:`_step_bags`' (step counter, stamps, rounding seed, counters, policies), without
+        its keyword plumbing: this runs once per table per step. The caller checked what
+        :meth:`update_bags` checks: the store writable, the fused path on with no admission
+        policy, ``grad`` float32 ``(n_bags, dim)`` with contiguous rows, ``batch`` with ids.
+        False where this does not apply (max pooling, an optimizer with no fused step, or
+        the slots of the forward gone): then nothing was done."""
+        w = self.writer
+        if batch.argmax is not None or w.policy.admission is not None:
+            return False
+        width = self._no_rows()
+        axpy = w.optimizer.axpy_step(width)
+        rule = w.optimizer.fused_rule(w.step + 1) if axpy is None else None
+        if axpy is None and rule is None:
+            return False
+        now = w.stamp_time()
+        mult = batch.counts if counts is None else counts
+        w.step += 1
+        done = False
+        try:
+            row_update = RowUpdate(axpy or ("vector", 1.0, width),
+                                   {"count": mult} if "count" in w.layout.meta_names else {},
+                                   w.stamps(now), rule)
+            done = bool(cast(Any, w.backend).defer_bags(
+                batch, row_update, grad, threads, w.rounding_seed(), sums, steps))
+        finally:
+            if not done:
+                w.step -= 1  # nothing was written
+        if done:
+            w.stats["updates"] += len(batch.uniq)
+            w.policy.after_update(w)
+        return done
+
+    def _no_rows(self) -> np.ndarray:
+        """An empty ``(0, dim)`` float32 array: the gradient rows of a ``RowUpdate`` whose
+        gradient the kernel sums itself (made once: it holds nothing)."""
+        dim = self.writer.layout.dim
+        rows = self._empty
+        if rows is None or rows.shape[1] != dim:
+            rows = self._empty = np.empty((0, dim), dtype=np.float32)
+        return rows
 
     def _step_bags(self, batch: BagBatch, grad: np.ndarray, mult: np.ndarray,
-                   threads: int, defer: tuple[np.ndarray, list[Any]] | None = None) -> bool:
+                   threads: int) -> bool:
         """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
-        (``FusedBagPooling.step_bags``, or with ``defer`` its deferred form); False where it
-        does not cover the optimizer."""
+        (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
         w = self.writer
-        width = np.empty((0, w.layout.dim), dtype=np.float32)
+        width = self._no_rows()
         axpy = w.optimizer.axpy_step(width)
         rule = w.optimizer.fused_rule(w.step + 1) if axpy is None else None
         if axpy is None and rule is None:
@@ -124,8 +158,6 @@ class BagPath:
             kw["dropped"] = dropped = np.zeros(1, dtype=np.int64)
         try:
             row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
-            if defer is not None:  # (memory://'s step_bags appends it: BagKernels.defer)
-                kw["defer"] = defer
             done = cast("FusedBagPooling", w.backend).step_bags(
                 batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
                 threads, w.rounding_seed(), **kw)

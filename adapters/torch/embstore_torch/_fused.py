@@ -61,6 +61,9 @@ def int64_ids(values: Any) -> np.ndarray | None:
     """Flat integer ids (a CPU tensor, a numpy array or a list of ints) as a contiguous int64
     array (uint64 ids keep their bits); None for anything else (strings, floats, bools)."""
     if isinstance(values, torch.Tensor):
+        if (values.dtype == torch.int64 and values.device.type == "cpu"
+                and values.dim() == 1 and values.is_contiguous()):
+            return values.detach().numpy()  # (what a KeyedJagged holds: no copy, no dispatch)
         if not integer_ids(values):
             return None
         arr = values.detach().cpu()

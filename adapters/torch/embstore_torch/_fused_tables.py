@@ -149,10 +149,9 @@ def _native(store: Any, asked: bool = False) -> bool:
     ``store.fused_bags()`` said yes just before."""
     writer = getattr(store, "writer", None)
     policy = getattr(writer, "policy", None)
-    return (policy is not None and hasattr(store, "backend")
-            and hasattr(store.backend, "fused_table")
+    return (policy is not None and hasattr(writer.backend, "fused_table")
             and policy.expiry is None and policy.eviction is None and policy.admission is None
-            and not getattr(store.optimizer, "prune", False) and (asked or store.fused_bags()))
+            and not getattr(writer.optimizer, "prune", False) and (asked or store.fused_bags()))
 
 
 class _Holding:
@@ -164,8 +163,7 @@ class _Holding:
     __slots__ = ("locks",)
 
     def __init__(self, parts: list[Part]) -> None:
-        locks = {id(lock): lock for lock in (p.store.backend.fused_table()[0] for p in parts)}
-        self.locks = [locks[key] for key in sorted(locks)]
+        self.locks = sorted({p.store.backend.fused_table()[0] for p in parts}, key=id)
 
     def __enter__(self) -> None:
         taken = 0
@@ -194,18 +192,21 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
     own afterwards (``lookup_pool``). Each store's bookkeeping (counters, the slots for its
     step) then goes as ``pool_bags``'."""
     n = len(flat)
-    uniq, inv, counts = (np.empty(n, dtype=np.int64) for _ in range(3))
+    uniq, inv, counts = np.empty((3, n), dtype=np.int64)
     slots = np.empty(n, dtype=np.uint32)
     w = _NO_WEIGHTS if weights is None else weights
-    bounds = np.asarray(bounds, dtype=np.int64)  # (so each block's offsets are int64)
-    # every block's first and last element at once (bounds are numpy: one conversion)
-    edges = bounds[[b * stride + e for b in where for e in (0, stride)]].tolist()
+    # every block's bag offsets (n_bags + 1, from its first element) in a row of one array,
+    # and its first and last element, in a few array operations for all tables at once
+    first = np.multiply(where, stride)
+    starts = bounds[first]
+    every = bounds[first[:, None] + np.arange(stride + 1)] - starts[:, None]
+    every = every if every.dtype == np.int64 else every.astype(np.int64)
+    los, his = starts.tolist(), (starts + every[:, -1]).tolist()
     with _Holding(parts):
         specs, blocks = [], []
-        for i, (part, block) in enumerate(zip(parts, where, strict=True)):
+        for i, part in enumerate(parts):
             part.store.check_open()
-            lo, hi = edges[2 * i], edges[2 * i + 1]
-            offsets = bounds[block * stride:(block + 1) * stride + 1] - lo  # n_bags + 1
+            lo, hi, offsets = los[i], his[i], every[i]
             out = buf[:, part.column:part.column + part.dim]
             wts = w[lo:hi] if len(w) else w
             specs.append(probe_spec(part.store.backend, flat[lo:hi], uniq[lo:hi], inv[lo:hi],

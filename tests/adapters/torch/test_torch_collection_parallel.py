@@ -134,14 +134,13 @@ def test_keys_placed_between_a_forward_and_its_backward_leave_the_step_whole(mon
     from embstore.backends.memory import MemoryBackend
 
     deferred: list[bool | None] = []
-    real = MemoryBackend.step_bags
+    real = MemoryBackend.defer_bags
 
     def spy(self, *args, **kw):
         done = real(self, *args, **kw)
-        if "defer" in kw:
-            deferred.append(done)
+        deferred.append(done)
         return done
-    monkeypatch.setattr(MemoryBackend, "step_bags", spy)
+    monkeypatch.setattr(MemoryBackend, "defer_bags", spy)
     batches = _batches(3, True)
     trained = []
     for parallel in (True, False):

@@ -33,6 +33,8 @@ def host_empty(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
 
 def to_device(out: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``out`` (on the host) in ``device`` and ``dtype``, its gradient back on the host."""
+    if out.dtype == dtype and out.device == device:  # (a model on the host: every step)
+        return out
     if device.type == "cpu" or out.device == device or torch.compiler.is_compiling():
         return out.to(device, dtype)  # (a compiled graph places its own copies)
     return _ToDevice.apply(out, device, dtype)

@@ -97,6 +97,22 @@ def copy_bandwidth(mb: int = 256) -> float:
     return 2 * src.nbytes / best
 
 
+def cpu_model() -> str:
+    """The CPU's name and vector extensions (from ``/proc/cpuinfo``): FBGEMM's kernels and
+    ours take different code on AVX2 and AVX-512 machines, so ratios belong to a CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    field = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in
+                                                  info.split("\n\n")[0].splitlines())}
+    flags = set(field.get("flags", "").split())
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16") if f in flags]
+    return (f"{field.get('model name', 'unknown')} (family {field.get('cpu family', '?')}, "
+            f"model {field.get('model', '?')}), {' '.join(simd) or 'no AVX2'}")
+
+
 def floor_seconds(batches: np.ndarray, bandwidth: float) -> float:
     """Mean per step: every distinct (table, id) of the step read and written once (the
     vector and the row-wise accumulator), at ``bandwidth`` bytes per second."""
@@ -339,6 +355,7 @@ def run(args: argparse.Namespace) -> dict:
     if peer is None:
         print("(no .venv-torchrec: FBGEMM left out; `make torchrec-venv` adds it)")
     bandwidth = copy_bandwidth()
+    print(f"CPU: {cpu_model()}")
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), torch {torch.__version__}"
           f", {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, OMP_WAIT_POLICY "
           f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} (every contender: the peer inherits it)")

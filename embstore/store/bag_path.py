@@ -107,19 +107,11 @@ class BagPath:
         w = self.writer
         if batch.argmax is not None or w.policy.admission is not None:
             return False
-        width = self._no_rows()
-        axpy = w.optimizer.axpy_step(width)
-        rule = w.optimizer.fused_rule(w.step + 1) if axpy is None else None
-        if axpy is None and rule is None:
+        row_update = self._next_update(batch.counts if counts is None else counts)
+        if row_update is None:
             return False
-        now = w.stamp_time()
-        mult = batch.counts if counts is None else counts
-        w.step += 1
         done = False
         try:
-            row_update = RowUpdate(axpy or ("vector", 1.0, width),
-                                   {"count": mult} if "count" in w.layout.meta_names else {},
-                                   w.stamps(now), rule)
             done = bool(cast(Any, w.backend).defer_bags(
                 batch, row_update, grad, threads, w.rounding_seed(), sums, steps))
         finally:
@@ -129,6 +121,26 @@ class BagPath:
             w.stats["updates"] += len(batch.uniq)
             w.policy.after_update(w)
         return done
+
+    def _next_update(self, mult: np.ndarray) -> RowUpdate | None:
+        """The ``RowUpdate`` of the next fused step (counts ``mult``, the stamps, the
+        optimizer's rule or axpy), the writer's step counter moved on (the caller moves it
+        back where nothing gets written); None where the optimizer has no fused step. The
+        clock is read before anything changes (a clock that strays raises there)."""
+        w = self.writer
+        width = self._no_rows()
+        axpy = w.optimizer.axpy_step(width)
+        rule = w.optimizer.fused_rule(w.step + 1) if axpy is None else None
+        if axpy is None and rule is None:
+            return None
+        now = w.stamp_time()
+        counts = {"count": mult} if "count" in w.layout.meta_names else {}
+        w.step += 1
+        try:
+            return RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
+        except BaseException:
+            w.step -= 1
+            raise
 
     def _no_rows(self) -> np.ndarray:
         """An empty ``(0, dim)`` float32 array: the gradient rows of a ``RowUpdate`` whose
@@ -144,20 +156,14 @@ class BagPath:
         """``apply_distinct`` of the pooled gradient's per-id sums in one backend call
         (``FusedBagPooling.step_bags``); False where it does not cover the optimizer."""
         w = self.writer
-        width = self._no_rows()
-        axpy = w.optimizer.axpy_step(width)
-        rule = w.optimizer.fused_rule(w.step + 1) if axpy is None else None
-        if axpy is None and rule is None:
+        row_update = self._next_update(mult)
+        if row_update is None:
             return False
-        now = w.stamp_time()
-        counts = {"count": mult} if "count" in w.layout.meta_names else {}
-        w.step += 1
         done = None
         kw = batch.stepping()
         if w.policy.admission is not None:  # keys turned away at the forward: no step
             kw["dropped"] = dropped = np.zeros(1, dtype=np.int64)
         try:
-            row_update = RowUpdate(axpy or ("vector", 1.0, width), counts, w.stamps(now), rule)
             done = cast("FusedBagPooling", w.backend).step_bags(
                 batch.uniq, row_update, batch.inv, batch.offsets, batch.weights, batch.mean, grad,
                 threads, w.rounding_seed(), **kw)

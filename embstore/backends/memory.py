@@ -35,7 +35,7 @@ from .memory_url import TableOptions, capacity_hint
 from .ranges import KeyRange, hash_ranges, in_hash_range
 
 try:
-    from .._cython import bytestable, cuckoo
+    from .._cython import bytestable, cuckoo, deltaops
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
@@ -217,6 +217,16 @@ class MemoryBackend(Backend):
     def get(self, keys: np.ndarray, out: Any = None) -> tuple[np.ndarray, np.ndarray]:
         slots = self._slots(keys)  # ``out``: see RowKernels.gather (a follower's push slot)
         return self._kernels.gather(self._records, slots, out), slots != _EMPTY
+
+    def gather_into(self, keys: np.ndarray, out: np.ndarray, found: np.ndarray,
+                    chunk: int) -> None:
+        """``get(keys, out)`` of int64 keys in one compiled call, the lock taken for each
+        ``chunk`` keys alone and the rows read without the GIL (a follower's push: the
+        trainer's calls wait for one chunk at most); ``found`` (uint8) gets 1 or 0."""
+        deltaops.gather_keys(self._lock, self._tables, keys, out, found, chunk)
+
+    def _tables(self) -> tuple[CuckooTable | BytesTable, RecordArena]:
+        return self._key_table, self._records   # (under the lock: a restore swaps them)
 
     @serialized
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:

@@ -218,16 +218,6 @@ class MemoryBackend(Backend):
         slots = self._slots(keys)  # ``out``: see RowKernels.gather (a follower's push slot)
         return self._kernels.gather(self._records, slots, out), slots != _EMPTY
 
-    def gather_into(self, keys: np.ndarray, out: np.ndarray, found: np.ndarray,
-                    chunk: int) -> None:
-        """``get(keys, out)`` of int64 keys in one compiled call, the lock taken for each
-        ``chunk`` keys alone and the rows read without the GIL (a follower's push: the
-        trainer's calls wait for one chunk at most); ``found`` (uint8) gets 1 or 0."""
-        deltaops.gather_keys(self._lock, self._tables, keys, out, found, chunk)
-
-    def _tables(self) -> tuple[CuckooTable | BytesTable, RecordArena]:
-        return self._key_table, self._records   # (under the lock: a restore swaps them)
-
     @serialized
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
         # One probe per key: the slots found for the read are the ones written back; only
@@ -322,7 +312,8 @@ class MemoryBackend(Backend):
         self._last_find = (keys, slots, self._epoch)
 
     def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:
-        """``(lock, key table, arena, bag kernels)`` for ``fused_tables``, valid under the lock."""
+        """``(lock, key table, arena, bag kernels)`` for ``fused_tables`` and
+        :func:`gather_into`, valid under the lock."""
         return self._lock, self._table, self._arena, self._bags
 
     @serialized
@@ -438,6 +429,20 @@ class MemoryBackend(Backend):
         figures = table_stats(self._table, self._arena)
         figures.pop("bytes", None)
         return {**self.counters, **figures}
+
+
+def gather_into(backend: MemoryBackend, keys: np.ndarray, out: np.ndarray, found: np.ndarray,
+                chunk: int) -> None:
+    """``backend.get(keys, out)`` of int64 keys in one compiled call, the backend's lock
+    taken for each ``chunk`` keys alone and the rows read without the GIL (a follower's
+    push: the trainer's calls wait for one chunk at most); ``found`` (uint8) gets 1 or 0.
+    The key table and arena are named again under the lock for each chunk: a restore may
+    have swapped them in between."""
+    def tables() -> tuple[Any, Any]:
+        _, table, arena, _ = backend.fused_table()
+        return (table, arena) if table is not None else _closed(backend.url)
+
+    deltaops.gather_keys(backend.fused_table()[0], tables, keys, out, found, chunk)
 
 
 def _built_aside(url: str, opts: TableOptions, layout: Layout, key_type: str,

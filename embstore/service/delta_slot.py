@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.memory import MemoryBackend
+from ..backends.memory import MemoryBackend, gather_into
 from .changelog import ChangeLog
 from .delta import CHUNK, ascending, read_rows
 
@@ -82,7 +82,7 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     ``memory://`` nothing besides the backend's own lock, in chunks of
     :data:`FREE_CHUNK` keys (a trainer's call waits for one chunk's read at most, not for
     the worker's lock through 16k rows), all of a part by one compiled call that takes the
-    lock per chunk and reads without the GIL (``MemoryBackend.gather_into``: the push no
+    lock per chunk and reads without the GIL (``backends.memory.gather_into``: the push no
     longer wins the interpreter back from the trainer's calls for every chunk). That is
     one state all the same: the engine
     tells the log of a write once the backend holds it, so a key logged up to the first
@@ -108,8 +108,8 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
         end = min(n, start + cap)
         slot.keys[:end - start] = keys[start:end]
         if free:    # one compiled call, the backend's lock taken per chunk
-            store.backend.gather_into(keys[start:end], slot.recs[:end - start],
-                                      slot.flags[:end - start].view(np.uint8), chunk)
+            gather_into(store.backend, keys[start:end], slot.recs[:end - start],
+                        slot.flags[:end - start].view(np.uint8), chunk)
         else:
             for i in range(start, end, chunk):
                 j, a = min(end, i + chunk), i - start

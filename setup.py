@@ -35,6 +35,8 @@ extensions = [
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", *_OPENMP],
             extra_link_args=_OPENMP),
     _module("cuckoo", ["embstore/_cython/cuckoo.pyx"], extra_compile_args=["-O3"]),
+    # deltaops: a follower's delta read from a memory:// table, the lock taken per chunk
+    _module("deltaops", ["embstore/_cython/deltaops.pyx"], extra_compile_args=["-O3"]),
     _module("initrand", ["embstore/_cython/initrand.pyx"], extra_compile_args=["-O3"]),
     _module("strkeys", ["embstore/_cython/strkeys.pyx"], extra_compile_args=["-O3"]),
     _module("bytestable", ["embstore/_cython/bytestable.pyx"], extra_compile_args=["-O3"]),

@@ -37,7 +37,7 @@ from .ranges import KeyRange, hash_ranges, in_hash_range
 Batch = tuple[np.ndarray, np.ndarray]  # (keys, records)
 
 try:
-    from .._cython import bytestable, cuckoo
+    from .._cython import bytestable, cuckoo, deltaops
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
@@ -318,7 +318,8 @@ class MemoryBackend(Backend):
         self._last_find = (keys, slots, self._epoch)
 
     def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:
-        """``(lock, key table, arena, bag kernels)`` for ``fused_tables``, valid under the lock."""
+        """``(lock, key table, arena, bag kernels)`` for ``fused_tables`` and
+        :func:`gather_into`, valid under the lock."""
         return self._lock, self._table, self._arena, self._bags
 
     @serialized
@@ -431,6 +432,20 @@ class MemoryBackend(Backend):
     def stats(self) -> dict[str, Any]:
         figures = table_stats(self._table, self._arena).items()
         return {**self.counters, **{k: v for k, v in figures if k != "bytes"}}
+
+
+def gather_into(backend: MemoryBackend, keys: np.ndarray, out: np.ndarray, found: np.ndarray,
+                chunk: int) -> None:
+    """``backend.get(keys, out)`` of int64 keys in one compiled call, the backend's lock
+    taken for each ``chunk`` keys alone and the rows read without the GIL (a follower's
+    push: the trainer's calls wait for one chunk at most); ``found`` (uint8) gets 1 or 0.
+    The key table and arena are named again under the lock for each chunk: a restore may
+    have swapped them in between."""
+    def tables() -> tuple[Any, Any]:
+        _, table, arena, _ = backend.fused_table()
+        return (table, arena) if table is not None else _closed(backend.url)
+
+    deltaops.gather_keys(backend.fused_table()[0], tables, keys, out, found, chunk)
 
 
 def _built_aside(url: str, opts: TableOptions, layout: Layout, key_type: str,

@@ -15,12 +15,12 @@ whose last part the follower applies from the slot without copying it out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
-from ..backends.memory import MemoryBackend
+from ..backends.memory import MemoryBackend, gather_into
 from .changelog import ChangeLog
 from .delta import CHUNK, ascending, read_rows
 
@@ -81,7 +81,10 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     The chunks are read under ``read_hold()``: by default the worker's lock, but for
     ``memory://`` nothing besides the backend's own lock, in chunks of
     :data:`FREE_CHUNK` keys (a trainer's call waits for one chunk's read at most, not for
-    the worker's lock through 16k rows). That is one state all the same: the engine
+    the worker's lock through 16k rows), all of a part by one compiled call that takes the
+    lock per chunk and reads without the GIL (``backends.memory.gather_into``: the push no
+    longer wins the interpreter back from the trainer's calls for every chunk). That is
+    one state all the same: the engine
     tells the log of a write once the backend holds it, so a key logged up to the first
     sequence number read holds that write or a later one, and every later one is logged
     after it and read again at the end, under the worker's lock (no write under way); the
@@ -97,16 +100,22 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     if keys.dtype != np.int64:
         yield since, NO_FIT, True
         return
-    if read_hold is None and isinstance(store.backend, MemoryBackend):
-        read_hold, chunk = nullcontext, min(chunk, FREE_CHUNK)
+    free = read_hold is None and isinstance(store.backend, MemoryBackend)
+    if free:
+        chunk = min(chunk, FREE_CHUNK)
     n, cap, start = len(keys), slot.rows, 0
     while True:    # the slot's part: keys[start:end]
         end = min(n, start + cap)
         slot.keys[:end - start] = keys[start:end]
-        for i in range(start, end, chunk):
-            j, a = min(end, i + chunk), i - start
-            with (read_hold or hold)():
-                _read_into(store, keys[i:j], slot.recs[a:a + j - i], slot.flags[a:a + j - i])
+        if free:    # one compiled call, the backend's lock taken per chunk
+            gather_into(store.backend, keys[start:end], slot.recs[:end - start],
+                        slot.flags[:end - start].view(np.uint8), chunk)
+        else:
+            for i in range(start, end, chunk):
+                j, a = min(end, i + chunk), i - start
+                with (read_hold or hold)():
+                    _read_into(store, keys[i:j], slot.recs[a:a + j - i],
+                               slot.flags[a:a + j - i])
         if end == n:
             break
         yield since, end - start, False

@@ -1,0 +1,148 @@
+"""A memory:// delta read by one compiled call (``backends.memory.gather_into``, the push's
+path into a follower's slot): the rows and presence ``backend.get`` reads, the backend's
+lock taken per chunk, and one state of the shard while a trainer writes between chunks."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import embstore
+from embstore._cython import deltaops
+from embstore.backends.memory import gather_into
+from embstore.errors import StoreClosedError
+from embstore.service.changelog import ChangeLog
+
+DIM = 4
+
+
+def _gathered(store, keys: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    w = store.layout.itemsize
+    out = np.full((len(keys), w), 0xAB, np.uint8)   # absent rows must be zeroed
+    found = np.full(len(keys), 7, np.uint8)
+    gather_into(store.backend, keys, out, found, chunk)
+    return out, found
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_the_rows_are_those_get_reads(value_dtype, chunk):
+    """Present, deleted and never-written keys, in any order and with repeats, for 32- and
+    16-bit rows: the bytes and presence of ``backend.get``."""
+    with embstore.open("memory://", dim=DIM, optimizer="sgd", value_dtype=value_dtype) as s:
+        rng = np.random.default_rng(0)
+        s.assign(np.arange(500), rng.standard_normal((500, DIM)).astype(np.float32))
+        s.delete(np.arange(0, 500, 3))          # deleted: absent, their slots reused below
+        s.assign(np.arange(1000, 1100), np.ones((100, DIM), np.float32))
+        keys = rng.permutation(np.concatenate([np.arange(1200), [5, 5, 1050]]))
+        recs, found = s.backend.get(keys)
+        out, got = _gathered(s, keys, chunk)
+        assert np.array_equal(got, np.asarray(found, np.uint8))
+        assert np.array_equal(out, np.ascontiguousarray(recs).view(np.uint8)
+                              .reshape(len(keys), -1))
+        assert not out[got == 0].any()
+
+
+def test_the_lock_and_tables_are_taken_per_chunk():
+    with embstore.open("memory://", dim=DIM) as s:
+        s.assign(np.arange(100), np.ones((100, DIM), np.float32))
+        lock, table, arena, _ = s.backend.fused_table()
+        entered, named = [], []
+
+        class Counting:
+            def __enter__(self):
+                entered.append(lock.__enter__())
+
+            def __exit__(self, *exc):
+                lock.__exit__(*exc)
+
+        def tables():
+            named.append(1)
+            return table, arena
+
+        out = np.zeros((100, s.layout.itemsize), np.uint8)
+        deltaops.gather_keys(Counting(), tables, np.arange(100), out, np.zeros(100, np.uint8),
+                             30)
+        assert len(entered) == len(named) == 4      # 30 + 30 + 30 + 10
+
+
+def test_bad_arguments_are_refused():
+    with embstore.open("memory://", dim=DIM) as s:
+        s.assign(np.arange(10), np.ones((10, DIM), np.float32))
+        w, keys = s.layout.itemsize, np.arange(10)
+        with pytest.raises(ValueError, match="width"):
+            gather_into(s.backend, keys, np.zeros((10, w + 8), np.uint8), np.zeros(10, np.uint8),
+                                  4)
+        with pytest.raises(ValueError, match="fewer rows"):
+            gather_into(s.backend, keys, np.zeros((9, w), np.uint8), np.zeros(10, np.uint8), 4)
+        with pytest.raises(ValueError, match="chunk"):
+            gather_into(s.backend, keys, np.zeros((10, w), np.uint8), np.zeros(10, np.uint8), 0)
+    with pytest.raises(StoreClosedError):
+        gather_into(s.backend, keys, np.zeros((10, w), np.uint8), np.zeros(10, np.uint8), 4)
+    with embstore.open("memory://", dim=DIM, key_type="bytes") as s:
+        with pytest.raises(TypeError):
+            lock, table, arena, _ = s.backend.fused_table()
+            deltaops.gather_keys(lock, lambda: (table, arena), keys,
+                                 np.zeros((10, s.layout.itemsize), np.uint8),
+                                 np.zeros(10, np.uint8), 4)
+
+
+def test_a_delta_read_while_a_trainer_writes_is_one_state():
+    """The compiled read takes no worker lock: a trainer's writes (new keys, rewrites,
+    deletions) land between its chunks, and the keys they changed are read again under
+    the worker's lock at the end; the parts applied make the replica the table then."""
+    from embstore.service.delta_slot import Slot, delta_into
+    from embstore.service.shm import ALIGN, HEADER, Segment
+
+    with embstore.open("memory://", dim=DIM, optimizer="sgd") as store, \
+            embstore.open("memory://", dim=DIM, optimizer="sgd") as replica:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        store.assign(np.arange(200_000), np.ones((200_000, DIM), np.float32))
+        lock, stop, states, writes = threading.Lock(), threading.Event(), [], [0]
+        started = threading.Event()
+
+        def train() -> None:
+            rng = np.random.default_rng(1)
+            while not stop.is_set():
+                with lock:
+                    k = rng.integers(0, 300_000, 64)
+                    store.assign(k, rng.standard_normal((64, DIM)).astype(np.float32))
+                    store.delete(rng.integers(0, 300_000, 4))
+                    writes[0] += 1
+                started.set()
+
+        class Last:     # the worker's lock, the table recorded as the read under it saw it
+            def __enter__(self):
+                lock.acquire()
+                writes.append(writes[0])
+                states.append({k: r.tobytes() for keys, recs in store.records(65536)
+                               for k, r in zip(keys.tolist(), recs)})
+
+            def __exit__(self, *exc):
+                lock.release()
+
+        t = threading.Thread(target=train, daemon=True)
+        t.start()
+        seg = Segment.create(HEADER + 3 * ALIGN + 400_000 * (9 + store.layout.itemsize))
+        try:
+            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+            assert started.wait(30)
+            with lock:
+                before = writes[0]
+            steps = list(delta_into(store, log, Last, 0, slot, chunk=2048))
+            assert len(steps) == 1 and steps[0][2]
+            n = steps[0][1]
+            keys, found = slot.keys[:n].copy(), slot.flags[:n].copy()
+            recs = slot.recs[:n].copy().reshape(-1).view(store.layout.dtype)
+        finally:
+            stop.set()
+            t.join(30)
+            seg.close()
+        assert len(states) == 1 and len(set(keys.tolist())) == n
+        assert writes[1] > before       # the trainer wrote while the chunks were read
+        replica.load_records(iter([(keys[found], recs[found])]))
+        assert {k: r.tobytes() for ks, rs in replica.records(65536)
+                for k, r in zip(ks.tolist(), rs)} == states[0]

@@ -318,8 +318,7 @@ class MemoryBackend(Backend):
         self._last_find = (keys, slots, self._epoch)
 
     def fused_table(self) -> tuple[Any, Any, RecordArena | None, BagKernels]:
-        """``(lock, key table, arena, bag kernels)`` for ``fused_tables`` and
-        :func:`gather_into`, valid under the lock."""
+        """``(lock, key table, arena, bags)`` for fused_tables and gather_into, under the lock."""
         return self._lock, self._table, self._arena, self._bags
 
     @serialized

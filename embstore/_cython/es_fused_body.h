@@ -21,10 +21,18 @@ ES_ATTR static void ES_NAME(es_add_f16)(float* restrict o, const uint16_t* restr
 #define ES_BLOCK 32
 #define ES_AHEAD 32
 #define ES_GRAD_AHEAD 8
+#define ES_OUT_AHEAD 8
 static inline void es_prefetch_span(const char* p, ptrdiff_t n) {
     ptrdiff_t off;
     for (off = 0; off < n; off += 64) ES_PREFETCH(p + off);
     ES_PREFETCH(p + n - 1);
+}
+/* the same for writing: an output row written ES_OUT_AHEAD bags on (a collection's table
+   writes its columns of each wide row, a strided walk the hardware prefetcher misses) */
+static inline void es_prefetch_span_w(const char* p, ptrdiff_t n) {
+    ptrdiff_t off;
+    for (off = 0; off < n; off += 64) ES_PREFETCH_W(p + off);
+    ES_PREFETCH_W(p + n - 1);
 }
 #endif
 ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const void* const* rows,
@@ -87,7 +95,8 @@ ES_ATTR static void ES_NAME(es_pool_bag)(float* restrict o, ptrdiff_t d, const v
 /* Bags of one element each, bag b the element b: row b of out (ostride floats apart) gets
    es_pool_bag's result for such a bag, the same bits (0.0f + x, or fmaf(w[b], x, 0.0f)
    weighted, divided by 1.0f with mean), in one loop without a call and a bounds read per
-   bag; the rows of the bags ES_AHEAD on and the output rows 8 on are requested first. */
+   bag; the rows of the bags ES_AHEAD on and the output rows ES_OUT_AHEAD on are requested
+   first. */
 ES_ATTR static void ES_NAME(es_gather_bags)(float* restrict out, ptrdiff_t ostride,
                                             ptrdiff_t n_bags, ptrdiff_t d,
                                             const void* const* rows, const int64_t* inv,
@@ -101,8 +110,9 @@ ES_ATTR static void ES_NAME(es_gather_bags)(float* restrict out, ptrdiff_t ostri
         float we = w ? w[b] : 1.0f;
         if (b + ES_AHEAD < n_bags)
             es_prefetch_span((const char*) rows[inv[b + ES_AHEAD]], row_bytes);
-        if (b + 8 < n_bags)
-            for (k = 0; k < d; k += 16) ES_PREFETCH_W(out + (b + 8) * ostride + k);
+        if (b + ES_OUT_AHEAD < n_bags)
+            es_prefetch_span_w((const char*) (out + (b + ES_OUT_AHEAD) * ostride),
+                               d * (ptrdiff_t) sizeof(float));
         if (kind == ES_F32) {
             if (w) { for (k = 0; k < d; k++) o[k] = fmaf(we, r[k], 0.0f); }
             else { for (k = 0; k < d; k++) o[k] = 0.0f + r[k]; }

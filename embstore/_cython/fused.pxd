@@ -23,6 +23,9 @@ cdef extern from "es_fused.h":
                          const int64_t* offsets, const float* w, int mean,
                          float* scaled) noexcept nogil
     int es_finite(const float* x, Py_ssize_t n) noexcept nogil
+    # every cache line of n bytes at p requested for writing, and how many bags ahead
+    void es_prefetch_span_w(const char* p, Py_ssize_t n) noexcept nogil
+    enum: ES_OUT_AHEAD
 
 # How a float field is stored: float32, bfloat16 (its upper 16 bits) or IEEE float16 (the
 # values of es_fused.h's ES_F32, ES_BF16, ES_F16)

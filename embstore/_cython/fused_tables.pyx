@@ -19,12 +19,9 @@ from libc.stdlib cimport malloc, free
 from .arena cimport RecordArena
 from .cuckoo cimport CuckooProbe, probe_of, probe_find
 from .fused cimport (KIND_BF16, KIND_F16, KIND_F32, SCRATCH, StepJob, StepSpec, check_bags,
-                     dedupe_keys, es_finite, es_gather_bags, es_pool_bag, es_scatter_sums,
-                     step_all, step_job, step_spec)
-
-cdef extern from "es_prefetch.h":
-    void ES_PREFETCH_W(const void* p) nogil
-
+                     dedupe_keys, es_finite, es_gather_bags, es_pool_bag,
+                     es_prefetch_span_w, es_scatter_sums, ES_OUT_AHEAD, step_all, step_job,
+                     step_spec)
 
 
 cdef struct PoolJob:
@@ -146,17 +143,6 @@ cdef int _pool_job(PoolJob* j, tuple spec) except -1:
     return 0
 
 
-cdef enum:
-    OUT_AHEAD = 8
-
-
-cdef inline void _prefetch_out(const float* o, Py_ssize_t d) noexcept nogil:
-    cdef Py_ssize_t k
-    for k in range(0, d, 16):
-        ES_PREFETCH_W(o + k)
-    ES_PREFETCH_W(o + d - 1)
-
-
 cdef void _probe_pool_one(void* job) noexcept nogil:
     cdef PoolJob* j = <PoolJob*> job
     cdef Py_ssize_t u, b
@@ -180,8 +166,9 @@ cdef void _probe_pool_one(void* job) noexcept nogil:
         es_gather_bags(j.out, j.ostride, j.n_bags, j.d, rows, j.inv, j.w, j.mean, j.kind)
     else:
         for b in range(j.n_bags):
-            if b + OUT_AHEAD < j.n_bags:
-                _prefetch_out(j.out + (b + OUT_AHEAD) * j.ostride, j.d)
+            if b + ES_OUT_AHEAD < j.n_bags:
+                es_prefetch_span_w(<const char*> (j.out + (b + ES_OUT_AHEAD) * j.ostride),
+                                   j.d * sizeof(float))
             es_pool_bag(j.out + b * j.ostride, j.d, rows, j.inv, j.offsets[b],
                         j.offsets[b + 1], j.w, j.mean, j.kind, j.offsets[j.n_bags])
     free(rows)

@@ -160,10 +160,7 @@ cdef class CuckooTable:
         return h & self.mask
 
     cdef inline uint64_t _b2(self, uint64_t h) noexcept nogil:
-        cdef uint64_t b = (h >> 32) & self.mask
-        if b == (h & self.mask):
-            b = b ^ 1
-        return b
+        return _other(h, self.mask)
 
     cdef inline uint32_t _find(self, int64_t key, uint64_t h) noexcept nogil:
         return _match(&self.buckets[self._b1(h)], &self.buckets[self._b2(h)], key)

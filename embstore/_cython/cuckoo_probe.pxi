@@ -65,6 +65,6 @@ cdef inline uint32_t _match(const Bucket* b, const Bucket* c, int64_t key) noexc
 
 
 cdef inline uint64_t _other(uint64_t h, uint64_t mask) noexcept nogil:
-    # CuckooTable._b2: the second bucket, never the first
+    # a key's second bucket (CuckooTable._b2), never its first
     cdef uint64_t b = (h >> 32) & mask
     return b ^ 1 if b == (h & mask) else b

@@ -105,17 +105,8 @@ class _Channel:
         cancelled then: closing never waits longer than a call."""
         if self.sock is not None:
             self.sock.close()
-        token = None if broken else self._watchdog.arm(self.reader, self._timeout)
-        try:
-            if broken:
-                self.reader.cancel()
-            self.writer.done_writing()
-            self.writer.close()
-        except _ERRORS:
-            pass  # already broken: nothing to end
-        finally:
-            if token is not None:
-                self._watchdog.disarm(token)
+        self._watchdog.end_stream(self.writer, self.reader, self._timeout, cancel=broken,
+                                  errors=_ERRORS)
         if self.seg is not None:
             self.seg.close()
 

@@ -28,6 +28,8 @@ from . import wire
 
 #: the ops a client sends on kept streams (the per-step ones); the rest use a call each
 STREAM_OPS = frozenset({"lookup", "update", "assign", "contains"})
+#: what ending an exchange stream that is already broken raises
+STREAM_ERRORS = (flight.FlightError, pa.ArrowException, OSError)
 
 
 class Watchdog:
@@ -65,6 +67,24 @@ class Watchdog:
                 self._fired.discard(token)
                 return True
             return False
+
+    def end_stream(self, writer: Any, reader: Any, seconds: float, cancel: bool = False,
+                   errors: tuple[type[BaseException], ...] = STREAM_ERRORS) -> None:
+        """End an exchange stream gracefully (done writing, closed), the end cancelled if the
+        worker does not take it within ``seconds`` (paused, partitioned): closing never waits
+        longer than a call. ``cancel``: cancelled first (a stream that failed). A stream
+        already broken (``errors``) has nothing to end."""
+        token = None if cancel else self.arm(reader, seconds)
+        try:
+            if cancel:
+                reader.cancel()
+            writer.done_writing()
+            writer.close()
+        except errors:
+            pass
+        finally:
+            if token is not None:
+                self.disarm(token)
 
     def close(self) -> None:
         with self._cond:
@@ -162,7 +182,7 @@ class Streams:
             self._open.pop(id(writer), None)
         try:
             writer.close()
-        except (flight.FlightError, pa.ArrowException, OSError):
+        except STREAM_ERRORS:
             pass  # the stream is already broken: nothing to end
 
     def close(self) -> None:
@@ -172,13 +192,6 @@ class Streams:
             streams, self._open = list(self._open.values()), {}
         try:
             for writer, reader in streams:
-                token = self._watchdog.arm(reader, self._timeout)
-                try:
-                    writer.done_writing()
-                    writer.close()
-                except (flight.FlightError, pa.ArrowException, OSError):
-                    pass
-                finally:
-                    self._watchdog.disarm(token)
+                self._watchdog.end_stream(writer, reader, self._timeout)
         finally:
             self._watchdog.close()

@@ -1,5 +1,5 @@
-"""The sampling index's draw of one part as it was written in numpy, before the compiled
-search (``embstore._cython.indexops``): the reference the kernels are held to."""
+"""The sampling index's draw of one part written in numpy: the reference the compiled kernels
+(``embstore._cython.indexops``) are held to."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import numpy as np
 def numpy_draw(idx: Any, snap: Any, rng: np.random.Generator,
                m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(keys, positions, probabilities)`` of ``m`` draws from part 0 of the sampling index
-    ``idx`` through its snapshot ``snap`` (one cdf in cache)."""
+    ``idx`` through its snapshot ``snap``: one uniform per draw, read through the part's alias
+    table (column ``floor(u * n)``, kept below its ``prob``, else its ``alias``)."""
     cdf = snap.cdfs[0]
-    spacing = np.cumsum(rng.standard_exponential(m + 1))
-    u = spacing[:m]
-    u *= snap.part_w[0] / spacing[m]
-    pos = np.searchsorted(cdf, u, side="right")[rng.permutation(m)]
-    np.minimum(pos, snap.last[0], out=pos)
+    prob, alias = snap.aliases[0]
+    n = len(cdf)
+    t = rng.random(m) * n
+    col = np.minimum(t.astype(np.int64), n - 1)
+    pos = np.where(t - col < prob[col], col, alias[col])
     w = cdf[pos] - np.where(pos > 0, cdf[np.maximum(pos - 1, 0)], 0.0)
     return idx.parts[0].keys[pos], pos, w / snap.total

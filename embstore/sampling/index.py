@@ -6,10 +6,10 @@ store samples, then maintained incrementally from every row write and delete the
 into the store: it is exactly the ``(key, count)`` column of the records, which the store already
 persists; rebuilding it after a reopen costs one scan (counted in :attr:`SamplingIndex.scans`).
 
-Drawing uses a *snapshot* per sampler: the weights of every key as a cumulative sum, inverted
-by a search over a cached coarse level and then bisection inside a 64-entry block, so a draw
-costs a constant number of memory misses whatever the table size (see ``_inverse_cdf``). A
-snapshot is reused until more than ``staleness * len`` rows were written or deleted since it was
+Drawing uses a *snapshot* per sampler: the weights of every key as a cumulative sum and an
+alias table of them (Walker's method, Vose's construction), so a draw is one uniform, a column
+and a comparison: O(1), with no data-dependent branch and a constant number of memory misses
+whatever the table size or the weights (see ``_alias``). A snapshot is reused until more than ``staleness * len`` rows were written or deleted since it was
 taken (deleted keys stay in it as tombstones: drawing one draws again, and their weight leaves
 the normalization); ``prob`` is always computed from the snapshot actually drawn
 from, so the logQ correction stays exact for the distribution used.
@@ -23,16 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from .._cython.indexops import draw_weights, search_sorted_right
+from .._cython.indexops import alias_table, draw_alias
 from ..errors import CapabilityError, InvalidInputError
 from .keyindex import KeyIndex
 from .samplers import LogUniformSampler, Sampler
 
 _SCAN_BATCH = 65536
-_BLOCK_BITS = 6
-_BLOCK = 1 << _BLOCK_BITS
-# cdfs up to this many entries (256 KiB of float64: the L2 cache) skip the coarse level
-_CACHED_CDF = 1 << 15
 
 
 @dataclass
@@ -41,8 +37,7 @@ class Snapshot:
 
     sizes: np.ndarray            # rows (positions) per part when taken, dead ones included
     cdfs: list | None            # per-part cumulative weights (float64); None = uniform
-    coarse: list | None          # per-part every _BLOCK-th cdf entry (the search's first level)
-    last: np.ndarray             # last position with a positive weight, per part
+    aliases: list | None         # per-part alias tables ``(prob, alias)`` of the weights
     part_w: np.ndarray           # total weight per part when taken
     support: int                 # keys with a positive weight when taken
     epochs: tuple[int, ...]      # per-part position epochs: positions are valid while equal
@@ -259,9 +254,7 @@ class SamplingIndex:
 
     def _uniform_snapshot(self) -> Snapshot:
         live = np.array([len(p) for p in self.parts], dtype=np.float64)
-        sizes = np.array([p.n for p in self.parts], dtype=np.int64)
-        return self._base(cdfs=None, coarse=None, last=sizes - 1, part_w=live,
-                          support=int(live.sum()))
+        return self._base(cdfs=None, aliases=None, part_w=live, support=int(live.sum()))
 
     def _build_snapshot(self, sampler: Sampler) -> Snapshot:
         counts = [p.col("count") for p in self.parts]
@@ -275,17 +268,14 @@ class SamplingIndex:
         else:
             weights = [np.where(a, sampler.weights(c), 0.0)
                        for c, a in zip(counts, alive, strict=True)]
-        cdfs, last, part_w, support = [], [], [], 0
+        cdfs, part_w, support = [], [], 0
         for w in weights:
             cdf = np.cumsum(w, dtype=np.float64)
-            pos = np.flatnonzero(w > 0)
-            support += len(pos)
+            support += int(np.count_nonzero(w > 0))
             cdfs.append(cdf)
-            last.append(int(pos[-1]) if len(pos) else -1)
             part_w.append(float(cdf[-1]) if len(cdf) else 0.0)
         self.rebuilds += 1
-        return self._base(cdfs=cdfs, coarse=[_coarse(c) for c in cdfs], by_rank=by_rank,
-                          last=np.array(last, dtype=np.int64),
+        return self._base(cdfs=cdfs, aliases=[_alias(c) for c in cdfs], by_rank=by_rank,
                           part_w=np.array(part_w, dtype=np.float64), support=support)
 
     def _rank_weights(self, sampler: Sampler, counts: list[np.ndarray],
@@ -317,25 +307,13 @@ class SamplingIndex:
             r = np.floor(np.exp(rng.random(c) * np.log(n + 1.0))).astype(np.int64) - 1
             np.clip(r, 0, n - 1, out=r)
             return snap.by_rank[r], np.log1p(1.0 / (r + 1.0)) / np.log(n + 1.0)
-        # Sorted probes search the cdf in one forward sweep (cache friendly); a random
-        # permutation then restores an i.i.d. draw order. The sorted uniforms come from
-        # normalized sums of exponential spacings -- distributed exactly as sorted i.i.d.
-        # uniforms, in O(c) instead of a sort (~1.4x faster on 40k draws).
-        cdf = snap.cdfs[s]
-        spacing = np.cumsum(rng.standard_exponential(c + 1))
-        u = spacing[:c]
-        u *= snap.part_w[s] / spacing[c]
-        if len(cdf) <= _CACHED_CDF:
-            # in cache: one forward sweep over the sorted probes (numpy's searchsorted
-            # bisects the whole cdf for each, ~4x slower on 40k draws from 8k keys)
-            pos = search_sorted_right(cdf, u, np.empty(c, dtype=np.int64))
-        else:
-            assert snap.coarse is not None  # invariant: built together with the cdfs
-            pos = _inverse_cdf(cdf, snap.coarse[s], u)
-        # pos[perm], clipped to the last weighted key, and Snapshot.weight_at's weights: in
-        # one compiled pass, the same bits
-        return draw_weights(cdf, pos, rng.permutation(c), int(snap.last[s]),
-                            np.empty(c, dtype=np.int64), np.empty(c, dtype=np.float64))
+        # One uniform per draw, in draw order (i.i.d. as drawn), read through the alias
+        # table, and Snapshot.weight_at's weights in the same pass. (A part is drawn from
+        # only where its live weight is positive, so its table exists.)
+        assert snap.aliases is not None  # invariant: built together with the cdfs
+        prob, alias = snap.aliases[s]
+        return draw_alias(snap.cdfs[s], prob, alias, rng.random(c),
+                          np.empty(c, dtype=np.int64), np.empty(c, dtype=np.float64))
 
     def draw(self, snap: Snapshot, rng: np.random.Generator,
              m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -398,31 +376,13 @@ def _part(key_type: str) -> KeyIndex:
     return KeyIndex(key_type, {"count": (np.int64, ())}, tombstones=True)
 
 
-def _coarse(cdf: np.ndarray) -> np.ndarray:
-    """Every ``_BLOCK``-th entry of a cdf (the last of each block): small enough to stay in
-    cache, so the first search level costs no memory misses on any table size."""
-    if len(cdf) == 0:
-        return cdf
-    ends = np.minimum(np.arange(_BLOCK, len(cdf) + _BLOCK, _BLOCK), len(cdf)) - 1
-    return cdf[ends]
-
-
-def _inverse_cdf(cdf: np.ndarray, coarse: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Smallest ``i`` with ``cdf[i] > u``, for each ``u`` in ``[0, cdf[-1])``.
-
-    A binary search over the cached coarse level picks the block, then a fixed number of
-    vectorized bisection steps inside its ``_BLOCK`` entries (a few cache lines) finish:
-    O(log n) compute but a constant number of memory misses per draw.
-    """
-    b = np.minimum(np.searchsorted(coarse, u, side="right"), len(coarse) - 1)
-    lo = b * _BLOCK
-    hi = np.minimum(lo + _BLOCK, len(cdf)) - 1
-    for _ in range(_BLOCK_BITS):
-        mid = (lo + hi) >> 1
-        go = cdf[mid] <= u
-        lo = np.where(go, mid + 1, lo)
-        hi = np.where(go, hi, mid)
-    return lo
+def _alias(cdf: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The alias table ``(prob, alias)`` of a part's weights (``indexops.alias_table``):
+    what its draws read. None for a part with no positive weight (nothing is drawn from it)."""
+    if len(cdf) == 0 or not cdf[-1] > 0:
+        return None
+    n = len(cdf)
+    return alias_table(cdf, np.empty(n, dtype=np.float64), np.empty(n, dtype=np.int64))
 
 
 def _split(arr: np.ndarray, sizes: list[int]) -> list[np.ndarray]:

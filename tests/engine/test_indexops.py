@@ -1,5 +1,5 @@
 """The compiled index kernels (``embstore._cython.indexops``) give the numpy calls they
-replace bit for bit: the sampler's sorted-probe search and draw weights, and a batch's
+replace bit for bit: the sampler's alias-table draws and their weights, and a batch's
 grouping by its inverse index (``embstore.engine.batch.group_inverse``), which the PyTorch
 adapter's backward sums gradients by."""
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import embstore
-from embstore._cython.indexops import draw_weights, search_sorted_right
+from embstore._cython.indexops import alias_table, draw_alias
 from embstore.engine.batch import group_inverse
 from embstore.sampling import UniformSampler, UnigramSampler, sampling_index
 from tests.numpy_draw import numpy_draw
@@ -23,59 +23,83 @@ def zipf_cdf(rng, n, zeros=0.1):
     return np.cumsum(w), w
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 100, 8000])
-@pytest.mark.parametrize("m", [0, 1, 5, 40960])
-def test_search_sorted_right_is_numpys(n, m):
-    rng = np.random.default_rng(n * 7 + m)
-    cdf, _ = zipf_cdf(rng, n)
-    spacing = np.cumsum(rng.standard_exponential(m + 1))
-    u = spacing[:m] * (cdf[-1] / spacing[m])       # sorted probes, as the sampler makes
-    want = np.searchsorted(cdf, u, side="right")
-    assert np.array_equal(search_sorted_right(cdf, u, np.empty(m, np.int64)), want)
-    # unsorted probes, some equal to cdf entries, some past the end, one NaN
-    v = rng.random(m) * cdf[-1] * 1.2
-    v[::3] = cdf[rng.integers(0, n, len(v[::3]))]
-    if m:
-        v[m // 2] = np.nan
-    want = np.searchsorted(cdf, v, side="right")
-    assert np.array_equal(search_sorted_right(cdf, v, np.empty(m, np.int64)), want)
+def implied(prob, alias):
+    """The probability of each position under an alias table: its own column's kept share
+    plus the rest of every column aliased to it, over the columns."""
+    n = len(prob)
+    p = prob.astype(np.float64).copy()
+    np.add.at(p, alias, 1.0 - prob)
+    return p / n
 
 
-def test_search_sorted_right_empty_cdf_and_short_out():
-    empty = np.zeros(0)
-    assert search_sorted_right(empty, np.array([0.5, 1.0]), np.empty(2, np.int64)).tolist() \
-        == [0, 0]
-    with pytest.raises(ValueError):
-        search_sorted_right(np.ones(3), np.ones(4), np.empty(3, np.int64))
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 8000, 100_000])
+@pytest.mark.parametrize("zeros", [0.0, 0.1, 0.9])
+def test_alias_table_draws_each_position_by_its_weight(n, zeros):
+    rng = np.random.default_rng(n)
+    cdf, w = zipf_cdf(rng, n, zeros)
+    if not cdf[-1] > 0:
+        w[0] = 1.0
+        cdf = np.cumsum(w)
+    prob, alias = alias_table(cdf, np.empty(n), np.empty(n, np.int64))
+    assert ((prob >= 0) & (prob <= 1)).all() and ((alias >= 0) & (alias < n)).all()
+    weight = np.diff(cdf, prepend=0.0)
+    # the stated bound: each position's probability within a few n * 2**-53 of its share
+    np.testing.assert_allclose(implied(prob, alias), weight / cdf[-1], rtol=1e-9, atol=0)
+    # a position of weight 0 is never kept in its own column, nor anyone's alias
+    zero = weight == 0
+    assert (prob[zero] == 0).all() and not zero[alias[~(prob == 1.0)]].any()
 
 
 @pytest.mark.parametrize("n", [1, 3, 8000])
-def test_draw_weights_are_the_numpy_weights(n):
-    rng = np.random.default_rng(n)
+@pytest.mark.parametrize("m", [0, 1, 40960])
+def test_draw_alias_is_the_numpy_read_of_the_table(n, m):
+    rng = np.random.default_rng(n * 7 + m)
     cdf, w = zipf_cdf(rng, n)
-    m = 40960
-    u = np.sort(rng.random(m)) * cdf[-1] * 1.05    # some probes past the end: clipped
-    sorted_pos = np.searchsorted(cdf, u, side="right")
-    perm = rng.permutation(m)
-    last = int(np.flatnonzero(w > 0)[-1]) if (w > 0).any() else 0
-    # the numpy steps the kernel replaced (SamplingIndex._draw_raw, Snapshot.weight_at)
-    pos = sorted_pos[perm]
-    np.minimum(pos, last, out=pos)
+    if not cdf[-1] > 0:
+        w[0] = 1.0
+        cdf = np.cumsum(w)
+    prob, alias = alias_table(cdf, np.empty(n), np.empty(n, np.int64))
+    u = rng.random(m)
+    u[:3] = [0.0, np.nextafter(1.0, 0.0), 0.5][:min(3, m)]  # the ends of [0, 1)
+    t = u * n
+    col = np.minimum(t.astype(np.int64), n - 1)
+    pos = np.where(t - col < prob[col], col, alias[col])
     weight = cdf[pos] - np.where(pos > 0, cdf[np.maximum(pos - 1, 0)], 0.0)
-    got_pos, got_w = draw_weights(cdf, sorted_pos, perm, last, np.empty(m, np.int64),
-                                  np.empty(m))
+    got_pos, got_w = draw_alias(cdf, prob, alias, u, np.empty(m, np.int64), np.empty(m))
     assert np.array_equal(got_pos, pos)
     assert np.array_equal(got_w.view(np.int64), weight.view(np.int64))
+    assert (got_w > 0).all()  # no position of weight 0 drawn
 
 
-def test_draw_weights_refuses_out_of_range_indices():
+def test_alias_draws_follow_the_weights():
+    """A chi-square check of 400k draws against the weights (p > 1e-4 for a right table)."""
+    rng = np.random.default_rng(5)
+    w = np.array([0.0, 5.0, 1.0, 0.0, 3.0, 0.5, 10.0, 0.0, 2.5])
+    cdf = np.cumsum(w)
+    prob, alias = alias_table(cdf, np.empty(len(w)), np.empty(len(w), np.int64))
+    m = 400_000
+    pos, _ = draw_alias(cdf, prob, alias, rng.random(m), np.empty(m, np.int64), np.empty(m))
+    seen = np.bincount(pos, minlength=len(w))
+    assert (seen[w == 0] == 0).all()
+    want = m * w[w > 0] / w.sum()
+    chi2 = float((((seen[w > 0] - want) ** 2) / want).sum())
+    assert chi2 < 27.9  # the 0.9999 quantile of chi-square with 5 degrees of freedom
+
+
+def test_alias_kernels_refuse_bad_arguments():
     cdf = np.array([1.0, 2.0, 3.0])
-    with pytest.raises(IndexError):
-        draw_weights(cdf, np.array([0, 1]), np.array([0, 2]), 2, np.empty(2, np.int64),
-                     np.empty(2))
-    with pytest.raises(IndexError):  # a position past the cdf that ``last`` does not clip
-        draw_weights(cdf, np.array([0, 5]), np.array([1, 0]), 7, np.empty(2, np.int64),
-                     np.empty(2))
+    with pytest.raises(ValueError):
+        alias_table(np.zeros(0), np.empty(0), np.empty(0, np.int64))
+    with pytest.raises(ValueError):  # no positive weight
+        alias_table(np.zeros(3), np.empty(3), np.empty(3, np.int64))
+    with pytest.raises(ValueError):
+        alias_table(cdf, np.empty(2), np.empty(3, np.int64))
+    prob, alias = alias_table(cdf, np.empty(3), np.empty(3, np.int64))
+    with pytest.raises(ValueError):
+        draw_alias(cdf, prob, alias, np.zeros(4), np.empty(3, np.int64), np.empty(4))
+    with pytest.raises(IndexError):  # a table that names a position past the cdf
+        draw_alias(cdf, np.zeros(3), np.array([0, 5, 1]), np.array([0.5]),
+                   np.empty(1, np.int64), np.empty(1))
 
 
 @pytest.mark.parametrize("n, keys", [(0, 0), (1, 1), (10, 3), (49152, 8777), (70000, 66000)])

@@ -372,22 +372,6 @@ def test_sample_reads_the_table_once_on_every_backend(any_url):
                     (counts.astype(float) ** 0.75).sum() + 100 ** 0.75))))
 
 
-@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4097])
-def test_inverse_cdf_equals_searchsorted(n):
-    from embstore.sampling.index import _coarse, _inverse_cdf
-
-    rng = np.random.default_rng(n)
-    w = rng.integers(0, 4, n).astype(float)  # zero weights included
-    w[-1] = 0.0
-    w[0] = 1.0
-    cdf = np.cumsum(w)
-    u = np.concatenate([rng.random(5000) * cdf[-1], cdf[:-1][w[:-1] > 0], [0.0]])
-    u = u[u < cdf[-1]]
-    got = _inverse_cdf(cdf, _coarse(cdf), u)
-    np.testing.assert_array_equal(got, np.searchsorted(cdf, u, side="right"))
-    assert (w[got] > 0).all()
-
-
 def test_seeded_calls_are_reproducible():
     s = embstore.open("memory://", dim=2)
     keys, counts = corpus()

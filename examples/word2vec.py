@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import embstore
 from embstore.allocator import retain_freed_memory
 from embstore.init import Uniform
-from embstore.keys import factorize
+from embstore.keys import DistinctKeys, factorize
 from embstore.optim import SGD
 from embstore.policies import FrequencyCutoff
 from embstore.sampling import UnigramSampler
@@ -218,12 +218,12 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out):
             centers, contexts = centers[perm], contexts[perm]
             scale = alpha / args.alpha  # the stores' SGD runs at args.alpha
             for s in range(0, len(centers), args.batch):
-                c = words[centers[s:s + args.batch]]
+                c = rows_batch(words, centers[s:s + args.batch])
                 x = words[contexts[s:s + args.batch]]
                 loss = sgns_step(in_emb, out_emb, out, sampler, c, x, args.negatives, scale,
                                  rng)
                 loss_sum += loss
-                loss_n += len(c)
+                loss_n += len(x)
             pairs_done += len(centers)
             done += len(tokens)
             if bar is not None:
@@ -249,10 +249,23 @@ def train(args: argparse.Namespace, docs: list[list[str]], inp, out):
             "words_per_cpu_s": total / clock.cpu}
 
 
-def sgns_step(in_emb, out_emb, out, sampler, centers: np.ndarray, contexts: np.ndarray,
+def rows_batch(words: np.ndarray, rows: np.ndarray) -> FactorizedKeys:
+    """A module input of keys given as rows of ``words`` (distinct keys): the words used,
+    deduplicated by their row (integers, no bytes hashed or compared), and each element's
+    index among them."""
+    used = np.zeros(len(words), dtype=bool)
+    used[rows] = True
+    first = np.flatnonzero(used)
+    index = np.cumsum(used) - 1
+    # distinct rows of distinct words: distinct keys, as a dedupe would have found them
+    return FactorizedKeys(DistinctKeys.found(words[first]), index[rows])
+
+
+def sgns_step(in_emb, out_emb, out, sampler, centers: FactorizedKeys, contexts: np.ndarray,
               k: int, scale: float, rng: np.random.Generator) -> float:
-    """One batch of skip-gram with negative sampling; return the summed loss."""
-    b = len(centers)
+    """One batch of skip-gram with negative sampling (``centers`` the batch's center words,
+    ``contexts`` its context words, pair by pair); return the summed loss."""
+    b = len(contexts)
     # k negatives per pair from the unigram^0.75 distribution over the output store's counts.
     negs = out.sample([], b * k, sampler, unique=False, remove_accidental_hits=False,
                       seed=rng).keys.reshape(b, k)

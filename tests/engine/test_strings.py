@@ -110,16 +110,19 @@ def test_factorize_first_seen_order_and_inverse():
     assert len(uniq) == 0 and len(inv) == 0
 
 
-@pytest.mark.parametrize("repeat", [True, False])
+@pytest.mark.parametrize("repeat", ["few", "wide", None])
 def test_factorize_by_object_then_content_matches_a_dict(repeat):
     # Long batches that repeat key objects are deduplicated by address first; equal keys held
-    # by different objects (copies, str vs its UTF-8 bytes) must still be one key.
+    # by different objects (copies, str vs its UTF-8 bytes) must still be one key. "wide":
+    # 18k objects drawn 40k times, whose repeats show only past the first few hundred (a
+    # skip-gram step's batch).
     rng = np.random.default_rng(5)
-    vocab = [b"w%d" % i for i in range(30 if repeat else 300)]  # 90 objects: they repeat
+    vocab = [b"w%d" % i for i in range({"few": 30, "wide": 6000, None: 300}[repeat])]
     copies = [bytes(bytearray(w)) for w in vocab]          # equal content, other objects
     texts = [w.decode() for w in vocab]
     pool = vocab + copies + texts
-    picks = rng.integers(0, len(pool), 5000) if repeat else np.arange(len(pool))
+    picks = (rng.integers(0, len(pool), 5000 if repeat == "few" else 40000) if repeat
+             else np.arange(len(pool)))
     keys = np.empty(len(picks), dtype=object)
     keys[:] = [pool[i] for i in picks]
     if not repeat:

@@ -44,7 +44,10 @@ every contender with glibc keeping freed memory for reuse (see ``KEEP_FREED``).
 On a loaded machine wall time drifts; compare within one run, and read CPU time alongside.
 ``--phases`` then prints where each contender's one-thread step goes: CPU per step of the
 forward, of the backward (the rest of the step less the dense part alone) and of the dense
-part, and embstore's native calls' share of its forward and backward (the rest is Python).
+part, and embstore's native calls' share of its forward and backward (the rest is Python);
+then the dense part's wall time on one and on two threads, and the two-thread speed-up a
+step could reach at most if everything but the dense part ran twice as fast (the model's
+share of the bound on 2 threads over 1, whatever the tables do).
 """
 
 from __future__ import annotations
@@ -268,6 +271,14 @@ class Contender:
             for name, real in timed.items():
                 setattr(_fused_tables, name, real)
         out = {"forward": fwd / steps, "rest": rest / steps, "dense": dense / steps}
+        for threads in (1, 2):  # the dense part alone, wall time (its threads' idle waits too)
+            torch.set_num_threads(threads)
+            t = time.perf_counter()
+            for _ in range(steps):
+                leaf.grad = None
+                dense_step(self, leaf)
+            out[f"dense_wall_{threads}"] = (time.perf_counter() - t) / steps
+        torch.set_num_threads(1)
         if timed:
             out["forward_native"] = native["probe_pool"] / steps
             out["backward_native"] = (native["sum_tables"] + native["step_tables"]) / steps
@@ -286,6 +297,15 @@ def print_phases(name: str, phases: dict[str, dict[str, float]]) -> None:
                   for k in ("forward_native", "backward_native"))
         print(f"{kind:<17}{p['forward'] * 1e3:>9.2f}{fn}{back * 1e3:>10.2f}{bn}"
               f"{p['dense'] * 1e3:>8.2f}{(p['forward'] + p['rest']) * 1e3:>8.2f}")
+    print("the dense part alone, wall ms on 1 / 2 threads, and the most 2 threads could give a "
+          "step\n(the rest of the step twice as fast, the dense part as measured on 2 threads):")
+    for kind, p in phases.items():
+        if "dense_wall_2" not in p:
+            continue
+        step = p["forward"] + p["rest"]
+        bound = step / (p["dense_wall_2"] + (step - p["dense"]) / 2)
+        print(f"{kind:<17}{p['dense_wall_1'] * 1e3:>9.2f}{p['dense_wall_2'] * 1e3:>8.2f}"
+              f"   at most {bound:.2f}x")
 
 
 def dense_step(model: Any, pooled: Any) -> None:

@@ -9,10 +9,11 @@ persists; rebuilding it after a reopen costs one scan (counted in :attr:`Samplin
 Drawing uses a *snapshot* per sampler: the weights of every key as a cumulative sum and an
 alias table of them (Walker's method, Vose's construction), so a draw is one uniform, a column
 and a comparison: O(1), with no data-dependent branch and a constant number of memory misses
-whatever the table size or the weights (see ``_alias``). A snapshot is reused until more than ``staleness * len`` rows were written or deleted since it was
-taken (deleted keys stay in it as tombstones: drawing one draws again, and their weight leaves
-the normalization); ``prob`` is always computed from the snapshot actually drawn
-from, so the logQ correction stays exact for the distribution used.
+whatever the table size or the weights (see ``_alias``). A snapshot is reused until more
+than ``staleness * len`` rows were written or deleted since it was taken (deleted keys stay in
+it as tombstones: drawing one draws again, and their weight leaves the normalization);
+``prob`` is always computed from the snapshot actually drawn from, so the logQ correction
+stays exact for the distribution used.
 """
 
 from __future__ import annotations

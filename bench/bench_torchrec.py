@@ -45,9 +45,10 @@ On a loaded machine wall time drifts; compare within one run, and read CPU time 
 ``--phases`` then prints where each contender's one-thread step goes: CPU per step of the
 forward, of the backward (the rest of the step less the dense part alone) and of the dense
 part, and embstore's native calls' share of its forward and backward (the rest is Python);
-then the dense part's wall time on one and on two threads, and the two-thread speed-up a
-step could reach at most if everything but the dense part ran twice as fast (the model's
-share of the bound on 2 threads over 1, whatever the tables do).
+then the dense part's wall time on one and on two threads (alone, in a loop), and the most
+two threads could give a step (Amdahl's bound, on the phases above): the dense part at its
+measured two-thread speed and the rest twice as fast, and for embstore's table-parallel
+calls the native calls twice as fast and the Python around them as it is.
 """
 
 from __future__ import annotations
@@ -297,15 +298,21 @@ def print_phases(name: str, phases: dict[str, dict[str, float]]) -> None:
                   for k in ("forward_native", "backward_native"))
         print(f"{kind:<17}{p['forward'] * 1e3:>9.2f}{fn}{back * 1e3:>10.2f}{bn}"
               f"{p['dense'] * 1e3:>8.2f}{(p['forward'] + p['rest']) * 1e3:>8.2f}")
-    print("the dense part alone, wall ms on 1 / 2 threads, and the most 2 threads could give a "
-          "step\n(the rest of the step twice as fast, the dense part as measured on 2 threads):")
+    print("the dense part alone (wall ms, 1 and 2 threads) and the most 2 threads could give "
+          "a step:\nthe dense part at its 2-thread speed and the rest twice as fast; the "
+          "native calls twice as fast, the Python as it is")
     for kind, p in phases.items():
         if "dense_wall_2" not in p:
             continue
         step = p["forward"] + p["rest"]
-        bound = step / (p["dense_wall_2"] + (step - p["dense"]) / 2)
-        print(f"{kind:<17}{p['dense_wall_1'] * 1e3:>9.2f}{p['dense_wall_2'] * 1e3:>8.2f}"
-              f"   at most {bound:.2f}x")
+        dense2 = p["dense"] * p["dense_wall_2"] / p["dense_wall_1"]
+        line = (f"{kind:<17}{p['dense_wall_1'] * 1e3:>9.2f}{p['dense_wall_2'] * 1e3:>8.2f}"
+                f"   at most {step / (dense2 + (step - p['dense']) / 2):.2f}x")
+        if "forward_native" in p:
+            native = p["forward_native"] + p["backward_native"]
+            serial = step - p["dense"] - native
+            line += f"; {step / (dense2 + serial + native / 2):.2f}x"
+        print(line)
 
 
 def dense_step(model: Any, pooled: Any) -> None:

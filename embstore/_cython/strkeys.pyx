@@ -366,13 +366,16 @@ cdef bint _objects_repeat(PyObject** items, Py_ssize_t n) noexcept:
     cdef uintptr_t seen[2 * _PROBE]
     cdef Py_ssize_t i, m = min(n // 4, <Py_ssize_t> _PROBE), distinct = 0
     cdef uintptr_t p
-    cdef uint64_t j
-    memset(seen, 0, sizeof(seen))
+    cdef uint64_t j, mask = 1
+    while mask < <uint64_t> (2 * m):  # at most half full, and only what is read is cleared
+        mask *= 2
+    mask -= 1
+    memset(seen, 0, (mask + 1) * sizeof(uintptr_t))
     for i in range(m):
         p = <uintptr_t> items[i]
-        j = _pointer_hash(p) & (2 * _PROBE - 1)
+        j = _pointer_hash(p) & mask
         while seen[j] != 0 and seen[j] != p:
-            j = (j + 1) & (2 * _PROBE - 1)
+            j = (j + 1) & mask
         if seen[j] == 0:
             seen[j] = p
             distinct += 1

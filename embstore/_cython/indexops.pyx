@@ -47,13 +47,14 @@ def alias_table(const double[::1] cdf, object prob_arr, object alias_arr):
             share[i] = <long double> (cdf[i] - cdf[i - 1] if i > 0 else cdf[i] - 0.0) \
                 * n / total
             alias[i] = i
+            if share[i] > 0.0:
+                heavy = i               # (any position that can be drawn: see the end)
             if share[i] < 1.0:
                 small[ns] = i
                 ns += 1
             else:
                 large[-nl] = i
                 nl += 1
-                heavy = i
         while ns > 0 and nl > 0:
             ns -= 1
             s = small[ns]

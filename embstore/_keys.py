@@ -119,6 +119,19 @@ def normalize_distinct(keys: Any, key_type: str) -> tuple[np.ndarray, bool]:
     return _normalize_bytes_keys(keys), False
 
 
+def normalize_unchecked(keys: Any, key_type: str, probe_checks: bool
+                        ) -> tuple[np.ndarray, bool, bool]:
+    """:func:`normalize_distinct`, and whether the keys were checked. With ``probe_checks``
+    (a backend whose probe checks bytes keys itself: ``PlainOnlyProbes``) a 1-D contiguous
+    object array of a bytes-key store is taken as it is, its key objects unread (False):
+    the probe is then told ``plain_only``, and on ``NotPlainBytes`` the caller normalizes
+    the batch (encoding str, refusing a wrong type) and asks again."""
+    if probe_checks and key_type == "bytes" and raw_string_array(keys):
+        return keys, False, False
+    k, distinct = normalize_distinct(keys, key_type)
+    return k, distinct, True
+
+
 _U64_SPAN = 1 << 64
 
 

@@ -27,6 +27,8 @@ import os
 
 import numpy as np
 
+from .strkeys import NotPlainBytes
+
 from .arena cimport RecordArena
 from cpython.ref cimport PyObject
 
@@ -403,9 +405,12 @@ cdef class BytesTable:
                 no_memory[0] = True
         return n
 
-    def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None):
+    def find(self, object keys, uint32_t[::1] out, KeySnapshot snapshot=None,
+             bint plain_only=False):
         """Write the slot of each key into ``out`` (0xFFFFFFFF when absent); return hits.
-        ``snapshot``, when given, is filled with a copy of ``keys``."""
+        ``snapshot``, when given, is filled with a copy of ``keys``. ``plain_only``: a key
+        that is not exactly ``bytes`` raises ``NotPlainBytes`` instead of taking the general
+        views (the caller had not checked the batch: this pass checks it)."""
         cdef Py_ssize_t n, done
         cdef PyObject** items = key_items(keys, &n)
         cdef uint64_t hits = 0
@@ -430,6 +435,8 @@ cdef class BytesTable:
                 done = self._find_all(items, n, v, hs, True, &out[0], &hits, snapshot,
                                       &no_memory)
             if done < n:
+                if plain_only:
+                    raise NotPlainBytes("a key is not exactly bytes")
                 # a str or a wrong type: the general views (str encoded, TypeError raised)
                 free(v)
                 free(hs)

@@ -127,14 +127,16 @@ cdef int _place(BytesTable table, RecordArena arena, PyObject** items, Py_ssize_
 
 def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::1] out,
                    uint8_t[::1] inserted_out=None, KeySnapshot snapshot=None,
-                   int64_t[::1] missed=None):
+                   int64_t[::1] missed=None, bint plain_only=False):
     """Slot of each key in ``out``; an absent key gets a fresh arena slot and goes into the
     table in the same pass. ``inserted_out`` (optional) gets 1 where the key was inserted.
     Returns how many were. A repeated new key within ``keys`` is inserted once. When the table
     cannot grow (CapacityError) the keys this call inserted are removed again: the table is
     as it was before the call. ``snapshot``, when given, is filled with a copy of ``keys``.
     ``missed`` (optional, one element) receives how many positions held a key absent before
-    the call: the inserted ones and the later occurrences of those keys."""
+    the call: the inserted ones and the later occurrences of those keys. ``plain_only``: a
+    key that is not exactly ``bytes`` raises ``NotPlainBytes`` with nothing inserted (the
+    caller had not checked the batch: this pass checks it)."""
     cdef Py_ssize_t n
     cdef PyObject** items = key_items(keys, &n)
     cdef KeyView* v = NULL
@@ -159,6 +161,8 @@ def find_or_insert(BytesTable table, RecordArena arena, object keys, uint32_t[::
             snapshot.reserve(n, 16 * n)
         if _place(table, arena, items, n, v, hs, True, out, inserted_out, snapshot, new_at,
                   &inserted) == _NOT_BYTES:
+            if plain_only:
+                raise NotPlainBytes("a key is not exactly bytes")
             # a str (its UTF-8 form is the key) or a wrong type (TypeError): the general views
             free(v)
             free(hs)

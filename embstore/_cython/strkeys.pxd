@@ -19,14 +19,17 @@ cdef extern from "Python.h":
     # On a borrowed pointer: going through an ``object`` variable would write each scattered
     # key object's reference count, twice.
     bint _is_bytes "PyBytes_Check"(PyObject* o) nogil
+    bint _is_exact_bytes "PyBytes_CheckExact"(PyObject* o) nogil
     char* _bytes_data "PyBytes_AS_STRING"(PyObject* o) nogil
     Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject* o) nogil
 
 
 cdef inline bint bytes_view(PyObject* o, KeyView* v) noexcept nogil:
-    """Set ``v`` to the key of ``o`` when it is bytes (or a bytes subclass, as
-    :c:func:`key_views` takes); False, ``v`` untouched, for anything else (str included)."""
-    if not _is_bytes(o):
+    """Set ``v`` to the key of ``o`` when it is exactly ``bytes`` (the store's key form);
+    False, ``v`` untouched, for anything else: str, a bytes subclass (which
+    :c:func:`key_views` takes), a wrong type. So a fast pass over a batch that took every key
+    proved the batch is in the key form as well."""
+    if not _is_exact_bytes(o):
         return False
     v.p = _bytes_data(o)
     v.n = _bytes_size(o)

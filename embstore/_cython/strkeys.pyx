@@ -117,6 +117,12 @@ cdef KeyView* key_views(object keys, Py_ssize_t* n_out) except NULL:
     return v
 
 
+class NotPlainBytes(Exception):
+    """A probe told ``plain_only`` met a key that is not exactly ``bytes`` (str, a bytes
+    subclass or a wrong type) and changed nothing: the caller normalizes the batch (which
+    encodes str, or refuses the wrong type) and asks again."""
+
+
 def encode_keys(object keys):
     """A new 1-D object array of ``bytes``: bytes kept, ``str`` UTF-8 encoded, bytes
     subclasses, ``bytearray`` and ``memoryview`` copied into plain bytes.

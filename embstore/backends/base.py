@@ -63,6 +63,7 @@ class Backend(abc.ABC):
     supports_ranges: bool = False
     supports_fencing: bool = False
     supports_fused_bags: bool = False
+    checks_bytes_keys: bool = False
     replace_mechanism: str = "write-then-delete"
     #: the writer lease ``(holder id, token)`` every row write must hold (None: unchecked)
     fence: tuple[str, int] | None = None

@@ -1,8 +1,9 @@
-"""The methods behind two capability flags of ``Backend``, declared as protocols.
+"""The methods behind three capability flags of ``Backend``, declared as protocols.
 
 A backend with ``supports_slots`` is :class:`SlotAddressed`; one with
 ``supports_fused_bags`` is :class:`FusedBagPooling` (``memory://`` is both, and
-:class:`SlotBagPooling`: the fused bag calls at slots, which a cache layer over it makes).
+:class:`SlotBagPooling`: the fused bag calls at slots, which a cache layer over it makes);
+one with ``checks_bytes_keys`` is :class:`PlainOnlyProbes` (``memory://``).
 """
 
 from __future__ import annotations
@@ -110,4 +111,32 @@ class SlotBagPooling(Protocol):
         """``FusedBagPooling.step_bags`` on the records at ``slots``: True when applied, False
         when a summed gradient is not finite (nothing written), None when the kernels do not
         cover the layout or rule (nothing written)."""
+        ...
+
+
+class PlainOnlyProbes(Protocol):
+    """A backend whose key probes check bytes keys themselves (``checks_bytes_keys``).
+
+    Normalizing an object array of keys reads every scattered key object once to prove it
+    holds only ``bytes``; the store's probe reads each of them again. On a table of 1M
+    bytes keys the two walks over a 4096-key batch cost a quarter of a lookup (each key
+    object is a TLB miss, in cache or not), so where the backend probes the keys first the
+    engine hands it the array unread with ``plain_only=True``: the probe's own pass is the
+    check, and a key that is not exactly ``bytes`` (a str, a bytes subclass, a wrong type)
+    raises ``embstore._cython.strkeys.NotPlainBytes`` with nothing changed. The engine then
+    normalizes the batch (encoding str, refusing a wrong type with ``KeyTypeError``) and
+    asks again."""
+
+    checks_bytes_keys: bool
+
+    def get_field(self, keys: np.ndarray, field: str, *,
+                  plain_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``Backend.get_field``; with ``plain_only``, as the class docstring says."""
+        ...
+
+    def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
+                      template: Callable[[], np.ndarray], new: np.ndarray | None = None,
+                      missed: np.ndarray | None = None, *,
+                      plain_only: bool = False) -> tuple[np.ndarray, int]:
+        """``Backend.lookup_insert``; with ``plain_only``, as the class docstring says."""
         ...

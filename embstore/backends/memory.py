@@ -41,11 +41,12 @@ try:
     from .._cython.arena import RecordArena
     from .._cython.bytestable import BytesTable
     from .._cython.cuckoo import CuckooTable
-    from .._cython.strkeys import KeySnapshot
     from .memory_bags import BagKernels
     from .memory_rows import (
+        Kept,
+        ReadCopies,
         RowKernels,
-        find_kept,
+        find_only,
         kept_batch,
         kept_slots,
         new_snapshot,
@@ -75,14 +76,16 @@ def _closed(url: str) -> NoReturn:
 
 
 def _insert_keys(table: Any, arena: Any, keys: np.ndarray, slots: np.ndarray,
-                 new: np.ndarray | None = None, snapshot: KeySnapshot | None = None,
-                 missed: np.ndarray | None = None) -> int:
+                 new: np.ndarray | None = None, snapshot: Any = None,
+                 missed: np.ndarray | None = None, plain_only: bool = False) -> int:
     """``find_or_insert`` with its ``MemoryError`` (nothing inserted) as ``CapacityError``.
-    ``snapshot`` and ``missed`` (bytes tables only) are filled with a copy of ``keys`` and
-    the count of positions whose key was absent."""
+    ``snapshot`` (a ``KeySnapshot``) and ``missed`` (bytes tables only) are filled with a
+    copy of ``keys`` and the count of positions whose key was absent; ``plain_only``: see
+    ``PlainOnlyProbes``."""
     try:
         if isinstance(table, BytesTable):
-            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot, missed)
+            return bytestable.find_or_insert(table, arena, keys, slots, new, snapshot, missed,
+                                             plain_only)
         return cuckoo.find_or_insert(table, arena, keys, slots, new)
     except MemoryError as e:
         raise CapacityError(f"memory:// store: cannot add {len(keys)} keys ({e}); the store "
@@ -123,6 +126,7 @@ class MemoryBackend(Backend):
     cheap_len = True  # the table's own size (stats() reads it without a scan)
     supports_slots = True  # SlotAddressed: the cache layer's key -> slot index
     supports_fused_bags = supports_fused_admission = True  # lookup_pool (int64), admit= too
+    checks_bytes_keys = True  # PlainOnlyProbes: a lookup's probe checks its bytes keys
     supports_ranges = True  # slices of the 64-bit key hash: a hash table has no key order
     scheme = "memory"
     replace_mechanism = "staging-table"
@@ -148,7 +152,8 @@ class MemoryBackend(Backend):
         self._epoch = 0
         # A training step reads its keys (lookup -> get_field) and then updates the same keys:
         # the slots of the last get_field, with a copy of its keys to prove the match.
-        self._last_find: tuple[np.ndarray | KeySnapshot, np.ndarray, int] | None = None
+        self._last_find: Kept | None = None
+        self._copies = ReadCopies()  # which reads keep that copy
         self._kernels = RowKernels(None)  # for the layout bind() sets
         self._bags = BagKernels(self._kernels)
 
@@ -185,9 +190,7 @@ class MemoryBackend(Backend):
         self._table = self._arena = self._bags.scratch = None
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
-        out = np.empty(len(keys), dtype=np.uint32)
-        self._key_table.find(keys, out)
-        return out
+        return find_only(self._key_table, keys)
 
     def _place(self, keys: np.ndarray) -> np.ndarray:
         """Slots of ``keys`` (unique), new keys placed in the table: for a write."""
@@ -222,16 +225,13 @@ class MemoryBackend(Backend):
 
     @serialized
     def modify(self, keys: np.ndarray, fn: ModifyFn) -> np.ndarray:
-        # One probe per key: the slots found for the read are the ones written back; only
-        # rows new to the table are placed. The lock makes the whole step one unit.
+        # One probe per key, its slots written back (new rows placed); the lock: one unit.
         slots = self._slots(keys)
         found = slots != _EMPTY
         recs = self._kernels.gather(self._records, slots)
         keep = fn(recs, found.copy())
-        if keep is None:
-            write = None
-        else:
-            write = np.asarray(keep, dtype=bool)
+        write = None if keep is None else np.asarray(keep, dtype=bool)
+        if write is not None:
             gone = found & ~write
             if gone.any():
                 self.delete(keys[gone])
@@ -245,9 +245,10 @@ class MemoryBackend(Backend):
         return found
 
     @serialized
-    def get_field(self, keys: np.ndarray, field: str) -> tuple[np.ndarray, np.ndarray]:
-        snapshot, slots = find_kept(self._key_table, keys)  # kept for update_rows
-        self._last_find = (snapshot, slots, self._epoch)
+    def get_field(self, keys: np.ndarray, field: str, *,
+                  plain_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        slots, self._last_find = self._copies.read(self._key_table, self._last_find,
+                                                   self._epoch, keys, plain_only)
         return self._kernels.gather_field(self._records, slots, field), slots != _EMPTY
 
     @serialized
@@ -260,14 +261,14 @@ class MemoryBackend(Backend):
 
     def _place_new(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                    template: Callable[[], np.ndarray], flags: np.ndarray,
-                   snapshot: Any = None, missed: np.ndarray | None = None
-                   ) -> tuple[np.ndarray, int]:
+                   snapshot: Any = None, missed: np.ndarray | None = None,
+                   plain_only: bool = False) -> tuple[np.ndarray, int]:
         """Slots of ``keys``, a missing key placed in the table (one probe per key) and given
         ``template()`` with its ``initial`` vector; ``flags`` marks the keys placed."""
         n = len(keys)
         slots = np.empty(n, dtype=np.uint32)
         n_new = int(_insert_keys(self._table, self._arena, keys, slots, flags, snapshot,
-                                 missed))
+                                 missed, plain_only))
         if n_new:
             self._epoch += 1
             m = slice(None) if n_new == n else flags.view(bool)
@@ -277,17 +278,16 @@ class MemoryBackend(Backend):
     @serialized
     def lookup_insert(self, keys: np.ndarray, initial: Callable[[np.ndarray], np.ndarray],
                       template: Callable[[], np.ndarray], new: np.ndarray | None = None,
-                      missed: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        n = len(keys)
-        flags = np.empty(n, dtype=np.uint8) if new is None else new.view(np.uint8)
-        snapshot = new_snapshot(keys)
-        bytes_keys = isinstance(snapshot, KeySnapshot)
+                      missed: np.ndarray | None = None, *,
+                      plain_only: bool = False) -> tuple[np.ndarray, int]:
+        flags = np.empty(len(keys), dtype=np.uint8) if new is None else new.view(np.uint8)
+        snapshot = new_snapshot(keys) if self._copies.take() else None
         # bytes keys: the probe counts the misses (new keys and their repeats) as it goes
-        slots, n_new = self._place_new(keys, initial, template, flags,
-                                       snapshot if bytes_keys else None,
-                                       missed if bytes_keys else None)
+        slots, n_new = self._place_new(keys, initial, template, flags, snapshot, missed,
+                                       plain_only)
         out = self._kernels.gather_field(self._records, slots, "vector")
-        self._last_find = (snapshot, slots, self._epoch)
+        if snapshot is not None:  # kept for update_rows
+            self._last_find = (snapshot, slots, self._epoch)
         return out, n_new
 
     @serialized
@@ -344,7 +344,8 @@ class MemoryBackend(Backend):
 
     @serialized
     def update_rows(self, keys: np.ndarray, update: RowUpdate) -> np.ndarray:
-        slots, self._last_find = kept_slots(self._key_table, self._last_find, self._epoch, keys)
+        slots, self._last_find = self._copies.update(self._key_table, self._last_find,
+                                                     self._epoch, keys)
         found = slots != _EMPTY
         if not found.all():
             slots, update = slots[found], update.subset(found)

@@ -237,7 +237,11 @@ def new_snapshot(keys: np.ndarray) -> np.ndarray | KeySnapshot:
     return KeySnapshot() if keys.dtype == object else keys.copy()
 
 
-def recall(last: tuple[Any, np.ndarray, int] | None, epoch: int,
+#: a probe remembered: ``(snapshot of its keys, their slots, the table's epoch)``
+Kept = tuple[Any, np.ndarray, int]
+
+
+def recall(last: Kept | None, epoch: int,
            keys: np.ndarray) -> np.ndarray | None:
     """The slots of ``last = (snapshot, slots, epoch)`` where ``keys`` are its batch and no key
     was inserted or removed since (``epoch`` unchanged); None otherwise."""
@@ -276,13 +280,75 @@ def kept_slots(table: Any, last: tuple[Any, np.ndarray, int] | None, epoch: int,
     return slots, (snapshot, slots, epoch)
 
 
-def find_kept(table: Any, keys: np.ndarray) -> tuple[np.ndarray | KeySnapshot, np.ndarray]:
+class ReadCopies:
+    """Whether a read's probe keeps a copy of its keys, for the update that follows it.
+
+    A training step reads its keys and updates them: the update then compares the keys with
+    the copy instead of probing them again. A copy costs something (a bytes-key lookup of
+    4096 keys spent a tenth of its time filling it), so reads stop keeping one after two in
+    a row that no update recalled (serving, evaluation: lookups alone), except every 16th,
+    which finds out whether updates follow again. A read whose copy the next update recalls
+    puts them back to keeping one each. Only how fast a step goes depends on it, never what
+    it does: an update that finds no copy probes its keys."""
+
+    __slots__ = ("pending", "unused", "reads")
+
+    def __init__(self) -> None:
+        self.pending = False    # the last read kept a copy that no update has recalled yet
+        self.unused = 0         # reads in a row whose copy went unrecalled
+        self.reads = 0
+
+    def take(self) -> bool:
+        """Whether this read keeps a copy."""
+        if self.pending:
+            self.unused += 1
+        self.reads += 1
+        self.pending = self.unused < 2 or self.reads % 16 == 0
+        return self.pending
+
+    def settled(self, recalled: bool) -> None:
+        """An update probed its keys; ``recalled``: it found them in the kept copy."""
+        if recalled:
+            self.unused = 0
+        self.pending = False
+
+    def read(self, table: Any, last: Kept | None, epoch: int, keys: np.ndarray,
+             plain_only: bool) -> tuple[np.ndarray, Kept | None]:
+        """``(slots, last)`` of a read's probe: ``last`` replaced by this batch's where the
+        read keeps a copy (``plain_only``: see ``PlainOnlyProbes``)."""
+        if not self.take():
+            return find_only(table, keys, plain_only), last
+        snapshot, slots = find_kept(table, keys, plain_only)
+        return slots, (snapshot, slots, epoch)
+
+    def update(self, table: Any, last: Kept | None, epoch: int, keys: np.ndarray
+               ) -> tuple[np.ndarray, Kept]:
+        """:func:`kept_slots` for an update's probe."""
+        slots, kept = kept_slots(table, last, epoch, keys)
+        self.settled(kept is last)
+        return slots, kept
+
+
+def find_only(table: Any, keys: np.ndarray, plain_only: bool = False) -> np.ndarray:
+    """The slot of each key, no copy of the keys kept (``plain_only``: see
+    ``PlainOnlyProbes``)."""
+    out = np.empty(len(keys), dtype=np.uint32)
+    if isinstance(table, BytesTable):
+        table.find(keys, out, None, plain_only)
+    else:
+        table.find(keys, out)
+    return out
+
+
+def find_kept(table: Any, keys: np.ndarray, plain_only: bool = False
+              ) -> tuple[np.ndarray | KeySnapshot, np.ndarray]:
     """``(snapshot, slots)``: the slot of each key and a :func:`new_snapshot` of ``keys``
-    (a bytes table fills a string snapshot during its probe)."""
+    (a bytes table fills a string snapshot during its probe; ``plain_only``: see
+    ``PlainOnlyProbes``)."""
     out = np.empty(len(keys), dtype=np.uint32)
     snapshot = new_snapshot(keys)
     if isinstance(table, BytesTable) and isinstance(snapshot, KeySnapshot):
-        table.find(keys, out, snapshot)
+        table.find(keys, out, snapshot, plain_only)
     else:
         table.find(keys, out)
     return snapshot, out

@@ -73,10 +73,9 @@ class WrapperBackend(Backend):
     cheap_len = _InnerFlag[bool]()
     cheap_size = _InnerFlag[bool]()
     max_key_bytes = _InnerFlag["int | None"]()
-    #: the slot and bag-pooling methods are not forwarded: a layer is never slot-addressed,
-    #: nor on the fused bag path, itself
-    supports_slots = False
-    supports_fused_bags = False
+    #: the slot, bag-pooling and plain_only probe methods are not forwarded: a layer is never
+    #: slot-addressed, on the fused bag path, nor checking bytes keys, itself
+    supports_slots = supports_fused_bags = checks_bytes_keys = False
     replace_mechanism = _InnerFlag[str]()
     supports_ranges = _InnerFlag[bool]()
     supports_fencing = _InnerFlag[bool]()

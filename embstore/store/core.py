@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .._keys import normalize_distinct, normalize_keys
+from .._keys import normalize_distinct, normalize_keys, normalize_unchecked
 from ..backends.base import Backend
 from ..engine.batch import check_counts, check_rows, nd_keys, unique_first, unique_last
 from ..engine.fused import BagBatch, pooling_mode
@@ -249,9 +249,10 @@ class EmbeddingStore:
             cflat = None if counts is None else np.asarray(counts).reshape(-1)
             return self.lookup(keys, insert=insert, counts=cflat).reshape(
                 *shape, self.layout.dim)
-        k, known_distinct = normalize_distinct(keys, self.key_type)
+        k, known_distinct, checked = normalize_unchecked(keys, self.key_type,
+                                                         self._backend.checks_bytes_keys)
         c = None if counts is None else check_counts(counts, len(k))
-        return self.writer.lookup(k, c, insert, known_distinct)
+        return self.writer.lookup(k, c, insert, known_distinct, checked)
 
     def prefetch(self, keys: Any) -> None:
         """Load the rows of ``keys`` in the background while the current step computes (with

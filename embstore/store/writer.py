@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .._cython.strkeys import NotPlainBytes
 from .._keys import normalize_keys
 from ..backends.base import Backend, RowUpdate
 from ..engine.batch import (
@@ -171,9 +172,22 @@ class RecordWriter:
 
     # -- lookup ------------------------------------------------------------------------------------
     def lookup(self, k: np.ndarray, c: np.ndarray | None, insert: bool,
-               known_distinct: bool = False) -> np.ndarray:
+               known_distinct: bool = False, checked: bool = True) -> np.ndarray:
         """``lookup`` of a clean key array: read, insert the misses a policy admits
-        (``known_distinct``: no key of ``k`` repeats, so none of its misses does)."""
+        (``known_distinct``: no key of ``k`` repeats, so none of its misses does).
+        ``checked=False``: ``k`` is an object array nobody read yet, for a backend with
+        ``checks_bytes_keys``: its probe proves the keys plain bytes, or refuses them having
+        changed nothing, and the batch is normalized and looked up again."""
+        if not checked:
+            try:
+                return self._lookup(k, c, insert, known_distinct, {"plain_only": True})
+            except NotPlainBytes:
+                self.stats["lookups"] -= len(k)  # the refused probe read nothing
+                k = normalize_keys(k, "bytes")  # str encoded; KeyTypeError for a wrong type
+        return self._lookup(k, c, insert, known_distinct, {})
+
+    def _lookup(self, k: np.ndarray, c: np.ndarray | None, insert: bool, known_distinct: bool,
+                probe: dict[str, bool]) -> np.ndarray:
         n = len(k)
         stats = self.stats
         stats["lookups"] += n
@@ -184,7 +198,7 @@ class RecordWriter:
                 and policy.admission is None):
             # No policy to ask: the backend places the new keys as it finds them missing (one
             # pass instead of a read and then a write); observers learn which keys were new.
-            vectors, new, missed = self._lookup_insert(k)
+            vectors, new, missed = self._lookup_insert(k, probe)
             n_new = int(np.count_nonzero(new))
             if n_new:
                 # every occurrence of a new key missed (a repeated one is inserted once); a
@@ -198,7 +212,7 @@ class RecordWriter:
             else:
                 stats["hits"] += n
             return vectors
-        vectors, found = self.backend.get_field(k, "vector")
+        vectors, found = self.backend.get_field(k, "vector", **probe)  # PlainOnlyProbes
         vectors = self.layout.vectors(vectors)
         nfound = int(np.count_nonzero(found))
         stats["hits"] += nfound
@@ -245,10 +259,12 @@ class RecordWriter:
             self.observers.inserted(keys, vectors, template)
         return len(keys)
 
-    def _lookup_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _lookup_insert(self, keys: np.ndarray, probe: dict[str, bool]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``Backend.lookup_insert``: vectors, which keys were inserted (the first occurrence
         of each new key) and, where the backend counted them, how many positions missed (one
-        int64, -1 if not); observers are told about the new rows."""
+        int64, -1 if not); observers are told about the new rows. ``probe``: see
+        :meth:`lookup`."""
         made: list[np.ndarray] = []
         # read before the backend places new keys: a clock that fails fails before any write
         now = self.stamp_time()
@@ -260,7 +276,7 @@ class RecordWriter:
         new = np.zeros(len(keys), dtype=bool)
         missed = np.full(1, -1, dtype=np.int64)
         vectors, n_new = self.backend.lookup_insert(keys, self.initial_stored, template, new=new,
-                                                    missed=missed)
+                                                    missed=missed, **probe)
         vectors = self.layout.vectors(vectors)
         if n_new and self.observers.registered:
             self.observers.inserted(keys[new], vectors[new], made[-1])

@@ -85,7 +85,8 @@ def test_the_cache_layer_overrides_every_row_path_of_the_wrapper():
     # Anything the cache inherited from WrapperBackend would bypass the cached rows.
     forwarded = [n for n in _PUBLIC if getattr(CachedBackend, n) is getattr(WrapperBackend, n)]
     flags = {"persistent", "supports_scan", "supports_changes", "thread_safe", "scheme",
-             "cheap_len", "cheap_size", "supports_slots", "supports_fused_bags"}
+             "cheap_len", "cheap_size", "supports_slots", "supports_fused_bags",
+             "checks_bytes_keys"}
     assert set(forwarded) <= flags | {"partition_of", "plan_ranges", "scan_range"}, forwarded
     # the wrapper's range methods refuse for a layer that declares no ranges (the cache)
     assert CachedBackend.supports_ranges is False

@@ -98,8 +98,10 @@ class CachedBackend(Backend):
         Options for the remote backend when it is given as a URL.
     """
 
-    # Backend's False stays for supports_lookup_insert (rows go through the cache), ranges (the
-    # remote's would miss dirty cached rows) and fencing (the cache holds a lease, is none).
+    # Backend's False stays for supports_lookup_insert and checks_bytes_keys (rows go through
+    # the cache), ranges (the remote's would miss dirty cached rows) and fencing (the cache
+    # holds a lease, is none). Restores write through the cache (a swap would keep old rows):
+    replace_mechanism = "write-then-delete"
     persistent = _remote_flag("persistent")
     supports_scan = _remote_flag("supports_scan")
     supports_changes = _remote_flag("supports_changes")
@@ -329,9 +331,6 @@ class CachedBackend(Backend):
             self._claim(keys)
             present = self.io.delete(keys)  # the remote row first: it never comes back
             return present | self.resident.forget(keys)
-
-    # A restore goes through the cache (the remote's own swap would leave old rows cached).
-    replace_mechanism = "write-then-delete"
 
     def clear(self) -> None:
         self.prefetcher.wait()

@@ -5,6 +5,7 @@
     python bench/bench_strings.py --stores memory   # skip LMDB
     python bench/bench_strings.py --keys 300000 --stores memory   # the training-step case
     python bench/bench_strings.py --cpu-time   # CPU time, not wall time (a busy machine)
+    python bench/bench_strings.py --rounds 8   # more rounds, best kept (a noisy machine)
 
 For each store kind (``memory://``, ``lmdb://`` with ``durable=False``) one int64-key store and
 one bytes-key store get the same rows; then lookup of existing keys and an SGD ``update`` of
@@ -106,7 +107,8 @@ def open_store(kind: str, key_type: str, root: str):
     return embstore.open(url, dim=DIM, key_type=key_type, optimizer="sgd", **opts)
 
 
-def bench_kind(kind: str, n: int, root: str, results: list, linear: list) -> None:
+def bench_kind(kind: str, n: int, root: str, results: list, linear: list,
+               rounds: int = 3) -> None:
     """Every case run in rounds that alternate the int64 and the bytes store, best round kept:
     machine load hits both alike."""
     rng = np.random.default_rng(0)
@@ -143,7 +145,7 @@ def bench_kind(kind: str, n: int, root: str, results: list, linear: list) -> Non
     drawn = {kt: {name: [keys[i] for i in idx] for name, idx in draws.items()}
              for kt, keys in all_keys.items()}
     rows = len(order) * BATCH
-    for rep in range(3):
+    for rep in range(rounds):
         for kt in all_keys:
             store, bs = stores[kt], batches[kt]
             timed("lookup", kt, lambda b, s=store: s.lookup(b, insert=False), bs, rows)
@@ -238,6 +240,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--keys", type=int, default=1_000_000)
     p.add_argument("--stores", default="memory,lmdb")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every store case (best kept; more: steadier on a busy machine)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time the store cases by the process's CPU time, not wall time")
     args = p.parse_args()
@@ -250,14 +254,14 @@ def main() -> None:
     load = os.getloadavg()
     try:
         for kind in args.stores.split(","):
-            bench_kind(kind, n, root, results, linear)
+            bench_kind(kind, n, root, results, linear, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     load = tuple(max(a, b) for a, b in zip(load, os.getloadavg()))
     clock = "CPU time" if args.cpu_time else "wall time"
-    print(f"{n:,} keys, dim {DIM}, batches of {BATCH}; rows/s ({clock}), best of rounds "
-          f"alternating int64 and bytes; load average (max of start/end) {load[0]:.2f} "
-          f"{load[1]:.2f} {load[2]:.2f}")
+    print(f"{n:,} keys, dim {DIM}, batches of {BATCH}; rows/s ({clock}), best of "
+          f"{args.rounds} rounds alternating int64 and bytes; load average (max of start/end) "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"  {'operation':36s} {'int64 keys':>11s} {'bytes keys':>11s} {'ratio':>7s}")
     for name, a, b, r in results:
         print(f"  {name:36s} {a / 1e6:10.2f}M {b / 1e6:10.2f}M {r:6.2f}x")

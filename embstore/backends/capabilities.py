@@ -119,7 +119,7 @@ class PlainOnlyProbes(Protocol):
 
     Normalizing an object array of keys reads every scattered key object once to prove it
     holds only ``bytes``; the store's probe reads each of them again. On a table of 1M
-    bytes keys the two walks over a 4096-key batch cost a quarter of a lookup (each key
+    bytes keys the first walk over a 4096-key batch cost a sixth of a lookup (each key
     object is a TLB miss, in cache or not), so where the backend probes the keys first the
     engine hands it the array unread with ``plain_only=True``: the probe's own pass is the
     check, and a key that is not exactly ``bytes`` (a str, a bytes subclass, a wrong type)

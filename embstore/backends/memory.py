@@ -46,11 +46,11 @@ try:
         Kept,
         ReadCopies,
         RowKernels,
-        find_only,
         kept_batch,
         kept_slots,
         new_snapshot,
         new_table,
+        probe_slots,
         recall,
         table_items,
         table_stats,
@@ -190,7 +190,7 @@ class MemoryBackend(Backend):
         self._table = self._arena = self._bags.scratch = None
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
-        return find_only(self._key_table, keys)
+        return probe_slots(self._key_table, keys)
 
     def _place(self, keys: np.ndarray) -> np.ndarray:
         """Slots of ``keys`` (unique), new keys placed in the table: for a write."""

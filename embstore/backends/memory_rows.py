@@ -285,11 +285,11 @@ class ReadCopies:
 
     A training step reads its keys and updates them: the update then compares the keys with
     the copy instead of probing them again. A copy costs something (a bytes-key lookup of
-    4096 keys spent a tenth of its time filling it), so reads stop keeping one after two in
-    a row that no update recalled (serving, evaluation: lookups alone), except every 16th,
-    which finds out whether updates follow again. A read whose copy the next update recalls
-    puts them back to keeping one each. Only how fast a step goes depends on it, never what
-    it does: an update that finds no copy probes its keys."""
+    4096 keys in a 1M-key table spent 8% of its time filling it), so reads stop keeping one
+    after two in a row that no update recalled (serving, evaluation: lookups alone), except
+    every 16th, which finds out whether updates follow again. A read whose copy the next
+    update recalls puts them back to keeping one each. Only how fast a step goes depends on
+    it, never what it does: an update that finds no copy probes its keys."""
 
     __slots__ = ("pending", "unused", "reads")
 
@@ -317,7 +317,7 @@ class ReadCopies:
         """``(slots, last)`` of a read's probe: ``last`` replaced by this batch's where the
         read keeps a copy (``plain_only``: see ``PlainOnlyProbes``)."""
         if not self.take():
-            return find_only(table, keys, plain_only), last
+            return probe_slots(table, keys, plain_only), last
         snapshot, slots = find_kept(table, keys, plain_only)
         return slots, (snapshot, slots, epoch)
 
@@ -329,12 +329,13 @@ class ReadCopies:
         return slots, kept
 
 
-def find_only(table: Any, keys: np.ndarray, plain_only: bool = False) -> np.ndarray:
-    """The slot of each key, no copy of the keys kept (``plain_only``: see
-    ``PlainOnlyProbes``)."""
+def probe_slots(table: Any, keys: np.ndarray, plain_only: bool = False,
+              snapshot: KeySnapshot | None = None) -> np.ndarray:
+    """The slot of each key; a bytes table fills ``snapshot`` (when given) with a copy of
+    the keys during its probe (``plain_only``: see ``PlainOnlyProbes``)."""
     out = np.empty(len(keys), dtype=np.uint32)
     if isinstance(table, BytesTable):
-        table.find(keys, out, None, plain_only)
+        table.find(keys, out, snapshot, plain_only)
     else:
         table.find(keys, out)
     return out
@@ -345,13 +346,9 @@ def find_kept(table: Any, keys: np.ndarray, plain_only: bool = False
     """``(snapshot, slots)``: the slot of each key and a :func:`new_snapshot` of ``keys``
     (a bytes table fills a string snapshot during its probe; ``plain_only``: see
     ``PlainOnlyProbes``)."""
-    out = np.empty(len(keys), dtype=np.uint32)
     snapshot = new_snapshot(keys)
-    if isinstance(table, BytesTable) and isinstance(snapshot, KeySnapshot):
-        table.find(keys, out, snapshot, plain_only)
-    else:
-        table.find(keys, out)
-    return snapshot, out
+    strings = snapshot if isinstance(snapshot, KeySnapshot) else None
+    return snapshot, probe_slots(table, keys, plain_only, strings)
 
 
 def new_table(key_type: str, itemsize: int, opts: Any) -> tuple[Any, RecordArena]:

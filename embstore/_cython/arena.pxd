@@ -21,12 +21,16 @@ cdef class RecordArena:
     cdef Py_ssize_t free_cap
     cdef int shift
     cdef uint64_t low_mask
+    cdef Py_ssize_t pins         # readers copying rows outside the owner's lock (pin/unpin)
 
     cdef void _unmap_all(self) noexcept
     cdef int _map_chunk(self) except -1
     cdef int _add_chunk(self) except -1
     cdef uint32_t _alloc_one(self) except? 0xFFFFFFFF
     cdef uint8_t* _row(self, uint32_t slot) noexcept nogil
+    cdef void pin(self) noexcept
+    cdef void unpin(self) noexcept
+    cdef void _wait_unpinned(self)
     cdef int _check_slots(self, const uint32_t[::1] slots, str what) except -1
     cdef int _check_metadata(self, Py_ssize_t n, const Py_ssize_t[::1] add_offsets,
                              const int64_t[:, ::1] add_values, const Py_ssize_t[::1] set_offsets,

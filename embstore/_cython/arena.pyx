@@ -10,6 +10,7 @@ This module imports nothing from embstore; callers pass clean, contiguous arrays
 
 from libc.stdint cimport int64_t, uint64_t, uint32_t, uint8_t
 from libc.stdlib cimport malloc, free, realloc
+from posix.unistd cimport usleep
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrtf
 
@@ -136,6 +137,7 @@ cdef class RecordArena:
         self.free_list = NULL
         self.nfree = 0
         self.free_cap = 0
+        self.pins = 0
 
     cdef void _unmap_all(self) noexcept:
         cdef Py_ssize_t i
@@ -230,6 +232,23 @@ cdef class RecordArena:
 
     cdef uint8_t* _row(self, uint32_t slot) noexcept nogil:
         return self.chunks[slot >> self.shift] + (slot & self.low_mask) * self.itemsize
+
+    cdef void pin(self) noexcept:
+        """A reader is about to copy rows through addresses it took under the owner's lock,
+        after releasing it (the push's read, ``deltaops``): the chunks stay mapped until
+        :meth:`unpin`. Chunks never move while mapped (growth maps new ones, a freed slot's
+        row stays where it is), so such addresses hold a row of this arena until then.
+        Called with the GIL held, as is :meth:`clear`, which waits for the pins."""
+        self.pins += 1
+
+    cdef void unpin(self) noexcept:
+        self.pins -= 1
+
+    cdef void _wait_unpinned(self):
+        # (the GIL is let go while waiting: the reader takes it back to unpin)
+        while self.pins > 0:
+            with nogil:
+                usleep(50)
 
     def gather(self, const uint32_t[::1] slots, uint8_t[:, ::1] out,
                Py_ssize_t offset=0, Py_ssize_t nbytes=-1):
@@ -426,6 +445,7 @@ cdef class RecordArena:
                 memcpy(row + vec_end, &template[vec_end], self.itemsize - vec_end)
 
     def clear(self):
+        self._wait_unpinned()
         self._unmap_all()
         self.next_slot = 0
         self.nfree = 0

@@ -4,9 +4,18 @@
 The push read a delta in Python, a chunk of keys per call of the backend: each chunk took
 the backend's lock, a key table probe and a gather, each a trip through the interpreter
 that had to win the GIL back from the thread serving the trainer (whose own calls then
-waited for it in turn). Here the whole part is read by one call that takes the lock per
-chunk and probes and copies that chunk's rows without the GIL: the trainer's calls wait
-for one chunk at most, and the push no longer competes for the interpreter per chunk.
+waited for it in turn). Here the whole part is read by one call that, per chunk, probes the
+keys under the lock and copies their rows after releasing it, without the GIL.
+
+The copy is most of a chunk's time (each 288-byte row a cache miss, the probe's entries
+mostly not) and a trainer's call that wants the lock meanwhile waited for all of it: with
+the copy under the lock a follower cost the trainer a fifth of its rate, most of it waiting
+for that lock. Outside it, a row can be torn by a write under way, or be another key's
+after a delete freed its slot; either way the key was written after the delta's first
+sequence number, and the delta reads every such key again under the worker's lock at
+the end (``delta_slot.delta_into``). The rows' addresses are taken under the lock and the
+arena pinned until the copy ends (``RecordArena.pin``): its chunks never move, and
+``clear`` waits for the pins.
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t
@@ -28,37 +37,48 @@ cdef enum:
 cdef uint32_t EMPTY = 0xFFFFFFFFu
 
 
-cdef void _copy_rows(RecordArena arena, const uint32_t* slots, Py_ssize_t n, uint8_t* out,
-                     Py_ssize_t width, uint8_t* found) noexcept nogil:
-    """The record at each of ``slots`` into ``out``'s rows (zeros for ``EMPTY``), its
-    presence into ``found``."""
+cdef void _row_addresses(RecordArena arena, const uint32_t* slots, Py_ssize_t n,
+                         const uint8_t** rows) noexcept nogil:
+    """The address of the record at each of ``slots`` (NULL for ``EMPTY``)."""
+    cdef Py_ssize_t j
+    for j in range(n):
+        rows[j] = NULL if slots[j] == EMPTY else arena._row(slots[j])
+
+
+cdef void _copy_rows(const uint8_t** rows, Py_ssize_t n, uint8_t* out, Py_ssize_t width,
+                     uint8_t* found) noexcept nogil:
+    """The record at each of ``rows`` into ``out``'s rows (zeros for NULL), its presence
+    into ``found``."""
     cdef Py_ssize_t j
     cdef const uint8_t* ahead
     for j in range(n):
-        if j + AHEAD < n and slots[j + AHEAD] != EMPTY:
+        if j + AHEAD < n and rows[j + AHEAD] != NULL:
             # the record's first and last line: the hardware streams the ones between
-            ahead = arena._row(slots[j + AHEAD])
+            ahead = rows[j + AHEAD]
             ES_PREFETCH(ahead)
             ES_PREFETCH(ahead + width - 1)
-        if slots[j] == EMPTY:
+        if rows[j] == NULL:
             memset(out + j * width, 0, width)
             found[j] = 0
         else:
-            memcpy(out + j * width, arena._row(slots[j]), width)
+            memcpy(out + j * width, rows[j], width)
             found[j] = 1
 
 
 def gather_keys(object lock, object tables, const int64_t[::1] keys, uint8_t[:, ::1] out,
                 uint8_t[::1] found, Py_ssize_t chunk):
     """The records of ``keys`` into the rows of ``out`` (zeros for an absent key) and their
-    presence into ``found`` (1/0), ``chunk`` keys at a time, each chunk under ``lock`` (the
-    backend's) and read without the GIL. ``tables()``, called under the lock for each
-    chunk, names the int64 key table and the arena to read (a restore may have replaced
-    them between chunks)."""
+    presence into ``found`` (1/0), ``chunk`` keys at a time: each chunk's keys probed under
+    ``lock`` (the backend's), their rows copied after it is released (the arena pinned),
+    both without the GIL. A row written during the copy may be read torn: the caller reads
+    the keys written meanwhile again (see the module's docstring). ``tables()``, called
+    under the lock for each chunk, names the int64 key table and the arena to read (a
+    restore may have replaced them between chunks)."""
     cdef Py_ssize_t n = keys.shape[0], i = 0, m
     cdef CuckooProbe p
     cdef RecordArena arena
     cdef uint32_t* slots
+    cdef const uint8_t** rows
     if out.shape[0] < n or found.shape[0] < n:
         raise ValueError("gather_keys: out or found has fewer rows than keys")
     if chunk < 1:
@@ -66,7 +86,10 @@ def gather_keys(object lock, object tables, const int64_t[::1] keys, uint8_t[:, 
     if n == 0:
         return
     slots = <uint32_t*> malloc(min(chunk, n) * sizeof(uint32_t))
-    if slots == NULL:
+    rows = <const uint8_t**> malloc(min(chunk, n) * sizeof(uint8_t*))
+    if slots == NULL or rows == NULL:
+        free(slots)
+        free(rows)
         raise MemoryError("gather_keys: no memory for a chunk's slots")
     try:
         while i < n:
@@ -79,7 +102,14 @@ def gather_keys(object lock, object tables, const int64_t[::1] keys, uint8_t[:, 
                     raise ValueError("gather_keys: out's rows are not the records' width")
                 with nogil:
                     probe_find(&p, &keys[i], m, slots)
-                    _copy_rows(arena, slots, m, &out[i, 0], out.shape[1], &found[i])
+                    _row_addresses(arena, slots, m, rows)
+                arena.pin()
+            try:
+                with nogil:
+                    _copy_rows(rows, m, &out[i, 0], out.shape[1], &found[i])
+            finally:
+                arena.unpin()
             i += m
     finally:
         free(slots)
+        free(rows)

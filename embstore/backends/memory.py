@@ -437,8 +437,10 @@ class MemoryBackend(Backend):
 def gather_into(backend: MemoryBackend, keys: np.ndarray, out: np.ndarray, found: np.ndarray,
                 chunk: int) -> None:
     """``backend.get(keys, out)`` of int64 keys in one compiled call, the backend's lock
-    taken for each ``chunk`` keys alone and the rows read without the GIL (a follower's
-    push: the trainer's calls wait for one chunk at most); ``found`` (uint8) gets 1 or 0.
+    taken to probe each ``chunk`` keys alone and the rows copied after it is released,
+    without the GIL (a follower's push: the trainer's calls wait for one chunk's probe at
+    most); ``found`` (uint8) gets 1 or 0. A row written during its copy may be read torn:
+    the caller reads the keys written meanwhile again (``delta_slot.delta_into``).
     The key table and arena are named again under the lock for each chunk: a restore may
     have swapped them in between."""
     def tables() -> tuple[Any, Any]:

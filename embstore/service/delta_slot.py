@@ -87,8 +87,10 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     one state all the same: the engine
     tells the log of a write once the backend holds it, so a key logged up to the first
     sequence number read holds that write or a later one, and every later one is logged
-    after it and read again at the end, under the worker's lock (no write under way); the
-    backend's lock makes each row's read whole."""
+    after it and read again at the end, under the worker's lock (no write under way). The
+    compiled call copies a chunk's rows after releasing the backend's lock (probed under
+    it): a row torn by a write under way, or another key's after a delete freed the slot,
+    is the row of a key written after the read began, read again at the end all the same."""
     if slot is None:
         yield since, NO_FIT, True
         return

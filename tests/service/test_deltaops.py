@@ -1,6 +1,7 @@
 """A memory:// delta read by one compiled call (``backends.memory.gather_into``, the push's
 path into a follower's slot): the rows and presence ``backend.get`` reads, the backend's
-lock taken per chunk, and one state of the shard while a trainer writes between chunks."""
+lock taken per chunk to probe and let go before the rows are copied, a clear waiting for a
+copy under way, and one state of the shard while a trainer writes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 import embstore
 from embstore._cython import deltaops
+from embstore._cython.arena import release_pool
 from embstore.backends.memory import gather_into
 from embstore.errors import StoreClosedError
 from embstore.service.changelog import ChangeLog
@@ -66,6 +68,34 @@ def test_the_lock_and_tables_are_taken_per_chunk():
         deltaops.gather_keys(Counting(), tables, np.arange(100), out, np.zeros(100, np.uint8),
                              30)
         assert len(entered) == len(named) == 4      # 30 + 30 + 30 + 10
+
+
+def test_the_rows_are_copied_after_the_lock_is_let_go():
+    """A trainer's call waits for a chunk's probe, not for its copy: when the lock is let go
+    the chunk's rows are not written yet (the copy follows), and they are by the next
+    chunk's lock."""
+    with embstore.open("memory://", dim=DIM) as s:
+        s.assign(np.arange(100), np.ones((100, DIM), np.float32))
+        lock, table, arena, _ = s.backend.fused_table()
+        out = np.full((100, s.layout.itemsize), 0xAB, np.uint8)
+        at_exit, at_enter = [], []
+
+        class Watching:
+            def __enter__(self):
+                at_enter.append(out.copy())
+                lock.__enter__()
+
+            def __exit__(self, *exc):
+                at_exit.append(out.copy())
+                lock.__exit__(*exc)
+
+        deltaops.gather_keys(Watching(), lambda: (table, arena), np.arange(100), out,
+                             np.zeros(100, np.uint8), 40)
+        for i, (lo, hi) in enumerate([(0, 40), (40, 80), (80, 100)]):
+            assert (at_exit[i][lo:hi] == 0xAB).all()     # not copied under the lock
+            assert (at_exit[i][:lo] != 0xAB).any(axis=1).all()
+        assert (at_enter[1][:40] != 0xAB).any(axis=1).all()
+        assert (out != 0xAB).any(axis=1).all()
 
 
 def test_bad_arguments_are_refused():
@@ -146,3 +176,39 @@ def test_a_delta_read_while_a_trainer_writes_is_one_state():
         replica.load_records(iter([(keys[found], recs[found])]))
         assert {k: r.tobytes() for ks, rs in replica.records(65536)
                 for k, r in zip(ks.tolist(), rs)} == states[0]
+
+
+def test_a_clear_waits_for_the_rows_being_copied():
+    """The rows are copied after the backend's lock is released, through addresses taken
+    under it: the arena is pinned meanwhile, so a ``clear`` (which unmaps its chunks) waits
+    for the copy instead of pulling the memory out from under it; every row read is the
+    row its key had when it was probed."""
+    dim, n = 64, 100_000
+    with embstore.open("memory://", dim=dim, optimizer="sgd") as s:
+        keys = np.arange(n)
+        vectors = np.repeat(keys.astype(np.float32)[:, None], dim, axis=1)
+        s.assign(keys, vectors)
+        stop, clears = threading.Event(), [0]
+
+        def clear_and_refill() -> None:
+            rng = np.random.default_rng(0)
+            while not stop.is_set():
+                s.backend.clear()
+                release_pool()      # the chunks unmapped, not kept for the next arena
+                order = rng.permutation(n)      # each key's row lands in another slot
+                s.assign(keys[order], vectors[order])
+                clears[0] += 1
+
+        t = threading.Thread(target=clear_and_refill, daemon=True)
+        t.start()
+        try:
+            for _ in range(30):
+                out, found = _gathered(s, keys, 8192)
+                got = out.view(s.layout.dtype).reshape(-1)["vector"]
+                hit = found == 1
+                assert np.array_equal(got[hit], vectors[hit])
+                assert not out[~hit].any()
+        finally:
+            stop.set()
+            t.join(30)
+        assert clears[0] > 0

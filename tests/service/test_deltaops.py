@@ -212,3 +212,74 @@ def test_a_clear_waits_for_the_rows_being_copied():
             stop.set()
             t.join(30)
         assert clears[0] > 0
+
+
+@pytest.mark.parametrize("rows", [400_000, 70_000])
+def test_keys_written_during_the_read_are_read_again_outside_the_lock(monkeypatch, rows):
+    """The catch-up rounds (every round here: ``CATCH_UP_MIN`` 0) read the keys written
+    during the read without the worker's lock, placed over their rows in the part or after
+    them, across several parts where the slot is small; the worker's lock is taken once, at
+    the end, and the parts applied in order make the replica the table then."""
+    from embstore.service import delta_slot
+    from embstore.service.delta_slot import Slot, delta_into
+    from embstore.service.shm import ALIGN, HEADER, Segment
+
+    monkeypatch.setattr(delta_slot, "CATCH_UP_MIN", 0)
+    with embstore.open("memory://", dim=DIM, optimizer="sgd") as store:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        store.assign(np.arange(200_000), np.ones((200_000, DIM), np.float32))
+        lock, stop, states, calls = threading.Lock(), threading.Event(), [], []
+        started, held = threading.Event(), [False]
+        since = log.since
+
+        def counted(seq):
+            calls.append(held[0])       # whether the read holds the worker's lock
+            return since(seq)
+
+        monkeypatch.setattr(log, "since", counted)
+
+        def train() -> None:
+            rng = np.random.default_rng(2)
+            while not stop.is_set():
+                with lock:
+                    k = rng.integers(0, 300_000, 256)
+                    store.update(k, rng.standard_normal((256, DIM)).astype(np.float32))
+                    store.delete(rng.integers(0, 300_000, 8))
+                started.set()
+
+        class Last:
+            def __enter__(self):
+                lock.acquire()
+                held[0] = True
+                states.append({k: r.tobytes() for keys, recs in store.records(65536)
+                               for k, r in zip(keys.tolist(), recs)})
+
+            def __exit__(self, *exc):
+                held[0] = False
+                lock.release()
+
+        t = threading.Thread(target=train, daemon=True)
+        t.start()
+        seg = Segment.create(HEADER + 3 * ALIGN + rows * (9 + store.layout.itemsize))
+        table: dict[int, bytes] = {}
+        try:
+            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+            assert started.wait(30)
+            parts = 0
+            for _, n, _last in delta_into(store, log, Last, 0, slot, chunk=2048):
+                parts += 1
+                recs = slot.recs[:n].reshape(-1).view(store.layout.dtype)
+                for k, f, r in zip(slot.keys[:n].tolist(), slot.flags[:n].tolist(), recs):
+                    if f:
+                        table[k] = r.tobytes()
+                    else:
+                        table.pop(k, None)
+        finally:
+            stop.set()
+            t.join(30)
+            seg.close()
+        assert len(states) == 1 and table == states[0]
+        rounds = len(calls) - 2        # the first since, each round's, the last under the lock
+        assert 1 <= rounds <= delta_slot.CATCH_UP_ROUNDS and calls[-1] and not any(calls[:-1])
+        assert parts == 1 if rows > 300_000 else parts >= 3

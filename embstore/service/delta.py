@@ -20,10 +20,17 @@ from typing import Any
 import numpy as np
 
 from .._keys import keys_in
+from ..backends.memory import MemoryBackend, gather_into
 from .changelog import ChangeLog
 
 #: keys read per hold of the worker's lock
 CHUNK = 16384
+#: keys read per call of a ``memory://`` backend outside the worker's lock
+FREE_CHUNK = 4096
+#: rounds of reading again, outside the worker's lock, the keys written during the read
+#: before the last read (under it), and the fewest keys such a round reads
+CATCH_UP_ROUNDS = 3
+CATCH_UP_MIN = 2 * FREE_CHUNK
 
 #: bytes of one message of a delta's answer (a delta may hold a whole table)
 MESSAGE_BYTES = 16 << 20
@@ -51,11 +58,18 @@ def read_rows(store: Any, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextManager[Any]],
-                since: int, chunk: int = CHUNK) -> tuple[int, list[Rows] | None]:
+                since: int, chunk: int = CHUNK, free: bool | None = None
+                ) -> tuple[int, list[Rows] | None]:
     """``(seq, parts)``: :func:`read_delta`'s rows as parts of at most ``chunk`` keys each
     and none in two parts, never joined: a delta of a whole table in one array is hundreds
     of megabytes, fresh memory the kernel zeroes on every read (measured: 40% of a worker's
-    CPU pushing to a follower), where parts of a few megabytes reuse the allocator's."""
+    CPU pushing to a follower), where parts of a few megabytes reuse the allocator's.
+
+    A ``memory://`` store with int64 keys is read as ``delta_slot.delta_into`` reads it
+    (``free``; None: whenever the store is one, False: never): the chunks without the
+    worker's lock (the backend's taken per chunk by a compiled gather), then up to
+    :data:`CATCH_UP_ROUNDS` rounds of the keys written meanwhile, so that the last read
+    under the worker's lock is short."""
     # the keys to read are taken outside the worker's lock (sorting them takes ms); every
     # row is read under it, and a key written since this moment is logged after ``seq``
     keys, seq = log.since(since)
@@ -69,11 +83,22 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
                 return seq, None
             keys = _union(store, keys, again)
             return seq, [(keys, *read_rows(store, keys))]
-    parts = []
-    for i in range(0, len(keys), chunk):
-        with hold():
-            part = keys[i:i + chunk]
-            parts.append((part, *read_rows(store, part)))
+    free = (free is not False and keys.dtype == np.int64
+            and isinstance(store.backend, MemoryBackend))
+    if free:
+        parts = [gathered(store, keys[i:i + chunk]) for i in range(0, len(keys), chunk)]
+        for _ in range(CATCH_UP_ROUNDS):
+            again, after = log.since(seq)
+            if again is None or len(again) <= CATCH_UP_MIN:
+                break
+            parts = _reconcile(parts, gathered(store, store.normalize_keys(again)))
+            seq = after
+    else:
+        parts = []
+        for i in range(0, len(keys), chunk):
+            with hold():
+                part = keys[i:i + chunk]
+                parts.append((part, *read_rows(store, part)))
     with hold():
         again, seq = log.since(seq)
         if again is None:
@@ -81,15 +106,32 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
         again = store.normalize_keys(again if len(again) else [])
         if not len(again):
             return seq, parts
-        last = (again, *read_rows(store, again))
-    # a key written while the chunks were read travels once, as read last
-    if keys.dtype != object and ascending(keys) and ascending(again):
-        return seq, _overwrite(parts, last)
+        last = gathered(store, again) if free else (again, *read_rows(store, again))
+    return seq, _reconcile(parts, last)
+
+
+def gathered(store: Any, keys: np.ndarray) -> Rows:
+    """``(keys, *read_rows(store, keys))`` of a ``memory://`` store's int64 keys by one
+    compiled call that takes the backend's lock per :data:`FREE_CHUNK` keys alone
+    (``backends.memory.gather_into``), not the worker's."""
+    raw = np.empty((len(keys), store.layout.itemsize), np.uint8)
+    found = np.empty(len(keys), bool)
+    gather_into(store.backend, keys, raw, found.view(np.uint8), FREE_CHUNK)
+    return keys, raw.view(store.layout.dtype).reshape(len(keys)), found
+
+
+def _reconcile(parts: list[Rows], last: Rows) -> list[Rows]:
+    """``parts`` with ``last`` (rows of keys read after them) taking the place of the same
+    keys' rows: a key written while the parts were read travels once, as read last."""
+    again = last[0]
+    if (again.dtype != object and ascending(again)
+            and all(ascending(k) for k, _, _ in parts)):
+        return _overwrite(parts, last)
     out = []
     for k, r, f in parts:
         keep = ~keys_in(k, again)
         out.append((k, r, f) if keep.all() else (k[keep], r[keep], f[keep]))
-    return seq, [*out, last]
+    return [*out, last]
 
 
 def ascending(keys: np.ndarray) -> bool:
@@ -139,12 +181,13 @@ def _union(store: Any, keys: np.ndarray, more: np.ndarray) -> np.ndarray:
 
 
 def read_delta(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextManager[Any]],
-               since: int, chunk: int = CHUNK) -> tuple[int, Rows | None]:
+               since: int, chunk: int = CHUNK, free: bool | None = None
+               ) -> tuple[int, Rows | None]:
     """``(seq, (keys, records, found))`` of the keys changed after ``since`` (``found``
     False: deleted), all as of one moment; the rows None when the log no longer holds
     everything after ``since`` (the follower takes a snapshot). ``hold()`` holds the
-    worker's lock (a new context manager each call)."""
-    seq, parts = delta_parts(store, log, hold, since, chunk)
+    worker's lock (a new context manager each call); ``free`` as :func:`delta_parts`."""
+    seq, parts = delta_parts(store, log, hold, since, chunk, free)
     if parts is None:
         return seq, None
     if len(parts) == 1:

@@ -21,17 +21,12 @@ from typing import Any
 import numpy as np
 
 from ..backends.memory import MemoryBackend, gather_into
+from . import delta
 from .changelog import ChangeLog
-from .delta import CHUNK, ascending, read_rows
+from .delta import CHUNK, FREE_CHUNK, ascending, read_rows
 
-#: keys read per call of a ``memory://`` backend outside the worker's lock
-FREE_CHUNK = 4096
 #: ``delta_into``'s answer where the slot cannot carry a delta: read it the other way
 NO_FIT = -1
-#: rounds of reading again, outside the worker's lock, the keys written during the read
-#: before the last read (under it), and the fewest keys such a round reads
-CATCH_UP_ROUNDS = 3
-CATCH_UP_MIN = 2 * FREE_CHUNK
 
 
 class Slot:
@@ -80,8 +75,8 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     A key written during the read is read again at the end: written over its row where the
     part still in the slot holds it, else after the rows (where an earlier part, already
     sent, held it, it travels twice and the subscriber applies the parts in order: its
-    last row wins). While such keys are many (more than :data:`CATCH_UP_MIN`), up to
-    :data:`CATCH_UP_ROUNDS` rounds read them again as the chunks were read, without the
+    last row wins). While such keys are many (more than ``delta.CATCH_UP_MIN``), up to
+    ``delta.CATCH_UP_ROUNDS`` rounds read them again as the chunks were read, without the
     worker's lock, each round the keys written during the one before, so that the last
     read, under the lock, is short: it read every key written during a delta's read under
     the lock (measured in process at a trainer's full rate: 14 ms a delta, the trainer
@@ -137,9 +132,9 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     # many (each round's are those written during the round before), so that the last read,
     # under the lock, reads few: a trainer's calls wait for it.
     fill, runs = n - start, [(0, n - start)]
-    for _ in range(CATCH_UP_ROUNDS):
+    for _ in range(delta.CATCH_UP_ROUNDS):
         again, after = log.since(seq)
-        if again is None or len(again) <= CATCH_UP_MIN:
+        if again is None or len(again) <= delta.CATCH_UP_MIN:
             break
         again = store.normalize_keys(again)
         raw = np.empty((len(again), slot.width), np.uint8)

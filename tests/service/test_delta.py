@@ -50,7 +50,8 @@ def test_a_chunked_delta_is_one_state_while_the_trainer_writes():
         write()
         seq = 0
         for _ in range(3):
-            seq, rows = read_delta(store, log, lambda: WriteBetween(write), seq, chunk=64)
+            seq, rows = read_delta(store, log, lambda: WriteBetween(write), seq, chunk=64,
+                                   free=False)
             assert rows is not None
             keys, recs, found = rows
             assert found.all() and sorted(keys.tolist()) == KEYS.tolist()
@@ -144,7 +145,8 @@ def test_a_delta_read_in_chunks_stays_in_parts_no_key_in_two():
         def write() -> None:     # the trainer rewrites keys 0..9 between chunks
             store.assign(np.arange(10), np.full((10, DIM), next(rewrites), np.float32))
 
-        seq, parts = delta_parts(store, log, lambda: WriteBetween(write), 0, chunk=500)
+        seq, parts = delta_parts(store, log, lambda: WriteBetween(write), 0, chunk=500,
+                                  free=False)
         # keys 0..9, rewritten meanwhile, are written over in the first part: no part more
         assert parts is not None and len(parts) == 6
         assert all(len(k) <= 500 for k, _, _ in parts)
@@ -185,7 +187,8 @@ def test_keys_written_between_chunks_travel_once_as_read_last(key_type):
                          np.full((3, DIM), 10 + n, np.float32))
             store.delete(keys([2000 + 2 * n]))
 
-        seq, parts = delta_parts(store, log, lambda: WriteBetween(write), 0, chunk=200)
+        seq, parts = delta_parts(store, log, lambda: WriteBetween(write), 0, chunk=200,
+                                  free=False)
         assert parts is not None and len(states) == 9   # 8 chunks and the last hold
         got = [k for ks, _, _ in parts for k in ks.tolist()]
         assert len(got) == len(set(got)), "a key in two parts"
@@ -194,3 +197,64 @@ def test_keys_written_between_chunks_travel_once_as_read_last(key_type):
         # the state of the last hold's read (its write came after it)
         assert _table(replica) == states[-1]
         assert seq == log.seq - 2
+
+
+def test_a_memory_delta_is_read_outside_the_lock_and_is_one_state(monkeypatch):
+    """``memory://`` int64 keys: the chunks and the catch-up rounds (every round here:
+    ``CATCH_UP_MIN`` 0) read without the worker's lock while a trainer thread writes
+    (updates, deletions, new keys), the lock taken once, at the end; the parts, no key in
+    two, make the replica the table as of that last read."""
+    from embstore.service import delta
+    from embstore.service.delta import delta_parts
+
+    monkeypatch.setattr(delta, "CATCH_UP_MIN", 0)
+    with embstore.open("memory://", dim=DIM, optimizer="sgd") as store, \
+            embstore.open("memory://", dim=DIM, optimizer="sgd") as replica:
+        log = ChangeLog(version=lambda: store.version)
+        store.add_observer(log)
+        store.assign(np.arange(100_000), np.ones((100_000, DIM), np.float32))
+        lock, stop, started, states = threading.Lock(), threading.Event(), threading.Event(), []
+        held, calls = [False], []
+        since = log.since
+
+        def counted(seq):
+            calls.append(held[0])
+            return since(seq)
+
+        monkeypatch.setattr(log, "since", counted)
+
+        def train() -> None:
+            rng = np.random.default_rng(3)
+            while not stop.is_set():
+                with lock:
+                    k = rng.integers(0, 150_000, 256)
+                    store.update(k, rng.standard_normal((256, DIM)).astype(np.float32))
+                    store.delete(rng.integers(0, 150_000, 8))
+                started.set()
+
+        class Last:
+            def __enter__(self):
+                lock.acquire()
+                held[0] = True
+                states.append(_table(store))
+
+            def __exit__(self, *exc):
+                held[0] = False
+                lock.release()
+
+        t = threading.Thread(target=train, daemon=True)
+        t.start()
+        try:
+            assert started.wait(30)
+            seq, parts = delta_parts(store, log, Last, 0, chunk=4096)
+        finally:
+            stop.set()
+            t.join(30)
+        assert parts is not None and len(states) == 1
+        got = [k for ks, _, _ in parts for k in ks.tolist()]
+        assert len(got) == len(set(got)), "a key in two parts"
+        for rows in parts:
+            _apply(replica, rows)
+        assert _table(replica) == states[0]
+        assert 1 <= len(calls) - 2 <= delta.CATCH_UP_ROUNDS
+        assert calls[-1] and not any(calls[:-1])

@@ -220,11 +220,11 @@ def test_keys_written_during_the_read_are_read_again_outside_the_lock(monkeypatc
     during the read without the worker's lock, placed over their rows in the part or after
     them, across several parts where the slot is small; the worker's lock is taken once, at
     the end, and the parts applied in order make the replica the table then."""
-    from embstore.service import delta_slot
+    from embstore.service import delta
     from embstore.service.delta_slot import Slot, delta_into
     from embstore.service.shm import ALIGN, HEADER, Segment
 
-    monkeypatch.setattr(delta_slot, "CATCH_UP_MIN", 0)
+    monkeypatch.setattr(delta, "CATCH_UP_MIN", 0)
     with embstore.open("memory://", dim=DIM, optimizer="sgd") as store:
         log = ChangeLog(version=lambda: store.version)
         store.add_observer(log)
@@ -281,5 +281,5 @@ def test_keys_written_during_the_read_are_read_again_outside_the_lock(monkeypatc
             seg.close()
         assert len(states) == 1 and table == states[0]
         rounds = len(calls) - 2        # the first since, each round's, the last under the lock
-        assert 1 <= rounds <= delta_slot.CATCH_UP_ROUNDS and calls[-1] and not any(calls[:-1])
+        assert 1 <= rounds <= delta.CATCH_UP_ROUNDS and calls[-1] and not any(calls[:-1])
         assert parts == 1 if rows > 300_000 else parts >= 3

@@ -13,7 +13,7 @@ import embstore
 from embstore.service.changelog import ChangeLog
 from embstore.service.delta import read_delta
 
-from .interleave import WriteBetween
+from .interleave import Training, WriteBetween
 
 DIM = 4
 KEYS = np.arange(3000)
@@ -207,54 +207,25 @@ def test_a_memory_delta_is_read_outside_the_lock_and_is_one_state(monkeypatch):
     from embstore.service import delta
     from embstore.service.delta import delta_parts
 
+    def write(rng: np.random.Generator) -> None:
+        k = rng.integers(0, 150_000, 256)
+        store.update(k, rng.standard_normal((256, DIM)).astype(np.float32))
+        store.delete(rng.integers(0, 150_000, 8))
+
     monkeypatch.setattr(delta, "CATCH_UP_MIN", 0)
     with embstore.open("memory://", dim=DIM, optimizer="sgd") as store, \
             embstore.open("memory://", dim=DIM, optimizer="sgd") as replica:
         log = ChangeLog(version=lambda: store.version)
         store.add_observer(log)
         store.assign(np.arange(100_000), np.ones((100_000, DIM), np.float32))
-        lock, stop, started, states = threading.Lock(), threading.Event(), threading.Event(), []
-        held, calls = [False], []
-        since = log.since
-
-        def counted(seq):
-            calls.append(held[0])
-            return since(seq)
-
-        monkeypatch.setattr(log, "since", counted)
-
-        def train() -> None:
-            rng = np.random.default_rng(3)
-            while not stop.is_set():
-                with lock:
-                    k = rng.integers(0, 150_000, 256)
-                    store.update(k, rng.standard_normal((256, DIM)).astype(np.float32))
-                    store.delete(rng.integers(0, 150_000, 8))
-                started.set()
-
-        class Last:
-            def __enter__(self):
-                lock.acquire()
-                held[0] = True
-                states.append(_table(store))
-
-            def __exit__(self, *exc):
-                held[0] = False
-                lock.release()
-
-        t = threading.Thread(target=train, daemon=True)
-        t.start()
-        try:
-            assert started.wait(30)
-            seq, parts = delta_parts(store, log, Last, 0, chunk=4096)
-        finally:
-            stop.set()
-            t.join(30)
-        assert parts is not None and len(states) == 1
+        with Training(store, write, seed=3) as training:
+            training.watch(log, monkeypatch)
+            seq, parts = delta_parts(store, log, training.last, 0, chunk=4096)
+        assert parts is not None and len(training.states) == 1
         got = [k for ks, _, _ in parts for k in ks.tolist()]
         assert len(got) == len(set(got)), "a key in two parts"
         for rows in parts:
             _apply(replica, rows)
-        assert _table(replica) == states[0]
-        assert 1 <= len(calls) - 2 <= delta.CATCH_UP_ROUNDS
-        assert calls[-1] and not any(calls[:-1])
+        assert _table(replica) == training.states[0]
+        assert 1 <= len(training.calls) - 2 <= delta.CATCH_UP_ROUNDS
+        assert training.calls[-1] and not any(training.calls[:-1])

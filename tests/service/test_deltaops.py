@@ -17,6 +17,8 @@ from embstore.backends.memory import gather_into
 from embstore.errors import StoreClosedError
 from embstore.service.changelog import ChangeLog
 
+from .interleave import Training, table_of
+
 DIM = 4
 
 
@@ -121,61 +123,39 @@ def test_bad_arguments_are_refused():
 
 def test_a_delta_read_while_a_trainer_writes_is_one_state():
     """The compiled read takes no worker lock: a trainer's writes (new keys, rewrites,
-    deletions) land between its chunks, and the keys they changed are read again under
-    the worker's lock at the end; the parts applied make the replica the table then."""
+    deletions) land while its chunks are read, and the keys they changed are read again
+    under the worker's lock at the end; the parts applied make the replica the table then."""
     from embstore.service.delta_slot import Slot, delta_into
     from embstore.service.shm import ALIGN, HEADER, Segment
+
+    def write(rng: np.random.Generator) -> None:
+        k = rng.integers(0, 300_000, 64)
+        store.assign(k, rng.standard_normal((64, DIM)).astype(np.float32))
+        store.delete(rng.integers(0, 300_000, 4))
 
     with embstore.open("memory://", dim=DIM, optimizer="sgd") as store, \
             embstore.open("memory://", dim=DIM, optimizer="sgd") as replica:
         log = ChangeLog(version=lambda: store.version)
         store.add_observer(log)
         store.assign(np.arange(200_000), np.ones((200_000, DIM), np.float32))
-        lock, stop, states, writes = threading.Lock(), threading.Event(), [], [0]
-        started = threading.Event()
-
-        def train() -> None:
-            rng = np.random.default_rng(1)
-            while not stop.is_set():
-                with lock:
-                    k = rng.integers(0, 300_000, 64)
-                    store.assign(k, rng.standard_normal((64, DIM)).astype(np.float32))
-                    store.delete(rng.integers(0, 300_000, 4))
-                    writes[0] += 1
-                started.set()
-
-        class Last:     # the worker's lock, the table recorded as the read under it saw it
-            def __enter__(self):
-                lock.acquire()
-                writes.append(writes[0])
-                states.append({k: r.tobytes() for keys, recs in store.records(65536)
-                               for k, r in zip(keys.tolist(), recs)})
-
-            def __exit__(self, *exc):
-                lock.release()
-
-        t = threading.Thread(target=train, daemon=True)
-        t.start()
         seg = Segment.create(HEADER + 3 * ALIGN + 400_000 * (9 + store.layout.itemsize))
         try:
-            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
-            assert started.wait(30)
-            with lock:
-                before = writes[0]
-            steps = list(delta_into(store, log, Last, 0, slot, chunk=2048))
+            with Training(store, write) as training:
+                slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+                with training.lock:
+                    before = training.writes
+                steps = list(delta_into(store, log, training.last, 0, slot, chunk=2048))
             assert len(steps) == 1 and steps[0][2]
             n = steps[0][1]
             keys, found = slot.keys[:n].copy(), slot.flags[:n].copy()
             recs = slot.recs[:n].copy().reshape(-1).view(store.layout.dtype)
         finally:
-            stop.set()
-            t.join(30)
             seg.close()
-        assert len(states) == 1 and len(set(keys.tolist())) == n
-        assert writes[1] > before       # the trainer wrote while the chunks were read
+        assert len(training.states) == 1 and len(set(keys.tolist())) == n
+        # the trainer wrote while the chunks were read
+        assert training.writes_at_last[0] > before
         replica.load_records(iter([(keys[found], recs[found])]))
-        assert {k: r.tobytes() for ks, rs in replica.records(65536)
-                for k, r in zip(ks.tolist(), rs)} == states[0]
+        assert table_of(replica) == training.states[0]
 
 
 def test_a_clear_waits_for_the_rows_being_copied():
@@ -224,62 +204,35 @@ def test_keys_written_during_the_read_are_read_again_outside_the_lock(monkeypatc
     from embstore.service.delta_slot import Slot, delta_into
     from embstore.service.shm import ALIGN, HEADER, Segment
 
+    def write(rng: np.random.Generator) -> None:
+        k = rng.integers(0, 300_000, 256)
+        store.update(k, rng.standard_normal((256, DIM)).astype(np.float32))
+        store.delete(rng.integers(0, 300_000, 8))
+
     monkeypatch.setattr(delta, "CATCH_UP_MIN", 0)
     with embstore.open("memory://", dim=DIM, optimizer="sgd") as store:
         log = ChangeLog(version=lambda: store.version)
         store.add_observer(log)
         store.assign(np.arange(200_000), np.ones((200_000, DIM), np.float32))
-        lock, stop, states, calls = threading.Lock(), threading.Event(), [], []
-        started, held = threading.Event(), [False]
-        since = log.since
-
-        def counted(seq):
-            calls.append(held[0])       # whether the read holds the worker's lock
-            return since(seq)
-
-        monkeypatch.setattr(log, "since", counted)
-
-        def train() -> None:
-            rng = np.random.default_rng(2)
-            while not stop.is_set():
-                with lock:
-                    k = rng.integers(0, 300_000, 256)
-                    store.update(k, rng.standard_normal((256, DIM)).astype(np.float32))
-                    store.delete(rng.integers(0, 300_000, 8))
-                started.set()
-
-        class Last:
-            def __enter__(self):
-                lock.acquire()
-                held[0] = True
-                states.append({k: r.tobytes() for keys, recs in store.records(65536)
-                               for k, r in zip(keys.tolist(), recs)})
-
-            def __exit__(self, *exc):
-                held[0] = False
-                lock.release()
-
-        t = threading.Thread(target=train, daemon=True)
-        t.start()
         seg = Segment.create(HEADER + 3 * ALIGN + rows * (9 + store.layout.itemsize))
         table: dict[int, bytes] = {}
         try:
-            slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
-            assert started.wait(30)
-            parts = 0
-            for _, n, _last in delta_into(store, log, Last, 0, slot, chunk=2048):
-                parts += 1
-                recs = slot.recs[:n].reshape(-1).view(store.layout.dtype)
-                for k, f, r in zip(slot.keys[:n].tolist(), slot.flags[:n].tolist(), recs):
-                    if f:
-                        table[k] = r.tobytes()
-                    else:
-                        table.pop(k, None)
+            with Training(store, write, seed=2) as training:
+                training.watch(log, monkeypatch)
+                slot = Slot(seg, HEADER, ALIGN, store.layout.itemsize)
+                parts = 0
+                for _, n, _last in delta_into(store, log, training.last, 0, slot, chunk=2048):
+                    parts += 1
+                    recs = slot.recs[:n].reshape(-1).view(store.layout.dtype)
+                    for k, f, r in zip(slot.keys[:n].tolist(), slot.flags[:n].tolist(), recs):
+                        if f:
+                            table[k] = r.tobytes()
+                        else:
+                            table.pop(k, None)
         finally:
-            stop.set()
-            t.join(30)
             seg.close()
-        assert len(states) == 1 and table == states[0]
-        rounds = len(calls) - 2        # the first since, each round's, the last under the lock
-        assert 1 <= rounds <= delta.CATCH_UP_ROUNDS and calls[-1] and not any(calls[:-1])
+        assert len(training.states) == 1 and table == training.states[0]
+        calls = training.calls     # the first since, each round's, the last under the lock
+        assert 1 <= len(calls) - 2 <= delta.CATCH_UP_ROUNDS
+        assert calls[-1] and not any(calls[:-1])
         assert parts == 1 if rows > 300_000 else parts >= 3

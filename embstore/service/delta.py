@@ -13,7 +13,7 @@ one state of the shard, never a mix of two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -87,11 +87,8 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
             and isinstance(store.backend, MemoryBackend))
     if free:
         parts = [gathered(store, keys[i:i + chunk]) for i in range(0, len(keys), chunk)]
-        for _ in range(CATCH_UP_ROUNDS):
-            again, after = log.since(seq)
-            if again is None or len(again) <= CATCH_UP_MIN:
-                break
-            parts = _reconcile(parts, gathered(store, store.normalize_keys(again)))
+        for written, after in catch_up(store, log, seq):
+            parts = _reconcile(parts, gathered(store, written))
             seq = after
     else:
         parts = []
@@ -108,6 +105,19 @@ def delta_parts(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMa
             return seq, parts
         last = gathered(store, again) if free else (again, *read_rows(store, again))
     return seq, _reconcile(parts, last)
+
+
+def catch_up(store: Any, log: ChangeLog, seq: int) -> Iterator[tuple[np.ndarray, int]]:
+    """The rounds that read again, outside the worker's lock, the keys written during a
+    delta's read: ``(keys, seq)`` of each, the keys (normalized) logged after the round
+    before's ``seq`` (the first round: after ``seq``), while they are more than
+    :data:`CATCH_UP_MIN`, at most :data:`CATCH_UP_ROUNDS`. The caller reads each round's keys
+    and goes on from the ``seq`` of the last round it read."""
+    for _ in range(CATCH_UP_ROUNDS):
+        again, seq = log.since(seq)
+        if again is None or len(again) <= CATCH_UP_MIN:
+            return
+        yield store.normalize_keys(again), seq
 
 
 def gathered(store: Any, keys: np.ndarray) -> Rows:

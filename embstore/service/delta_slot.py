@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..backends.memory import MemoryBackend, gather_into
-from . import delta
 from .changelog import ChangeLog
-from .delta import CHUNK, FREE_CHUNK, ascending, read_rows
+from .delta import CHUNK, FREE_CHUNK, ascending, catch_up, read_rows
 
 #: ``delta_into``'s answer where the slot cannot carry a delta: read it the other way
 NO_FIT = -1
@@ -76,11 +75,11 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     part still in the slot holds it, else after the rows (where an earlier part, already
     sent, held it, it travels twice and the subscriber applies the parts in order: its
     last row wins). While such keys are many (more than ``delta.CATCH_UP_MIN``), up to
-    ``delta.CATCH_UP_ROUNDS`` rounds read them again as the chunks were read, without the
-    worker's lock, each round the keys written during the one before, so that the last
-    read, under the lock, is short: it read every key written during a delta's read under
-    the lock (measured in process at a trainer's full rate: 14 ms a delta, the trainer
-    stopped for 8% of its time).
+    ``delta.CATCH_UP_ROUNDS`` rounds (``delta.catch_up``) read them again as the chunks
+    were read, without the worker's lock, each round the keys written during the one
+    before, so that the last read, under the lock, is short: it read every key written
+    during a delta's read under the lock (measured in process at a trainer's full rate:
+    14 ms a delta, the trainer stopped for 8% of its time).
 
     The chunks are read under ``read_hold()``: by default the worker's lock, but for
     ``memory://`` nothing besides the backend's own lock, in chunks of
@@ -131,16 +130,16 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
     # The keys written during the read, read again outside the worker's lock while they are
     # many (each round's are those written during the round before), so that the last read,
     # under the lock, reads few: a trainer's calls wait for it.
+    def reread(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raw = np.empty((len(keys), slot.width), np.uint8)
+        found = np.empty(len(keys), bool)
+        read(keys, raw, found)
+        return raw, found
+
     fill, runs = n - start, [(0, n - start)]
-    for _ in range(delta.CATCH_UP_ROUNDS):
-        again, after = log.since(seq)
-        if again is None or len(again) <= delta.CATCH_UP_MIN:
-            break
-        again = store.normalize_keys(again)
-        raw = np.empty((len(again), slot.width), np.uint8)
-        found = np.empty(len(again), bool)
-        read(again, raw, found)
-        fill = yield from _place(slot, runs, fill, again, raw, found, since)
+    for written, after in catch_up(store, log, seq):
+        raw, found = reread(written)
+        fill = yield from _place(slot, runs, fill, written, raw, found, since)
         seq = after
     with hold():
         again, seq = log.since(seq)
@@ -149,9 +148,7 @@ def delta_into(store: Any, log: ChangeLog, hold: Callable[[], AbstractContextMan
             return
         again = store.normalize_keys(again if len(again) else [])
         if free:    # (the backend's lock alone: the worker's is held, and not reentrant)
-            raw = np.empty((len(again), slot.width), np.uint8)
-            found = np.empty(len(again), bool)
-            read(again, raw, found)
+            raw, found = reread(again)
         else:
             recs, found = read_rows(store, again)
             raw = np.ascontiguousarray(recs).view(np.uint8).reshape(len(again), slot.width)

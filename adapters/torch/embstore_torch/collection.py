@@ -67,6 +67,14 @@ class _Table(StoreModule):
         store = self._store_here()
         return store if _fused.store_pools(store) else None
 
+    def pool_fused(self, ids: torch.Tensor, offsets: torch.Tensor, weights: Any,
+                   mode: str) -> torch.Tensor:
+        """The bags of int64 ``ids`` (``offsets``: their starts) pooled by ``mode`` through
+        the fused bag path (``_fused.eager_bag``): one autograd node, whose backward steps
+        the store (call it where :meth:`fused_store` gave the store)."""
+        return _fused.eager_bag(self._buffers["_trigger"], self._eager_how(mode), ids, offsets,
+                                weights)
+
     def placed(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` in this table's device and dtype (the collection's output follows its
         first table's)."""
@@ -206,6 +214,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
                                      stride, weights, first.pooled_pinned, ordered)
             return PooledFeatures(list(self.features), [p.dim for p in parts],
                                   first.placed(out))
+        shared = None if parts is not None else self._shared_fused(keys, values, bounds,
+                                                                   stride, weights, ordered)
+        if shared is not None:
+            first = next(iter(self.embedding_bags.values()))
+            return PooledFeatures(list(self.features), [shared.shape[1] // len(keys)] * len(keys),
+                                  first.placed(shared))
         pooled: dict[str, torch.Tensor] = {}
         block = None
         for table, feats in self._by_table.items():
@@ -227,6 +241,32 @@ class DynamicEmbeddingBagCollection(nn.Module):
                 and any(t.trainable for t in self.embedding_bags.values())):
             out.requires_grad_(True)  # a batch without ids: backward runs, writes nothing
         return PooledFeatures(order, [pooled[f].shape[1] for f in order], first.placed(out))
+
+    def _shared_fused(self, keys: Any, values: Any, bounds: np.ndarray, stride: int,
+                      weights: Any, ordered: bool) -> torch.Tensor | None:
+        """The ``(stride, sum of dims)`` output where one table serves every feature in the
+        input's order, pooled one way (sum or mean), and its store pools in place: every
+        feature's bags in one fused call (``_fused.eager_bag``, as a ``DynamicEmbeddingBag``
+        over all of them: one dedupe and probe, one autograd node, one ``update_bags``), the
+        ``(features, batch, dim)`` block transposed into the output. None where the general
+        path runs (it gives the same bits)."""
+        if (not self.use_fused_path or self.namespaces or len(self._single) != 1
+                or list(keys) != list(self.features) or not stride):
+            return None
+        modes = {self.pooling[f] for f in self.features}
+        mode = modes.pop()
+        if modes or mode not in ("sum", "mean") or (weights is not None and (
+                mode != "sum" or not isinstance(weights, torch.Tensor) or weights.requires_grad)):
+            return None
+        if not ordered and (bounds[1:] < bounds[:-1]).any():
+            return None  # (bad lengths: the general path says so)
+        table = self.embedding_bags[self._single[0]]
+        flat = _fused.int64_ids(values)
+        if flat is None or not len(flat) or table.fused_store() is None:
+            return None
+        offsets = torch.from_numpy(np.ascontiguousarray(bounds[:-1], dtype=np.int64))
+        pooled = table.pool_fused(torch.from_numpy(flat), offsets, weights, mode)
+        return pooled.reshape(len(self.features), stride, -1).transpose(0, 1).reshape(stride, -1)
 
     def _fused_parts(self, weights: Any) -> list[_fused_tables.Part] | None:
         """The tables of a fused forward (``_fused_tables.py``) in output order, or None

@@ -217,9 +217,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
         shared = None if parts is not None else self._shared_fused(keys, values, bounds,
                                                                    stride, weights, ordered)
         if shared is not None:
-            first = next(iter(self.embedding_bags.values()))
             return PooledFeatures(list(self.features), [shared.shape[1] // len(keys)] * len(keys),
-                                  first.placed(shared))
+                                  shared)
         pooled: dict[str, torch.Tensor] = {}
         block = None
         for table, feats in self._by_table.items():
@@ -248,8 +247,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
         input's order, pooled one way (sum or mean), and its store pools in place: every
         feature's bags in one fused call (``_fused.eager_bag``, as a ``DynamicEmbeddingBag``
         over all of them: one dedupe and probe, one autograd node, one ``update_bags``), the
-        ``(features, batch, dim)`` block transposed into the output. None where the general
-        path runs (it gives the same bits)."""
+        ``(features, batch, dim)`` block placed where the table's module lives, then
+        transposed into the output there. None where the general path runs (it gives the
+        same bits)."""
         if (not self.use_fused_path or self.namespaces or len(self._single) != 1
                 or list(keys) != list(self.features) or not stride):
             return None
@@ -265,7 +265,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if flat is None or not len(flat) or table.fused_store() is None:
             return None
         offsets = torch.from_numpy(np.ascontiguousarray(bounds[:-1], dtype=np.int64))
-        pooled = table.pool_fused(torch.from_numpy(flat), offsets, weights, mode)
+        pooled = table.placed(table.pool_fused(torch.from_numpy(flat), offsets, weights, mode))
         return pooled.reshape(len(self.features), stride, -1).transpose(0, 1).reshape(stride, -1)
 
     def _fused_parts(self, weights: Any) -> list[_fused_tables.Part] | None:

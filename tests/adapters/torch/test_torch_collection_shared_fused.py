@@ -174,3 +174,23 @@ def test_a_no_grad_forward_keeps_the_general_path_and_writes_nothing():
     coll.use_fused_path = False
     with torch.no_grad():
         assert torch.equal(coll(kj).values(), out)
+
+
+def test_a_double_collection_gets_double_outputs_with_the_general_bits():
+    outs, tables = [], []
+    for fused in (True, False):
+        store = embstore.open("memory://", dim=DIM, seed=5, optimizer=SGD(lr=0.1))
+        coll = DynamicEmbeddingBagCollection({"t": store}, dict.fromkeys(FIELDS, "t")).double()
+        coll.use_fused_path = fused
+        got = []
+        for kj in _batches(False, steps=3):
+            values = coll(kj).values()
+            assert values.dtype == torch.float64
+            assert ("FusedBagBackward" in _graph(values)) == fused
+            got.append(values.detach().clone())
+            values.square().sum().backward()
+        outs.append(got)
+        tables.append({"t": store})
+    for x, y in zip(*outs, strict=True):
+        assert torch.equal(x, y)
+    assert_same_tables(*tables)

@@ -194,3 +194,21 @@ def test_a_double_collection_gets_double_outputs_with_the_general_bits():
     for x, y in zip(*outs, strict=True):
         assert torch.equal(x, y)
     assert_same_tables(*tables)
+
+
+def test_a_feature_without_ids_pools_zeros_as_the_general_path_does():
+    lengths = np.array([1, 2, 0, 1] + [0] * 4 + [3, 0, 1, 1], dtype=np.int64)  # movie: no ids
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 2], dtype=torch.int64)
+    outs, tables = [], []
+    for fused in (True, False):
+        store = embstore.open("memory://", dim=DIM, seed=5, optimizer=Adagrad(lr=0.1))
+        coll = DynamicEmbeddingBagCollection({"t": store}, dict.fromkeys(FIELDS, "t"))
+        coll.use_fused_path = fused
+        values = coll(KeyedJagged(FIELDS, ids, torch.from_numpy(lengths))).values()
+        assert ("FusedBagBackward" in _graph(values)) == fused
+        values.square().sum().backward()
+        outs.append(values.detach())
+        tables.append({"t": store})
+    assert torch.equal(outs[0], outs[1])
+    assert not outs[0][:, DIM:2 * DIM].any()
+    assert_same_tables(*tables)

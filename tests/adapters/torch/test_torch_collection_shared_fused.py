@@ -12,21 +12,16 @@ import numpy as np
 import pytest
 
 import embstore
-from embstore.optim import SGD, Adagrad, Adam
+from embstore.optim import SGD, Adagrad
 
 torch = pytest.importorskip("torch")
 from embstore_torch import DynamicEmbeddingBagCollection, KeyedJagged  # noqa: E402
 
 from .same_tables import assert_same_tables, train_collection  # noqa: E402
+from .test_torch_collection_fused import OPTIMIZERS  # noqa: E402  (the same four rules)
 
 FIELDS = ["user", "movie", "genre"]
 DIM = 8
-OPTIMIZERS = {
-    "sgd": lambda: SGD(lr=0.1),
-    "adagrad": lambda: Adagrad(lr=0.1, initial_accumulator_value=0.1),
-    "adagrad-rowwise": lambda: Adagrad(lr=0.1, rowwise=True),
-    "adam": lambda: Adam(lr=0.01),
-}
 
 
 def _batches(single: bool, weighted: bool = False, steps: int = 5, seed: int = 0,

@@ -251,7 +251,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         transposed into the output there. None where the general path runs (it gives the
         same bits)."""
         if (not self.use_fused_path or self.namespaces or len(self._single) != 1
-                or list(keys) != list(self.features) or not stride):
+                or not self.features or list(keys) != list(self.features) or not stride):
             return None
         modes = {self.pooling[f] for f in self.features}
         mode = modes.pop()

@@ -196,12 +196,13 @@ def _pool_together(parts: list[Part], where: list[int], flat: np.ndarray, bounds
     slots = np.empty(n, dtype=np.uint32)
     w = _NO_WEIGHTS if weights is None else weights
     # every block's bag offsets (n_bags + 1, from its first element) in a row of one array,
-    # and its first and last element, in a few array operations for all tables at once
-    first = np.multiply(where, stride)
-    starts = bounds[first]
-    every = bounds[first[:, None] + np.arange(stride + 1)] - starts[:, None]
-    every = every if every.dtype == np.int64 else every.astype(np.int64)
-    los, his = starts.tolist(), (starts + every[:, -1]).tolist()
+    # and its first and last element: one subtraction per block (a fancy index over every
+    # table's bounds cost more than the rest of this function's Python, measured in a step)
+    every = np.empty((len(where), stride + 1), dtype=np.int64)
+    los = [int(bounds[b * stride]) for b in where]
+    for row, (b, lo) in enumerate(zip(where, los, strict=True)):
+        np.subtract(bounds[b * stride:(b + 1) * stride + 1], lo, out=every[row])
+    his = [lo + int(e) for lo, e in zip(los, every[:, -1].tolist(), strict=True)]
     with _Holding(parts):
         specs, blocks = [], []
         for i, part in enumerate(parts):

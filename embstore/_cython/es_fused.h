@@ -25,6 +25,9 @@
 enum { ES_RULE_AXPY = 0, ES_RULE_ADAGRAD = 1, ES_RULE_ADAGRAD_ROWWISE = 2, ES_RULE_MOMENTUM = 3,
        ES_RULE_NESTEROV = 4, ES_RULE_ADAM = 5, ES_RULE_FTRL = 6, ES_RULE_SGD_DECAY = 7 };
 
+/* The most rows es_rowwise_bf16_rows steps in one call */
+enum { ES_ROWS = 8 };
+
 /* How a field is stored: float32, bfloat16 (its upper 16 bits) or IEEE float16 */
 enum { ES_F32 = 0, ES_BF16 = 1, ES_F16 = 2 };
 
@@ -92,4 +95,5 @@ static inline int es_wide(void) {
 #define es_step_row ES_PICK(es_step_row)
 #define es_finite ES_PICK(es_finite)
 #define es_step_narrow ES_PICK(es_step_narrow)
+#define es_rowwise_bf16_rows ES_PICK(es_rowwise_bf16_rows)
 #endif

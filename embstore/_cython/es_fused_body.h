@@ -466,18 +466,27 @@ static inline uint32_t es_field_base(uint64_t seed, uint64_t u, ptrdiff_t f) {
 /* Row-wise Adagrad on a bfloat16 vector with a float32 accumulator, in one pass: each
    coordinate widened, stepped (es_step_row's arithmetic) and rounded back (es_round_field's)
    in registers, with no float32 copy of the row: the bits of es_step_narrow's three passes. */
-ES_ATTR static void ES_NAME(es_step_rowwise_bf16)(uint8_t* row, const float* restrict s,
-                                                  ptrdiff_t d, const es_rule_t* r,
-                                                  ptrdiff_t vec_offset, ptrdiff_t acc_offset,
-                                                  uint64_t seed, int stochastic, uint64_t u) {
-    uint16_t* restrict h = (uint16_t*) (row + vec_offset);
-    float acc, sc;
-    uint32_t base = es_field_base(seed, u, 0);
-    ptrdiff_t k;
+/* Its first half: the accumulator moved on by the row's mean squared gradient, and the step
+   size it gives (a chain of two divisions and a square root: es_rowwise_bf16_rows runs it for
+   a few rows before their vector halves, so the chains of those rows overlap) */
+ES_ATTR static inline float ES_NAME(es_rowwise_scale)(uint8_t* row, const float* restrict s,
+                                                     ptrdiff_t d, const es_rule_t* r,
+                                                     ptrdiff_t acc_offset) {
+    float acc;
     memcpy(&acc, row + acc_offset, 4);
     acc = acc + (d ? es_sumsq(s, d) / (float) d : 0.0f);
     memcpy(row + acc_offset, &acc, 4);
-    sc = r->lr / (sqrtf(acc) + r->eps);
+    return r->lr / (sqrtf(acc) + r->eps);
+}
+
+/* Its second half: the vector stepped by sc and rounded back */
+ES_ATTR static inline void ES_NAME(es_rowwise_bf16_apply)(uint8_t* row, const float* restrict s,
+                                                         ptrdiff_t d, float sc,
+                                                         ptrdiff_t vec_offset, uint64_t seed,
+                                                         int stochastic, uint64_t u) {
+    uint16_t* restrict h = (uint16_t*) (row + vec_offset);
+    uint32_t base = es_field_base(seed, u, 0);
+    ptrdiff_t k;
     if (stochastic) {
         for (k = 0; k < d; k++)
             h[k] = ES_NAME(es_round_bf16)(es_bf16_to_f32(h[k]) - s[k] * sc,
@@ -486,6 +495,31 @@ ES_ATTR static void ES_NAME(es_step_rowwise_bf16)(uint8_t* row, const float* res
         for (k = 0; k < d; k++)
             h[k] = ES_NAME(es_round_bf16)(es_bf16_to_f32(h[k]) - s[k] * sc, 0u, 0);
     }
+}
+
+ES_ATTR static void ES_NAME(es_step_rowwise_bf16)(uint8_t* row, const float* restrict s,
+                                                  ptrdiff_t d, const es_rule_t* r,
+                                                  ptrdiff_t vec_offset, ptrdiff_t acc_offset,
+                                                  uint64_t seed, int stochastic, uint64_t u) {
+    float sc = ES_NAME(es_rowwise_scale)(row, s, d, r, acc_offset);
+    ES_NAME(es_rowwise_bf16_apply)(row, s, d, sc, vec_offset, seed, stochastic, u);
+}
+
+/* es_step_rowwise_bf16 of n rows (n <= ES_ROWS; key u0 + i's row at rows[i], its sums at
+   s + i * d): every row's step size first, then every row's vector, the bits of one row at a
+   time. Row by row, the vector loop of one row (tens of instructions per coordinate with the
+   rounding bits) left no room for the next row's division chain to start early. */
+ES_ATTR static void ES_NAME(es_rowwise_bf16_rows)(uint8_t* const* rows, const float* restrict s,
+                                                  ptrdiff_t n, ptrdiff_t d, const es_rule_t* r,
+                                                  ptrdiff_t vec_offset, ptrdiff_t acc_offset,
+                                                  uint64_t seed, int stochastic, uint64_t u0) {
+    float sc[ES_ROWS];
+    ptrdiff_t i;
+    for (i = 0; i < n; i++)
+        sc[i] = ES_NAME(es_rowwise_scale)(rows[i], s + i * d, d, r, acc_offset);
+    for (i = 0; i < n; i++)
+        ES_NAME(es_rowwise_bf16_apply)(rows[i], s + i * d, d, sc[i], vec_offset, seed,
+                                       stochastic, u0 + (uint64_t) i);
 }
 
 /* One record with 16-bit fields (vec_kind / acc_kind say which: ES_*): the vector and the

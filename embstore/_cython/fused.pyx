@@ -48,6 +48,10 @@ cdef extern from "es_fused.h":  # the inner loops, built per CPU class (see the 
                         Py_ssize_t vec_offset, Py_ssize_t acc_offset, Py_ssize_t acc2_offset,
                         int vec_kind, int acc_kind, float* tmp, uint64_t seed, int stochastic,
                         uint64_t u) noexcept nogil
+    void es_rowwise_bf16_rows(uint8_t* const* rows, const float* s, Py_ssize_t n,
+                              Py_ssize_t d, const es_rule_t* r, Py_ssize_t vec_offset,
+                              Py_ssize_t acc_offset, uint64_t seed, int stochastic,
+                              uint64_t u0) noexcept nogil
     void es_max_bag(float* o, int32_t* am, Py_ssize_t d, const void* const* rows,
                     const int64_t* inv, Py_ssize_t start, Py_ssize_t stop, int kind,
                     Py_ssize_t ahead_stop) noexcept nogil
@@ -517,7 +521,40 @@ def split_threads(int threads, Py_ssize_t work):
 
 cdef void step_all(const StepJob* j, float* scratch) noexcept nogil:
     """Every key of ``j`` stepped in order on this thread (``scratch``: ``SCRATCH(d)``
-    floats)."""
+    floats); row-wise Adagrad on bfloat16 vectors a few keys at a time
+    (:func:`_step_rowwise_bf16`), the same bits."""
     cdef Py_ssize_t u
+    if (j.sp.r.rule == RULE_ADAGRAD_ROWWISE and j.sp.vec_kind == KIND_BF16
+            and j.sp.acc_kind == KIND_F32):
+        _step_rowwise_bf16(j)
+        return
     for u in range(j.nu):
         _step_key(j, u, scratch)
+
+
+cdef void _step_rowwise_bf16(const StepJob* j) noexcept nogil:
+    """:func:`step_all` of row-wise Adagrad on bfloat16 vectors: eight keys at a time,
+    their step sizes first, then their vectors (``es_rowwise_bf16_rows``), then their counts
+    and stamps; every record requested ``AHEAD`` keys before its turn, as :func:`_step_key`
+    does."""
+    cdef Py_ssize_t u0, i, u, f, m, d = j.sp.d
+    cdef uint8_t* rows[8]   # (ES_ROWS in es_fused_body.h)
+    cdef uint8_t* ahead
+    for u0 in range(0, j.nu, 8):
+        m = min(<Py_ssize_t> 8, j.nu - u0)
+        for i in range(m):
+            u = u0 + i
+            if u + AHEAD < j.nu:
+                ahead = _job_row(j, j.slots[u + AHEAD])
+                for f in range(0, j.itemsize, 64):
+                    ES_PREFETCH_W(ahead + f)
+                ES_PREFETCH_W(ahead + j.itemsize - 1)
+            rows[i] = _job_row(j, j.slots[u])
+        es_rowwise_bf16_rows(rows, &j.sums[u0 * d], m, d, &j.sp.r, j.sp.vec_offset,
+                             j.sp.acc_offset, j.sp.seed, j.sp.stochastic, u0)
+        for i in range(m):
+            for f in range(j.n_add):
+                (<int64_t*> (rows[i] + j.add_offsets[f]))[0] += \
+                    j.add_values[f * j.add_stride + u0 + i]
+            for f in range(j.n_set):
+                memcpy(rows[i] + j.set_offsets[f], &j.set_bits[f], 8)

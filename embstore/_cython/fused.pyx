@@ -69,6 +69,7 @@ cdef enum:
     # at all: below that a fork and join costs more than it saves.
     CHUNK = 64
     MIN_SPLIT = 16384
+    ROWS = 8     # keys stepped together (_step_keys; es_fused.h's ES_ROWS)
 
 
 cdef inline int _split(int threads, Py_ssize_t work) noexcept nogil:
@@ -368,11 +369,12 @@ def step_bags(RecordArena arena, const uint32_t[::1] slots, const int64_t[::1] i
     step_job(&job, arena, slots, sums, &sp, add_offsets, add_values, set_offsets, set_bits)
     with nogil:
         if nt == 1:  # (an OpenMP region of one thread still costs its setup)
-            for u in range(nu):
-                _step_key(&job, u, scratch)
+            step_all(&job, scratch)
         else:
-            for u in prange(nu, num_threads=nt, schedule="dynamic", chunksize=CHUNK):
-                _step_key(&job, u, scratch + threadid() * SCRATCH(d))
+            for u in prange((nu + ROWS - 1) // ROWS, num_threads=nt, schedule="dynamic",
+                            chunksize=CHUNK // ROWS):
+                _step_keys(&job, u * ROWS, min(<Py_ssize_t> ROWS, nu - u * ROWS),
+                           scratch + threadid() * SCRATCH(d))
     free(scratch)
     free(sums)
     return True
@@ -521,40 +523,39 @@ def split_threads(int threads, Py_ssize_t work):
 
 cdef void step_all(const StepJob* j, float* scratch) noexcept nogil:
     """Every key of ``j`` stepped in order on this thread (``scratch``: ``SCRATCH(d)``
-    floats); row-wise Adagrad on bfloat16 vectors a few keys at a time
-    (:func:`_step_rowwise_bf16`), the same bits."""
-    cdef Py_ssize_t u
-    if (j.sp.r.rule == RULE_ADAGRAD_ROWWISE and j.sp.vec_kind == KIND_BF16
-            and j.sp.acc_kind == KIND_F32):
-        _step_rowwise_bf16(j)
-        return
-    for u in range(j.nu):
-        _step_key(j, u, scratch)
+    floats), ``ROWS`` keys at a time (:func:`_step_keys`)."""
+    cdef Py_ssize_t b
+    for b in range((j.nu + ROWS - 1) // ROWS):
+        _step_keys(j, b * ROWS, min(<Py_ssize_t> ROWS, j.nu - b * ROWS), scratch)
 
 
-cdef void _step_rowwise_bf16(const StepJob* j) noexcept nogil:
-    """:func:`step_all` of row-wise Adagrad on bfloat16 vectors: eight keys at a time,
-    their step sizes first, then their vectors (``es_rowwise_bf16_rows``), then their counts
-    and stamps; every record requested ``AHEAD`` keys before its turn, as :func:`_step_key`
-    does."""
-    cdef Py_ssize_t u0, i, u, f, m, d = j.sp.d
-    cdef uint8_t* rows[8]   # (ES_ROWS in es_fused_body.h)
+cdef void _step_keys(const StepJob* j, Py_ssize_t u0, Py_ssize_t m,
+                     float* scratch) noexcept nogil:
+    """Keys ``u0`` to ``u0 + m`` (``m <= ROWS``) stepped, the bits of :func:`_step_key` on
+    each in turn. Row-wise Adagrad on bfloat16 vectors takes the ``m`` records together
+    (``es_rowwise_bf16_rows``: their step sizes first, then their vectors, so the rows'
+    division chains overlap), then their counts and stamps; every record is requested
+    ``AHEAD`` keys before its turn either way."""
+    cdef Py_ssize_t i, u, f, d = j.sp.d
+    cdef uint8_t* rows[ROWS]
     cdef uint8_t* ahead
-    for u0 in range(0, j.nu, 8):
-        m = min(<Py_ssize_t> 8, j.nu - u0)
-        for i in range(m):
-            u = u0 + i
-            if u + AHEAD < j.nu:
-                ahead = _job_row(j, j.slots[u + AHEAD])
-                for f in range(0, j.itemsize, 64):
-                    ES_PREFETCH_W(ahead + f)
-                ES_PREFETCH_W(ahead + j.itemsize - 1)
-            rows[i] = _job_row(j, j.slots[u])
-        es_rowwise_bf16_rows(rows, &j.sums[u0 * d], m, d, &j.sp.r, j.sp.vec_offset,
-                             j.sp.acc_offset, j.sp.seed, j.sp.stochastic, u0)
-        for i in range(m):
-            for f in range(j.n_add):
-                (<int64_t*> (rows[i] + j.add_offsets[f]))[0] += \
-                    j.add_values[f * j.add_stride + u0 + i]
-            for f in range(j.n_set):
-                memcpy(rows[i] + j.set_offsets[f], &j.set_bits[f], 8)
+    if not (j.sp.r.rule == RULE_ADAGRAD_ROWWISE and j.sp.vec_kind == KIND_BF16
+            and j.sp.acc_kind == KIND_F32):
+        for u in range(u0, u0 + m):
+            _step_key(j, u, scratch)
+        return
+    for i in range(m):
+        u = u0 + i
+        if u + AHEAD < j.nu:
+            ahead = _job_row(j, j.slots[u + AHEAD])
+            for f in range(0, j.itemsize, 64):
+                ES_PREFETCH_W(ahead + f)
+            ES_PREFETCH_W(ahead + j.itemsize - 1)
+        rows[i] = _job_row(j, j.slots[u])
+    es_rowwise_bf16_rows(rows, &j.sums[u0 * d], m, d, &j.sp.r, j.sp.vec_offset,
+                         j.sp.acc_offset, j.sp.seed, j.sp.stochastic, u0)
+    for i in range(m):
+        for f in range(j.n_add):
+            (<int64_t*> (rows[i] + j.add_offsets[f]))[0] += j.add_values[f * j.add_stride + u0 + i]
+        for f in range(j.n_set):
+            memcpy(rows[i] + j.set_offsets[f], &j.set_bits[f], 8)

@@ -255,8 +255,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
             return None
         modes = {self.pooling[f] for f in self.features}
         mode = modes.pop()
-        if modes or mode not in ("sum", "mean") or (weights is not None and (
-                mode != "sum" or not isinstance(weights, torch.Tensor) or weights.requires_grad)):
+        if (modes or mode not in ("sum", "mean") or not _fusable_weights(weights)
+                or (weights is not None and mode != "sum")):
             return None
         if not ordered and (bounds[1:] < bounds[:-1]).any():
             return None  # (bad lengths: the general path says so)
@@ -271,10 +271,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
     def _fused_parts(self, weights: Any) -> list[_fused_tables.Part] | None:
         """The tables of a fused forward (``_fused_tables.py``) in output order, or None
         where the general path runs."""
-        if not self.use_fused_path or self.namespaces:
-            return None
-        if weights is not None and (not isinstance(weights, torch.Tensor)
-                                    or weights.requires_grad):
+        if not self.use_fused_path or self.namespaces or not _fusable_weights(weights):
             return None
         parts, column = [], 0
         tables = dict(self.embedding_bags.items())  # (a ModuleDict's [] costs a microsecond)
@@ -386,6 +383,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"features={self.features}, pooling={self.pooling}"
+
+
+def _fusable_weights(weights: Any) -> bool:
+    """Whether a fused forward takes these per-id weights: none, or a tensor that needs no
+    gradient (the fused backward steps the tables only)."""
+    return weights is None or (isinstance(weights, torch.Tensor) and not weights.requires_grad)
 
 
 def _int_tensor(values: torch.Tensor) -> np.ndarray:
